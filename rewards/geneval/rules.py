@@ -1,0 +1,114 @@
+"""GenEval's scoring rules (Ghosh et al., arXiv 2310.11513), applied to a list of detections.
+
+The rules are those of the reference evaluator: ``include`` clauses are ANDed, ``exclude`` clauses
+ORed; detections of a class are taken in order of confidence; counts, colours and relative positions
+are checked on the first ``count`` detections of a class. See ALGORITHMS.md, "GenEval scoring rules".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import math
+
+POSITION_THRESHOLD = 0.1
+"""Each axis of the centre offset shrinks by this fraction of the summed box sizes (GenEval)."""
+
+
+@dataclass(frozen=True)
+class Detection:
+    """One detected object.
+
+    Attributes:
+        cls: shape name, one of ``world.SHAPES``.
+        color: colour name, one of ``world.COLORS``, or ``None`` when undecided.
+        box: ``(x0, y0, x1, y1)`` in pixels, image y growing downwards, x1/y1 exclusive.
+        score: confidence in [0, 1].
+    """
+
+    cls: str
+    color: str | None
+    box: tuple[float, float, float, float]
+    score: float = 1.0
+
+
+def relative_position(a: tuple[float, ...], b: tuple[float, ...]) -> set[str]:
+    """Relations in which box ``a`` stands to box ``b`` ("left of", "right of", "above", "below").
+
+    offset = centre_a - centre_b; each axis shrinks towards 0 by 0.1 * (size_a + size_b); if both are
+    then ~0 the boxes stand in no relation; else (dx, dy) = shrunk offset / |offset| and dx < -0.5 is
+    'left of', dx > 0.5 'right of', dy < -0.5 'above', dy > 0.5 'below'.
+
+    Args:
+        a, b: boxes ``(x0, y0, x1, y1)`` in pixels.
+
+    Returns:
+        The set of relation names (possibly empty, at most two).
+    """
+    offset = [(a[0] + a[2]) / 2 - (b[0] + b[2]) / 2, (a[1] + a[3]) / 2 - (b[1] + b[3]) / 2]
+    dims = [(a[2] - a[0]) + (b[2] - b[0]), (a[3] - a[1]) + (b[3] - b[1])]
+    shrunk = [math.copysign(max(abs(o) - POSITION_THRESHOLD * d, 0.0), o) for o, d in zip(offset, dims)]
+    if all(abs(s) < 1e-3 for s in shrunk):
+        return set()
+    norm = math.hypot(*offset)
+    dx, dy = shrunk[0] / norm, shrunk[1] / norm
+    relations = set()
+    if dx < -0.5:
+        relations.add("left of")
+    if dx > 0.5:
+        relations.add("right of")
+    if dy < -0.5:
+        relations.add("above")
+    if dy > 0.5:
+        relations.add("below")
+    return relations
+
+
+def evaluate(detections: list[Detection], metadata: dict) -> tuple[bool, float, list[str]]:
+    """Score one image's detections against its GenEval metadata.
+
+    Args:
+        detections: the image's detections, any order (sorted here by descending score).
+        metadata: ``{"include": [{"class", "count", "color"?, "position"?: [relation, index]}],
+            "exclude": [{"class", "count"}]}``.
+
+    Returns:
+        ``(correct, dense, failures)``: ``correct`` is GenEval's strict 0/1 (every clause holds),
+        ``dense`` the fraction of clauses (includes and excludes) that hold, in [0, 1], and
+        ``failures`` one short reason per failed clause.
+
+    Raises:
+        ValueError: when a clause lacks ``class`` or ``count``, or a position refers to a later clause.
+    """
+    by_class: dict[str, list[Detection]] = {}
+    for det in sorted(detections, key=lambda d: -d.score):
+        by_class.setdefault(det.cls, []).append(det)
+
+    include, exclude = metadata.get("include", []), metadata.get("exclude", [])
+    matched: list[list[Detection] | None] = []
+    failures: list[str] = []
+    for i, clause in enumerate(include):
+        if "class" not in clause or "count" not in clause:
+            raise ValueError(f"include clause {i} of {metadata.get('prompt', metadata)!r} needs 'class' and 'count'")
+        found = by_class.get(clause["class"], [])
+        count = clause["count"]
+        objects = found[:count]
+        ok = len(found) >= count
+        if ok and "color" in clause:  # the reference checks the colours of the first `count` only
+            ok = sum(d.color == clause["color"] for d in objects) >= count
+        if ok and "position" in clause:
+            relation, j = clause["position"]
+            if j >= i:
+                raise ValueError(f"include clause {i} refers to clause {j}: positions must refer to earlier clauses")
+            ok = matched[j] is not None and all(
+                relation in relative_position(a.box, b.box) for a in objects for b in matched[j]
+            )
+        matched.append(objects if ok else None)
+        if not ok:
+            failures.append(f"include {clause}")
+    for clause in exclude:
+        if len(by_class.get(clause["class"], [])) >= clause["count"]:
+            failures.append(f"exclude {clause}")
+    total = len(include) + len(exclude)
+    dense = 1.0 - len(failures) / total if total else 1.0
+    return not failures, dense, failures

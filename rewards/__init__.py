@@ -1,0 +1,45 @@
+"""Rewards: plain callables `reward(images, prompts, metadata) -> scores`.
+
+`images` is a `(B, 3, H, W)` float tensor in `[0, 1]`, `prompts` a list of `B` strings, `metadata` a
+list of `B` GenEval-style dicts (possibly empty); `scores` is a `(B,)` float32 CPU tensor, higher is
+better. See `rewards.base.Reward` for the full contract.
+
+Importable on its own: this package never imports `flowrl` or `samplers`. Build a registered reward
+with `build_reward("clipscore", model_path=...)`, or a user's own with
+`build_reward("my_pkg.my_module:my_reward")`.
+"""
+
+from .base import (
+    REWARDS,
+    CombinedScores,
+    Reward,
+    WeightedSum,
+    build_reward,
+    check_inputs,
+    check_scores,
+    register_reward,
+    reward_name,
+)
+from .clipscore import ClipScore, clipscore
+from .jpeg import jpeg_compressibility, jpeg_incompressibility, jpeg_size_kb
+
+# --- GenEval (rewards/geneval*.py) ------------------------------------------------------------
+# The lead adds `from .geneval import ...` here and the names to __all__ below.
+# ------------------------------------------------------------------------------------------------
+
+__all__ = [
+    "REWARDS",
+    "ClipScore",
+    "CombinedScores",
+    "Reward",
+    "WeightedSum",
+    "build_reward",
+    "check_inputs",
+    "check_scores",
+    "clipscore",
+    "jpeg_compressibility",
+    "jpeg_incompressibility",
+    "jpeg_size_kb",
+    "register_reward",
+    "reward_name",
+]

@@ -1,0 +1,181 @@
+"""CLIP-style image-text alignment reward: CLIPScore, PickScore and any transformers `CLIPModel`.
+
+The score is `logit_scale.exp() * cos(image_embedding, text_embedding)`, i.e. the diagonal of the
+model's `logits_per_image`, which is how PickScore (Kirstain et al., arXiv 2305.01569) is used.
+Images are preprocessed as tensors (resize, centre crop, normalise) on the model's device, with no
+PIL round trip. `transformers` is imported only when a model is loaded, so `import rewards` stays
+light.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .base import check_inputs, register_reward
+
+__all__ = ["ClipScore", "clipscore"]
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """`torch.float16` or `"float16"` / `"torch.float16"` -> `torch.float16` (floating types only)."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch dtype such as 'float32' or 'bfloat16', got {dtype}")
+    return dtype
+
+
+def _check_folder(path: str | os.PathLike, what: str, need_config: bool) -> Path:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"clipscore: {what} '{path}' is not a local folder; download it first "
+            "(e.g. `hf download <repo> --local-dir <folder>`) and pass the folder"
+        )
+    if need_config and not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"clipscore: {what} '{path}' has no config.json; save the model with CLIPModel.save_pretrained"
+        )
+    return folder
+
+
+def _pooled(output: Any) -> torch.Tensor:
+    """`get_*_features` returns a tensor in transformers 4 and a `BaseModelOutputWithPooling` in 5."""
+    return output if isinstance(output, torch.Tensor) else output.pooler_output
+
+
+class ClipScore:
+    """Score images against their prompts with a CLIP dual encoder.
+
+    Use the `clipscore` factory to load one from folders; build this class directly to wrap a
+    model already in memory.
+
+    Args:
+        model (`transformers.CLIPModel`): the dual encoder; put in eval mode, frozen, and moved to
+            `device` and `dtype`.
+        tokenizer (`transformers.PreTrainedTokenizerBase`): the CLIP tokenizer matching `model`.
+        image_mean (`Sequence[float]` of length 3): per-channel mean of the model's preprocessing.
+        image_std (`Sequence[float]` of length 3): per-channel std of the model's preprocessing.
+        device (`str` or `torch.device`): where the model runs.
+        dtype (`torch.dtype` or `str`): the model's weight dtype (e.g. `"bfloat16"` on GPU).
+
+    Returns (when called):
+        `torch.Tensor` of shape `(B,)`, float32, on CPU: `logit_scale.exp() * cos(img, text)`, in
+        `[-s, s]` with `s = logit_scale.exp()` (100 for OpenAI CLIP and PickScore). Matching pairs
+        typically score 20-35 with CLIP ViT-L/14 and 18-24 with PickScore; only differences between
+        images of one prompt are meaningful.
+
+    Raises (when called):
+        TypeError / ValueError: malformed inputs (see `rewards.base.check_inputs`).
+    """
+
+    name = "clipscore"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        image_mean: Sequence[float],
+        image_std: Sequence[float],
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+    ):
+        if len(image_mean) != 3 or len(image_std) != 3:
+            raise ValueError(f"image_mean and image_std need 3 values, got {image_mean!r} and {image_std!r}")
+        self.device = torch.device(device)
+        self.dtype = _as_dtype(dtype)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.image_size = int(model.config.vision_config.image_size)
+        self.max_length = min(tokenizer.model_max_length, model.config.text_config.max_position_embeddings)
+        self.image_mean = torch.tensor(image_mean, dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
+        self.image_std = torch.tensor(image_std, dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
+
+    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
+        """Resize the shorter side to the model's image size, centre crop, normalise.
+
+        Args:
+            images (`torch.Tensor` of shape `(B, 3, H, W)`, floating point, in `[0, 1]`).
+
+        Returns:
+            `torch.Tensor` of shape `(B, 3, S, S)`, `self.dtype`, on `self.device`, where `S` is
+            `model.config.vision_config.image_size`; normalised with `image_mean` / `image_std`.
+        """
+        size = self.image_size
+        pixels = images.to(device=self.device, dtype=torch.float32)  # (B, 3, H, W)
+        height, width = pixels.shape[-2:]
+        if min(height, width) != size:
+            scale = size / min(height, width)
+            new_size = (max(size, int(height * scale)), max(size, int(width * scale)))
+            pixels = F.interpolate(pixels, size=new_size, mode="bicubic", antialias=True, align_corners=False)
+            pixels = pixels.clamp(0, 1)  # bicubic overshoots; PIL clips to uint8 here
+        top = (pixels.shape[-2] - size) // 2
+        left = (pixels.shape[-1] - size) // 2
+        pixels = pixels[..., top : top + size, left : left + size]  # (B, 3, S, S)
+        return ((pixels - self.image_mean) / self.image_std).to(self.dtype)
+
+    @torch.no_grad()
+    def __call__(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> torch.Tensor:
+        check_inputs(images, prompts, metadata)
+        tokens = self.tokenizer(
+            list(prompts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        ).to(self.device)
+        text = _pooled(self.model.get_text_features(tokens["input_ids"], tokens["attention_mask"]))  # (B, D)
+        image = _pooled(self.model.get_image_features(pixel_values=self.preprocess(images)))  # (B, D)
+        cosine = (F.normalize(image.float(), dim=-1) * F.normalize(text.float(), dim=-1)).sum(-1)  # (B,)
+        return (self.model.logit_scale.float().exp() * cosine).cpu()
+
+
+@register_reward("clipscore")
+def clipscore(
+    model_path: str | os.PathLike,
+    processor_path: str | os.PathLike | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+) -> ClipScore:
+    """Load a `ClipScore` reward from local folders (nothing is downloaded).
+
+    For PickScore: `clipscore("/ckpt/PickScore_v1", "/ckpt/CLIP-ViT-H-14-laion2B-s32B-b79K")`, the
+    two hub repositories `yuvalkirstain/PickScore_v1` and `laion/CLIP-ViT-H-14-laion2B-s32B-b79K`
+    downloaded beforehand. For CLIPScore: the folder of e.g. `openai/clip-vit-large-patch14`.
+
+    Args:
+        model_path (`str` or path): folder of a transformers `CLIPModel` (`config.json` + weights).
+        processor_path (`str` or path, *optional*): folder with the CLIP tokenizer and image
+            processor config (`preprocessor_config.json`); defaults to `model_path`.
+        device (`str` or `torch.device`, default `"cpu"`): where the model runs.
+        dtype (`torch.dtype` or `str`, default float32): weight dtype, e.g. `"bfloat16"` on GPU.
+
+    Returns:
+        A `ClipScore`, scoring `(B, 3, H, W)` images in `[0, 1]` to `(B,)` float32 CPU tensors,
+        `logit_scale.exp() * cos(image, text)` in `[-100, 100]` for CLIP and PickScore.
+
+    Raises:
+        FileNotFoundError: a path is not a local folder, or `model_path` has no `config.json`.
+        OSError: the tokenizer or image processor cannot be loaded from `processor_path`.
+        ValueError: `dtype` is not a floating torch dtype.
+    """
+    from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
+
+    processor_path = model_path if processor_path is None else processor_path
+    model_dir = _check_folder(model_path, "model_path", need_config=True)
+    processor_dir = _check_folder(processor_path, "processor_path", need_config=False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(processor_dir, local_files_only=True)
+        image_processor = AutoImageProcessor.from_pretrained(processor_dir, local_files_only=True)
+    except (OSError, ValueError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise OSError(
+            f"clipscore: cannot load a CLIP tokenizer and image processor from '{processor_path}' "
+            f"({first_line})"
+        ) from err
+    model = CLIPModel.from_pretrained(model_dir, local_files_only=True)
+    return ClipScore(model, tokenizer, image_processor.image_mean, image_processor.image_std, device, dtype)

@@ -1,0 +1,275 @@
+"""Per-step transition kernels for rectified-flow sampling.
+
+Notation (see ALGORITHMS.md): ``x_t = (1 - t) x_0 + t eps`` with ``t = 1`` pure noise; the model predicts
+the velocity ``v ~ eps - x_0``. One step goes from ``t`` (``sigma``) to ``t'`` (``sigma_next``) with
+``dt = t' - t < 0``.
+
+Every kernel is a small pure function with one signature::
+
+    kernel(sample, velocity, sigma, sigma_next, noise_level, sigma_max, *, generator, prev_sample, noise)
+        -> StepOutput
+
+and no hidden state (no step counter): everything it needs is passed in. All maths runs in float32
+whatever the input dtype (bf16 overflows in the log-density), and every output is float32. ``sigma``,
+``sigma_next``, ``noise_level`` and ``sigma_max`` may each be a Python float, a 0-d tensor or a ``(B,)``
+tensor (one value per sample, so samples of one batch may sit at different times).
+
+Kernels are looked up by name in :data:`KERNELS`; a new kernel is one function plus one registry entry.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "KERNELS",
+    "STOCHASTIC_KERNELS",
+    "StepOutput",
+    "dance_sde_step",
+    "flow_sde_step",
+    "gaussian_log_prob",
+    "ode_step",
+]
+
+_HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+@dataclass
+class StepOutput:
+    """What one kernel step returns.
+
+    Attributes:
+        prev_sample (`torch.Tensor` of shape `(B, C, H, W)`, float32): the next state ``x'`` at ``t'``
+            (diffusers' name: the sample one step closer to data). When the kernel was given
+            ``prev_sample`` this is that tensor, cast to float32.
+        mean (`torch.Tensor` of shape `(B, C, H, W)`, float32, or `None`): mean of the step's Gaussian;
+            `None` for deterministic kernels.
+        std (`torch.Tensor` of shape `(B,)`, float32, or `None`): standard deviation of the step's
+            Gaussian, one per sample, `> 0`; `None` for deterministic kernels.
+        log_prob (`torch.Tensor` of shape `(B,)`, float32, or `None`): ``log N(x'; mean, std^2)``
+            averaged over all non-batch dims (see :func:`gaussian_log_prob`); `None` for deterministic
+            kernels.
+    """
+
+    prev_sample: torch.Tensor
+    mean: torch.Tensor | None = None
+    std: torch.Tensor | None = None
+    log_prob: torch.Tensor | None = None
+
+
+def _per_sample(value, sample: torch.Tensor, name: str) -> torch.Tensor:
+    """Broadcast a float, 0-d or `(B,)` value to float32 of shape `(B, 1, ..., 1)` matching `sample`."""
+    batch = sample.shape[0]
+    out = torch.as_tensor(value, dtype=torch.float32, device=sample.device)
+    if out.ndim == 0:
+        out = out.expand(batch)
+    elif out.shape != (batch,):
+        raise ValueError(
+            f"{name} must be a float, a 0-d tensor or a tensor of shape ({batch},); got shape {tuple(out.shape)}"
+        )
+    return out.reshape(batch, *([1] * (sample.ndim - 1)))  # (B, 1, 1, 1)
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Per-sample Gaussian log-density, REDUCED BY MEAN over every non-batch dim.
+
+    ``log_prob[b] = mean_{c,h,w} [ -(x - mean)^2 / (2 std^2) - log(std) - 0.5 log(2 pi) ]``
+
+    The mean (not the sum) over latent dims is what Flow-GRPO (arXiv 2505.05470) and DanceGRPO
+    (arXiv 2505.07818) use; their PPO clip ranges (~1e-4) assume it. ``x`` is detached: gradients flow
+    only through ``mean`` (and ``std``).
+
+    Args:
+        x (`torch.Tensor` of shape `(B, C, H, W)` or any `(B, ...)`): the sampled value.
+        mean (`torch.Tensor`, same shape as `x`): Gaussian mean.
+        std (`torch.Tensor` of shape `(B,)`, or broadcastable to `x`): standard deviation, `> 0`
+            (0 gives -inf/nan).
+
+    Returns:
+        `torch.Tensor` of shape `(B,)`, float32.
+
+    Raises:
+        ValueError: if `x` and `mean` differ in shape.
+    """
+    if x.shape != mean.shape:
+        raise ValueError(f"x and mean must have the same shape; got {tuple(x.shape)} and {tuple(mean.shape)}")
+    x = x.detach().float()
+    mean = mean.float()
+    std = std.float()
+    if std.ndim == 1:
+        std = std.reshape(-1, *([1] * (x.ndim - 1)))  # (B, 1, 1, 1)
+    log_density = -((x - mean) ** 2) / (2 * std**2) - torch.log(std) - _HALF_LOG_2PI  # (B, C, H, W)
+    return log_density.mean(dim=tuple(range(1, x.ndim)))  # (B,)
+
+
+def ode_step(
+    sample: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma,
+    sigma_next,
+    noise_level=None,
+    sigma_max=None,
+    *,
+    generator: torch.Generator | None = None,
+    prev_sample: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+) -> StepOutput:
+    """Deterministic Euler step of the probability-flow ODE: ``x' = x + dt v``, ``dt = t' - t``.
+
+    Args:
+        sample (`torch.Tensor` of shape `(B, C, H, W)`): current state ``x`` at time ``t``.
+        velocity (`torch.Tensor` of shape `(B, C, H, W)`): model velocity ``v`` at ``(x, t)``.
+        sigma (float, 0-d or `(B,)` tensor): current time ``t`` in `(0, 1]`.
+        sigma_next (float, 0-d or `(B,)` tensor): next time ``t'`` in `[0, t)`.
+        noise_level, sigma_max, generator, prev_sample, noise: ignored; accepted so that every kernel in
+            :data:`KERNELS` has one signature.
+
+    Returns:
+        :class:`StepOutput` with `prev_sample` `(B, C, H, W)` float32 and `mean`, `std`, `log_prob` `None`.
+
+    Raises:
+        ValueError: if a sigma has a shape other than scalar or `(B,)`.
+    """
+    sample = sample.float()
+    dt = _per_sample(sigma_next, sample, "sigma_next") - _per_sample(sigma, sample, "sigma")  # (B, 1, 1, 1)
+    return StepOutput(prev_sample=sample + dt * velocity.float())
+
+
+def _gaussian_step(
+    sample: torch.Tensor,
+    velocity: torch.Tensor,
+    t: torch.Tensor,
+    dt: torch.Tensor,
+    diffusion: torch.Tensor,
+    generator: torch.Generator | None,
+    prev_sample: torch.Tensor | None,
+    noise: torch.Tensor | None,
+) -> StepOutput:
+    """Euler-Maruyama step of the reverse SDE with diffusion coefficient ``diffusion`` (= sigma_t).
+
+    ``mean = x + [v + sigma_t^2 / (2t) (x + (1 - t) v)] dt``, ``std = sigma_t sqrt(-dt)``, where
+    ``x + (1 - t) v`` is the noise estimate ``x1_hat``. `t`, `dt`, `diffusion` are `(B, 1, 1, 1)` float32.
+    """
+    if prev_sample is not None and noise is not None:
+        raise ValueError("pass at most one of prev_sample (score a given sample) and noise (draw a new one)")
+    sample = sample.float()
+    velocity = velocity.float()
+    x1_hat = sample + (1 - t) * velocity  # (B, C, H, W)
+    mean = sample + (velocity + diffusion**2 / (2 * t) * x1_hat) * dt  # (B, C, H, W)
+    std = diffusion * torch.sqrt(-dt)  # (B, 1, 1, 1)
+    if prev_sample is None:
+        if noise is None:
+            device = generator.device if generator is not None else sample.device
+            noise = torch.randn(sample.shape, generator=generator, device=device, dtype=torch.float32)
+        elif noise.shape != sample.shape:
+            raise ValueError(f"noise must have shape {tuple(sample.shape)}; got {tuple(noise.shape)}")
+        prev_sample = mean + std * noise.to(device=sample.device, dtype=torch.float32)
+    elif prev_sample.shape != sample.shape:
+        raise ValueError(f"prev_sample must have shape {tuple(sample.shape)}; got {tuple(prev_sample.shape)}")
+    prev_sample = prev_sample.float()
+    std = std.reshape(-1)  # (B,)
+    return StepOutput(prev_sample, mean, std, gaussian_log_prob(prev_sample, mean, std))
+
+
+def flow_sde_step(
+    sample: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma,
+    sigma_next,
+    noise_level,
+    sigma_max,
+    *,
+    generator: torch.Generator | None = None,
+    prev_sample: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+) -> StepOutput:
+    """Flow-GRPO SDE step (Liu et al., arXiv 2505.05470), the marginal-preserving SDE of the flow ODE.
+
+    ``sigma_t = a sqrt(t / (1 - t))`` with ``a = noise_level``; at ``t == 1`` the denominator uses
+    ``1 - sigma_max`` instead (``sigma_max`` = the schedule's second sigma ``t_1``), as Flow-GRPO's code
+    does, to avoid dividing by zero. Then, with ``dt = t' - t < 0``::
+
+        mean = x + [v + sigma_t^2 / (2t) (x + (1 - t) v)] dt
+        std  = sigma_t sqrt(-dt)
+        x'   = mean + std * eps,   eps ~ N(0, I)
+        log_prob = mean over (C, H, W) of log N(x'; mean, std^2)
+
+    Args:
+        sample (`torch.Tensor` of shape `(B, C, H, W)`): current state ``x`` at time ``t``.
+        velocity (`torch.Tensor` of shape `(B, C, H, W)`): model velocity at ``(x, t)``; gradients flow
+            through it into `mean` and `log_prob`.
+        sigma (float, 0-d or `(B,)` tensor): current time ``t`` in `(0, 1]`.
+        sigma_next (float, 0-d or `(B,)` tensor): next time ``t'`` in `[0, t)`.
+        noise_level (float, 0-d or `(B,)` tensor): ``a`` (0.7 for SD3.5, 0.9 for FLUX), `> 0`.
+        sigma_max (float, 0-d or `(B,)` tensor): ``t_1``, used in place of ``t`` where ``t == 1``; `< 1`.
+        generator (`torch.Generator`, optional): source of ``eps``; noise is drawn on its device in
+            float32, then moved to `sample.device`.
+        prev_sample (`torch.Tensor` of shape `(B, C, H, W)`, optional): if given, no sampling: score this
+            ``x'`` instead (the trainer recomputes log-probs of stored transitions under the new policy).
+        noise (`torch.Tensor` of shape `(B, C, H, W)`, optional): use this ``eps`` instead of drawing one.
+
+    Returns:
+        :class:`StepOutput` with `prev_sample`, `mean` `(B, C, H, W)`, `std` `(B,)`, `log_prob` `(B,)`,
+        all float32.
+
+    Raises:
+        ValueError: if both `prev_sample` and `noise` are given, or a shape does not match.
+    """
+    t = _per_sample(sigma, sample, "sigma")  # (B, 1, 1, 1)
+    dt = _per_sample(sigma_next, sample, "sigma_next") - t  # (B, 1, 1, 1)
+    t_denominator = torch.where(t == 1, _per_sample(sigma_max, sample, "sigma_max"), t)
+    diffusion = _per_sample(noise_level, sample, "noise_level") * torch.sqrt(t / (1 - t_denominator))
+    return _gaussian_step(sample, velocity, t, dt, diffusion, generator, prev_sample, noise)
+
+
+def dance_sde_step(
+    sample: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma,
+    sigma_next,
+    noise_level,
+    sigma_max=None,
+    *,
+    generator: torch.Generator | None = None,
+    prev_sample: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+) -> StepOutput:
+    """DanceGRPO SDE step (Xue et al., arXiv 2505.07818): the same SDE with constant diffusion ``eta``.
+
+    With ``eta = noise_level`` (0.3 on FLUX) and ``dt = t' - t < 0``::
+
+        mean = x + dt (v + eta^2 (x + (1 - t) v) / (2t))
+        std  = eta sqrt(-dt)
+        x'   = mean + std * eps
+        log_prob = mean over (C, H, W) of log N(x'; mean, std^2)
+
+    Args:
+        sample, velocity, sigma, sigma_next, generator, prev_sample, noise: as in :func:`flow_sde_step`.
+        noise_level (float, 0-d or `(B,)` tensor): ``eta``, `> 0`.
+        sigma_max: ignored (constant diffusion needs no guard at ``t = 1``).
+
+    Returns:
+        :class:`StepOutput` with `prev_sample`, `mean` `(B, C, H, W)`, `std` `(B,)`, `log_prob` `(B,)`,
+        all float32.
+
+    Raises:
+        ValueError: if both `prev_sample` and `noise` are given, or a shape does not match.
+    """
+    t = _per_sample(sigma, sample, "sigma")  # (B, 1, 1, 1)
+    dt = _per_sample(sigma_next, sample, "sigma_next") - t  # (B, 1, 1, 1)
+    diffusion = _per_sample(noise_level, sample, "noise_level")  # (B, 1, 1, 1)
+    return _gaussian_step(sample, velocity, t, dt, diffusion, generator, prev_sample, noise)
+
+
+KERNELS = {
+    "ode": ode_step,
+    "flow_sde": flow_sde_step,
+    "dance_sde": dance_sde_step,
+}
+"""Kernel name -> kernel function, all with the signature of :func:`flow_sde_step`."""
+
+STOCHASTIC_KERNELS = frozenset({"flow_sde", "dance_sde"})
+"""Names in :data:`KERNELS` whose step is a Gaussian with a log-prob (the only trainable ones)."""

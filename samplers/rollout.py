@@ -1,0 +1,420 @@
+"""Rollouts: run a step plan over a batch of samples and record its stochastic transitions.
+
+The sampler only calls a :class:`VelocityFn`; the model adapter behind it (prompt encoding,
+classifier-free guidance, dtype casts) lives elsewhere. One velocity call per step covers the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Protocol
+
+import torch
+
+from .kernels import KERNELS, STOCHASTIC_KERNELS
+
+__all__ = [
+    "Rollout",
+    "StepPlan",
+    "VelocityFn",
+    "group_index",
+    "initial_noise",
+    "ode_sample",
+    "recompute_log_prob",
+    "sample",
+]
+
+
+class VelocityFn(Protocol):
+    """The policy as the sampler sees it: ``velocity_fn(x, t, cond) -> v``.
+
+    Args:
+        x (`torch.Tensor` of shape `(N, C, H, W)`, float32): states at time `t`.
+        t (`torch.Tensor` of shape `(N,)`, float32): times in `[0, 1]` (1 = pure noise), one per row.
+        cond (`torch.Tensor` of shape `(N,)`, long): index of each row's prompt / conditioning.
+
+    Returns:
+        `torch.Tensor` of shape `(N, C, H, W)`: velocity ``v ~ eps - x_0`` (guidance already applied);
+        any float dtype, the sampler casts it to float32.
+    """
+
+    def __call__(self, x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor: ...
+
+
+def group_index(num_groups: int, group_size: int, device=None) -> torch.Tensor:
+    """Group id of each sample in group-major order: ``[0]*group_size + [1]*group_size + ...``.
+
+    Returns:
+        `torch.Tensor` of shape `(num_groups * group_size,)`, long, values in `[0, num_groups)`.
+    """
+    return torch.arange(num_groups, device=device).repeat_interleave(group_size)  # (G * S,)
+
+
+def initial_noise(
+    num_groups: int,
+    group_size: int,
+    shape: tuple[int, ...],
+    generator: torch.Generator | None = None,
+    shared_per_group: bool = True,
+    device=None,
+) -> torch.Tensor:
+    """Starting latents ``x_1 ~ N(0, I)`` for `num_groups` groups of `group_size` samples, group-major.
+
+    Drawn on the generator's device in float32 (so a seed gives the same noise on any target device),
+    then moved to `device`.
+
+    Args:
+        num_groups (`int`): number of groups (prompts), `>= 1`.
+        group_size (`int`): samples per group, `>= 1`.
+        shape (`tuple` of `int`): one latent's shape, e.g. `(C, H, W)`.
+        generator (`torch.Generator`, optional): random source; `None` uses the global one.
+        shared_per_group (`bool`): if True every member of a group starts from the same noise (Flow-GRPO
+            and DanceGRPO share ``x_1`` within a group); else every sample draws its own.
+        device (optional): where to put the result; default the generator's device (or CPU).
+
+    Returns:
+        `torch.Tensor` of shape `(num_groups * group_size, *shape)`, float32.
+
+    Raises:
+        ValueError: if `num_groups` or `group_size` is `< 1`.
+    """
+    if num_groups < 1 or group_size < 1:
+        raise ValueError(f"num_groups and group_size must be >= 1; got {num_groups} and {group_size}")
+    draw_device = generator.device if generator is not None else torch.device("cpu")
+    num_draws = num_groups if shared_per_group else num_groups * group_size
+    noise = torch.randn((num_draws, *shape), generator=generator, device=draw_device, dtype=torch.float32)
+    if shared_per_group:
+        noise = noise.repeat_interleave(group_size, dim=0)  # (G * S, C, H, W)
+    return noise.to(device if device is not None else draw_device)
+
+
+@dataclass
+class StepPlan:
+    """What happens at every denoising step: the kernel, its noise level, and whether it is trained.
+
+    Attributes:
+        kernels (`list[str]`): one name from :data:`samplers.KERNELS` per step.
+        noise_levels (`list[float]`): per step, the kernel's noise level (Flow-GRPO's ``a`` or Dance's
+            ``eta``); must be `> 0` for stochastic kernels, ignored for ``"ode"``.
+        trained (`list[bool]`): per step, whether its transitions enter the policy loss. Only stochastic
+            kernels can be trained (a deterministic step has no log-prob).
+
+    Raises:
+        ValueError: (in `__post_init__`) naming the field, if lengths differ, the plan is empty, a kernel
+            name is unknown, a stochastic step has noise level `<= 0`, or a deterministic step is trained.
+    """
+
+    kernels: list[str]
+    noise_levels: list[float]
+    trained: list[bool]
+
+    def __post_init__(self):
+        self.kernels = list(self.kernels)
+        self.noise_levels = [float(level) for level in self.noise_levels]
+        self.trained = [bool(flag) for flag in self.trained]
+        if not self.kernels:
+            raise ValueError("StepPlan.kernels is empty; a plan needs at least one step")
+        for name in ("noise_levels", "trained"):
+            if len(getattr(self, name)) != len(self.kernels):
+                raise ValueError(
+                    f"StepPlan.{name} has {len(getattr(self, name))} entries; expected {len(self.kernels)} "
+                    "(one per step, like kernels)"
+                )
+        for k, (kernel, level, trained) in enumerate(zip(self.kernels, self.noise_levels, self.trained)):
+            if kernel not in KERNELS:
+                raise ValueError(f"StepPlan.kernels[{k}]={kernel!r} is not a kernel; choose from {sorted(KERNELS)}")
+            stochastic = kernel in STOCHASTIC_KERNELS
+            if stochastic and not level > 0:
+                raise ValueError(f"StepPlan.noise_levels[{k}]={level} must be > 0 for stochastic kernel {kernel!r}")
+            if trained and not stochastic:
+                raise ValueError(f"StepPlan.trained[{k}] is True but kernel {kernel!r} is deterministic; set it False")
+
+    @property
+    def num_steps(self) -> int:
+        """Number of denoising steps ``N``."""
+        return len(self.kernels)
+
+    @property
+    def stochastic_steps(self) -> list[int]:
+        """Indices of the steps whose kernel is stochastic (the steps a :class:`Rollout` records)."""
+        return [k for k, kernel in enumerate(self.kernels) if kernel in STOCHASTIC_KERNELS]
+
+    @classmethod
+    def ode(cls, num_steps: int) -> StepPlan:
+        """Deterministic Euler at every step, nothing trained (evaluation sampling)."""
+        return cls(["ode"] * num_steps, [0.0] * num_steps, [False] * num_steps)
+
+    @classmethod
+    def sde(
+        cls, num_steps: int, kernel: str = "flow_sde", noise_level: float = 0.7, train_last: bool = False
+    ) -> StepPlan:
+        """Full SDE sampling (Flow-GRPO arXiv 2505.05470, DanceGRPO arXiv 2505.07818).
+
+        Every step uses `kernel` with `noise_level`; every step is trained except the last one unless
+        `train_last` (Flow-GRPO's default leaves the final step out of the loss).
+        """
+        trained = [True] * num_steps
+        if not train_last:
+            trained[-1] = False
+        return cls([kernel] * num_steps, [noise_level] * num_steps, trained)
+
+
+def _per(kind: str):
+    """A Rollout field indexed per `"transition"` (leading dim M) or per `"leaf"` (leading dim B)."""
+    return field(metadata={"per": kind})
+
+
+@dataclass
+class Rollout:
+    """A batch of sampled trajectories stored as FLAT transitions (leading dim `M`) plus per-leaf results.
+
+    Storage choice: only transitions of stochastic kernels are stored. Deterministic (ODE) steps have no
+    log-prob and :class:`StepPlan` forbids training them, so they are skipped to save memory; their
+    velocity evaluations still count in ``cost["nfe"]``. Untrained stochastic steps are stored (their
+    states are needed by tree methods and the data are cheap next to the model).
+
+    Rows are step-major: the `j`-th stored step of leaf `b` is row ``j * B + b``. A flat batch is a tree
+    whose root splits into `B` leaves at step 0; ``node``/``parent`` describe that tree so branching
+    samplers can use the same layout.
+
+    Per transition, shape `(M, ...)`:
+        state, next_state, mean (`(M, C, H, W)` float32): ``x`` at `sigma`, the sampled ``x'`` at
+            `sigma_next`, and the kernel's Gaussian mean.
+        std, log_prob (`(M,)` float32): the kernel's std and the old-policy log-prob of ``x'``
+            (mean-reduced over latent dims).
+        sigma, sigma_next, sigma_max, noise_level (`(M,)` float32): the kernel's inputs, kept so the
+            log-prob can be recomputed under a new policy (:func:`recompute_log_prob`).
+        kernel_id (`(M,)` long): index into `kernel_names`.
+        step (`(M,)` long): denoising step index `k` in `[0, N)`.
+        leaf (`(M,)` long): the final sample (row of `final`) this transition leads to.
+        node (`(M,)` long): unique transition id, equal to the row in the full rollout (subsets keep ids).
+        parent (`(M,)` long): node id of the previous stored transition on the same path, `-1` for the first.
+        depth (`(M,)` long): number of branchings on the path up to this transition; 1 everywhere in a
+            flat batch (the root's split at step 0).
+        cond (`(M,)` long): conditioning index of the transition's sample.
+        trained (`(M,)` bool): whether the transition enters the policy loss.
+    Per leaf, shape `(B, ...)`:
+        final (`(B, C, H, W)` float32): the sampled latents at ``t = 0``.
+        leaf_cond (`(B,)` long): conditioning index; group (`(B,)` long): group id.
+    Other:
+        kernel_names (`tuple[str, ...]`): names indexed by `kernel_id`.
+        cost (`dict[str, int]`): ``nfe`` (old-policy velocity evaluations, a batched call of `N` rows
+            counting `N`; an adapter doing CFG with two forwards per row should double it),
+            ``transitions`` (stored), ``trained_transitions``. Describes the sampling run; subsets copy it.
+    """
+
+    state: torch.Tensor = _per("transition")
+    next_state: torch.Tensor = _per("transition")
+    mean: torch.Tensor = _per("transition")
+    std: torch.Tensor = _per("transition")
+    log_prob: torch.Tensor = _per("transition")
+    sigma: torch.Tensor = _per("transition")
+    sigma_next: torch.Tensor = _per("transition")
+    sigma_max: torch.Tensor = _per("transition")
+    noise_level: torch.Tensor = _per("transition")
+    kernel_id: torch.Tensor = _per("transition")
+    step: torch.Tensor = _per("transition")
+    leaf: torch.Tensor = _per("transition")
+    node: torch.Tensor = _per("transition")
+    parent: torch.Tensor = _per("transition")
+    depth: torch.Tensor = _per("transition")
+    cond: torch.Tensor = _per("transition")
+    trained: torch.Tensor = _per("transition")
+    final: torch.Tensor = _per("leaf")
+    leaf_cond: torch.Tensor = _per("leaf")
+    group: torch.Tensor = _per("leaf")
+    kernel_names: tuple[str, ...] = ()
+    cost: dict[str, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        """Number of stored transitions `M`."""
+        return self.state.shape[0]
+
+    @property
+    def num_leaves(self) -> int:
+        """Number of final samples `B`."""
+        return self.final.shape[0]
+
+    def _map(self, kinds: tuple[str, ...], fn) -> Rollout:
+        changed = {f.name: fn(getattr(self, f.name)) for f in fields(self) if f.metadata.get("per") in kinds}
+        return replace(self, **changed, cost=dict(self.cost))
+
+    def select(self, index: torch.Tensor) -> Rollout:
+        """Subset of the transitions (per-leaf data unchanged).
+
+        Args:
+            index (`torch.Tensor`): `(K,)` long row indices or `(M,)` bool mask.
+
+        Returns:
+            :class:`Rollout` with `K` transitions; `node`/`parent` keep their original ids.
+        """
+        return self._map(("transition",), lambda tensor: tensor[index])
+
+    def trained_view(self) -> Rollout:
+        """Only the transitions with ``trained`` set (what the policy loss sees)."""
+        return self.select(self.trained.nonzero().squeeze(1))
+
+    def to(self, device) -> Rollout:
+        """Copy of the rollout with every tensor moved to `device`."""
+        return self._map(("transition", "leaf"), lambda tensor: tensor.to(device))
+
+
+def _check_sample_inputs(noise, cond, group, sigmas, plan: StepPlan) -> None:
+    if noise.ndim < 2:
+        raise ValueError(f"noise must have shape (B, C, H, W); got {tuple(noise.shape)}")
+    batch = noise.shape[0]
+    for name, tensor in (("cond", cond), ("group", group)):
+        if tensor.shape != (batch,) or tensor.dtype != torch.long:
+            raise ValueError(
+                f"{name} must be a long tensor of shape ({batch},); got {tensor.dtype} {tuple(tensor.shape)}"
+            )
+    if sigmas.shape != (plan.num_steps + 1,):
+        raise ValueError(f"sigmas must have shape ({plan.num_steps + 1},) for a {plan.num_steps}-step plan; "
+                         f"got {tuple(sigmas.shape)}")
+    values = sigmas.detach().cpu()
+    if not (bool((values[1:] < values[:-1]).all()) and values[0] <= 1 and values[-1] >= 0):
+        raise ValueError(f"sigmas must decrease strictly within [0, 1]; got {values.tolist()}")
+
+
+def _transition_index(plan: StepPlan, sigmas: torch.Tensor, cond: torch.Tensor, kernel_names) -> dict:
+    """Every per-transition field that does not depend on the sampled values, shape `(M,)` each."""
+    batch, device = cond.shape[0], cond.device
+    steps = torch.tensor(plan.stochastic_steps, dtype=torch.long, device=device)  # (S,)
+    num_stored = steps.shape[0]
+
+    def per_step(values, dtype):  # one value per plan step -> (M,)
+        return torch.tensor(values, dtype=dtype, device=device)[steps].repeat_interleave(batch)
+
+    node = torch.arange(num_stored * batch, device=device)  # (M,)
+    kernel_ids = [kernel_names.index(kernel) for kernel in plan.kernels]
+    return dict(
+        sigma=sigmas[steps].repeat_interleave(batch),  # (M,)
+        sigma_next=sigmas[steps + 1].repeat_interleave(batch),  # (M,)
+        sigma_max=sigmas[1].expand(num_stored * batch).clone(),  # (M,)
+        noise_level=per_step(plan.noise_levels, torch.float32),  # (M,)
+        kernel_id=per_step(kernel_ids, torch.long),  # (M,)
+        step=steps.repeat_interleave(batch),  # (M,)
+        leaf=torch.arange(batch, device=device).repeat(num_stored),  # (M,)
+        node=node,
+        parent=torch.where(node >= batch, node - batch, -1),  # (M,)
+        depth=torch.ones_like(node),  # (M,)
+        cond=cond.repeat(num_stored),  # (M,)
+        trained=per_step(plan.trained, torch.bool),  # (M,)
+    )
+
+
+@torch.no_grad()
+def sample(
+    velocity_fn: VelocityFn,
+    noise: torch.Tensor,
+    cond: torch.Tensor,
+    group: torch.Tensor,
+    sigmas: torch.Tensor,
+    plan: StepPlan,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """Run `plan` on a batch from `noise` down the schedule `sigmas`, recording stochastic transitions.
+
+    Step `k` calls ``velocity_fn(x, sigmas[k], cond)`` once for the whole batch, then the kernel
+    ``KERNELS[plan.kernels[k]]`` from ``sigmas[k]`` to ``sigmas[k + 1]`` (``sigma_max = sigmas[1]`` for
+    Flow-GRPO's guard at ``t = 1``). Runs without gradients; deterministic given `generator`.
+
+    Args:
+        velocity_fn (:class:`VelocityFn`): the old policy.
+        noise (`torch.Tensor` of shape `(B, C, H, W)`): starting latents at ``t = sigmas[0]``.
+        cond (`torch.Tensor` of shape `(B,)`, long): conditioning index per sample.
+        group (`torch.Tensor` of shape `(B,)`, long): group id per sample (for group-relative advantages).
+        sigmas (`torch.Tensor` of shape `(N + 1,)`): strictly decreasing times in `[0, 1]`, e.g.
+            :func:`samplers.flow_sigmas`.
+        plan (:class:`StepPlan`): `N` steps.
+        generator (`torch.Generator`, optional): source of the SDE noise; `None` uses the global RNG.
+
+    Returns:
+        :class:`Rollout` with `M = B * len(plan.stochastic_steps)` transitions and `B` leaves.
+
+    Raises:
+        ValueError: if a shape or dtype is wrong, `sigmas` is not decreasing in `[0, 1]`, or `velocity_fn`
+            returns a tensor of the wrong shape.
+    """
+    _check_sample_inputs(noise, cond, group, sigmas, plan)
+    batch = noise.shape[0]
+    x = noise.float()
+    sigmas = sigmas.to(device=x.device, dtype=torch.float32)
+    cond, group = cond.to(x.device), group.to(x.device)
+    kernel_names = tuple(dict.fromkeys(plan.kernels))
+    index = _transition_index(plan, sigmas, cond, kernel_names)
+    num_transitions = index["step"].shape[0]
+    recorded = {name: x.new_empty((num_transitions, *x.shape[1:])) for name in ("state", "next_state", "mean")}
+    recorded.update(std=x.new_empty(num_transitions), log_prob=x.new_empty(num_transitions))
+    rows = 0
+    for k in range(plan.num_steps):
+        velocity = velocity_fn(x, sigmas[k].expand(batch).contiguous(), cond)
+        if velocity.shape != x.shape:
+            raise ValueError(f"velocity_fn returned shape {tuple(velocity.shape)}; expected {tuple(x.shape)}")
+        kernel = plan.kernels[k]
+        out = KERNELS[kernel](x, velocity, sigmas[k], sigmas[k + 1], plan.noise_levels[k], sigmas[1],
+                              generator=generator)
+        if kernel in STOCHASTIC_KERNELS:
+            for name, value in (("state", x), ("next_state", out.prev_sample), ("mean", out.mean),
+                                ("std", out.std), ("log_prob", out.log_prob)):
+                recorded[name][rows:rows + batch] = value  # (B, ...) into (M, ...)
+            rows += batch
+        x = out.prev_sample
+    cost = dict(nfe=plan.num_steps * batch, transitions=num_transitions,
+                trained_transitions=int(index["trained"].sum()))
+    return Rollout(**recorded, **index, final=x, leaf_cond=cond, group=group, kernel_names=kernel_names,
+                   cost=cost)
+
+
+def ode_sample(velocity_fn: VelocityFn, noise: torch.Tensor, cond: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """Deterministic Euler sampling (``x' = x + dt v`` at every step), for evaluation.
+
+    Args:
+        velocity_fn (:class:`VelocityFn`): the policy.
+        noise (`torch.Tensor` of shape `(B, C, H, W)`): starting latents.
+        cond (`torch.Tensor` of shape `(B,)`, long): conditioning index per sample.
+        sigmas (`torch.Tensor` of shape `(N + 1,)`): strictly decreasing times in `[0, 1]`.
+
+    Returns:
+        `torch.Tensor` of shape `(B, C, H, W)`, float32: latents at ``t = sigmas[-1]``.
+
+    Raises:
+        ValueError: as :func:`sample`.
+    """
+    group = torch.zeros_like(cond)
+    return sample(velocity_fn, noise, cond, group, sigmas, StepPlan.ode(sigmas.shape[0] - 1)).final
+
+
+def recompute_log_prob(transitions: Rollout, velocity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of the stored ``x'`` of each transition under new velocities (the PPO ratio's numerator).
+
+    Re-runs each transition's stored kernel with its stored ``sigma, sigma_next, noise_level, sigma_max``
+    and ``prev_sample = next_state``; with the old policy's velocities it returns exactly the stored
+    ``log_prob``. Gradients flow from the outputs into `velocity`.
+
+    Args:
+        transitions (:class:`Rollout`): any subset of a rollout (e.g. `rollout.trained_view().select(idx)`).
+        velocity (`torch.Tensor` of shape `(M, C, H, W)`): new-policy velocity at ``(state, sigma, cond)``.
+
+    Returns:
+        `(log_prob, mean)`: `(M,)` float32 and `(M, C, H, W)` float32.
+
+    Raises:
+        ValueError: if `velocity` does not match `transitions.state` in shape.
+    """
+    if velocity.shape != transitions.state.shape:
+        raise ValueError(f"velocity must have shape {tuple(transitions.state.shape)}; got {tuple(velocity.shape)}")
+    log_prob = velocity.new_zeros(len(transitions), dtype=torch.float32)
+    mean = velocity.new_zeros(transitions.state.shape, dtype=torch.float32)
+    for kernel_id in transitions.kernel_id.unique().tolist():
+        rows = (transitions.kernel_id == kernel_id).nonzero().squeeze(1)  # (K,)
+        part = transitions.select(rows)
+        out = KERNELS[transitions.kernel_names[kernel_id]](
+            part.state, velocity[rows], part.sigma, part.sigma_next, part.noise_level, part.sigma_max,
+            prev_sample=part.next_state,
+        )
+        if rows.shape[0] == len(transitions):
+            return out.log_prob, out.mean
+        log_prob = log_prob.index_put((rows,), out.log_prob)  # (M,)
+        mean = mean.index_put((rows,), out.mean)  # (M, C, H, W)
+    return log_prob, mean

@@ -1,0 +1,271 @@
+"""Tests of the `rewards` package: contract checks, registry, JPEG and CLIP rewards (tiny, offline)."""
+
+import gzip
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rewards
+from rewards import (
+    REWARDS,
+    WeightedSum,
+    build_reward,
+    check_inputs,
+    check_scores,
+    clipscore,
+    jpeg_compressibility,
+    jpeg_incompressibility,
+    register_reward,
+)
+
+
+def _batch(batch=2, size=16, seed=0):
+    images = torch.rand(batch, 3, size, size, generator=torch.Generator().manual_seed(seed))
+    prompts = [f"a photo of {i} cats" for i in range(batch)]
+    return images, prompts, [{} for _ in range(batch)]
+
+
+def brightness(images, prompts, metadata):
+    """A user reward defined outside the package: mean pixel value, in [0, 1]."""
+    return images.mean(dim=(1, 2, 3))
+
+
+def make_scaled_brightness(scale):
+    """A user factory: returns a reward."""
+    return lambda images, prompts, metadata: scale * images.mean(dim=(1, 2, 3))
+
+
+# --- registry ---------------------------------------------------------------------------------
+
+
+def test_registry_holds_builtin_rewards():
+    assert {"clipscore", "jpeg_compressibility", "jpeg_incompressibility"} <= set(REWARDS)
+    reward = build_reward("jpeg_compressibility", quality=80)
+    assert reward.name == "jpeg_compressibility" and reward.quality == 80
+
+
+def test_unknown_name_lists_registered():
+    with pytest.raises(ValueError, match=r"unknown reward 'nope'; registered rewards: .*clipscore.*jpeg_comp"):
+        build_reward("nope")
+
+
+def test_unknown_option_is_named():
+    with pytest.raises(TypeError, match=r"'jpeg_compressibility'.*'qualty'.*accepted options: quality"):
+        build_reward("jpeg_compressibility", qualty=90)
+
+
+def test_register_refuses_duplicate_name():
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("clipscore")(lambda: None)
+
+
+def test_dotted_path_user_reward_and_factory():
+    images, prompts, metadata = _batch()
+    reward = build_reward(f"{__name__}:brightness")
+    assert reward is brightness
+    torch.testing.assert_close(reward(images, prompts, metadata), images.mean(dim=(1, 2, 3)))
+    scaled = build_reward(f"{__name__}:make_scaled_brightness", scale=2.0)
+    torch.testing.assert_close(scaled(images, prompts, metadata), 2 * images.mean(dim=(1, 2, 3)))
+
+
+def test_dotted_path_from_user_module(tmp_path, monkeypatch):
+    (tmp_path / "my_user_rewards.py").write_text(
+        "import torch\ndef ones(images, prompts, metadata):\n    return torch.ones(len(prompts))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    images, prompts, metadata = _batch(batch=3)
+    assert build_reward("my_user_rewards:ones")(images, prompts, metadata).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_dotted_path_errors_name_what_is_missing():
+    with pytest.raises(ValueError, match="module 'no_such_module_xyz' not found"):
+        build_reward("no_such_module_xyz:f")
+    with pytest.raises(ValueError, match="has no attribute 'no_such_function'"):
+        build_reward(f"{__name__}:no_such_function")
+    with pytest.raises(ValueError, match="must look like 'package.module:function'"):
+        build_reward("rewards:")
+
+
+def test_import_rewards_pulls_in_neither_flowrl_nor_samplers_nor_transformers():
+    heavy = "{'flowrl', 'samplers', 'transformers'}"
+    code = f"import sys, rewards; print(sorted({{m.split('.')[0] for m in sys.modules}} & {heavy}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# --- contract checks --------------------------------------------------------------------------
+
+
+def test_check_scores_converts_lists_and_arrays():
+    import numpy as np
+
+    for raw in ([1, 2, 3], np.array([1.0, 2.0, 3.0], dtype=np.float64), torch.tensor([1, 2, 3])):
+        out = check_scores("foo", raw, 3)
+        assert out.dtype == torch.float32 and out.device.type == "cpu" and out.tolist() == [1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    "scores, match",
+    [
+        (torch.zeros(3, 1), r"reward 'foo' returned scores of shape \(3, 1\); expected \(3,\)"),
+        (torch.zeros(2), r"reward 'foo' returned scores of shape \(2,\); expected \(3,\)"),
+        (torch.tensor([0.0, math.nan, math.nan]), r"reward 'foo' returned 2 NaN scores \(at \[1, 2\]\)"),
+        (torch.tensor([math.inf, 0.0, -math.inf]), r"reward 'foo' returned 2 inf scores \(at \[0, 2\]\)"),
+        (["a", "b", "c"], r"reward 'foo' returned list that is not numeric"),
+    ],
+)
+def test_check_scores_rejects_malformed(scores, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        check_scores("foo", scores, 3)
+
+
+def test_check_inputs():
+    images, prompts, metadata = _batch(batch=2)
+    check_inputs(images, prompts, metadata)
+    with pytest.raises(ValueError, match=r"\(B, 3, H, W\)"):
+        check_inputs(images[:, :1], prompts, metadata)
+    with pytest.raises(ValueError, match="2 images, 1 prompts, 2 metadata"):
+        check_inputs(images, prompts[:1], metadata)
+    with pytest.raises(ValueError, match=r"must lie in \[0, 1\]"):
+        check_inputs(images * 2 - 1, prompts, metadata)
+    with pytest.raises(TypeError, match="floating-point"):
+        check_inputs((images * 255).to(torch.uint8), prompts, metadata)
+
+
+def test_weighted_sum_arithmetic():
+    images, prompts, metadata = _batch(batch=3)
+    ones = lambda images, prompts, metadata: torch.ones(len(prompts))  # noqa: E731
+    combined = WeightedSum({"bright": (brightness, 2.0), "ones": (ones, -0.5)})
+    total, per_reward = combined(images, prompts, metadata)
+    mean = images.mean(dim=(1, 2, 3))
+    torch.testing.assert_close(per_reward["bright"], mean)
+    torch.testing.assert_close(per_reward["ones"], torch.ones(3))
+    torch.testing.assert_close(total, 2.0 * mean - 0.5)
+    assert total.dtype == torch.float32 and total.shape == (3,)
+
+
+def test_weighted_sum_names_the_bad_reward():
+    images, prompts, metadata = _batch(batch=2)
+    nan = lambda images, prompts, metadata: torch.full((2,), math.nan)  # noqa: E731
+    with pytest.raises(ValueError, match="reward 'broken' returned 2 NaN"):
+        WeightedSum({"ok": (brightness, 1.0), "broken": (nan, 1.0)})(images, prompts, metadata)
+    with pytest.raises(ValueError, match="reward 'ok' has weight nan"):
+        WeightedSum({"ok": (brightness, math.nan)})
+
+
+# --- JPEG -------------------------------------------------------------------------------------
+
+
+def test_jpeg_flat_image_is_more_compressible_than_noise():
+    noise, prompts, metadata = _batch(batch=1, size=64)
+    images = torch.cat([torch.full_like(noise, 0.5), noise])  # (2, 3, 64, 64): flat, noise
+    prompts, metadata = prompts * 2, metadata * 2
+    small = jpeg_compressibility()(images, prompts, metadata)
+    large = jpeg_incompressibility()(images, prompts, metadata)
+    assert small.shape == (2,) and small.dtype == torch.float32
+    assert (small < 0).all() and (large > 0).all()
+    torch.testing.assert_close(small, -large)
+    assert small[0] > small[1] and large[0] < large[1]
+
+
+def test_jpeg_quality_checked():
+    with pytest.raises(ValueError, match=r"quality must be in \[1, 100\]"):
+        jpeg_compressibility(quality=0)
+
+
+# --- CLIP -------------------------------------------------------------------------------------
+
+
+def _tiny_clip_tokenizer(num_merges=500):
+    """A real CLIP BPE tokenizer cut to the first merges of open_clip's vocabulary file (offline)."""
+    import open_clip
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import CLIPTokenizer
+
+    with gzip.open(open_clip.tokenizer.default_bpe(), "rt", encoding="utf-8") as f:
+        lines = f.read().split("\n")[1 : num_merges + 1]  # first line is a version header
+    merges = [tuple(line.split()) for line in lines]
+    alphabet = sorted(ByteLevel.alphabet())
+    tokens = alphabet + [c + "</w>" for c in alphabet] + ["".join(m) for m in merges]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=merges)
+
+
+@pytest.fixture(scope="module")
+def tiny_clip_dir(tmp_path_factory):
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    tokenizer = _tiny_clip_tokenizer()
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=16, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=32, patch_size=8)
+    torch.manual_seed(0)
+    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    folder = tmp_path_factory.mktemp("tiny_clip")
+    model.save_pretrained(folder)
+    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(folder)
+    return folder
+
+
+def test_clipscore_tiny_model(tiny_clip_dir):
+    reward = build_reward("clipscore", model_path=str(tiny_clip_dir))
+    assert len(reward.tokenizer) == 2 + 512 + 500  # the reloaded tokenizer kept its vocabulary
+    images = torch.rand(3, 3, 40, 48, generator=torch.Generator().manual_seed(1))
+    prompts = ["a red cube", "two dogs on a sofa " * 10, ""]  # the long one is truncated to 16 tokens
+    metadata = [{}, {"tag": "counting"}, {}]
+    scores = reward(images, prompts, metadata)
+    assert scores.shape == (3,) and scores.dtype == torch.float32 and scores.device.type == "cpu"
+    assert torch.isfinite(scores).all()
+    assert (scores.abs() <= reward.model.logit_scale.exp() + 1e-4).all()
+    torch.testing.assert_close(reward(images, prompts, metadata), scores, rtol=0, atol=0)
+
+
+def test_clipscore_matches_transformers_reference(tiny_clip_dir):
+    """Score = diagonal of CLIPModel's logits_per_image; preprocessing ~ the CLIP image processor."""
+    import numpy as np
+    from PIL import Image
+    from transformers import CLIPProcessor
+
+    reward = clipscore(tiny_clip_dir)
+    processor = CLIPProcessor.from_pretrained(tiny_clip_dir, local_files_only=True)
+    # Smooth images, exactly representable in uint8. (On pixel noise, the processor's uint8 resize
+    # clips bicubic overshoot between its two 1-D passes, so a few pixels differ by up to ~10 levels.)
+    coarse = torch.rand(2, 3, 6, 5, generator=torch.Generator().manual_seed(2))
+    images = F.interpolate(coarse, size=(48, 40), mode="bilinear").mul(255).round() / 255  # (2, 3, 48, 40)
+    pil = [Image.fromarray((image.permute(1, 2, 0) * 255).round().byte().numpy()) for image in images]
+    reference_pixels = processor(images=pil, return_tensors="pt")["pixel_values"]
+    # atol 0.03 is about 1.5 uint8 levels after normalisation
+    torch.testing.assert_close(reward.preprocess(images), reference_pixels, rtol=0, atol=0.03)
+
+    prompts = ["a red cube", "a blue ball"]
+    tokens = processor(text=prompts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = reward.model(**tokens, pixel_values=reward.preprocess(images)).logits_per_image
+    torch.testing.assert_close(reward(images, prompts, [{}, {}]), logits.diagonal(), rtol=1e-5, atol=1e-5)
+    assert np.isfinite(logits.numpy()).all()
+
+
+def test_clipscore_missing_folder_or_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"model_path '.*nowhere' is not a local folder"):
+        clipscore(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        clipscore(tmp_path)
+
+
+def test_clipscore_bad_dtype(tiny_clip_dir):
+    with pytest.raises(ValueError, match="floating torch dtype"):
+        clipscore(tiny_clip_dir, dtype="int8")
+
+
+def test_public_names_exported():
+    for name in rewards.__all__:
+        assert hasattr(rewards, name), name

@@ -1,0 +1,300 @@
+"""Fast tests for samplers/: kernels against closed forms, schedules against diffusers, rollouts."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import samplers
+from samplers import (
+    KERNELS,
+    StepPlan,
+    dance_sde_step,
+    flow_sde_step,
+    flow_sigmas,
+    gaussian_log_prob,
+    group_index,
+    initial_noise,
+    ode_sample,
+    ode_step,
+    recompute_log_prob,
+    sample,
+)
+
+SHAPE = (2, 4, 4)  # (C, H, W)
+SDE_KERNELS = ["flow_sde", "dance_sde"]
+
+
+class ToyVelocity:
+    """A fixed linear map of x plus terms in t and cond; counts its calls and rows."""
+
+    def __init__(self, channels=SHAPE[0], num_cond=3, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.mix = 0.3 * torch.randn(channels, channels, generator=gen)  # (C, C)
+        self.bias = torch.randn(num_cond, channels, generator=gen)  # (num_cond, C)
+        self.calls = 0
+        self.rows = 0
+
+    def __call__(self, x, t, cond):
+        self.calls += 1
+        self.rows += x.shape[0]
+        mixed = torch.einsum("dc,bchw->bdhw", self.mix, x)  # (N, C, H, W)
+        return mixed + t.view(-1, 1, 1, 1) * x + (1 - t.view(-1, 1, 1, 1)) * self.bias[cond][:, :, None, None]
+
+
+def _batch(batch=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, *SHAPE, generator=gen)
+    v = torch.randn(batch, *SHAPE, generator=gen)
+    return x, v
+
+
+def _rollout(plan, num_groups=2, group_size=3, seed=0, shared=True):
+    gen = torch.Generator().manual_seed(seed)
+    noise = initial_noise(num_groups, group_size, SHAPE, gen, shared_per_group=shared)
+    group = group_index(num_groups, group_size)
+    cond = group.clone()
+    velocity_fn = ToyVelocity()
+    rollout = sample(velocity_fn, noise, cond, group, flow_sigmas(plan.num_steps), plan, gen)
+    return rollout, velocity_fn, noise
+
+
+def _normal_log_prob(out):
+    std = out.std.view(-1, 1, 1, 1)
+    return torch.distributions.Normal(out.mean, std).log_prob(out.prev_sample).mean(dim=(1, 2, 3))
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+
+@pytest.mark.parametrize("kernel", SDE_KERNELS)
+def test_sde_log_prob_matches_torch_normal(kernel):
+    x, v = _batch()
+    out = KERNELS[kernel](x, v, 0.8, 0.6, 0.7, 0.9, generator=torch.Generator().manual_seed(1))
+    assert out.log_prob.shape == (4,) and out.log_prob.dtype == torch.float32
+    torch.testing.assert_close(out.log_prob, _normal_log_prob(out), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", SDE_KERNELS)
+def test_prev_sample_reproduces_sampled_log_prob(kernel):
+    x, v = _batch()
+    sampled = KERNELS[kernel](x, v, 0.8, 0.6, 0.7, 0.9, generator=torch.Generator().manual_seed(1))
+    scored = KERNELS[kernel](x, v, 0.8, 0.6, 0.7, 0.9, prev_sample=sampled.prev_sample)
+    assert torch.equal(scored.log_prob, sampled.log_prob)
+    assert torch.equal(scored.prev_sample, sampled.prev_sample)
+
+
+def test_flow_sde_matches_closed_form():
+    x, v = _batch()
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    t, t_next, a = 0.8, 0.6, 0.7
+    out = flow_sde_step(x, v, t, t_next, a, 0.9, noise=noise)
+    dt = t_next - t
+    sigma_t = a * math.sqrt(t / (1 - t))
+    mean = x * (1 + sigma_t**2 * dt / (2 * t)) + v * (1 + sigma_t**2 * (1 - t) / (2 * t)) * dt
+    std = sigma_t * math.sqrt(-dt)
+    torch.testing.assert_close(out.mean, mean)
+    torch.testing.assert_close(out.std, torch.full((4,), std))
+    torch.testing.assert_close(out.prev_sample, mean + std * noise)
+
+
+def test_dance_sde_matches_closed_form():
+    x, v = _batch()
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    t, t_next, eta = 0.8, 0.6, 0.3
+    out = dance_sde_step(x, v, t, t_next, eta, noise=noise)
+    dt = t_next - t
+    mean = x + dt * (v + eta**2 * (x + (1 - t) * v) / (2 * t))
+    torch.testing.assert_close(out.mean, mean)
+    torch.testing.assert_close(out.std, torch.full((4,), eta * math.sqrt(-dt)))
+    torch.testing.assert_close(out.prev_sample, mean + eta * math.sqrt(-dt) * noise)
+
+
+def test_flow_sde_uses_sigma_max_at_t_equal_one():
+    x, v = _batch()
+    sigma_max, a, t_next = 0.9, 0.7, 0.9
+    out = flow_sde_step(x, v, 1.0, t_next, a, sigma_max, generator=torch.Generator().manual_seed(0))
+    expected_std = a * math.sqrt(1.0 / (1 - sigma_max)) * math.sqrt(1.0 - t_next)
+    assert torch.isfinite(out.log_prob).all()
+    torch.testing.assert_close(out.std, torch.full((4,), expected_std))
+
+
+def test_per_sample_sigmas_match_scalars():
+    x, v = _batch()
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+    sigma = torch.tensor([1.0, 0.8, 0.5, 0.2])
+    sigma_next = torch.tensor([0.9, 0.6, 0.3, 0.0])
+    batched = flow_sde_step(x, v, sigma, sigma_next, 0.7, 0.9, noise=noise)
+    for b in range(4):
+        rows = slice(b, b + 1)
+        one = flow_sde_step(x[rows], v[rows], sigma[b], float(sigma_next[b]), 0.7, 0.9, noise=noise[rows])
+        torch.testing.assert_close(batched.log_prob[rows], one.log_prob)
+        torch.testing.assert_close(batched.prev_sample[rows], one.prev_sample)
+
+
+def test_kernels_compute_in_float32_with_gradients():
+    x, v = _batch()
+    v = v.bfloat16().requires_grad_()
+    out = flow_sde_step(x.bfloat16(), v, 0.8, 0.6, 0.7, 0.9, generator=torch.Generator().manual_seed(0))
+    assert out.prev_sample.dtype == out.mean.dtype == out.log_prob.dtype == torch.float32
+    out.log_prob.sum().backward()
+    assert v.grad is not None and v.grad.abs().sum() > 0
+    assert ode_step(x.bfloat16(), v, 0.8, 0.6).prev_sample.dtype == torch.float32
+
+
+def test_gaussian_log_prob_reduces_by_mean():
+    x, mean = _batch()
+    std = torch.tensor([0.5, 1.0, 2.0, 0.1])
+    normal = torch.distributions.Normal(mean, std.view(-1, 1, 1, 1)).log_prob(x)  # (B, C, H, W)
+    torch.testing.assert_close(gaussian_log_prob(x, mean, std), normal.mean(dim=(1, 2, 3)))
+
+
+def test_kernel_errors_name_the_argument():
+    x, v = _batch()
+    with pytest.raises(ValueError, match="sigma_next"):
+        ode_step(x, v, 0.8, torch.zeros(3))
+    with pytest.raises(ValueError, match="prev_sample"):
+        flow_sde_step(x, v, 0.8, 0.6, 0.7, 0.9, prev_sample=x, noise=v)
+
+
+# -------------------------------------------------------------------------------------------- schedule
+
+
+def test_flow_sigmas_endpoints():
+    sigmas = flow_sigmas(10, shift=3.0)
+    assert sigmas.shape == (11,) and sigmas.dtype == torch.float32
+    assert sigmas[0] == 1.0 and sigmas[-1] == 0.0 and bool((sigmas[1:] < sigmas[:-1]).all())
+    with pytest.raises(ValueError, match="num_steps"):
+        flow_sigmas(0)
+
+
+@pytest.mark.parametrize("num_steps,shift", [(1, 3.0), (10, 3.0), (28, 3.0), (16, 1.0), (40, 5.0)])
+def test_flow_sigmas_match_diffusers(num_steps, shift):
+    schedulers = pytest.importorskip("diffusers.schedulers.scheduling_flow_match_euler_discrete")
+    scheduler = schedulers.FlowMatchEulerDiscreteScheduler(shift=shift)
+    scheduler.set_timesteps(num_steps)
+    assert torch.equal(flow_sigmas(num_steps, shift), scheduler.sigmas)
+
+
+# --------------------------------------------------------------------------------------------- rollout
+
+
+def test_initial_noise_shared_within_group_only():
+    gen = torch.Generator().manual_seed(0)
+    noise = initial_noise(3, 4, SHAPE, gen, shared_per_group=True).view(3, 4, *SHAPE)
+    assert torch.equal(noise[:, :1].expand_as(noise), noise)
+    assert not torch.equal(noise[0, 0], noise[1, 0]) and not torch.equal(noise[1, 0], noise[2, 0])
+    own = initial_noise(3, 4, SHAPE, torch.Generator().manual_seed(0), shared_per_group=False)
+    assert own.shape == (12, *SHAPE) and not torch.equal(own[0], own[1])
+    again = initial_noise(3, 4, SHAPE, torch.Generator().manual_seed(0), shared_per_group=True)
+    assert torch.equal(again.view_as(noise), noise)
+
+
+def test_ode_plan_reproduces_hand_written_euler_bit_for_bit():
+    rollout, _, noise = _rollout(StepPlan.ode(5))
+    velocity_fn, sigmas, cond = ToyVelocity(), flow_sigmas(5), group_index(2, 3)
+    x = noise.clone()
+    for k in range(5):
+        x = x + (sigmas[k + 1] - sigmas[k]) * velocity_fn(x, sigmas[k].repeat(6), cond)
+    assert torch.equal(rollout.final, x)
+    assert torch.equal(ode_sample(ToyVelocity(), noise, cond, sigmas), x)
+    assert len(rollout) == 0 and rollout.state.shape == (0, *SHAPE)
+
+
+def test_same_seed_gives_identical_rollout():
+    plan = StepPlan.sde(4)
+    first, _, _ = _rollout(plan, seed=5)
+    second, _, _ = _rollout(plan, seed=5)
+    other, _, _ = _rollout(plan, seed=6)
+    for name, value in vars(first).items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, getattr(second, name)), name
+    assert not torch.equal(first.final, other.final)
+
+
+def test_flat_rollout_layout_and_cost():
+    num_steps, batch = 4, 6
+    rollout, velocity_fn, noise = _rollout(StepPlan.sde(num_steps))
+    assert velocity_fn.calls == num_steps and rollout.cost["nfe"] == num_steps * batch == velocity_fn.rows
+    assert len(rollout) == num_steps * batch and rollout.num_leaves == batch
+    assert rollout.cost["trained_transitions"] == (num_steps - 1) * batch
+    assert torch.equal(rollout.step, torch.arange(num_steps).repeat_interleave(batch))
+    assert torch.equal(rollout.leaf, torch.arange(batch).repeat(num_steps))
+    assert torch.equal(rollout.state[:batch], noise)
+    assert torch.equal(rollout.next_state[-batch:], rollout.final)
+    assert torch.equal(rollout.state[batch:], rollout.next_state[:-batch])  # chains link up
+    assert torch.equal(rollout.parent[:batch], torch.full((batch,), -1))
+    assert torch.equal(rollout.node[rollout.parent[batch:]], rollout.node[:-batch])
+    assert torch.equal(rollout.sigma_max, torch.full((len(rollout),), float(flow_sigmas(num_steps)[1])))
+    trained = rollout.trained_view()
+    assert len(trained) == (num_steps - 1) * batch and int(trained.step.max()) == num_steps - 2
+
+
+def test_window_plan_stores_only_stochastic_steps():
+    plan = StepPlan(["ode", "flow_sde", "flow_sde", "ode"], [0.0, 0.7, 0.7, 0.0], [False, True, True, False])
+    rollout, _, _ = _rollout(plan)
+    assert rollout.cost == {"nfe": 24, "transitions": 12, "trained_transitions": 12}
+    assert torch.equal(rollout.step.unique(), torch.tensor([1, 2]))
+    assert int((rollout.parent == -1).sum()) == 6
+
+
+@pytest.mark.parametrize("kernel", SDE_KERNELS)
+def test_recompute_log_prob_with_old_velocities_is_exact(kernel):
+    rollout, _, _ = _rollout(StepPlan.sde(4, kernel=kernel, noise_level=0.5))
+    trained = rollout.trained_view()
+    velocity = ToyVelocity()(trained.state, trained.sigma, trained.cond)
+    log_prob, mean = recompute_log_prob(trained, velocity)
+    assert torch.equal(log_prob, trained.log_prob) and torch.equal(mean, trained.mean)
+    assert torch.equal(torch.exp(log_prob - trained.log_prob), torch.ones(len(trained)))
+
+
+def test_recompute_log_prob_mixed_kernels_subset_and_gradient():
+    plan = StepPlan(["flow_sde", "dance_sde", "ode", "flow_sde"], [0.7, 0.3, 0.0, 0.7], [True, True, False, True])
+    rollout, _, _ = _rollout(plan)
+    subset = rollout.select(torch.tensor([17, 2, 9, 6, 0]))
+    velocity = ToyVelocity()(subset.state, subset.sigma, subset.cond).requires_grad_()
+    log_prob, mean = recompute_log_prob(subset, velocity)
+    assert torch.equal(log_prob, subset.log_prob) and torch.equal(mean, subset.mean)
+    log_prob.sum().backward()
+    assert velocity.grad.abs().sum(dim=(1, 2, 3)).min() > 0
+
+
+def test_step_plan_validation_names_the_field():
+    plan = StepPlan.sde(5)
+    assert plan.trained == [True] * 4 + [False] and StepPlan.sde(5, train_last=True).trained[-1]
+    with pytest.raises(ValueError, match=r"kernels\[1\]"):
+        StepPlan(["ode", "euler"], [0.0, 0.0], [False, False])
+    with pytest.raises(ValueError, match="noise_levels"):
+        StepPlan(["ode", "ode"], [0.0], [False, False])
+    with pytest.raises(ValueError, match=r"trained\[0\]"):
+        StepPlan(["ode"], [0.0], [True])
+    with pytest.raises(ValueError, match=r"noise_levels\[0\]"):
+        StepPlan(["flow_sde"], [0.0], [True])
+
+
+def test_sample_rejects_bad_inputs():
+    noise = torch.zeros(2, *SHAPE)
+    cond = torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="sigmas"):
+        sample(ToyVelocity(), noise, cond, cond, flow_sigmas(3), StepPlan.ode(4))
+    with pytest.raises(ValueError, match="cond"):
+        sample(ToyVelocity(), noise, cond.float(), cond, flow_sigmas(4), StepPlan.ode(4))
+
+
+def test_rollout_to_keeps_everything():
+    rollout, _, _ = _rollout(StepPlan.sde(2))
+    moved = rollout.to("cpu")
+    assert torch.equal(moved.final, rollout.final) and moved.cost == rollout.cost
+    assert moved.kernel_names == ("flow_sde",)
+
+
+def test_package_imports_only_torch():
+    code = (
+        "import sys, samplers; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('flowrl', 'rewards', 'diffusers', 'transformers')]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert set(samplers.__all__) <= set(dir(samplers))

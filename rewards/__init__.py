@@ -23,9 +23,7 @@ from .base import (
 from .clipscore import ClipScore, clipscore
 from .jpeg import jpeg_compressibility, jpeg_incompressibility, jpeg_size_kb
 
-# --- GenEval (rewards/geneval*.py) ------------------------------------------------------------
-# The lead adds `from .geneval import ...` here and the names to __all__ below.
-# ------------------------------------------------------------------------------------------------
+from .geneval import geneval, geneval_strict
 
 __all__ = [
     "REWARDS",
@@ -37,6 +35,8 @@ __all__ = [
     "check_inputs",
     "check_scores",
     "clipscore",
+    "geneval",
+    "geneval_strict",
     "jpeg_compressibility",
     "jpeg_incompressibility",
     "jpeg_size_kb",

@@ -1,0 +1,181 @@
+"""Typed run configuration: one dataclass per concern, loaded from YAML with ``key=value`` overrides.
+
+OmegaConf structured configs do the parsing and type checks; unknown keys are rejected with the key
+named. Checks that span fields live in ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is wrong; the message names the key and what was expected."""
+
+
+def _check(cond: bool, key: str, expected: str, value: Any) -> None:
+    if not cond:
+        raise ConfigError(f"config key '{key}' must be {expected}, got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    path: str = "assets/tiny-sd3"  # a StableDiffusion3Pipeline folder
+    max_sequence_length: int = 0  # T5 tokens (0 for the tiny model, 256 for SD3.5)
+    lora_rank: int = 8  # 0 = full fine-tuning of the transformer
+    lora_alpha: float = 16.0
+    dtype: str = "float32"  # frozen parts: float32 | bfloat16 | float16
+
+    def __post_init__(self):
+        _check(self.lora_rank >= 0, "model.lora_rank", ">= 0", self.lora_rank)
+        _check(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", "float32|bfloat16|float16", self.dtype)
+
+
+@dataclass
+class SamplingConfig:
+    num_steps: int = 10  # denoising steps of a training rollout
+    guidance_scale: float = 4.5  # classifier-free guidance w (1 = off)
+    kernel: str = "flow_sde"  # samplers.KERNELS stochastic kernel: flow_sde | dance_sde
+    noise_level: float = 0.7  # Flow-GRPO's a (or DanceGRPO's eta)
+    shift: float = 1.0  # timestep shift of the sigma schedule
+    group_size: int = 8  # G images per prompt
+    prompts_per_iteration: int = 8
+    shared_noise: bool = False  # one initial noise per group
+    batch_size: int = 64  # images per sampler forward
+    train_last_step: bool = False
+
+    def __post_init__(self):
+        _check(self.num_steps >= 2, "sampling.num_steps", ">= 2", self.num_steps)
+        _check(self.group_size >= 2, "sampling.group_size", ">= 2 (group-relative advantages)", self.group_size)
+        _check(self.guidance_scale >= 1.0, "sampling.guidance_scale", ">= 1", self.guidance_scale)
+        _check(self.kernel in ("flow_sde", "dance_sde"), "sampling.kernel", "flow_sde|dance_sde", self.kernel)
+        _check(self.noise_level > 0, "sampling.noise_level", "> 0", self.noise_level)
+
+
+@dataclass
+class RewardConfig:
+    weight: float = 1.0
+    options: dict[str, Any] = field(default_factory=dict)  # keyword options of the reward factory
+
+
+@dataclass
+class TrainConfig:
+    learning_rate: float = 3e-4
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 1e-4
+    max_grad_norm: float = 1.0
+    clip_range: float = 1e-4  # PPO eps on the ratio
+    adv_clip_max: float = 5.0
+    adv_std: str = "global"  # global | group
+    kl_beta: float = 0.0  # weight of the KL to the LoRA-disabled base
+    inner_epochs: int = 1
+    minibatch_size: int = 64  # transitions per optimizer step
+    ema_decay: float = 0.0  # 0 = no EMA
+
+    def __post_init__(self):
+        _check(self.adv_std in ("global", "group"), "train.adv_std", "global|group", self.adv_std)
+        _check(self.learning_rate > 0, "train.learning_rate", "> 0", self.learning_rate)
+        _check(self.clip_range > 0, "train.clip_range", "> 0", self.clip_range)
+        _check(0 <= self.ema_decay < 1, "train.ema_decay", "in [0, 1)", self.ema_decay)
+        _check(self.minibatch_size >= 1, "train.minibatch_size", ">= 1", self.minibatch_size)
+
+
+@dataclass
+class EvalConfig:
+    prompts: str = "test"  # train | test | a .jsonl file
+    every: int = 0  # iterations between evaluations (0 = only before and after)
+    images_per_tag: int = 64
+    num_steps: int = 20  # ODE steps
+    guidance_scale: float = 4.5
+    seed: int = 1234
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "runs/tiny_geneval"
+    seed: int = 0
+    iterations: int = 100
+    save_every: int = 10
+    resume: bool = False  # continue from the newest checkpoint in output_dir
+    device: str = "auto"  # auto | cpu | cuda
+    mixed_precision: str = "bf16"  # no | bf16 | fp16 (accelerate)
+
+    def __post_init__(self):
+        if self.mixed_precision in ("False", "false", "none"):  # YAML reads a bare `no` as false
+            self.mixed_precision = "no"
+        _check(self.iterations >= 1, "run.iterations", ">= 1", self.iterations)
+        _check(self.mixed_precision in ("no", "bf16", "fp16"), "run.mixed_precision", "no|bf16|fp16", self.mixed_precision)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    rewards: dict[str, RewardConfig] = field(default_factory=dict)  # name or 'pkg.module:fn' -> weight, options; {} = geneval
+    train_prompts: str = "train"  # train | test | a .jsonl file
+    tag_balanced: bool = True  # sample a tag uniformly, then a prompt of that tag
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        if not self.rewards:  # a default in the schema would be merged into, not replaced by, a preset's rewards
+            self.rewards = {"geneval": RewardConfig()}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Load a YAML preset, apply ``key=value`` overrides and validate.
+
+    Args:
+        path: a YAML file (``configs/*.yaml``) or None for the defaults.
+        overrides: dot-list strings like ``train.learning_rate=1e-4``.
+
+    Returns:
+        A validated :class:`Config`.
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        ConfigError: for an unknown key, a value of the wrong type or out of range (the key is named).
+    """
+    schema = OmegaConf.structured(Config)
+    try:
+        parts = [schema]
+        if path is not None:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"config file {path} does not exist")
+            parts.append(OmegaConf.load(path))
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} must look like key=value")
+        parts.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(*parts)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        msg = str(e).splitlines()[0]
+        raise ConfigError(f"config key '{key}': {msg}" if key else f"config: {msg}") from None
+
+
+def save_config(config: Config, path: str | Path) -> None:
+    """Write the resolved config as YAML (reloadable with :func:`load_config`)."""
+    Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
+
+
+def resolve_path(path: str | Path) -> Path:
+    """A path as given if it exists, else relative to the repository root (for ``assets/...``)."""
+    path = Path(path)
+    return path if path.exists() or path.is_absolute() else REPO_ROOT / path
+
+
+def prompt_file(name: str) -> Path:
+    """``train`` / ``test`` -> the shipped tiny-world prompt files; anything else is a path."""
+    if name in ("train", "test"):
+        return REPO_ROOT / "assets" / "prompts" / f"{name}.jsonl"
+    return resolve_path(name)

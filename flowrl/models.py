@@ -1,0 +1,184 @@
+"""Model adapters: a thin layer over a diffusers pipeline loaded with ``from_pretrained``.
+
+An adapter encodes prompts, predicts velocity with classifier-free guidance, decodes latents to images
+and names its LoRA target modules. The SD3 family (SD3, SD3.5 and flowrl's shipped tiny model) is the
+first; the sampler only ever sees :meth:`FlowModel.velocity_fn`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+"""Flow-GRPO's LoRA targets for SD3 transformers: both streams of every joint attention block."""
+
+
+@dataclass
+class PromptEmbeds:
+    """Encoded prompts: ``embeds (P, T, D)`` and ``pooled (P, D_pooled)`` on the model's device."""
+
+    embeds: torch.Tensor
+    pooled: torch.Tensor
+
+    def __getitem__(self, index: torch.Tensor) -> PromptEmbeds:
+        return PromptEmbeds(self.embeds[index], self.pooled[index])
+
+
+class FlowModel:
+    """An SD3-family text-to-image flow model (``StableDiffusion3Pipeline`` folder).
+
+    Args:
+        path: a local pipeline folder (``model_index.json`` + subfolders), e.g. ``assets/tiny-sd3`` or a
+            downloaded ``stabilityai/stable-diffusion-3.5-medium``.
+        device: torch device for every component.
+        dtype: dtype of the frozen components (text encoders, VAE); the transformer is kept in float32
+            on CPU and in ``dtype`` elsewhere (LoRA parameters are float32 everywhere).
+        max_sequence_length: T5 tokens; 0 for pipelines without T5 (the tiny model was trained so).
+
+    Raises:
+        FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
+    """
+
+    def __init__(self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 max_sequence_length: int = 256):
+        from diffusers import StableDiffusion3Pipeline
+        from diffusers.utils import logging as diffusers_logging
+        from transformers.utils import logging as transformers_logging
+
+        path = Path(path)
+        if not (path / "model_index.json").is_file():
+            raise FileNotFoundError(f"model path {path} is not a diffusers pipeline folder (no model_index.json)")
+        index = json.loads((path / "model_index.json").read_text())
+        kwargs = {name: None for name in ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor")
+                  if (index.get(name) or [None])[0] is None}  # optional parts the folder leaves out
+        diffusers_logging.disable_progress_bar()
+        transformers_logging.disable_progress_bar()
+        self.pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype, **kwargs).to(device)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.transformer = self.pipe.transformer
+        train_dtype = torch.float32 if torch.device(device).type == "cpu" else dtype
+        if self.transformer.dtype != train_dtype:
+            self.transformer.to(train_dtype)
+        self.transformer.requires_grad_(False)
+        for module in (self.pipe.vae, self.pipe.text_encoder, self.pipe.text_encoder_2, self.pipe.text_encoder_3):
+            if module is not None:
+                module.requires_grad_(False).eval()
+        self.device, self.dtype, self.path = torch.device(device), dtype, path
+        self.max_sequence_length = max_sequence_length
+        self.lora_targets = SD3_LORA_TARGETS
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """``(C, H, W)`` of the latents at the transformer's default sample size."""
+        cfg = self.transformer.config
+        return (cfg.in_channels, cfg.sample_size, cfg.sample_size)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> PromptEmbeds:
+        """Encode prompts with the pipeline's own ``encode_prompt`` (CLIP-L, CLIP-G and T5 where present).
+
+        Returns:
+            :class:`PromptEmbeds` with ``P = len(prompts)`` rows, float32.
+        """
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompts, prompts, prompts, device=self.device, do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length)
+        return PromptEmbeds(embeds.float(), pooled.float())
+
+    def add_lora(self, rank: int, alpha: float, targets: tuple[str, ...] | None = None) -> list[torch.nn.Parameter]:
+        """Add a peft LoRA adapter (Gaussian init of A, zero B) to the transformer.
+
+        Returns:
+            The trainable LoRA parameters (float32).
+        """
+        from peft import LoraConfig
+
+        config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian",
+                            target_modules=list(targets or self.lora_targets))
+        self.transformer.add_adapter(config)
+        params = [p for p in self.transformer.parameters() if p.requires_grad]
+        for p in params:
+            p.data = p.data.float()
+        return params
+
+    def full_finetune(self) -> list[torch.nn.Parameter]:
+        """Make every transformer parameter trainable (float32); returns them."""
+        self.transformer.float().requires_grad_(True)
+        return list(self.transformer.parameters())
+
+    @contextlib.contextmanager
+    def reference(self):
+        """Context in which the transformer is the base model (LoRA adapters disabled)."""
+        if not getattr(self.transformer, "_hf_peft_config_loaded", False):
+            raise RuntimeError("the KL reference is the LoRA-disabled base: set model.lora_rank > 0 to use kl_beta")
+        self.transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            self.transformer.enable_adapters()
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None,
+                 guidance_scale: float) -> torch.Tensor:
+        """Velocity with classifier-free guidance: v = v_u + w (v_c - v_u) (one batched forward).
+
+        Args:
+            x: latents ``(N, C, H, W)``; t: ``(N,)`` times in [0, 1] (1 = noise).
+            cond: ``N`` prompt embeddings; uncond: ``N`` empty-prompt embeddings, or None when w = 1.
+            guidance_scale: w >= 1.
+
+        Returns:
+            float32 ``(N, C, H, W)``.
+        """
+        dtype = next(self.transformer.parameters()).dtype
+        if uncond is None or guidance_scale == 1.0:
+            return self._forward(x, t, cond, dtype).float()
+        both = PromptEmbeds(torch.cat([uncond.embeds, cond.embeds]), torch.cat([uncond.pooled, cond.pooled]))
+        v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
+        return v_u + guidance_scale * (v_c - v_u)
+
+    def _forward(self, x, t, cond: PromptEmbeds, dtype) -> torch.Tensor:
+        return self.transformer(hidden_states=x.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),
+                                pooled_projections=cond.pooled.to(dtype), timestep=t * 1000,
+                                return_dict=False)[0]
+
+    def velocity_fn(self, table: PromptEmbeds, guidance_scale: float):
+        """A :class:`samplers.VelocityFn` over a table of prompts; row 0 of ``table`` must be the empty prompt."""
+
+        def fn(x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+            uncond = table[torch.zeros_like(cond)] if guidance_scale != 1.0 else None
+            return self.velocity(x, t, table[cond], uncond, guidance_scale)
+
+        return fn
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Decode scaled latents ``(B, C, H, W)`` to images float32 ``(B, 3, H*f, W*f)`` in [0, 1]."""
+        vae = self.pipe.vae
+        z = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+        images = vae.decode(z, return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    def save_lora(self, directory: str | Path) -> None:
+        """Write the LoRA in diffusers' format (``pytorch_lora_weights.safetensors``), loadable by
+        ``StableDiffusion3Pipeline.load_lora_weights(directory)``."""
+        from diffusers import StableDiffusion3Pipeline
+        from peft.utils import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(self.transformer)
+        StableDiffusion3Pipeline.save_lora_weights(directory, transformer_lora_layers=state)
+
+    def load_lora(self, directory: str | Path) -> None:
+        """Load a diffusers-format LoRA folder into the transformer (as the default adapter).
+
+        Raises:
+            FileNotFoundError: if the folder has no ``pytorch_lora_weights.safetensors``.
+        """
+        if not (Path(directory) / "pytorch_lora_weights.safetensors").is_file():
+            raise FileNotFoundError(f"LoRA folder {directory} has no pytorch_lora_weights.safetensors")
+        self.pipe.load_lora_weights(str(directory))

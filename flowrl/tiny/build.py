@@ -1,0 +1,301 @@
+"""Regenerate every asset of the tiny world from a seed: prompts, tiny CLIP, tiny VAE, tiny SD3 model.
+
+``python -m flowrl.tiny.build --out assets`` writes
+
+- ``assets/prompts/{train,test}.jsonl``: GenEval-style prompt files (``flowrl.tiny.prompts``);
+- ``assets/tiny-clip/``: a transformers ``CLIPModel`` + ``CLIPProcessor`` (real CLIP BPE tokenizer),
+  trained contrastively on rendered scenes and their captions;
+- ``assets/tiny-sd3/``: a diffusers ``StableDiffusion3Pipeline`` folder: the tiny CLIP text tower as
+  both text encoders, a tiny ``AutoencoderKL`` and a tiny ``SD3Transformer2DModel`` trained with
+  rectified flow on the VAE latents (no T5: encode prompts with ``max_sequence_length=0``).
+
+Pre-training captions cover the whole world, held-out combinations included, as a web-scale
+pre-training set would; the held-out split only concerns the RL prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from flowrl.tiny.prompts import all_metadata, split, write_jsonl
+from flowrl.tiny.render import render, sample_scene
+from rewards.geneval.world import IMAGE_SIZE, TAGS
+
+MAX_TOKENS = 16
+"""Token length of the tiny tokenizer (the longest world prompt takes 13 with BOS/EOS)."""
+
+
+def build_tokenizer():
+    """The real CLIP BPE tokenizer (49408 tokens), built offline from open_clip's merges file.
+
+    Returns:
+        ``transformers.CLIPTokenizer`` with ``model_max_length = MAX_TOKENS``.
+    """
+    import open_clip
+    from transformers import CLIPTokenizer
+
+    with gzip.open(open_clip.tokenizer.default_bpe(), "rt", encoding="utf-8") as f:
+        lines = f.read().split("\n")[1 : 49152 - 256 - 2 + 1]  # CLIP's merges; line 0 is a header
+    merges = [tuple(line.split()) for line in lines]
+    alphabet = list(_bytes_to_unicode().values())
+    tokens = alphabet + [c + "</w>" for c in alphabet] + ["".join(m) for m in merges]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    tok = CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, model_max_length=MAX_TOKENS)
+    return tok
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP's reversible byte -> printable unicode map (the BPE alphabet, in CLIP's order)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def render_dataset(n: int, seed: int) -> tuple[torch.Tensor, list[str]]:
+    """Render ``n`` captioned scenes, tags uniform, prompts uniform within a tag.
+
+    Returns:
+        ``(images, captions)``: uint8 tensor ``(n, 3, 64, 64)`` and ``n`` prompt strings.
+    """
+    rng = random.Random(seed)
+    by_tag = {t: [m for m in all_metadata() if m["tag"] == t] for t in TAGS}
+    images = np.empty((n, IMAGE_SIZE, IMAGE_SIZE, 3), np.uint8)
+    captions = []
+    for i in range(n):
+        meta = rng.choice(by_tag[rng.choice(TAGS)])
+        images[i] = render(sample_scene(meta, rng))
+        captions.append(meta["prompt"])
+    return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), captions
+
+
+def _batches(n: int, batch: int, steps: int, gen: torch.Generator):
+    for _ in range(steps):
+        yield torch.randint(0, n, (batch,), generator=gen)
+
+
+def _to_float(images: torch.Tensor) -> torch.Tensor:
+    return images.float() / 127.5 - 1.0  # (B, 3, H, W) in [-1, 1]
+
+
+def train_clip(images, captions, tokenizer, steps: int, seed: int, batch: int = 256):
+    """Contrastive (CLIP, arXiv 2103.00020) training of a tiny ``CLIPModel`` on scenes and captions.
+
+    Args:
+        images: uint8 ``(N, 3, 64, 64)``; captions: ``N`` strings.
+
+    Returns:
+        The trained ``CLIPModel`` (float32, eval mode).
+    """
+    from transformers import CLIPConfig, CLIPModel
+
+    torch.manual_seed(seed)
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=256, num_hidden_layers=4,
+                num_attention_heads=4, max_position_embeddings=MAX_TOKENS, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    vision = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                  image_size=IMAGE_SIZE, patch_size=8)
+    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=64))
+    unique = sorted(set(captions))
+    ids = tokenizer(unique, padding="max_length", max_length=MAX_TOKENS, truncation=True, return_tensors="pt").input_ids
+    index = {c: i for i, c in enumerate(unique)}
+    cap_idx = torch.tensor([index[c] for c in captions])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps, pct_start=0.1)
+    mean, std = torch.tensor([0.5, 0.5, 0.5]).view(1, 3, 1, 1), torch.tensor([0.5, 0.5, 0.5]).view(1, 3, 1, 1)
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    bar = tqdm(_batches(len(captions), batch, steps, gen), total=steps, desc="tiny CLIP")
+    for idx in bar:
+        pix = (images[idx].float() / 255 - mean) / std  # (B, 3, 64, 64)
+        tok = ids[cap_idx[idx]]  # (B, T)
+        same = cap_idx[idx][:, None] == cap_idx[idx][None, :]  # duplicate captions are positives too
+        out = model(input_ids=tok, pixel_values=pix)  # float32: bf16 autocast is slower here
+        logits = out.logits_per_image.float()  # (B, B)
+        target = same.float() / same.sum(1, keepdim=True)
+        loss = (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    return model.eval()
+
+
+def train_vae(images, steps: int, seed: int, batch: int = 32):
+    """Train a tiny ``AutoencoderKL`` (4x downsampling, 4 latent channels) on scenes.
+
+    Loss: L1 + MSE reconstruction plus a 1e-6-weighted KL. Sets ``shift_factor`` and
+    ``scaling_factor`` in its config so that scaled latents have zero mean and unit variance, as SD3's.
+
+    Returns:
+        The trained ``AutoencoderKL`` (float32, eval mode).
+    """
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
+                        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(16, 32, 32), layers_per_block=1,
+                        latent_channels=4, norm_num_groups=8, sample_size=IMAGE_SIZE)
+    opt = torch.optim.AdamW(vae.parameters(), lr=1e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps, pct_start=0.05)
+    gen = torch.Generator().manual_seed(seed)
+    vae.train()
+    bar = tqdm(_batches(len(images), batch, steps, gen), total=steps, desc="tiny VAE")
+    for idx in bar:
+        x = _to_float(images[idx])  # (B, 3, 64, 64)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            post = vae.encode(x).latent_dist
+            z = post.sample(generator=gen)
+            rec = vae.decode(z).sample.float()
+        kl = post.kl().mean() / z[0].numel()
+        loss = (rec - x).abs().mean() + F.mse_loss(rec, x) + 1e-6 * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+    vae.eval()
+    with torch.no_grad():
+        z = encode_latents(vae, images[:2048])
+    vae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1.0 / z.std()))
+    return vae
+
+
+@torch.no_grad()
+def encode_latents(vae, images: torch.Tensor, batch: int = 256) -> torch.Tensor:
+    """Unscaled latent means of uint8 images ``(N, 3, 64, 64)`` -> float32 ``(N, 4, 16, 16)``."""
+    return torch.cat([vae.encode(_to_float(images[i : i + batch])).latent_dist.mean for i in range(0, len(images), batch)])
+
+
+def train_transformer(latents, cond, pooled, cap_idx, steps: int, seed: int, batch: int = 128, uncond_p: float = 0.1):
+    """Rectified-flow training (SD3, arXiv 2403.03206) of a tiny ``SD3Transformer2DModel``.
+
+    x_t = (1 - t) x_0 + t eps, t ~ logit-normal(0, 1); loss = |v_theta(x_t, t) - (eps - x_0)|^2. Captions
+    are dropped to the empty prompt with probability ``uncond_p`` for classifier-free guidance.
+
+    Args:
+        latents: scaled latents ``(N, 4, 16, 16)`` float32.
+        cond: ``(P, T, D)`` prompt embeddings of the P unique captions; row 0 is the empty prompt.
+        pooled: ``(P, D_pooled)`` pooled embeddings.
+        cap_idx: ``(N,)`` long, caption row of each latent.
+
+    Returns:
+        The trained ``SD3Transformer2DModel`` (float32, eval mode).
+    """
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(seed)
+    model = SD3Transformer2DModel(sample_size=latents.shape[-1], patch_size=2, in_channels=4, num_layers=5,
+                                  attention_head_dim=32, num_attention_heads=4, joint_attention_dim=cond.shape[-1],
+                                  caption_projection_dim=128, pooled_projection_dim=pooled.shape[-1], out_channels=4,
+                                  pos_embed_max_size=16, qk_norm="rms_norm")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps, pct_start=0.05)
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    bar = tqdm(_batches(len(latents), batch, steps, gen), total=steps, desc="tiny SD3 transformer")
+    for idx in bar:
+        x0 = latents[idx]  # (B, 4, 16, 16)
+        eps = torch.randn(x0.shape, generator=gen)
+        t = torch.sigmoid(torch.randn(len(idx), generator=gen))  # (B,) logit-normal
+        xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
+        rows = torch.where(torch.rand(len(idx), generator=gen) < uncond_p, 0, cap_idx[idx])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            v = model(hidden_states=xt, encoder_hidden_states=cond[rows], pooled_projections=pooled[rows],
+                      timestep=t * 1000).sample.float()
+        loss = F.mse_loss(v, eps - x0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.4f}")
+    return model.eval()
+
+
+def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int = 600, vae_steps: int = 800,
+          dit_steps: int = 1200) -> dict:
+    """Regenerate every asset under ``out`` (see the module docstring); returns the wall times in seconds."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+    from transformers import CLIPImageProcessor, CLIPProcessor, CLIPTextModelWithProjection
+
+    out = Path(out)
+    times, t0 = {}, time.time()
+    train, test = split(seed)
+    (out / "prompts").mkdir(parents=True, exist_ok=True)
+    write_jsonl(train, out / "prompts" / "train.jsonl")
+    write_jsonl(test, out / "prompts" / "test.jsonl")
+    images, captions = render_dataset(n_scenes, seed)
+    times["render_s"] = time.time() - t0
+
+    t0 = time.time()
+    tokenizer = build_tokenizer()
+    clip = train_clip(images, captions, tokenizer, clip_steps, seed)
+    processor = CLIPProcessor(image_processor=CLIPImageProcessor(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]), tokenizer=tokenizer)
+    clip.half().save_pretrained(out / "tiny-clip")
+    processor.save_pretrained(out / "tiny-clip")
+    times["clip_s"] = time.time() - t0
+
+    t0 = time.time()
+    vae = train_vae(images, vae_steps, seed)
+    times["vae_s"] = time.time() - t0
+
+    t0 = time.time()
+    text_encoder = CLIPTextModelWithProjection.from_pretrained(out / "tiny-clip", dtype=torch.float32).eval()
+    pipe = StableDiffusion3Pipeline(
+        transformer=None, scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=vae, text_encoder=text_encoder,
+        tokenizer=tokenizer, text_encoder_2=text_encoder, tokenizer_2=tokenizer, text_encoder_3=None, tokenizer_3=None)
+    unique = [""] + sorted(set(captions))
+    with torch.no_grad():
+        cond, _, pooled, _ = pipe.encode_prompt(unique, unique, unique, do_classifier_free_guidance=False,
+                                                max_sequence_length=0)
+    index = {c: i for i, c in enumerate(unique)}
+    cap_idx = torch.tensor([index[c] for c in captions])
+    latents = (encode_latents(vae, images) - vae.config.shift_factor) * vae.config.scaling_factor
+    transformer = train_transformer(latents, cond.float(), pooled.float(), cap_idx, dit_steps, seed)
+    times["transformer_s"] = time.time() - t0
+
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=vae,
+        text_encoder=text_encoder.half(), tokenizer=tokenizer, text_encoder_2=text_encoder, tokenizer_2=tokenizer,
+        text_encoder_3=None, tokenizer_3=None)
+    pipe.save_pretrained(out / "tiny-sd3")
+    (out / "tiny-sd3" / "build.json").write_text(json.dumps({"seed": seed, "n_scenes": n_scenes, "clip_steps": clip_steps,
+        "vae_steps": vae_steps, "dit_steps": dit_steps, "times_s": times}, indent=1))
+    return times
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="assets")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n-scenes", type=int, default=20000)
+    p.add_argument("--clip-steps", type=int, default=600)
+    p.add_argument("--vae-steps", type=int, default=800)
+    p.add_argument("--dit-steps", type=int, default=1200)
+    a = p.parse_args(argv)
+    print(build(a.out, a.seed, a.n_scenes, a.clip_steps, a.vae_steps, a.dit_steps))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""The GRPO trainer: sample -> score -> advantages -> inner PPO epochs -> log -> evaluate -> checkpoint.
+
+Flow-GRPO (arXiv 2505.05470) is the first method: G SDE rollouts per prompt, group-relative
+advantages, PPO clipped surrogate on every trained transition, optional KL to the LoRA-disabled base.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from rewards import WeightedSum, build_reward
+from samplers import StepPlan, flow_sigmas, recompute_log_prob, sample
+
+from .advantages import group_advantages
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import Config, ConfigError, prompt_file, resolve_path, save_config
+from .evaluate import evaluate, generate
+from .losses import kl_to_reference, ppo_loss
+from .models import FlowModel, PromptEmbeds
+from .plots import save_grid, save_reward_curve
+from .tiny.prompts import read_jsonl
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Trainer:
+    """Runs one configured GRPO job end to end, writing everything to ``config.run.output_dir``.
+
+    Raises (at construction, before any sampling):
+        ConfigError / FileNotFoundError: bad config values, model folder or prompt files.
+        ValueError: a reward that fails its smoke call (wrong shape, NaN or inf), named.
+    """
+
+    def __init__(self, config: Config):
+        from accelerate import Accelerator
+
+        self.cfg = cfg = config
+        device = cfg.run.device
+        self.accelerator = Accelerator(cpu=device == "cpu", mixed_precision=cfg.run.mixed_precision)
+        self.device = self.accelerator.device
+        self.out = Path(cfg.run.output_dir)
+        self.train_metas = read_jsonl(prompt_file(cfg.train_prompts))
+        self.eval_metas = read_jsonl(prompt_file(cfg.eval.prompts))
+        self.rewards = WeightedSum({name: (build_reward(name, **r.options), r.weight) for name, r in cfg.rewards.items()})
+        self.model = FlowModel(resolve_path(cfg.model.path), self.device, DTYPES[cfg.model.dtype],
+                               cfg.model.max_sequence_length)
+        if cfg.model.lora_rank > 0:
+            self.model.add_lora(cfg.model.lora_rank, cfg.model.lora_alpha)
+        else:
+            self.model.full_finetune()
+        if cfg.train.kl_beta > 0 and cfg.model.lora_rank == 0:
+            raise ConfigError("config key 'train.kl_beta' needs model.lora_rank > 0 (the reference is the LoRA-disabled base)")
+        self.params = {n: p for n, p in self.model.transformer.named_parameters() if p.requires_grad}
+        self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.train.learning_rate,
+                                           betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay)
+        self.optimizer = self.accelerator.prepare(self.optimizer)
+        self.ema = {n: p.detach().clone() for n, p in self.params.items()} if cfg.train.ema_decay > 0 else None
+        self.sigmas = flow_sigmas(cfg.sampling.num_steps, cfg.sampling.shift).to(self.device)
+        self.plan = StepPlan.sde(cfg.sampling.num_steps, kernel=cfg.sampling.kernel,
+                                 noise_level=cfg.sampling.noise_level, train_last=cfg.sampling.train_last_step)
+        self._smoke_test_rewards()
+
+    # ----------------------------------------------------------------------------------------- parts
+    def _smoke_test_rewards(self) -> None:
+        metas = self.train_metas[:2]
+        images = torch.full((len(metas), 3, 64, 64), 0.5)
+        self.rewards(images, [m["prompt"] for m in metas], metas)
+
+    def _autocast(self):
+        if self.cfg.run.mixed_precision == "no":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.cfg.run.mixed_precision == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def _generator(self, iteration: int) -> torch.Generator:
+        seed = self.cfg.run.seed * 1_000_003 + iteration * 1009 + self.accelerator.process_index
+        return torch.Generator().manual_seed(seed)
+
+    def sample_prompts(self, iteration: int) -> list[dict]:
+        """The iteration's prompts (deterministic in seed and iteration; tag-balanced if configured)."""
+        rng = random.Random(self.cfg.run.seed * 7919 + iteration * 104729 + self.accelerator.process_index)
+        n = self.cfg.sampling.prompts_per_iteration
+        if not self.cfg.tag_balanced:
+            return [rng.choice(self.train_metas) for _ in range(n)]
+        by_tag = defaultdict(list)
+        for m in self.train_metas:
+            by_tag[m.get("tag", "all")].append(m)
+        tags = sorted(by_tag)
+        return [rng.choice(by_tag[rng.choice(tags)]) for _ in range(n)]
+
+    def _chunked(self, fn, size: int):
+        def chunked(x, t, cond):
+            return torch.cat([fn(x[i:i + size], t[i:i + size], cond[i:i + size]) for i in range(0, len(x), size)])
+        return chunked
+
+    @torch.no_grad()
+    def rollout(self, metas: list[dict], generator: torch.Generator):
+        """G SDE rollouts per prompt from the current policy.
+
+        Returns:
+            ``(rollout, images (B, 3, H, W) in [0, 1], table)`` where ``table`` row 0 is the empty prompt
+            and row 1 + p the p-th prompt; leaves are grouped by prompt (B = P * G).
+        """
+        s = self.cfg.sampling
+        table = self.model.encode([""] + [m["prompt"] for m in metas])
+        prompt_index = torch.arange(len(metas)).repeat_interleave(s.group_size)  # (B,)
+        shape = (len(prompt_index), *self.model.latent_shape)
+        if s.shared_noise:
+            noise = torch.randn((len(metas), *shape[1:]), generator=generator).repeat_interleave(s.group_size, 0)
+        else:
+            noise = torch.randn(shape, generator=generator)
+        velocity = self._chunked(self.model.velocity_fn(table, s.guidance_scale), s.batch_size)
+        with self._autocast():
+            ro = sample(velocity, noise.to(self.device), (prompt_index + 1).to(self.device),
+                        prompt_index.to(self.device), self.sigmas, self.plan, generator=generator)
+        images = torch.cat([self.model.decode(ro.final[i:i + s.batch_size]) for i in range(0, ro.num_leaves, s.batch_size)])
+        return ro, images.cpu(), table
+
+    def optimize(self, ro, advantages: torch.Tensor, zero_variance: torch.Tensor, table: PromptEmbeds,
+                 generator: torch.Generator) -> dict[str, float]:
+        """Inner PPO epochs over the trained transitions of groups with non-zero reward variance."""
+        t = self.cfg.train
+        tv = ro.trained_view()
+        tv = tv.select(~zero_variance.to(tv.leaf.device)[tv.leaf])
+        adv = advantages.to(self.device)[tv.leaf]  # (M,)
+        stats: dict[str, list[float]] = defaultdict(list)
+        w = self.cfg.sampling.guidance_scale
+        self.model.transformer.train()
+        for epoch in range(t.inner_epochs):
+            order = torch.randperm(len(tv), generator=generator).to(self.device)
+            for start in range(0, len(tv), t.minibatch_size):
+                mb = order[start:start + t.minibatch_size]
+                sub = tv.select(mb)
+                uncond = table[torch.zeros_like(sub.cond)] if w != 1.0 else None
+                with self._autocast():
+                    v = self.model.velocity(sub.state, sub.sigma, table[sub.cond], uncond, w)
+                log_prob, mean = recompute_log_prob(sub, v)
+                loss, st = ppo_loss(log_prob, sub.log_prob, adv[mb], t.clip_range)
+                if not stats["policy/ratio_first_max_dev"]:
+                    stats["policy/ratio_first_max_dev"].append(st["policy/ratio_max_dev"].item())
+                if t.kl_beta > 0:
+                    with torch.no_grad(), self.model.reference(), self._autocast():
+                        v_ref = self.model.velocity(sub.state, sub.sigma, table[sub.cond], uncond, w)
+                    kl = kl_to_reference(mean, recompute_log_prob(sub, v_ref)[1], sub.std)
+                    loss = loss + t.kl_beta * kl
+                    stats["policy/kl"].append(kl.item())
+                self.accelerator.backward(loss)
+                if self.accelerator.num_processes > 1:
+                    for p in self.params.values():
+                        p.grad = self.accelerator.reduce(p.grad, "mean")
+                grad_norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), t.max_grad_norm)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self._update_ema()
+                stats["policy/loss"].append(loss.item())
+                stats["policy/grad_norm"].append(grad_norm.item())
+                for k, v_ in st.items():
+                    stats[k].append(v_.item())
+        self.model.transformer.eval()
+        out = {k: sum(v) / len(v) for k, v in stats.items()}
+        out["policy/optimizer_steps"] = sum(1 for _ in stats["policy/loss"])
+        out["cost/trained_transitions"] = len(tv) * t.inner_epochs
+        return out
+
+    def _update_ema(self) -> None:
+        if self.ema is None:
+            return
+        d = self.cfg.train.ema_decay
+        with torch.no_grad():
+            for n, p in self.params.items():
+                self.ema[n].mul_(d).add_(p.detach(), alpha=1 - d)
+
+    @contextlib.contextmanager
+    def ema_weights(self):
+        """Context in which the trainable parameters hold their EMA (no-op without EMA)."""
+        if self.ema is None:
+            yield
+            return
+        backup = {n: p.detach().clone() for n, p in self.params.items()}
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(self.ema[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(backup[n])
+
+    def run_eval(self) -> dict:
+        """Held-out GenEval-style evaluation with ODE sampling (EMA weights if configured)."""
+        e = self.cfg.eval
+        with self.ema_weights(), self._autocast():
+            return evaluate(self.model, self.eval_metas, e.images_per_tag, e.num_steps, e.guidance_scale,
+                            self.cfg.sampling.shift, e.seed, self.cfg.sampling.batch_size)
+
+    def grid_images(self) -> torch.Tensor:
+        """Images of two fixed test prompts per tag, fixed seeds (for the before/after grid)."""
+        e = self.cfg.eval
+        with self.ema_weights(), self._autocast():
+            return generate(self.model, [m["prompt"] for m in self._grid_metas()], [e.seed + i for i in range(12)],
+                            e.num_steps, e.guidance_scale, self.cfg.sampling.shift)
+
+    def _grid_metas(self) -> list[dict]:
+        by_tag = defaultdict(list)
+        for m in self.eval_metas:
+            by_tag[m.get("tag", "all")].append(m)
+        return [m for tag in by_tag for m in by_tag[tag][:2]][:12]
+
+    # ------------------------------------------------------------------------------------------ loop
+    def train(self) -> dict:
+        """Run (or resume) the job. Returns ``{"before": eval, "after": eval, "wall_time_s": float}``."""
+        cfg, acc = self.cfg, self.accelerator
+        self.out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.out / "config.yaml")
+        start, elapsed = self._maybe_resume()
+        t_start = time.time() - elapsed
+        if start == 0:
+            before = self.run_eval()
+            (self.out / "eval_before.json").write_text(json.dumps(before, indent=1))
+            from safetensors.torch import save_file
+
+            save_file({"images": self.grid_images().contiguous()}, self.out / "grid_before.safetensors")
+        before = json.loads((self.out / "eval_before.json").read_text())
+        bar = tqdm(range(start, cfg.run.iterations), initial=start, total=cfg.run.iterations, desc="flowrl train",
+                   disable=not acc.is_main_process)
+        for it in bar:
+            metrics = self.step(it)
+            metrics["time/elapsed_s"] = time.time() - t_start
+            if cfg.eval.every and (it + 1) % cfg.eval.every == 0 and it + 1 < cfg.run.iterations:
+                result = self.run_eval()
+                metrics.update({"eval/overall": result["overall"], **{f"eval/{k}": v for k, v in result["per_tag"].items()}})
+            self._log(metrics)
+            bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}")
+            if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations:
+                self._save(it + 1, time.time() - t_start)
+        after = self.run_eval()
+        wall = time.time() - t_start
+        result = {"before": before, "after": after, "wall_time_s": wall, "iterations": cfg.run.iterations}
+        (self.out / "eval.json").write_text(json.dumps(result, indent=1))
+        self._artifacts()
+        return result
+
+    def step(self, it: int) -> dict[str, float]:
+        """One GRPO iteration; returns its metrics."""
+        gen = self._generator(it)
+        metas = self.sample_prompts(it)
+        t0 = time.time()
+        ro, images, table = self.rollout(metas, gen)
+        t1 = time.time()
+        leaf_metas = [metas[i] for i in ro.group.tolist()]
+        scores = self.rewards(images, [m["prompt"] for m in leaf_metas], leaf_metas)
+        t2 = time.time()
+        total = self.accelerator.gather(scores.total.to(self.device)).cpu()
+        group = self.accelerator.gather((ro.group + self.accelerator.process_index * len(metas)).to(self.device)).cpu()
+        adv, zero = group_advantages(total, group, self.cfg.train.adv_std, self.cfg.train.adv_clip_max)
+        mine = slice(self.accelerator.process_index * len(scores.total), (self.accelerator.process_index + 1) * len(scores.total))
+        stats = self.optimize(ro, adv[mine], zero[mine], table, gen)
+        t3 = time.time()
+        metrics = {"iteration": it + 1, "reward/total/mean": total.mean().item(), "reward/total/std": total.std().item()}
+        for name, s in scores.per_reward.items():
+            metrics[f"reward/{name}/mean"] = s.mean().item()
+        metrics.update({"advantage/abs_mean": adv.abs().mean().item(), "advantage/zero_variance_frac": zero.float().mean().item(),
+                        "cost/nfe": ro.cost["nfe"] * (2 if self.cfg.sampling.guidance_scale != 1 else 1),
+                        "cost/reward_calls": len(images), "time/sample_s": t1 - t0, "time/score_s": t2 - t1,
+                        "time/train_s": t3 - t2, **stats})
+        return metrics
+
+    # ----------------------------------------------------------------------------------- bookkeeping
+    def _log(self, metrics: dict) -> None:
+        if self.accelerator.is_main_process:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+
+    def _save(self, iteration: int, elapsed: float) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        path = save_checkpoint(self.out / "checkpoints", iteration, self.params, self.optimizer, self.ema,
+                               extra={"elapsed_s": elapsed})
+        if self.cfg.model.lora_rank > 0:
+            with self.ema_weights():
+                self.model.save_lora(path / "lora")
+
+    def _maybe_resume(self) -> tuple[int, float]:
+        if not self.cfg.run.resume:
+            if (self.out / "metrics.jsonl").exists():
+                raise FileExistsError(f"run folder {self.out} already holds a run: pass run.resume=true to continue it, "
+                                      "or choose another run.output_dir")
+            return 0, 0.0
+        path = latest_checkpoint(self.out / "checkpoints")
+        if path is None:
+            if (self.out / "metrics.jsonl").exists():
+                (self.out / "metrics.jsonl").unlink()  # nothing checkpointed: start over
+            return 0, 0.0
+        state = load_checkpoint(path, self.params, self.optimizer, self.ema)
+        it = state["iteration"]
+        lines = (self.out / "metrics.jsonl").read_text().splitlines() if (self.out / "metrics.jsonl").exists() else []
+        kept = [l for l in lines if json.loads(l)["iteration"] <= it]
+        (self.out / "metrics.jsonl").write_text("".join(l + "\n" for l in kept))
+        return it, state["extra"].get("elapsed_s", 0.0)
+
+    def _artifacts(self) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        from safetensors.torch import load_file
+
+        metrics = [json.loads(l) for l in (self.out / "metrics.jsonl").read_text().splitlines()]
+        result = json.loads((self.out / "eval.json").read_text())
+        save_reward_curve(metrics, result, self.out / "reward_curve.png")
+        before = load_file(self.out / "grid_before.safetensors")["images"]
+        save_grid(before, self.grid_images(), [m["prompt"] for m in self._grid_metas()], self.out / "grid.png")
+        if self.cfg.model.lora_rank > 0:
+            with self.ema_weights():
+                self.model.save_lora(self.out / "lora")

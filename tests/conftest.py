@@ -1,0 +1,66 @@
+"""Shared fixtures: a seeded random tiny SD3 pipeline (built in seconds, no download) and prompts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+ASSETS = REPO / "assets"
+
+
+def build_random_pipeline(folder: Path) -> Path:
+    """Save a random-weight StableDiffusion3Pipeline with the tiny model's architecture to ``folder``."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    from flowrl.tiny.build import MAX_TOKENS, build_tokenizer
+
+    torch.manual_seed(0)
+    tok = build_tokenizer()
+    te = CLIPTextModelWithProjection(CLIPTextConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=MAX_TOKENS, projection_dim=32, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
+                        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 16, 16), layers_per_block=1,
+                        latent_channels=4, norm_num_groups=8, sample_size=64)
+    dit = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
+                                num_attention_heads=2, joint_attention_dim=64, caption_projection_dim=32,
+                                pooled_projection_dim=64, out_channels=4, pos_embed_max_size=16, qk_norm="rms_norm")
+    pipe = StableDiffusion3Pipeline(transformer=dit, scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=vae,
+                                    text_encoder=te, tokenizer=tok, text_encoder_2=te, tokenizer_2=tok,
+                                    text_encoder_3=None, tokenizer_3=None)
+    pipe.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def random_pipeline(tmp_path_factory) -> Path:
+    return build_random_pipeline(tmp_path_factory.mktemp("random-sd3"))
+
+
+@pytest.fixture(scope="session")
+def prompt_files(tmp_path_factory) -> tuple[Path, Path]:
+    from flowrl.tiny.prompts import split, write_jsonl
+
+    folder = tmp_path_factory.mktemp("prompts")
+    train, test = split(0)
+    write_jsonl(train, folder / "train.jsonl")
+    write_jsonl(test, folder / "test.jsonl")
+    return folder / "train.jsonl", folder / "test.jsonl"
+
+
+def tiny_overrides(model: Path, train: Path, test: Path, out: Path, **extra) -> list[str]:
+    """Overrides that make a run take seconds."""
+    base = {
+        "model.path": str(model), "train_prompts": str(train), "eval.prompts": str(test), "run.output_dir": str(out),
+        "run.iterations": 2, "run.save_every": 1, "run.device": "cpu", "sampling.num_steps": 3,
+        "sampling.group_size": 2, "sampling.prompts_per_iteration": 2, "eval.images_per_tag": 1, "eval.num_steps": 2,
+        "train.minibatch_size": 4, "model.lora_rank": 2,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]

@@ -39,14 +39,14 @@ def generate(model: FlowModel, prompts: list[str], seeds: list[int], num_steps: 
 
 
 def expand_per_tag(metas: list[dict], images_per_tag: int) -> list[dict]:
-    """Repeat each tag's prompts round-robin until the tag holds ``images_per_tag`` entries
-    (every tag is then estimated from the same number of images)."""
+    """Exactly ``images_per_tag`` entries per tag, its prompts taken round-robin (every tag is then
+    estimated from the same number of images); ``images_per_tag <= 0`` keeps every prompt once."""
     by_tag: dict[str, list[dict]] = defaultdict(list)
     for m in metas:
         by_tag[m.get("tag", "all")].append(m)
     out = []
     for tag_metas in by_tag.values():
-        n = max(images_per_tag, len(tag_metas)) if images_per_tag > 0 else len(tag_metas)
+        n = images_per_tag if images_per_tag > 0 else len(tag_metas)
         out += [tag_metas[i % len(tag_metas)] for i in range(n)]
     return out
 
@@ -89,3 +89,21 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
     if return_images:
         result.update(images=images, correct=strict, prompts=prompts)
     return result
+
+
+def evaluate_reward(model: FlowModel, metas: list[dict], reward, images_per_prompt: int = 1, num_steps: int = 20,
+                    guidance_scale: float = 4.5, shift: float = 1.0, seed: int = 1234, batch_size: int = 64) -> dict:
+    """Mean reward of ODE samples, for prompt sets without GenEval metadata (e.g. PickScore prompts).
+
+    Args:
+        reward: a callable ``(images, prompts, metadata) -> CombinedScores`` (``rewards.WeightedSum``).
+
+    Returns:
+        ``{"overall": mean total reward, "per_reward": {name: mean}, "n_images", "num_steps", "guidance_scale"}``.
+    """
+    metas = [m for m in metas for _ in range(images_per_prompt)]
+    prompts = [m["prompt"] for m in metas]
+    images = generate(model, prompts, [seed + i for i in range(len(metas))], num_steps, guidance_scale, shift, batch_size)
+    scores = reward(images, prompts, metas)
+    return {"overall": scores.total.mean().item(), "per_reward": {k: v.mean().item() for k, v in scores.per_reward.items()},
+            "per_tag": {}, "n_images": len(metas), "num_steps": num_steps, "guidance_scale": guidance_scale}

@@ -171,7 +171,9 @@ class FlowModel:
         from peft.utils import get_peft_model_state_dict
 
         state = get_peft_model_state_dict(self.transformer)
-        StableDiffusion3Pipeline.save_lora_weights(directory, transformer_lora_layers=state)
+        metadata = self.transformer.peft_config["default"].to_dict()  # carries lora_alpha: without it alpha = rank
+        StableDiffusion3Pipeline.save_lora_weights(directory, transformer_lora_layers=state,
+                                                   transformer_lora_adapter_metadata=metadata)
 
     def load_lora(self, directory: str | Path) -> None:
         """Load a diffusers-format LoRA folder into the transformer (as the default adapter).

@@ -22,7 +22,7 @@ from samplers import StepPlan, flow_sigmas, recompute_log_prob, sample
 from .advantages import group_advantages
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, ConfigError, prompt_file, resolve_path, save_config
-from .evaluate import evaluate, generate
+from .evaluate import evaluate, evaluate_reward, generate
 from .losses import kl_to_reference, ppo_loss
 from .models import FlowModel, PromptEmbeds
 from .plots import save_grid, save_reward_curve
@@ -44,7 +44,8 @@ class Trainer:
 
         self.cfg = cfg = config
         device = cfg.run.device
-        self.accelerator = Accelerator(cpu=device == "cpu", mixed_precision=cfg.run.mixed_precision)
+        # mixed precision is our own autocast (see _autocast): accelerate's state is a process-wide singleton
+        self.accelerator = Accelerator(cpu=device == "cpu")
         self.device = self.accelerator.device
         self.out = Path(cfg.run.output_dir)
         self.train_metas = read_jsonl(prompt_file(cfg.train_prompts))
@@ -52,6 +53,7 @@ class Trainer:
         self.rewards = WeightedSum({name: (build_reward(name, **r.options), r.weight) for name, r in cfg.rewards.items()})
         self.model = FlowModel(resolve_path(cfg.model.path), self.device, DTYPES[cfg.model.dtype],
                                cfg.model.max_sequence_length)
+        torch.manual_seed(cfg.run.seed)  # the LoRA init: runs with one seed start from the same weights
         if cfg.model.lora_rank > 0:
             self.model.add_lora(cfg.model.lora_rank, cfg.model.lora_alpha)
         else:
@@ -196,11 +198,15 @@ class Trainer:
                     p.copy_(backup[n])
 
     def run_eval(self) -> dict:
-        """Held-out GenEval-style evaluation with ODE sampling (EMA weights if configured)."""
-        e = self.cfg.eval
+        """Held-out evaluation with ODE sampling (EMA weights if configured): GenEval strict accuracy where
+        the prompts carry GenEval metadata, else the mean of the configured rewards."""
+        e, shift, batch = self.cfg.eval, self.cfg.sampling.shift, self.cfg.sampling.batch_size
         with self.ema_weights(), self._autocast():
-            return evaluate(self.model, self.eval_metas, e.images_per_tag, e.num_steps, e.guidance_scale,
-                            self.cfg.sampling.shift, e.seed, self.cfg.sampling.batch_size)
+            if all("include" in m for m in self.eval_metas):
+                return evaluate(self.model, self.eval_metas, e.images_per_tag, e.num_steps, e.guidance_scale, shift,
+                                e.seed, batch)
+            return evaluate_reward(self.model, self.eval_metas, self.rewards, 1, e.num_steps, e.guidance_scale, shift,
+                                   e.seed, batch)
 
     def grid_images(self) -> torch.Tensor:
         """Images of two fixed test prompts per tag, fixed seeds (for the before/after grid)."""

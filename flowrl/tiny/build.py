@@ -30,7 +30,10 @@ from tqdm import tqdm
 
 from flowrl.tiny.prompts import all_metadata, split, write_jsonl
 from flowrl.tiny.render import render, sample_scene
-from rewards.geneval.world import IMAGE_SIZE, TAGS
+from rewards.geneval.world import BACKGROUND, IMAGE_SIZE, TAGS
+
+LATENT_CHANNELS = 8
+"""Channels of the tiny VAE's 16x16 latents."""
 
 MAX_TOKENS = 16
 """Token length of the tiny tokenizer (the longest world prompt takes 13 with BOS/EOS)."""
@@ -139,9 +142,10 @@ def train_clip(images, captions, tokenizer, steps: int, seed: int, batch: int = 
 
 
 def train_vae(images, steps: int, seed: int, batch: int = 32):
-    """Train a tiny ``AutoencoderKL`` (4x downsampling, 4 latent channels) on scenes.
+    """Train a tiny ``AutoencoderKL`` (4x downsampling, ``LATENT_CHANNELS`` latent channels) on scenes.
 
-    Loss: L1 + MSE reconstruction plus a 1e-6-weighted KL. Sets ``shift_factor`` and
+    Loss: L1 + MSE reconstruction, weighted 10x on object pixels so that small shapes are not averaged
+    into the background, plus a 1e-6-weighted KL. Sets ``shift_factor`` and
     ``scaling_factor`` in its config so that scaled latents have zero mean and unit variance, as SD3's.
 
     Returns:
@@ -151,8 +155,9 @@ def train_vae(images, steps: int, seed: int, batch: int = 32):
 
     torch.manual_seed(seed)
     vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
-                        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(16, 32, 32), layers_per_block=1,
-                        latent_channels=4, norm_num_groups=8, sample_size=IMAGE_SIZE)
+                        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(32, 64, 64), layers_per_block=1,
+                        latent_channels=LATENT_CHANNELS, norm_num_groups=16, sample_size=IMAGE_SIZE)
+    background = _to_float(torch.tensor(BACKGROUND, dtype=torch.uint8).view(1, 3, 1, 1))
     opt = torch.optim.AdamW(vae.parameters(), lr=1e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps, pct_start=0.05)
     gen = torch.Generator().manual_seed(seed)
@@ -165,7 +170,8 @@ def train_vae(images, steps: int, seed: int, batch: int = 32):
             z = post.sample(generator=gen)
             rec = vae.decode(z).sample.float()
         kl = post.kl().mean() / z[0].numel()
-        loss = (rec - x).abs().mean() + F.mse_loss(rec, x) + 1e-6 * kl
+        weight = 1 + 9 * ((x - background).abs().amax(1, keepdim=True) > 0.1).float()  # (B, 1, H, W): objects x10
+        loss = (weight * ((rec - x).abs() + (rec - x) ** 2)).mean() + 1e-6 * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -181,32 +187,38 @@ def train_vae(images, steps: int, seed: int, batch: int = 32):
 
 @torch.no_grad()
 def encode_latents(vae, images: torch.Tensor, batch: int = 256) -> torch.Tensor:
-    """Unscaled latent means of uint8 images ``(N, 3, 64, 64)`` -> float32 ``(N, 4, 16, 16)``."""
+    """Unscaled latent means of uint8 images ``(N, 3, 64, 64)`` -> float32 ``(N, LATENT_CHANNELS, 16, 16)``."""
     return torch.cat([vae.encode(_to_float(images[i : i + batch])).latent_dist.mean for i in range(0, len(images), batch)])
 
 
-def train_transformer(latents, cond, pooled, cap_idx, steps: int, seed: int, batch: int = 128, uncond_p: float = 0.1):
+def tiny_transformer(joint_attention_dim: int, pooled_projection_dim: int, seed: int):
+    """A freshly initialised tiny ``SD3Transformer2DModel`` (5 joint blocks, width 128, 16x16 latents)."""
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(seed)
+    return SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=LATENT_CHANNELS, num_layers=5, attention_head_dim=32,
+                                 num_attention_heads=4, joint_attention_dim=joint_attention_dim,
+                                 caption_projection_dim=128, pooled_projection_dim=pooled_projection_dim,
+                                 out_channels=LATENT_CHANNELS, pos_embed_max_size=16, qk_norm="rms_norm")
+
+
+def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: int, batch: int = 128,
+                      uncond_p: float = 0.1):
     """Rectified-flow training (SD3, arXiv 2403.03206) of a tiny ``SD3Transformer2DModel``.
 
     x_t = (1 - t) x_0 + t eps, t ~ logit-normal(0, 1); loss = |v_theta(x_t, t) - (eps - x_0)|^2. Captions
     are dropped to the empty prompt with probability ``uncond_p`` for classifier-free guidance.
 
     Args:
-        latents: scaled latents ``(N, 4, 16, 16)`` float32.
+        model: an ``SD3Transformer2DModel`` (see :func:`tiny_transformer`).
+        latents: scaled latents ``(N, LATENT_CHANNELS, 16, 16)`` float32.
         cond: ``(P, T, D)`` prompt embeddings of the P unique captions; row 0 is the empty prompt.
         pooled: ``(P, D_pooled)`` pooled embeddings.
         cap_idx: ``(N,)`` long, caption row of each latent.
 
     Returns:
-        The trained ``SD3Transformer2DModel`` (float32, eval mode).
+        ``model``, trained in place (float32, eval mode).
     """
-    from diffusers import SD3Transformer2DModel
-
-    torch.manual_seed(seed)
-    model = SD3Transformer2DModel(sample_size=latents.shape[-1], patch_size=2, in_channels=4, num_layers=5,
-                                  attention_head_dim=32, num_attention_heads=4, joint_attention_dim=cond.shape[-1],
-                                  caption_projection_dim=128, pooled_projection_dim=pooled.shape[-1], out_channels=4,
-                                  pos_embed_max_size=16, qk_norm="rms_norm")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps, pct_start=0.05)
     gen = torch.Generator().manual_seed(seed)
@@ -231,11 +243,37 @@ def train_transformer(latents, cond, pooled, cap_idx, steps: int, seed: int, bat
     return model.eval()
 
 
-def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int = 600, vae_steps: int = 800,
-          dit_steps: int = 1200) -> dict:
-    """Regenerate every asset under ``out`` (see the module docstring); returns the wall times in seconds."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
-    from transformers import CLIPImageProcessor, CLIPProcessor, CLIPTextModelWithProjection
+def text_tower(folder: Path):
+    """The text tower of a saved ``CLIPModel`` as a ``CLIPTextModelWithProjection`` (float32, eval)."""
+    from transformers import CLIPModel, CLIPTextModelWithProjection
+
+    clip = CLIPModel.from_pretrained(folder, dtype=torch.float32)
+    config = clip.config.text_config
+    config.projection_dim = clip.config.projection_dim
+    tower = CLIPTextModelWithProjection(config)
+    tower.text_model.load_state_dict(clip.text_model.state_dict())
+    tower.text_projection.load_state_dict(clip.text_projection.state_dict())
+    return tower.eval()
+
+
+def _save_clip(clip, tokenizer, folder: Path) -> None:
+    from transformers import CLIPImageProcessor, CLIPProcessor
+
+    processor = CLIPProcessor(image_processor=CLIPImageProcessor(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]), tokenizer=tokenizer)
+    clip.half().save_pretrained(folder)  # float16 on disk: the 49408-token embeddings dominate the size
+    processor.save_pretrained(folder)
+
+
+def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int = 600, vae_steps: int = 900,
+          dit_steps: int = 900, resume: bool = False) -> dict:
+    """Regenerate every asset under ``out`` (see the module docstring); returns the wall times in seconds.
+
+    ``resume`` keeps the stages an interrupted build finished (``out/tiny-clip``, the VAE in
+    ``out/.build-cache``) instead of training them again.
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
     out = Path(out)
     times, t0 = {}, time.time()
@@ -248,22 +286,25 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
 
     t0 = time.time()
     tokenizer = build_tokenizer()
-    clip = train_clip(images, captions, tokenizer, clip_steps, seed)
-    processor = CLIPProcessor(image_processor=CLIPImageProcessor(
-        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]), tokenizer=tokenizer)
-    clip.half().save_pretrained(out / "tiny-clip")
-    processor.save_pretrained(out / "tiny-clip")
+    if not (resume and (out / "tiny-clip" / "model.safetensors").is_file()):
+        _save_clip(train_clip(images, captions, tokenizer, clip_steps, seed), tokenizer, out / "tiny-clip")
     times["clip_s"] = time.time() - t0
 
     t0 = time.time()
-    vae = train_vae(images, vae_steps, seed)
+    cache = out / ".build-cache" / "vae"
+    if resume and (cache / "config.json").is_file():
+        vae = AutoencoderKL.from_pretrained(cache).eval()
+    else:
+        vae = train_vae(images, vae_steps, seed)
+        vae.save_pretrained(cache)
     times["vae_s"] = time.time() - t0
 
     t0 = time.time()
-    text_encoder = CLIPTextModelWithProjection.from_pretrained(out / "tiny-clip", dtype=torch.float32).eval()
+    text_encoder = text_tower(out / "tiny-clip")
+    width = text_encoder.config.hidden_size * 2  # CLIP-L and CLIP-G slots, both the tiny tower
+    transformer = tiny_transformer(width, text_encoder.config.projection_dim * 2, seed)
     pipe = StableDiffusion3Pipeline(
-        transformer=None, scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=vae, text_encoder=text_encoder,
+        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=vae, text_encoder=text_encoder,
         tokenizer=tokenizer, text_encoder_2=text_encoder, tokenizer_2=tokenizer, text_encoder_3=None, tokenizer_3=None)
     unique = [""] + sorted(set(captions))
     with torch.no_grad():
@@ -272,15 +313,15 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
     index = {c: i for i, c in enumerate(unique)}
     cap_idx = torch.tensor([index[c] for c in captions])
     latents = (encode_latents(vae, images) - vae.config.shift_factor) * vae.config.scaling_factor
-    transformer = train_transformer(latents, cond.float(), pooled.float(), cap_idx, dit_steps, seed)
+    train_transformer(transformer, latents, cond.float(), pooled.float(), cap_idx, dit_steps, seed)
     times["transformer_s"] = time.time() - t0
 
     pipe = StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=vae,
+        transformer=transformer.half(), scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=vae.half(),  # fp16 on disk
         text_encoder=text_encoder.half(), tokenizer=tokenizer, text_encoder_2=text_encoder, tokenizer_2=tokenizer,
         text_encoder_3=None, tokenizer_3=None)
     pipe.save_pretrained(out / "tiny-sd3")
-    (out / "tiny-sd3" / "build.json").write_text(json.dumps({"seed": seed, "n_scenes": n_scenes, "clip_steps": clip_steps,
+    (out / "tiny-sd3" / "build.json").write_text(json.dumps({"seed": seed, "n_scenes": n_scenes, "clip_steps": clip_steps, "reused_clip": resume,
         "vae_steps": vae_steps, "dit_steps": dit_steps, "times_s": times}, indent=1))
     return times
 
@@ -291,10 +332,11 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n-scenes", type=int, default=20000)
     p.add_argument("--clip-steps", type=int, default=600)
-    p.add_argument("--vae-steps", type=int, default=800)
-    p.add_argument("--dit-steps", type=int, default=1200)
+    p.add_argument("--vae-steps", type=int, default=900)
+    p.add_argument("--dit-steps", type=int, default=900)
+    p.add_argument("--resume", action="store_true", help="keep the stages an interrupted build finished")
     a = p.parse_args(argv)
-    print(build(a.out, a.seed, a.n_scenes, a.clip_steps, a.vae_steps, a.dit_steps))
+    print(build(a.out, a.seed, a.n_scenes, a.clip_steps, a.vae_steps, a.dit_steps, a.resume))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,163 @@
+"""Few-iteration training runs on a random tiny SD3 pipeline: artefacts, ratio, resume, LoRA, errors, CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_overrides
+from flowrl.config import ConfigError, load_config
+from flowrl.trainer import Trainer
+
+
+def nan_reward(images, prompts, metadata):
+    """A user reward that is broken on purpose."""
+    return torch.full((len(prompts),), float("nan"))
+
+
+
+
+
+def _config(tmp_path, random_pipeline, prompt_files, out="run", rewards="jpeg_compressibility", **extra):
+    (tmp_path / "c.yaml").write_text(f"rewards:\n  {rewards!r}:\n    weight: 1.0\n")
+    train, test = prompt_files
+    return load_config(tmp_path / "c.yaml", tiny_overrides(random_pipeline, train, test, tmp_path / out, **extra))
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, random_pipeline, prompt_files):
+    tmp = tmp_path_factory.mktemp("run")
+    cfg = _config(tmp, random_pipeline, prompt_files, **{"run.mixed_precision": "no"})
+    trainer = Trainer(cfg)
+    before = {n: p.detach().clone() for n, p in trainer.params.items()}
+    result = trainer.train()
+    return cfg, trainer, before, result
+
+
+def test_run_folder_has_every_artefact(finished_run):
+    cfg, _, _, result = finished_run
+    out = cfg.run.output_dir
+    from pathlib import Path
+
+    out = Path(out)
+    for name in ("config.yaml", "metrics.jsonl", "eval.json", "reward_curve.png", "grid.png", "lora/pytorch_lora_weights.safetensors",
+                 "checkpoints/checkpoint-000002/trainable.safetensors"):
+        assert (out / name).is_file(), name
+    metrics = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics] == [1, 2]
+    assert {"overall", "per_tag", "n_images"} <= set(result["after"])
+    assert load_config(out / "config.yaml").run.iterations == 2  # the saved config reloads
+
+
+def test_ratio_is_exactly_one_before_the_first_step(finished_run):
+    _, _, _, _ = finished_run
+    cfg = finished_run[0]
+    from pathlib import Path
+
+    metrics = [json.loads(l) for l in (Path(cfg.run.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    for m in metrics:
+        assert m["policy/optimizer_steps"] >= 2
+        assert m["policy/ratio_first_max_dev"] == 0.0
+
+
+def test_trainable_parameters_changed(finished_run):
+    _, trainer, before, _ = finished_run
+    changed = [n for n, p in trainer.params.items() if not torch.equal(p.detach(), before[n])]
+    assert changed and all("lora" in n for n in trainer.params)
+
+
+def test_lora_loads_in_stock_diffusers(finished_run, random_pipeline):
+    from pathlib import Path
+
+    from diffusers import StableDiffusion3Pipeline
+
+    cfg, trainer, _, _ = finished_run
+    pipe = StableDiffusion3Pipeline.from_pretrained(random_pipeline, text_encoder_3=None, tokenizer_3=None)
+    x = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    emb = trainer.model.encode(["a photo of a star", "a photo of two circles"])
+    kwargs = dict(hidden_states=x, encoder_hidden_states=emb.embeds, pooled_projections=emb.pooled,
+                  timestep=torch.tensor([500.0, 500.0]))
+    with torch.no_grad():
+        base = pipe.transformer(**kwargs).sample
+        pipe.load_lora_weights(str(Path(cfg.run.output_dir) / "lora"))
+        stock = pipe.transformer(**kwargs).sample
+        ours = trainer.model.transformer(**kwargs).sample
+    assert not torch.allclose(base, ours)
+    torch.testing.assert_close(stock, ours, rtol=1e-4, atol=1e-5)
+
+
+def test_resume_continues_a_killed_run_exactly(tmp_path, random_pipeline, prompt_files, finished_run):
+    cfg_full = finished_run[0]
+    from pathlib import Path
+
+    part = _config(tmp_path, random_pipeline, prompt_files, out="part", **{"run.mixed_precision": "no", "run.iterations": 1})
+    Trainer(part).train()  # "killed" after iteration 1 (its checkpoint is all that counts)
+    resumed = _config(tmp_path, random_pipeline, prompt_files, out="part", **{"run.mixed_precision": "no", "run.resume": "true"})
+    Trainer(resumed).train()
+    a = load_file(Path(cfg_full.run.output_dir) / "checkpoints/checkpoint-000002/trainable.safetensors")
+    b = load_file(tmp_path / "part/checkpoints/checkpoint-000002/trainable.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    lines = (tmp_path / "part/metrics.jsonl").read_text().splitlines()
+    assert [json.loads(l)["iteration"] for l in lines] == [1, 2]
+
+
+def test_existing_run_folder_needs_resume(tmp_path, random_pipeline, prompt_files):
+    cfg = _config(tmp_path, random_pipeline, prompt_files)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run/metrics.jsonl").write_text("")
+    with pytest.raises(FileExistsError, match="run.resume=true"):
+        Trainer(cfg).train()
+
+
+def test_bad_reward_is_named_before_any_work(tmp_path, random_pipeline, prompt_files):
+    cfg = _config(tmp_path, random_pipeline, prompt_files, rewards="test_train_e2e:nan_reward")
+    with pytest.raises(ValueError, match="nan_reward.*NaN"):
+        Trainer(cfg)
+    cfg = _config(tmp_path, random_pipeline, prompt_files, rewards="no_such_reward")
+    with pytest.raises(ValueError, match="unknown reward 'no_such_reward'"):
+        Trainer(cfg)
+
+
+def test_bad_paths_are_named(tmp_path, random_pipeline, prompt_files):
+    with pytest.raises(FileNotFoundError, match="missing-model"):
+        Trainer(_config(tmp_path, tmp_path / "missing-model", prompt_files))
+    train, _ = prompt_files
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        Trainer(_config(tmp_path, random_pipeline, (train, tmp_path / "nope.jsonl")))
+
+
+def test_kl_needs_lora(tmp_path, random_pipeline, prompt_files):
+    with pytest.raises(ConfigError, match="train.kl_beta"):
+        Trainer(_config(tmp_path, random_pipeline, prompt_files, **{"train.kl_beta": 0.1, "model.lora_rank": 0}))
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "flowrl.cli", *map(str, args)], capture_output=True, text=True)
+
+
+def test_cli_sample_and_eval(tmp_path, random_pipeline, prompt_files, finished_run):
+    from pathlib import Path
+
+    lora = Path(finished_run[0].run.output_dir) / "lora"
+    r = _cli("sample", "--model", random_pipeline, "--lora", lora, "--prompt", "a photo of a star", "-n", 2,
+             "--num-steps", 2, "--out", tmp_path / "g.png")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "g.png").is_file()
+    r = _cli("eval", "--model", random_pipeline, "--prompts", prompt_files[1], "--images-per-tag", 1, "--num-steps", 2,
+             "--out", tmp_path / "e.json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "e.json").read_text())
+    assert set(result["per_tag"]) == {"single_object", "two_object", "counting", "colors", "position", "color_attr"}
+    assert result["n_images"] == 6 and 0.0 <= result["overall"] <= 1.0
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    r = _cli("train", "configs/tiny_geneval.yaml", "train.lerning_rate=1")
+    assert r.returncode == 2 and "train.lerning_rate" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = _cli("eval", "--model", tmp_path, "--out", tmp_path / "e.json")
+    assert r.returncode == 2 and "model_index.json" in r.stderr

@@ -1,0 +1,116 @@
+"""Advantages, PPO loss, KL, config and checkpoint: numeric checks against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from flowrl.advantages import group_advantages
+from flowrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from flowrl.config import ConfigError, load_config
+from flowrl.losses import kl_to_reference, ppo_loss
+
+
+def test_group_advantages_group_std():
+    r = torch.tensor([1.0, 3.0, 5.0, 5.0])
+    g = torch.tensor([0, 0, 1, 1])
+    adv, zero = group_advantages(r, g, std="group", clip=5.0, eps=0.0)
+    assert torch.allclose(adv, torch.tensor([-1.0, 1.0, 0.0, 0.0]))
+    assert zero.tolist() == [False, False, True, True]
+
+
+def test_group_advantages_global_std_and_clip():
+    r = torch.tensor([0.0, 2.0, 10.0, 10.0])
+    g = torch.tensor([0, 0, 1, 1])
+    adv, _ = group_advantages(r, g, std="global", clip=5.0, eps=1e-4)
+    std = r.std(unbiased=False)
+    assert torch.allclose(adv[:2], torch.tensor([-1.0, 1.0]) / (std + 1e-4))
+    adv, _ = group_advantages(torch.tensor([0.0, 100.0]), torch.tensor([0, 0]), std="global", clip=0.5)
+    assert adv.tolist() == [-0.5, 0.5]
+
+
+def test_group_advantages_errors():
+    with pytest.raises(ValueError, match="'group' or 'global'"):
+        group_advantages(torch.zeros(2), torch.zeros(2, dtype=torch.long), std="batch")
+
+
+def test_ppo_loss_on_policy_is_minus_mean_advantage():
+    lp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    loss, stats = ppo_loss(lp, lp.detach(), adv, clip_range=1e-4)
+    assert loss.item() == pytest.approx(-adv.mean().item())
+    assert stats["policy/ratio_max_dev"].item() == 0.0 and stats["policy/clipfrac"].item() == 0.0
+    loss.backward()
+    assert torch.allclose(lp.grad, -adv / 3)
+
+
+def test_ppo_loss_clips_beyond_range():
+    old = torch.zeros(2)
+    new = torch.log(torch.tensor([1.5, 0.5]))  # ratios 1.5 and 0.5
+    adv = torch.tensor([1.0, -1.0])
+    loss, stats = ppo_loss(new, old, adv, clip_range=0.2)
+    # max(-A r, -A clip(r)): A=+1, r=1.5 -> max(-1.5, -1.2) = -1.2; A=-1, r=0.5 -> max(0.5, 0.8) = 0.8
+    assert loss.item() == pytest.approx((-1.2 + 0.8) / 2)
+    assert stats["policy/clipfrac"].item() == 1.0
+
+
+def test_kl_to_reference_closed_form():
+    mean = torch.zeros(2, 1, 2, 2)
+    ref = torch.ones(2, 1, 2, 2) * torch.tensor([1.0, 2.0]).view(2, 1, 1, 1)
+    std = torch.tensor([1.0, 2.0])
+    # per transition: d^2 / (2 s^2) = 1/2 and 4/8 -> mean 0.5
+    assert kl_to_reference(mean, ref, std).item() == pytest.approx(0.5)
+
+
+def test_config_rejects_unknown_and_bad_keys(tmp_path):
+    with pytest.raises(ConfigError, match="train.lerning_rate"):
+        load_config(None, ["train.lerning_rate=1e-3"])
+    with pytest.raises(ConfigError, match="sampling.group_size"):
+        load_config(None, ["sampling.group_size=1"])
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["sampling.group_size"])
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_config_rewards_of_a_preset_replace_the_default(tmp_path):
+    (tmp_path / "c.yaml").write_text("rewards:\n  clipscore:\n    weight: 0.5\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert list(cfg.rewards) == ["clipscore"] and cfg.rewards["clipscore"].weight == 0.5
+    assert list(load_config(None).rewards) == ["geneval"]
+
+
+def test_config_presets_load():
+    for name in ("tiny_geneval", "sd35m_pickscore"):
+        load_config(f"configs/{name}.yaml")
+
+
+def test_checkpoint_round_trip(tmp_path):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(3, 2))
+    opt = torch.optim.AdamW([w], lr=0.1)
+    w.sum().backward()
+    opt.step()
+    ema = {"w": w.detach().clone() * 2}
+    save_checkpoint(tmp_path, 7, {"w": w}, opt, ema, extra={"elapsed_s": 1.5})
+    expected_rand = torch.rand(3)
+    saved_w, saved_state = w.detach().clone(), opt.state_dict()["state"][0]["exp_avg"].clone()
+
+    w2 = torch.nn.Parameter(torch.zeros(3, 2))
+    opt2 = torch.optim.AdamW([w2], lr=0.1)
+    ema2 = {"w": torch.zeros(3, 2)}
+    path = latest_checkpoint(tmp_path)
+    assert path.name == "checkpoint-000007"
+    state = load_checkpoint(path, {"w": w2}, opt2, ema2)
+    assert state["iteration"] == 7 and state["extra"]["elapsed_s"] == 1.5
+    assert torch.equal(w2.detach(), saved_w) and torch.equal(ema2["w"], saved_w * 2)
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], saved_state)
+    assert torch.equal(torch.rand(3), expected_rand)  # the torch RNG continues where it was saved
+
+
+def test_checkpoint_names_missing_tensor(tmp_path):
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([w])
+    path = save_checkpoint(tmp_path, 1, {"w": w}, opt)
+    with pytest.raises(KeyError, match="'v'"):
+        load_checkpoint(path, {"v": torch.nn.Parameter(torch.zeros(2))}, opt)

@@ -93,6 +93,17 @@ def _batches(n: int, batch: int, steps: int, gen: torch.Generator):
         yield torch.randint(0, n, (batch,), generator=gen)
 
 
+def _optimizer_step(loss, model, opt, sched, bar, max_grad_norm: float | None = None) -> None:
+    """Backward, optional gradient clipping, optimizer and scheduler step, progress-bar loss."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    opt.step()
+    sched.step()
+    bar.set_postfix(loss=f"{loss.item():.4f}")
+
+
 def _to_float(images: torch.Tensor) -> torch.Tensor:
     return images.float() / 127.5 - 1.0  # (B, 3, H, W) in [-1, 1]
 
@@ -133,11 +144,7 @@ def train_clip(images, captions, tokenizer, steps: int, seed: int, batch: int = 
         logits = out.logits_per_image.float()  # (B, B)
         target = same.float() / same.sum(1, keepdim=True)
         loss = (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        _optimizer_step(loss, model, opt, sched, bar)
     return model.eval()
 
 
@@ -172,12 +179,7 @@ def train_vae(images, steps: int, seed: int, batch: int = 32):
         kl = post.kl().mean() / z[0].numel()
         weight = 1 + 9 * ((x - background).abs().amax(1, keepdim=True) > 0.1).float()  # (B, 1, H, W): objects x10
         loss = (weight * ((rec - x).abs() + (rec - x) ** 2)).mean() + 1e-6 * kl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        bar.set_postfix(loss=f"{loss.item():.4f}")
+        _optimizer_step(loss, vae, opt, sched, bar, max_grad_norm=1.0)
     vae.eval()
     with torch.no_grad():
         z = encode_latents(vae, images[:2048])
@@ -234,12 +236,7 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
             v = model(hidden_states=xt, encoder_hidden_states=cond[rows], pooled_projections=pooled[rows],
                       timestep=t * 1000).sample.float()
         loss = F.mse_loss(v, eps - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        bar.set_postfix(loss=f"{loss.item():.4f}")
+        _optimizer_step(loss, model, opt, sched, bar, max_grad_norm=1.0)
     return model.eval()
 
 
@@ -267,7 +264,7 @@ def _save_clip(clip, tokenizer, folder: Path) -> None:
 
 
 def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int = 600, vae_steps: int = 900,
-          dit_steps: int = 900, resume: bool = False) -> dict:
+          dit_steps: int = 2400, resume: bool = False) -> dict:
     """Regenerate every asset under ``out`` (see the module docstring); returns the wall times in seconds.
 
     ``resume`` keeps the stages an interrupted build finished (``out/tiny-clip``, the VAE in
@@ -333,7 +330,7 @@ def main(argv=None) -> None:
     p.add_argument("--n-scenes", type=int, default=20000)
     p.add_argument("--clip-steps", type=int, default=600)
     p.add_argument("--vae-steps", type=int, default=900)
-    p.add_argument("--dit-steps", type=int, default=900)
+    p.add_argument("--dit-steps", type=int, default=2400)
     p.add_argument("--resume", action="store_true", help="keep the stages an interrupted build finished")
     a = p.parse_args(argv)
     print(build(a.out, a.seed, a.n_scenes, a.clip_steps, a.vae_steps, a.dit_steps, a.resume))

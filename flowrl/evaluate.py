@@ -70,8 +70,7 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
     prompts = [m["prompt"] for m in metas]
     images = generate(model, prompts, [seed + i for i in range(len(metas))], num_steps, guidance_scale, shift,
                       batch_size)
-    strict = geneval(strict=True)(images, prompts, metas)
-    dense = geneval(strict=False)(images, prompts, metas)
+    strict, dense = geneval().judge(images, prompts, metas)  # one detection pass for both scores
     per_tag, dense_tag = defaultdict(list), defaultdict(list)
     for m, s, d in zip(metas, strict.tolist(), dense.tolist()):
         per_tag[m.get("tag", "all")].append(s)

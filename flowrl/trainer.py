@@ -134,23 +134,22 @@ class Trainer:
         tv = tv.select(~zero_variance.to(tv.leaf.device)[tv.leaf])
         adv = advantages.to(self.device)[tv.leaf]  # (M,)
         stats: dict[str, list[float]] = defaultdict(list)
-        w = self.cfg.sampling.guidance_scale
+        velocity = self.model.velocity_fn(table, self.cfg.sampling.guidance_scale)  # CFG against table row 0
         self.model.transformer.train()
         for epoch in range(t.inner_epochs):
             order = torch.randperm(len(tv), generator=generator).to(self.device)
             for start in range(0, len(tv), t.minibatch_size):
                 mb = order[start:start + t.minibatch_size]
                 sub = tv.select(mb)
-                uncond = table[torch.zeros_like(sub.cond)] if w != 1.0 else None
                 with self._autocast():
-                    v = self.model.velocity(sub.state, sub.sigma, table[sub.cond], uncond, w)
+                    v = velocity(sub.state, sub.sigma, sub.cond)
                 log_prob, mean = recompute_log_prob(sub, v)
                 loss, st = ppo_loss(log_prob, sub.log_prob, adv[mb], t.clip_range)
                 if not stats["policy/ratio_first_max_dev"]:
                     stats["policy/ratio_first_max_dev"].append(st["policy/ratio_max_dev"].item())
                 if t.kl_beta > 0:
                     with torch.no_grad(), self.model.reference(), self._autocast():
-                        v_ref = self.model.velocity(sub.state, sub.sigma, table[sub.cond], uncond, w)
+                        v_ref = velocity(sub.state, sub.sigma, sub.cond)
                     kl = kl_to_reference(mean, recompute_log_prob(sub, v_ref)[1], sub.std)
                     loss = loss + t.kl_beta * kl
                     stats["policy/kl"].append(kl.item())

@@ -70,10 +70,10 @@ class GenEval:
     strict: bool = False
     name: str = "geneval"
 
-    def __call__(
+    def judge(
         self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> torch.Tensor:
-        """Score one image per prompt.
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both GenEval scores of each image from one detection pass.
 
         Args:
             images (`torch.Tensor` of shape `(B, 3, H, W)`, floating point, values in `[0, 1]`):
@@ -83,8 +83,8 @@ class GenEval:
                 (and usually ``exclude`` and ``tag``), as written by ``flowrl.tiny.prompts``.
 
         Returns:
-            `torch.Tensor` of shape `(B,)`, float32, on CPU: the fraction of clauses met in [0, 1]
-            (dense), or 0.0 / 1.0 (strict).
+            ``(correct, dense)``: two `torch.Tensor` of shape `(B,)`, float32, on CPU: GenEval's 0.0 / 1.0
+            correctness and the fraction of clauses met in [0, 1].
 
         Raises:
             ValueError: a metadata dict lacks ``include`` (the message names its prompt), or the
@@ -97,11 +97,26 @@ class GenEval:
                 raise ValueError(
                     f"{self.name}: metadata of prompt {prompt!r} has no 'include'; this reward needs GenEval metadata"
                 )
-        scores = []
+        correct, dense = [], []
         for detections, meta in zip(detect_batch(images), metadata):
-            correct, dense, _ = evaluate(keep_confident(detections, meta), meta)
-            scores.append(float(correct) if self.strict else dense)
-        return torch.tensor(scores, dtype=torch.float32)
+            ok, fraction, _ = evaluate(keep_confident(detections, meta), meta)
+            correct.append(float(ok))
+            dense.append(fraction)
+        return torch.tensor(correct, dtype=torch.float32), torch.tensor(dense, dtype=torch.float32)
+
+    def __call__(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> torch.Tensor:
+        """Score one image per prompt: :meth:`judge`'s ``correct`` if ``strict``, else its ``dense``.
+
+        Returns:
+            `torch.Tensor` of shape `(B,)`, float32, on CPU, in [0, 1].
+
+        Raises:
+            As :meth:`judge`.
+        """
+        correct, dense = self.judge(images, prompts, metadata)
+        return correct if self.strict else dense
 
 
 @register_reward("geneval")

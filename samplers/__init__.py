@@ -5,9 +5,11 @@ Importable on its own (torch only): it never imports ``flowrl``, ``rewards`` or 
 
 from .kernels import (
     KERNELS,
+    MULTISTEP_KERNELS,
     STOCHASTIC_KERNELS,
     StepOutput,
     dance_sde_step,
+    dpm_solver_2m_step,
     flow_sde_step,
     gaussian_log_prob,
     ode_step,
@@ -22,23 +24,30 @@ from .rollout import (
     recompute_log_prob,
     sample,
 )
-from .schedule import flow_sigmas
+from .schedule import flow_sigmas, respace_tail
+from .windows import WINDOW_SCHEDULES, SlidingWindow, mix_plan
 
 __all__ = [
     "KERNELS",
+    "MULTISTEP_KERNELS",
     "STOCHASTIC_KERNELS",
+    "WINDOW_SCHEDULES",
     "Rollout",
+    "SlidingWindow",
     "StepOutput",
     "StepPlan",
     "VelocityFn",
     "dance_sde_step",
+    "dpm_solver_2m_step",
     "flow_sde_step",
     "flow_sigmas",
     "gaussian_log_prob",
     "group_index",
     "initial_noise",
+    "mix_plan",
     "ode_sample",
     "ode_step",
     "recompute_log_prob",
+    "respace_tail",
     "sample",
 ]

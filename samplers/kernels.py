@@ -26,9 +26,11 @@ import torch
 
 __all__ = [
     "KERNELS",
+    "MULTISTEP_KERNELS",
     "STOCHASTIC_KERNELS",
     "StepOutput",
     "dance_sde_step",
+    "dpm_solver_2m_step",
     "flow_sde_step",
     "gaussian_log_prob",
     "ode_step",
@@ -264,12 +266,67 @@ def dance_sde_step(
     return _gaussian_step(sample, velocity, t, dt, diffusion, generator, prev_sample, noise)
 
 
+def dpm_solver_2m_step(
+    sample: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma,
+    sigma_next,
+    prev_x0: torch.Tensor | None = None,
+    prev_sigma=None,
+    final: bool = False,
+) -> StepOutput:
+    """DPM-Solver++(2M) step (Lu et al., arXiv 2211.01095, Alg. 2, midpoint form) for a flow model.
+
+    For ``x_t = (1 - t) x_0 + t eps``: ``alpha_t = 1 - t``, ``sigma_t = t``, ``lambda_t = log(alpha_t / t)``,
+    data prediction ``x0_hat = x - t v``. With ``h = lambda_{t'} - lambda_t``::
+
+        first order:  x' = (t' / t) x - alpha_{t'} (exp(-h) - 1) x0_hat
+        second order: D = x0_hat + (x0_hat - x0_prev) / (2 r),  r = (lambda_t - lambda_prev) / h,
+                      x' = (t' / t) x - alpha_{t'} (exp(-h) - 1) D
+
+    First order when there is no previous prediction, when the previous time is 1 (``r`` infinite) or on
+    the ``final`` step (diffusers' ``lower_order_final``). A first-order step from ``t = 1`` is exactly an
+    Euler step; a step to ``t' = 0`` returns ``x0_hat`` (or ``D``). Deterministic: no log-prob.
+    Matches diffusers' ``DPMSolverMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+    solver_order=2, algorithm_type="dpmsolver++", solver_type="midpoint")`` on the same sigmas.
+
+    Args:
+        sample (`torch.Tensor` of shape `(B, C, H, W)`): ``x`` at ``t``.
+        velocity (`torch.Tensor` of shape `(B, C, H, W)`): model velocity at ``(x, t)``.
+        sigma, sigma_next (float or 0-d tensor): ``t`` in `(0, 1]` and ``t'`` in `[0, t)`.
+        prev_x0 (`torch.Tensor` of shape `(B, C, H, W)`, optional): ``x0_hat`` of the previous step.
+        prev_sigma (float or 0-d tensor, optional): that step's time, `> t`.
+        final (`bool`): force first order (the last step of a schedule).
+
+    Returns:
+        :class:`StepOutput` with `prev_sample` `(B, C, H, W)` float32; `mean`, `std`, `log_prob` `None`.
+    """
+    sample, velocity = sample.float(), velocity.float()
+    t, t_next = float(sigma), float(sigma_next)
+    x0 = sample - t * velocity  # (B, C, H, W)
+
+    def lam(u: float) -> float:
+        return math.log(1 - u) - math.log(u) if 0 < u < 1 else (-math.inf if u >= 1 else math.inf)
+
+    h = lam(t_next) - lam(t)
+    decay = -1.0 if math.isinf(h) else math.expm1(-h)  # exp(-h) - 1
+    ratio = 0.0 if t_next == 0 else t_next / t
+    d = x0
+    if prev_x0 is not None and prev_sigma is not None and not final and float(prev_sigma) < 1 and not math.isinf(h):
+        r = (lam(t) - lam(float(prev_sigma))) / h
+        d = x0 + (x0 - prev_x0.float()) / (2 * r)
+    return StepOutput(prev_sample=ratio * sample - (1 - t_next) * decay * d)
+
+
 KERNELS = {
     "ode": ode_step,
     "flow_sde": flow_sde_step,
     "dance_sde": dance_sde_step,
 }
 """Kernel name -> kernel function, all with the signature of :func:`flow_sde_step`."""
+
+MULTISTEP_KERNELS = {"dpm_solver_2m": dpm_solver_2m_step}
+"""Deterministic kernels that also read the previous step's data prediction (the sampler passes it)."""
 
 STOCHASTIC_KERNELS = frozenset({"flow_sde", "dance_sde"})
 """Names in :data:`KERNELS` whose step is a Gaussian with a log-prob (the only trainable ones)."""

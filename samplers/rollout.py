@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from .kernels import KERNELS, STOCHASTIC_KERNELS
+from .kernels import KERNELS, MULTISTEP_KERNELS, STOCHASTIC_KERNELS
 
 __all__ = [
     "Rollout",
@@ -121,8 +121,9 @@ class StepPlan:
                     "(one per step, like kernels)"
                 )
         for k, (kernel, level, trained) in enumerate(zip(self.kernels, self.noise_levels, self.trained)):
-            if kernel not in KERNELS:
-                raise ValueError(f"StepPlan.kernels[{k}]={kernel!r} is not a kernel; choose from {sorted(KERNELS)}")
+            if kernel not in KERNELS and kernel not in MULTISTEP_KERNELS:
+                raise ValueError(f"StepPlan.kernels[{k}]={kernel!r} is not a kernel; "
+                                 f"choose from {sorted(KERNELS) + sorted(MULTISTEP_KERNELS)}")
             stochastic = kernel in STOCHASTIC_KERNELS
             if stochastic and not level > 0:
                 raise ValueError(f"StepPlan.noise_levels[{k}]={level} must be > 0 for stochastic kernel {kernel!r}")
@@ -157,6 +158,21 @@ class StepPlan:
         if not train_last:
             trained[-1] = False
         return cls([kernel] * num_steps, [noise_level] * num_steps, trained)
+
+
+    @classmethod
+    def window(cls, num_steps: int, steps, kernel: str = "flow_sde", noise_level: float = 0.7) -> StepPlan:
+        """MixGRPO (arXiv 2507.21802): `kernel` with `noise_level` on the window `steps`, all of them
+        trained, deterministic Euler everywhere else (see :class:`samplers.SlidingWindow`).
+
+        Raises:
+            ValueError: if a window step is outside ``[0, num_steps)``.
+        """
+        window = set(steps)
+        if not window or min(window) < 0 or max(window) >= num_steps:
+            raise ValueError(f"window steps {sorted(window)} must be a non-empty subset of [0, {num_steps})")
+        inside = [k in window for k in range(num_steps)]
+        return cls([kernel if w else "ode" for w in inside], [noise_level if w else 0.0 for w in inside], inside)
 
 
 def _per(kind: str):
@@ -346,14 +362,19 @@ def sample(
     num_transitions = index["step"].shape[0]
     recorded = {name: x.new_empty((num_transitions, *x.shape[1:])) for name in ("state", "next_state", "mean")}
     recorded.update(std=x.new_empty(num_transitions), log_prob=x.new_empty(num_transitions))
-    rows = 0
+    rows, prev_x0, prev_sigma = 0, None, None
     for k in range(plan.num_steps):
         velocity = velocity_fn(x, sigmas[k].expand(batch).contiguous(), cond)
         if velocity.shape != x.shape:
             raise ValueError(f"velocity_fn returned shape {tuple(velocity.shape)}; expected {tuple(x.shape)}")
         kernel = plan.kernels[k]
-        out = KERNELS[kernel](x, velocity, sigmas[k], sigmas[k + 1], plan.noise_levels[k], sigmas[1],
-                              generator=generator)
+        if kernel in MULTISTEP_KERNELS:
+            out = MULTISTEP_KERNELS[kernel](x, velocity, sigmas[k], sigmas[k + 1], prev_x0, prev_sigma,
+                                            final=k == plan.num_steps - 1)
+        else:
+            out = KERNELS[kernel](x, velocity, sigmas[k], sigmas[k + 1], plan.noise_levels[k], sigmas[1],
+                                  generator=generator)
+        prev_x0, prev_sigma = x - sigmas[k] * velocity.float(), sigmas[k]  # history of the multistep kernels
         if kernel in STOCHASTIC_KERNELS:
             for name, value in (("state", x), ("next_state", out.prev_sample), ("mean", out.mean),
                                 ("std", out.std), ("log_prob", out.log_prob)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["flow_sigmas"]
+__all__ = ["flow_sigmas", "respace_tail"]
 
 
 def _shift(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
@@ -49,3 +49,36 @@ def flow_sigmas(num_steps: int, shift: float = 3.0, num_train_timesteps: int = 1
     unshifted = timesteps / num_train_timesteps  # (N,)
     sigmas = _shift(unshifted, shift).to(torch.float32)  # (N,)
     return torch.cat([sigmas, torch.zeros(1, dtype=torch.float32)])  # (N + 1,)
+
+
+def _unshift(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
+    """Inverse of :func:`_shift`: ``s = s' / (shift - (shift - 1) s')``."""
+    return sigmas / (shift - (shift - 1) * sigmas)
+
+
+def respace_tail(sigmas: torch.Tensor, keep: int, num_tail: int, shift: float = 3.0) -> torch.Tensor:
+    """Keep the first `keep` steps of a schedule and re-space the rest into `num_tail` steps (MixGRPO-Flash).
+
+    The tail goes from ``sigmas[keep]`` to 0 in `num_tail` steps evenly spaced in UNshifted time, then
+    shifted, like the rest of an SD3 schedule (MixGRPO, arXiv 2507.21802, Sec. 3.3 "MixGRPO-Flash").
+
+    Args:
+        sigmas (`torch.Tensor` of shape `(N + 1,)`): a schedule from :func:`flow_sigmas` with this `shift`.
+        keep (`int`): steps kept unchanged, `0 <= keep < N`.
+        num_tail (`int`): steps after them, `>= 1`.
+        shift (`float`): the schedule's time shift, `> 0`.
+
+    Returns:
+        `torch.Tensor` of shape `(keep + num_tail + 1,)`, float32, strictly decreasing from ``sigmas[0]`` to 0.
+
+    Raises:
+        ValueError: if `keep` or `num_tail` is out of range.
+    """
+    num_steps = sigmas.shape[0] - 1
+    if not 0 <= keep < num_steps:
+        raise ValueError(f"keep must lie in [0, {num_steps}); got {keep}")
+    if num_tail < 1:
+        raise ValueError(f"num_tail must be >= 1; got {num_tail}")
+    start = _unshift(sigmas[keep].double(), shift)
+    tail = _shift(torch.linspace(float(start), 0.0, num_tail + 1, dtype=torch.float64), shift).float()  # (num_tail + 1,)
+    return torch.cat([sigmas[:keep].float(), tail])

@@ -39,6 +39,27 @@ class ModelConfig:
 
 
 @dataclass
+class WindowConfig:
+    """MixGRPO (arXiv 2507.21802): SDE and training on a sliding window of steps, ODE elsewhere."""
+
+    size: int = 0  # steps in the window; 0 = no window (every step SDE, Flow-GRPO / DanceGRPO)
+    schedule: str = "progressive"  # progressive | decay | exp_decay | random | fixed (see samplers.windows)
+    stride: int = 1  # steps the window moves per shift
+    interval: int = 25  # iterations per shift (tau)
+    min_interval: int = 1  # the smallest tau of 'decay'
+    roll_back: bool = True  # back to step 0 after the last step
+    flash_ratio: float = 0.0  # MixGRPO-Flash: > 0 re-spaces the steps after the window (DPM-Solver++ 2M)
+
+    def __post_init__(self):
+        from samplers import WINDOW_SCHEDULES
+
+        _check(self.size >= 0, "sampling.window.size", ">= 0", self.size)
+        _check(self.schedule in WINDOW_SCHEDULES, "sampling.window.schedule", "|".join(WINDOW_SCHEDULES), self.schedule)
+        _check(self.interval >= 1, "sampling.window.interval", ">= 1", self.interval)
+        _check(0 <= self.flash_ratio <= 1, "sampling.window.flash_ratio", "in [0, 1]", self.flash_ratio)
+
+
+@dataclass
 class SamplingConfig:
     num_steps: int = 10  # denoising steps of a training rollout
     guidance_scale: float = 4.5  # classifier-free guidance w (1 = off)
@@ -50,8 +71,11 @@ class SamplingConfig:
     shared_noise: bool = False  # one initial noise per group
     batch_size: int = 64  # images per sampler forward
     train_last_step: bool = False
+    window: WindowConfig = field(default_factory=WindowConfig)
 
     def __post_init__(self):
+        _check(self.window.size < self.num_steps, "sampling.window.size", f"< sampling.num_steps ({self.num_steps})",
+               self.window.size)
         _check(self.num_steps >= 2, "sampling.num_steps", ">= 2", self.num_steps)
         _check(self.group_size >= 2, "sampling.group_size", ">= 2 (group-relative advantages)", self.group_size)
         _check(self.guidance_scale >= 1.0, "sampling.guidance_scale", ">= 1", self.guidance_scale)

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from rewards import WeightedSum, build_reward
-from samplers import StepPlan, flow_sigmas, recompute_log_prob, sample
+from samplers import SlidingWindow, StepPlan, flow_sigmas, mix_plan, recompute_log_prob, sample
 
 from .advantages import group_advantages
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -65,9 +65,12 @@ class Trainer:
                                            betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay)
         self.optimizer = self.accelerator.prepare(self.optimizer)
         self.ema = {n: p.detach().clone() for n, p in self.params.items()} if cfg.train.ema_decay > 0 else None
-        self.sigmas = flow_sigmas(cfg.sampling.num_steps, cfg.sampling.shift).to(self.device)
-        self.plan = StepPlan.sde(cfg.sampling.num_steps, kernel=cfg.sampling.kernel,
-                                 noise_level=cfg.sampling.noise_level, train_last=cfg.sampling.train_last_step)
+        s = cfg.sampling
+        self.sigmas = flow_sigmas(s.num_steps, s.shift)
+        self.plan = StepPlan.sde(s.num_steps, kernel=s.kernel, noise_level=s.noise_level, train_last=s.train_last_step)
+        w = s.window
+        self.window = None if w.size == 0 else SlidingWindow(
+            s.num_steps, w.size, w.schedule, w.stride, w.interval, w.min_interval, w.roll_back, seed=cfg.run.seed)
         self._smoke_test_rewards()
 
     # ----------------------------------------------------------------------------------------- parts
@@ -98,6 +101,13 @@ class Trainer:
         tags = sorted(by_tag)
         return [rng.choice(by_tag[rng.choice(tags)]) for _ in range(n)]
 
+    def current_plan(self) -> tuple[torch.Tensor, StepPlan]:
+        """This iteration's ``(sigmas (N' + 1,), plan)``: full SDE, or the MixGRPO window (+ Flash tail)."""
+        if self.window is None:
+            return self.sigmas, self.plan
+        s = self.cfg.sampling
+        return mix_plan(self.sigmas, self.window.steps, s.kernel, s.noise_level, s.window.flash_ratio or None, s.shift)
+
     def _chunked(self, fn, size: int):
         def chunked(x, t, cond):
             return torch.cat([fn(x[i:i + size], t[i:i + size], cond[i:i + size]) for i in range(0, len(x), size)])
@@ -120,9 +130,10 @@ class Trainer:
         else:
             noise = torch.randn(shape, generator=generator)
         velocity = self._chunked(self.model.velocity_fn(table, s.guidance_scale), s.batch_size)
+        sigmas, plan = self.current_plan()
         with self._autocast():
             ro = sample(velocity, noise.to(self.device), (prompt_index + 1).to(self.device),
-                        prompt_index.to(self.device), self.sigmas, self.plan, generator=generator)
+                        prompt_index.to(self.device), sigmas.to(self.device), plan, generator=generator)
         images = torch.cat([self.model.decode(ro.final[i:i + s.batch_size]) for i in range(0, ro.num_leaves, s.batch_size)])
         return ro, images.cpu(), table
 
@@ -270,6 +281,9 @@ class Trainer:
         mine = slice(self.accelerator.process_index * len(scores.total), (self.accelerator.process_index + 1) * len(scores.total))
         stats = self.optimize(ro, adv[mine], zero[mine], table, gen)
         t3 = time.time()
+        if self.window is not None:
+            stats["sampling/window_start"] = self.window.start
+            self.window.advance()
         metrics = {"iteration": it + 1, "reward/total/mean": total.mean().item(), "reward/total/std": total.std().item()}
         for name, s in scores.per_reward.items():
             metrics[f"reward/{name}/mean"] = s.mean().item()
@@ -289,7 +303,7 @@ class Trainer:
         if not self.accelerator.is_main_process:
             return
         path = save_checkpoint(self.out / "checkpoints", iteration, self.params, self.optimizer, self.ema,
-                               extra={"elapsed_s": elapsed})
+                               extra={"elapsed_s": elapsed, "window": self.window.state_dict() if self.window else None})
         if self.cfg.model.lora_rank > 0:
             with self.ema_weights():
                 self.model.save_lora(path / "lora")
@@ -310,6 +324,8 @@ class Trainer:
         lines = (self.out / "metrics.jsonl").read_text().splitlines() if (self.out / "metrics.jsonl").exists() else []
         kept = [l for l in lines if json.loads(l)["iteration"] <= it]
         (self.out / "metrics.jsonl").write_text("".join(l + "\n" for l in kept))
+        if self.window is not None and state["extra"].get("window"):
+            self.window.load_state_dict(state["extra"]["window"])
         return it, state["extra"].get("elapsed_s", 0.0)
 
     def _artifacts(self) -> None:

@@ -161,3 +161,18 @@ def test_cli_errors_are_one_line(tmp_path):
     assert r.returncode == 2 and "train.lerning_rate" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = _cli("eval", "--model", tmp_path, "--out", tmp_path / "e.json")
     assert r.returncode == 2 and "model_index.json" in r.stderr
+
+
+def test_mix_grpo_window_moves_counts_nfe_and_resumes(tmp_path, random_pipeline, prompt_files):
+    mix = {"run.mixed_precision": "no", "sampling.num_steps": 6, "sampling.window.size": 2, "sampling.window.interval": 1,
+           "sampling.window.flash_ratio": 0.5, "run.iterations": 3}
+    Trainer(_config(tmp_path, random_pipeline, prompt_files, out="full", **mix)).train()
+    full = [json.loads(l) for l in (tmp_path / "full/metrics.jsonl").read_text().splitlines()]
+    assert [m["sampling/window_start"] for m in full] == [0, 1, 2]
+    # window [l, l+1] keeps l + 2 steps, the 6 - 1 - (l + 1) after it become round(half) DPM steps; 2 prompts x 2 images, CFG x2
+    assert [m["cost/nfe"] for m in full] == [(l + 2 + max(1, round((4 - l) / 2))) * 4 * 2 for l in (0, 1, 2)]
+    assert all(m["cost/trained_transitions"] <= 2 * 4 for m in full)
+    Trainer(_config(tmp_path, random_pipeline, prompt_files, out="part", **{**mix, "run.iterations": 1})).train()
+    Trainer(_config(tmp_path, random_pipeline, prompt_files, out="part", **{**mix, "run.resume": "true"})).train()
+    part = [json.loads(l) for l in (tmp_path / "part/metrics.jsonl").read_text().splitlines()]
+    assert [m["sampling/window_start"] for m in part] == [0, 1, 2]

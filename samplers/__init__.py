@@ -25,6 +25,7 @@ from .rollout import (
     sample,
 )
 from .schedule import flow_sigmas, respace_tail
+from .tree import leaf_incidence, sample_tree
 from .windows import WINDOW_SCHEDULES, SlidingWindow, mix_plan
 
 __all__ = [
@@ -44,10 +45,12 @@ __all__ = [
     "gaussian_log_prob",
     "group_index",
     "initial_noise",
+    "leaf_incidence",
     "mix_plan",
     "ode_sample",
     "ode_step",
     "recompute_log_prob",
     "respace_tail",
     "sample",
+    "sample_tree",
 ]

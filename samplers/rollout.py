@@ -212,6 +212,8 @@ class Rollout:
     Per leaf, shape `(B, ...)`:
         final (`(B, C, H, W)` float32): the sampled latents at ``t = 0``.
         leaf_cond (`(B,)` long): conditioning index; group (`(B,)` long): group id.
+        leaf_node (`(B,)` long): node id of the last stored transition on the leaf's path (`-1` if none);
+            with `parent` it gives every leaf's path (:func:`samplers.tree.leaf_incidence`).
     Other:
         kernel_names (`tuple[str, ...]`): names indexed by `kernel_id`.
         cost (`dict[str, int]`): ``nfe`` (old-policy velocity evaluations, a batched call of `N` rows
@@ -239,6 +241,7 @@ class Rollout:
     final: torch.Tensor = _per("leaf")
     leaf_cond: torch.Tensor = _per("leaf")
     group: torch.Tensor = _per("leaf")
+    leaf_node: torch.Tensor = _per("leaf")
     kernel_names: tuple[str, ...] = ()
     cost: dict[str, int] = field(default_factory=dict)
 
@@ -383,7 +386,9 @@ def sample(
         x = out.prev_sample
     cost = dict(nfe=plan.num_steps * batch, transitions=num_transitions,
                 trained_transitions=int(index["trained"].sum()))
-    return Rollout(**recorded, **index, final=x, leaf_cond=cond, group=group, kernel_names=kernel_names,
+    stored = len(plan.stochastic_steps)
+    leaf_node = torch.arange(batch, device=x.device) + (stored - 1) * batch if stored else torch.full_like(cond, -1)
+    return Rollout(**recorded, **index, final=x, leaf_cond=cond, group=group, leaf_node=leaf_node, kernel_names=kernel_names,
                    cost=cost)
 
 

@@ -38,3 +38,112 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, std: str = "glo
     scale = var.sqrt()[inverse] if std == "group" else rewards.std(unbiased=False).expand_as(rewards)
     advantages = (centred / (scale + eps)).clamp(-clip, clip)
     return torch.where(zero_variance, torch.zeros_like(advantages), advantages), zero_variance
+
+
+def tree_node_rewards(incidence: torch.Tensor, leaf_rewards: torch.Tensor, fusion: str = "mean",
+                      parent: torch.Tensor | None = None, log_prob: torch.Tensor | None = None) -> torch.Tensor:
+    """Reward of the node each tree transition leads to, fused from the leaves below it (BranchGRPO,
+    arXiv 2509.06040, Sec. 3.3 "reward fusion").
+
+    ``"mean"``: the mean reward of the node's leaves. ``"prob"``: bottom-up, a node with children takes
+    ``sum_k softmax_k(log_prob_k) R(child_k)`` over its children's edge log-probs (one child: its reward);
+    a node without stored children takes its (single) leaf's reward.
+
+    Args:
+        incidence (`torch.Tensor` of shape `(M, B)`, bool): :func:`samplers.leaf_incidence`.
+        leaf_rewards (`torch.Tensor` of shape `(B,)`): the leaves' rewards.
+        fusion (`str`): ``"mean"`` or ``"prob"``.
+        parent, log_prob (`torch.Tensor` of shape `(M,)`): the rollout's ``parent`` (node ids = rows) and
+            ``log_prob``; needed for ``"prob"``.
+
+    Returns:
+        `torch.Tensor` of shape `(M,)`, float32.
+
+    Raises:
+        ValueError: for an unknown `fusion`, a transition with no leaf, or ``"prob"`` without `parent`/`log_prob`.
+    """
+    if fusion not in ("mean", "prob"):
+        raise ValueError(f"tree reward fusion must be 'mean' or 'prob', got {fusion!r}")
+    inc = incidence.float()  # (M, B)
+    count = inc.sum(1)  # (M,)
+    if bool((count == 0).any()):
+        raise ValueError("a transition has no leaf below it; pass the incidence of a full rollout")
+    mean = inc @ leaf_rewards.float() / count  # (M,)
+    if fusion == "mean":
+        return mean
+    if parent is None or log_prob is None:
+        raise ValueError("fusion='prob' needs the rollout's parent and log_prob")
+    m = incidence.shape[0]
+    has_child = torch.zeros(m, dtype=torch.bool, device=inc.device)
+    has_child[parent[parent >= 0]] = True
+    reward = mean.clone()  # leaves' nodes (no stored children) keep their single leaf's reward
+    depth_order = torch.zeros(m, dtype=torch.long, device=inc.device)  # distance to the root
+    for i in range(m):  # rows are step-major, so a parent's row precedes its children's
+        if parent[i] >= 0:
+            depth_order[i] = depth_order[parent[i]] + 1
+    for level in range(int(depth_order.max()), 0, -1):
+        children = (depth_order == level).nonzero().squeeze(1)  # (K,)
+        par = parent[children]  # (K,)
+        lp = log_prob[children].float()
+        top = torch.full((m,), -float("inf"), device=inc.device).scatter_reduce(0, par, lp, "amax")
+        w = torch.exp(lp - top[par])  # (K,)
+        total = torch.zeros(m, device=inc.device).index_add_(0, par, w)
+        fused = torch.zeros(m, device=inc.device).index_add_(0, par, w * reward[children])
+        parents = par.unique()
+        reward[parents] = fused[parents] / total[parents]
+    return torch.where(has_child, reward, mean)
+
+
+def depthwise_advantages(node_rewards: torch.Tensor, group: torch.Tensor, step: torch.Tensor, clip: float = 5.0,
+                         eps: float = 1e-8) -> torch.Tensor:
+    """BranchGRPO depth-wise advantages (arXiv 2509.06040, Sec. 3.3): z-score each node's reward among the
+    nodes of the same tree at the same step; a transition takes the advantage of the node it leads to.
+
+    ``A = (R - mean) / (std + eps)`` with the population std; 0 where a (tree, step) holds one node or
+    its std is below 1e-6; clipped to ``+-clip``.
+
+    Args:
+        node_rewards (`torch.Tensor` of shape `(M,)`): :func:`tree_node_rewards`.
+        group (`torch.Tensor` of shape `(M,)`, long): tree (group) id of each transition.
+        step (`torch.Tensor` of shape `(M,)`, long): the transition's denoising step.
+
+    Returns:
+        `torch.Tensor` of shape `(M,)`, float32.
+    """
+    key = group.long() * (int(step.max()) + 1 if step.numel() else 1) + step.long()
+    _, inverse = torch.unique(key, return_inverse=True)
+    n = torch.bincount(inverse).float()
+    r = node_rewards.float()
+    mean = torch.bincount(inverse, r) / n
+    centred = r - mean[inverse]
+    std = (torch.bincount(inverse, centred**2) / n).sqrt()
+    adv = (centred / (std[inverse] + eps)).clamp(-clip, clip)
+    degenerate = (n[inverse] < 2) | (std[inverse] < 1e-6)
+    return torch.where(degenerate, torch.zeros_like(adv), adv)
+
+
+def width_prune(incidence: torch.Tensor, leaf_rewards: torch.Tensor, leaf_group: torch.Tensor, step: torch.Tensor,
+                last_split: int, keep: int) -> torch.Tensor:
+    """BranchGRPO width pruning (arXiv 2509.06040, Sec. 3.4): after the last split, train only the chains of
+    the `keep` best and `keep` worst leaves of each tree. Cuts the backward pass only.
+
+    Args:
+        incidence (`torch.Tensor` of shape `(M, B)`, bool): :func:`samplers.leaf_incidence`.
+        leaf_rewards (`torch.Tensor` of shape `(B,)`), leaf_group (`torch.Tensor` of shape `(B,)`, long).
+        step (`torch.Tensor` of shape `(M,)`, long): each transition's step.
+        last_split (`int`): the last split step; transitions at or before it are always kept.
+        keep (`int`): leaves kept at each end of a tree's ranking, `>= 1`.
+
+    Returns:
+        `torch.Tensor` of shape `(M,)`, bool: True for transitions that stay in the loss.
+    """
+    if keep < 1:
+        raise ValueError(f"width pruning keep must be >= 1, got {keep}")
+    chosen = torch.zeros_like(leaf_rewards, dtype=torch.bool)
+    for g in leaf_group.unique():
+        idx = (leaf_group == g).nonzero().squeeze(1)
+        order = idx[torch.argsort(leaf_rewards[idx], stable=True)]
+        chosen[order[:keep]] = True
+        chosen[order[-keep:]] = True
+    on_chosen = (incidence & chosen[None, :]).any(1)  # (M,)
+    return (step <= last_split) | on_chosen

@@ -60,6 +60,25 @@ class WindowConfig:
 
 
 @dataclass
+class TreeConfig:
+    """BranchGRPO (arXiv 2509.06040): tree rollouts that split at chosen steps."""
+
+    split_steps: list[int] = field(default_factory=list)  # empty = no tree (flat groups)
+    branch: int = 2  # children per split; group_size must be branch ** len(split_steps)
+    sde_steps: list[int] = field(default_factory=list)  # BranchGRPO-Mix: SDE only here and at splits (empty = all)
+    fusion: str = "mean"  # leaf-reward fusion into inner nodes: mean | prob
+    width_keep: int = 0  # width pruning: train only the chains of the best and worst `width_keep` leaves (0 = off)
+    depth_prune: list[int] = field(default_factory=list)  # steps left out of the backward pass
+
+    def __post_init__(self):
+        _check(self.branch >= 2, "sampling.tree.branch", ">= 2", self.branch)
+        _check(self.fusion in ("mean", "prob"), "sampling.tree.fusion", "mean|prob", self.fusion)
+        _check(self.width_keep >= 0, "sampling.tree.width_keep", ">= 0", self.width_keep)
+        _check(len(set(self.split_steps)) == len(self.split_steps), "sampling.tree.split_steps", "distinct steps",
+               self.split_steps)
+
+
+@dataclass
 class SamplingConfig:
     num_steps: int = 10  # denoising steps of a training rollout
     guidance_scale: float = 4.5  # classifier-free guidance w (1 = off)
@@ -72,8 +91,17 @@ class SamplingConfig:
     batch_size: int = 64  # images per sampler forward
     train_last_step: bool = False
     window: WindowConfig = field(default_factory=WindowConfig)
+    tree: TreeConfig = field(default_factory=TreeConfig)
 
     def __post_init__(self):
+        if self.tree.split_steps:
+            t = self.tree
+            _check(self.group_size == t.branch ** len(t.split_steps), "sampling.group_size",
+                   f"branch ** len(split_steps) = {t.branch ** len(t.split_steps)} for a tree", self.group_size)
+            _check(all(0 <= k < self.num_steps for k in t.split_steps + t.sde_steps), "sampling.tree.split_steps",
+                   f"steps in [0, {self.num_steps})", t.split_steps + t.sde_steps)
+            _check(self.window.size == 0, "sampling.window.size", "0 with a tree (use sampling.tree.sde_steps)",
+                   self.window.size)
         _check(self.window.size < self.num_steps, "sampling.window.size", f"< sampling.num_steps ({self.num_steps})",
                self.window.size)
         _check(self.num_steps >= 2, "sampling.num_steps", ">= 2", self.num_steps)

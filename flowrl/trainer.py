@@ -17,9 +17,10 @@ import torch
 from tqdm import tqdm
 
 from rewards import WeightedSum, build_reward
-from samplers import SlidingWindow, StepPlan, flow_sigmas, mix_plan, recompute_log_prob, sample
+from samplers import (SlidingWindow, StepPlan, flow_sigmas, leaf_incidence, mix_plan, recompute_log_prob, sample,
+                      sample_tree)
 
-from .advantages import group_advantages
+from .advantages import depthwise_advantages, group_advantages, tree_node_rewards, width_prune
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, ConfigError, prompt_file, resolve_path, save_config
 from .evaluate import evaluate, evaluate_reward, generate
@@ -68,6 +69,14 @@ class Trainer:
         s = cfg.sampling
         self.sigmas = flow_sigmas(s.num_steps, s.shift)
         self.plan = StepPlan.sde(s.num_steps, kernel=s.kernel, noise_level=s.noise_level, train_last=s.train_last_step)
+        if s.tree.split_steps:
+            t = s.tree
+            self.branch = [t.branch if k in t.split_steps else 1 for k in range(s.num_steps)]
+            if t.sde_steps:
+                self.plan = StepPlan.window(s.num_steps, sorted(set(t.sde_steps) | set(t.split_steps)), s.kernel,
+                                            s.noise_level)
+        else:
+            self.branch = None
         w = s.window
         self.window = None if w.size == 0 else SlidingWindow(
             s.num_steps, w.size, w.schedule, w.stride, w.interval, w.min_interval, w.roll_back, seed=cfg.run.seed)
@@ -125,6 +134,15 @@ class Trainer:
         table = self.model.encode([""] + [m["prompt"] for m in metas])
         prompt_index = torch.arange(len(metas)).repeat_interleave(s.group_size)  # (B,)
         shape = (len(prompt_index), *self.model.latent_shape)
+        if self.branch is not None:  # one root per prompt; the tree makes the group
+            velocity = self._chunked(self.model.velocity_fn(table, s.guidance_scale), s.batch_size)
+            roots = torch.arange(len(metas))
+            noise = torch.randn((len(metas), *shape[1:]), generator=generator)
+            with self._autocast():
+                ro = sample_tree(velocity, noise.to(self.device), (roots + 1).to(self.device), roots.to(self.device),
+                                 self.sigmas.to(self.device), self.plan, self.branch, generator=generator)
+            images = torch.cat([self.model.decode(ro.final[i:i + s.batch_size]) for i in range(0, ro.num_leaves, s.batch_size)])
+            return ro, images.cpu(), table
         if s.shared_noise:
             noise = torch.randn((len(metas), *shape[1:]), generator=generator).repeat_interleave(s.group_size, 0)
         else:
@@ -137,13 +155,36 @@ class Trainer:
         images = torch.cat([self.model.decode(ro.final[i:i + s.batch_size]) for i in range(0, ro.num_leaves, s.batch_size)])
         return ro, images.cpu(), table
 
-    def optimize(self, ro, advantages: torch.Tensor, zero_variance: torch.Tensor, table: PromptEmbeds,
+    def tree_advantages(self, ro, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """BranchGRPO advantages of every stored transition of a tree rollout and whether it enters the loss:
+        fused node rewards, depth-wise z-scores, then width and depth pruning of the backward pass.
+
+        Args:
+            ro: a :func:`samplers.sample_tree` rollout; rewards: `(B,)` leaf rewards.
+
+        Returns:
+            ``(advantages (M,), keep (M,) bool, stats)``.
+        """
+        t, tree = self.cfg.train, self.cfg.sampling.tree
+        inc = leaf_incidence(ro).cpu()
+        nodes = tree_node_rewards(inc, rewards, tree.fusion, ro.parent.cpu(), ro.log_prob.cpu())
+        adv = depthwise_advantages(nodes, ro.group.cpu()[ro.leaf.cpu()], ro.step.cpu(), t.adv_clip_max)
+        keep = ro.trained.cpu() & (adv != 0)
+        if tree.width_keep:
+            keep &= width_prune(inc, rewards, ro.group.cpu(), ro.step.cpu(), max(tree.split_steps), tree.width_keep)
+        if tree.depth_prune:
+            keep &= ~torch.isin(ro.step.cpu(), torch.tensor(tree.depth_prune))
+        _, zero = group_advantages(rewards, ro.group.cpu(), t.adv_std, t.adv_clip_max)
+        return adv.to(self.device), keep.to(self.device), {"advantage/zero_variance_frac": zero.float().mean().item(),
+                                                           "advantage/abs_mean": adv[ro.trained.cpu()].abs().mean().item()}
+
+    def optimize(self, ro, adv_all: torch.Tensor, keep: torch.Tensor, table: PromptEmbeds,
                  generator: torch.Generator) -> dict[str, float]:
-        """Inner PPO epochs over the trained transitions of groups with non-zero reward variance."""
+        """Inner PPO epochs over the kept transitions, each with its advantage ``adv_all[m]``."""
         t = self.cfg.train
-        tv = ro.trained_view()
-        tv = tv.select(~zero_variance.to(tv.leaf.device)[tv.leaf])
-        adv = advantages.to(self.device)[tv.leaf]  # (M,)
+        rows = keep.nonzero().squeeze(1)
+        tv = ro.select(rows)
+        adv = adv_all[rows]  # (M',)
         stats: dict[str, list[float]] = defaultdict(list)
         velocity = self.model.velocity_fn(table, self.cfg.sampling.guidance_scale)  # CFG against table row 0
         self.model.transformer.train()
@@ -277,9 +318,15 @@ class Trainer:
         t2 = time.time()
         total = self.accelerator.gather(scores.total.to(self.device)).cpu()
         group = self.accelerator.gather((ro.group + self.accelerator.process_index * len(metas)).to(self.device)).cpu()
-        adv, zero = group_advantages(total, group, self.cfg.train.adv_std, self.cfg.train.adv_clip_max)
         mine = slice(self.accelerator.process_index * len(scores.total), (self.accelerator.process_index + 1) * len(scores.total))
-        stats = self.optimize(ro, adv[mine], zero[mine], table, gen)
+        if self.branch is None:  # group z-scores over the gathered batch, then this process's share
+            adv, zero = group_advantages(total, group, self.cfg.train.adv_std, self.cfg.train.adv_clip_max)
+            keep = ro.trained & ~zero[mine].to(ro.trained.device)[ro.leaf]
+            adv_stats = {"advantage/zero_variance_frac": zero.float().mean().item(), "advantage/abs_mean": adv.abs().mean().item()}
+            adv_t = adv[mine].to(self.device)[ro.leaf]
+        else:  # a tree is one process's group: no gather needed
+            adv_t, keep, adv_stats = self.tree_advantages(ro, scores.total)
+        stats = self.optimize(ro, adv_t, keep, table, gen)
         t3 = time.time()
         if self.window is not None:
             stats["sampling/window_start"] = self.window.start
@@ -287,8 +334,7 @@ class Trainer:
         metrics = {"iteration": it + 1, "reward/total/mean": total.mean().item(), "reward/total/std": total.std().item()}
         for name, s in scores.per_reward.items():
             metrics[f"reward/{name}/mean"] = s.mean().item()
-        metrics.update({"advantage/abs_mean": adv.abs().mean().item(), "advantage/zero_variance_frac": zero.float().mean().item(),
-                        "cost/nfe": ro.cost["nfe"] * (2 if self.cfg.sampling.guidance_scale != 1 else 1),
+        metrics.update({**adv_stats, "cost/nfe": ro.cost["nfe"] * (2 if self.cfg.sampling.guidance_scale != 1 else 1),
                         "cost/reward_calls": len(images), "time/sample_s": t1 - t0, "time/score_s": t2 - t1,
                         "time/train_s": t3 - t2, **stats})
         return metrics

@@ -2,7 +2,7 @@
 
 import torch
 
-from flowrl.tiny.build import (LATENT_CHANNELS, MAX_TOKENS, build_tokenizer, encode_latents, render_dataset,
+from flowrl.tiny.build import (LATENT_CHANNELS, LATENT_SIZE, MAX_TOKENS, build_tokenizer, encode_latents, render_dataset,
                                tiny_transformer, train_clip, train_transformer, train_vae)
 
 
@@ -18,12 +18,12 @@ def test_build_loops_train_and_shapes_match():
     assert images.shape == (32, 3, 64, 64) and images.dtype == torch.uint8 and len(captions) == 32
     vae = train_vae(images, steps=2, seed=0, batch=4)
     latents = encode_latents(vae, images[:4])
-    assert latents.shape == (4, LATENT_CHANNELS, 16, 16)
+    assert latents.shape == (4, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE)
     assert vae.config.scaling_factor > 0
     clip = train_clip(images, captions, build_tokenizer(), steps=2, seed=0, batch=8)
     assert clip.config.projection_dim == 64
     model = tiny_transformer(128, 128, seed=0)
     before = model.proj_out.weight.detach().clone()
-    train_transformer(model, torch.randn(8, LATENT_CHANNELS, 16, 16), torch.randn(3, MAX_TOKENS, 128), torch.randn(3, 128),
+    train_transformer(model, torch.randn(8, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE), torch.randn(3, MAX_TOKENS, 128), torch.randn(3, 128),
                       torch.randint(0, 3, (8,)), steps=2, seed=0, batch=4)
     assert not torch.equal(before, model.proj_out.weight)

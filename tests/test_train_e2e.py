@@ -176,3 +176,18 @@ def test_mix_grpo_window_moves_counts_nfe_and_resumes(tmp_path, random_pipeline,
     Trainer(_config(tmp_path, random_pipeline, prompt_files, out="part", **{**mix, "run.resume": "true"})).train()
     part = [json.loads(l) for l in (tmp_path / "part/metrics.jsonl").read_text().splitlines()]
     assert [m["sampling/window_start"] for m in part] == [0, 1, 2]
+
+
+def test_branch_grpo_tree_run_prunes_and_counts(tmp_path, random_pipeline, prompt_files):
+    tree = {"run.mixed_precision": "no", "sampling.num_steps": 5, "sampling.group_size": 4,
+            "sampling.tree.split_steps": "[0,2]", "sampling.tree.width_keep": 1, "sampling.tree.fusion": "prob"}
+    result = Trainer(_config(tmp_path, random_pipeline, prompt_files, **tree)).train()
+    metrics = [json.loads(l) for l in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    # 2 prompts: per tree 1 + 2 + 2 + 4 + 4 velocity rows over the 5 steps, doubled by CFG
+    assert all(m["cost/nfe"] == 2 * 13 * 2 for m in metrics)
+    # trained steps 0-3 hold 2 + 2 + 4 + 4 transitions per tree; after the last split (step 2) width pruning
+    # keeps the chains of the best and the worst leaf: 2 of the 4 at step 3
+    assert all(m["cost/trained_transitions"] == 2 * (2 + 2 + 4 + 2) for m in metrics)  # (24 without pruning)
+    assert result["after"]["n_images"] > 0
+    with pytest.raises(ConfigError, match="sampling.group_size"):
+        _config(tmp_path, random_pipeline, prompt_files, **{**tree, "sampling.group_size": 8})

@@ -32,8 +32,17 @@ from flowrl.tiny.prompts import all_metadata, split, write_jsonl
 from flowrl.tiny.render import render, sample_scene
 from rewards.geneval.world import BACKGROUND, IMAGE_SIZE, TAGS
 
+VAE_FACTOR = 4
+"""Spatial downsampling of the tiny VAE: 64x64 scenes -> 16x16 latents. (A 2x VAE with 32x32x4 latents
+and patch 4 was tried: after 1000 transformer steps it drew fragments, worse than 4x.)"""
+
 LATENT_CHANNELS = 8
-"""Channels of the tiny VAE's 16x16 latents."""
+"""Channels of the tiny VAE's latents."""
+
+LATENT_SIZE = IMAGE_SIZE // VAE_FACTOR
+
+PATCH_SIZE = 2
+"""Transformer patch side in latent pixels: 8x8 = 64 image tokens."""
 
 MAX_TOKENS = 16
 """Token length of the tiny tokenizer (the longest world prompt takes 13 with BOS/EOS)."""
@@ -149,7 +158,7 @@ def train_clip(images, captions, tokenizer, steps: int, seed: int, batch: int = 
 
 
 def train_vae(images, steps: int, seed: int, batch: int = 32):
-    """Train a tiny ``AutoencoderKL`` (4x downsampling, ``LATENT_CHANNELS`` latent channels) on scenes.
+    """Train a tiny ``AutoencoderKL`` (``VAE_FACTOR`` downsampling, ``LATENT_CHANNELS`` channels) on scenes.
 
     Loss: L1 + MSE reconstruction, weighted 10x on object pixels so that small shapes are not averaged
     into the background, plus a 1e-6-weighted KL. Sets ``shift_factor`` and
@@ -161,9 +170,10 @@ def train_vae(images, steps: int, seed: int, batch: int = 32):
     from diffusers import AutoencoderKL
 
     torch.manual_seed(seed)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
-                        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(32, 64, 64), layers_per_block=1,
-                        latent_channels=LATENT_CHANNELS, norm_num_groups=16, sample_size=IMAGE_SIZE)
+    levels = int(math.log2(VAE_FACTOR)) + 1
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * levels,
+                        up_block_types=("UpDecoderBlock2D",) * levels, block_out_channels=(32, 64, 64, 64)[:levels],
+                        layers_per_block=1, latent_channels=LATENT_CHANNELS, norm_num_groups=16, sample_size=IMAGE_SIZE)
     background = _to_float(torch.tensor(BACKGROUND, dtype=torch.uint8).view(1, 3, 1, 1))
     opt = torch.optim.AdamW(vae.parameters(), lr=1e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps, pct_start=0.05)
@@ -189,23 +199,23 @@ def train_vae(images, steps: int, seed: int, batch: int = 32):
 
 @torch.no_grad()
 def encode_latents(vae, images: torch.Tensor, batch: int = 256) -> torch.Tensor:
-    """Unscaled latent means of uint8 images ``(N, 3, 64, 64)`` -> float32 ``(N, LATENT_CHANNELS, 16, 16)``."""
+    """Unscaled latent means of uint8 images ``(N, 3, 64, 64)`` -> float32 ``(N, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE)``."""
     return torch.cat([vae.encode(_to_float(images[i : i + batch])).latent_dist.mean for i in range(0, len(images), batch)])
 
 
 def tiny_transformer(joint_attention_dim: int, pooled_projection_dim: int, seed: int):
-    """A freshly initialised tiny ``SD3Transformer2DModel`` (5 joint blocks, width 128, 16x16 latents)."""
+    """A freshly initialised tiny ``SD3Transformer2DModel`` (5 joint blocks, width 128, 8x8 image tokens)."""
     from diffusers import SD3Transformer2DModel
 
     torch.manual_seed(seed)
-    return SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=LATENT_CHANNELS, num_layers=5, attention_head_dim=32,
+    return SD3Transformer2DModel(sample_size=LATENT_SIZE, patch_size=PATCH_SIZE, in_channels=LATENT_CHANNELS, num_layers=5, attention_head_dim=32,
                                  num_attention_heads=4, joint_attention_dim=joint_attention_dim,
                                  caption_projection_dim=128, pooled_projection_dim=pooled_projection_dim,
-                                 out_channels=LATENT_CHANNELS, pos_embed_max_size=16, qk_norm="rms_norm")
+                                 out_channels=LATENT_CHANNELS, pos_embed_max_size=LATENT_SIZE, qk_norm="rms_norm")
 
 
 def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: int, batch: int = 128,
-                      uncond_p: float = 0.1):
+                      uncond_p: float = 0.1, lr: float = 1e-3, checkpoints: Path | None = None):
     """Rectified-flow training (SD3, arXiv 2403.03206) of a tiny ``SD3Transformer2DModel``.
 
     x_t = (1 - t) x_0 + t eps, t ~ logit-normal(0, 1); loss = |v_theta(x_t, t) - (eps - x_0)|^2. Captions
@@ -213,21 +223,24 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
 
     Args:
         model: an ``SD3Transformer2DModel`` (see :func:`tiny_transformer`).
-        latents: scaled latents ``(N, LATENT_CHANNELS, 16, 16)`` float32.
+        latents: scaled latents ``(N, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE)`` float32.
         cond: ``(P, T, D)`` prompt embeddings of the P unique captions; row 0 is the empty prompt.
         pooled: ``(P, D_pooled)`` pooled embeddings.
         cap_idx: ``(N,)`` long, caption row of each latent.
+        lr: peak learning rate of the one-cycle schedule (5% warm-up, cosine decay to ~0).
+        checkpoints: if given, the model is saved to ``checkpoints/step-K`` every 1200 steps.
 
     Returns:
         ``model``, trained in place (float32, eval mode).
     """
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, betas=(0.9, 0.99))
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps, pct_start=0.05)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
     gen = torch.Generator().manual_seed(seed)
     model.train()
+    done = 0
     bar = tqdm(_batches(len(latents), batch, steps, gen), total=steps, desc="tiny SD3 transformer")
     for idx in bar:
-        x0 = latents[idx]  # (B, 4, 16, 16)
+        x0 = latents[idx]  # (B, C, h, w)
         eps = torch.randn(x0.shape, generator=gen)
         t = torch.sigmoid(torch.randn(len(idx), generator=gen))  # (B,) logit-normal
         xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
@@ -237,6 +250,9 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
                       timestep=t * 1000).sample.float()
         loss = F.mse_loss(v, eps - x0)
         _optimizer_step(loss, model, opt, sched, bar, max_grad_norm=1.0)
+        done += 1
+        if checkpoints is not None and done % 1200 == 0:
+            model.save_pretrained(checkpoints / f"step-{done}")
     return model.eval()
 
 
@@ -264,11 +280,13 @@ def _save_clip(clip, tokenizer, folder: Path) -> None:
 
 
 def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int = 600, vae_steps: int = 900,
-          dit_steps: int = 2400, resume: bool = False) -> dict:
+          dit_steps: int = 2400, resume: bool = False, init: str | Path | None = None, dit_lr: float = 1e-3) -> dict:
     """Regenerate every asset under ``out`` (see the module docstring); returns the wall times in seconds.
 
     ``resume`` keeps the stages an interrupted build finished (``out/tiny-clip``, the VAE in
-    ``out/.build-cache``) instead of training them again.
+    ``out/.build-cache``) instead of training them again. ``init`` (a finished ``tiny-sd3`` folder)
+    continues training its transformer for ``dit_steps`` more steps (peak learning rate ``dit_lr``)
+    with its VAE; the CLIP must then already be in ``out/tiny-clip``.
     """
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
@@ -289,7 +307,9 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
 
     t0 = time.time()
     cache = out / ".build-cache" / "vae"
-    if resume and (cache / "config.json").is_file():
+    if init is not None:
+        vae = AutoencoderKL.from_pretrained(Path(init) / "vae", torch_dtype=torch.float32).eval()
+    elif resume and (cache / "config.json").is_file():
         vae = AutoencoderKL.from_pretrained(cache).eval()
     else:
         vae = train_vae(images, vae_steps, seed)
@@ -299,7 +319,12 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
     t0 = time.time()
     text_encoder = text_tower(out / "tiny-clip")
     width = text_encoder.config.hidden_size * 2  # CLIP-L and CLIP-G slots, both the tiny tower
-    transformer = tiny_transformer(width, text_encoder.config.projection_dim * 2, seed)
+    if init is not None:
+        from diffusers import SD3Transformer2DModel
+
+        transformer = SD3Transformer2DModel.from_pretrained(Path(init) / "transformer", torch_dtype=torch.float32)
+    else:
+        transformer = tiny_transformer(width, text_encoder.config.projection_dim * 2, seed)
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=vae, text_encoder=text_encoder,
         tokenizer=tokenizer, text_encoder_2=text_encoder, tokenizer_2=tokenizer, text_encoder_3=None, tokenizer_3=None)
@@ -310,7 +335,8 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
     index = {c: i for i, c in enumerate(unique)}
     cap_idx = torch.tensor([index[c] for c in captions])
     latents = (encode_latents(vae, images) - vae.config.shift_factor) * vae.config.scaling_factor
-    train_transformer(transformer, latents, cond.float(), pooled.float(), cap_idx, dit_steps, seed)
+    train_transformer(transformer, latents, cond.float(), pooled.float(), cap_idx, dit_steps, seed, lr=dit_lr,
+                      checkpoints=out / ".build-cache" / "transformer")
     times["transformer_s"] = time.time() - t0
 
     pipe = StableDiffusion3Pipeline(
@@ -319,7 +345,8 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
         text_encoder_3=None, tokenizer_3=None)
     pipe.save_pretrained(out / "tiny-sd3")
     (out / "tiny-sd3" / "build.json").write_text(json.dumps({"seed": seed, "n_scenes": n_scenes, "clip_steps": clip_steps, "reused_clip": resume,
-        "vae_steps": vae_steps, "dit_steps": dit_steps, "times_s": times}, indent=1))
+        "vae_steps": vae_steps, "dit_steps": dit_steps, "dit_lr": dit_lr, "init": None if init is None else str(init),
+        "times_s": times}, indent=1))
     return times
 
 
@@ -331,9 +358,11 @@ def main(argv=None) -> None:
     p.add_argument("--clip-steps", type=int, default=600)
     p.add_argument("--vae-steps", type=int, default=900)
     p.add_argument("--dit-steps", type=int, default=2400)
+    p.add_argument("--dit-lr", type=float, default=1e-3, help="peak learning rate of the transformer")
     p.add_argument("--resume", action="store_true", help="keep the stages an interrupted build finished")
+    p.add_argument("--init", default=None, help="a finished tiny-sd3 folder: keep its VAE, continue its transformer")
     a = p.parse_args(argv)
-    print(build(a.out, a.seed, a.n_scenes, a.clip_steps, a.vae_steps, a.dit_steps, a.resume))
+    print(build(a.out, a.seed, a.n_scenes, a.clip_steps, a.vae_steps, a.dit_steps, a.resume, a.init, a.dit_lr))
 
 
 if __name__ == "__main__":

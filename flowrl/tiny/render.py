@@ -19,6 +19,18 @@ from rewards.geneval.world import BACKGROUND, COLORS, IMAGE_SIZE, MAX_SIZE, MIN_
 GAP = 3
 """Minimum number of background pixels between two objects' boxes."""
 
+POSITION_MARGIN = 1.5
+"""Pixels by which a detected box may be off (polygons are drawn up to 1 px beyond ``Obj.box``): a
+``position`` clause must hold for every such shift, so no rendered scene sits on the rule's edge."""
+
+
+def _holds(relation: str, a: "Obj", b: "Obj") -> bool:
+    m = POSITION_MARGIN
+    return all(
+        relation in relative_position((a.box[0] + dx, a.box[1] + dy, a.box[2] + dx, a.box[3] + dy), b.box)
+        for dx in (-m, 0.0, m) for dy in (-m, 0.0, m)
+    )
+
 
 @dataclass(frozen=True)
 class Obj:
@@ -109,7 +121,7 @@ def sample_scene(metadata: dict, rng: random.Random) -> list[Obj]:
 
     Colours not named by the metadata are uniform over the palette; sizes are uniform in
     [MIN_SIZE, MAX_SIZE]; objects keep ``GAP`` pixels apart; a ``position`` clause is met under
-    GenEval's relative-position rule.
+    GenEval's relative-position rule with ``POSITION_MARGIN`` pixels to spare.
 
     Args:
         metadata: ``{"include": [...], ...}`` as written by ``flowrl.tiny.prompts``.
@@ -129,7 +141,7 @@ def sample_scene(metadata: dict, rng: random.Random) -> list[Obj]:
                     accept = None
                     if "position" in clause:
                         relation, j = clause["position"]
-                        accept = lambda o, r=relation, t=groups[j]: all(r in relative_position(o.box, b.box) for b in t)
+                        accept = lambda o, r=relation, t=groups[j]: all(_holds(r, o, b) for b in t)
                     obj = _place(clause["class"], color, placed, rng, accept=accept)
                     placed.append(obj)
                     group.append(obj)

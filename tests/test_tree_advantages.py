@@ -1,0 +1,41 @@
+"""BranchGRPO reward fusion, depth-wise advantages and pruning on a small hand-made tree."""
+
+import math
+
+import pytest
+import torch
+
+from flowrl.advantages import depthwise_advantages, tree_node_rewards, width_prune
+
+# one tree, split in two at step 0 and again at step 1: transitions 0, 1 (step 0) -> 2, 3 | 4, 5 (step 1)
+PARENT = torch.tensor([-1, -1, 0, 0, 1, 1])
+STEP = torch.tensor([0, 0, 1, 1, 1, 1])
+INCIDENCE = torch.tensor([[1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)
+LEAVES = torch.tensor([1.0, 0.0, 3.0, 5.0])
+
+
+def test_mean_fusion():
+    assert tree_node_rewards(INCIDENCE, LEAVES).tolist() == [0.5, 4.0, 1.0, 0.0, 3.0, 5.0]
+
+
+def test_probability_weighted_fusion():
+    lp = torch.tensor([0.0, 0.0, math.log(3.0), 0.0, -2.0, -2.0])
+    fused = tree_node_rewards(INCIDENCE, LEAVES, "prob", PARENT, lp)
+    torch.testing.assert_close(fused, torch.tensor([0.75 * 1 + 0.25 * 0, 4.0, 1.0, 0.0, 3.0, 5.0]))
+    with pytest.raises(ValueError, match="fusion"):
+        tree_node_rewards(INCIDENCE, LEAVES, "max")
+
+
+def test_depthwise_advantages_z_score_per_tree_and_step():
+    adv = depthwise_advantages(tree_node_rewards(INCIDENCE, LEAVES), torch.zeros(6, dtype=torch.long), STEP)
+    torch.testing.assert_close(adv[:2], torch.tensor([-1.0, 1.0]))
+    std = math.sqrt(((1 - 2.25) ** 2 + 2.25**2 + 0.75**2 + 2.75**2) / 4)
+    torch.testing.assert_close(adv[2:], (torch.tensor([1.0, 0.0, 3.0, 5.0]) - 2.25) / std)
+    # a (tree, step) with one node, or with equal rewards, gets 0
+    single = depthwise_advantages(torch.tensor([2.0, 7.0, 7.0]), torch.tensor([0, 1, 1]), torch.tensor([0, 0, 0]))
+    assert single.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_width_pruning_keeps_the_best_and_worst_chains_after_the_last_split():
+    keep = width_prune(INCIDENCE, LEAVES, torch.zeros(4, dtype=torch.long), STEP, last_split=0, keep=1)
+    assert keep.tolist() == [True, True, False, True, False, True]  # leaves 1 (reward 0) and 3 (reward 5)

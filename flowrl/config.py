@@ -182,8 +182,25 @@ class Config:
             self.rewards = {"geneval": RewardConfig()}
 
 
+def _load_yaml(path: Path, chain: tuple[Path, ...] = ()):
+    """A YAML preset with its ``base:`` chain merged underneath (a base path is relative to the file)."""
+    path = path.resolve()
+    if path in chain:
+        raise ConfigError(f"config key 'base' of {path} makes a cycle: {' -> '.join(str(c) for c in chain + (path,))}")
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist" + (f" (the 'base' of {chain[-1]})" if chain else ""))
+    cfg = OmegaConf.load(path)
+    base = cfg.pop("base", None)
+    if base is None:
+        return cfg
+    return OmegaConf.merge(_load_yaml(path.parent / str(base), chain + (path,)), cfg)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Load a YAML preset, apply ``key=value`` overrides and validate.
+
+    A preset may name another preset as ``base: other.yaml`` (relative to its own folder): it is loaded
+    first and the preset's keys override it (``rewards`` entries are merged, not replaced).
 
     Args:
         path: a YAML file (``configs/*.yaml``) or None for the defaults.
@@ -202,7 +219,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         if path is not None:
             if not Path(path).is_file():
                 raise FileNotFoundError(f"config file {path} does not exist")
-            parts.append(OmegaConf.load(path))
+            parts.append(_load_yaml(Path(path)))
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} must look like key=value")

@@ -25,6 +25,7 @@ from .rollout import (
     sample,
 )
 from .schedule import flow_sigmas, respace_tail
+from .probes import ProbeRollout, sample_probes
 from .tree import leaf_incidence, sample_tree
 from .windows import WINDOW_SCHEDULES, SlidingWindow, mix_plan
 
@@ -33,6 +34,7 @@ __all__ = [
     "MULTISTEP_KERNELS",
     "STOCHASTIC_KERNELS",
     "WINDOW_SCHEDULES",
+    "ProbeRollout",
     "Rollout",
     "SlidingWindow",
     "StepOutput",
@@ -52,5 +54,6 @@ __all__ = [
     "recompute_log_prob",
     "respace_tail",
     "sample",
+    "sample_probes",
     "sample_tree",
 ]

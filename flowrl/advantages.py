@@ -147,3 +147,78 @@ def width_prune(incidence: torch.Tensor, leaf_rewards: torch.Tensor, leaf_group:
         chosen[order[-keep:]] = True
     on_chosen = (incidence & chosen[None, :]).any(1)  # (M,)
     return (step <= last_split) | on_chosen
+
+
+def _zscore_by(values: torch.Tensor, key: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """z-score of `values` (B,) within each distinct `key` (B,) (population std); 0 where a key's std is ~0."""
+    _, inverse = torch.unique(key, return_inverse=True)
+    n = torch.bincount(inverse).float()
+    values = values.float()
+    mean = torch.bincount(inverse, values) / n
+    centred = values - mean[inverse]
+    std = (torch.bincount(inverse, centred**2) / n).sqrt()[inverse]
+    return torch.where(std < 1e-6, torch.zeros_like(centred), centred / (std + eps))
+
+
+def _key(*columns: torch.Tensor) -> torch.Tensor:
+    """One long key per row from several long columns (values >= -1)."""
+    key = torch.zeros_like(columns[0], dtype=torch.long)
+    for col in columns:
+        key = key * (int(col.max()) + 2 if col.numel() else 1) + (col.long() + 1)
+    return key
+
+
+def process_advantages(rewards: torch.Tensor, group: torch.Tensor, step: torch.Tensor, granularity: torch.Tensor,
+                       clip: float = 5.0) -> torch.Tensor:
+    """Per-step process-reward advantages of single-step branches.
+
+    TempFlow-GRPO (arXiv 2508.04324, Sec. 3.2): the reward of a branch at step ``i`` (its SDE child
+    completed by ODE) is z-scored among the branches of the same step in the same `group` -- the
+    prompt group, or the 'seed group' of one trunk when `group` is the trunk id. G2RPO (arXiv 2510.01982,
+    Eq. 9): the z-score is taken per granularity, and a branch's advantage is the SUM over granularities
+    (call with one entry per (branch, granularity) and add them up with :func:`sum_by_node`).
+
+    Args:
+        rewards (`torch.Tensor` of shape `(P,)`): the probes' rewards.
+        group, step, granularity (`torch.Tensor` of shape `(P,)`, long): the normalisation key.
+        clip (`float`): |A| bound.
+
+    Returns:
+        `torch.Tensor` of shape `(P,)`, float32: 0 where a (group, step, granularity) has equal rewards.
+    """
+    return _zscore_by(rewards, _key(group, step, granularity)).clamp(-clip, clip)
+
+
+def sum_by_node(values: torch.Tensor, node: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """Sum the per-probe `values` (P,) of each transition ``node`` (P,) -> `(num_nodes,)` (0 for no probe)."""
+    keep = node >= 0
+    return torch.zeros(num_nodes, dtype=torch.float32, device=values.device).index_add_(0, node[keep], values[keep].float())
+
+
+def turning_point_rewards(returns: torch.Tensor) -> torch.Tensor:
+    """TP-GRPO step rewards (arXiv 2602.06422, Sec. 3): from ``R_0`` (pure ODE from x_T) and ``R_t`` (ODE
+    completion after the first ``t`` SDE steps, ``R_n`` = the SDE sample's reward).
+
+    ``d_t = R_t - R_{t-1}``, ``D = R_n - R_0``. Step ``t`` is a turning point if ``t > 1`` and the sign of
+    ``d`` flips there to agree with ``D`` (``sign(d_{t-1}) sign(D) < 0 < sign(d_t) sign(D)``) and the step
+    also agrees with what remains (``sign(d_t) sign(R_n - R_t) > 0``, the 'consistent trajectory' rule;
+    always false at ``t = n``); at ``t = 1`` only the latter rule. A turning point's reward is the
+    long-term effect ``R_n - R_{t-1}``; elsewhere ``d_t``.
+
+    Args:
+        returns (`torch.Tensor` of shape `(B, n + 1)`): ``R_0 .. R_n`` per trajectory.
+
+    Returns:
+        `torch.Tensor` of shape `(B, n)`, float32: the reward of SDE steps ``1 .. n``.
+    """
+    r = returns.float()
+    d = r[:, 1:] - r[:, :-1]  # (B, n)
+    trend = torch.sign(r[:, -1:] - r[:, :1])  # (B, 1)
+    local = torch.sign(d) * trend  # (B, n)
+    remaining = torch.sign(d) * torch.sign(r[:, -1:] - r[:, 1:])  # (B, n)
+    flip = torch.zeros_like(local, dtype=torch.bool)
+    flip[:, 1:] = (local[:, :-1] < 0) & (local[:, 1:] > 0)
+    flip[:, 0] = True
+    turning = flip & (remaining > 0)
+    long_term = r[:, -1:] - r[:, :-1]  # (B, n): R_n - R_{t-1}
+    return torch.where(turning, long_term, d)

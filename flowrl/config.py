@@ -79,6 +79,25 @@ class TreeConfig:
 
 
 @dataclass
+class ProbeConfig:
+    """Single-step branching with ODE completion: TempFlow-GRPO, G2RPO, TP-GRPO (see samplers.probes)."""
+
+    method: str = ""  # "" (off) | tempflow | g2rpo | tp_grpo
+    steps: list[int] = field(default_factory=list)  # probe steps; empty = every step but the last
+    children: int = 4  # tempflow: SDE children per trunk and probe step (g2rpo uses group_size, tp_grpo none)
+    granularities: list[int] = field(default_factory=lambda: [1])  # g2rpo: ODE-completion strides
+    adv_group: str = "prompt"  # tempflow: normalise over the prompt's branches (prompt) or one trunk's (seed)
+
+    def __post_init__(self):
+        _check(self.method in ("", "tempflow", "g2rpo", "tp_grpo"), "sampling.probe.method", "''|tempflow|g2rpo|tp_grpo",
+               self.method)
+        _check(self.children >= 1, "sampling.probe.children", ">= 1", self.children)
+        _check(bool(self.granularities) and min(self.granularities) >= 1, "sampling.probe.granularities",
+               "a non-empty list of strides >= 1", self.granularities)
+        _check(self.adv_group in ("prompt", "seed"), "sampling.probe.adv_group", "prompt|seed", self.adv_group)
+
+
+@dataclass
 class SamplingConfig:
     num_steps: int = 10  # denoising steps of a training rollout
     guidance_scale: float = 4.5  # classifier-free guidance w (1 = off)
@@ -92,8 +111,14 @@ class SamplingConfig:
     train_last_step: bool = False
     window: WindowConfig = field(default_factory=WindowConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
 
     def __post_init__(self):
+        if self.probe.method:
+            _check(all(0 <= k < self.num_steps - 1 for k in self.probe.steps), "sampling.probe.steps",
+                   f"steps in [0, {self.num_steps - 1})", self.probe.steps)
+            _check(not self.tree.split_steps and self.window.size == 0, "sampling.probe.method",
+                   "used without sampling.tree / sampling.window", self.probe.method)
         if self.tree.split_steps:
             t = self.tree
             _check(self.group_size == t.branch ** len(t.split_steps), "sampling.group_size",

@@ -18,9 +18,10 @@ from tqdm import tqdm
 
 from rewards import WeightedSum, build_reward
 from samplers import (SlidingWindow, StepPlan, flow_sigmas, leaf_incidence, mix_plan, recompute_log_prob, sample,
-                      sample_tree)
+                      sample_probes, sample_tree)
 
-from .advantages import depthwise_advantages, group_advantages, tree_node_rewards, width_prune
+from .advantages import (depthwise_advantages, group_advantages, process_advantages, sum_by_node, tree_node_rewards,
+                         turning_point_rewards, width_prune)
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, ConfigError, prompt_file, resolve_path, save_config
 from .evaluate import evaluate, evaluate_reward, generate
@@ -122,6 +123,68 @@ class Trainer:
             return torch.cat([fn(x[i:i + size], t[i:i + size], cond[i:i + size]) for i in range(0, len(x), size)])
         return chunked
 
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
+        size = self.cfg.sampling.batch_size
+        return torch.cat([self.model.decode(latents[i:i + size]) for i in range(0, latents.shape[0], size)]).cpu()
+
+    @torch.no_grad()
+    def probe_rollout(self, metas: list[dict], table: PromptEmbeds, generator: torch.Generator):
+        """TempFlow-GRPO / G2RPO / TP-GRPO rollout: main paths with probes completed by ODE.
+
+        Trunks per prompt: 1 shared anchor for g2rpo (its group is the ``group_size`` SDE children of
+        each probe step), ``group_size`` for tempflow (each with ``probe.children`` children per step)
+        and for tp_grpo (each an SDE trajectory on the probe steps, probed after every SDE step).
+
+        Returns:
+            ``(probe_rollout, images (P, 3, H, W), prompt index of each image (P,))``.
+        """
+        s, p = self.cfg.sampling, self.cfg.sampling.probe
+        trunks = 1 if p.method == "g2rpo" else s.group_size
+        children = {"g2rpo": s.group_size, "tempflow": p.children, "tp_grpo": 0}[p.method]
+        roots = torch.arange(len(metas)).repeat_interleave(trunks)  # (R,)
+        shape = self.model.latent_shape
+        if s.shared_noise or trunks == 1:
+            noise = torch.randn((len(metas), *shape), generator=generator).repeat_interleave(trunks, 0)
+        else:
+            noise = torch.randn((len(roots), *shape), generator=generator)
+        steps = list(p.steps) or list(range(s.num_steps - 1))
+        plan = StepPlan.window(s.num_steps, steps, s.kernel, s.noise_level) if p.method == "tp_grpo" else StepPlan.ode(s.num_steps)
+        velocity = self._chunked(self.model.velocity_fn(table, s.guidance_scale), s.batch_size)
+        with self._autocast():
+            pr = sample_probes(velocity, noise.to(self.device), (roots + 1).to(self.device), roots.to(self.device),
+                               self.sigmas.to(self.device), plan, steps, children, s.kernel, s.noise_level,
+                               tuple(p.granularities), include_start=p.method == "tp_grpo", generator=generator)
+        return pr, self._decode(pr.final), roots[pr.root.cpu()]
+
+    def probe_advantages(self, pr, rewards: torch.Tensor, image_prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Advantages of the trained transitions of a probe rollout (see :meth:`probe_rollout`).
+
+        tempflow / g2rpo: per-step process rewards z-scored per (prompt or trunk, step, granularity), summed
+        over granularities (G2RPO). tp_grpo: turning-point step rewards from ``R_0 .. R_n``, z-scored per
+        (prompt, step).
+
+        Returns:
+            ``(advantages (M,), keep (M,) bool, stats)``.
+        """
+        p, clip, ro = self.cfg.sampling.probe, self.cfg.train.adv_clip_max, pr.rollout
+        step, root, node = pr.step.cpu(), pr.root.cpu(), pr.node.cpu()
+        if p.method in ("tempflow", "g2rpo"):
+            group = root if p.adv_group == "seed" and p.method == "tempflow" else image_prompt
+            adv_p = process_advantages(rewards, group, step, pr.granularity.cpu(), clip)
+        else:
+            probe_steps = sorted(set(step.tolist()))  # [-1, steps...]
+            returns = torch.zeros(int(root.max()) + 1, len(probe_steps))
+            returns[root, torch.tensor([probe_steps.index(k) for k in step.tolist()])] = rewards.float()
+            step_rewards = turning_point_rewards(returns)  # (R, n)
+            later = step >= 0
+            values = step_rewards[root[later], torch.tensor([probe_steps.index(k) - 1 for k in step[later].tolist()])]
+            adv_p = torch.zeros_like(rewards, dtype=torch.float32)
+            adv_p[later] = process_advantages(values, image_prompt[later], step[later], torch.ones_like(step[later]), clip)
+        adv = sum_by_node(adv_p, node, len(ro))
+        keep = ro.trained.cpu() & (adv != 0)
+        return adv.to(self.device), keep.to(self.device), {"advantage/abs_mean": adv_p.abs().mean().item(),
+                                                           "advantage/zero_frac": (adv_p == 0).float().mean().item()}
+
     @torch.no_grad()
     def rollout(self, metas: list[dict], generator: torch.Generator):
         """G SDE rollouts per prompt from the current policy.
@@ -141,8 +204,7 @@ class Trainer:
             with self._autocast():
                 ro = sample_tree(velocity, noise.to(self.device), (roots + 1).to(self.device), roots.to(self.device),
                                  self.sigmas.to(self.device), self.plan, self.branch, generator=generator)
-            images = torch.cat([self.model.decode(ro.final[i:i + s.batch_size]) for i in range(0, ro.num_leaves, s.batch_size)])
-            return ro, images.cpu(), table
+                return ro, self._decode(ro.final), table
         if s.shared_noise:
             noise = torch.randn((len(metas), *shape[1:]), generator=generator).repeat_interleave(s.group_size, 0)
         else:
@@ -152,8 +214,7 @@ class Trainer:
         with self._autocast():
             ro = sample(velocity, noise.to(self.device), (prompt_index + 1).to(self.device),
                         prompt_index.to(self.device), sigmas.to(self.device), plan, generator=generator)
-        images = torch.cat([self.model.decode(ro.final[i:i + s.batch_size]) for i in range(0, ro.num_leaves, s.batch_size)])
-        return ro, images.cpu(), table
+        return ro, self._decode(ro.final), table
 
     def tree_advantages(self, ro, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """BranchGRPO advantages of every stored transition of a tree rollout and whether it enters the loss:
@@ -311,15 +372,24 @@ class Trainer:
         gen = self._generator(it)
         metas = self.sample_prompts(it)
         t0 = time.time()
-        ro, images, table = self.rollout(metas, gen)
+        if self.cfg.sampling.probe.method:
+            table = self.model.encode([""] + [m["prompt"] for m in metas])
+            probes, images, image_prompt = self.probe_rollout(metas, table, gen)
+            ro = probes.rollout
+        else:
+            probes = None
+            ro, images, table = self.rollout(metas, gen)
+            image_prompt = ro.group.cpu()
         t1 = time.time()
-        leaf_metas = [metas[i] for i in ro.group.tolist()]
+        leaf_metas = [metas[i] for i in image_prompt.tolist()]
         scores = self.rewards(images, [m["prompt"] for m in leaf_metas], leaf_metas)
         t2 = time.time()
         total = self.accelerator.gather(scores.total.to(self.device)).cpu()
-        group = self.accelerator.gather((ro.group + self.accelerator.process_index * len(metas)).to(self.device)).cpu()
         mine = slice(self.accelerator.process_index * len(scores.total), (self.accelerator.process_index + 1) * len(scores.total))
-        if self.branch is None:  # group z-scores over the gathered batch, then this process's share
+        if probes is not None:  # process rewards of this process's own probes
+            adv_t, keep, adv_stats = self.probe_advantages(probes, scores.total, image_prompt)
+        elif self.branch is None:  # group z-scores over the gathered batch, then this process's share
+            group = self.accelerator.gather((ro.group + self.accelerator.process_index * len(metas)).to(self.device)).cpu()
             adv, zero = group_advantages(total, group, self.cfg.train.adv_std, self.cfg.train.adv_clip_max)
             keep = ro.trained & ~zero[mine].to(ro.trained.device)[ro.leaf]
             adv_stats = {"advantage/zero_variance_frac": zero.float().mean().item(), "advantage/abs_mean": adv.abs().mean().item()}

@@ -39,3 +39,29 @@ def test_depthwise_advantages_z_score_per_tree_and_step():
 def test_width_pruning_keeps_the_best_and_worst_chains_after_the_last_split():
     keep = width_prune(INCIDENCE, LEAVES, torch.zeros(4, dtype=torch.long), STEP, last_split=0, keep=1)
     assert keep.tolist() == [True, True, False, True, False, True]  # leaves 1 (reward 0) and 3 (reward 5)
+
+
+def test_process_advantages_per_group_step_and_granularity():
+    from flowrl.advantages import process_advantages, sum_by_node
+
+    rewards = torch.tensor([1.0, 3.0, 5.0, 5.0, 0.0, 2.0])
+    group = torch.tensor([0, 0, 0, 0, 1, 1])
+    step = torch.tensor([0, 0, 1, 1, 0, 0])
+    adv = process_advantages(rewards, group, step, torch.ones(6, dtype=torch.long))
+    torch.testing.assert_close(adv, torch.tensor([-1.0, 1.0, 0.0, 0.0, -1.0, 1.0]), atol=1e-3, rtol=0)
+    # G2RPO: two granularities of the same two branches add up
+    adv = process_advantages(torch.tensor([1.0, 3.0, 2.0, 0.0]), torch.zeros(4, dtype=torch.long),
+                             torch.zeros(4, dtype=torch.long), torch.tensor([1, 1, 2, 2]))
+    torch.testing.assert_close(sum_by_node(adv, torch.tensor([0, 1, 0, 1]), 3), torch.tensor([0.0, 0.0, 0.0]), atol=1e-3,
+                               rtol=0)
+
+
+def test_turning_points():
+    from flowrl.advantages import turning_point_rewards
+
+    # R_0..R_4 = 0, -1, 1, 2, 3: trend up; d = -1, 2, 1, 1; step 2 flips to the trend and R_4 > R_2 -> R_4 - R_1 = 4
+    out = turning_point_rewards(torch.tensor([[0.0, -1.0, 1.0, 2.0, 3.0]]))
+    assert out.tolist() == [[-1.0, 4.0, 1.0, 1.0]]
+    # step 1 agrees with what remains: R_4 - R_0
+    out = turning_point_rewards(torch.tensor([[0.0, 1.0, 0.5, 2.0]]))
+    assert out.tolist() == [[2.0, -0.5, 1.5]]

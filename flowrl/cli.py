@@ -1,4 +1,4 @@
-"""``flowrl`` command line: ``train``, ``eval`` and ``sample``."""
+"""``flowrl`` command line: ``train``, ``eval``, ``sample`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -62,6 +62,17 @@ def cmd_sample(args) -> None:
     print(f"wrote {args.n} images to {args.out}")
 
 
+def cmd_bench(args) -> dict:
+    from .bench import PRESETS, run_bench
+
+    unknown = set(args.presets) - set(PRESETS)
+    if unknown:
+        raise ValueError(f"unknown bench preset(s) {sorted(unknown)}; choose from {list(PRESETS)}")
+    results = run_bench(args.presets, args.iterations, args.warmup, args.budget_s, args.overrides, args.out)
+    print(Path(args.out).with_suffix(".md").read_text())
+    return results
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="assets/tiny-sd3", help="StableDiffusion3Pipeline folder")
     p.add_argument("--lora", default=None, help="diffusers-format LoRA folder (e.g. RUN/lora)")
@@ -93,6 +104,16 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("-n", type=int, default=8)
     s.add_argument("--out", default="grid.png")
     s.set_defaults(fn=cmd_sample)
+    b = sub.add_parser("bench", help="time every sampler preset on the tiny world (one table)")
+    from .bench import PRESETS
+
+    b.add_argument("--presets", nargs="+", default=list(PRESETS))
+    b.add_argument("--iterations", type=int, default=3, help="timed iterations per preset (median)")
+    b.add_argument("--warmup", type=int, default=1)
+    b.add_argument("--budget-s", type=float, default=0.0, help="also train this long and report held-out accuracy")
+    b.add_argument("--out", default="benchmarks/results.json")
+    b.add_argument("overrides", nargs="*", help="key=value overrides for every preset")
+    b.set_defaults(fn=cmd_bench)
     args = parser.parse_args(argv)
     try:
         args.fn(args)

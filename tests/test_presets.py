@@ -43,3 +43,16 @@ def test_base_chain_errors_name_the_file(tmp_path):
     (tmp_path / "c.yaml").write_text("base: missing.yaml\n")
     with pytest.raises(FileNotFoundError, match="missing.yaml.*the 'base' of"):
         load_config(tmp_path / "c.yaml")
+
+
+def test_bench_runs_and_writes_the_table(tmp_path, random_pipeline, prompt_files):
+    from flowrl.bench import run_bench
+
+    train, test = prompt_files
+    over = [o for o in tiny_overrides(random_pipeline, train, test, tmp_path / "unused") if not o.startswith("run.output_dir")]
+    over += ["sampling.num_steps=6", "sampling.group_size=8", "sampling.prompts_per_iteration=2"]
+    results = run_bench(["dance_grpo", "branch_grpo"], iterations=1, warmup=0, overrides=over, out=tmp_path / "b.json")
+    assert results["dance_grpo"]["vs_dance_grpo"] == 1.0
+    assert results["branch_grpo"]["cost/nfe"] < results["dance_grpo"]["cost/nfe"]  # shared prefixes
+    assert results["branch_grpo"]["tree"]["speedup"] > 0
+    assert "| branch_grpo |" in (tmp_path / "b.md").read_text()

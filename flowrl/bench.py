@@ -1,0 +1,126 @@
+"""``flowrl bench``: every sampler preset on the tiny world, same scored images per iteration, one table.
+
+For each preset: old-policy NFEs (CFG counted twice), trained transitions, reward calls and seconds per
+iteration (median of ``--iterations`` timed iterations after ``--warmup``), optionally the held-out
+GenEval strict accuracy after ``--budget-s`` seconds of training, and the speed of a batched tree
+against the same tree evaluated node by node. Writes JSON and a Markdown table.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .config import REPO_ROOT, load_config
+
+PRESETS = ("flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "mix_grpo_flash", "branch_grpo", "branch_grpo_mix",
+           "tempflow_grpo", "g2rpo", "tp_grpo")
+
+SAME_IMAGES = {
+    # 64 scored images per iteration for every preset (reward calls)
+    "tempflow_grpo": ["sampling.prompts_per_iteration=2"],  # 2 prompts x 2 trunks x 4 steps x 4 children
+    "g2rpo": ["sampling.prompts_per_iteration=2", "sampling.group_size=4"],  # 2 x 4 steps x 4 x 2 granularities
+    "tp_grpo": ["sampling.prompts_per_iteration=2", "sampling.group_size=5"],  # 2 x 5 trajectories x (1 + 5) probes ~ 60
+}
+
+
+def _median_iteration(trainer, start: int, count: int) -> dict[str, float]:
+    rows = [trainer.step(start + i) for i in range(count)]
+    out = {k: statistics.median(r[k] for r in rows) for k in ("cost/nfe", "cost/trained_transitions", "cost/reward_calls",
+                                                              "time/sample_s", "time/score_s", "time/train_s")}
+    out["time/iteration_s"] = statistics.median(r["time/sample_s"] + r["time/score_s"] + r["time/train_s"] for r in rows)
+    return out
+
+
+def bench_tree(trainer, repeats: int = 3) -> dict[str, float]:
+    """Seconds of one BranchGRPO tree rollout (the preset's tree, all prompts) batched vs node by node."""
+    from samplers import sample_tree
+
+    s = trainer.cfg.sampling
+    metas = trainer.sample_prompts(0)
+    table = trainer.model.encode([""] + [m["prompt"] for m in metas])
+    velocity = trainer.model.velocity_fn(table, s.guidance_scale)
+    roots = torch.arange(len(metas))
+    noise = torch.randn((len(metas), *trainer.model.latent_shape), generator=torch.Generator().manual_seed(0))
+    times = {}
+    for batched in (True, False):
+        runs = []
+        for _ in range(repeats):
+            t0 = time.time()
+            with trainer._autocast():
+                sample_tree(velocity, noise, roots + 1, roots, trainer.sigmas, trainer.plan, trainer.branch,
+                            generator=torch.Generator().manual_seed(1), batched=batched)
+            runs.append(time.time() - t0)
+        times["batched_s" if batched else "node_by_node_s"] = statistics.median(runs)
+    times["speedup"] = times["node_by_node_s"] / times["batched_s"]
+    return times
+
+
+def run_bench(presets=PRESETS, iterations: int = 3, warmup: int = 1, budget_s: float = 0.0, overrides=(),
+              out: str | Path = "benchmarks/results.json") -> dict:
+    """Benchmark `presets` (names in configs/); see the module docstring. Returns the results dict."""
+    from .trainer import Trainer
+
+    results = {}
+    for name in presets:
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = load_config(REPO_ROOT / "configs" / f"{name}.yaml",
+                              [f"run.output_dir={tmp}/run", "eval.every=0", *SAME_IMAGES.get(name, []), *overrides])
+            trainer = Trainer(cfg)
+            for i in range(warmup):
+                trainer.step(i)
+            row = _median_iteration(trainer, warmup, iterations)
+            if trainer.branch is not None:
+                row["tree"] = bench_tree(trainer)
+            if budget_s > 0:
+                it, t0 = warmup + iterations, time.time()
+                while time.time() - t0 < budget_s:
+                    trainer.step(it)
+                    it += 1
+                row["budget_iterations"] = it
+                row["budget_accuracy"] = trainer.run_eval()["overall"]
+            results[name] = row
+            print(name, json.dumps(row))
+    base = results.get("dance_grpo", {}).get("time/iteration_s")
+    for row in results.values():
+        row["vs_dance_grpo"] = row["time/iteration_s"] / base if base else None
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": _machine(), "iterations": iterations, "warmup": warmup, "budget_s": budget_s}
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    out.with_suffix(".md").write_text(markdown_table(results, meta))
+    return results
+
+
+def _machine() -> str:
+    import os
+    import platform
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, {gpu}, torch {torch.__version__}"
+
+
+def markdown_table(results: dict, meta: dict) -> str:
+    """The README table of :func:`run_bench`'s results."""
+    lines = [f"Machine: {meta['machine']}; median of {meta['iterations']} iterations after {meta['warmup']} warm-up.", "",
+             "| preset | old-policy NFEs | trained transitions | reward calls | s / iteration | vs dance_grpo |"
+             + (" accuracy after budget |" if meta["budget_s"] else ""),
+             "|---|---|---|---|---|---|" + ("---|" if meta["budget_s"] else "")]
+    for name, r in results.items():
+        ratio = f"{r['vs_dance_grpo']:.2f}x" if r.get("vs_dance_grpo") else "-"
+        line = (f"| {name} | {r['cost/nfe']:.0f} | {r['cost/trained_transitions']:.0f} | {r['cost/reward_calls']:.0f} | "
+                f"{r['time/iteration_s']:.2f} | {ratio} |")
+        if meta["budget_s"]:
+            line += f" {r.get('budget_accuracy', float('nan')):.3f} |"
+        lines.append(line)
+    for name, r in results.items():
+        if "tree" in r:
+            t = r["tree"]
+            lines.append(f"\n{name} tree rollout: batched {t['batched_s']:.2f} s, node by node {t['node_by_node_s']:.2f} s "
+                         f"({t['speedup']:.1f}x).")
+    return "\n".join(lines) + "\n"

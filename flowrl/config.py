@@ -101,7 +101,7 @@ class ProbeConfig:
 class SamplingConfig:
     num_steps: int = 10  # denoising steps of a training rollout
     guidance_scale: float = 4.5  # classifier-free guidance w (1 = off)
-    kernel: str = "flow_sde"  # samplers.KERNELS stochastic kernel: flow_sde | dance_sde
+    kernel: str = "flow_sde"  # samplers.KERNELS stochastic kernel: flow_sde | dance_sde | cps
     noise_level: float = 0.7  # Flow-GRPO's a (or DanceGRPO's eta)
     shift: float = 1.0  # timestep shift of the sigma schedule
     group_size: int = 8  # G images per prompt
@@ -132,7 +132,7 @@ class SamplingConfig:
         _check(self.num_steps >= 2, "sampling.num_steps", ">= 2", self.num_steps)
         _check(self.group_size >= 2, "sampling.group_size", ">= 2 (group-relative advantages)", self.group_size)
         _check(self.guidance_scale >= 1.0, "sampling.guidance_scale", ">= 1", self.guidance_scale)
-        _check(self.kernel in ("flow_sde", "dance_sde"), "sampling.kernel", "flow_sde|dance_sde", self.kernel)
+        _check(self.kernel in ("flow_sde", "dance_sde", "cps"), "sampling.kernel", "flow_sde|dance_sde|cps", self.kernel)
         _check(self.noise_level > 0, "sampling.noise_level", "> 0", self.noise_level)
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "MULTISTEP_KERNELS",
     "STOCHASTIC_KERNELS",
     "StepOutput",
+    "cps_step",
     "dance_sde_step",
     "dpm_solver_2m_step",
     "flow_sde_step",
@@ -266,6 +267,67 @@ def dance_sde_step(
     return _gaussian_step(sample, velocity, t, dt, diffusion, generator, prev_sample, noise)
 
 
+def cps_step(
+    sample: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma,
+    sigma_next,
+    noise_level,
+    sigma_max=None,
+    *,
+    generator: torch.Generator | None = None,
+    prev_sample: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+) -> StepOutput:
+    """Coefficients-preserving sampling step, CPS (Wang & Yu, arXiv 2509.05952, Eq. 8).
+
+    With ``x0_hat = x - t v``, ``x1_hat = x + (1 - t) v``, ``eta = noise_level`` in `(0, 1]` and
+    ``s = t' sin(eta pi / 2)``::
+
+        mean = (1 - t') x0_hat + sqrt(t'^2 - s^2) x1_hat
+        std  = s
+        x'   = mean + s eps
+        log_prob = mean over (C, H, W) of log N(x'; mean, s^2)
+
+    so ``x'`` keeps the coefficients ``(1 - t', t')`` of data and noise exactly. The log-prob is the true
+    Gaussian one (Flow-GRPO's code keeps only ``-mean((x' - mean)^2)``, a ratio ``2 s^2`` times flatter in
+    log space, hence its clip range 1e-5). On a step to ``t' = 0`` the std is 0: the step returns
+    ``x0_hat`` with log-prob 0 and should not be trained.
+
+    Args:
+        As :func:`flow_sde_step`; `sigma_max` is ignored.
+
+    Returns:
+        :class:`StepOutput` with `prev_sample`, `mean` `(B, C, H, W)`, `std` `(B,)`, `log_prob` `(B,)`,
+        all float32.
+
+    Raises:
+        ValueError: if both `prev_sample` and `noise` are given, or a shape does not match.
+    """
+    if prev_sample is not None and noise is not None:
+        raise ValueError("pass at most one of prev_sample (score a given sample) and noise (draw a new one)")
+    sample, velocity = sample.float(), velocity.float()
+    t = _per_sample(sigma, sample, "sigma")
+    t_next = _per_sample(sigma_next, sample, "sigma_next")
+    s = t_next * torch.sin(_per_sample(noise_level, sample, "noise_level") * math.pi / 2)  # (B, 1, 1, 1)
+    x0_hat, x1_hat = sample - t * velocity, sample + (1 - t) * velocity
+    mean = (1 - t_next) * x0_hat + torch.sqrt((t_next**2 - s**2).clamp(min=0)) * x1_hat
+    if prev_sample is None:
+        if noise is None:
+            device = generator.device if generator is not None else sample.device
+            noise = torch.randn(sample.shape, generator=generator, device=device, dtype=torch.float32)
+        elif noise.shape != sample.shape:
+            raise ValueError(f"noise must have shape {tuple(sample.shape)}; got {tuple(noise.shape)}")
+        prev_sample = mean + s * noise.to(device=sample.device, dtype=torch.float32)
+    elif prev_sample.shape != sample.shape:
+        raise ValueError(f"prev_sample must have shape {tuple(sample.shape)}; got {tuple(prev_sample.shape)}")
+    prev_sample = prev_sample.float()
+    std = s.reshape(-1)  # (B,)
+    safe = torch.where(std > 0, std, torch.ones_like(std))
+    log_prob = torch.where(std > 0, gaussian_log_prob(prev_sample, mean, safe), torch.zeros_like(std))
+    return StepOutput(prev_sample, mean, std, log_prob)
+
+
 def dpm_solver_2m_step(
     sample: torch.Tensor,
     velocity: torch.Tensor,
@@ -322,11 +384,12 @@ KERNELS = {
     "ode": ode_step,
     "flow_sde": flow_sde_step,
     "dance_sde": dance_sde_step,
+    "cps": cps_step,
 }
 """Kernel name -> kernel function, all with the signature of :func:`flow_sde_step`."""
 
 MULTISTEP_KERNELS = {"dpm_solver_2m": dpm_solver_2m_step}
 """Deterministic kernels that also read the previous step's data prediction (the sampler passes it)."""
 
-STOCHASTIC_KERNELS = frozenset({"flow_sde", "dance_sde"})
+STOCHASTIC_KERNELS = frozenset({"flow_sde", "dance_sde", "cps"})
 """Names in :data:`KERNELS` whose step is a Gaussian with a log-prob (the only trainable ones)."""

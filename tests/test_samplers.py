@@ -24,7 +24,7 @@ from samplers import (
 )
 
 SHAPE = (2, 4, 4)  # (C, H, W)
-SDE_KERNELS = ["flow_sde", "dance_sde"]
+SDE_KERNELS = ["flow_sde", "dance_sde", "cps"]
 
 
 class ToyVelocity:
@@ -298,3 +298,22 @@ def test_package_imports_only_torch():
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     assert set(samplers.__all__) <= set(dir(samplers))
+
+
+def test_cps_matches_closed_form_and_preserves_coefficients():
+    from samplers import cps_step
+
+    x, v = _batch()
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    t, t_next, eta = 0.8, 0.6, 0.5
+    out = cps_step(x, v, t, t_next, eta, noise=noise)
+    s = t_next * math.sin(eta * math.pi / 2)
+    x0, x1 = x - t * v, x + (1 - t) * v
+    mean = (1 - t_next) * x0 + math.sqrt(t_next**2 - s**2) * x1
+    torch.testing.assert_close(out.mean, mean)
+    torch.testing.assert_close(out.prev_sample, mean + s * noise)
+    # noise coefficient: sqrt(t'^2 - s^2)^2 + s^2 = t'^2 (variance of the noise part preserved)
+    assert math.isclose((t_next**2 - s**2) + s**2, t_next**2)
+    last = cps_step(x, v, 0.2, 0.0, eta, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(last.prev_sample, x - 0.2 * v)  # to t' = 0: x0_hat, std 0, log-prob 0
+    assert bool((last.log_prob == 0).all())

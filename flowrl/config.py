@@ -155,6 +155,7 @@ class TrainConfig:
     inner_epochs: int = 1
     minibatch_size: int = 64  # transitions per optimizer step
     ema_decay: float = 0.0  # 0 = no EMA
+    timestep_fraction: float = 1.0  # DanceGRPO: train a random fraction of each sample's trained steps
 
     def __post_init__(self):
         _check(self.adv_std in ("global", "group"), "train.adv_std", "global|group", self.adv_std)
@@ -162,6 +163,7 @@ class TrainConfig:
         _check(self.clip_range > 0, "train.clip_range", "> 0", self.clip_range)
         _check(0 <= self.ema_decay < 1, "train.ema_decay", "in [0, 1)", self.ema_decay)
         _check(self.minibatch_size >= 1, "train.minibatch_size", ">= 1", self.minibatch_size)
+        _check(0 < self.timestep_fraction <= 1, "train.timestep_fraction", "in (0, 1]", self.timestep_fraction)
 
 
 @dataclass

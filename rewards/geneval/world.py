@@ -41,5 +41,5 @@ RELATIONS: tuple[str, ...] = ("left of", "right of", "above", "below")
 
 TAGS: tuple[str, ...] = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 
-MIN_SIZE, MAX_SIZE = 12, 18
+MIN_SIZE, MAX_SIZE = 16, 24
 """Side of a shape's bounding box in pixels, inclusive range."""

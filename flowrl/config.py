@@ -156,6 +156,9 @@ class TrainConfig:
     minibatch_size: int = 64  # transitions per optimizer step
     ema_decay: float = 0.0  # 0 = no EMA
     timestep_fraction: float = 1.0  # DanceGRPO: train a random fraction of each sample's trained steps
+    ratio_norm: bool = False  # GRPO-Guard RatioNorm of the log-ratio
+    step_weighting: str = "none"  # none | guard (GRPO-Guard gradient reweighting) | noise_aware (TempFlow-GRPO)
+    kl_type: str = "mean"  # mean (Flow-GRPO's latent-mean KL) | velocity (squared velocity difference)
 
     def __post_init__(self):
         _check(self.adv_std in ("global", "group"), "train.adv_std", "global|group", self.adv_std)
@@ -163,6 +166,9 @@ class TrainConfig:
         _check(self.clip_range > 0, "train.clip_range", "> 0", self.clip_range)
         _check(0 <= self.ema_decay < 1, "train.ema_decay", "in [0, 1)", self.ema_decay)
         _check(self.minibatch_size >= 1, "train.minibatch_size", ">= 1", self.minibatch_size)
+        _check(self.step_weighting in ("none", "guard", "noise_aware"), "train.step_weighting", "none|guard|noise_aware",
+               self.step_weighting)
+        _check(self.kl_type in ("mean", "velocity"), "train.kl_type", "mean|velocity", self.kl_type)
         _check(0 < self.timestep_fraction <= 1, "train.timestep_fraction", "in (0, 1]", self.timestep_fraction)
 
 

@@ -19,16 +19,16 @@ from tqdm import tqdm
 
 from rewards import WeightedSum, build_reward
 from samplers import (SlidingWindow, StepPlan, flow_sigmas, leaf_incidence, mix_plan, recompute_log_prob, sample,
-                      sample_probes, sample_tree)
+                      sample_probes, sample_tree, velocity_gain)
 
 from .advantages import (depthwise_advantages, group_advantages, process_advantages, sum_by_node, tree_node_rewards,
                          turning_point_rewards, width_prune)
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, ConfigError, prompt_file, resolve_path, save_config
 from .evaluate import evaluate, evaluate_reward, generate
-from .losses import kl_to_reference, ppo_loss
+from .losses import kl_to_reference, ppo_loss, ratio_norm, step_weights, velocity_kl
 from .models import FlowModel, PromptEmbeds
-from .plots import save_grid, save_reward_curve
+from .plots import save_diagnostics, save_grid, save_reward_curve
 from .tiny.prompts import read_jsonl
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -263,6 +263,8 @@ class Trainer:
         tv = ro.select(rows)
         adv = adv_all[rows]  # (M',)
         stats: dict[str, list[float]] = defaultdict(list)
+        per_step: dict[int, list[torch.Tensor]] = defaultdict(list)  # first epoch: (ratio, clip range) per step
+        gain = velocity_gain(tv) if t.step_weighting == "guard" else None
         velocity = self.model.velocity_fn(table, self.cfg.sampling.guidance_scale)  # CFG against table row 0
         self.model.transformer.train()
         for epoch in range(t.inner_epochs):
@@ -273,13 +275,23 @@ class Trainer:
                 with self._autocast():
                     v = velocity(sub.state, sub.sigma, sub.cond)
                 log_prob, mean = recompute_log_prob(sub, v)
-                loss, st = ppo_loss(log_prob, sub.log_prob, adv[mb], t.clip_range)
+                if t.ratio_norm:  # GRPO-Guard: unbiased, std-scaled log-ratio
+                    log_prob = sub.log_prob + ratio_norm(log_prob, sub.log_prob, mean, sub.mean, sub.std)
+                weights = step_weights(t.step_weighting, gain[mb] if gain is not None else sub.std, sub.std)
+                loss, st = ppo_loss(log_prob, sub.log_prob, adv[mb], t.clip_range, weights)
+                if epoch == 0:
+                    ratio = torch.exp(log_prob.detach() - sub.log_prob)
+                    for k in sub.step.unique().tolist():
+                        per_step[k].append(ratio[sub.step == k].cpu())
                 if not stats["policy/ratio_first_max_dev"]:
                     stats["policy/ratio_first_max_dev"].append(st["policy/ratio_max_dev"].item())
                 if t.kl_beta > 0:
                     with torch.no_grad(), self.model.reference(), self._autocast():
                         v_ref = velocity(sub.state, sub.sigma, sub.cond)
-                    kl = kl_to_reference(mean, recompute_log_prob(sub, v_ref)[1], sub.std)
+                    if t.kl_type == "velocity":
+                        kl = velocity_kl(v, v_ref)
+                    else:
+                        kl = kl_to_reference(mean, recompute_log_prob(sub, v_ref)[1], sub.std)
                     loss = loss + t.kl_beta * kl
                     stats["policy/kl"].append(kl.item())
                 self.accelerator.backward(loss)
@@ -297,6 +309,12 @@ class Trainer:
         self.model.transformer.eval()
         out = {k: sum(v) / len(v) for k, v in stats.items()}
         out["policy/optimizer_steps"] = sum(1 for _ in stats["policy/loss"])
+        for k, parts in sorted(per_step.items()):  # GRPO-Guard's diagnostic: the ratio per denoising step
+            r = torch.cat(parts)
+            out[f"diag/step_{k:02d}/ratio_mean"] = r.mean().item()
+            out[f"diag/step_{k:02d}/ratio_std"] = r.std(unbiased=False).item()
+            out[f"diag/step_{k:02d}/clip_high"] = (r > 1 + t.clip_range).float().mean().item()
+            out[f"diag/step_{k:02d}/clip_low"] = (r < 1 - t.clip_range).float().mean().item()
         out["cost/trained_transitions"] = len(tv) * t.inner_epochs
         return out
 
@@ -470,6 +488,7 @@ class Trainer:
         metrics = [json.loads(l) for l in (self.out / "metrics.jsonl").read_text().splitlines()]
         result = json.loads((self.out / "eval.json").read_text())
         save_reward_curve(metrics, result, self.out / "reward_curve.png")
+        save_diagnostics(metrics, self.out / "diagnostics.png")
         before = load_file(self.out / "grid_before.safetensors")["images"]
         save_grid(before, self.grid_images(), [m["prompt"] for m in self._grid_metas()], self.out / "grid.png")
         if self.cfg.model.lora_rank > 0:

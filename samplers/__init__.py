@@ -24,6 +24,7 @@ from .rollout import (
     ode_sample,
     recompute_log_prob,
     sample,
+    velocity_gain,
 )
 from .schedule import flow_sigmas, respace_tail
 from .probes import ProbeRollout, sample_probes
@@ -58,4 +59,5 @@ __all__ = [
     "sample",
     "sample_probes",
     "sample_tree",
+    "velocity_gain",
 ]

@@ -22,6 +22,7 @@ __all__ = [
     "ode_sample",
     "recompute_log_prob",
     "sample",
+    "velocity_gain",
 ]
 
 
@@ -444,3 +445,24 @@ def recompute_log_prob(transitions: Rollout, velocity: torch.Tensor) -> tuple[to
         log_prob = log_prob.index_put((rows,), out.log_prob)  # (M,)
         mean = mean.index_put((rows,), out.mean)  # (M, C, H, W)
     return log_prob, mean
+
+
+def velocity_gain(transitions: Rollout) -> torch.Tensor:
+    """``|d mean / d v|`` of each stored transition's kernel (a kernel's mean is affine in ``x`` and ``v``).
+
+    Evaluated by running the kernel at ``x = 0`` with ``v = 1``: for the Flow-GRPO SDE it is
+    ``(1 + a^2 / 2) |dt|``, for DanceGRPO ``(1 + eta^2 (1 - t) / (2t)) |dt|``. GRPO-Guard's gradient
+    reweighting divides each step's loss by it.
+
+    Returns:
+        `torch.Tensor` of shape `(M,)`, float32, `> 0`.
+    """
+    gain = transitions.sigma.new_zeros(len(transitions), dtype=torch.float32)
+    for kernel_id in transitions.kernel_id.unique().tolist():
+        rows = (transitions.kernel_id == kernel_id).nonzero().squeeze(1)
+        part = transitions.select(rows)
+        zeros = part.sigma.new_zeros((rows.shape[0], 1), dtype=torch.float32)
+        out = KERNELS[transitions.kernel_names[kernel_id]](zeros, zeros + 1, part.sigma, part.sigma_next, part.noise_level,
+                                                           part.sigma_max, prev_sample=zeros)
+        gain[rows] = out.mean.reshape(-1).abs()
+    return gain

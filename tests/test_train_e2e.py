@@ -43,7 +43,7 @@ def test_run_folder_has_every_artefact(finished_run):
     from pathlib import Path
 
     out = Path(out)
-    for name in ("config.yaml", "metrics.jsonl", "eval.json", "reward_curve.png", "grid.png", "lora/pytorch_lora_weights.safetensors",
+    for name in ("config.yaml", "metrics.jsonl", "eval.json", "reward_curve.png", "grid.png", "diagnostics.png", "lora/pytorch_lora_weights.safetensors",
                  "checkpoints/checkpoint-000002/trainable.safetensors"):
         assert (out / name).is_file(), name
     metrics = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
@@ -191,3 +191,13 @@ def test_branch_grpo_tree_run_prunes_and_counts(tmp_path, random_pipeline, promp
     assert result["after"]["n_images"] > 0
     with pytest.raises(ConfigError, match="sampling.group_size"):
         _config(tmp_path, random_pipeline, prompt_files, **{**tree, "sampling.group_size": 8})
+
+
+def test_grpo_guard_run_logs_per_step_diagnostics(tmp_path, random_pipeline, prompt_files):
+    guard = {"run.mixed_precision": "no", "train.ratio_norm": "true", "train.step_weighting": "guard",
+             "train.kl_beta": 0.01, "train.kl_type": "velocity", "sampling.kernel": "dance_sde", "sampling.noise_level": 0.3}
+    Trainer(_config(tmp_path, random_pipeline, prompt_files, **guard)).train()
+    metrics = [json.loads(l) for l in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert all(m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)  # RatioNorm of a zero move is exactly 0
+    assert {"diag/step_00/ratio_mean", "diag/step_01/clip_high", "policy/kl"} <= set(metrics[-1])
+    assert (tmp_path / "run/diagnostics.png").is_file()

@@ -222,3 +222,51 @@ def turning_point_rewards(returns: torch.Tensor) -> torch.Tensor:
     turning = flip & (remaining > 0)
     long_term = r[:, -1:] - r[:, :-1]  # (B, n): R_n - R_{t-1}
     return torch.where(turning, long_term, d)
+
+
+def aggregate_advantages(per_reward: dict[str, torch.Tensor], weights: dict[str, float], group: torch.Tensor,
+                         std: str = "global", clip: float = 5.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """'Advantage aggregation' of several rewards (MixGRPO, arXiv 2507.21802, Sec. 4.1):
+    ``A = sum_k w_k z_k`` with each reward z-scored on its own (:func:`group_advantages`), instead of
+    z-scoring the weighted sum ('reward aggregation'), so a reward with a large scale cannot drown the
+    others. The sum is clipped to ``+-clip``.
+
+    Args:
+        per_reward (`dict[str, torch.Tensor]`): name -> `(B,)` raw scores.
+        weights (`dict[str, float]`): name -> weight.
+        group (`torch.Tensor` of shape `(B,)`, long), std, clip: as in :func:`group_advantages`.
+
+    Returns:
+        ``(advantages (B,), zero_variance (B,) bool)``: zero-variance where EVERY reward is constant in the group.
+    """
+    total = torch.zeros_like(group, dtype=torch.float32)
+    zero = torch.ones_like(group, dtype=torch.bool)
+    for name, scores in per_reward.items():
+        adv, z = group_advantages(scores, group, std, clip)
+        total += weights[name] * adv
+        zero &= z
+    return total.clamp(-clip, clip), zero
+
+
+def best_of_n(rewards: torch.Tensor, group: torch.Tensor, keep: int) -> torch.Tensor:
+    """Best-of-N selection (DanceGRPO, arXiv 2505.07818, Sec. 3.4 on video): in each group keep only the
+    ``keep // 2`` highest- and ``keep - keep // 2`` lowest-reward samples for the backward pass.
+
+    Args:
+        rewards (`(B,)`), group (`(B,)` long), keep (`int`, `>= 2`): samples kept per group.
+
+    Returns:
+        `torch.Tensor` of shape `(B,)`, bool.
+
+    Raises:
+        ValueError: if ``keep < 2``.
+    """
+    if keep < 2:
+        raise ValueError(f"best-of-N keep must be >= 2, got {keep}")
+    mask = torch.zeros_like(rewards, dtype=torch.bool)
+    for g in group.unique():
+        idx = (group == g).nonzero().squeeze(1)
+        order = idx[torch.argsort(rewards[idx], stable=True)]
+        mask[order[-(keep // 2):]] = True
+        mask[order[:keep - keep // 2]] = True
+    return mask

@@ -159,6 +159,8 @@ class TrainConfig:
     ratio_norm: bool = False  # GRPO-Guard RatioNorm of the log-ratio
     step_weighting: str = "none"  # none | guard (GRPO-Guard gradient reweighting) | noise_aware (TempFlow-GRPO)
     kl_type: str = "mean"  # mean (Flow-GRPO's latent-mean KL) | velocity (squared velocity difference)
+    reward_aggregation: str = "reward"  # several rewards: z-score their weighted sum (reward) | sum their z-scores (advantage)
+    best_of_n: int = 0  # train only the best and worst best_of_n / 2 samples of each group (0 = all)
 
     def __post_init__(self):
         _check(self.adv_std in ("global", "group"), "train.adv_std", "global|group", self.adv_std)
@@ -168,6 +170,9 @@ class TrainConfig:
         _check(self.minibatch_size >= 1, "train.minibatch_size", ">= 1", self.minibatch_size)
         _check(self.step_weighting in ("none", "guard", "noise_aware"), "train.step_weighting", "none|guard|noise_aware",
                self.step_weighting)
+        _check(self.reward_aggregation in ("reward", "advantage"), "train.reward_aggregation", "reward|advantage",
+               self.reward_aggregation)
+        _check(self.best_of_n == 0 or self.best_of_n >= 2, "train.best_of_n", "0 or >= 2", self.best_of_n)
         _check(self.kl_type in ("mean", "velocity"), "train.kl_type", "mean|velocity", self.kl_type)
         _check(0 < self.timestep_fraction <= 1, "train.timestep_fraction", "in (0, 1]", self.timestep_fraction)
 

@@ -21,7 +21,7 @@ from rewards import WeightedSum, build_reward
 from samplers import (SlidingWindow, StepPlan, flow_sigmas, leaf_incidence, mix_plan, recompute_log_prob, sample,
                       sample_probes, sample_tree, velocity_gain)
 
-from .advantages import (depthwise_advantages, group_advantages, process_advantages, sum_by_node, tree_node_rewards,
+from .advantages import (aggregate_advantages, best_of_n, depthwise_advantages, group_advantages, process_advantages, sum_by_node, tree_node_rewards,
                          turning_point_rewards, width_prune)
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, ConfigError, prompt_file, resolve_path, save_config
@@ -424,7 +424,15 @@ class Trainer:
             adv_t, keep, adv_stats = self.probe_advantages(probes, scores.total, image_prompt)
         elif self.branch is None:  # group z-scores over the gathered batch, then this process's share
             group = self.accelerator.gather((ro.group + self.accelerator.process_index * len(metas)).to(self.device)).cpu()
-            adv, zero = group_advantages(total, group, self.cfg.train.adv_std, self.cfg.train.adv_clip_max)
+            t = self.cfg.train
+            if t.reward_aggregation == "advantage" and len(scores.per_reward) > 1:
+                per = {k: self.accelerator.gather(v.to(self.device)).cpu() for k, v in scores.per_reward.items()}
+                weights = {k: w for k, (_, w) in self.rewards.rewards.items()}
+                adv, zero = aggregate_advantages(per, weights, group, t.adv_std, t.adv_clip_max)
+            else:
+                adv, zero = group_advantages(total, group, t.adv_std, t.adv_clip_max)
+            if t.best_of_n:
+                zero = zero | ~best_of_n(total, group, t.best_of_n)
             keep = ro.trained & ~zero[mine].to(ro.trained.device)[ro.leaf]
             adv_stats = {"advantage/zero_variance_frac": zero.float().mean().item(), "advantage/abs_mean": adv.abs().mean().item()}
             adv_t = adv[mine].to(self.device)[ro.leaf]

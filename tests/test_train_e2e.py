@@ -201,3 +201,13 @@ def test_grpo_guard_run_logs_per_step_diagnostics(tmp_path, random_pipeline, pro
     assert all(m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)  # RatioNorm of a zero move is exactly 0
     assert {"diag/step_00/ratio_mean", "diag/step_01/clip_high", "policy/kl"} <= set(metrics[-1])
     assert (tmp_path / "run/diagnostics.png").is_file()
+
+
+def test_advantage_aggregation_and_best_of_n_run(tmp_path, random_pipeline, prompt_files):
+    over = {"run.mixed_precision": "no", "rewards.jpeg_incompressibility.weight": 0.5, "sampling.group_size": 4,
+            "train.reward_aggregation": "advantage", "train.best_of_n": 2}
+    Trainer(_config(tmp_path, random_pipeline, prompt_files, **over)).train()
+    metrics = [json.loads(l) for l in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    # best-of-2 of 4 per group: half the samples' transitions (2 prompts x 2 kept x 2 trained steps)
+    assert all(m["cost/trained_transitions"] == 2 * 2 * 2 for m in metrics)
+    assert {"reward/jpeg_compressibility/mean", "reward/jpeg_incompressibility/mean"} <= set(metrics[0])

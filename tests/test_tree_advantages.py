@@ -65,3 +65,17 @@ def test_turning_points():
     # step 1 agrees with what remains: R_4 - R_0
     out = turning_point_rewards(torch.tensor([[0.0, 1.0, 0.5, 2.0]]))
     assert out.tolist() == [[2.0, -0.5, 1.5]]
+
+
+def test_advantage_aggregation_and_best_of_n():
+    from flowrl.advantages import aggregate_advantages, best_of_n, group_advantages
+
+    group = torch.tensor([0, 0, 1, 1])
+    per = {"big": torch.tensor([0.0, 100.0, 5.0, 5.0]), "small": torch.tensor([0.2, 0.1, 0.0, 1.0])}
+    adv, zero = aggregate_advantages(per, {"big": 1.0, "small": 2.0}, group, std="group")
+    za, _ = group_advantages(per["big"], group, "group")
+    zb, _ = group_advantages(per["small"], group, "group")
+    torch.testing.assert_close(adv, za + 2 * zb)
+    assert zero.tolist() == [False] * 4  # group 1 varies in 'small'
+    assert best_of_n(torch.tensor([3.0, 1.0, 2.0, 0.0, 9.0, 8.0]), torch.tensor([0, 0, 0, 0, 1, 1]), 2).tolist() == [
+        True, False, False, True, True, True]

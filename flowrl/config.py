@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -208,7 +208,8 @@ class RunConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    rewards: dict[str, RewardConfig] = field(default_factory=dict)  # name or 'pkg.module:fn' -> weight, options; {} = geneval
+    # name or 'pkg.module:fn' -> weight, options; {} = geneval; null drops a reward inherited from a base preset
+    rewards: dict[str, Optional[RewardConfig]] = field(default_factory=dict)
     train_prompts: str = "train"  # train | test | a .jsonl file
     tag_balanced: bool = True  # sample a tag uniformly, then a prompt of that tag
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -216,6 +217,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self):
+        self.rewards = {name: r for name, r in self.rewards.items() if r is not None}
         if not self.rewards:  # a default in the schema would be merged into, not replaced by, a preset's rewards
             self.rewards = {"geneval": RewardConfig()}
 

@@ -24,13 +24,17 @@ from .clipscore import ClipScore, clipscore
 from .jpeg import jpeg_compressibility, jpeg_incompressibility, jpeg_size_kb
 
 from .geneval import geneval, geneval_strict
+from .pairwise import PrefWinRate, VLMJudge, bradley_terry_judge, pref_winrate, win_rates
 
 __all__ = [
     "REWARDS",
     "ClipScore",
+    "PrefWinRate",
+    "VLMJudge",
     "CombinedScores",
     "Reward",
     "WeightedSum",
+    "bradley_terry_judge",
     "build_reward",
     "check_inputs",
     "check_scores",
@@ -41,5 +45,7 @@ __all__ = [
     "jpeg_incompressibility",
     "jpeg_size_kb",
     "register_reward",
+    "pref_winrate",
     "reward_name",
+    "win_rates",
 ]

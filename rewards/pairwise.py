@@ -1,0 +1,221 @@
+"""Pairwise preference rewards: judges that compare two images, and Pref-GRPO win rates over a group.
+
+A pairwise judge is a callable::
+
+    p = judge(images_a, images_b, prompts, metadata)   # (B, 3, H, W) x 2 in [0, 1] -> (B,) P(a preferred)
+
+returning float32 values in [0, 1] on CPU; 0.5 is a tie (and what an unparseable answer counts as).
+``pref_winrate`` turns a judge into an ordinary (pointwise-contract) reward for GRPO: within each group
+(the images of one prompt in the batch) every pair is judged, in BOTH orders to cancel position bias
+(Pref-GRPO, arXiv 2508.20751, whose published code judges one order only), and each image's reward is
+its win rate ``wins / (G - 1)`` (win 1, tie 0.5).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from .base import build_reward, check_inputs, register_reward
+
+__all__ = ["PrefWinRate", "VLMJudge", "bradley_terry_judge", "parse_choice", "pref_winrate", "win_rates"]
+
+PairwiseJudge = Callable[[torch.Tensor, torch.Tensor, Sequence[str], Sequence[Mapping[str, Any]]], torch.Tensor]
+
+
+def bradley_terry_judge(reward: Callable, temperature: float = 1.0) -> PairwiseJudge:
+    """Any pointwise reward as a Bradley-Terry judge: ``P(a > b) = sigmoid((r(a) - r(b)) / temperature)``.
+
+    Args:
+        reward: a pointwise reward ``(images, prompts, metadata) -> (B,)``.
+        temperature (`float`): in the reward's units, `> 0`.
+
+    Raises:
+        ValueError: if `temperature <= 0`.
+    """
+    if temperature <= 0:
+        raise ValueError(f"Bradley-Terry temperature must be > 0, got {temperature}")
+
+    def judge(images_a, images_b, prompts, metadata):
+        both = reward(torch.cat([images_a, images_b]), list(prompts) * 2, list(metadata) * 2).float()
+        r_a, r_b = both[: len(prompts)], both[len(prompts):]
+        return torch.sigmoid((r_a - r_b) / temperature)
+
+    judge.name = f"bradley_terry({getattr(reward, 'name', getattr(reward, '__name__', 'reward'))})"
+    return judge
+
+
+def win_rates(judge: PairwiseJudge, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]],
+              group: torch.Tensor, both_orders: bool = True, soft: bool = False) -> torch.Tensor:
+    """Pref-GRPO win rates (arXiv 2508.20751, Sec. 3.2) of every image against the rest of its group.
+
+    All pairs ``(i, j), i < j`` of every group go to the judge in one call (and the swapped pairs in a
+    second call when `both_orders`); ``p_ij = (judge(i, j) + 1 - judge(j, i)) / 2``. With ``soft=False``
+    ``i`` wins (1 point) if ``p_ij > 0.5``, loses if below, and a tie gives each 0.5; with ``soft=True``
+    ``i`` scores ``p_ij`` and ``j`` scores ``1 - p_ij``. Then ``win_i = points_i / (G - 1)``.
+
+    Args:
+        judge: a pairwise judge (see the module docstring).
+        images (`(B, 3, H, W)` in [0, 1]), prompts (`B` strings), metadata (`B` dicts).
+        group (`torch.Tensor` of shape `(B,)`, long): group id of each image.
+        both_orders (`bool`): also judge every pair swapped and average (cancels position bias).
+        soft (`bool`): count the preference probability instead of hard wins.
+
+    Returns:
+        `torch.Tensor` of shape `(B,)`, float32 in [0, 1] (0.5 for an image alone in its group).
+
+    Raises:
+        ValueError: if the judge returns the wrong shape or values outside [0, 1].
+    """
+    pairs = [(i, j) for g in group.unique().tolist() for idx in [(group == g).nonzero().squeeze(1).tolist()]
+             for a, i in enumerate(idx) for j in idx[a + 1:]]
+    points = torch.zeros(len(prompts), dtype=torch.float32)
+    size = torch.bincount(torch.unique(group, return_inverse=True)[1]).float()[torch.unique(group, return_inverse=True)[1]]
+    if not pairs:
+        return torch.full((len(prompts),), 0.5)
+    a = torch.tensor([p[0] for p in pairs])
+    b = torch.tensor([p[1] for p in pairs])
+
+    def ask(x, y):
+        p = judge(images[x], images[y], [prompts[k] for k in x.tolist()], [metadata[k] for k in x.tolist()])
+        p = torch.as_tensor(p, dtype=torch.float32).cpu()
+        if p.shape != (len(x),) or bool(((p < 0) | (p > 1) | p.isnan()).any()):
+            raise ValueError(f"pairwise judge {getattr(judge, 'name', judge)!r} must return ({len(x)},) "
+                             f"probabilities in [0, 1]; got shape {tuple(p.shape)}")
+        return p
+
+    p = ask(a, b)
+    if both_orders:
+        p = (p + 1 - ask(b, a)) / 2
+    if soft:
+        score_a, score_b = p, 1 - p
+    else:
+        score_a = torch.where(p > 0.5, 1.0, torch.where(p < 0.5, 0.0, 0.5))
+        score_b = 1 - score_a
+    points.index_add_(0, a, score_a)
+    points.index_add_(0, b, score_b)
+    return torch.where(size > 1, points / (size - 1).clamp(min=1), torch.full_like(points, 0.5))
+
+
+def parse_choice(text: str) -> float:
+    """P(image 1 preferred) from a judge's reply: 1.0 for 'Image 1', 0.0 for 'Image 2', 0.5 if unparseable.
+
+    Reads the part after the last 'answer' if there is one (reasoning judges such as UnifiedReward-Think
+    end with a final answer), else the whole reply; a reply naming both or neither image is a tie.
+    """
+    tail = re.split(r"answer", text, flags=re.IGNORECASE)[-1]
+    ones = re.search(r"image\s*1\b", tail, re.IGNORECASE) is not None
+    twos = re.search(r"image\s*2\b", tail, re.IGNORECASE) is not None
+    return 1.0 if ones and not twos else 0.0 if twos and not ones else 0.5
+
+
+def _data_url(image: torch.Tensor) -> str:
+    from PIL import Image
+
+    array = (image.detach().float().clamp(0, 1) * 255).round().byte().permute(1, 2, 0).cpu().numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+DEFAULT_QUESTION = (
+    "You are given a text prompt and two images generated from it. Which image follows the prompt better "
+    "and looks better? Prompt: {prompt}\nEnd your reply with 'Final answer: Image 1' or 'Final answer: Image 2'."
+)
+
+
+class VLMJudge:
+    """A pairwise judge served by an OpenAI-compatible chat-completions server (e.g. vLLM or SGLang
+    serving UnifiedReward-Think, as Pref-GRPO does).
+
+    Each pair is one request with the question and the two images as PNG data URLs; requests run
+    ``concurrency`` at a time; the ``openai`` client applies the timeout (seconds) and its retries with
+    backoff. The reply is parsed with :func:`parse_choice`.
+
+    Args:
+        base_url (`str`): e.g. ``http://localhost:8000/v1``.
+        model (`str`): the served model name.
+        api_key (`str`): sent as a bearer token (local servers ignore it).
+        timeout (`float`): seconds per request. max_retries (`int`): retries per request.
+        concurrency (`int`): requests in flight. max_tokens (`int`): reply length limit.
+        question (`str`): the instruction; ``{prompt}`` is replaced by the image prompt.
+
+    Raises (on call):
+        RuntimeError: naming the server and the prompt, when a request still fails after its retries.
+    """
+
+    name = "vlm_judge"
+
+    def __init__(self, base_url: str, model: str, api_key: str = "EMPTY", timeout: float = 60.0, max_retries: int = 3,
+                 concurrency: int = 8, max_tokens: int = 512, question: str = DEFAULT_QUESTION):
+        from openai import OpenAI
+
+        self.client = OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries)
+        self.base_url, self.model, self.concurrency = base_url, model, concurrency
+        self.max_tokens, self.question = max_tokens, question
+
+    def _one(self, image_a: torch.Tensor, image_b: torch.Tensor, prompt: str) -> float:
+        content = [{"type": "text", "text": self.question.format(prompt=prompt)},
+                   {"type": "image_url", "image_url": {"url": _data_url(image_a)}},
+                   {"type": "image_url", "image_url": {"url": _data_url(image_b)}}]
+        try:
+            reply = self.client.chat.completions.create(model=self.model, max_tokens=self.max_tokens, temperature=0.0,
+                                                        messages=[{"role": "user", "content": content}])
+        except Exception as e:  # the openai client has already retried
+            raise RuntimeError(f"{self.name}: request to {self.base_url} for prompt {prompt!r} failed: "
+                               f"{type(e).__name__}: {e}") from e
+        return parse_choice(reply.choices[0].message.content or "")
+
+    def __call__(self, images_a, images_b, prompts, metadata) -> torch.Tensor:
+        """P(a preferred) per pair, `(B,)` float32 in {0, 0.5, 1}."""
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            out = list(pool.map(self._one, images_a, images_b, prompts))
+        return torch.tensor(out, dtype=torch.float32)
+
+
+class PrefWinRate:
+    """Pref-GRPO's win-rate reward as an ordinary reward: images of the same prompt in the batch form a
+    group (the trainer keeps each group's images together), scored by :func:`win_rates`.
+
+    Args:
+        judge: a pairwise judge. both_orders (`bool`), soft (`bool`): see :func:`win_rates`.
+    """
+
+    name = "pref_winrate"
+
+    def __init__(self, judge: PairwiseJudge, both_orders: bool = True, soft: bool = False):
+        self.judge, self.both_orders, self.soft = judge, both_orders, soft
+
+    def __call__(self, images, prompts, metadata) -> torch.Tensor:
+        """Win rates `(B,)` float32 in [0, 1]."""
+        check_inputs(images, prompts, metadata)
+        ids = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
+        group = torch.tensor([ids[p] for p in prompts])
+        return win_rates(self.judge, images, prompts, metadata, group, self.both_orders, self.soft)
+
+
+@register_reward("pref_winrate")
+def pref_winrate(judge: str = "bt", reward: str = "clipscore", reward_options: dict | None = None,
+                 temperature: float = 1.0, both_orders: bool = True, soft: bool = False, **vlm_options) -> PrefWinRate:
+    """Pref-GRPO win-rate reward.
+
+    Args:
+        judge (`str`): ``"bt"`` (a pointwise reward as Bradley-Terry judge) or ``"vlm"`` (:class:`VLMJudge`).
+        reward (`str`), reward_options (`dict`), temperature (`float`): the ``"bt"`` judge's reward and scale.
+        both_orders, soft: see :func:`win_rates`.
+        vlm_options: keyword arguments of :class:`VLMJudge` (``base_url``, ``model``, ``timeout``, ...).
+
+    Raises:
+        ValueError: for an unknown `judge`.
+    """
+    if judge == "bt":
+        return PrefWinRate(bradley_terry_judge(build_reward(reward, **(reward_options or {})), temperature), both_orders, soft)
+    if judge == "vlm":
+        return PrefWinRate(VLMJudge(**vlm_options), both_orders, soft)
+    raise ValueError(f"pref_winrate judge must be 'bt' or 'vlm', got {judge!r}")

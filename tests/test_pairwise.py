@@ -1,0 +1,144 @@
+"""Pairwise judges and Pref-GRPO win rates, including a VLM judge against a local OpenAI-compatible server."""
+
+import base64
+import io
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from rewards import PrefWinRate, VLMJudge, bradley_terry_judge, build_reward, win_rates
+from rewards.pairwise import parse_choice
+
+
+def _images(levels):
+    """Flat grey images whose brightness encodes their index."""
+    return torch.stack([torch.full((3, 8, 8), float(v)) for v in levels])
+
+
+def table_judge(table):
+    """A judge reading P(a > b) from a hand-made table indexed by the images' brightness * 10."""
+    def judge(a, b, prompts, metadata):
+        return torch.tensor([table[(round(x[0, 0, 0].item() * 10), round(y[0, 0, 0].item() * 10))] for x, y in zip(a, b)])
+    return judge
+
+
+def test_win_rates_on_a_hand_made_table():
+    # 0 beats 1 and 2; 1 ties 2
+    table = {(0, 1): 1.0, (1, 0): 0.0, (0, 2): 0.9, (2, 0): 0.1, (1, 2): 0.5, (2, 1): 0.5}
+    images = _images([0.0, 0.1, 0.2])
+    rates = win_rates(table_judge(table), images, ["p"] * 3, [{}] * 3, torch.zeros(3, dtype=torch.long))
+    assert rates.tolist() == [1.0, 0.25, 0.25]
+    soft = win_rates(table_judge(table), images, ["p"] * 3, [{}] * 3, torch.zeros(3, dtype=torch.long), soft=True)
+    torch.testing.assert_close(soft, torch.tensor([0.95, 0.25, 0.3]))
+
+
+def test_both_orders_cancel_a_judge_that_always_prefers_the_first_image():
+    first = lambda a, b, p, m: torch.ones(len(a))  # noqa: E731
+    images, group = _images([0.0, 0.1, 0.2, 0.3]), torch.tensor([0, 0, 0, 1])
+    biased = win_rates(first, images, ["p"] * 4, [{}] * 4, group, both_orders=False)
+    assert biased.tolist() == [1.0, 0.5, 0.0, 0.5]  # position decides; the lone image gets 0.5
+    fair = win_rates(first, images, ["p"] * 4, [{}] * 4, group)
+    assert fair.tolist() == [0.5, 0.5, 0.5, 0.5]
+
+
+def test_bradley_terry_judge_from_a_pointwise_reward():
+    brightness = lambda images, prompts, metadata: images.mean(dim=(1, 2, 3))  # noqa: E731
+    judge = bradley_terry_judge(brightness, temperature=0.1)
+    p = judge(_images([0.5, 0.2]), _images([0.2, 0.5]), ["p", "p"], [{}, {}])
+    torch.testing.assert_close(p, torch.sigmoid(torch.tensor([3.0, -3.0])))
+    reward = build_reward("pref_winrate", reward="jpeg_compressibility")
+    assert isinstance(reward, PrefWinRate)
+    scores = reward(torch.rand(4, 3, 16, 16), ["a", "a", "b", "b"], [{}] * 4)
+    assert sorted(scores[:2].tolist()) == [0.0, 1.0] and sorted(scores[2:].tolist()) == [0.0, 1.0]
+
+
+def test_parse_choice():
+    assert parse_choice("Image 2 has more detail... Final answer: Image 1") == 1.0
+    assert parse_choice("I prefer image 2.") == 0.0
+    assert parse_choice("Both image 1 and image 2 are fine") == 0.5
+    assert parse_choice("no idea") == 0.5
+
+
+class _Server:
+    """A local OpenAI-compatible /v1/chat/completions endpoint with a scripted behaviour."""
+
+    def __init__(self, behaviour):
+        calls = self.calls = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                calls.append(body)
+                status, text = behaviour(body, len(calls))
+                if status == "sleep":
+                    time.sleep(2)
+                    status = 200
+                payload = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                           "choices": [{"index": 0, "finish_reason": "stop",
+                                        "message": {"role": "assistant", "content": text}}],
+                           "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+                data = json.dumps(payload if status == 200 else {"error": {"message": text}}).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+def _brightness(url: str) -> float:
+    data = base64.b64decode(url.split(",", 1)[1])
+    return float(np.asarray(Image.open(io.BytesIO(data))).mean())
+
+
+def prefers_brighter(body, n):
+    images = [part["image_url"]["url"] for part in body["messages"][0]["content"] if part["type"] == "image_url"]
+    return 200, "Thinking... Final answer: Image 1" if _brightness(images[0]) > _brightness(images[1]) else "Final answer: Image 2"
+
+
+def test_vlm_judge_against_a_local_server():
+    server = _Server(prefers_brighter)
+    try:
+        judge = VLMJudge(server.url, "unified-reward-think", timeout=5, max_retries=0, concurrency=4)
+        rates = PrefWinRate(judge)(_images([0.1, 0.9, 0.5]), ["a red star"] * 3, [{}] * 3)
+        assert rates.tolist() == [0.0, 1.0, 0.5]
+        assert len(server.calls) == 6 and all(c["model"] == "unified-reward-think" for c in server.calls)
+        assert "a red star" in server.calls[0]["messages"][0]["content"][0]["text"]
+    finally:
+        server.close()
+
+
+def test_vlm_judge_position_bias_is_cancelled_and_failures_are_named():
+    server = _Server(lambda body, n: (200, "Final answer: Image 1"))
+    try:
+        rates = PrefWinRate(VLMJudge(server.url, "m", max_retries=0))(_images([0.1, 0.9]), ["p", "p"], [{}, {}])
+        assert rates.tolist() == [0.5, 0.5]
+    finally:
+        server.close()
+    flaky = _Server(lambda body, n: (500, "overloaded") if n == 1 else (200, "Final answer: Image 2"))
+    try:
+        assert VLMJudge(flaky.url, "m", max_retries=2)(_images([0.1]), _images([0.9]), ["p"], [{}]).tolist() == [0.0]
+        assert len(flaky.calls) == 2  # one retry
+    finally:
+        flaky.close()
+    slow = _Server(lambda body, n: ("sleep", "Final answer: Image 1"))
+    try:
+        with pytest.raises(RuntimeError, match=r"request to http://127.0.0.1:\d+/v1 for prompt 'a cat' failed"):
+            VLMJudge(slow.url, "m", timeout=0.3, max_retries=0)(_images([0.1]), _images([0.9]), ["a cat"], [{}])
+    finally:
+        slow.close()

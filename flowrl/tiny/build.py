@@ -215,10 +215,10 @@ def tiny_transformer(joint_attention_dim: int, pooled_projection_dim: int, seed:
 
 
 def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: int, batch: int = 128,
-                      uncond_p: float = 0.1, lr: float = 1e-3, checkpoints: Path | None = None):
+                      uncond_p: float = 0.1, lr: float = 1e-3, checkpoints: Path | None = None, t_mean: float = 0.0):
     """Rectified-flow training (SD3, arXiv 2403.03206) of a tiny ``SD3Transformer2DModel``.
 
-    x_t = (1 - t) x_0 + t eps, t ~ logit-normal(0, 1); loss = |v_theta(x_t, t) - (eps - x_0)|^2. Captions
+    x_t = (1 - t) x_0 + t eps, t ~ logit-normal(t_mean, 1); loss = |v_theta(x_t, t) - (eps - x_0)|^2. Captions
     are dropped to the empty prompt with probability ``uncond_p`` for classifier-free guidance.
 
     Args:
@@ -228,6 +228,8 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
         pooled: ``(P, D_pooled)`` pooled embeddings.
         cap_idx: ``(N,)`` long, caption row of each latent.
         lr: peak learning rate of the one-cycle schedule (5% warm-up, cosine decay to ~0).
+        t_mean: mean of the logit-normal time distribution (0 = SD3's; > 0 trains more at high noise,
+            where the layout and shapes are decided).
         checkpoints: if given, the model is saved to ``checkpoints/step-K`` every 1200 steps.
 
     Returns:
@@ -242,7 +244,7 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
     for idx in bar:
         x0 = latents[idx]  # (B, C, h, w)
         eps = torch.randn(x0.shape, generator=gen)
-        t = torch.sigmoid(torch.randn(len(idx), generator=gen))  # (B,) logit-normal
+        t = torch.sigmoid(t_mean + torch.randn(len(idx), generator=gen))  # (B,) logit-normal
         xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
         rows = torch.where(torch.rand(len(idx), generator=gen) < uncond_p, 0, cap_idx[idx])
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -280,7 +282,8 @@ def _save_clip(clip, tokenizer, folder: Path) -> None:
 
 
 def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int = 600, vae_steps: int = 900,
-          dit_steps: int = 2400, resume: bool = False, init: str | Path | None = None, dit_lr: float = 1e-3) -> dict:
+          dit_steps: int = 3000, resume: bool = False, init: str | Path | None = None, dit_lr: float = 1e-3,
+          dit_t_mean: float = 0.0) -> dict:
     """Regenerate every asset under ``out`` (see the module docstring); returns the wall times in seconds.
 
     ``resume`` keeps the stages an interrupted build finished (``out/tiny-clip``, the VAE in
@@ -336,7 +339,7 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
     cap_idx = torch.tensor([index[c] for c in captions])
     latents = (encode_latents(vae, images) - vae.config.shift_factor) * vae.config.scaling_factor
     train_transformer(transformer, latents, cond.float(), pooled.float(), cap_idx, dit_steps, seed, lr=dit_lr,
-                      checkpoints=out / ".build-cache" / "transformer")
+                      checkpoints=out / ".build-cache" / "transformer", t_mean=dit_t_mean)
     times["transformer_s"] = time.time() - t0
 
     pipe = StableDiffusion3Pipeline(
@@ -345,7 +348,7 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
         text_encoder_3=None, tokenizer_3=None)
     pipe.save_pretrained(out / "tiny-sd3")
     (out / "tiny-sd3" / "build.json").write_text(json.dumps({"seed": seed, "n_scenes": n_scenes, "clip_steps": clip_steps, "reused_clip": resume,
-        "vae_steps": vae_steps, "dit_steps": dit_steps, "dit_lr": dit_lr, "init": None if init is None else str(init),
+        "vae_steps": vae_steps, "dit_steps": dit_steps, "dit_lr": dit_lr, "dit_t_mean": dit_t_mean, "init": None if init is None else str(init),
         "times_s": times}, indent=1))
     return times
 
@@ -357,12 +360,13 @@ def main(argv=None) -> None:
     p.add_argument("--n-scenes", type=int, default=20000)
     p.add_argument("--clip-steps", type=int, default=600)
     p.add_argument("--vae-steps", type=int, default=900)
-    p.add_argument("--dit-steps", type=int, default=2400)
+    p.add_argument("--dit-steps", type=int, default=3000)
     p.add_argument("--dit-lr", type=float, default=1e-3, help="peak learning rate of the transformer")
+    p.add_argument("--dit-t-mean", type=float, default=0.0, help="logit-normal mean of the training times")
     p.add_argument("--resume", action="store_true", help="keep the stages an interrupted build finished")
     p.add_argument("--init", default=None, help="a finished tiny-sd3 folder: keep its VAE, continue its transformer")
     a = p.parse_args(argv)
-    print(build(a.out, a.seed, a.n_scenes, a.clip_steps, a.vae_steps, a.dit_steps, a.resume, a.init, a.dit_lr))
+    print(build(a.out, a.seed, a.n_scenes, a.clip_steps, a.vae_steps, a.dit_steps, a.resume, a.init, a.dit_lr, a.dit_t_mean))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,26 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, std: str = "glo
     return torch.where(zero_variance, torch.zeros_like(advantages), advantages), zero_variance
 
 
+def _zscore_by(values: torch.Tensor, key: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """z-score of `values` (B,) within each distinct `key` (B,) (population std); 0 where a key's std is
+    below 1e-6 (so also for a key with one value)."""
+    _, inverse = torch.unique(key, return_inverse=True)
+    n = torch.bincount(inverse).float()
+    values = values.float()
+    mean = torch.bincount(inverse, values) / n
+    centred = values - mean[inverse]
+    std = (torch.bincount(inverse, centred**2) / n).sqrt()[inverse]
+    return torch.where(std < 1e-6, torch.zeros_like(centred), centred / (std + eps))
+
+
+def _key(*columns: torch.Tensor) -> torch.Tensor:
+    """One long key per row from several long columns (values >= -1)."""
+    key = torch.zeros_like(columns[0], dtype=torch.long)
+    for col in columns:
+        key = key * (int(col.max()) + 2 if col.numel() else 1) + (col.long() + 1)
+    return key
+
+
 def tree_node_rewards(incidence: torch.Tensor, leaf_rewards: torch.Tensor, fusion: str = "mean",
                       parent: torch.Tensor | None = None, log_prob: torch.Tensor | None = None) -> torch.Tensor:
     """Reward of the node each tree transition leads to, fused from the leaves below it (BranchGRPO,
@@ -110,16 +130,7 @@ def depthwise_advantages(node_rewards: torch.Tensor, group: torch.Tensor, step: 
     Returns:
         `torch.Tensor` of shape `(M,)`, float32.
     """
-    key = group.long() * (int(step.max()) + 1 if step.numel() else 1) + step.long()
-    _, inverse = torch.unique(key, return_inverse=True)
-    n = torch.bincount(inverse).float()
-    r = node_rewards.float()
-    mean = torch.bincount(inverse, r) / n
-    centred = r - mean[inverse]
-    std = (torch.bincount(inverse, centred**2) / n).sqrt()
-    adv = (centred / (std[inverse] + eps)).clamp(-clip, clip)
-    degenerate = (n[inverse] < 2) | (std[inverse] < 1e-6)
-    return torch.where(degenerate, torch.zeros_like(adv), adv)
+    return _zscore_by(node_rewards, _key(group, step), eps).clamp(-clip, clip)
 
 
 def width_prune(incidence: torch.Tensor, leaf_rewards: torch.Tensor, leaf_group: torch.Tensor, step: torch.Tensor,
@@ -147,25 +158,6 @@ def width_prune(incidence: torch.Tensor, leaf_rewards: torch.Tensor, leaf_group:
         chosen[order[-keep:]] = True
     on_chosen = (incidence & chosen[None, :]).any(1)  # (M,)
     return (step <= last_split) | on_chosen
-
-
-def _zscore_by(values: torch.Tensor, key: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
-    """z-score of `values` (B,) within each distinct `key` (B,) (population std); 0 where a key's std is ~0."""
-    _, inverse = torch.unique(key, return_inverse=True)
-    n = torch.bincount(inverse).float()
-    values = values.float()
-    mean = torch.bincount(inverse, values) / n
-    centred = values - mean[inverse]
-    std = (torch.bincount(inverse, centred**2) / n).sqrt()[inverse]
-    return torch.where(std < 1e-6, torch.zeros_like(centred), centred / (std + eps))
-
-
-def _key(*columns: torch.Tensor) -> torch.Tensor:
-    """One long key per row from several long columns (values >= -1)."""
-    key = torch.zeros_like(columns[0], dtype=torch.long)
-    for col in columns:
-        key = key * (int(col.max()) + 2 if col.numel() else 1) + (col.long() + 1)
-    return key
 
 
 def process_advantages(rewards: torch.Tensor, group: torch.Tensor, step: torch.Tensor, granularity: torch.Tensor,

@@ -76,7 +76,8 @@ def win_rates(judge: PairwiseJudge, images: torch.Tensor, prompts: Sequence[str]
     pairs = [(i, j) for g in group.unique().tolist() for idx in [(group == g).nonzero().squeeze(1).tolist()]
              for a, i in enumerate(idx) for j in idx[a + 1:]]
     points = torch.zeros(len(prompts), dtype=torch.float32)
-    size = torch.bincount(torch.unique(group, return_inverse=True)[1]).float()[torch.unique(group, return_inverse=True)[1]]
+    inverse = torch.unique(group, return_inverse=True)[1]
+    size = torch.bincount(inverse).float()[inverse]  # (B,) size of each image's group
     if not pairs:
         return torch.full((len(prompts),), 0.5)
     a = torch.tensor([p[0] for p in pairs])

@@ -156,13 +156,19 @@ def _gaussian_step(
     ``mean = x + [v + sigma_t^2 / (2t) (x + (1 - t) v)] dt``, ``std = sigma_t sqrt(-dt)``, where
     ``x + (1 - t) v`` is the noise estimate ``x1_hat``. `t`, `dt`, `diffusion` are `(B, 1, 1, 1)` float32.
     """
-    if prev_sample is not None and noise is not None:
-        raise ValueError("pass at most one of prev_sample (score a given sample) and noise (draw a new one)")
     sample = sample.float()
     velocity = velocity.float()
     x1_hat = sample + (1 - t) * velocity  # (B, C, H, W)
     mean = sample + (velocity + diffusion**2 / (2 * t) * x1_hat) * dt  # (B, C, H, W)
     std = diffusion * torch.sqrt(-dt)  # (B, 1, 1, 1)
+    return _draw(sample, mean, std, generator, prev_sample, noise)
+
+
+def _draw(sample, mean, std, generator, prev_sample, noise) -> StepOutput:
+    """``x' = mean + std eps`` (or the given `prev_sample`) and its log-prob; `std` is `(B, 1, 1, 1)`.
+    A zero std (CPS onto ``t' = 0``) gives log-prob 0."""
+    if prev_sample is not None and noise is not None:
+        raise ValueError("pass at most one of prev_sample (score a given sample) and noise (draw a new one)")
     if prev_sample is None:
         if noise is None:
             device = generator.device if generator is not None else sample.device
@@ -174,7 +180,9 @@ def _gaussian_step(
         raise ValueError(f"prev_sample must have shape {tuple(sample.shape)}; got {tuple(prev_sample.shape)}")
     prev_sample = prev_sample.float()
     std = std.reshape(-1)  # (B,)
-    return StepOutput(prev_sample, mean, std, gaussian_log_prob(prev_sample, mean, std))
+    safe = torch.where(std > 0, std, torch.ones_like(std))
+    log_prob = torch.where(std > 0, gaussian_log_prob(prev_sample, mean, safe), torch.zeros_like(std))
+    return StepOutput(prev_sample, mean, std, log_prob)
 
 
 def flow_sde_step(
@@ -304,28 +312,13 @@ def cps_step(
     Raises:
         ValueError: if both `prev_sample` and `noise` are given, or a shape does not match.
     """
-    if prev_sample is not None and noise is not None:
-        raise ValueError("pass at most one of prev_sample (score a given sample) and noise (draw a new one)")
     sample, velocity = sample.float(), velocity.float()
     t = _per_sample(sigma, sample, "sigma")
     t_next = _per_sample(sigma_next, sample, "sigma_next")
     s = t_next * torch.sin(_per_sample(noise_level, sample, "noise_level") * math.pi / 2)  # (B, 1, 1, 1)
     x0_hat, x1_hat = sample - t * velocity, sample + (1 - t) * velocity
     mean = (1 - t_next) * x0_hat + torch.sqrt((t_next**2 - s**2).clamp(min=0)) * x1_hat
-    if prev_sample is None:
-        if noise is None:
-            device = generator.device if generator is not None else sample.device
-            noise = torch.randn(sample.shape, generator=generator, device=device, dtype=torch.float32)
-        elif noise.shape != sample.shape:
-            raise ValueError(f"noise must have shape {tuple(sample.shape)}; got {tuple(noise.shape)}")
-        prev_sample = mean + s * noise.to(device=sample.device, dtype=torch.float32)
-    elif prev_sample.shape != sample.shape:
-        raise ValueError(f"prev_sample must have shape {tuple(sample.shape)}; got {tuple(prev_sample.shape)}")
-    prev_sample = prev_sample.float()
-    std = s.reshape(-1)  # (B,)
-    safe = torch.where(std > 0, std, torch.ones_like(std))
-    log_prob = torch.where(std > 0, gaussian_log_prob(prev_sample, mean, safe), torch.zeros_like(std))
-    return StepOutput(prev_sample, mean, std, log_prob)
+    return _draw(sample, mean, s, generator, prev_sample, noise)
 
 
 def dpm_solver_2m_step(

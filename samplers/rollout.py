@@ -279,6 +279,24 @@ class Rollout:
         return self._map(("transition", "leaf"), lambda tensor: tensor.to(device))
 
 
+def plan_step(plan: StepPlan, k: int, x: torch.Tensor, velocity: torch.Tensor, sigmas: torch.Tensor,
+              prev_x0: torch.Tensor | None, prev_sigma, generator: torch.Generator | None):
+    """Step ``k`` of `plan` from ``sigmas[k]`` to ``sigmas[k + 1]`` with the step's kernel.
+
+    Multistep kernels also get the previous step's data prediction `prev_x0` and time `prev_sigma`
+    (`None` on the first step) and run first order on the plan's last step; the others get the step's
+    noise level, ``sigma_max = sigmas[1]`` and `generator`.
+
+    Returns:
+        The kernel's :class:`samplers.StepOutput`.
+    """
+    kernel = plan.kernels[k]
+    if kernel in MULTISTEP_KERNELS:
+        return MULTISTEP_KERNELS[kernel](x, velocity, sigmas[k], sigmas[k + 1], prev_x0, prev_sigma,
+                                         final=k == plan.num_steps - 1)
+    return KERNELS[kernel](x, velocity, sigmas[k], sigmas[k + 1], plan.noise_levels[k], sigmas[1], generator=generator)
+
+
 def _check_sample_inputs(noise, cond, group, sigmas, plan: StepPlan) -> None:
     if noise.ndim < 2:
         raise ValueError(f"noise must have shape (B, C, H, W); got {tuple(noise.shape)}")
@@ -372,12 +390,7 @@ def sample(
         if velocity.shape != x.shape:
             raise ValueError(f"velocity_fn returned shape {tuple(velocity.shape)}; expected {tuple(x.shape)}")
         kernel = plan.kernels[k]
-        if kernel in MULTISTEP_KERNELS:
-            out = MULTISTEP_KERNELS[kernel](x, velocity, sigmas[k], sigmas[k + 1], prev_x0, prev_sigma,
-                                            final=k == plan.num_steps - 1)
-        else:
-            out = KERNELS[kernel](x, velocity, sigmas[k], sigmas[k + 1], plan.noise_levels[k], sigmas[1],
-                                  generator=generator)
+        out = plan_step(plan, k, x, velocity, sigmas, prev_x0, prev_sigma, generator)
         prev_x0, prev_sigma = x - sigmas[k] * velocity.float(), sigmas[k]  # history of the multistep kernels
         if kernel in STOCHASTIC_KERNELS:
             for name, value in (("state", x), ("next_state", out.prev_sample), ("mean", out.mean),

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import KERNELS, MULTISTEP_KERNELS, STOCHASTIC_KERNELS
-from .rollout import Rollout, StepPlan, VelocityFn, _check_sample_inputs
+from .kernels import STOCHASTIC_KERNELS
+from .rollout import Rollout, StepPlan, VelocityFn, _check_sample_inputs, plan_step
 
 __all__ = ["leaf_incidence", "sample_tree"]
 
@@ -102,12 +102,7 @@ def sample_tree(
             if prev_x0 is not None:
                 prev_x0 = prev_x0.repeat_interleave(b, 0)
         kernel = plan.kernels[k]
-        if kernel in MULTISTEP_KERNELS:
-            out = MULTISTEP_KERNELS[kernel](x, velocity, sigmas[k], sigmas[k + 1], prev_x0, prev_sigma,
-                                            final=k == plan.num_steps - 1)
-        else:
-            out = KERNELS[kernel](x, velocity, sigmas[k], sigmas[k + 1], plan.noise_levels[k], sigmas[1],
-                                  generator=generator)
+        out = plan_step(plan, k, x, velocity, sigmas, prev_x0, prev_sigma, generator)
         prev_x0, prev_sigma = x - sigmas[k] * velocity, sigmas[k]
         if kernel in STOCHASTIC_KERNELS:
             n = x.shape[0]

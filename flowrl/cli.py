@@ -1,4 +1,4 @@
-"""``flowrl`` command line: ``train``, ``eval``, ``sample`` and ``bench``."""
+"""``flowrl`` command line: ``train``, ``eval``, ``sample``, ``bench`` and ``overopt``."""
 
 from __future__ import annotations
 
@@ -73,6 +73,18 @@ def cmd_bench(args) -> dict:
     return results
 
 
+def cmd_overopt(args) -> dict:
+    from .overopt import PRESETS, run_overopt
+
+    known = {p.stem for p in (Path(__file__).parent.parent / "configs").glob("*.yaml")}
+    unknown = set(args.presets) - known
+    if unknown:
+        raise ValueError(f"unknown preset(s) {sorted(unknown)}; choose from configs/: {sorted(known)}")
+    results = run_overopt(args.presets, args.iterations, args.eval_every, overrides=args.overrides, out=args.out)
+    print(Path(args.out).with_suffix(".md").read_text())
+    return results
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="assets/tiny-sd3", help="StableDiffusion3Pipeline folder")
     p.add_argument("--lora", default=None, help="diffusers-format LoRA folder (e.g. RUN/lora)")
@@ -114,6 +126,15 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--out", default="benchmarks/results.json")
     b.add_argument("overrides", nargs="*", help="key=value overrides for every preset")
     b.set_defaults(fn=cmd_bench)
+    o = sub.add_parser("overopt", help="over-optimisation study: train on the clipscore proxy, track GenEval gold")
+    from .overopt import PRESETS as OVEROPT_PRESETS
+
+    o.add_argument("--presets", nargs="+", default=list(OVEROPT_PRESETS))
+    o.add_argument("--iterations", type=int, default=30)
+    o.add_argument("--eval-every", type=int, default=10)
+    o.add_argument("--out", default="benchmarks/overopt.json")
+    o.add_argument("overrides", nargs="*", help="key=value overrides for every preset")
+    o.set_defaults(fn=cmd_overopt)
     args = parser.parse_args(argv)
     try:
         args.fn(args)

@@ -161,6 +161,7 @@ class TrainConfig:
     kl_type: str = "mean"  # mean (Flow-GRPO's latent-mean KL) | velocity (squared velocity difference)
     reward_aggregation: str = "reward"  # several rewards: z-score their weighted sum (reward) | sum their z-scores (advantage)
     best_of_n: int = 0  # train only the best and worst best_of_n / 2 samples of each group (0 = all)
+    step_grad_norms: str = "velocity"  # per-step gradient-norm diagnostic: none | velocity (free) | params (1 backward per step)
 
     def __post_init__(self):
         _check(self.adv_std in ("global", "group"), "train.adv_std", "global|group", self.adv_std)
@@ -174,6 +175,8 @@ class TrainConfig:
                self.reward_aggregation)
         _check(self.best_of_n == 0 or self.best_of_n >= 2, "train.best_of_n", "0 or >= 2", self.best_of_n)
         _check(self.kl_type in ("mean", "velocity"), "train.kl_type", "mean|velocity", self.kl_type)
+        _check(self.step_grad_norms in ("none", "velocity", "params"), "train.step_grad_norms", "none|velocity|params",
+               self.step_grad_norms)
         _check(0 < self.timestep_fraction <= 1, "train.timestep_fraction", "in (0, 1]", self.timestep_fraction)
 
 

@@ -62,22 +62,23 @@ def save_grid(before: torch.Tensor, after: torch.Tensor, prompts: list[str], pat
 
 def save_diagnostics(metrics: list[dict], path: str | Path) -> None:
     """Per-step policy diagnostics over training (GRPO-Guard, arXiv 2510.22319, Fig. 2 style): the ratio's
-    mean and std and the clip fractions above and below 1 per denoising step (heatmaps: iteration x step),
+    mean and std, the clip fractions above and below 1 and the gradient norm per denoising step (heatmaps:
+    iteration x step; see ``train.step_grad_norms``),
     and the advantage statistics with the fraction of zero-variance groups per iteration."""
     import re
 
     plt = _plt()
     steps = sorted({int(m.group(1)) for row in metrics for k in row if (m := re.match(r"diag/step_(\d+)/", k))})
-    fig, axes = plt.subplots(1, 5, figsize=(18, 3.2))
+    fig, axes = plt.subplots(1, 6, figsize=(21, 3.2))
     its = [row["iteration"] for row in metrics]
-    for ax, name in zip(axes[:4], ("ratio_mean", "ratio_std", "clip_high", "clip_low")):
+    for ax, name in zip(axes[:5], ("ratio_mean", "ratio_std", "clip_high", "clip_low", "grad_norm")):
         grid = [[row.get(f"diag/step_{k:02d}/{name}", float("nan")) for row in metrics] for k in steps]
         if steps and its:
             im = ax.imshow(grid, aspect="auto", origin="lower", interpolation="nearest",
                            extent=(its[0] - 0.5, its[-1] + 0.5, steps[0] - 0.5, steps[-1] + 0.5))
             fig.colorbar(im, ax=ax)
         ax.set_title(name.replace("_", " ")), ax.set_xlabel("iteration"), ax.set_ylabel("denoising step")
-    ax = axes[4]
+    ax = axes[5]
     for key in ("advantage/abs_mean", "advantage/zero_variance_frac"):
         ax.plot(its, [row.get(key, float("nan")) for row in metrics], label=key.split("/")[1])
     ax.set_xlabel("iteration"), ax.legend(fontsize=8)

@@ -263,7 +263,8 @@ class Trainer:
         tv = ro.select(rows)
         adv = adv_all[rows]  # (M',)
         stats: dict[str, list[float]] = defaultdict(list)
-        per_step: dict[int, list[torch.Tensor]] = defaultdict(list)  # first epoch: (ratio, clip range) per step
+        per_step: dict[int, list[torch.Tensor]] = defaultdict(list)  # first epoch: the ratios per step
+        grad_step: dict[int, list[torch.Tensor]] = defaultdict(list)  # first epoch: gradient norms per step
         gain = velocity_gain(tv) if t.step_weighting == "guard" else None
         velocity = self.model.velocity_fn(table, self.cfg.sampling.guidance_scale)  # CFG against table row 0
         self.model.transformer.train()
@@ -274,6 +275,9 @@ class Trainer:
                 sub = tv.select(mb)
                 with self._autocast():
                     v = velocity(sub.state, sub.sigma, sub.cond)
+                track_v = epoch == 0 and t.step_grad_norms == "velocity" and v.requires_grad
+                if track_v:
+                    v.retain_grad()
                 log_prob, mean = recompute_log_prob(sub, v)
                 if t.ratio_norm:  # GRPO-Guard: unbiased, std-scaled log-ratio
                     log_prob = sub.log_prob + ratio_norm(log_prob, sub.log_prob, mean, sub.mean, sub.std)
@@ -283,6 +287,8 @@ class Trainer:
                     ratio = torch.exp(log_prob.detach() - sub.log_prob)
                     for k in sub.step.unique().tolist():
                         per_step[k].append(ratio[sub.step == k].cpu())
+                    if t.step_grad_norms == "params" and start == 0:
+                        grad_step.update(self._param_grad_norms(sub, log_prob, adv[mb], weights))
                 if not stats["policy/ratio_first_max_dev"]:
                     stats["policy/ratio_first_max_dev"].append(st["policy/ratio_max_dev"].item())
                 if t.kl_beta > 0:
@@ -295,6 +301,10 @@ class Trainer:
                     loss = loss + t.kl_beta * kl
                     stats["policy/kl"].append(kl.item())
                 self.accelerator.backward(loss)
+                if track_v and v.grad is not None:  # d loss / d v per transition, undoing the 1/M of the mean
+                    norms = v.grad.float().flatten(1).norm(dim=1).cpu() * len(mb)
+                    for k in sub.step.unique().tolist():
+                        grad_step[k].append(norms[(sub.step == k).cpu()])
                 if self.accelerator.num_processes > 1:
                     for p in self.params.values():
                         p.grad = self.accelerator.reduce(p.grad, "mean")
@@ -315,7 +325,25 @@ class Trainer:
             out[f"diag/step_{k:02d}/ratio_std"] = r.std(unbiased=False).item()
             out[f"diag/step_{k:02d}/clip_high"] = (r > 1 + t.clip_range).float().mean().item()
             out[f"diag/step_{k:02d}/clip_low"] = (r < 1 - t.clip_range).float().mean().item()
+        for k, parts in sorted(grad_step.items()):
+            out[f"diag/step_{k:02d}/grad_norm"] = torch.cat(parts).mean().item()
         out["cost/trained_transitions"] = len(tv) * t.inner_epochs
+        return out
+
+    def _param_grad_norms(self, sub, log_prob: torch.Tensor, adv: torch.Tensor,
+                          weights: torch.Tensor | None) -> dict[int, list[torch.Tensor]]:
+        """Norm of the gradient of each denoising step's mean PPO loss w.r.t. the trained parameters, on one
+        minibatch (``train.step_grad_norms: params``; one extra backward per step present)."""
+        t = self.cfg.train
+        params = [p for p in self.params.values() if p.requires_grad]
+        out = {}
+        for k in sub.step.unique().tolist():
+            m = sub.step == k
+            loss_k, _ = ppo_loss(log_prob[m], sub.log_prob[m], adv[m], t.clip_range,
+                                 None if weights is None else weights[m])
+            grads = torch.autograd.grad(loss_k, params, retain_graph=True, allow_unused=True)
+            sq = sum(g.float().pow(2).sum() for g in grads if g is not None)
+            out[k] = [torch.as_tensor(sq).sqrt().reshape(1).cpu()]
         return out
 
     def _update_ema(self) -> None:

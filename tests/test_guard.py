@@ -69,3 +69,30 @@ def test_weighted_ppo_loss_and_velocity_kl():
     loss, stats = ppo_loss(lp, torch.zeros(2), torch.tensor([1.0, -1.0]), 1e-4, weights=torch.tensor([2.0, 0.0]))
     assert loss.item() == -1.0 and stats["policy/clipfrac_high"] == 0
     assert velocity_kl(torch.ones(2, 3), torch.zeros(2, 3)).item() == 1.0
+
+
+def test_per_step_param_grad_norms_match_a_manual_backward(tmp_path, random_pipeline, prompt_files):
+    """``train.step_grad_norms=params`` logs, per denoising step, the norm of the gradient of that step's mean
+    loss; the whole loss is the mean of the step losses (equal counts), so by the triangle inequality its
+    gradient norm is at most the mean of the per-step norms."""
+    import json
+
+    from conftest import tiny_overrides
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
+    train, test = prompt_files
+    rows = {}
+    for mode in ("params", "velocity"):
+        out = tmp_path / mode
+        over = tiny_overrides(random_pipeline, train, test, out, **{
+            "run.iterations": 1, "run.mixed_precision": "no", "train.step_grad_norms": mode,
+            "train.minibatch_size": 64, "rewards.jpeg_compressibility.weight": 1.0})
+        Trainer(load_config(None, over)).train()
+        rows[mode] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    p, v = rows["params"], rows["velocity"]
+    steps = sorted(k for k in p if k.endswith("/grad_norm"))
+    assert steps == sorted(k for k in v if k.endswith("/grad_norm")) and len(steps) >= 2
+    assert all(p[k] > 0 and math.isfinite(p[k]) and v[k] > 0 for k in steps)
+    assert p["policy/optimizer_steps"] == 1  # one minibatch holds every transition
+    assert 0 < p["policy/grad_norm"] <= sum(p[k] for k in steps) / len(steps) * (1 + 1e-4)

@@ -1,6 +1,7 @@
 """Every preset in configs/ loads, and the tiny-world presets run two iterations on a random tiny model."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,9 @@ def test_preset_runs(path, tmp_path, random_pipeline, prompt_files):
     assert result["after"]["n_images"] > 0
     metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert all(m["cost/trained_transitions"] > 0 and m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)
+    for m in metrics:  # every trained step has its ratio and gradient-norm diagnostics
+        steps = {k.split("/")[1] for k in m if k.startswith("diag/step_")}
+        assert steps and all(f"diag/{s}/grad_norm" in m and f"diag/{s}/ratio_std" in m for s in steps)
 
 
 def test_base_chain_errors_name_the_file(tmp_path):
@@ -56,3 +60,25 @@ def test_bench_runs_and_writes_the_table(tmp_path, random_pipeline, prompt_files
     assert results["branch_grpo"]["cost/nfe"] < results["dance_grpo"]["cost/nfe"]  # shared prefixes
     assert results["branch_grpo"]["tree"]["speedup"] > 0
     assert "| branch_grpo |" in (tmp_path / "b.md").read_text()
+
+
+def test_overopt_trains_on_the_proxy_and_scores_proxy_and_gold(tmp_path, random_pipeline, prompt_files, monkeypatch):
+    import flowrl.trainer as trainer_mod
+    from flowrl.overopt import run_overopt
+
+    seen = []
+    original = trainer_mod.Trainer.__init__
+
+    def spy(self, cfg):
+        seen.append(sorted(cfg.rewards))
+        original(self, cfg)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "__init__", spy)
+    train, test = prompt_files
+    over = [o for o in tiny_overrides(random_pipeline, train, test, tmp_path / "unused") if not o.startswith("run.output_dir")]
+    results = run_overopt(["grpo_guard"], iterations=2, eval_every=1, overrides=over, out=tmp_path / "o.json")
+    assert seen == [["clipscore"]]  # the preset's geneval reward was swapped for the proxy
+    rows = results["grpo_guard"]
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    assert all(math.isfinite(r["proxy"]) and 0 <= r["gold"] <= 1 for r in rows)
+    assert "| grpo_guard |" in (tmp_path / "o.md").read_text()

@@ -1,0 +1,112 @@
+"""``flowrl overopt``: reward over-optimisation on the tiny world (GRPO-Guard, arXiv 2510.22319, Sec. 5).
+
+Each preset is trained on the proxy reward ``clipscore`` alone (its own rewards dropped) and, every
+``eval_every`` iterations, the same held-out ODE samples are scored twice: by the proxy (mean CLIP score)
+and by the gold metric (GenEval strict accuracy of the tiny-world detector). The paper's claim, in kind:
+with the guard (RatioNorm + gradient reweighting) the gold metric stays at least as high while the proxy
+rises. Writes JSON (every evaluation) and a Markdown table.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .bench import _machine
+from .config import REPO_ROOT, load_config
+
+PRESETS = ("flow_grpo", "grpo_guard", "dance_grpo", "grpo_guard_dance")
+
+
+def proxy_and_gold(trainer, proxy) -> dict[str, float]:
+    """Held-out proxy and gold scores of ``trainer``'s current policy on the same images.
+
+    Args:
+        trainer: a :class:`flowrl.trainer.Trainer` whose eval prompts carry GenEval metadata.
+        proxy: a reward callable ``(images, prompts, metadata) -> (B,)`` scores.
+
+    Returns:
+        ``{"proxy": mean proxy score, "gold": GenEval strict accuracy in [0, 1], "gold_dense": dense
+        GenEval score in [0, 1], "per_tag": {tag: strict accuracy}}``.
+    """
+    from .evaluate import evaluate, expand_per_tag
+
+    e, s = trainer.cfg.eval, trainer.cfg.sampling
+    with trainer.ema_weights(), trainer._autocast():
+        result = evaluate(trainer.model, trainer.eval_metas, e.images_per_tag, e.num_steps, e.guidance_scale, s.shift,
+                          e.seed, s.batch_size, return_images=True)
+    scores = proxy(result["images"], result["prompts"], expand_per_tag(trainer.eval_metas, e.images_per_tag))
+    return {"proxy": float(torch.as_tensor(scores).float().mean()), "gold": result["overall"],
+            "gold_dense": result["dense_overall"], "per_tag": result["per_tag"]}
+
+
+def run_overopt(presets=PRESETS, iterations: int = 30, eval_every: int = 10, proxy: str = "clipscore",
+                proxy_options: dict | None = None, overrides=(), out: str | Path = "benchmarks/overopt.json") -> dict:
+    """Train each preset (names in configs/) on ``proxy`` and track proxy and gold on held-out prompts.
+
+    Args:
+        iterations: training iterations per preset; eval_every: iterations between evaluations (and at 0).
+        proxy: registered reward name used as the only training reward; proxy_options: its options (default
+            for ``clipscore``: the shipped tiny CLIP, ``assets/tiny-clip``).
+        overrides: ``key=value`` overrides applied to every preset (after the proxy swap).
+
+    Returns:
+        ``{preset: [{"iteration", "proxy", "gold", "gold_dense", "per_tag", "elapsed_s"}, ...]}``; also
+        written to ``out`` (JSON) and ``out`` with suffix ``.md`` (table).
+
+    Raises:
+        ValueError: ``eval_every`` < 1 or ``iterations`` < 1.
+    """
+    from rewards import build_reward
+
+    from .trainer import Trainer
+
+    if iterations < 1 or eval_every < 1:
+        raise ValueError(f"overopt: iterations ({iterations}) and eval_every ({eval_every}) must be >= 1")
+    if proxy_options is None:
+        proxy_options = {"model_path": str(REPO_ROOT / "assets" / "tiny-clip")} if proxy == "clipscore" else {}
+    scorer = build_reward(proxy, **proxy_options)
+    results = {}
+    for name in presets:
+        base = load_config(REPO_ROOT / "configs" / f"{name}.yaml")
+        swap = [f"rewards.{r}=null" for r in base.rewards if r != proxy] + [f"rewards.{proxy}.weight=1.0"]
+        swap += [f"rewards.{proxy}.options.{k}={v}" for k, v in proxy_options.items()]
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = load_config(REPO_ROOT / "configs" / f"{name}.yaml",
+                              [f"run.output_dir={tmp}/run", "eval.every=0", *swap, *overrides])
+            trainer = Trainer(cfg)
+            rows, t0 = [], time.time()
+            for it in range(iterations + 1):
+                if it % eval_every == 0 or it == iterations:
+                    row = {"iteration": it, **proxy_and_gold(trainer, scorer), "elapsed_s": time.time() - t0}
+                    rows.append(row)
+                    print(name, json.dumps(row))
+                if it < iterations:
+                    trainer.step(it)
+            results[name] = rows
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": _machine(), "iterations": iterations, "eval_every": eval_every, "proxy": proxy,
+            "overrides": list(overrides)}
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    out.with_suffix(".md").write_text(markdown_table(results, meta))
+    return results
+
+
+def markdown_table(results: dict, meta: dict) -> str:
+    """One row per preset: proxy and gold at the start, at the gold's best evaluation and at the end."""
+    lines = [f"Machine: {meta['machine']}; proxy `{meta['proxy']}`, gold GenEval strict accuracy on held-out prompts; "
+             f"{meta['iterations']} iterations, evaluated every {meta['eval_every']}.", "",
+             "| preset | proxy start | proxy end | gold start | gold best (iteration) | gold end | gold along training |",
+             "|---|---|---|---|---|---|---|"]
+    for name, rows in results.items():
+        first, last = rows[0], rows[-1]
+        best = max(rows, key=lambda r: r["gold"])
+        along = " ".join(f"{r['gold']:.3f}" for r in rows)
+        lines.append(f"| {name} | {first['proxy']:.4f} | {last['proxy']:.4f} | {first['gold']:.3f} | "
+                     f"{best['gold']:.3f} ({best['iteration']}) | {last['gold']:.3f} | {along} |")
+    return "\n".join(lines) + "\n"

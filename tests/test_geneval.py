@@ -165,3 +165,29 @@ def test_reward_is_registered_and_needs_geneval_metadata():
     images = torch.full((1, 3, 64, 64), 0.5)
     with pytest.raises(ValueError, match="a photo of a cat"):
         geneval()(images, ["a photo of a cat"], [{"tag": "single_object"}])
+
+
+def test_graded_dense_weighs_holding_clauses_by_confidence():
+    meta = {"include": [{"class": "circle", "count": 2}], "exclude": [{"class": "circle", "count": 3}]}
+    dets = [_det("circle", (0, 0, 10, 10), score=0.5), _det("circle", (20, 0, 30, 10), score=0.7)]
+    ok, dense, _ = evaluate(dets, meta, graded=True)
+    assert ok and dense == pytest.approx(1 - (1 - 0.6) / 2)  # include holds at mean confidence 0.6
+    assert evaluate(dets, meta)[1] == 1.0  # ungraded: a clause that holds counts 1
+    assert evaluate(dets[:1], meta, graded=True)[1] == 0.5  # a failed clause counts 0 either way
+
+
+def test_lenient_reward_grades_rough_shapes_and_matches_on_clean_renders(rendered):
+    images, prompts, metas = rendered
+    lenient = geneval(lenient=True)(images[:100], prompts[:100], metas[:100])
+    strict = geneval(strict=True)(images[:100], prompts[:100], metas[:100])
+    assert bool((lenient[strict == 1] > 0.9).all())  # clean renders keep (almost) full credit
+    # a rough square (two 5 px corners bitten off) is rejected by the gold detector but graded leniently
+    image = np.full((IMAGE_SIZE, IMAGE_SIZE, 3), BACKGROUND, np.uint8)
+    image[20:42, 20:42] = COLORS["red"]
+    image[20:25, 20:25] = BACKGROUND
+    image[37:42, 37:42] = BACKGROUND
+    meta = {"tag": "colors", "include": [{"class": "square", "count": 1, "color": "red"}], "exclude": []}
+    gold = geneval()(_tensor(image)[None], ["a photo of a red square"], [meta])
+    soft = geneval(lenient=True)(_tensor(image)[None], ["a photo of a red square"], [meta])
+    assert detect(image) == [] and gold.item() == 0.0
+    assert 0.5 < soft.item() < 1

@@ -6,6 +6,10 @@ dropped (``keep_confident``) and the rest judged by GenEval's rules (``evaluate`
 - ``geneval`` (dense): the fraction of the prompt's include and exclude clauses that hold, in [0, 1].
 - ``geneval_strict``: GenEval's own 0/1 correctness (every clause holds).
 
+``geneval(lenient=True)`` is a shaped training reward for weak models: rough shapes are detected with a
+graded confidence (no confidence threshold) and each clause that holds counts by the mean confidence of
+its objects, so a rounder circle scores higher than a blob. Evaluation always uses the default judge.
+
 The package is standalone: it imports nothing from ``flowrl`` or ``samplers``.
 """
 
@@ -65,10 +69,13 @@ class GenEval:
     Attributes:
         strict: score GenEval's 0/1 correctness instead of the fraction of clauses met.
         name: the reward's name, for error messages and logs.
+        lenient: graded detection of rough shapes and confidence-weighted clauses (see the module
+            docstring); a training reward, not GenEval's metric.
     """
 
     strict: bool = False
     name: str = "geneval"
+    lenient: bool = False
 
     def judge(
         self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
@@ -98,8 +105,9 @@ class GenEval:
                     f"{self.name}: metadata of prompt {prompt!r} has no 'include'; this reward needs GenEval metadata"
                 )
         correct, dense = [], []
-        for detections, meta in zip(detect_batch(images), metadata):
-            ok, fraction, _ = evaluate(keep_confident(detections, meta), meta)
+        for detections, meta in zip(detect_batch(images, self.lenient), metadata):
+            kept = detections if self.lenient else keep_confident(detections, meta)
+            ok, fraction, _ = evaluate(kept, meta, graded=self.lenient)
             correct.append(float(ok))
             dense.append(fraction)
         return torch.tensor(correct, dtype=torch.float32), torch.tensor(dense, dtype=torch.float32)
@@ -120,18 +128,19 @@ class GenEval:
 
 
 @register_reward("geneval")
-def geneval(strict: bool = False) -> GenEval:
+def geneval(strict: bool = False, lenient: bool = False) -> GenEval:
     """GenEval reward for tiny-world images.
 
     Args:
         strict: if True, GenEval's 0/1 correctness; else (default) the fraction of clauses met,
             a denser signal for RL.
+        lenient: graded detection of rough shapes, clauses weighted by confidence (module docstring).
 
     Returns:
         A ``GenEval`` reward: ``(images (B, 3, H, W) float in [0, 1], prompts, metadata) -> (B,)``
         float32 scores in [0, 1].
     """
-    return GenEval(strict=strict, name="geneval_strict" if strict else "geneval")
+    return GenEval(strict=strict, name="geneval_strict" if strict else "geneval", lenient=lenient)
 
 
 @register_reward("geneval_strict")

@@ -81,6 +81,9 @@ FIT_DISTANCE, REJECT_DISTANCE = 6.0, 10.0
 starts to fall, and where it reaches 0."""
 FIT_DEVIATION, REJECT_DEVIATION = 3.5, 5.5
 """The same for the largest single-feature deviation (in spreads)."""
+LENIENT_REJECT_DISTANCE, LENIENT_REJECT_DEVIATION = 20.0, 12.0
+"""Where the fit term reaches 0 in lenient mode (``detect(..., lenient=True)``): rough, blob-like
+shapes still get a small graded score, a denser RL signal (the gold metric never uses it)."""
 _MEANS = np.asarray([m for m, _ in PROTOTYPES.values()])  # (S, F)
 _SPREADS = np.asarray([s for _, s in PROTOTYPES.values()])  # (S, F)
 
@@ -179,11 +182,13 @@ def _ramp(x: float, start: float, stop: float) -> float:
     return float(np.clip((stop - x) / (stop - start), 0.0, 1.0))
 
 
-def classify(features: np.ndarray) -> tuple[str, float]:
+def classify(features: np.ndarray, lenient: bool = False) -> tuple[str, float]:
     """The most likely shape of an object and the confidence described in the module docstring.
 
     Args:
         features: float ``(len(FEATURES),)`` from ``shape_features``.
+        lenient: let the fit term fall to 0 only at ``LENIENT_REJECT_DISTANCE`` and
+            ``LENIENT_REJECT_DEVIATION`` (a graded score for rough shapes).
 
     Returns:
         ``(shape name, score)`` with score in [0, 1]; 0 means the object looks like no shape.
@@ -193,7 +198,8 @@ def classify(features: np.ndarray) -> tuple[str, float]:
     log_lik = -0.5 * d**2 - np.log(_SPREADS).sum(1)  # (S,) diagonal Gaussians, equal priors
     k = int(log_lik.argmax())
     posterior = 1.0 / np.exp(log_lik - log_lik[k]).sum()
-    fit = _ramp(d[k], FIT_DISTANCE, REJECT_DISTANCE) * _ramp(np.abs(z[k]).max(), FIT_DEVIATION, REJECT_DEVIATION)
+    reject_d, reject_dev = (LENIENT_REJECT_DISTANCE, LENIENT_REJECT_DEVIATION) if lenient else (REJECT_DISTANCE, REJECT_DEVIATION)
+    fit = _ramp(d[k], FIT_DISTANCE, reject_d) * _ramp(np.abs(z[k]).max(), FIT_DEVIATION, reject_dev)
     return list(PROTOTYPES)[k], float(posterior * fit)
 
 
@@ -228,12 +234,13 @@ def objects(image: torch.Tensor | np.ndarray) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-def detect(image: torch.Tensor | np.ndarray) -> list[Detection]:
+def detect(image: torch.Tensor | np.ndarray, lenient: bool = False) -> list[Detection]:
     """Detect the tiny world's shapes in one image.
 
     Args:
         image: ``(3, H, W)`` float tensor with values in [0, 1] (any device), or an ``(H, W, 3)``
             uint8 numpy array (as ``flowrl.tiny.render`` returns).
+        lenient: graded scores for rough shapes (see ``classify``); for RL rewards, not for evaluation.
 
     Returns:
         One ``Detection(cls, color, box, score)`` per object, in no particular order; ``box`` is
@@ -246,17 +253,18 @@ def detect(image: torch.Tensor | np.ndarray) -> list[Detection]:
     detections = []
     for color, mask in objects(image):
         features, box = shape_features(mask)
-        shape, score = classify(features)
+        shape, score = classify(features, lenient)
         if score > 0:
             detections.append(Detection(shape, color, tuple(float(v) for v in box), score))
     return detections
 
 
-def detect_batch(images: torch.Tensor) -> list[list[Detection]]:
+def detect_batch(images: torch.Tensor, lenient: bool = False) -> list[list[Detection]]:
     """``detect`` on each image of a batch.
 
     Args:
         images: ``(B, 3, H, W)`` float tensor with values in [0, 1], any device.
+        lenient: passed to ``detect``.
 
     Returns:
         ``B`` lists of detections.
@@ -268,4 +276,4 @@ def detect_batch(images: torch.Tensor) -> list[list[Detection]]:
         got = tuple(images.shape) if hasattr(images, "shape") else type(images).__name__
         raise ValueError(f"images must be a tensor of shape (B, 3, H, W), got {got}")
     images = images.detach().float().cpu()
-    return [detect(image) for image in images]
+    return [detect(image, lenient) for image in images]

@@ -64,13 +64,15 @@ def relative_position(a: tuple[float, ...], b: tuple[float, ...]) -> set[str]:
     return relations
 
 
-def evaluate(detections: list[Detection], metadata: dict) -> tuple[bool, float, list[str]]:
+def evaluate(detections: list[Detection], metadata: dict, graded: bool = False) -> tuple[bool, float, list[str]]:
     """Score one image's detections against its GenEval metadata.
 
     Args:
         detections: the image's detections, any order (sorted here by descending score).
         metadata: ``{"include": [{"class", "count", "color"?, "position"?: [relation, index]}],
             "exclude": [{"class", "count"}]}``.
+        graded: weigh each include clause that holds by the mean confidence of its matched objects
+            in ``dense`` (a denser RL signal; ``correct`` is unchanged).
 
     Returns:
         ``(correct, dense, failures)``: ``correct`` is GenEval's strict 0/1 (every clause holds),
@@ -87,6 +89,7 @@ def evaluate(detections: list[Detection], metadata: dict) -> tuple[bool, float, 
     include, exclude = metadata.get("include", []), metadata.get("exclude", [])
     matched: list[list[Detection] | None] = []
     failures: list[str] = []
+    shortfall = 0.0  # graded: 1 - mean confidence of each holding include clause
     for i, clause in enumerate(include):
         if "class" not in clause or "count" not in clause:
             raise ValueError(f"include clause {i} of {metadata.get('prompt', metadata)!r} needs 'class' and 'count'")
@@ -106,9 +109,11 @@ def evaluate(detections: list[Detection], metadata: dict) -> tuple[bool, float, 
         matched.append(objects if ok else None)
         if not ok:
             failures.append(f"include {clause}")
+        elif graded and objects:
+            shortfall += 1.0 - sum(d.score for d in objects) / len(objects)
     for clause in exclude:
         if len(by_class.get(clause["class"], [])) >= clause["count"]:
             failures.append(f"exclude {clause}")
     total = len(include) + len(exclude)
-    dense = 1.0 - len(failures) / total if total else 1.0
+    dense = 1.0 - (len(failures) + shortfall) / total if total else 1.0
     return not failures, dense, failures

@@ -132,3 +132,21 @@ def test_timestep_fraction_trains_that_share_of_each_samples_steps():
     assert not bool((keep & ~ro.trained).any())
     other = Trainer.step_subset(fake, ro, torch.Generator().manual_seed(2))
     assert not torch.equal(keep, other)  # a different random subset each iteration
+
+
+def test_one_policy_update_favours_positive_advantages(tmp_path, random_pipeline, prompt_files):
+    """After one optimizer step the log-probs of the rollout's transitions move with their advantages."""
+    import importlib.util
+    from pathlib import Path
+
+    from conftest import tiny_overrides
+
+    spec = importlib.util.spec_from_file_location("psc", Path(__file__).parent.parent / "benchmarks" / "policy_step_check.py")
+    psc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(psc)
+    train, test = prompt_files
+    over = tiny_overrides(random_pipeline, train, test, tmp_path / "run", **{
+        "run.mixed_precision": "no", "train.minibatch_size": 1000, "train.learning_rate": 1e-2,
+        "sampling.group_size": 4, "sampling.prompts_per_iteration": 2})
+    result = psc.main([o for o in over if not o.startswith("run.output_dir")] + [f"run.output_dir={tmp_path}/run"])
+    assert result["optimizer_steps"] == 1 and result["corr_change_advantage"] > 0.05  # 0.15 here; a flipped loss sign gives < 0

@@ -101,12 +101,14 @@ def markdown_table(results: dict, meta: dict) -> str:
     """One row per preset: proxy and gold at the start, at the gold's best evaluation and at the end."""
     lines = [f"Machine: {meta['machine']}; proxy `{meta['proxy']}`, gold GenEval strict accuracy on held-out prompts; "
              f"{meta['iterations']} iterations, evaluated every {meta['eval_every']}.", "",
-             "| preset | proxy start | proxy end | gold start | gold best (iteration) | gold end | gold along training |",
-             "|---|---|---|---|---|---|---|"]
+             "| preset | proxy start | proxy end | gold start | gold best (iteration) | gold end | proxy along training | "
+             "gold along training | dense gold along training |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, rows in results.items():
         first, last = rows[0], rows[-1]
         best = max(rows, key=lambda r: r["gold"])
-        along = " ".join(f"{r['gold']:.3f}" for r in rows)
-        lines.append(f"| {name} | {first['proxy']:.4f} | {last['proxy']:.4f} | {first['gold']:.3f} | "
-                     f"{best['gold']:.3f} ({best['iteration']}) | {last['gold']:.3f} | {along} |")
+        along = {k: " ".join(f"{r[k]:.3f}" for r in rows) for k in ("proxy", "gold", "gold_dense")}
+        lines.append(f"| {name} | {first['proxy']:.3f} | {last['proxy']:.3f} | {first['gold']:.3f} | "
+                     f"{best['gold']:.3f} ({best['iteration']}) | {last['gold']:.3f} | {along['proxy']} | {along['gold']} | "
+                     f"{along['gold_dense']} |")
     return "\n".join(lines) + "\n"

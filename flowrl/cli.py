@@ -74,9 +74,10 @@ def cmd_bench(args) -> dict:
 
 
 def cmd_overopt(args) -> dict:
-    from .overopt import PRESETS, run_overopt
+    from .config import REPO_ROOT
+    from .overopt import run_overopt
 
-    known = {p.stem for p in (Path(__file__).parent.parent / "configs").glob("*.yaml")}
+    known = {p.stem for p in (REPO_ROOT / "configs").glob("*.yaml")}
     unknown = set(args.presets) - known
     if unknown:
         raise ValueError(f"unknown preset(s) {sorted(unknown)}; choose from configs/: {sorted(known)}")

@@ -62,7 +62,8 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
 
     Returns:
         ``{"overall", "per_tag", "dense_overall", "dense_per_tag", "n_images", "num_steps",
-        "guidance_scale"}`` (+ ``"images"`` float ``(N, 3, H, W)`` and ``"correct"`` when asked).
+        "guidance_scale"}`` (+ ``"images"`` float ``(N, 3, H, W)``, ``"correct"``, ``"prompts"`` and the
+        ``"metas"`` of each image when asked).
     """
     from rewards.geneval import geneval
 
@@ -86,7 +87,7 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
         "guidance_scale": guidance_scale,
     }
     if return_images:
-        result.update(images=images, correct=strict, prompts=prompts)
+        result.update(images=images, correct=strict, prompts=prompts, metas=metas)
     return result
 
 

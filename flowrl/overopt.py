@@ -33,13 +33,13 @@ def proxy_and_gold(trainer, proxy) -> dict[str, float]:
         ``{"proxy": mean proxy score, "gold": GenEval strict accuracy in [0, 1], "gold_dense": dense
         GenEval score in [0, 1], "per_tag": {tag: strict accuracy}}``.
     """
-    from .evaluate import evaluate, expand_per_tag
+    from .evaluate import evaluate
 
     e, s = trainer.cfg.eval, trainer.cfg.sampling
     with trainer.ema_weights(), trainer._autocast():
         result = evaluate(trainer.model, trainer.eval_metas, e.images_per_tag, e.num_steps, e.guidance_scale, s.shift,
                           e.seed, s.batch_size, return_images=True)
-    scores = proxy(result["images"], result["prompts"], expand_per_tag(trainer.eval_metas, e.images_per_tag))
+    scores = proxy(result["images"], result["prompts"], result["metas"])
     return {"proxy": float(torch.as_tensor(scores).float().mean()), "gold": result["overall"],
             "gold_dense": result["dense_overall"], "per_tag": result["per_tag"]}
 

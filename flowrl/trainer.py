@@ -273,6 +273,7 @@ class Trainer:
             for start in range(0, len(tv), t.minibatch_size):
                 mb = order[start:start + t.minibatch_size]
                 sub = tv.select(mb)
+                present = sub.step.unique().tolist()  # denoising steps in this minibatch
                 with self._autocast():
                     v = velocity(sub.state, sub.sigma, sub.cond)
                 track_v = epoch == 0 and t.step_grad_norms == "velocity" and v.requires_grad
@@ -285,10 +286,10 @@ class Trainer:
                 loss, st = ppo_loss(log_prob, sub.log_prob, adv[mb], t.clip_range, weights)
                 if epoch == 0:
                     ratio = torch.exp(log_prob.detach() - sub.log_prob)
-                    for k in sub.step.unique().tolist():
+                    for k in present:
                         per_step[k].append(ratio[sub.step == k].cpu())
                     if t.step_grad_norms == "params" and start == 0:
-                        grad_step.update(self._param_grad_norms(sub, log_prob, adv[mb], weights))
+                        grad_step.update(self._param_grad_norms(sub, present, log_prob, adv[mb], weights))
                 if not stats["policy/ratio_first_max_dev"]:
                     stats["policy/ratio_first_max_dev"].append(st["policy/ratio_max_dev"].item())
                 if t.kl_beta > 0:
@@ -303,7 +304,7 @@ class Trainer:
                 self.accelerator.backward(loss)
                 if track_v and v.grad is not None:  # d loss / d v per transition, undoing the 1/M of the mean
                     norms = v.grad.float().flatten(1).norm(dim=1).cpu() * len(mb)
-                    for k in sub.step.unique().tolist():
+                    for k in present:
                         grad_step[k].append(norms[(sub.step == k).cpu()])
                 if self.accelerator.num_processes > 1:
                     for p in self.params.values():
@@ -330,14 +331,14 @@ class Trainer:
         out["cost/trained_transitions"] = len(tv) * t.inner_epochs
         return out
 
-    def _param_grad_norms(self, sub, log_prob: torch.Tensor, adv: torch.Tensor,
+    def _param_grad_norms(self, sub, steps: list[int], log_prob: torch.Tensor, adv: torch.Tensor,
                           weights: torch.Tensor | None) -> dict[int, list[torch.Tensor]]:
         """Norm of the gradient of each denoising step's mean PPO loss w.r.t. the trained parameters, on one
         minibatch (``train.step_grad_norms: params``; one extra backward per step present)."""
         t = self.cfg.train
         params = [p for p in self.params.values() if p.requires_grad]
         out = {}
-        for k in sub.step.unique().tolist():
+        for k in steps:
             m = sub.step == k
             loss_k, _ = ppo_loss(log_prob[m], sub.log_prob[m], adv[m], t.clip_range,
                                  None if weights is None else weights[m])

@@ -27,3 +27,18 @@ def test_build_loops_train_and_shapes_match():
     train_transformer(model, torch.randn(8, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE), torch.randn(3, MAX_TOKENS, 128), torch.randn(3, 128),
                       torch.randint(0, 3, (8,)), steps=2, seed=0, batch=4)
     assert not torch.equal(before, model.proj_out.weight)
+
+
+def test_transformer_ema_returns_the_average_not_the_last_weights():
+    import pytest
+
+    args = (torch.randn(8, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE), torch.randn(3, MAX_TOKENS, 128), torch.randn(3, 128),
+            torch.randint(0, 3, (8,)))
+    init = tiny_transformer(128, 128, seed=0).proj_out.weight.detach().clone()
+    raw = train_transformer(tiny_transformer(128, 128, seed=0), *args, steps=3, seed=0, batch=4).proj_out.weight.detach()
+    ema = train_transformer(tiny_transformer(128, 128, seed=0), *args, steps=3, seed=0, batch=4,
+                            ema_decay=0.9).proj_out.weight.detach()
+    assert not torch.equal(ema, raw) and not torch.equal(ema, init)
+    assert (ema - init).norm() < (raw - init).norm()  # the average lags behind the last weights
+    with pytest.raises(ValueError, match="ema_decay"):
+        train_transformer(tiny_transformer(128, 128, seed=0), *args, steps=1, seed=0, batch=4, ema_decay=1.0)

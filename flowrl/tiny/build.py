@@ -215,7 +215,8 @@ def tiny_transformer(joint_attention_dim: int, pooled_projection_dim: int, seed:
 
 
 def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: int, batch: int = 128,
-                      uncond_p: float = 0.1, lr: float = 1e-3, checkpoints: Path | None = None, t_mean: float = 0.0):
+                      uncond_p: float = 0.1, lr: float = 1e-3, checkpoints: Path | None = None, t_mean: float = 0.0,
+                      ema_decay: float = 0.0, checkpoint_every: int = 1200):
     """Rectified-flow training (SD3, arXiv 2403.03206) of a tiny ``SD3Transformer2DModel``.
 
     x_t = (1 - t) x_0 + t eps, t ~ logit-normal(t_mean, 1); loss = |v_theta(x_t, t) - (eps - x_0)|^2. Captions
@@ -230,11 +231,23 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
         lr: peak learning rate of the one-cycle schedule (5% warm-up, cosine decay to ~0).
         t_mean: mean of the logit-normal time distribution (0 = SD3's; > 0 trains more at high noise,
             where the layout and shapes are decided).
-        checkpoints: if given, the model is saved to ``checkpoints/step-K`` every 1200 steps.
+        batch: scenes per optimizer step.
+        ema_decay: in (0, 1) keeps an exponential moving average of the weights (diffusers ``EMAModel``,
+            with its warm-up) and returns it, as diffusion models are sampled; 0 returns the raw weights.
+        checkpoints: if given, the model (its EMA when kept) is saved to ``checkpoints/step-K`` every
+            ``checkpoint_every`` steps.
 
     Returns:
-        ``model``, trained in place (float32, eval mode).
+        ``model``, trained in place (float32, eval mode), holding the EMA weights when ``ema_decay > 0``.
+
+    Raises:
+        ValueError: if ``ema_decay`` is not in [0, 1).
     """
+    from diffusers.training_utils import EMAModel
+
+    if not 0.0 <= ema_decay < 1.0:
+        raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay}")
+    ema = EMAModel(model.parameters(), decay=ema_decay, use_ema_warmup=True) if ema_decay > 0 else None
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
     gen = torch.Generator().manual_seed(seed)
@@ -252,9 +265,18 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
                       timestep=t * 1000).sample.float()
         loss = F.mse_loss(v, eps - x0)
         _optimizer_step(loss, model, opt, sched, bar, max_grad_norm=1.0)
+        if ema is not None:
+            ema.step(model.parameters())
         done += 1
-        if checkpoints is not None and done % 1200 == 0:
+        if checkpoints is not None and done % checkpoint_every == 0:
+            if ema is not None:
+                ema.store(model.parameters())
+                ema.copy_to(model.parameters())
             model.save_pretrained(checkpoints / f"step-{done}")
+            if ema is not None:
+                ema.restore(model.parameters())
+    if ema is not None:
+        ema.copy_to(model.parameters())
     return model.eval()
 
 
@@ -283,7 +305,7 @@ def _save_clip(clip, tokenizer, folder: Path) -> None:
 
 def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int = 600, vae_steps: int = 900,
           dit_steps: int = 3000, resume: bool = False, init: str | Path | None = None, dit_lr: float = 1e-3,
-          dit_t_mean: float = 0.0) -> dict:
+          dit_t_mean: float = 0.0, dit_batch: int = 128, dit_ema: float = 0.0) -> dict:
     """Regenerate every asset under ``out`` (see the module docstring); returns the wall times in seconds.
 
     ``resume`` keeps the stages an interrupted build finished (``out/tiny-clip``, the VAE in
@@ -338,8 +360,9 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
     index = {c: i for i, c in enumerate(unique)}
     cap_idx = torch.tensor([index[c] for c in captions])
     latents = (encode_latents(vae, images) - vae.config.shift_factor) * vae.config.scaling_factor
-    train_transformer(transformer, latents, cond.float(), pooled.float(), cap_idx, dit_steps, seed, lr=dit_lr,
-                      checkpoints=out / ".build-cache" / "transformer", t_mean=dit_t_mean)
+    train_transformer(transformer, latents, cond.float(), pooled.float(), cap_idx, dit_steps, seed, batch=dit_batch,
+                      lr=dit_lr, checkpoints=out / ".build-cache" / "transformer", t_mean=dit_t_mean, ema_decay=dit_ema,
+                      checkpoint_every=max(1, dit_steps // 6))
     times["transformer_s"] = time.time() - t0
 
     pipe = StableDiffusion3Pipeline(
@@ -348,7 +371,7 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
         text_encoder_3=None, tokenizer_3=None)
     pipe.save_pretrained(out / "tiny-sd3")
     (out / "tiny-sd3" / "build.json").write_text(json.dumps({"seed": seed, "n_scenes": n_scenes, "clip_steps": clip_steps, "reused_clip": resume,
-        "vae_steps": vae_steps, "dit_steps": dit_steps, "dit_lr": dit_lr, "dit_t_mean": dit_t_mean, "init": None if init is None else str(init),
+        "vae_steps": vae_steps, "dit_steps": dit_steps, "dit_lr": dit_lr, "dit_t_mean": dit_t_mean, "dit_batch": dit_batch, "dit_ema": dit_ema, "init": None if init is None else str(init),
         "times_s": times}, indent=1))
     return times
 
@@ -363,10 +386,13 @@ def main(argv=None) -> None:
     p.add_argument("--dit-steps", type=int, default=3000)
     p.add_argument("--dit-lr", type=float, default=1e-3, help="peak learning rate of the transformer")
     p.add_argument("--dit-t-mean", type=float, default=0.0, help="logit-normal mean of the training times")
+    p.add_argument("--dit-batch", type=int, default=128, help="scenes per transformer optimizer step")
+    p.add_argument("--dit-ema", type=float, default=0.0, help="EMA decay of the transformer weights (0: none)")
     p.add_argument("--resume", action="store_true", help="keep the stages an interrupted build finished")
     p.add_argument("--init", default=None, help="a finished tiny-sd3 folder: keep its VAE, continue its transformer")
     a = p.parse_args(argv)
-    print(build(a.out, a.seed, a.n_scenes, a.clip_steps, a.vae_steps, a.dit_steps, a.resume, a.init, a.dit_lr, a.dit_t_mean))
+    print(build(a.out, a.seed, a.n_scenes, a.clip_steps, a.vae_steps, a.dit_steps, a.resume, a.init, a.dit_lr, a.dit_t_mean,
+                a.dit_batch, a.dit_ema))
 
 
 if __name__ == "__main__":

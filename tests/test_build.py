@@ -1,5 +1,6 @@
 """The asset builder's pieces run and produce what the pipeline expects (a few steps each)."""
 
+import pytest
 import torch
 
 from flowrl.tiny.build import (LATENT_CHANNELS, LATENT_SIZE, MAX_TOKENS, build_tokenizer, encode_latents, render_dataset,
@@ -30,8 +31,6 @@ def test_build_loops_train_and_shapes_match():
 
 
 def test_transformer_ema_returns_the_average_not_the_last_weights():
-    import pytest
-
     args = (torch.randn(8, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE), torch.randn(3, MAX_TOKENS, 128), torch.randn(3, 128),
             torch.randint(0, 3, (8,)))
     init = tiny_transformer(128, 128, seed=0).proj_out.weight.detach().clone()

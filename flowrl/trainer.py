@@ -391,10 +391,12 @@ class Trainer:
                             e.num_steps, e.guidance_scale, self.cfg.sampling.shift)
 
     def _grid_metas(self) -> list[dict]:
+        """12 entries: the first two eval prompts of each tag, cycled when there are fewer (new seeds)."""
         by_tag = defaultdict(list)
         for m in self.eval_metas:
             by_tag[m.get("tag", "all")].append(m)
-        return [m for tag in by_tag for m in by_tag[tag][:2]][:12]
+        first = [m for tag in by_tag for m in by_tag[tag][:2]]
+        return [first[i % len(first)] for i in range(12)]
 
     # ------------------------------------------------------------------------------------------ loop
     def train(self) -> dict:

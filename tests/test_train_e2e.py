@@ -211,3 +211,13 @@ def test_advantage_aggregation_and_best_of_n_run(tmp_path, random_pipeline, prom
     # best-of-2 of 4 per group: half the samples' transitions (2 prompts x 2 kept x 2 trained steps)
     assert all(m["cost/trained_transitions"] == 2 * 2 * 2 for m in metrics)
     assert {"reward/jpeg_compressibility/mean", "reward/jpeg_incompressibility/mean"} <= set(metrics[0])
+
+
+def test_a_single_prompt_file_trains_and_fills_the_grid(tmp_path, random_pipeline, prompt_files):
+    one = tmp_path / "one.jsonl"
+    one.write_text(prompt_files[0].read_text().splitlines()[0] + "\n")
+    cfg = _config(tmp_path, random_pipeline, (one, one), **{"run.iterations": 1, "run.mixed_precision": "no"})
+    trainer = Trainer(cfg)
+    assert len({m["prompt"] for m in trainer._grid_metas()}) == 1 and len(trainer._grid_metas()) == 12
+    trainer.train()
+    assert load_file(tmp_path / "run/grid_before.safetensors")["images"].shape[0] == 12

@@ -432,6 +432,15 @@ class Trainer:
         self._artifacts()
         return result
 
+    def score(self, images: torch.Tensor, image_prompt: torch.Tensor, metas: list[dict]):
+        """Score ``images`` (B, 3, H, W) in [0, 1], image ``b`` drawn for ``metas[image_prompt[b]]``.
+
+        Returns:
+            The reward set's scores (``.total`` float32 ``(B,)``, ``.per_reward``).
+        """
+        leaf_metas = [metas[i] for i in image_prompt.tolist()]
+        return self.rewards(images, [m["prompt"] for m in leaf_metas], leaf_metas)
+
     def step(self, it: int) -> dict[str, float]:
         """One GRPO iteration; returns its metrics."""
         gen = self._generator(it)
@@ -446,8 +455,7 @@ class Trainer:
             ro, images, table = self.rollout(metas, gen)
             image_prompt = ro.group.cpu()
         t1 = time.time()
-        leaf_metas = [metas[i] for i in image_prompt.tolist()]
-        scores = self.rewards(images, [m["prompt"] for m in leaf_metas], leaf_metas)
+        scores = self.score(images, image_prompt, metas)
         t2 = time.time()
         total = self.accelerator.gather(scores.total.to(self.device)).cpu()
         mine = slice(self.accelerator.process_index * len(scores.total), (self.accelerator.process_index + 1) * len(scores.total))

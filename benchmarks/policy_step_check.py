@@ -5,16 +5,14 @@ One rollout of the main job's sampler, random per-image advantages, one call of 
 Prints the correlation between the change of log-prob and the advantage (> 0: the update favours
 positive-advantage transitions) and the mean change.
 
-    python benchmarks/policy_step_check.py [CONFIG] [key=value ...]
+    python benchmarks/policy_step_check.py [CONFIG] [key=value ...] [--out FILE.json]
 """
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from flowrl.config import load_config
+from flowrl.config import finish_preset_result, load_config, parse_preset_args, preset_parser
 from flowrl.trainer import Trainer
 from samplers import recompute_log_prob
 
@@ -31,10 +29,9 @@ def log_probs(trainer, ro, rows, table) -> torch.Tensor:
     return torch.cat(out)
 
 
-def main(argv: list[str]) -> dict[str, float]:
-    config = argv[0] if argv and argv[0].endswith(".yaml") else "configs/tiny_geneval.yaml"
-    overrides = [a for a in argv if not a.endswith(".yaml")]
-    trainer = Trainer(load_config(config, ["run.output_dir=runs/policy_step_check", *overrides]))
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_preset_args(preset_parser(__doc__.splitlines()[0]), argv)
+    trainer = Trainer(load_config(args.config, ["run.output_dir=runs/policy_step_check", *args.overrides]))
     gen = torch.Generator().manual_seed(0)
     ro, images, table = trainer.rollout(trainer.sample_prompts(0), gen)
     advantages = torch.randn(len(images), generator=gen)[ro.leaf.cpu()].to(trainer.device)  # (M,)
@@ -47,8 +44,8 @@ def main(argv: list[str]) -> dict[str, float]:
               "mean_change": change.mean().item(), "optimizer_steps": stats["policy/optimizer_steps"],
               "clipfrac": stats["policy/clipfrac"]}
     print(result)
-    return result
+    return finish_preset_result(args, result)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -6,6 +6,8 @@ named. Checks that span fields live in ``__post_init__``.
 
 from __future__ import annotations
 
+import argparse
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -299,8 +301,6 @@ def preset_parser(description: str, default: str = "configs/tiny_geneval.yaml"):
     Parse with :func:`parse_preset_args`, which sets ``args.config`` (``default`` when the first positional
     is not a ``.yaml``/``.yml`` file) and ``args.overrides`` (the other positionals).
     """
-    import argparse
-
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("args", nargs="*", metavar="[CONFIG] key=value",
                         help=f"a .yaml preset (default {default}), then overrides of it")
@@ -319,8 +319,6 @@ def parse_preset_args(parser, argv: list[str] | None = None):
 
 def finish_preset_result(args, result: dict) -> dict:
     """Add ``config`` and ``overrides`` to a script's ``result``; write it as JSON to ``args.out`` if given."""
-    import json
-
     result = {**result, "config": args.config, "overrides": args.overrides}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--presets", nargs="+", default=list(PRESETS))
     b.add_argument("--iterations", type=int, default=3, help="timed iterations per preset (median)")
     b.add_argument("--warmup", type=int, default=1)
-    b.add_argument("--budget-s", type=float, default=0.0, help="also train this long and report held-out accuracy")
+    b.add_argument("--budget-s", type=float, default=0.0, help="also train each preset this long (s) and report the eval accuracy at half and full budget")
     b.add_argument("--out", default="benchmarks/results.json")
     b.add_argument("overrides", nargs="*", help="key=value overrides for every preset")
     b.set_defaults(fn=cmd_bench)

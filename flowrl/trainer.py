@@ -34,6 +34,27 @@ from .tiny.prompts import read_jsonl
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def tag_means(rewards: torch.Tensor, tags: list[str]) -> dict[str, float]:
+    """Mean reward per prompt tag, ``{"reward/tag/<tag>/mean": float}``.
+
+    An iteration's mean reward depends on which tags it drew (easy single-object prompts score higher
+    than position prompts), so the per-tag means are what shows learning along a run.
+
+    Args:
+        rewards: float ``(B,)`` total rewards; tags: ``B`` tag names (GenEval metadata ``tag``).
+
+    Raises:
+        ValueError: if ``len(tags) != B``.
+    """
+    if len(tags) != rewards.shape[0]:
+        raise ValueError(f"{len(tags)} tags for {rewards.shape[0]} rewards")
+    out = {}
+    for tag in sorted(set(tags)):
+        mask = torch.tensor([t == tag for t in tags])
+        out[f"reward/tag/{tag}/mean"] = rewards.float().cpu()[mask].mean().item()
+    return out
+
+
 class Trainer:
     """Runs one configured GRPO job end to end, writing everything to ``config.run.output_dir``.
 
@@ -487,6 +508,7 @@ class Trainer:
         metrics = {"iteration": it + 1, "reward/total/mean": total.mean().item(), "reward/total/std": total.std().item()}
         for name, s in scores.per_reward.items():
             metrics[f"reward/{name}/mean"] = s.mean().item()
+        metrics.update(tag_means(scores.total, [metas[i].get("tag", "all") for i in image_prompt.tolist()]))
         metrics.update({**adv_stats, "cost/nfe": ro.cost["nfe"] * (2 if self.cfg.sampling.guidance_scale != 1 else 1),
                         "cost/reward_calls": len(images), "time/sample_s": t1 - t0, "time/score_s": t2 - t1,
                         "time/train_s": t3 - t2, **stats})

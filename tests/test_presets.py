@@ -62,6 +62,23 @@ def test_bench_runs_and_writes_the_table(tmp_path, random_pipeline, prompt_files
     assert "| branch_grpo |" in (tmp_path / "b.md").read_text()
 
 
+def test_bench_budget_reports_base_half_and_full_budget_accuracy(tmp_path, random_pipeline, prompt_files):
+    import json
+
+    from flowrl.bench import run_bench
+
+    train, test = prompt_files
+    over = [o for o in tiny_overrides(random_pipeline, train, test, tmp_path / "unused") if not o.startswith("run.output_dir")]
+    results = run_bench(["flow_grpo"], iterations=1, warmup=0, budget_s=1e-3, overrides=over, out=tmp_path / "b.json")
+    row = results["flow_grpo"]
+    assert row["budget_iterations"] == 2  # one timed iteration, then one budget iteration (> 1 ms of training)
+    assert 0.0 <= row["budget_half_accuracy"] <= 1.0 and 0.0 <= row["budget_accuracy"] <= 1.0
+    meta = json.loads((tmp_path / "b.json").read_text())["meta"]
+    assert 0.0 <= meta["base_accuracy"] <= 1.0 and meta["overrides"] == over
+    table = (tmp_path / "b.md").read_text()
+    assert "accuracy, half budget | accuracy, budget |" in table and f"(base model {meta['base_accuracy']:.3f})" in table
+
+
 def test_overopt_trains_on_the_proxy_and_scores_proxy_and_gold(tmp_path, random_pipeline, prompt_files, monkeypatch):
     import flowrl.trainer as trainer_mod
     from flowrl.overopt import run_overopt

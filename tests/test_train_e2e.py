@@ -48,6 +48,12 @@ def test_run_folder_has_every_artefact(finished_run):
         assert (out / name).is_file(), name
     metrics = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in metrics] == [1, 2]
+    tags = {json.loads(l)["tag"] for l in Path(cfg.train_prompts).read_text().splitlines()}
+    for m in metrics:  # every logged tag is a training tag; the overall mean lies between the tag means
+        logged = {k.split("/")[2] for k in m if k.startswith("reward/tag/")}
+        assert logged and logged <= tags
+        means = [m[f"reward/tag/{t}/mean"] for t in logged]
+        assert min(means) - 1e-5 <= m["reward/total/mean"] <= max(means) + 1e-5
     assert {"overall", "per_tag", "n_images"} <= set(result["after"])
     assert load_config(out / "config.yaml").run.iterations == 2  # the saved config reloads
 

@@ -150,3 +150,12 @@ def test_one_policy_update_favours_positive_advantages(tmp_path, random_pipeline
         "sampling.group_size": 4, "sampling.prompts_per_iteration": 2})
     result = psc.main([o for o in over if not o.startswith("run.output_dir")] + [f"run.output_dir={tmp_path}/run"])
     assert result["optimizer_steps"] == 1 and result["corr_change_advantage"] > 0.05  # 0.15 here; a flipped loss sign gives < 0
+
+
+def test_tag_means_averages_each_tag_and_names_length_mismatch():
+    from flowrl.trainer import tag_means
+
+    out = tag_means(torch.tensor([1.0, 0.0, 0.5, 0.25]), ["colors", "position", "colors", "position"])
+    assert out == {"reward/tag/colors/mean": 0.75, "reward/tag/position/mean": 0.125}
+    with pytest.raises(ValueError, match="3 tags for 4 rewards"):
+        tag_means(torch.zeros(4), ["a", "b", "c"])

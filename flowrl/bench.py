@@ -1,7 +1,9 @@
 """``flowrl bench``: every sampler preset on the tiny world, same scored images per iteration, one table.
 
 For each preset: old-policy NFEs (CFG counted twice), trained transitions, reward calls and seconds per
-iteration (median of ``--iterations`` timed iterations after ``--warmup``), optionally the GenEval
+iteration (median of ``--iterations`` timed iterations after ``--warmup``; for a sliding-window preset
+the timed iterations put the window at evenly spaced starts from the first to the last step, the
+positions a run with the progressive schedule cycles through), optionally the GenEval
 strict accuracy on the eval prompts (of the base model, and after half of and all of ``--budget-s`` seconds of
 training that follow the timed iterations, evaluation time not counted), and the speed of a batched tree
 against the same tree evaluated node by node. Writes JSON and a Markdown table.
@@ -31,7 +33,16 @@ SAME_IMAGES = {
 
 
 def _median_iteration(trainer, start: int, count: int) -> dict[str, float]:
-    rows = [trainer.step(start + i) for i in range(count)]
+    window = trainer.window
+    if window is not None and window.schedule not in ("fixed", "random"):  # a run's iterations spread over the window's positions
+        state = window.state_dict()
+        rows = []
+        for i in range(count):
+            window.load_state_dict({"start": round(i * window.last / max(count - 1, 1)), "count": 0, "iteration": 0})
+            rows.append(trainer.step(start + i))
+        window.load_state_dict(state)
+    else:
+        rows = [trainer.step(start + i) for i in range(count)]
     out = {k: statistics.median(r[k] for r in rows) for k in ("cost/nfe", "cost/trained_transitions", "cost/reward_calls",
                                                               "time/sample_s", "time/score_s", "time/train_s")}
     out["time/iteration_s"] = statistics.median(r["time/sample_s"] + r["time/score_s"] + r["time/train_s"] for r in rows)
@@ -116,7 +127,8 @@ def _machine() -> str:
 def markdown_table(results: dict, meta: dict) -> str:
     """The README table of :func:`run_bench`'s results."""
     budget = meta["budget_s"]
-    head = f"Machine: {meta['machine']}; median of {meta['iterations']} iterations after {meta['warmup']} warm-up."
+    head = (f"Machine: {meta['machine']}; median of {meta['iterations']} iterations after {meta['warmup']} warm-up"
+            " (sliding windows timed at evenly spaced starts).")
     if budget:
         head += (f" Accuracy: GenEval strict on the eval prompts after {budget / 2:g} s and {budget:g} s of training"
                  f" (base model {float('nan') if meta.get('base_accuracy') is None else meta['base_accuracy']:.3f}).")

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from rewards import WeightedSum, build_reward
 from samplers import (SlidingWindow, StepPlan, flow_sigmas, leaf_incidence, mix_plan, recompute_log_prob, sample,
-                      sample_probes, sample_tree, velocity_gain)
+                      sample_probes, sample_shared_noise, sample_tree, velocity_gain)
 
 from .advantages import (aggregate_advantages, best_of_n, depthwise_advantages, group_advantages, process_advantages, sum_by_node, tree_node_rewards,
                          turning_point_rewards, width_prune)
@@ -227,15 +227,18 @@ class Trainer:
                 ro = sample_tree(velocity, noise.to(self.device), (roots + 1).to(self.device), roots.to(self.device),
                                  self.sigmas.to(self.device), self.plan, self.branch, generator=generator)
                 return ro, self._decode(ro.final), table
-        if s.shared_noise:
-            noise = torch.randn((len(metas), *shape[1:]), generator=generator).repeat_interleave(s.group_size, 0)
-        else:
-            noise = torch.randn(shape, generator=generator)
         velocity = self._chunked(self.model.velocity_fn(table, s.guidance_scale), s.batch_size)
         sigmas, plan = self.current_plan()
         with self._autocast():
-            ro = sample(velocity, noise.to(self.device), (prompt_index + 1).to(self.device),
-                        prompt_index.to(self.device), sigmas.to(self.device), plan, generator=generator)
+            if s.shared_noise:  # the group's deterministic prefix once per group
+                roots = torch.arange(len(metas), device=self.device)
+                noise = torch.randn((len(metas), *shape[1:]), generator=generator)
+                ro = sample_shared_noise(velocity, noise.to(self.device), roots + 1, roots, sigmas.to(self.device), plan,
+                                         s.group_size, generator=generator)
+            else:
+                noise = torch.randn(shape, generator=generator)
+                ro = sample(velocity, noise.to(self.device), (prompt_index + 1).to(self.device),
+                            prompt_index.to(self.device), sigmas.to(self.device), plan, generator=generator)
         return ro, self._decode(ro.final), table
 
     def tree_advantages(self, ro, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:

@@ -28,7 +28,7 @@ from .rollout import (
 )
 from .schedule import flow_sigmas, respace_tail
 from .probes import ProbeRollout, sample_probes
-from .tree import leaf_incidence, sample_tree
+from .tree import leaf_incidence, sample_shared_noise, sample_tree
 from .windows import WINDOW_SCHEDULES, SlidingWindow, mix_plan
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "respace_tail",
     "sample",
     "sample_probes",
+    "sample_shared_noise",
     "sample_tree",
     "velocity_gain",
 ]

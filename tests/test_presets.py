@@ -99,3 +99,23 @@ def test_overopt_trains_on_the_proxy_and_scores_proxy_and_gold(tmp_path, random_
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     assert all(math.isfinite(r["proxy"]) and 0 <= r["gold"] <= 1 for r in rows)
     assert "| grpo_guard |" in (tmp_path / "o.md").read_text()
+
+
+def test_bench_times_a_sliding_window_at_evenly_spaced_starts():
+    from types import SimpleNamespace
+
+    from flowrl.bench import _median_iteration
+    from samplers import SlidingWindow
+
+    window = SlidingWindow(num_steps=10, size=3, interval=6)
+    window.advance()
+    starts = []
+
+    def step(i):
+        starts.append(window.start)
+        return {"cost/nfe": 1, "cost/trained_transitions": 1, "cost/reward_calls": 1, "time/sample_s": float(window.start),
+                "time/score_s": 0.0, "time/train_s": 0.0}
+
+    row = _median_iteration(SimpleNamespace(window=window, step=step), 1, 3)
+    assert starts == [0, 4, 8] and row["time/iteration_s"] == 4.0  # the median over the window's range
+    assert window.state_dict() == {"start": 0, "count": 1, "iteration": 1}  # the run's schedule is restored

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from samplers import StepPlan, flow_sigmas, leaf_incidence, sample, sample_tree
+from samplers import StepPlan, flow_sigmas, leaf_incidence, mix_plan, sample, sample_shared_noise, sample_tree
 
 
 def velocity(x, t, cond):
@@ -36,6 +36,32 @@ def test_root_split_is_the_flat_group_with_shared_noise():
     torch.testing.assert_close(tree.log_prob, flat.log_prob, rtol=0, atol=0)
     assert torch.equal(tree.group, flat.group)
     assert tree.cost["nfe"] == 2 + 3 * 6 and flat.cost["nfe"] == 4 * 6  # the root's step-0 call is shared
+
+
+@pytest.mark.parametrize("window,flash", [([3, 4], None), ([2, 3], 0.5), ([0, 1], None)])
+def test_shared_noise_runs_the_ode_prefix_once_per_group(window, flash):
+    noise, cond, group = _inputs(2)
+    sigmas, plan = mix_plan(flow_sigmas(8, 3.0), window, flash_ratio=flash)
+    shared = sample_shared_noise(velocity, noise, cond, group, sigmas, plan, 3, generator=torch.Generator().manual_seed(4))
+    flat = sample(velocity, noise.repeat_interleave(3, 0), cond.repeat_interleave(3), group.repeat_interleave(3), sigmas,
+                  plan, generator=torch.Generator().manual_seed(4))
+    for name in ("final", "state", "next_state", "mean", "log_prob", "std"):
+        torch.testing.assert_close(getattr(shared, name), getattr(flat, name), rtol=0, atol=1e-6, msg=name)
+    for name in ("leaf", "node", "parent", "depth", "step", "trained", "cond", "group", "leaf_node", "leaf_cond"):
+        assert torch.equal(getattr(shared, name), getattr(flat, name)), name
+    n = plan.num_steps
+    f = window[0] + 1  # the prefix and the split step's velocity once per group
+    assert shared.cost["nfe"] == 2 * f + 6 * (n - f)
+    assert flat.cost["nfe"] == 6 * n
+
+
+def test_shared_noise_without_stochastic_steps_is_the_repeated_ode_sample():
+    noise, cond, group = _inputs(2)
+    out = sample_shared_noise(velocity, noise, cond, group, flow_sigmas(4, 3.0), StepPlan.ode(4), 3)
+    assert out.num_leaves == 6 and len(out) == 0
+    assert torch.equal(out.final[0], out.final[2]) and not torch.equal(out.final[0], out.final[3])
+    with pytest.raises(ValueError, match="group_size"):
+        sample_shared_noise(velocity, noise, cond, group, flow_sigmas(4, 3.0), StepPlan.ode(4), 0)
 
 
 def test_batched_tree_equals_node_by_node_and_counts_nfe():

@@ -33,16 +33,16 @@ SAME_IMAGES = {
 
 
 def _median_iteration(trainer, start: int, count: int) -> dict[str, float]:
-    window = trainer.window
-    if window is not None and window.schedule not in ("fixed", "random"):  # a run's iterations spread over the window's positions
-        state = window.state_dict()
-        rows = []
-        for i in range(count):
+    window = trainer.window  # a sliding window is timed at evenly spaced starts, the positions a run cycles through
+    spread = window is not None and window.schedule not in ("fixed", "random")
+    state = window.state_dict() if spread else None
+    rows = []
+    for i in range(count):
+        if spread:
             window.load_state_dict({"start": round(i * window.last / max(count - 1, 1)), "count": 0, "iteration": 0})
-            rows.append(trainer.step(start + i))
+        rows.append(trainer.step(start + i))
+    if spread:
         window.load_state_dict(state)
-    else:
-        rows = [trainer.step(start + i) for i in range(count)]
     out = {k: statistics.median(r[k] for r in rows) for k in ("cost/nfe", "cost/trained_transitions", "cost/reward_calls",
                                                               "time/sample_s", "time/score_s", "time/train_s")}
     out["time/iteration_s"] = statistics.median(r["time/sample_s"] + r["time/score_s"] + r["time/train_s"] for r in rows)
@@ -142,7 +142,7 @@ def markdown_table(results: dict, meta: dict) -> str:
         ratio = f"{r['vs_dance_grpo']:.2f}x" if r.get("vs_dance_grpo") else "-"
         line = (f"| {name} | {r['cost/nfe']:.0f} | {r['cost/trained_transitions']:.0f} | {r['cost/reward_calls']:.0f} | "
                 f"{r['time/iteration_s']:.2f} | {ratio} |")
-        if meta["budget_s"]:
+        if budget:
             line += f" {r.get('budget_half_accuracy', float('nan')):.3f} | {r.get('budget_accuracy', float('nan')):.3f} |"
         lines.append(line)
     for name, r in results.items():

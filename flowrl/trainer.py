@@ -48,11 +48,9 @@ def tag_means(rewards: torch.Tensor, tags: list[str]) -> dict[str, float]:
     """
     if len(tags) != rewards.shape[0]:
         raise ValueError(f"{len(tags)} tags for {rewards.shape[0]} rewards")
-    out = {}
-    for tag in sorted(set(tags)):
-        mask = torch.tensor([t == tag for t in tags])
-        out[f"reward/tag/{tag}/mean"] = rewards.float().cpu()[mask].mean().item()
-    return out
+    rewards = rewards.float().cpu()
+    return {f"reward/tag/{tag}/mean": rewards[torch.tensor([t == tag for t in tags])].mean().item()
+            for tag in sorted(set(tags))}
 
 
 class Trainer:
@@ -217,28 +215,24 @@ class Trainer:
         """
         s = self.cfg.sampling
         table = self.model.encode([""] + [m["prompt"] for m in metas])
-        prompt_index = torch.arange(len(metas)).repeat_interleave(s.group_size)  # (B,)
-        shape = (len(prompt_index), *self.model.latent_shape)
-        if self.branch is not None:  # one root per prompt; the tree makes the group
-            velocity = self._chunked(self.model.velocity_fn(table, s.guidance_scale), s.batch_size)
-            roots = torch.arange(len(metas))
-            noise = torch.randn((len(metas), *shape[1:]), generator=generator)
-            with self._autocast():
-                ro = sample_tree(velocity, noise.to(self.device), (roots + 1).to(self.device), roots.to(self.device),
-                                 self.sigmas.to(self.device), self.plan, self.branch, generator=generator)
-                return ro, self._decode(ro.final), table
         velocity = self._chunked(self.model.velocity_fn(table, s.guidance_scale), s.batch_size)
+        roots = torch.arange(len(metas), device=self.device)  # (P,) one group per prompt
+        if self.branch is not None or s.shared_noise:  # one initial noise per group
+            noise = torch.randn((len(metas), *self.model.latent_shape), generator=generator).to(self.device)
+        if self.branch is not None:  # the tree makes the group
+            with self._autocast():
+                ro = sample_tree(velocity, noise, roots + 1, roots, self.sigmas.to(self.device), self.plan, self.branch,
+                                 generator=generator)
+                return ro, self._decode(ro.final), table
         sigmas, plan = self.current_plan()
+        sigmas = sigmas.to(self.device)
         with self._autocast():
             if s.shared_noise:  # the group's deterministic prefix once per group
-                roots = torch.arange(len(metas), device=self.device)
-                noise = torch.randn((len(metas), *shape[1:]), generator=generator)
-                ro = sample_shared_noise(velocity, noise.to(self.device), roots + 1, roots, sigmas.to(self.device), plan,
-                                         s.group_size, generator=generator)
+                ro = sample_shared_noise(velocity, noise, roots + 1, roots, sigmas, plan, s.group_size, generator=generator)
             else:
-                noise = torch.randn(shape, generator=generator)
-                ro = sample(velocity, noise.to(self.device), (prompt_index + 1).to(self.device),
-                            prompt_index.to(self.device), sigmas.to(self.device), plan, generator=generator)
+                prompt_index = roots.repeat_interleave(s.group_size)  # (B,)
+                noise = torch.randn((len(prompt_index), *self.model.latent_shape), generator=generator)
+                ro = sample(velocity, noise.to(self.device), prompt_index + 1, prompt_index, sigmas, plan, generator=generator)
         return ro, self._decode(ro.final), table
 
     def tree_advantages(self, ro, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:

@@ -41,3 +41,33 @@ def test_transformer_ema_returns_the_average_not_the_last_weights():
     assert (ema - init).norm() < (raw - init).norm()  # the average lags behind the last weights
     with pytest.raises(ValueError, match="ema_decay"):
         train_transformer(tiny_transformer(128, 128, seed=0), *args, steps=1, seed=0, batch=4, ema_decay=1.0)
+
+
+def test_clip_condition_matches_the_pipeline_and_joint_training_moves_the_text_tower():
+    from diffusers import StableDiffusion3Pipeline
+
+    from flowrl.tiny.build import clip_condition
+
+    pipe = StableDiffusion3Pipeline.from_pretrained("assets/tiny-sd3", text_encoder_3=None, tokenizer_3=None,
+                                                    torch_dtype=torch.float32)
+    prompts = ["", "a photo of a red star left of a blue cross"]
+    with torch.no_grad():
+        ref, _, ref_pooled, _ = pipe.encode_prompt(prompts, prompts, prompts, do_classifier_free_guidance=False,
+                                                   max_sequence_length=0)
+        ids = pipe.tokenizer(prompts, padding="max_length", max_length=MAX_TOKENS, truncation=True,
+                             return_tensors="pt").input_ids
+        cond, pooled = clip_condition(pipe.text_encoder, ids)
+    torch.testing.assert_close(cond, ref)
+    torch.testing.assert_close(pooled, ref_pooled)
+
+    text = pipe.text_encoder
+    before = text.text_model.embeddings.token_embedding.weight[ids[1]].clone()
+    model = tiny_transformer(cond.shape[-1], pooled.shape[-1], seed=0)
+    train_transformer(model, torch.randn(8, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE), None, None,
+                      torch.randint(1, 2, (8,)), steps=2, seed=0, batch=4, text_encoder=text, input_ids=ids,
+                      text_lr=1e-3)
+    assert not torch.equal(before, text.text_model.embeddings.token_embedding.weight[ids[1]])
+    assert not text.training and not any(p.requires_grad for p in text.parameters())
+    with pytest.raises(ValueError, match="text_lr"):
+        train_transformer(model, torch.randn(8, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE), None, None,
+                          torch.randint(1, 2, (8,)), steps=1, seed=0, batch=4, text_lr=1e-3)

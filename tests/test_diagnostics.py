@@ -1,6 +1,7 @@
 """The diagnostic scripts under benchmarks/: gradient signal-to-noise and per-step reward influence."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,17 @@ def test_step_influence_has_one_row_per_stochastic_step(preset, tmp_path):
     assert [r["step"] for r in result["per_step"]] == [0, 1, 2]  # 4 steps, the last one deterministic
     assert all(r["within_group_var"] >= 0 for r in result["per_step"]) and (tmp_path / "s.json").is_file()
     assert result["full_sde"]["within_group_var"] > 0  # independent noise: the images of a group differ
+
+
+def test_base_headroom_pass_at_k_bounds_the_mean_and_reconstruction_is_scored(tmp_path):
+    headroom = _script("base_headroom")
+    out = tmp_path / "h.json"
+    result = headroom.main(["--prompts", "test", "--max-prompts", "3", "-k", "2", "--times", "0", "1", "--out", str(out)])
+    assert result == {**json.loads(out.read_text()), "denoise_from_scenes": {0.0: result["denoise_from_scenes"][0.0],
+                                                                             1.0: result["denoise_from_scenes"][1.0]}}
+    for tag in result["pass_at_k"].values():
+        assert 0 <= tag["mean"] <= tag["pass_at_k"] <= 1
+    assert sum(t["prompts"] for t in result["pass_at_k"].values()) == 3
+    assert result["denoise_from_scenes"][0.0] >= 2 / 3  # the shipped VAE reconstructs rendered scenes
+    with pytest.raises(ValueError, match="times"):
+        headroom.denoise_from_scenes(None, [], [1.5])

@@ -20,6 +20,7 @@ import gzip
 import json
 import math
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -102,12 +103,13 @@ def _batches(n: int, batch: int, steps: int, gen: torch.Generator):
         yield torch.randint(0, n, (batch,), generator=gen)
 
 
-def _optimizer_step(loss, model, opt, sched, bar, max_grad_norm: float | None = None) -> None:
-    """Backward, optional gradient clipping, optimizer and scheduler step, progress-bar loss."""
+def _optimizer_step(loss, params, opt, sched, bar, max_grad_norm: float | None = None) -> None:
+    """Backward, optional gradient clipping of ``params`` (a module or a parameter list), optimizer and
+    scheduler step, progress-bar loss."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
     if max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(params.parameters() if hasattr(params, "parameters") else params, max_grad_norm)
     opt.step()
     sched.step()
     bar.set_postfix(loss=f"{loss.item():.4f}")
@@ -214,9 +216,29 @@ def tiny_transformer(joint_attention_dim: int, pooled_projection_dim: int, seed:
                                  out_channels=LATENT_CHANNELS, pos_embed_max_size=LATENT_SIZE, qk_norm="rms_norm")
 
 
+def clip_condition(text_encoder, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SD3's CLIP conditioning of the tiny pipeline (both CLIP slots hold the same tower), differentiably.
+
+    Mirrors ``StableDiffusion3Pipeline.encode_prompt`` with ``max_sequence_length=0`` and no T5: the
+    penultimate hidden states of the tower in the CLIP-L and CLIP-G slots concatenated on features, and
+    the projected pooled embeddings concatenated likewise.
+
+    Args:
+        text_encoder: a ``CLIPTextModelWithProjection`` (hidden size D, projection P).
+        input_ids: long ``(B, MAX_TOKENS)`` token ids padded to ``MAX_TOKENS``.
+
+    Returns:
+        ``(cond, pooled)``: float ``(B, MAX_TOKENS, 2 D)`` and ``(B, 2 P)``.
+    """
+    out = text_encoder(input_ids, output_hidden_states=True)
+    hidden = out.hidden_states[-2]  # (B, T, D)
+    return torch.cat([hidden, hidden], dim=-1), torch.cat([out.text_embeds, out.text_embeds], dim=-1)
+
+
 def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: int, batch: int = 128,
                       uncond_p: float = 0.1, lr: float = 1e-3, checkpoints: Path | None = None, t_mean: float = 0.0,
-                      ema_decay: float = 0.0, checkpoint_every: int = 1200):
+                      ema_decay: float = 0.0, checkpoint_every: int = 1200, text_encoder=None,
+                      input_ids: torch.Tensor | None = None, text_lr: float = 0.0):
     """Rectified-flow training (SD3, arXiv 2403.03206) of a tiny ``SD3Transformer2DModel``.
 
     x_t = (1 - t) x_0 + t eps, t ~ logit-normal(t_mean, 1); loss = |v_theta(x_t, t) - (eps - x_0)|^2. Captions
@@ -235,21 +257,36 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
         ema_decay: in (0, 1) keeps an exponential moving average of the weights (diffusers ``EMAModel``,
             with its warm-up) and returns it, as diffusion models are sampled; 0 returns the raw weights.
         checkpoints: if given, the model (its EMA when kept) is saved to ``checkpoints/step-K`` every
-            ``checkpoint_every`` steps.
+            ``checkpoint_every`` steps (with the text tower in ``step-K/text_encoder`` when it trains).
+        text_encoder, input_ids, text_lr: with ``text_lr > 0`` the CLIP text tower (a
+            ``CLIPTextModelWithProjection``) trains jointly at that peak learning rate, ``cond`` and
+            ``pooled`` are then recomputed every step by :func:`clip_condition` from ``input_ids``
+            ``(P, MAX_TOKENS)`` (the token ids of the same P rows), and the EMA covers it too.
 
     Returns:
-        ``model``, trained in place (float32, eval mode), holding the EMA weights when ``ema_decay > 0``.
+        ``model``, trained in place (float32, eval mode), holding the EMA weights when ``ema_decay > 0``
+        (``text_encoder`` likewise, when it trains).
 
     Raises:
-        ValueError: if ``ema_decay`` is not in [0, 1).
+        ValueError: if ``ema_decay`` is not in [0, 1), or ``text_lr > 0`` without ``text_encoder`` and
+            ``input_ids``.
     """
     from diffusers.training_utils import EMAModel
 
     if not 0.0 <= ema_decay < 1.0:
         raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay}")
-    ema = EMAModel(model.parameters(), decay=ema_decay, use_ema_warmup=True) if ema_decay > 0 else None
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
+    joint = text_lr > 0
+    if joint and (text_encoder is None or input_ids is None):
+        raise ValueError("text_lr > 0 trains the text tower: pass text_encoder and input_ids too")
+    params = list(model.parameters()) + (list(text_encoder.parameters()) if joint else [])
+    groups = [{"params": list(model.parameters()), "lr": lr}]
+    if joint:
+        text_encoder.train().requires_grad_(True)
+        groups.append({"params": list(text_encoder.parameters()), "lr": text_lr})
+    ema = EMAModel(params, decay=ema_decay, use_ema_warmup=True) if ema_decay > 0 else None
+    opt = torch.optim.AdamW(groups, weight_decay=0.0, betas=(0.9, 0.99))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[g["lr"] for g in groups], total_steps=steps,
+                                                pct_start=0.05)
     gen = torch.Generator().manual_seed(seed)
     model.train()
     done = 0
@@ -261,22 +298,26 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
         xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
         rows = torch.where(torch.rand(len(idx), generator=gen) < uncond_p, 0, cap_idx[idx])
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            v = model(hidden_states=xt, encoder_hidden_states=cond[rows], pooled_projections=pooled[rows],
-                      timestep=t * 1000).sample.float()
+            c, p = clip_condition(text_encoder, input_ids[rows]) if joint else (cond[rows], pooled[rows])
+            v = model(hidden_states=xt, encoder_hidden_states=c, pooled_projections=p, timestep=t * 1000).sample.float()
         loss = F.mse_loss(v, eps - x0)
-        _optimizer_step(loss, model, opt, sched, bar, max_grad_norm=1.0)
+        _optimizer_step(loss, params, opt, sched, bar, max_grad_norm=1.0)
         if ema is not None:
-            ema.step(model.parameters())
+            ema.step(params)
         done += 1
         if checkpoints is not None and done % checkpoint_every == 0:
             if ema is not None:
-                ema.store(model.parameters())
-                ema.copy_to(model.parameters())
+                ema.store(params)
+                ema.copy_to(params)
             model.save_pretrained(checkpoints / f"step-{done}")
+            if joint:
+                text_encoder.save_pretrained(checkpoints / f"step-{done}" / "text_encoder")
             if ema is not None:
-                ema.restore(model.parameters())
+                ema.restore(params)
     if ema is not None:
-        ema.copy_to(model.parameters())
+        ema.copy_to(params)
+    if joint:
+        text_encoder.eval().requires_grad_(False)
     return model.eval()
 
 
@@ -305,13 +346,15 @@ def _save_clip(clip, tokenizer, folder: Path) -> None:
 
 def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int = 600, vae_steps: int = 900,
           dit_steps: int = 3000, resume: bool = False, init: str | Path | None = None, dit_lr: float = 1e-3,
-          dit_t_mean: float = 0.0, dit_batch: int = 128, dit_ema: float = 0.0) -> dict:
+          dit_t_mean: float = 0.0, dit_batch: int = 128, dit_ema: float = 0.0, text_lr: float = 0.0) -> dict:
     """Regenerate every asset under ``out`` (see the module docstring); returns the wall times in seconds.
 
     ``resume`` keeps the stages an interrupted build finished (``out/tiny-clip``, the VAE in
     ``out/.build-cache``) instead of training them again. ``init`` (a finished ``tiny-sd3`` folder)
     continues training its transformer for ``dit_steps`` more steps (peak learning rate ``dit_lr``)
-    with its VAE; the CLIP must then already be in ``out/tiny-clip``.
+    with its VAE and text towers; the CLIP must then already be in ``out/tiny-clip``. ``text_lr > 0``
+    trains the pipeline's text tower jointly with the transformer (see :func:`train_transformer`); the
+    contrastive tiny CLIP in ``out/tiny-clip`` (the ``clipscore`` reward's default) is left as it was.
     """
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
@@ -342,7 +385,12 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
     times["vae_s"] = time.time() - t0
 
     t0 = time.time()
-    text_encoder = text_tower(out / "tiny-clip")
+    if init is not None:
+        from transformers import CLIPTextModelWithProjection
+
+        text_encoder = CLIPTextModelWithProjection.from_pretrained(Path(init) / "text_encoder", dtype=torch.float32).eval()
+    else:
+        text_encoder = text_tower(out / "tiny-clip")
     width = text_encoder.config.hidden_size * 2  # CLIP-L and CLIP-G slots, both the tiny tower
     if init is not None:
         from diffusers import SD3Transformer2DModel
@@ -360,9 +408,11 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
     index = {c: i for i, c in enumerate(unique)}
     cap_idx = torch.tensor([index[c] for c in captions])
     latents = (encode_latents(vae, images) - vae.config.shift_factor) * vae.config.scaling_factor
+    input_ids = tokenizer(unique, padding="max_length", max_length=MAX_TOKENS, truncation=True, return_tensors="pt").input_ids
     train_transformer(transformer, latents, cond.float(), pooled.float(), cap_idx, dit_steps, seed, batch=dit_batch,
                       lr=dit_lr, checkpoints=out / ".build-cache" / "transformer", t_mean=dit_t_mean, ema_decay=dit_ema,
-                      checkpoint_every=max(1, dit_steps // 6))
+                      checkpoint_every=max(1, dit_steps // 6), text_encoder=text_encoder, input_ids=input_ids,
+                      text_lr=text_lr)
     times["transformer_s"] = time.time() - t0
 
     pipe = StableDiffusion3Pipeline(
@@ -371,9 +421,17 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
         text_encoder_3=None, tokenizer_3=None)
     pipe.save_pretrained(out / "tiny-sd3")
     (out / "tiny-sd3" / "build.json").write_text(json.dumps({"seed": seed, "n_scenes": n_scenes, "clip_steps": clip_steps, "reused_clip": resume,
-        "vae_steps": vae_steps, "dit_steps": dit_steps, "dit_lr": dit_lr, "dit_t_mean": dit_t_mean, "dit_batch": dit_batch, "dit_ema": dit_ema, "init": None if init is None else str(init),
-        "times_s": times}, indent=1))
+        "vae_steps": vae_steps, "dit_steps": dit_steps, "dit_lr": dit_lr, "dit_t_mean": dit_t_mean, "dit_batch": dit_batch, "dit_ema": dit_ema,
+        "text_lr": text_lr, "init": None if init is None else str(init),
+        "times_s": times, "command": "python -m flowrl.tiny.build " + " ".join(sys.argv[1:]),
+        "init_build": _read_build(init)}, indent=1))
     return times
+
+
+def _read_build(init: str | Path | None) -> dict | None:
+    """The ``build.json`` of the ``init`` pipeline folder (nested in the new one), or None."""
+    path = None if init is None else Path(init) / "build.json"
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
 
 
 def main(argv=None) -> None:
@@ -388,11 +446,13 @@ def main(argv=None) -> None:
     p.add_argument("--dit-t-mean", type=float, default=0.0, help="logit-normal mean of the training times")
     p.add_argument("--dit-batch", type=int, default=128, help="scenes per transformer optimizer step")
     p.add_argument("--dit-ema", type=float, default=0.0, help="EMA decay of the transformer weights (0: none)")
+    p.add_argument("--text-lr", type=float, default=0.0,
+                   help="peak learning rate of the pipeline's text tower, trained jointly with the transformer (0: frozen)")
     p.add_argument("--resume", action="store_true", help="keep the stages an interrupted build finished")
     p.add_argument("--init", default=None, help="a finished tiny-sd3 folder: keep its VAE, continue its transformer")
     a = p.parse_args(argv)
     print(build(a.out, a.seed, a.n_scenes, a.clip_steps, a.vae_steps, a.dit_steps, a.resume, a.init, a.dit_lr, a.dit_t_mean,
-                a.dit_batch, a.dit_ema))
+                a.dit_batch, a.dit_ema, a.text_lr))
 
 
 if __name__ == "__main__":

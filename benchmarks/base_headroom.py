@@ -30,6 +30,7 @@ import torch
 from flowrl.config import prompt_file
 from flowrl.evaluate import generate
 from flowrl.models import FlowModel
+from flowrl.tiny.build import encode_latents
 from flowrl.tiny.prompts import read_jsonl
 from flowrl.tiny.render import render, sample_scene
 from rewards.geneval import geneval
@@ -84,11 +85,10 @@ def denoise_from_scenes(model: FlowModel, metas: list[dict], times: list[float],
     if any(not 0.0 <= t <= 1.0 for t in times):
         raise ValueError(f"times must be in [0, 1]; got {times}")
     rng = random.Random(seed)
-    scenes = np.stack([render(sample_scene(m, rng)) for m in metas])  # (P, H, W, 3) uint8
-    pixels = torch.from_numpy(scenes).permute(0, 3, 1, 2).float().to(model.device) / 127.5 - 1  # (P, 3, H, W)
+    scenes = torch.from_numpy(np.stack([render(sample_scene(m, rng)) for m in metas])).permute(0, 3, 1, 2)  # (P, 3, H, W) uint8
     vae = model.pipe.vae
-    latents = (vae.encode(pixels.to(vae.dtype)).latent_dist.mean.float() - (vae.config.shift_factor or 0.0)) \
-        * vae.config.scaling_factor  # (P, C, h, w) scaled as the transformer sees them
+    latents = (encode_latents(vae, scenes).float() - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
+    latents = latents.to(model.device)  # (P, C, h, w) scaled as the transformer sees them
     prompts = [m["prompt"] for m in metas]
     unique = list(dict.fromkeys(prompts))
     table = model.encode([""] + unique)

@@ -104,12 +104,12 @@ def _batches(n: int, batch: int, steps: int, gen: torch.Generator):
 
 
 def _optimizer_step(loss, params, opt, sched, bar, max_grad_norm: float | None = None) -> None:
-    """Backward, optional gradient clipping of ``params`` (a module or a parameter list), optimizer and
-    scheduler step, progress-bar loss."""
+    """Backward, optional gradient clipping of the parameters ``params``, optimizer and scheduler step,
+    progress-bar loss."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
     if max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(params.parameters() if hasattr(params, "parameters") else params, max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     opt.step()
     sched.step()
     bar.set_postfix(loss=f"{loss.item():.4f}")
@@ -155,7 +155,7 @@ def train_clip(images, captions, tokenizer, steps: int, seed: int, batch: int = 
         logits = out.logits_per_image.float()  # (B, B)
         target = same.float() / same.sum(1, keepdim=True)
         loss = (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
-        _optimizer_step(loss, model, opt, sched, bar)
+        _optimizer_step(loss, model.parameters(), opt, sched, bar)
     return model.eval()
 
 
@@ -191,7 +191,7 @@ def train_vae(images, steps: int, seed: int, batch: int = 32):
         kl = post.kl().mean() / z[0].numel()
         weight = 1 + 9 * ((x - background).abs().amax(1, keepdim=True) > 0.1).float()  # (B, 1, H, W): objects x10
         loss = (weight * ((rec - x).abs() + (rec - x) ** 2)).mean() + 1e-6 * kl
-        _optimizer_step(loss, vae, opt, sched, bar, max_grad_norm=1.0)
+        _optimizer_step(loss, vae.parameters(), opt, sched, bar, max_grad_norm=1.0)
     vae.eval()
     with torch.no_grad():
         z = encode_latents(vae, images[:2048])
@@ -278,11 +278,11 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
     joint = text_lr > 0
     if joint and (text_encoder is None or input_ids is None):
         raise ValueError("text_lr > 0 trains the text tower: pass text_encoder and input_ids too")
-    params = list(model.parameters()) + (list(text_encoder.parameters()) if joint else [])
     groups = [{"params": list(model.parameters()), "lr": lr}]
     if joint:
         text_encoder.train().requires_grad_(True)
         groups.append({"params": list(text_encoder.parameters()), "lr": text_lr})
+    params = [q for g in groups for q in g["params"]]
     ema = EMAModel(params, decay=ema_decay, use_ema_warmup=True) if ema_decay > 0 else None
     opt = torch.optim.AdamW(groups, weight_decay=0.0, betas=(0.9, 0.99))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[g["lr"] for g in groups], total_steps=steps,
@@ -398,17 +398,13 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
         transformer = SD3Transformer2DModel.from_pretrained(Path(init) / "transformer", torch_dtype=torch.float32)
     else:
         transformer = tiny_transformer(width, text_encoder.config.projection_dim * 2, seed)
-    pipe = StableDiffusion3Pipeline(
-        transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=vae, text_encoder=text_encoder,
-        tokenizer=tokenizer, text_encoder_2=text_encoder, tokenizer_2=tokenizer, text_encoder_3=None, tokenizer_3=None)
     unique = [""] + sorted(set(captions))
+    input_ids = tokenizer(unique, padding="max_length", max_length=MAX_TOKENS, truncation=True, return_tensors="pt").input_ids
     with torch.no_grad():
-        cond, _, pooled, _ = pipe.encode_prompt(unique, unique, unique, do_classifier_free_guidance=False,
-                                                max_sequence_length=0)
+        cond, pooled = clip_condition(text_encoder, input_ids)  # the pipeline's encode_prompt (tested equal)
     index = {c: i for i, c in enumerate(unique)}
     cap_idx = torch.tensor([index[c] for c in captions])
     latents = (encode_latents(vae, images) - vae.config.shift_factor) * vae.config.scaling_factor
-    input_ids = tokenizer(unique, padding="max_length", max_length=MAX_TOKENS, truncation=True, return_tensors="pt").input_ids
     train_transformer(transformer, latents, cond.float(), pooled.float(), cap_idx, dit_steps, seed, batch=dit_batch,
                       lr=dit_lr, checkpoints=out / ".build-cache" / "transformer", t_mean=dit_t_mean, ema_decay=dit_ema,
                       checkpoint_every=max(1, dit_steps // 6), text_encoder=text_encoder, input_ids=input_ids,

@@ -7,6 +7,10 @@ positions a run with the progressive schedule cycles through), optionally the Ge
 strict accuracy on the eval prompts (of the base model, and after half of and all of ``--budget-s`` seconds of
 training that follow the timed iterations, evaluation time not counted), and the speed of a batched tree
 against the same tree evaluated node by node. Writes JSON and a Markdown table.
+
+The presets are written for the tiny world's 10 steps. A ``--preset-overrides`` YAML file rescales them,
+e.g. to a paper's step count and window (``benchmarks/scale_mixgrpo.yaml``: MixGRPO's 25 steps and 4-step
+window; ``benchmarks/scale_branchgrpo.yaml``: BranchGRPO's 20 steps and splits at 0, 3, 6, 9).
 """
 
 from __future__ import annotations
@@ -30,6 +34,34 @@ SAME_IMAGES = {
     "g2rpo": ["sampling.prompts_per_iteration=2", "sampling.group_size=4"],  # 2 x 4 steps x 4 x 2 granularities
     "tp_grpo": ["sampling.prompts_per_iteration=2", "sampling.group_size=5"],  # 2 x 5 trajectories x (1 + 5) probes ~ 60
 }
+
+
+def load_preset_overrides(path: str | Path) -> dict[str, list[str]]:
+    """Read a per-preset override file: a YAML mapping of ``all`` and/or preset names to key=value lists.
+
+    Example: ``{all: [sampling.num_steps=25], mix_grpo: [sampling.window.size=4]}``; the ``all`` list is
+    applied to every preset, before the preset's own list.
+
+    Raises:
+        FileNotFoundError: if ``path`` does not exist.
+        ValueError: for a key that is neither ``all`` nor a bench preset, or a value that is not a list of
+            ``key=value`` strings (the file and the key are named).
+    """
+    from omegaconf import OmegaConf
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"preset override file {path} does not exist")
+    raw = OmegaConf.to_container(OmegaConf.load(path))
+    if not isinstance(raw, dict):
+        raise ValueError(f"preset override file {path}: expected a mapping of preset names to key=value lists")
+    out = {}
+    for key, items in raw.items():
+        if key != "all" and key not in PRESETS:
+            raise ValueError(f"preset override file {path}: unknown key {key!r}; expected 'all' or one of {list(PRESETS)}")
+        if not isinstance(items, list) or not all(isinstance(i, str) and "=" in i for i in items):
+            raise ValueError(f"preset override file {path}: {key!r} must be a list of key=value strings, got {items!r}")
+        out[key] = items
+    return out
 
 
 def _median_iteration(trainer, start: int, count: int) -> dict[str, float]:
@@ -74,15 +106,21 @@ def bench_tree(trainer, repeats: int = 3) -> dict[str, float]:
 
 
 def run_bench(presets=PRESETS, iterations: int = 3, warmup: int = 1, budget_s: float = 0.0, overrides=(),
-              out: str | Path = "benchmarks/results.json") -> dict:
-    """Benchmark `presets` (names in configs/); see the module docstring. Returns the results dict."""
+              out: str | Path = "benchmarks/results.json", preset_overrides: str | Path | None = None) -> dict:
+    """Benchmark `presets` (names in configs/); see the module docstring. Returns the results dict.
+
+    Overrides apply in this order: the same-images settings, `preset_overrides` (a file read by
+    :func:`load_preset_overrides`: its ``all`` list, then the preset's list), then `overrides` (every preset).
+    """
     from .trainer import Trainer
 
+    per_preset = load_preset_overrides(preset_overrides) if preset_overrides else {}
     results, base_accuracy = {}, None
     for name in presets:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = load_config(REPO_ROOT / "configs" / f"{name}.yaml",
-                              [f"run.output_dir={tmp}/run", "eval.every=0", *SAME_IMAGES.get(name, []), *overrides])
+                              [f"run.output_dir={tmp}/run", "eval.every=0", *SAME_IMAGES.get(name, []),
+                               *per_preset.get("all", []), *per_preset.get(name, []), *overrides])
             trainer = Trainer(cfg)
             if budget_s > 0 and base_accuracy is None:  # every preset starts from the same base model
                 base_accuracy = trainer.run_eval()["overall"]
@@ -110,7 +148,8 @@ def run_bench(presets=PRESETS, iterations: int = 3, warmup: int = 1, budget_s: f
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": _machine(), "iterations": iterations, "warmup": warmup, "budget_s": budget_s,
-            "base_accuracy": base_accuracy, "overrides": list(overrides)}
+            "base_accuracy": base_accuracy, "overrides": list(overrides),
+            "preset_overrides": {"file": str(preset_overrides), **per_preset} if preset_overrides else None}
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     out.with_suffix(".md").write_text(markdown_table(results, meta))
     return results
@@ -134,6 +173,10 @@ def markdown_table(results: dict, meta: dict) -> str:
                  f" (base model {float('nan') if meta.get('base_accuracy') is None else meta['base_accuracy']:.3f}).")
     if meta.get("overrides"):
         head += f" Overrides: `{' '.join(meta['overrides'])}`."
+    if meta.get("preset_overrides"):
+        po = meta["preset_overrides"]
+        head += f" Per-preset overrides from `{po['file']}`: " + "; ".join(
+            f"{k}: `{' '.join(v)}`" for k, v in po.items() if k != "file") + "."
     lines = [head, "",
              "| preset | old-policy NFEs | trained transitions | reward calls | s / iteration | vs dance_grpo |"
              + (" accuracy, half budget | accuracy, budget |" if budget else ""),

@@ -68,7 +68,8 @@ def cmd_bench(args) -> dict:
     unknown = set(args.presets) - set(PRESETS)
     if unknown:
         raise ValueError(f"unknown bench preset(s) {sorted(unknown)}; choose from {list(PRESETS)}")
-    results = run_bench(args.presets, args.iterations, args.warmup, args.budget_s, args.overrides, args.out)
+    results = run_bench(args.presets, args.iterations, args.warmup, args.budget_s, args.overrides, args.out,
+                        args.preset_overrides)
     print(Path(args.out).with_suffix(".md").read_text())
     return results
 
@@ -125,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--warmup", type=int, default=1)
     b.add_argument("--budget-s", type=float, default=0.0, help="also train each preset this long (s) and report the eval accuracy at half and full budget")
     b.add_argument("--out", default="benchmarks/results.json")
+    b.add_argument("--preset-overrides", default=None,
+                   help="YAML of per-preset key=value lists ('all' for every preset), e.g. benchmarks/scale_mixgrpo.yaml")
     b.add_argument("overrides", nargs="*", help="key=value overrides for every preset")
     b.set_defaults(fn=cmd_bench)
     o = sub.add_parser("overopt", help="over-optimisation study: train on the clipscore proxy, track GenEval gold")

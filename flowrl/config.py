@@ -110,12 +110,14 @@ class SamplingConfig:
     prompts_per_iteration: int = 8
     shared_noise: bool = False  # one initial noise per group
     batch_size: int = 64  # images per sampler forward
+    decode_precision: str = "no"  # "no" (float32) | "bf16": VAE decode of rollout images under bf16 autocast
     train_last_step: bool = False
     window: WindowConfig = field(default_factory=WindowConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
 
     def __post_init__(self):
+        _check(self.decode_precision in ("no", "bf16"), "sampling.decode_precision", "no|bf16", self.decode_precision)
         if self.probe.method:
             _check(all(0 <= k < self.num_steps - 1 for k in self.probe.steps), "sampling.probe.steps",
                    f"steps in [0, {self.num_steps - 1})", self.probe.steps)

@@ -144,8 +144,12 @@ class Trainer:
         return chunked
 
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Rollout latents to float32 images in [0, 1] for the rewards (bf16 autocast if
+        ``sampling.decode_precision`` says so: the images only feed the rewards, never a log-prob)."""
         size = self.cfg.sampling.batch_size
-        return torch.cat([self.model.decode(latents[i:i + size]) for i in range(0, latents.shape[0], size)]).cpu()
+        bf16 = self.cfg.sampling.decode_precision == "bf16"
+        with torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+            return torch.cat([self.model.decode(latents[i:i + size]) for i in range(0, latents.shape[0], size)]).cpu()
 
     @torch.no_grad()
     def probe_rollout(self, metas: list[dict], table: PromptEmbeds, generator: torch.Generator):

@@ -119,3 +119,50 @@ def test_bench_times_a_sliding_window_at_evenly_spaced_starts():
     row = _median_iteration(SimpleNamespace(window=window, step=step), 1, 3)
     assert starts == [0, 4, 8] and row["time/iteration_s"] == 4.0  # the median over the window's range
     assert window.state_dict() == {"start": 0, "count": 1, "iteration": 1}  # the run's schedule is restored
+
+
+def test_preset_override_file_applies_all_then_the_preset_list(tmp_path, monkeypatch):
+    import flowrl.bench as bench
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def spy(path, overrides):
+        seen[Path(path).stem] = list(overrides)
+        raise Stop
+
+    monkeypatch.setattr(bench, "load_config", spy)
+    f = tmp_path / "scale.yaml"
+    f.write_text('all: ["sampling.num_steps=25"]\nmix_grpo: ["sampling.window.size=4"]\n')
+    assert bench.load_preset_overrides(f) == {"all": ["sampling.num_steps=25"], "mix_grpo": ["sampling.window.size=4"]}
+    for name in ("mix_grpo", "dance_grpo"):
+        with pytest.raises(Stop):
+            bench.run_bench([name], preset_overrides=f, overrides=["run.seed=3"], out=tmp_path / "b.json")
+    assert seen["mix_grpo"][-3:] == ["sampling.num_steps=25", "sampling.window.size=4", "run.seed=3"]
+    assert seen["dance_grpo"][-2:] == ["sampling.num_steps=25", "run.seed=3"]
+
+
+@pytest.mark.parametrize("text, match", [("mixgrpo: [a=1]\n", "unknown key 'mixgrpo'"),
+                                         ("mix_grpo: sampling.num_steps=25\n", "'mix_grpo' must be a list"),
+                                         ("- a=1\n", "expected a mapping")])
+def test_preset_override_file_errors_name_the_file_and_key(tmp_path, text, match):
+    from flowrl.bench import load_preset_overrides
+
+    f = tmp_path / "scale.yaml"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_preset_overrides(f)
+    with pytest.raises(FileNotFoundError, match="missing.yaml"):
+        load_preset_overrides(tmp_path / "missing.yaml")
+
+
+def test_shipped_scale_files_load_and_validate():
+    from flowrl.bench import load_preset_overrides
+    from flowrl.config import REPO_ROOT
+
+    for f in sorted((REPO_ROOT / "benchmarks").glob("scale_*.yaml")):
+        for name, items in load_preset_overrides(f).items():
+            for preset in ([name] if name != "all" else ["dance_grpo"]):
+                load_config(REPO_ROOT / "configs" / f"{preset}.yaml", load_preset_overrides(f).get("all", []) + items)

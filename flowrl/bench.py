@@ -111,17 +111,26 @@ def run_bench(presets=PRESETS, iterations: int = 3, warmup: int = 1, budget_s: f
 
     Overrides apply in this order: the same-images settings, `preset_overrides` (a file read by
     :func:`load_preset_overrides`: its ``all`` list, then the preset's list), then `overrides` (every preset).
+
+    Raises:
+        ConfigError: for an override that does not fit a preset (the key is named), before any preset runs.
+        FileNotFoundError, ValueError: for a missing or malformed `preset_overrides` file.
     """
     from .trainer import Trainer
 
     per_preset = load_preset_overrides(preset_overrides) if preset_overrides else {}
+
+    def config(name: str, output_dir: str):
+        return load_config(REPO_ROOT / "configs" / f"{name}.yaml",
+                           [f"run.output_dir={output_dir}", "eval.every=0", *SAME_IMAGES.get(name, []),
+                            *per_preset.get("all", []), *per_preset.get(name, []), *overrides])
+
+    for name in presets:  # a bad override stops the bench before any preset has run
+        config(name, "unused")
     results, base_accuracy = {}, None
     for name in presets:
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = load_config(REPO_ROOT / "configs" / f"{name}.yaml",
-                              [f"run.output_dir={tmp}/run", "eval.every=0", *SAME_IMAGES.get(name, []),
-                               *per_preset.get("all", []), *per_preset.get(name, []), *overrides])
-            trainer = Trainer(cfg)
+            trainer = Trainer(config(name, f"{tmp}/run"))
             if budget_s > 0 and base_accuracy is None:  # every preset starts from the same base model
                 base_accuracy = trainer.run_eval()["overall"]
             for i in range(warmup):

@@ -166,3 +166,14 @@ def test_shipped_scale_files_load_and_validate():
         for name, items in load_preset_overrides(f).items():
             for preset in ([name] if name != "all" else ["dance_grpo"]):
                 load_config(REPO_ROOT / "configs" / f"{preset}.yaml", load_preset_overrides(f).get("all", []) + items)
+
+
+def test_bench_checks_every_preset_config_before_running_any(tmp_path, monkeypatch):
+    import flowrl.trainer as trainer_mod
+    from flowrl.bench import run_bench
+
+    monkeypatch.setattr(trainer_mod, "Trainer", lambda cfg: pytest.fail("a preset ran before the bad override was found"))
+    f = tmp_path / "scale.yaml"
+    f.write_text('branch_grpo: ["sampling.tree.split_steps=[0,3,6,9]"]\n')  # 16 leaves but group_size 8
+    with pytest.raises(ConfigError, match="sampling.group_size"):
+        run_bench(["dance_grpo", "branch_grpo"], preset_overrides=f, out=tmp_path / "b.json")

@@ -109,10 +109,12 @@ class Trainer:
         images = torch.full((len(metas), 3, 64, 64), 0.5)
         self.rewards(images, [m["prompt"] for m in metas], metas)
 
-    def _autocast(self):
-        if self.cfg.run.mixed_precision == "no":
+    def _autocast(self, precision: str | None = None):
+        """Autocast for ``precision`` (default ``run.mixed_precision``): ``no`` leaves the surrounding mode."""
+        precision = precision or self.cfg.run.mixed_precision
+        if precision == "no":
             return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.cfg.run.mixed_precision == "bf16" else torch.float16
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
     def _generator(self, iteration: int) -> torch.Generator:
@@ -147,8 +149,7 @@ class Trainer:
         """Rollout latents to float32 images in [0, 1] for the rewards (bf16 autocast if
         ``sampling.decode_precision`` says so: the images only feed the rewards, never a log-prob)."""
         size = self.cfg.sampling.batch_size
-        bf16 = self.cfg.sampling.decode_precision == "bf16"
-        with torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+        with self._autocast(self.cfg.sampling.decode_precision):
             return torch.cat([self.model.decode(latents[i:i + size]) for i in range(0, latents.shape[0], size)]).cpu()
 
     @torch.no_grad()

@@ -163,9 +163,9 @@ def test_shipped_scale_files_load_and_validate():
     from flowrl.config import REPO_ROOT
 
     for f in sorted((REPO_ROOT / "benchmarks").glob("scale_*.yaml")):
-        for name, items in load_preset_overrides(f).items():
-            for preset in ([name] if name != "all" else ["dance_grpo"]):
-                load_config(REPO_ROOT / "configs" / f"{preset}.yaml", load_preset_overrides(f).get("all", []) + items)
+        lists = load_preset_overrides(f)
+        for preset in {"dance_grpo", *lists} - {"all"}:
+            load_config(REPO_ROOT / "configs" / f"{preset}.yaml", lists.get("all", []) + lists.get(preset, []))
 
 
 def test_bench_checks_every_preset_config_before_running_any(tmp_path, monkeypatch):

@@ -57,3 +57,10 @@ def test_base_headroom_pass_at_k_bounds_the_mean_and_reconstruction_is_scored(tm
     assert result["denoise_from_scenes"][0.0] >= 2 / 3  # the shipped VAE reconstructs rendered scenes
     with pytest.raises(ValueError, match="times"):
         headroom.denoise_from_scenes(None, [], [1.5])
+
+
+def test_decode_precision_check_scores_the_same_rollouts_both_ways():
+    result = _script("decode_precision_check").main(["--rollouts", "1", "sampling.prompts_per_iteration=1",
+                                                     "sampling.group_size=2", "sampling.num_steps=2"])
+    assert result["images"] == 2 and 0 <= result["identical_reward_frac"] <= 1
+    assert 0 < result["max_pixel_diff"] < 0.05 and result["decode_s_bf16"] > 0

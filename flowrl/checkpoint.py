@@ -4,9 +4,11 @@ format and a JSON of the iteration and RNG state. No pickles: ``torch.load`` is 
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -32,19 +34,52 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
+def _fsync(path: Path) -> None:
+    """Flush one file or folder entry to disk; a no-op where the platform cannot (e.g. folders on Windows)."""
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if path.is_dir() else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file of `folder` and the folder itself (so that a rename after it is durable)."""
+    for path in sorted(folder.rglob("*")) + [folder]:
+        _fsync(path)
+
+
 def save_checkpoint(directory: str | Path, iteration: int, params: dict[str, torch.Tensor],
                     optimizer: torch.optim.Optimizer, ema: dict[str, torch.Tensor] | None = None,
-                    extra: dict | None = None) -> Path:
-    """Write ``directory/checkpoint-{iteration:06d}`` atomically (written to a temp folder, then renamed).
+                    extra: dict | None = None, write_extra_files: Callable[[Path], None] | None = None) -> Path:
+    """Write ``directory/checkpoint-{iteration:06d}`` atomically.
+
+    Everything is written to a temp folder and flushed to disk, and ``state.json`` is written last; the
+    folder is then renamed into place. A crash at any point leaves the previous checkpoints intact and at
+    most a ``.tmp-*`` folder (ignored by :func:`latest_checkpoint`). Re-saving an existing iteration moves
+    the old folder aside first and deletes it only after the new one is in place.
 
     Args:
-        params: trainable tensors by name (float32).
-        optimizer: its state is flattened to tensors (safetensors) and JSON.
-        ema: EMA shadow tensors by name, or None.
-        extra: JSON-serialisable state (e.g. schedule state) stored beside the RNG states.
+        directory (`str` or `Path`): the run's checkpoint folder (created if missing).
+        iteration (`int`): iterations completed, `>= 0`; names the folder.
+        params (`dict[str, torch.Tensor]`): trainable tensors by name (saved as float32 safetensors).
+        optimizer (`torch.optim.Optimizer`): its state is flattened to tensors (safetensors) and JSON.
+        ema (`dict[str, torch.Tensor]`, optional): EMA shadow tensors by name.
+        extra (`dict`, optional): JSON-serialisable state (e.g. schedule state) stored beside the RNG states.
+        write_extra_files (callable, optional): called with the temp folder to add files (e.g. the LoRA in
+            diffusers format) before the checkpoint is sealed.
 
     Returns:
-        The checkpoint folder.
+        `Path`: the checkpoint folder.
+
+    Raises:
+        OSError: if the folder cannot be written; TypeError: if `extra` is not JSON-serialisable.
     """
     directory = Path(directory)
     final = directory / f"checkpoint-{iteration:06d}"
@@ -64,24 +99,51 @@ def save_checkpoint(directory: str | Path, iteration: int, params: dict[str, tor
                 "torch": torch_rng.tolist()},
         "extra": extra or {},
     }
-    (tmp / "state.json").write_text(json.dumps(state))
-    shutil.rmtree(final, ignore_errors=True)
+    if write_extra_files is not None:
+        write_extra_files(tmp)
+    (tmp / "state.json").write_text(json.dumps(state))  # last: its presence marks a complete checkpoint
+    _fsync_tree(tmp)
+    old = directory / f".old-checkpoint-{iteration:06d}"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
     tmp.rename(final)
+    _fsync(directory)
+    shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+CHECKPOINT_FILES = ("trainable.safetensors", "optimizer.safetensors", "state.json")
+
+
 def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest complete ``checkpoint-*`` folder under ``directory``, or None."""
-    found = sorted(Path(directory).glob("checkpoint-*"))
-    return found[-1] if found else None
+    """The newest complete ``checkpoint-*`` folder under ``directory`` (all of :data:`CHECKPOINT_FILES`
+    present and ``state.json`` readable JSON), or None. An incomplete or damaged newest folder is skipped
+    in favour of the one before it."""
+    for path in sorted(Path(directory).glob("checkpoint-*"), reverse=True):
+        if not all((path / name).is_file() for name in CHECKPOINT_FILES):
+            continue
+        try:
+            json.loads((path / "state.json").read_text())
+        except (OSError, ValueError):
+            continue
+        return path
+    return None
 
 
 def load_checkpoint(path: str | Path, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
                     ema: dict[str, torch.Tensor] | None = None) -> dict:
     """Restore a checkpoint written by :func:`save_checkpoint` in place.
 
+    Args:
+        path (`str` or `Path`): a folder written by :func:`save_checkpoint`.
+        params (`dict[str, torch.Tensor]`): the trainable tensors, overwritten in place.
+        optimizer (`torch.optim.Optimizer`): its state is replaced.
+        ema (`dict[str, torch.Tensor]`, optional): EMA tensors, overwritten in place (from the saved EMA, or
+            from the restored `params` when the checkpoint has none).
+
     Returns:
-        The JSON state (``iteration``, ``extra``).
+        The JSON state (``iteration``, ``extra``); the Python, numpy and torch RNG states are restored.
 
     Raises:
         FileNotFoundError: if the folder lacks a file; KeyError naming a trainable tensor that is missing.
@@ -98,9 +160,13 @@ def load_checkpoint(path: str | Path, params: dict[str, torch.Tensor], optimizer
             tensor.copy_(saved[name])
     state = json.loads((path / "state.json").read_text())
     optimizer.load_state_dict(_unflatten_optimizer(load_file(path / "optimizer.safetensors"), state["optimizer"]))
-    if ema is not None and (path / "ema.safetensors").is_file():
-        for name, value in load_file(path / "ema.safetensors").items():
-            ema[name].copy_(value)
+    if ema is not None:
+        if (path / "ema.safetensors").is_file():
+            for name, value in load_file(path / "ema.safetensors").items():
+                ema[name].copy_(value)
+        else:  # EMA switched on at resume: start it from the restored weights, not the initial ones
+            for name, tensor in params.items():
+                ema[name].copy_(tensor.detach())
     rng = state["rng"]
     random.setstate((3, tuple(rng["python"]), None))
     keys, pos, has_gauss, cached = rng["numpy"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -40,8 +41,9 @@ def cmd_eval(args) -> dict:
     from .tiny.prompts import read_jsonl
 
     metas = read_jsonl(prompt_file(args.prompts))
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-        result = evaluate(_model(args), metas, args.images_per_tag, args.num_steps, args.guidance_scale, args.shift,
+    model = _model(args)
+    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+        result = evaluate(model, metas, args.images_per_tag, args.num_steps, args.guidance_scale, args.shift,
                           args.seed)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
@@ -55,8 +57,9 @@ def cmd_sample(args) -> None:
 
     from .evaluate import generate
 
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-        images = generate(_model(args), [args.prompt] * args.n, [args.seed + i for i in range(args.n)], args.num_steps,
+    model = _model(args)
+    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+        images = generate(model, [args.prompt] * args.n, [args.seed + i for i in range(args.n)], args.num_steps,
                           args.guidance_scale, args.shift)
     save_image(images, args.out, nrow=min(args.n, 8), padding=1)
     print(f"wrote {args.n} images to {args.out}")
@@ -140,9 +143,11 @@ def main(argv: list[str] | None = None) -> None:
     o.add_argument("overrides", nargs="*", help="key=value overrides for every preset")
     o.set_defaults(fn=cmd_overopt)
     args = parser.parse_args(argv)
+    if "" not in sys.path and os.getcwd() not in sys.path:  # user rewards 'pkg.module:fn' from the working folder,
+        sys.path.insert(0, os.getcwd())  # as with `python -m flowrl.cli` (the console script puts its bin/ first)
     try:
         args.fn(args)
-    except (ConfigError, FileNotFoundError, FileExistsError, ValueError, KeyError) as e:
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError, KeyError, TypeError) as e:
         print(f"flowrl {args.command}: error: {e}", file=sys.stderr)
         sys.exit(2)
 

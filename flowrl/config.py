@@ -29,6 +29,8 @@ def _check(cond: bool, key: str, expected: str, value: Any) -> None:
 
 @dataclass
 class ModelConfig:
+    """``model.*``: which pipeline to load and how to train it (LoRA via peft, or the full transformer)."""
+
     path: str = "assets/tiny-sd3"  # a StableDiffusion3Pipeline folder
     max_sequence_length: int = 0  # T5 tokens (0 for the tiny model, 256 for SD3.5)
     lora_rank: int = 8  # 0 = full fine-tuning of the transformer
@@ -37,6 +39,8 @@ class ModelConfig:
 
     def __post_init__(self):
         _check(self.lora_rank >= 0, "model.lora_rank", ">= 0", self.lora_rank)
+        _check(self.lora_alpha > 0, "model.lora_alpha", "> 0 (the LoRA scale is alpha / rank)", self.lora_alpha)
+        _check(self.max_sequence_length >= 0, "model.max_sequence_length", ">= 0", self.max_sequence_length)
         _check(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", "float32|bfloat16|float16", self.dtype)
 
 
@@ -58,6 +62,8 @@ class WindowConfig:
         _check(self.size >= 0, "sampling.window.size", ">= 0", self.size)
         _check(self.schedule in WINDOW_SCHEDULES, "sampling.window.schedule", "|".join(WINDOW_SCHEDULES), self.schedule)
         _check(self.interval >= 1, "sampling.window.interval", ">= 1", self.interval)
+        _check(self.stride >= 0, "sampling.window.stride", ">= 0 (0 keeps the window where it starts)", self.stride)
+        _check(self.min_interval >= 1, "sampling.window.min_interval", ">= 1", self.min_interval)
         _check(0 <= self.flash_ratio <= 1, "sampling.window.flash_ratio", "in [0, 1]", self.flash_ratio)
 
 
@@ -101,6 +107,9 @@ class ProbeConfig:
 
 @dataclass
 class SamplingConfig:
+    """``sampling.*``: the rollout: schedule, kernel, guidance, group shape and the rollout shape (flat,
+    MixGRPO window, BranchGRPO tree or single-step probes)."""
+
     num_steps: int = 10  # denoising steps of a training rollout
     guidance_scale: float = 4.5  # classifier-free guidance w (1 = off)
     kernel: str = "flow_sde"  # samplers.KERNELS stochastic kernel: flow_sde | dance_sde | cps
@@ -127,8 +136,10 @@ class SamplingConfig:
             t = self.tree
             _check(self.group_size == t.branch ** len(t.split_steps), "sampling.group_size",
                    f"branch ** len(split_steps) = {t.branch ** len(t.split_steps)} for a tree", self.group_size)
-            _check(all(0 <= k < self.num_steps for k in t.split_steps + t.sde_steps), "sampling.tree.split_steps",
-                   f"steps in [0, {self.num_steps})", t.split_steps + t.sde_steps)
+            for key, steps in (("split_steps", t.split_steps), ("sde_steps", t.sde_steps),
+                               ("depth_prune", t.depth_prune)):
+                _check(all(0 <= k < self.num_steps for k in steps), f"sampling.tree.{key}",
+                       f"steps in [0, {self.num_steps})", steps)
             _check(self.window.size == 0, "sampling.window.size", "0 with a tree (use sampling.tree.sde_steps)",
                    self.window.size)
         _check(self.window.size < self.num_steps, "sampling.window.size", f"< sampling.num_steps ({self.num_steps})",
@@ -138,16 +149,27 @@ class SamplingConfig:
         _check(self.guidance_scale >= 1.0, "sampling.guidance_scale", ">= 1", self.guidance_scale)
         _check(self.kernel in ("flow_sde", "dance_sde", "cps"), "sampling.kernel", "flow_sde|dance_sde|cps", self.kernel)
         _check(self.noise_level > 0, "sampling.noise_level", "> 0", self.noise_level)
+        _check(self.kernel != "cps" or self.noise_level <= 1, "sampling.noise_level", "in (0, 1] for kernel 'cps' (eta)",
+               self.noise_level)
+        _check(not (self.kernel == "cps" and self.train_last_step), "sampling.train_last_step",
+               "false with kernel 'cps' (its last step lands on t = 0 with std 0: no log-prob)", self.train_last_step)
+        _check(self.shift > 0, "sampling.shift", "> 0", self.shift)
+        _check(self.batch_size >= 1, "sampling.batch_size", ">= 1", self.batch_size)
+        _check(self.prompts_per_iteration >= 1, "sampling.prompts_per_iteration", ">= 1", self.prompts_per_iteration)
 
 
 @dataclass
 class RewardConfig:
+    """``rewards.NAME.*``: a reward's weight in the weighted sum and the keyword options of its factory."""
+
     weight: float = 1.0
     options: dict[str, Any] = field(default_factory=dict)  # keyword options of the reward factory
 
 
 @dataclass
 class TrainConfig:
+    """``train.*``: the GRPO objective (advantages, PPO clip, KL, GRPO-Guard options) and AdamW."""
+
     learning_rate: float = 3e-4
     adam_betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 1e-4
@@ -170,6 +192,13 @@ class TrainConfig:
     def __post_init__(self):
         _check(self.adv_std in ("global", "group"), "train.adv_std", "global|group", self.adv_std)
         _check(self.learning_rate > 0, "train.learning_rate", "> 0", self.learning_rate)
+        betas = list(self.adam_betas)
+        _check(len(betas) == 2 and all(0 <= b < 1 for b in betas), "train.adam_betas", "two values in [0, 1)", betas)
+        _check(self.weight_decay >= 0, "train.weight_decay", ">= 0", self.weight_decay)
+        _check(self.max_grad_norm > 0, "train.max_grad_norm", "> 0", self.max_grad_norm)
+        _check(self.adv_clip_max > 0, "train.adv_clip_max", "> 0", self.adv_clip_max)
+        _check(self.kl_beta >= 0, "train.kl_beta", ">= 0", self.kl_beta)
+        _check(self.inner_epochs >= 1, "train.inner_epochs", ">= 1", self.inner_epochs)
         _check(self.clip_range > 0, "train.clip_range", "> 0", self.clip_range)
         _check(0 <= self.ema_decay < 1, "train.ema_decay", "in [0, 1)", self.ema_decay)
         _check(self.minibatch_size >= 1, "train.minibatch_size", ">= 1", self.minibatch_size)
@@ -186,6 +215,8 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
+    """``eval.*``: held-out GenEval-style evaluation with Euler ODE sampling."""
+
     prompts: str = "test"  # train | test | a .jsonl file
     every: int = 0  # iterations between evaluations (0 = only before and after)
     images_per_tag: int = 64
@@ -193,26 +224,41 @@ class EvalConfig:
     guidance_scale: float = 4.5
     seed: int = 1234
 
+    def __post_init__(self):
+        _check(self.every >= 0, "eval.every", ">= 0 (0 = only before and after training)", self.every)
+        _check(self.images_per_tag >= 1, "eval.images_per_tag", ">= 1", self.images_per_tag)
+        _check(self.num_steps >= 1, "eval.num_steps", ">= 1", self.num_steps)
+        _check(self.guidance_scale >= 1.0, "eval.guidance_scale", ">= 1", self.guidance_scale)
+
 
 @dataclass
 class RunConfig:
+    """``run.*``: the run folder, length, checkpointing, device and precision."""
+
     output_dir: str = "runs/tiny_geneval"
     seed: int = 0
     iterations: int = 100
     save_every: int = 10
     resume: bool = False  # continue from the newest checkpoint in output_dir
     device: str = "auto"  # auto | cpu | cuda
-    mixed_precision: str = "bf16"  # no | bf16 | fp16 (accelerate)
+    mixed_precision: str = "bf16"  # no | bf16 (autocast; fp16 would need loss scaling, which flowrl does not do)
 
     def __post_init__(self):
         if self.mixed_precision in ("False", "false", "none"):  # YAML reads a bare `no` as false
             self.mixed_precision = "no"
         _check(self.iterations >= 1, "run.iterations", ">= 1", self.iterations)
-        _check(self.mixed_precision in ("no", "bf16", "fp16"), "run.mixed_precision", "no|bf16|fp16", self.mixed_precision)
+        _check(self.save_every >= 1, "run.save_every", ">= 1 (the last iteration is always saved)", self.save_every)
+        _check(self.mixed_precision in ("no", "bf16"), "run.mixed_precision",
+               "no|bf16 (fp16 needs loss scaling, which flowrl does not do)", self.mixed_precision)
+        _check(self.device in ("auto", "cpu", "cuda"), "run.device", "auto|cpu|cuda", self.device)
 
 
 @dataclass
 class Config:
+    """The whole run: ``model``, ``sampling``, ``rewards``, ``train``, ``eval``, ``run`` and the prompt
+    sets. Built by :func:`load_config`; every field is validated when it is built (``ConfigError`` names
+    the key)."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     # name or 'pkg.module:fn' -> weight, options; {} = geneval; null drops a reward inherited from a base preset
@@ -227,6 +273,8 @@ class Config:
         self.rewards = {name: r for name, r in self.rewards.items() if r is not None}
         if not self.rewards:  # a default in the schema would be merged into, not replaced by, a preset's rewards
             self.rewards = {"geneval": RewardConfig()}
+        _check(self.train.kl_beta == 0 or self.model.lora_rank > 0, "train.kl_beta",
+               "0 unless model.lora_rank > 0 (the KL reference is the LoRA-disabled base)", self.train.kl_beta)
 
 
 def _load_yaml(path: Path, chain: tuple[Path, ...] = ()):

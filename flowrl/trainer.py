@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import time
 from collections import defaultdict
@@ -66,10 +67,15 @@ class Trainer:
 
         self.cfg = cfg = config
         device = cfg.run.device
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("config key 'run.device' is 'cuda' but no CUDA device is available; use auto or cpu")
+        self.out = Path(cfg.run.output_dir)
+        if not cfg.run.resume and (self.out / "metrics.jsonl").exists():  # before any expensive work
+            raise FileExistsError(f"run folder {self.out} already holds a run: pass run.resume=true to continue it, "
+                                  "or choose another run.output_dir")
         # mixed precision is our own autocast (see _autocast): accelerate's state is a process-wide singleton
         self.accelerator = Accelerator(cpu=device == "cpu")
         self.device = self.accelerator.device
-        self.out = Path(cfg.run.output_dir)
         self.train_metas = read_jsonl(prompt_file(cfg.train_prompts))
         self.eval_metas = read_jsonl(prompt_file(cfg.eval.prompts))
         self.rewards = WeightedSum({name: (build_reward(name, **r.options), r.weight) for name, r in cfg.rewards.items()})
@@ -80,8 +86,6 @@ class Trainer:
             self.model.add_lora(cfg.model.lora_rank, cfg.model.lora_alpha)
         else:
             self.model.full_finetune()
-        if cfg.train.kl_beta > 0 and cfg.model.lora_rank == 0:
-            raise ConfigError("config key 'train.kl_beta' needs model.lora_rank > 0 (the reference is the LoRA-disabled base)")
         self.params = {n: p for n, p in self.model.transformer.named_parameters() if p.requires_grad}
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.train.learning_rate,
                                            betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay)
@@ -426,8 +430,9 @@ class Trainer:
         """Run (or resume) the job. Returns ``{"before": eval, "after": eval, "wall_time_s": float}``."""
         cfg, acc = self.cfg, self.accelerator
         self.out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.out / "config.yaml")
         start, elapsed = self._maybe_resume()
+        if acc.is_main_process:  # a resumed run keeps its first config and records the resumed one beside it
+            save_config(cfg, self.out / ("config.yaml" if start == 0 else f"config-resume-{start:06d}.yaml"))
         t_start = time.time() - elapsed
         if start == 0:
             before = self.run_eval()
@@ -525,28 +530,46 @@ class Trainer:
     def _save(self, iteration: int, elapsed: float) -> None:
         if not self.accelerator.is_main_process:
             return
-        path = save_checkpoint(self.out / "checkpoints", iteration, self.params, self.optimizer, self.ema,
-                               extra={"elapsed_s": elapsed, "window": self.window.state_dict() if self.window else None})
-        if self.cfg.model.lora_rank > 0:
-            with self.ema_weights():
-                self.model.save_lora(path / "lora")
+        def write_lora(folder: Path) -> None:  # inside the checkpoint before it is sealed
+            if self.cfg.model.lora_rank > 0:
+                with self.ema_weights():
+                    self.model.save_lora(folder / "lora")
+
+        save_checkpoint(self.out / "checkpoints", iteration, self.params, self.optimizer, self.ema,
+                        extra={"elapsed_s": elapsed, "window": self.window.state_dict() if self.window else None},
+                        write_extra_files=write_lora)
 
     def _maybe_resume(self) -> tuple[int, float]:
+        """Restore the newest complete checkpoint when ``run.resume``; returns ``(iteration, elapsed_s)``.
+
+        ``metrics.jsonl`` is cut back to the checkpoint's iteration (a torn last line from a crash is
+        dropped) and replaced atomically; with no checkpoint the run starts over.
+        """
+        metrics_file = self.out / "metrics.jsonl"
         if not self.cfg.run.resume:
-            if (self.out / "metrics.jsonl").exists():
+            if metrics_file.exists():  # also checked in __init__; the folder may have filled since
                 raise FileExistsError(f"run folder {self.out} already holds a run: pass run.resume=true to continue it, "
                                       "or choose another run.output_dir")
             return 0, 0.0
+        main = self.accelerator.is_main_process
         path = latest_checkpoint(self.out / "checkpoints")
         if path is None:
-            if (self.out / "metrics.jsonl").exists():
-                (self.out / "metrics.jsonl").unlink()  # nothing checkpointed: start over
+            if main and metrics_file.exists():
+                metrics_file.unlink()  # nothing checkpointed: start over
             return 0, 0.0
         state = load_checkpoint(path, self.params, self.optimizer, self.ema)
         it = state["iteration"]
-        lines = (self.out / "metrics.jsonl").read_text().splitlines() if (self.out / "metrics.jsonl").exists() else []
-        kept = [l for l in lines if json.loads(l)["iteration"] <= it]
-        (self.out / "metrics.jsonl").write_text("".join(l + "\n" for l in kept))
+        if main:
+            kept = []
+            for line in metrics_file.read_text().splitlines() if metrics_file.exists() else []:
+                try:
+                    if json.loads(line)["iteration"] <= it:
+                        kept.append(line)
+                except (ValueError, KeyError):  # a line torn by a crash while it was written
+                    continue
+            tmp = metrics_file.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, metrics_file)
         if self.window is not None and state["extra"].get("window"):
             self.window.load_state_dict(state["extra"]["window"])
         return it, state["extra"].get("elapsed_s", 0.0)

@@ -112,7 +112,7 @@ def _import_dotted(spec: str) -> Any:
         raise ValueError(f"reward spec {spec!r}: module {module_name!r} not found ({err})") from err
     for part in attr_path.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"reward spec {spec!r}: {obj.__name__!r} has no attribute {part!r}")
+            raise ValueError(f"reward spec {spec!r}: {getattr(obj, '__name__', type(obj).__name__)!r} has no attribute {part!r}")
         obj = getattr(obj, part)
     return obj
 
@@ -184,6 +184,8 @@ def check_inputs(images: torch.Tensor, prompts: Sequence[str], metadata: Sequenc
             f"{len(prompts)} prompts, {len(metadata)} metadata"
         )
     if batch and images.numel():
+        if not bool(torch.isfinite(images).all()):
+            raise ValueError("images contain NaN or inf (a diverged policy or decoder?); rewards need values in [0, 1]")
         low, high = images.aminmax()
         if low < 0 or high > 1:
             raise ValueError(

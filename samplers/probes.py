@@ -9,8 +9,10 @@ At each probe step ``i`` the velocity the main path already computed at ``x_i`` 
   first ``i + 1`` SDE steps),
 
 and every probe is completed to ``t = 0`` with deterministic Euler on the sub-schedule
-``sigmas[i+1], sigmas[i+1+g], ...`` (and 0) for each granularity ``g`` (G2RPO's multi-granularity; 1 =
-the full grid). ``include_start`` adds the pure-ODE completion from ``x_T`` (TP-GRPO's ``R_0``).
+``sigmas[i+1], sigmas[i+2], sigmas[i+2+g], sigmas[i+2+2g], ...`` (and 0) for each granularity ``g``: G2RPO's
+multi-granularity ``t[:k+2] ++ t[k+2::g]`` (arXiv 2510.01982; 1 = the full grid; the last Euler step onto
+``t = 0`` gives the ``x0_hat`` that G2RPO decodes). ``include_start`` adds the pure-ODE completion from
+``x_T`` on ``sigmas[0], sigmas[g], ...`` (TP-GRPO's ``R_0``).
 
 All rows that sit at the same grid index -- main path, completions of every probe and granularity -- are
 evaluated in ONE velocity call per grid step.
@@ -97,9 +99,13 @@ def sample_probes(
 
     Raises:
         ValueError: for a probe step outside ``[0, N - 1)``, a non-stochastic `child_kernel`, a
-            granularity `< 1`, or bad shapes (as :func:`samplers.sample`).
+            granularity `< 1`, a plan with a multistep kernel (DPM-Solver++), or bad shapes (as
+            :func:`samplers.sample`).
     """
     _check_sample_inputs(noise, cond, group, sigmas, plan)
+    multistep = sorted({k for k in plan.kernels if k not in KERNELS})
+    if multistep:
+        raise ValueError(f"sample_probes runs single-step kernels only; the plan uses {multistep} (no Flash plan here)")
     n = plan.num_steps
     if any(not 0 <= i < n - 1 for i in probe_steps):
         raise ValueError(f"probe steps must lie in [0, {n - 1}) (a probe needs a step left to complete); got {probe_steps}")
@@ -114,22 +120,25 @@ def sample_probes(
     kernel_names = tuple(dict.fromkeys(plan.kernels + ([child_kernel] if children else [])))
     trans: dict[str, list] = {}
     pool = dict(x=x.new_empty((0, *x.shape[1:])), idx=cond.new_empty(0), g=cond.new_empty(0), root=cond.new_empty(0),
-                step=cond.new_empty(0), child=cond.new_empty(0), node=cond.new_empty(0))
+                step=cond.new_empty(0), child=cond.new_empty(0), node=cond.new_empty(0),
+                fresh=torch.zeros(0, dtype=torch.bool, device=device))
     done: dict[str, list] = {}
     rows, nfe, last = 0, 0, torch.full_like(cond, -1)
     probes = set(probe_steps)
 
-    def spawn(states, root, step, child, node, start):
+    def spawn(states, root, step, child, node, start, fresh=True):
+        # fresh: the first completion step is one grid step (t_{k+1} -> t_{k+2}), then strides of g
         for g in granularities:
             k = len(states)
             new = dict(x=states, idx=torch.full((k,), start, dtype=torch.long, device=device),
-                       g=torch.full((k,), g, dtype=torch.long, device=device), root=root, step=step, child=child, node=node)
+                       g=torch.full((k,), g, dtype=torch.long, device=device), root=root, step=step, child=child, node=node,
+                       fresh=torch.full((k,), fresh, dtype=torch.bool, device=device))
             for name in pool:
                 pool[name] = torch.cat([pool[name], new[name]])
 
     if include_start:
         spawn(x.clone(), torch.arange(roots, device=device), torch.full_like(cond, -1), torch.zeros_like(cond),
-              torch.full_like(cond, -1), 0)
+              torch.full_like(cond, -1), 0, fresh=False)
     for j in range(n):
         here = pool["idx"] == j  # completions sitting at grid index j
         batch_x = torch.cat([x, pool["x"][here]])
@@ -139,12 +148,15 @@ def sample_probes(
         v_main, v_pool = velocity[:roots], velocity[roots:]
         # completions: one Euler step to their own next grid point
         if bool(here.any()):
-            target = (pool["idx"][here] + pool["g"][here]).clamp(max=n)
+            stride = torch.where(pool["fresh"][here], torch.ones_like(pool["g"][here]), pool["g"][here])
+            target = (pool["idx"][here] + stride).clamp(max=n)
             stepped = ode_step(pool["x"][here], v_pool, sigmas[j], sigmas[target]).prev_sample
             pool["x"][here] = stepped
             pool["idx"][here] = target
+            pool["fresh"][here] = False
         # the main path
         kernel = plan.kernels[j]
+        before = last  # the main-path transition that produced x (the parent of this step's children)
         out = KERNELS[kernel](x, v_main, sigmas[j], sigmas[j + 1], plan.noise_levels[j], sigmas[1], generator=generator)
         if kernel in STOCHASTIC_KERNELS:
             node = torch.arange(rows, rows + roots, device=device)
@@ -162,7 +174,7 @@ def sample_probes(
                 m = roots * children
                 node = torch.arange(rows, rows + m, device=device)
                 _append(trans, state=rep(x), next_state=child_out.prev_sample, mean=child_out.mean, std=child_out.std,
-                        log_prob=child_out.log_prob, parent=rep(last),
+                        log_prob=child_out.log_prob, parent=rep(before),
                         cond=rep(cond), leaf=rep(torch.arange(roots, device=device)), group=rep(group),
                         step=torch.full((m,), j, device=device, dtype=torch.long),
                         kernel=torch.full((m,), kernel_names.index(child_kernel), device=device, dtype=torch.long),

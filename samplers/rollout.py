@@ -45,9 +45,19 @@ class VelocityFn(Protocol):
 def group_index(num_groups: int, group_size: int, device=None) -> torch.Tensor:
     """Group id of each sample in group-major order: ``[0]*group_size + [1]*group_size + ...``.
 
+    Args:
+        num_groups (`int`): groups (prompts), `>= 1`.
+        group_size (`int`): samples per group, `>= 1`.
+        device (`torch.device`, optional): where to build the tensor.
+
     Returns:
         `torch.Tensor` of shape `(num_groups * group_size,)`, long, values in `[0, num_groups)`.
+
+    Raises:
+        ValueError: if `num_groups` or `group_size` is `< 1`.
     """
+    if num_groups < 1 or group_size < 1:
+        raise ValueError(f"num_groups and group_size must be >= 1; got {num_groups} and {group_size}")
     return torch.arange(num_groups, device=device).repeat_interleave(group_size)  # (G * S,)
 
 
@@ -154,7 +164,12 @@ class StepPlan:
 
         Every step uses `kernel` with `noise_level`; every step is trained except the last one unless
         `train_last` (Flow-GRPO's default leaves the final step out of the loss).
+
+        Raises:
+            ValueError: if `num_steps < 1` (and as :class:`StepPlan` for the kernel or noise level).
         """
+        if num_steps < 1:
+            raise ValueError(f"StepPlan.sde needs num_steps >= 1; got {num_steps}")
         trained = [True] * num_steps
         if not train_last:
             trained[-1] = False
@@ -312,6 +327,10 @@ def _check_sample_inputs(noise, cond, group, sigmas, plan: StepPlan) -> None:
     values = sigmas.detach().cpu()
     if not (bool((values[1:] < values[:-1]).all()) and values[0] <= 1 and values[-1] >= 0):
         raise ValueError(f"sigmas must decrease strictly within [0, 1]; got {values.tolist()}")
+    for k, (kernel, trained) in enumerate(zip(plan.kernels, plan.trained)):
+        if kernel == "cps" and trained and float(values[k + 1]) == 0:
+            raise ValueError(f"StepPlan.trained[{k}] is True but the cps step onto t'=0 has std 0 and no log-prob "
+                             "(train_last / sampling.train_last_step must be False with kernel 'cps')")
 
 
 def _transition_index(plan: StepPlan, sigmas: torch.Tensor, cond: torch.Tensor, kernel_names) -> dict:
@@ -464,8 +483,12 @@ def velocity_gain(transitions: Rollout) -> torch.Tensor:
     """``|d mean / d v|`` of each stored transition's kernel (a kernel's mean is affine in ``x`` and ``v``).
 
     Evaluated by running the kernel at ``x = 0`` with ``v = 1``: for the Flow-GRPO SDE it is
-    ``(1 + a^2 / 2) |dt|``, for DanceGRPO ``(1 + eta^2 (1 - t) / (2t)) |dt|``. GRPO-Guard's gradient
-    reweighting divides each step's loss by it.
+    ``(1 + a^2 / 2) |dt|`` for ``t < 1`` and ``|dt|`` at ``t = 1`` (where ``(1 - t) = 0``), for DanceGRPO
+    ``(1 + eta^2 (1 - t) / (2t)) |dt|``. GRPO-Guard's gradient reweighting (arXiv 2510.22319) divides each
+    step's loss by it.
+
+    Args:
+        transitions (:class:`Rollout`): stored transitions (any subset, e.g. :meth:`Rollout.trained_view`).
 
     Returns:
         `torch.Tensor` of shape `(M,)`, float32, `> 0`.

@@ -72,13 +72,17 @@ def respace_tail(sigmas: torch.Tensor, keep: int, num_tail: int, shift: float = 
         `torch.Tensor` of shape `(keep + num_tail + 1,)`, float32, strictly decreasing from ``sigmas[0]`` to 0.
 
     Raises:
-        ValueError: if `keep` or `num_tail` is out of range.
+        ValueError: if `keep`, `num_tail` or `shift` is out of range, or `sigmas` is not 1-d.
     """
     num_steps = sigmas.shape[0] - 1
     if not 0 <= keep < num_steps:
         raise ValueError(f"keep must lie in [0, {num_steps}); got {keep}")
     if num_tail < 1:
         raise ValueError(f"num_tail must be >= 1; got {num_tail}")
+    if not shift > 0:
+        raise ValueError(f"shift must be > 0; got {shift}")
+    if sigmas.ndim != 1:
+        raise ValueError(f"sigmas must have shape (N + 1,); got {tuple(sigmas.shape)}")
     start = _unshift(sigmas[keep].double(), shift)
     tail = _shift(torch.linspace(float(start), 0.0, num_tail + 1, dtype=torch.float64), shift).float()  # (num_tail + 1,)
     return torch.cat([sigmas[:keep].float(), tail])

@@ -74,9 +74,16 @@ class SlidingWindow:
     def __post_init__(self):
         if self.schedule not in WINDOW_SCHEDULES:
             raise ValueError(f"SlidingWindow.schedule={self.schedule!r}; expected one of {WINDOW_SCHEDULES}")
-        for name, low in (("num_steps", 2), ("size", 1), ("stride", 0), ("interval", 1), ("min_interval", 1)):
-            if getattr(self, name) < low:
-                raise ValueError(f"SlidingWindow.{name}={getattr(self, name)} must be >= {low}")
+        for name, low in (("num_steps", 2), ("size", 1), ("stride", 0), ("interval", 1), ("min_interval", 1),
+                          ("exp_threshold", 0), ("count", 0), ("iteration", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"SlidingWindow.{name}={value!r} must be an integer >= {low}")
+        if self.size > self.last + 1:
+            raise ValueError(f"SlidingWindow.size={self.size} must be <= {self.last + 1} (the trainable steps 0..N-2 "
+                             f"of {self.num_steps} steps)")
+        if not (math.isfinite(self.exp_k) and self.exp_k >= 0):
+            raise ValueError(f"SlidingWindow.exp_k={self.exp_k} must be finite and >= 0")
         if not 0 <= self.start <= self.last:
             raise ValueError(f"SlidingWindow.start={self.start} must lie in [0, {self.last}] for {self.num_steps} steps")
         if self.schedule == "random" and self.iteration == 0 and self.count == 0:
@@ -141,10 +148,12 @@ def mix_plan(sigmas: torch.Tensor, window: list[int], kernel: str = "flow_sde", 
     """The MixGRPO rollout for a window: schedule and step plan (arXiv 2507.21802, Sec. 3.2-3.3).
 
     Without `flash_ratio`: the original schedule, `kernel` on the window, Euler ODE elsewhere. With it
-    (MixGRPO-Flash): steps up to the window's end keep the original schedule; the ``R = N - 1 - l_end``
-    steps after it are re-spaced into ``n = max(1, round(R * flash_ratio))`` steps solved with
-    DPM-Solver++(2M) (:func:`samplers.kernels.dpm_solver_2m_step`). The published code uses
-    ``int((N - l_end) * ratio) - 1`` steps; the difference is at most one step.
+    (MixGRPO-Flash): steps up to the window's end ``l_end`` keep the original schedule; the
+    ``R = N - l`` steps after it, with ``l = l_end + 1`` the first step after the window (the ``l`` of
+    ``n = max(1, round((N - l) * ratio))`` in the formula), are re-spaced into ``n = max(1, round(R *
+    flash_ratio))`` steps solved with DPM-Solver++(2M) (:func:`samplers.kernels.dpm_solver_2m_step`);
+    Python's ``round`` rounds halves to even. The published code uses ``int((N - l_end) * ratio) - 1``
+    steps; the difference is at most one step.
 
     Args:
         sigmas (`torch.Tensor` of shape `(N + 1,)`): the base schedule (:func:`samplers.flow_sigmas`).
@@ -157,7 +166,8 @@ def mix_plan(sigmas: torch.Tensor, window: list[int], kernel: str = "flow_sde", 
         ``(sigmas, plan)``: `(N' + 1,)` float32 schedule and an `N'`-step :class:`StepPlan`.
 
     Raises:
-        ValueError: if `flash_ratio` is outside `(0, 1]` or the window is invalid.
+        ValueError: if `flash_ratio` is outside `(0, 1]`, the window is invalid, or (with `flash_ratio`) the
+            window reaches the last step ``N - 1`` (nothing is left to re-space).
     """
     num_steps = sigmas.shape[0] - 1
     plan = StepPlan.window(num_steps, window, kernel, noise_level)
@@ -166,6 +176,9 @@ def mix_plan(sigmas: torch.Tensor, window: list[int], kernel: str = "flow_sde", 
     if not 0 < flash_ratio <= 1:
         raise ValueError(f"flash_ratio must lie in (0, 1]; got {flash_ratio}")
     end = max(window)
+    if end >= num_steps - 1:
+        raise ValueError(f"window {sorted(window)} reaches the last step {num_steps - 1}; MixGRPO-Flash needs at "
+                         "least one step after the window to re-space")
     tail = max(1, round((num_steps - 1 - end) * flash_ratio))
     keep = end + 1
     return respace_tail(sigmas, keep, tail, shift), StepPlan(

@@ -45,9 +45,25 @@ def test_granularity_strides_the_completion():
     noise, cond, group = _inputs(1)
     out = sample_probes(velocity, noise, cond, group, flow_sigmas(5, 3.0), StepPlan.ode(5), [0], children=1,
                         granularities=(1, 2), generator=torch.Generator().manual_seed(2))
-    # from grid index 1: stride 1 visits 1, 2, 3, 4; stride 2 visits 1, 3 (then lands on 0 at index 5)
-    assert out.cost["nfe"] == 5 + 4 + 2 and out.granularity.tolist() == [1, 2]
+    # G2RPO's t[:k+2] ++ t[k+2::g] for k = 0: from grid index 1, stride 1 visits 1, 2, 3, 4; stride 2 visits
+    # 1, 2 (always one grid step first), then 4, and lands on 0 at index 5
+    assert out.cost["nfe"] == 5 + 4 + 3 and out.granularity.tolist() == [1, 2]
+    sigmas = flow_sigmas(5, 3.0)
+    start = out.rollout.next_state[out.node[1]][None]
+    sub = sigmas[[1, 2, 4, 5]]
+    expected = sample(velocity, start, cond[:1], group[:1], sub, StepPlan.ode(3)).final[0]
+    torch.testing.assert_close(out.final[1], expected, rtol=1e-6, atol=1e-6)
     assert not torch.allclose(out.final[0], out.final[1])
+
+
+def test_children_of_a_stochastic_main_step_hang_from_the_previous_main_transition():
+    noise, cond, group = _inputs(1)
+    out = sample_probes(velocity, noise, cond, group, flow_sigmas(6, 3.0), StepPlan.window(6, [1, 2, 3]), [2],
+                        children=2, generator=torch.Generator().manual_seed(4))
+    # rows: main step 1 (0), main step 2 (1), children of step 2 (2, 3), main step 3 (4)
+    assert out.rollout.step.tolist() == [1, 2, 2, 2, 3]
+    assert out.rollout.parent.tolist() == [-1, 0, 0, 0, 1]
+    torch.testing.assert_close(out.rollout.state[2], out.rollout.state[1])  # the children start where step 2 does
 
 
 def test_tp_grpo_probes_take_the_main_sde_state():
@@ -63,5 +79,8 @@ def test_bad_probe_arguments_are_named():
     noise, cond, group = _inputs(1)
     with pytest.raises(ValueError, match="probe steps"):
         sample_probes(velocity, noise, cond, group, flow_sigmas(3, 3.0), StepPlan.ode(3), [2])
+    with pytest.raises(ValueError, match="dpm_solver_2m"):
+        sample_probes(velocity, noise, cond, group, flow_sigmas(3, 3.0),
+                      StepPlan(["ode", "dpm_solver_2m", "dpm_solver_2m"], [0.0] * 3, [False] * 3), [0])
     with pytest.raises(ValueError, match="child_kernel"):
         sample_probes(velocity, noise, cond, group, flow_sigmas(3, 3.0), StepPlan.ode(3), [0], children=2, child_kernel="ode")

@@ -132,6 +132,8 @@ def test_check_inputs():
         check_inputs(images, prompts[:1], metadata)
     with pytest.raises(ValueError, match=r"must lie in \[0, 1\]"):
         check_inputs(images * 2 - 1, prompts, metadata)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        check_inputs(torch.full_like(images, float("nan")), prompts, metadata)
     with pytest.raises(TypeError, match="floating-point"):
         check_inputs((images * 255).to(torch.uint8), prompts, metadata)
 

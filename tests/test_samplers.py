@@ -157,6 +157,10 @@ def test_kernel_errors_name_the_argument():
         ode_step(x, v, 0.8, torch.zeros(3))
     with pytest.raises(ValueError, match="prev_sample"):
         flow_sde_step(x, v, 0.8, 0.6, 0.7, 0.9, prev_sample=x, noise=v)
+    with pytest.raises(ValueError, match="std must be finite and >= 0"):  # sigma_next > sigma: NaN std
+        flow_sde_step(x, v, 0.5, 0.6, 0.7, 0.9)
+    with pytest.raises(ValueError, match="std must be finite and >= 0"):
+        flow_sde_step(x, v, 0.8, 0.6, -0.7, 0.9)
 
 
 # -------------------------------------------------------------------------------------------- schedule
@@ -281,6 +285,11 @@ def test_sample_rejects_bad_inputs():
         sample(ToyVelocity(), noise, cond, cond, flow_sigmas(3), StepPlan.ode(4))
     with pytest.raises(ValueError, match="cond"):
         sample(ToyVelocity(), noise, cond.float(), cond, flow_sigmas(4), StepPlan.ode(4))
+    with pytest.raises(ValueError, match=r"trained\[3\].*cps"):  # CPS onto t' = 0 has std 0: nothing to train
+        sample(ToyVelocity(), noise, cond, cond, flow_sigmas(4), StepPlan.sde(4, kernel="cps", noise_level=0.5,
+                                                                              train_last=True))
+    with pytest.raises(ValueError, match="num_steps >= 1"):
+        StepPlan.sde(0)
 
 
 def test_rollout_to_keeps_everything():

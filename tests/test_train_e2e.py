@@ -101,6 +101,9 @@ def test_resume_continues_a_killed_run_exactly(tmp_path, random_pipeline, prompt
 
     part = _config(tmp_path, random_pipeline, prompt_files, out="part", **{"run.mixed_precision": "no", "run.iterations": 1})
     Trainer(part).train()  # "killed" after iteration 1 (its checkpoint is all that counts)
+    first_config = (tmp_path / "part/config.yaml").read_text()
+    with open(tmp_path / "part/metrics.jsonl", "a") as f:
+        f.write('{"iteration": 2, "reward/to')  # a line torn by the crash
     resumed = _config(tmp_path, random_pipeline, prompt_files, out="part", **{"run.mixed_precision": "no", "run.resume": "true"})
     Trainer(resumed).train()
     a = load_file(Path(cfg_full.run.output_dir) / "checkpoints/checkpoint-000002/trainable.safetensors")
@@ -110,14 +113,20 @@ def test_resume_continues_a_killed_run_exactly(tmp_path, random_pipeline, prompt
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
     lines = (tmp_path / "part/metrics.jsonl").read_text().splitlines()
     assert [json.loads(l)["iteration"] for l in lines] == [1, 2]
+    assert (tmp_path / "part/config.yaml").read_text() == first_config  # the first part's config is kept
+    assert "resume: true" in (tmp_path / "part/config-resume-000001.yaml").read_text()
+    assert (tmp_path / "part/checkpoints/checkpoint-000002/lora").is_dir()  # sealed inside the checkpoint
 
 
 def test_existing_run_folder_needs_resume(tmp_path, random_pipeline, prompt_files):
     cfg = _config(tmp_path, random_pipeline, prompt_files)
     (tmp_path / "run").mkdir()
     (tmp_path / "run/metrics.jsonl").write_text("")
+    (tmp_path / "run/config.yaml").write_text("original")
+    cfg.model.path = str(tmp_path / "no-model-needed")  # the check comes before the model is loaded
     with pytest.raises(FileExistsError, match="run.resume=true"):
-        Trainer(cfg).train()
+        Trainer(cfg)
+    assert (tmp_path / "run/config.yaml").read_text() == "original"
 
 
 def test_bad_reward_is_named_before_any_work(tmp_path, random_pipeline, prompt_files):
@@ -138,8 +147,8 @@ def test_bad_paths_are_named(tmp_path, random_pipeline, prompt_files):
 
 
 def test_kl_needs_lora(tmp_path, random_pipeline, prompt_files):
-    with pytest.raises(ConfigError, match="train.kl_beta"):
-        Trainer(_config(tmp_path, random_pipeline, prompt_files, **{"train.kl_beta": 0.1, "model.lora_rank": 0}))
+    with pytest.raises(ConfigError, match="train.kl_beta"):  # from the config, before the model is loaded
+        (_config(tmp_path, random_pipeline, prompt_files, **{"train.kl_beta": 0.1, "model.lora_rank": 0}))
 
 
 def _cli(*args):

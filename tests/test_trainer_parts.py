@@ -73,6 +73,30 @@ def test_config_rejects_unknown_and_bad_keys(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
+@pytest.mark.parametrize("override, key", [
+    ("train.max_grad_norm=-1", "train.max_grad_norm"), ("train.inner_epochs=0", "train.inner_epochs"),
+    ("train.kl_beta=-0.1", "train.kl_beta"), ("train.adv_clip_max=0", "train.adv_clip_max"),
+    ("train.weight_decay=-1", "train.weight_decay"), ("train.adam_betas=[2,3]", "train.adam_betas"),
+    ("model.lora_alpha=0", "model.lora_alpha"), ("eval.every=-1", "eval.every"), ("eval.num_steps=0", "eval.num_steps"),
+    ("run.save_every=0", "run.save_every"), ("run.device=gpu", "run.device"), ("run.mixed_precision=fp16", "run.mixed_precision"),
+    ("sampling.batch_size=0", "sampling.batch_size"), ("sampling.prompts_per_iteration=0", "sampling.prompts_per_iteration"),
+    ("sampling.shift=0", "sampling.shift"), ("sampling.window.stride=-1", "sampling.window.stride"),
+    ("sampling.window.min_interval=0", "sampling.window.min_interval"),
+])
+def test_config_range_errors_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("configs/tiny_geneval.yaml", [override])
+
+
+def test_config_cross_field_errors_name_the_key():
+    with pytest.raises(ConfigError, match="sampling.train_last_step"):
+        load_config(None, ["sampling.kernel=cps", "sampling.train_last_step=true"])
+    with pytest.raises(ConfigError, match="sampling.tree.sde_steps"):  # not blamed on split_steps
+        load_config(None, ["sampling.tree.split_steps=[0,2,4]", "sampling.tree.sde_steps=[99]"])
+    with pytest.raises(ConfigError, match="sampling.tree.depth_prune"):
+        load_config(None, ["sampling.tree.split_steps=[0,2,4]", "sampling.tree.depth_prune=[99]"])
+
+
 def test_config_rewards_of_a_preset_replace_the_default(tmp_path):
     (tmp_path / "c.yaml").write_text("rewards:\n  clipscore:\n    weight: 0.5\n")
     cfg = load_config(tmp_path / "c.yaml")
@@ -106,6 +130,33 @@ def test_checkpoint_round_trip(tmp_path):
     assert torch.equal(w2.detach(), saved_w) and torch.equal(ema2["w"], saved_w * 2)
     assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], saved_state)
     assert torch.equal(torch.rand(3), expected_rand)  # the torch RNG continues where it was saved
+
+
+def test_latest_checkpoint_skips_an_incomplete_newest_one(tmp_path):
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([w])
+    save_checkpoint(tmp_path, 1, {"w": w}, opt)
+    torn = save_checkpoint(tmp_path, 2, {"w": w}, opt)
+    (torn / "state.json").write_text('{"iteration": 2, "opt')  # damaged, e.g. by a crash without fsync
+    assert latest_checkpoint(tmp_path).name == "checkpoint-000001"
+    (torn / "state.json").unlink()
+    assert latest_checkpoint(tmp_path).name == "checkpoint-000001"
+    (tmp_path / ".tmp-checkpoint-000003").mkdir()  # a save interrupted before its rename
+    assert latest_checkpoint(tmp_path).name == "checkpoint-000001"
+
+
+def test_checkpoint_resave_and_extra_files(tmp_path):
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([w])
+    save_checkpoint(tmp_path, 1, {"w": w}, opt)
+    with torch.no_grad():
+        w.mul_(3)
+    path = save_checkpoint(tmp_path, 1, {"w": w}, opt, write_extra_files=lambda d: (d / "lora").mkdir())
+    assert (path / "lora").is_dir() and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000001"]
+    w2 = torch.nn.Parameter(torch.zeros(2))
+    ema = {"w": torch.zeros(2)}
+    load_checkpoint(path, {"w": w2}, torch.optim.AdamW([w2]), ema)  # EMA switched on at resume: no saved EMA
+    assert torch.equal(w2.detach(), torch.full((2,), 3.0)) and torch.equal(ema["w"], torch.full((2,), 3.0))
 
 
 def test_checkpoint_names_missing_tensor(tmp_path):

@@ -74,6 +74,14 @@ def test_bad_window_values_are_named():
         SlidingWindow(num_steps=10, size=0)
     with pytest.raises(ValueError, match="start"):
         SlidingWindow(num_steps=10).load_state_dict({"start": 9, "count": 0, "iteration": 0})
+    with pytest.raises(ValueError, match="size=10"):
+        SlidingWindow(num_steps=10, size=10)
+    with pytest.raises(ValueError, match="exp_k"):
+        SlidingWindow(num_steps=10, schedule="exp_decay", exp_k=-0.1)
+    with pytest.raises(ValueError, match="interval"):
+        SlidingWindow(num_steps=10, interval=2.5)
+    with pytest.raises(ValueError, match="reaches the last step"):
+        mix_plan(flow_sigmas(10, 3.0), [8, 9], flash_ratio=0.4)
 
 
 def test_mix_plan_and_flash_schedule():

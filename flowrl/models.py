@@ -114,7 +114,11 @@ class FlowModel:
 
     @contextlib.contextmanager
     def reference(self):
-        """Context in which the transformer is the base model (LoRA adapters disabled)."""
+        """Context in which the transformer is the base model (LoRA adapters disabled).
+
+        Raises:
+            RuntimeError: if the transformer has no LoRA adapter (full fine-tuning has no separate base).
+        """
         if not getattr(self.transformer, "_hf_peft_config_loaded", False):
             raise RuntimeError("the KL reference is the LoRA-disabled base: set model.lora_rank > 0 to use kl_beta")
         self.transformer.disable_adapters()

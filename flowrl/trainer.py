@@ -126,7 +126,9 @@ class Trainer:
         return torch.Generator().manual_seed(seed)
 
     def sample_prompts(self, iteration: int) -> list[dict]:
-        """The iteration's prompts (deterministic in seed and iteration; tag-balanced if configured)."""
+        """The iteration's ``sampling.prompts_per_iteration`` prompt records (dicts with ``prompt``, ``tag``
+        and GenEval metadata), deterministic in ``run.seed``, `iteration` and the process index; with
+        ``tag_balanced`` a tag is drawn uniformly, then a prompt of that tag."""
         rng = random.Random(self.cfg.run.seed * 7919 + iteration * 104729 + self.accelerator.process_index)
         n = self.cfg.sampling.prompts_per_iteration
         if not self.cfg.tag_balanced:
@@ -284,7 +286,28 @@ class Trainer:
 
     def optimize(self, ro, adv_all: torch.Tensor, keep: torch.Tensor, table: PromptEmbeds,
                  generator: torch.Generator) -> dict[str, float]:
-        """Inner PPO epochs over the kept transitions, each with its advantage ``adv_all[m]``."""
+        """Inner PPO epochs over the kept transitions, each with its advantage ``adv_all[m]``.
+
+        Flow-GRPO's clipped surrogate (arXiv 2505.05470, Eq. 8 without its KL term, which is added here
+        with weight ``train.kl_beta``): ``max(-A r, -A clip(r, 1 - eps, 1 + eps))`` averaged over a minibatch
+        of ``train.minibatch_size`` transitions, one optimizer step (AdamW, gradient clipping at
+        ``train.max_grad_norm``, EMA update) per minibatch, ``train.inner_epochs`` passes in a random order
+        drawn from `generator`. The log-probs are recomputed in float32 with the std that drew each sample.
+
+        Args:
+            ro (:class:`samplers.Rollout`): the iteration's stored transitions, `M` rows.
+            adv_all (`torch.Tensor` of shape `(M,)`, float32): advantage per transition (clipped, unitless).
+            keep (`torch.Tensor` of shape `(M,)`, bool): transitions that enter the loss.
+            table (:class:`PromptEmbeds`): prompt embeddings, row 0 the empty prompt (CFG), rows 1.. indexed
+                by ``ro.cond``.
+            generator (`torch.Generator`): the iteration's generator (minibatch order).
+
+        Returns:
+            `dict[str, float]`: means over optimizer steps of ``policy/*`` (loss, grad_norm, ratio, clip
+            fractions, approx_kl, kl), ``policy/ratio_first_max_dev`` (the ratio's largest deviation from 1
+            before the first optimizer step: 0 when the recomputation is exact), per-step ``diag/step_KK/*``
+            and ``cost/trained_transitions``.
+        """
         t = self.cfg.train
         rows = keep.nonzero().squeeze(1)
         tv = ro.select(rows)
@@ -401,7 +424,12 @@ class Trainer:
 
     def run_eval(self) -> dict:
         """Held-out evaluation with ODE sampling (EMA weights if configured): GenEval strict accuracy where
-        the prompts carry GenEval metadata, else the mean of the configured rewards."""
+        the prompts carry GenEval metadata, else the mean of the configured rewards.
+
+        Returns:
+            `dict`: ``{"overall": float in [0, 1], "per_tag": {tag: float}, "n_images": int, ...}`` (see
+            :func:`flowrl.evaluate.evaluate`; :func:`flowrl.evaluate.evaluate_reward` for reward means).
+        """
         e, shift, batch = self.cfg.eval, self.cfg.sampling.shift, self.cfg.sampling.batch_size
         with self.ema_weights(), self._autocast():
             if all("include" in m for m in self.eval_metas):
@@ -470,7 +498,20 @@ class Trainer:
         return self.rewards(images, [m["prompt"] for m in leaf_metas], leaf_metas)
 
     def step(self, it: int) -> dict[str, float]:
-        """One GRPO iteration; returns its metrics."""
+        """One GRPO iteration: prompts, rollout, rewards, advantages, :meth:`optimize`, window advance.
+
+        Args:
+            it (`int`): the 0-based iteration; with ``run.seed`` it fixes the prompts and every random draw,
+                so a resumed run repeats the iterations it would have run.
+
+        Returns:
+            `dict[str, float]`: ``iteration`` (it + 1), ``reward/*`` means (per reward and per tag),
+            ``advantage/*``, ``cost/nfe`` (old-policy velocity rows, CFG counted twice), ``cost/reward_calls``,
+            ``cost/trained_transitions``, ``time/{sample,score,train}_s`` (wall seconds) and ``policy/*``.
+
+        Raises:
+            ValueError: if a reward returns the wrong shape, NaN or inf (the reward is named).
+        """
         gen = self._generator(it)
         metas = self.sample_prompts(it)
         t0 = time.time()

@@ -358,9 +358,19 @@ def dpm_solver_2m_step(
 
     Returns:
         :class:`StepOutput` with `prev_sample` `(B, C, H, W)` float32; `mean`, `std`, `log_prob` `None`.
+
+    Raises:
+        ValueError: if `sigma`, `sigma_next` or `prev_sigma` is not a single number (one time for the whole
+            batch), or ``sigma_next >= sigma``.
     """
     sample, velocity = sample.float(), velocity.float()
+    for name, value in (("sigma", sigma), ("sigma_next", sigma_next), ("prev_sigma", prev_sigma)):
+        if torch.is_tensor(value) and value.numel() != 1:
+            raise ValueError(f"dpm_solver_2m_step: {name} must be one time for the whole batch (a float or 0-d "
+                             f"tensor); got shape {tuple(value.shape)}")
     t, t_next = float(sigma), float(sigma_next)
+    if not t_next < t:
+        raise ValueError(f"dpm_solver_2m_step: sigma_next={t_next} must be < sigma={t}")
     x0 = sample - t * velocity  # (B, C, H, W)
 
     def lam(u: float) -> float:

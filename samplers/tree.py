@@ -149,8 +149,13 @@ def leaf_incidence(rollout: Rollout) -> torch.Tensor:
 
     Returns:
         `torch.Tensor` of shape `(M, B)`, bool: ``[m, b]`` is True iff transition `m` is on leaf `b`'s path.
+
+    Raises:
+        ValueError: for a subset of a rollout (:meth:`Rollout.select`), whose node ids are not its row numbers.
     """
     m, b = len(rollout), rollout.num_leaves
+    if not torch.equal(rollout.node.cpu(), torch.arange(m)):
+        raise ValueError("leaf_incidence needs a whole rollout (node ids = row numbers), not a selected subset")
     out = torch.zeros(m, b, dtype=torch.bool, device=rollout.final.device)
     current = rollout.leaf_node.clone()  # (B,)
     leaves = torch.arange(b, device=out.device)

@@ -90,6 +90,8 @@ def test_leaf_incidence_follows_the_tree():
     assert ro.leaf.tolist() == [0, 2, 0, 1, 2, 3, 0, 1, 2, 3]
     # the ODE step between the stored ones is skipped by the parent pointers
     assert ro.parent[2:6].tolist() == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="whole rollout"):
+        leaf_incidence(ro.select(torch.arange(2, 10)))
 
 
 def test_split_at_a_deterministic_step_is_refused():

@@ -98,6 +98,14 @@ def test_mix_plan_and_flash_schedule():
     torch.testing.assert_close(linear[3:], torch.linspace(float(linear[3]), 0, 3))
 
 
+def test_dpm_solver_refuses_per_sample_or_increasing_times():
+    x = torch.randn(2, 1, 2, 2)
+    with pytest.raises(ValueError, match="sigma must be one time"):
+        dpm_solver_2m_step(x, x, torch.tensor([0.5, 0.6]), 0.3)
+    with pytest.raises(ValueError, match="sigma_next=0.6 must be < sigma=0.5"):
+        dpm_solver_2m_step(x, x, 0.5, 0.6)
+
+
 def test_dpm_first_order_from_one_is_euler():
     x, v = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4)
     torch.testing.assert_close(dpm_solver_2m_step(x, v, 1.0, 0.7).prev_sample, ode_step(x, v, 1.0, 0.7).prev_sample)

@@ -491,10 +491,13 @@ class Trainer:
     def score(self, images: torch.Tensor, image_prompt: torch.Tensor, metas: list[dict]):
         """Score ``images`` (B, 3, H, W) in [0, 1], image ``b`` drawn for ``metas[image_prompt[b]]``.
 
+        Each image's metadata carries ``"group"`` = its prompt slot, so group-wise rewards (Pref-GRPO win
+        rates) keep two draws of one prompt apart.
+
         Returns:
             The reward set's scores (``.total`` float32 ``(B,)``, ``.per_reward``).
         """
-        leaf_metas = [metas[i] for i in image_prompt.tolist()]
+        leaf_metas = [{**metas[i], "group": i} for i in image_prompt.tolist()]
         return self.rewards(images, [m["prompt"] for m in leaf_metas], leaf_metas)
 
     def step(self, it: int) -> dict[str, float]:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from .base import register_reward
+from .base import check_inputs, register_reward
 
 __all__ = ["jpeg_compressibility", "jpeg_incompressibility", "jpeg_size_kb"]
 
@@ -56,6 +56,7 @@ class _JpegSize:
     def __call__(
         self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
     ) -> torch.Tensor:
+        check_inputs(images, prompts, metadata)
         return self.sign * jpeg_size_kb(images, self.quality)
 
 

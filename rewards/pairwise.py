@@ -107,10 +107,15 @@ def win_rates(judge: PairwiseJudge, images: torch.Tensor, prompts: Sequence[str]
 def parse_choice(text: str) -> float:
     """P(image 1 preferred) from a judge's reply: 1.0 for 'Image 1', 0.0 for 'Image 2', 0.5 if unparseable.
 
-    Reads the part after the last 'answer' if there is one (reasoning judges such as UnifiedReward-Think
-    end with a final answer), else the whole reply; a reply naming both or neither image is a tie.
+    Reads the content of the last ``<answer>...</answer>`` tag if there is one (the tagged format of
+    reasoning judges such as UnifiedReward-Think), else the part after the last 'answer', else the whole
+    reply. "Image N is better" decides; otherwise a reply naming both or neither image is a tie.
     """
-    tail = re.split(r"answer", text, flags=re.IGNORECASE)[-1]
+    tagged = re.findall(r"<answer>(.*?)</answer>", text, flags=re.IGNORECASE | re.DOTALL)
+    tail = tagged[-1] if tagged else re.split(r"answer", text, flags=re.IGNORECASE)[-1]
+    better = re.findall(r"image\s*([12])\s+is\s+(?:better|preferred|superior)", tail, re.IGNORECASE)
+    if better:
+        return 1.0 if better[-1] == "1" else 0.0
     ones = re.search(r"image\s*1\b", tail, re.IGNORECASE) is not None
     twos = re.search(r"image\s*2\b", tail, re.IGNORECASE) is not None
     return 1.0 if ones and not twos else 0.0 if twos and not ones else 0.5
@@ -194,10 +199,17 @@ class PrefWinRate:
         self.judge, self.both_orders, self.soft = judge, both_orders, soft
 
     def __call__(self, images, prompts, metadata) -> torch.Tensor:
-        """Win rates `(B,)` float32 in [0, 1]."""
+        """Win rates `(B,)` float32 in [0, 1] within each group: the images sharing ``metadata[b]["group"]``
+        when every record has one (the trainer sets it, so a prompt drawn twice makes two groups), else
+        the images sharing a prompt.
+
+        Raises:
+            ValueError, TypeError: for malformed inputs (:func:`rewards.check_inputs`) or judge output.
+        """
         check_inputs(images, prompts, metadata)
-        ids = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
-        group = torch.tensor([ids[p] for p in prompts])
+        keys = ([m["group"] for m in metadata] if metadata and all("group" in m for m in metadata) else list(prompts))
+        ids = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+        group = torch.tensor([ids[k] for k in keys])
         return win_rates(self.judge, images, prompts, metadata, group, self.both_orders, self.soft)
 
 
@@ -213,9 +225,12 @@ def pref_winrate(judge: str = "bt", reward: str = "clipscore", reward_options: d
         vlm_options: keyword arguments of :class:`VLMJudge` (``base_url``, ``model``, ``timeout``, ...).
 
     Raises:
-        ValueError: for an unknown `judge`.
+        ValueError: for an unknown `judge`; TypeError: for VLM options given with ``judge="bt"``.
     """
     if judge == "bt":
+        if vlm_options:
+            raise TypeError(f"pref_winrate: options {sorted(vlm_options)} are not accepted with judge='bt' "
+                            "(accepted: reward, reward_options, temperature, both_orders, soft)")
         return PrefWinRate(bradley_terry_judge(build_reward(reward, **(reward_options or {})), temperature), both_orders, soft)
     if judge == "vlm":
         return PrefWinRate(VLMJudge(**vlm_options), both_orders, soft)

@@ -61,3 +61,15 @@ def test_tiny_clip_scores_matching_captions_higher():
 def test_base_model_accuracy_is_published():
     base = json.loads((ASSETS / "tiny-sd3" / "base_eval.json").read_text())
     assert 0.0 <= base["overall"] < 0.9 and len(base["per_tag"]) == 6
+
+
+def test_read_jsonl_names_the_file_and_line_of_a_bad_line(tmp_path):
+    import pytest
+
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "a photo of a star"}\na photo of a circle\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: not a JSON line"):
+        read_jsonl(bad)
+    bad.write_text('"the prompt"\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl:1: expected a JSON object"):
+        read_jsonl(bad)

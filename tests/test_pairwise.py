@@ -56,6 +56,11 @@ def test_bradley_terry_judge_from_a_pointwise_reward():
     assert isinstance(reward, PrefWinRate)
     scores = reward(torch.rand(4, 3, 16, 16), ["a", "a", "b", "b"], [{}] * 4)
     assert sorted(scores[:2].tolist()) == [0.0, 1.0] and sorted(scores[2:].tolist()) == [0.0, 1.0]
+    # one prompt drawn twice: the trainer's group ids keep the two groups apart
+    same = reward(torch.rand(4, 3, 16, 16), ["a"] * 4, [{"group": 0}, {"group": 0}, {"group": 1}, {"group": 1}])
+    assert sorted(same[:2].tolist()) == [0.0, 1.0] and sorted(same[2:].tolist()) == [0.0, 1.0]
+    with pytest.raises(TypeError, match="temprature"):
+        build_reward("pref_winrate", judge="bt", temprature=0.05)
 
 
 def test_parse_choice():
@@ -63,6 +68,8 @@ def test_parse_choice():
     assert parse_choice("I prefer image 2.") == 0.0
     assert parse_choice("Both image 1 and image 2 are fine") == 0.5
     assert parse_choice("no idea") == 0.5
+    assert parse_choice("<think>Image 2 is blurry</think><answer>Image 1 is better</answer>") == 1.0
+    assert parse_choice("Image 2 is better than Image 1") == 0.0
 
 
 class _Server:

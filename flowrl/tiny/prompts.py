@@ -123,7 +123,8 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
     Raises:
         FileNotFoundError: naming the path.
-        ValueError: naming the file and line of an object without a ``prompt``.
+        ValueError: naming the file and line of a line that is not JSON, or not an object with a string
+            ``prompt``.
     """
     path = Path(path)
     if not path.is_file():
@@ -131,8 +132,11 @@ def read_jsonl(path: str | Path) -> list[dict]:
     metas = []
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
-            meta = json.loads(line)
-            if "prompt" not in meta:
+            try:
+                meta = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{i}: not a JSON line ({e.msg}); expected a JSON object with a 'prompt' key") from None
+            if not isinstance(meta, dict) or not isinstance(meta.get("prompt"), str):
                 raise ValueError(f"{path}:{i}: expected a JSON object with a 'prompt' key")
             metas.append(meta)
     return metas

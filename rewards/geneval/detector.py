@@ -275,5 +275,7 @@ def detect_batch(images: torch.Tensor, lenient: bool = False) -> list[list[Detec
     if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
         got = tuple(images.shape) if hasattr(images, "shape") else type(images).__name__
         raise ValueError(f"images must be a tensor of shape (B, 3, H, W), got {got}")
+    if not images.is_floating_point():
+        raise ValueError(f"images must be floating point in [0, 1], got {images.dtype}")
     images = images.detach().float().cpu()
     return [detect(image, lenient) for image in images]

@@ -96,6 +96,22 @@ def test_detect_accepts_uint8_and_float_alike_and_checks_shapes():
         detect(image.astype(np.float32))
     with pytest.raises(ValueError, match=r"\(B, 3, H, W\)"):
         detect_batch(_tensor(image))
+    with pytest.raises(ValueError, match="floating point"):
+        detect_batch((_tensor(image)[None] * 255).to(torch.uint8))
+
+
+@pytest.mark.parametrize("metadata, match", [
+    ({"prompt": "p", "include": []}, "empty 'include'"),
+    ({"prompt": "p", "include": [{"class": "star", "count": 1}], "exclude": [{"class": "star"}]}, "exclude clause"),
+    ({"prompt": "p", "include": [{"class": "star", "count": "1"}]}, "'count' must be an integer"),
+    ({"prompt": "p", "include": [{"class": "star", "count": 1},
+                                 {"class": "circle", "count": 1, "position": ["left of", -1]}]}, "'position'"),
+    ({"prompt": "p", "include": [{"class": "star", "count": 1},
+                                 {"class": "circle", "count": 1, "position": ["right", 0]}]}, "'position'"),
+])
+def test_malformed_metadata_is_named(metadata, match):
+    with pytest.raises(ValueError, match=match):
+        evaluate([], metadata)
 
 
 def _det(cls, box, color="red", score=1.0):

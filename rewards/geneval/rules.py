@@ -8,6 +8,7 @@ are checked on the first ``count`` detections of a class. See ALGORITHMS.md, "Ge
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import math
 
@@ -64,6 +65,25 @@ def relative_position(a: tuple[float, ...], b: tuple[float, ...]) -> set[str]:
     return relations
 
 
+_RELATIONS = ("left of", "right of", "above", "below")
+
+
+def _check_clause(kind: str, i: int, clause: Any, metadata: dict) -> None:
+    """Refuse a malformed include/exclude clause with a one-line error naming the prompt and clause."""
+    where = f"{kind} clause {i} of {metadata.get('prompt', metadata)!r}"
+    if not isinstance(clause, dict) or "class" not in clause or "count" not in clause:
+        raise ValueError(f"{where} needs 'class' and 'count'")
+    count = clause["count"]
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"{where}: 'count' must be an integer >= 1, got {count!r}")
+    if "position" in clause:
+        position = clause["position"]
+        if not (isinstance(position, (list, tuple)) and len(position) == 2 and position[0] in _RELATIONS
+                and isinstance(position[1], int) and 0 <= position[1] < i):
+            raise ValueError(f"{where}: 'position' must be [relation, index] with relation in {_RELATIONS} and an "
+                             f"earlier clause's index in [0, {i}), got {position!r}")
+
+
 def evaluate(detections: list[Detection], metadata: dict, graded: bool = False) -> tuple[bool, float, list[str]]:
     """Score one image's detections against its GenEval metadata.
 
@@ -80,19 +100,24 @@ def evaluate(detections: list[Detection], metadata: dict, graded: bool = False) 
         ``failures`` one short reason per failed clause.
 
     Raises:
-        ValueError: when a clause lacks ``class`` or ``count``, or a position refers to a later clause.
+        ValueError: naming the prompt and clause, when ``include`` is empty, a clause lacks ``class`` or
+            ``count``, a count is not an integer >= 1, or a position is not ``[relation, index]`` with a
+            known relation and an earlier clause's index.
     """
     by_class: dict[str, list[Detection]] = {}
     for det in sorted(detections, key=lambda d: -d.score):
         by_class.setdefault(det.cls, []).append(det)
 
     include, exclude = metadata.get("include", []), metadata.get("exclude", [])
+    if not include:
+        raise ValueError(f"metadata of {metadata.get('prompt', metadata)!r} has an empty 'include'; GenEval needs one clause")
+    for kind, clauses in (("include", include), ("exclude", exclude)):
+        for i, clause in enumerate(clauses):
+            _check_clause(kind, i if kind == "include" else len(include), clause, metadata)
     matched: list[list[Detection] | None] = []
     failures: list[str] = []
     shortfall = 0.0  # graded: 1 - mean confidence of each holding include clause
     for i, clause in enumerate(include):
-        if "class" not in clause or "count" not in clause:
-            raise ValueError(f"include clause {i} of {metadata.get('prompt', metadata)!r} needs 'class' and 'count'")
         found = by_class.get(clause["class"], [])
         count = clause["count"]
         objects = found[:count]
@@ -101,8 +126,6 @@ def evaluate(detections: list[Detection], metadata: dict, graded: bool = False) 
             ok = sum(d.color == clause["color"] for d in objects) >= count
         if ok and "position" in clause:
             relation, j = clause["position"]
-            if j >= i:
-                raise ValueError(f"include clause {i} refers to clause {j}: positions must refer to earlier clauses")
             ok = matched[j] is not None and all(
                 relation in relative_position(a.box, b.box) for a in objects for b in matched[j]
             )

@@ -34,6 +34,9 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
+CHECKPOINT_FILES = ("trainable.safetensors", "optimizer.safetensors", "state.json")  # every checkpoint has these
+
+
 def _fsync(path: Path) -> None:
     """Flush one file or folder entry to disk; a no-op where the platform cannot (e.g. folders on Windows)."""
     flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if path.is_dir() else 0)
@@ -113,9 +116,6 @@ def save_checkpoint(directory: str | Path, iteration: int, params: dict[str, tor
     return final
 
 
-CHECKPOINT_FILES = ("trainable.safetensors", "optimizer.safetensors", "state.json")
-
-
 def latest_checkpoint(directory: str | Path) -> Path | None:
     """The newest complete ``checkpoint-*`` folder under ``directory`` (all of :data:`CHECKPOINT_FILES`
     present and ``state.json`` readable JSON), or None. An incomplete or damaged newest folder is skipped
@@ -149,7 +149,7 @@ def load_checkpoint(path: str | Path, params: dict[str, torch.Tensor], optimizer
         FileNotFoundError: if the folder lacks a file; KeyError naming a trainable tensor that is missing.
     """
     path = Path(path)
-    for name in ("trainable.safetensors", "optimizer.safetensors", "state.json"):
+    for name in CHECKPOINT_FILES:
         if not (path / name).is_file():
             raise FileNotFoundError(f"checkpoint {path} is incomplete: no {name}")
     saved = load_file(path / "trainable.safetensors")

@@ -70,9 +70,7 @@ class Trainer:
         if device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("config key 'run.device' is 'cuda' but no CUDA device is available; use auto or cpu")
         self.out = Path(cfg.run.output_dir)
-        if not cfg.run.resume and (self.out / "metrics.jsonl").exists():  # before any expensive work
-            raise FileExistsError(f"run folder {self.out} already holds a run: pass run.resume=true to continue it, "
-                                  "or choose another run.output_dir")
+        self._refuse_existing_run()  # before any expensive work
         # mixed precision is our own autocast (see _autocast): accelerate's state is a process-wide singleton
         self.accelerator = Accelerator(cpu=device == "cpu")
         self.device = self.accelerator.device
@@ -114,12 +112,12 @@ class Trainer:
         self.rewards(images, [m["prompt"] for m in metas], metas)
 
     def _autocast(self, precision: str | None = None):
-        """Autocast for ``precision`` (default ``run.mixed_precision``): ``no`` leaves the surrounding mode."""
+        """bf16 autocast for ``precision`` (default ``run.mixed_precision``; the config allows ``no`` and
+        ``bf16``): ``no`` leaves the surrounding mode."""
         precision = precision or self.cfg.run.mixed_precision
         if precision == "no":
             return contextlib.nullcontext()
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-        return torch.autocast(self.device.type, dtype=dtype)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def _generator(self, iteration: int) -> torch.Generator:
         seed = self.cfg.run.seed * 1_000_003 + iteration * 1009 + self.accelerator.process_index
@@ -575,13 +573,18 @@ class Trainer:
         if not self.accelerator.is_main_process:
             return
         def write_lora(folder: Path) -> None:  # inside the checkpoint before it is sealed
-            if self.cfg.model.lora_rank > 0:
-                with self.ema_weights():
-                    self.model.save_lora(folder / "lora")
+            with self.ema_weights():
+                self.model.save_lora(folder / "lora")
 
         save_checkpoint(self.out / "checkpoints", iteration, self.params, self.optimizer, self.ema,
                         extra={"elapsed_s": elapsed, "window": self.window.state_dict() if self.window else None},
-                        write_extra_files=write_lora)
+                        write_extra_files=write_lora if self.cfg.model.lora_rank > 0 else None)
+
+    def _refuse_existing_run(self) -> None:
+        """Raise FileExistsError if ``run.output_dir`` already holds a run and ``run.resume`` is off."""
+        if not self.cfg.run.resume and (self.out / "metrics.jsonl").exists():
+            raise FileExistsError(f"run folder {self.out} already holds a run: pass run.resume=true to continue it, "
+                                  "or choose another run.output_dir")
 
     def _maybe_resume(self) -> tuple[int, float]:
         """Restore the newest complete checkpoint when ``run.resume``; returns ``(iteration, elapsed_s)``.
@@ -591,9 +594,7 @@ class Trainer:
         """
         metrics_file = self.out / "metrics.jsonl"
         if not self.cfg.run.resume:
-            if metrics_file.exists():  # also checked in __init__; the folder may have filled since
-                raise FileExistsError(f"run folder {self.out} already holds a run: pass run.resume=true to continue it, "
-                                      "or choose another run.output_dir")
+            self._refuse_existing_run()  # again: the folder may have filled since __init__
             return 0, 0.0
         main = self.accelerator.is_main_process
         path = latest_checkpoint(self.out / "checkpoints")

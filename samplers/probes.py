@@ -120,25 +120,22 @@ def sample_probes(
     kernel_names = tuple(dict.fromkeys(plan.kernels + ([child_kernel] if children else [])))
     trans: dict[str, list] = {}
     pool = dict(x=x.new_empty((0, *x.shape[1:])), idx=cond.new_empty(0), g=cond.new_empty(0), root=cond.new_empty(0),
-                step=cond.new_empty(0), child=cond.new_empty(0), node=cond.new_empty(0),
-                fresh=torch.zeros(0, dtype=torch.bool, device=device))
+                step=cond.new_empty(0), child=cond.new_empty(0), node=cond.new_empty(0))
     done: dict[str, list] = {}
     rows, nfe, last = 0, 0, torch.full_like(cond, -1)
     probes = set(probe_steps)
 
-    def spawn(states, root, step, child, node, start, fresh=True):
-        # fresh: the first completion step is one grid step (t_{k+1} -> t_{k+2}), then strides of g
+    def spawn(states, root, step, child, node, start):
         for g in granularities:
             k = len(states)
             new = dict(x=states, idx=torch.full((k,), start, dtype=torch.long, device=device),
-                       g=torch.full((k,), g, dtype=torch.long, device=device), root=root, step=step, child=child, node=node,
-                       fresh=torch.full((k,), fresh, dtype=torch.bool, device=device))
+                       g=torch.full((k,), g, dtype=torch.long, device=device), root=root, step=step, child=child, node=node)
             for name in pool:
                 pool[name] = torch.cat([pool[name], new[name]])
 
     if include_start:
         spawn(x.clone(), torch.arange(roots, device=device), torch.full_like(cond, -1), torch.zeros_like(cond),
-              torch.full_like(cond, -1), 0, fresh=False)
+              torch.full_like(cond, -1), 0)
     for j in range(n):
         here = pool["idx"] == j  # completions sitting at grid index j
         batch_x = torch.cat([x, pool["x"][here]])
@@ -148,12 +145,14 @@ def sample_probes(
         v_main, v_pool = velocity[:roots], velocity[roots:]
         # completions: one Euler step to their own next grid point
         if bool(here.any()):
-            stride = torch.where(pool["fresh"][here], torch.ones_like(pool["g"][here]), pool["g"][here])
+            # a probe of step k still at t_{k+1} first takes one grid step (to t_{k+2}), then strides of g
+            step_k, idx = pool["step"][here], pool["idx"][here]
+            fresh = (step_k >= 0) & (idx == step_k + 1)
+            stride = torch.where(fresh, torch.ones_like(pool["g"][here]), pool["g"][here])
             target = (pool["idx"][here] + stride).clamp(max=n)
             stepped = ode_step(pool["x"][here], v_pool, sigmas[j], sigmas[target]).prev_sample
             pool["x"][here] = stepped
             pool["idx"][here] = target
-            pool["fresh"][here] = False
         # the main path
         kernel = plan.kernels[j]
         before = last  # the main-path transition that produced x (the parent of this step's children)

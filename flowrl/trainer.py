@@ -507,7 +507,8 @@ class Trainer:
 
         Returns:
             `dict[str, float]`: ``iteration`` (it + 1), ``reward/*`` means (per reward and per tag),
-            ``advantage/*``, ``cost/nfe`` (old-policy velocity rows, CFG counted twice), ``cost/reward_calls``,
+            ``advantage/*``, ``cost/nfe`` (old-policy velocity rows, CFG counted twice), ``cost/reward_calls`` (images scored),
+            ``cost/judge_calls`` (with a pairwise reward: its judgements this iteration),
             ``cost/trained_transitions``, ``time/{sample,score,train}_s`` (wall seconds) and ``policy/*``.
 
         Raises:
@@ -525,7 +526,9 @@ class Trainer:
             ro, images, table = self.rollout(metas, gen)
             image_prompt = ro.group.cpu()
         t1 = time.time()
+        judged = self._judge_calls()
         scores = self.score(images, image_prompt, metas)
+        judged = self._judge_calls() - judged
         t2 = time.time()
         total = self.accelerator.gather(scores.total.to(self.device)).cpu()
         mine = slice(self.accelerator.process_index * len(scores.total), (self.accelerator.process_index + 1) * len(scores.total))
@@ -561,7 +564,13 @@ class Trainer:
         metrics.update({**adv_stats, "cost/nfe": ro.cost["nfe"] * (2 if self.cfg.sampling.guidance_scale != 1 else 1),
                         "cost/reward_calls": len(images), "time/sample_s": t1 - t0, "time/score_s": t2 - t1,
                         "time/train_s": t3 - t2, **stats})
+        if any(hasattr(r, "judge_calls") for r, _ in self.rewards.rewards.values()):
+            metrics["cost/judge_calls"] = judged
         return metrics
+
+    def _judge_calls(self) -> int:
+        """Cumulative judgements of the pairwise rewards (:attr:`rewards.PrefWinRate.judge_calls`), 0 if none."""
+        return sum(getattr(r, "judge_calls", 0) for r, _ in self.rewards.rewards.values())
 
     # ----------------------------------------------------------------------------------- bookkeeping
     def _log(self, metrics: dict) -> None:

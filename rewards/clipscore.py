@@ -64,9 +64,11 @@ class ClipScore:
         image_std (`Sequence[float]` of length 3): per-channel std of the model's preprocessing.
         device (`str` or `torch.device`): where the model runs.
         dtype (`torch.dtype` or `str`): the model's weight dtype (e.g. `"bfloat16"` on GPU).
+        batch_size (`int >= 1`, *optional*): score at most this many images per forward (bounds the
+            memory of a large model such as PickScore's ViT-H); default: the whole batch at once.
 
     Returns (when called):
-        `torch.Tensor` of shape `(B,)`, float32, on CPU: `logit_scale.exp() * cos(img, text)`, in
+        `torch.Tensor` of shape `(B,)`, float32, on CPU (`(0,)` for an empty batch): `logit_scale.exp() * cos(img, text)`, in
         `[-s, s]` with `s = logit_scale.exp()` (100 for OpenAI CLIP and PickScore). Matching pairs
         typically score 20-35 with CLIP ViT-L/14 and 18-24 with PickScore; only differences between
         images of one prompt are meaningful.
@@ -85,9 +87,13 @@ class ClipScore:
         image_std: Sequence[float],
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str = torch.float32,
+        batch_size: int | None = None,
     ):
         if len(image_mean) != 3 or len(image_std) != 3:
             raise ValueError(f"image_mean and image_std need 3 values, got {image_mean!r} and {image_std!r}")
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"clipscore: batch_size must be an integer >= 1 or null, got {batch_size!r}")
+        self.batch_size = batch_size
         self.device = torch.device(device)
         self.dtype = _as_dtype(dtype)
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
@@ -125,12 +131,18 @@ class ClipScore:
         self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
     ) -> torch.Tensor:
         check_inputs(images, prompts, metadata)
+        size = self.batch_size or max(1, len(prompts))
+        return torch.cat([self._score(images[i : i + size], prompts[i : i + size]) for i in range(0, len(prompts), size)]
+                         or [torch.zeros(0)])
+
+    def _score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        """One chunk: `(b, 3, H, W)` images and `b` prompts -> `(b,)` float32 CPU scores."""
         tokens = self.tokenizer(
             list(prompts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
         ).to(self.device)
-        text = _pooled(self.model.get_text_features(tokens["input_ids"], tokens["attention_mask"]))  # (B, D)
-        image = _pooled(self.model.get_image_features(pixel_values=self.preprocess(images)))  # (B, D)
-        cosine = (F.normalize(image.float(), dim=-1) * F.normalize(text.float(), dim=-1)).sum(-1)  # (B,)
+        text = _pooled(self.model.get_text_features(tokens["input_ids"], tokens["attention_mask"]))  # (b, D)
+        image = _pooled(self.model.get_image_features(pixel_values=self.preprocess(images)))  # (b, D)
+        cosine = (F.normalize(image.float(), dim=-1) * F.normalize(text.float(), dim=-1)).sum(-1)  # (b,)
         return (self.model.logit_scale.float().exp() * cosine).cpu()
 
 
@@ -140,6 +152,7 @@ def clipscore(
     processor_path: str | os.PathLike | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str = torch.float32,
+    batch_size: int | None = None,
 ) -> ClipScore:
     """Load a `ClipScore` reward from local folders (nothing is downloaded).
 
@@ -153,6 +166,7 @@ def clipscore(
             processor config (`preprocessor_config.json`); defaults to `model_path`.
         device (`str` or `torch.device`, default `"cpu"`): where the model runs.
         dtype (`torch.dtype` or `str`, default float32): weight dtype, e.g. `"bfloat16"` on GPU.
+        batch_size (`int >= 1`, *optional*): images per forward; default the whole batch.
 
     Returns:
         A `ClipScore`, scoring `(B, 3, H, W)` images in `[0, 1]` to `(B,)` float32 CPU tensors,
@@ -161,7 +175,7 @@ def clipscore(
     Raises:
         FileNotFoundError: a path is not a local folder, or `model_path` has no `config.json`.
         OSError: the tokenizer or image processor cannot be loaded from `processor_path`.
-        ValueError: `dtype` is not a floating torch dtype.
+        ValueError: `dtype` is not a floating torch dtype, or `batch_size` is not an integer >= 1.
     """
     from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
 
@@ -178,4 +192,4 @@ def clipscore(
             f"({first_line})"
         ) from err
     model = CLIPModel.from_pretrained(model_dir, local_files_only=True)
-    return ClipScore(model, tokenizer, image_processor.image_mean, image_processor.image_std, device, dtype)
+    return ClipScore(model, tokenizer, image_processor.image_mean, image_processor.image_std, device, dtype, batch_size)

@@ -50,8 +50,8 @@ class _JpegSize:
     quality: int
 
     def __post_init__(self):
-        if not 1 <= self.quality <= 100:
-            raise ValueError(f"{self.name}: quality must be in [1, 100], got {self.quality}")
+        if isinstance(self.quality, bool) or not isinstance(self.quality, int) or not 1 <= self.quality <= 100:
+            raise ValueError(f"{self.name}: quality must be an integer in [1, 100], got {self.quality!r}")
 
     def __call__(
         self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
@@ -72,7 +72,7 @@ def jpeg_compressibility(quality: int = 95) -> _JpegSize:
         scores about -5 when flat grey and -300 when uniform noise). Prompts and metadata are ignored.
 
     Raises:
-        ValueError: `quality` outside `[1, 100]`.
+        ValueError: `quality` not an integer in `[1, 100]`.
     """
     return _JpegSize("jpeg_compressibility", sign=-1.0, quality=quality)
 
@@ -89,6 +89,6 @@ def jpeg_incompressibility(quality: int = 95) -> _JpegSize:
         are ignored.
 
     Raises:
-        ValueError: `quality` outside `[1, 100]`.
+        ValueError: `quality` not an integer in `[1, 100]`.
     """
     return _JpegSize("jpeg_incompressibility", sign=1.0, quality=quality)

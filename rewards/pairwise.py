@@ -29,8 +29,35 @@ __all__ = ["PrefWinRate", "VLMJudge", "bradley_terry_judge", "parse_choice", "pr
 PairwiseJudge = Callable[[torch.Tensor, torch.Tensor, Sequence[str], Sequence[Mapping[str, Any]]], torch.Tensor]
 
 
+class _BradleyTerryJudge:
+    """See :func:`bradley_terry_judge`. Exactly antisymmetric (``judge(b, a) = 1 - judge(a, b)``), and its
+    probabilities come from one pointwise score per image, which :func:`win_rates` uses to score each image
+    once instead of once per pair."""
+
+    antisymmetric = True
+
+    def __init__(self, reward: Callable, temperature: float):
+        self.reward, self.temperature = reward, temperature
+        self.name = f"bradley_terry({getattr(reward, 'name', getattr(reward, '__name__', 'reward'))})"
+
+    def scores(self, images, prompts, metadata) -> torch.Tensor:
+        """The pointwise reward, float32 ``(B,)`` on CPU."""
+        return torch.as_tensor(self.reward(images, list(prompts), list(metadata))).float().cpu()
+
+    def prob(self, r_a: torch.Tensor, r_b: torch.Tensor) -> torch.Tensor:
+        """``sigmoid((r_a - r_b) / temperature)`` from two score tensors of equal shape."""
+        return torch.sigmoid((r_a - r_b) / self.temperature)
+
+    def __call__(self, images_a, images_b, prompts, metadata) -> torch.Tensor:
+        both = self.scores(torch.cat([images_a, images_b]), list(prompts) * 2, list(metadata) * 2)
+        return self.prob(both[: len(prompts)], both[len(prompts):])
+
+
 def bradley_terry_judge(reward: Callable, temperature: float = 1.0) -> PairwiseJudge:
     """Any pointwise reward as a Bradley-Terry judge: ``P(a > b) = sigmoid((r(a) - r(b)) / temperature)``.
+
+    The judge is exactly antisymmetric, so :func:`win_rates` judges one order only, and it scores every
+    image of a batch once (``B`` reward evaluations instead of ``2`` per pair).
 
     Args:
         reward: a pointwise reward ``(images, prompts, metadata) -> (B,)``.
@@ -39,16 +66,9 @@ def bradley_terry_judge(reward: Callable, temperature: float = 1.0) -> PairwiseJ
     Raises:
         ValueError: if `temperature <= 0`.
     """
-    if temperature <= 0:
+    if not temperature > 0:
         raise ValueError(f"Bradley-Terry temperature must be > 0, got {temperature}")
-
-    def judge(images_a, images_b, prompts, metadata):
-        both = reward(torch.cat([images_a, images_b]), list(prompts) * 2, list(metadata) * 2).float()
-        r_a, r_b = both[: len(prompts)], both[len(prompts):]
-        return torch.sigmoid((r_a - r_b) / temperature)
-
-    judge.name = f"bradley_terry({getattr(reward, 'name', getattr(reward, '__name__', 'reward'))})"
-    return judge
+    return _BradleyTerryJudge(reward, temperature)
 
 
 def win_rates(judge: PairwiseJudge, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]],
@@ -56,14 +76,15 @@ def win_rates(judge: PairwiseJudge, images: torch.Tensor, prompts: Sequence[str]
     """Pref-GRPO win rates (arXiv 2508.20751, Sec. 3.2) of every image against the rest of its group.
 
     All pairs ``(i, j), i < j`` of every group go to the judge in one call (and the swapped pairs in a
-    second call when `both_orders`); ``p_ij = (judge(i, j) + 1 - judge(j, i)) / 2``. With ``soft=False``
+    second call when `both_orders`, unless the judge declares itself ``antisymmetric``); a judge with
+    ``scores`` and ``prob`` methods (:func:`bradley_terry_judge`) scores each image once instead; ``p_ij = (judge(i, j) + 1 - judge(j, i)) / 2``. With ``soft=False``
     ``i`` wins (1 point) if ``p_ij > 0.5``, loses if below, and a tie gives each 0.5; with ``soft=True``
     ``i`` scores ``p_ij`` and ``j`` scores ``1 - p_ij``. Then ``win_i = points_i / (G - 1)``.
 
     Args:
         judge: a pairwise judge (see the module docstring).
         images (`(B, 3, H, W)` in [0, 1]), prompts (`B` strings), metadata (`B` dicts).
-        group (`torch.Tensor` of shape `(B,)`, long): group id of each image.
+        group (`torch.Tensor` of shape `(B,)`, long, any device): group id of each image.
         both_orders (`bool`): also judge every pair swapped and average (cancels position bias).
         soft (`bool`): count the preference probability instead of hard wins.
 
@@ -71,8 +92,11 @@ def win_rates(judge: PairwiseJudge, images: torch.Tensor, prompts: Sequence[str]
         `torch.Tensor` of shape `(B,)`, float32 in [0, 1] (0.5 for an image alone in its group).
 
     Raises:
-        ValueError: if the judge returns the wrong shape or values outside [0, 1].
+        ValueError: if `group` is not `(B,)`, or the judge returns the wrong shape or values outside [0, 1].
     """
+    group = torch.as_tensor(group).cpu()
+    if group.shape != (len(prompts),):
+        raise ValueError(f"win_rates: group must have shape ({len(prompts)},); got {tuple(group.shape)}")
     pairs = [(i, j) for g in group.unique().tolist() for idx in [(group == g).nonzero().squeeze(1).tolist()]
              for a, i in enumerate(idx) for j in idx[a + 1:]]
     points = torch.zeros(len(prompts), dtype=torch.float32)
@@ -82,18 +106,29 @@ def win_rates(judge: PairwiseJudge, images: torch.Tensor, prompts: Sequence[str]
         return torch.full((len(prompts),), 0.5)
     a = torch.tensor([p[0] for p in pairs])
     b = torch.tensor([p[1] for p in pairs])
+    name = getattr(judge, "name", judge)
 
-    def ask(x, y):
-        p = judge(images[x], images[y], [prompts[k] for k in x.tolist()], [metadata[k] for k in x.tolist()])
+    def check(p, n):
         p = torch.as_tensor(p, dtype=torch.float32).cpu()
-        if p.shape != (len(x),) or bool(((p < 0) | (p > 1) | p.isnan()).any()):
-            raise ValueError(f"pairwise judge {getattr(judge, 'name', judge)!r} must return ({len(x)},) "
-                             f"probabilities in [0, 1]; got shape {tuple(p.shape)}")
+        if p.shape != (n,) or bool(((p < 0) | (p > 1) | p.isnan()).any()):
+            raise ValueError(f"pairwise judge {name!r} must return ({n},) probabilities in [0, 1]; got shape {tuple(p.shape)}")
         return p
 
-    p = ask(a, b)
-    if both_orders:
-        p = (p + 1 - ask(b, a)) / 2
+    def ask(x, y):
+        return check(judge(images[x], images[y], [prompts[k] for k in x.tolist()], [metadata[k] for k in x.tolist()]), len(x))
+
+    if hasattr(judge, "scores") and hasattr(judge, "prob"):  # pointwise judge: one score per image
+        r = judge.scores(images, prompts, metadata)
+        if r.shape != (len(prompts),) or not bool(torch.isfinite(r).all()):
+            raise ValueError(f"pairwise judge {name!r}: its reward must return ({len(prompts)},) finite scores; "
+                             f"got shape {tuple(r.shape)}")
+        p = check(judge.prob(r[a], r[b]), len(a))
+        if both_orders and not getattr(judge, "antisymmetric", False):
+            p = (p + 1 - check(judge.prob(r[b], r[a]), len(a))) / 2
+    else:
+        p = ask(a, b)
+        if both_orders and not getattr(judge, "antisymmetric", False):
+            p = (p + 1 - ask(b, a)) / 2
     if soft:
         score_a, score_b = p, 1 - p
     else:
@@ -191,12 +226,18 @@ class PrefWinRate:
 
     Args:
         judge: a pairwise judge. both_orders (`bool`), soft (`bool`): see :func:`win_rates`.
+
+    Attributes:
+        judge_calls (`int`): cumulative number of judgements made: pairs sent to a pairwise judge (each
+            order counted), or images scored by a pointwise (Bradley-Terry) judge. The trainer logs its
+            increase per iteration as ``cost/judge_calls``.
     """
 
     name = "pref_winrate"
 
     def __init__(self, judge: PairwiseJudge, both_orders: bool = True, soft: bool = False):
         self.judge, self.both_orders, self.soft = judge, both_orders, soft
+        self.judge_calls = 0
 
     def __call__(self, images, prompts, metadata) -> torch.Tensor:
         """Win rates `(B,)` float32 in [0, 1] within each group: the images sharing ``metadata[b]["group"]``
@@ -210,28 +251,45 @@ class PrefWinRate:
         keys = ([m["group"] for m in metadata] if metadata and all("group" in m for m in metadata) else list(prompts))
         ids = {k: i for i, k in enumerate(dict.fromkeys(keys))}
         group = torch.tensor([ids[k] for k in keys])
-        return win_rates(self.judge, images, prompts, metadata, group, self.both_orders, self.soft)
+        rates = win_rates(self.judge, images, prompts, metadata, group, self.both_orders, self.soft)
+        sizes = torch.bincount(group)
+        pairs = int((sizes * (sizes - 1) // 2).sum())
+        if hasattr(self.judge, "scores") and hasattr(self.judge, "prob"):
+            self.judge_calls += len(prompts) if pairs else 0
+        else:
+            self.judge_calls += pairs * (2 if self.both_orders and not getattr(self.judge, "antisymmetric", False) else 1)
+        return rates
 
 
 @register_reward("pref_winrate")
 def pref_winrate(judge: str = "bt", reward: str = "clipscore", reward_options: dict | None = None,
-                 temperature: float = 1.0, both_orders: bool = True, soft: bool = False, **vlm_options) -> PrefWinRate:
+                 temperature: float | None = None, both_orders: bool = True, soft: bool = False, **vlm_options) -> PrefWinRate:
     """Pref-GRPO win-rate reward.
 
     Args:
         judge (`str`): ``"bt"`` (a pointwise reward as Bradley-Terry judge) or ``"vlm"`` (:class:`VLMJudge`).
-        reward (`str`), reward_options (`dict`), temperature (`float`): the ``"bt"`` judge's reward and scale.
-        both_orders, soft: see :func:`win_rates`.
+        reward (`str`), reward_options (`dict`): the ``"bt"`` judge's pointwise reward.
+        temperature (`float`, `> 0`, default 1): the ``"bt"`` judge's scale, in the reward's units. It only
+            matters with ``soft=True``: a hard win ``r_a > r_b`` does not depend on it.
+        both_orders, soft: see :func:`win_rates` (the ``"bt"`` judge is antisymmetric, so it is judged in
+            one order whatever `both_orders` says).
         vlm_options: keyword arguments of :class:`VLMJudge` (``base_url``, ``model``, ``timeout``, ...).
 
     Raises:
-        ValueError: for an unknown `judge`; TypeError: for VLM options given with ``judge="bt"``.
+        ValueError: for an unknown `judge`, or a `temperature` given with ``soft=False`` (it would have no
+            effect); TypeError: for VLM options given with ``judge="bt"``, or `temperature` with ``judge="vlm"``.
     """
     if judge == "bt":
         if vlm_options:
             raise TypeError(f"pref_winrate: options {sorted(vlm_options)} are not accepted with judge='bt' "
                             "(accepted: reward, reward_options, temperature, both_orders, soft)")
-        return PrefWinRate(bradley_terry_judge(build_reward(reward, **(reward_options or {})), temperature), both_orders, soft)
+        if temperature is not None and not soft:
+            raise ValueError(f"pref_winrate: temperature={temperature} has no effect with soft=false (a hard win only "
+                             "compares the two rewards); set soft=true or drop temperature")
+        bt = bradley_terry_judge(build_reward(reward, **(reward_options or {})), 1.0 if temperature is None else temperature)
+        return PrefWinRate(bt, both_orders, soft)
     if judge == "vlm":
+        if temperature is not None:
+            raise TypeError("pref_winrate: temperature is an option of judge='bt' only (the VLM judge samples at 0)")
         return PrefWinRate(VLMJudge(**vlm_options), both_orders, soft)
     raise ValueError(f"pref_winrate judge must be 'bt' or 'vlm', got {judge!r}")

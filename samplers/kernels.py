@@ -166,7 +166,9 @@ def _gaussian_step(
 
 def _draw(sample, mean, std, generator, prev_sample, noise) -> StepOutput:
     """``x' = mean + std eps`` (or the given `prev_sample`) and its log-prob; `std` is `(B, 1, 1, 1)`.
-    A zero std (CPS onto ``t' = 0``) gives log-prob 0."""
+    A zero std (CPS onto ``t' = 0``) gives log-prob 0. A negative or NaN std is refused when it lives on
+    the CPU; on an accelerator that check would be a host sync per step, so there the kernels rely on
+    :func:`samplers.sample`'s and :class:`samplers.StepPlan`'s checks of the sigmas and noise levels."""
     if prev_sample is not None and noise is not None:
         raise ValueError("pass at most one of prev_sample (score a given sample) and noise (draw a new one)")
     if prev_sample is None:
@@ -180,7 +182,7 @@ def _draw(sample, mean, std, generator, prev_sample, noise) -> StepOutput:
         raise ValueError(f"prev_sample must have shape {tuple(sample.shape)}; got {tuple(prev_sample.shape)}")
     prev_sample = prev_sample.float()
     std = std.reshape(-1)  # (B,)
-    if not bool((std >= 0).all()):  # also catches NaN: e.g. sigma_next > sigma, a negative noise level or eta > 1
+    if std.device.type == "cpu" and not bool((std >= 0).all()):  # also catches NaN: e.g. sigma_next > sigma, a negative noise level or eta > 1
         raise ValueError(f"the step's std must be finite and >= 0; got {std.detach().cpu().tolist()[:8]} "
                          "(check that sigma_next < sigma and that noise_level / eta is in range)")
     safe = torch.where(std > 0, std, torch.ones_like(std))

@@ -106,7 +106,7 @@ class StepPlan:
     Attributes:
         kernels (`list[str]`): one name from :data:`samplers.KERNELS` per step.
         noise_levels (`list[float]`): per step, the kernel's noise level (Flow-GRPO's ``a`` or Dance's
-            ``eta``); must be `> 0` for stochastic kernels, ignored for ``"ode"``.
+            ``eta``); must be `> 0` for stochastic kernels (and `<= 1` for ``"cps"``), ignored for ``"ode"``.
         trained (`list[bool]`): per step, whether its transitions enter the policy loss. Only stochastic
             kernels can be trained (a deterministic step has no log-prob).
 
@@ -138,6 +138,8 @@ class StepPlan:
             stochastic = kernel in STOCHASTIC_KERNELS
             if stochastic and not level > 0:
                 raise ValueError(f"StepPlan.noise_levels[{k}]={level} must be > 0 for stochastic kernel {kernel!r}")
+            if kernel == "cps" and level > 1:
+                raise ValueError(f"StepPlan.noise_levels[{k}]={level}: the cps kernel's eta must be in (0, 1]")
             if trained and not stochastic:
                 raise ValueError(f"StepPlan.trained[{k}] is True but kernel {kernel!r} is deterministic; set it False")
 

@@ -63,6 +63,42 @@ def test_bradley_terry_judge_from_a_pointwise_reward():
         build_reward("pref_winrate", judge="bt", temprature=0.05)
 
 
+def test_bradley_terry_win_rates_score_each_image_once_and_match_the_pairwise_path():
+    calls = []
+
+    def brightness(images, prompts, metadata):
+        calls.append(len(images))
+        return images.mean(dim=(1, 2, 3))
+
+    images = _images([0.3, 0.1, 0.2, 0.9, 0.4, 0.0])
+    group = torch.tensor([0, 0, 0, 1, 1, 1])
+    judge = bradley_terry_judge(brightness, temperature=0.1)
+    for soft in (False, True):
+        fast = win_rates(judge, images, ["p"] * 6, [{}] * 6, group, soft=soft)
+        generic = win_rates(lambda a, b, p, m: judge(a, b, p, m), images, ["p"] * 6, [{}] * 6, group, soft=soft)
+        torch.testing.assert_close(fast, generic)
+    calls.clear()
+    reward = PrefWinRate(judge)
+    rates = reward(images, ["a"] * 3 + ["b"] * 3, [{}] * 6)
+    assert rates.tolist() == [1.0, 0.0, 0.5, 1.0, 0.5, 0.0]
+    assert calls == [6] and reward.judge_calls == 6  # one score per image, not two per pair and order
+    with pytest.raises(ValueError, match="group must have shape"):
+        win_rates(judge, images, ["p"] * 6, [{}] * 6, torch.zeros(5, dtype=torch.long))
+
+
+def test_pref_winrate_counts_judge_calls_and_refuses_an_idle_temperature():
+    first = lambda a, b, p, m: torch.ones(len(a))  # noqa: E731
+    reward = PrefWinRate(first)
+    reward(_images([0.0, 0.1, 0.2, 0.3]), ["p"] * 4, [{}] * 4)
+    assert reward.judge_calls == 12  # 6 pairs, both orders
+    with pytest.raises(ValueError, match="temperature=0.05 has no effect with soft=false"):
+        build_reward("pref_winrate", reward="jpeg_compressibility", temperature=0.05)
+    soft = build_reward("pref_winrate", reward="jpeg_compressibility", temperature=0.05, soft=True)
+    assert soft.judge.temperature == 0.05
+    with pytest.raises(TypeError, match="temperature is an option of judge='bt'"):
+        build_reward("pref_winrate", judge="vlm", temperature=0.5, base_url="http://127.0.0.1:1/v1", model="m")
+
+
 def test_parse_choice():
     assert parse_choice("Image 2 has more detail... Final answer: Image 1") == 1.0
     assert parse_choice("I prefer image 2.") == 0.0

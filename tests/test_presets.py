@@ -34,6 +34,8 @@ def test_preset_runs(path, tmp_path, random_pipeline, prompt_files):
     assert result["after"]["n_images"] > 0
     metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert all(m["cost/trained_transitions"] > 0 and m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)
+    if path.stem == "pref_grpo":  # the Bradley-Terry judge scores each image once
+        assert all(m["cost/judge_calls"] == m["cost/reward_calls"] > 0 for m in metrics)
     for m in metrics:  # every trained step has its ratio and gradient-norm diagnostics
         steps = {k.split("/")[1] for k in m if k.startswith("diag/step_")}
         assert steps and all(f"diag/{s}/grad_norm" in m and f"diag/{s}/ratio_std" in m for s in steps)

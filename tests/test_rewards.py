@@ -175,8 +175,9 @@ def test_jpeg_flat_image_is_more_compressible_than_noise():
 
 
 def test_jpeg_quality_checked():
-    with pytest.raises(ValueError, match=r"quality must be in \[1, 100\]"):
-        jpeg_compressibility(quality=0)
+    for bad in (0, 101, "80", 80.5, True):
+        with pytest.raises(ValueError, match=r"quality must be an integer in \[1, 100\]"):
+            jpeg_compressibility(quality=bad)
 
 
 # --- CLIP -------------------------------------------------------------------------------------
@@ -254,6 +255,19 @@ def test_clipscore_matches_transformers_reference(tiny_clip_dir):
         logits = reward.model(**tokens, pixel_values=reward.preprocess(images)).logits_per_image
     torch.testing.assert_close(reward(images, prompts, [{}, {}]), logits.diagonal(), rtol=1e-5, atol=1e-5)
     assert np.isfinite(logits.numpy()).all()
+
+
+def test_clipscore_batch_size_chunks_and_empty_batch(tiny_clip_dir):
+    images = torch.rand(5, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    prompts = ["a red cube", "a blue ball", "two dogs", "", "a cat"]
+    whole = clipscore(tiny_clip_dir)(images, prompts, [{}] * 5)
+    chunked = clipscore(tiny_clip_dir, batch_size=2)(images, prompts, [{}] * 5)
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+    empty = clipscore(tiny_clip_dir)(torch.zeros(0, 3, 32, 32), [], [])
+    assert empty.shape == (0,) and empty.dtype == torch.float32
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="clipscore: batch_size must be an integer >= 1"):
+            clipscore(tiny_clip_dir, batch_size=bad)
 
 
 def test_clipscore_missing_folder_or_config(tmp_path):

@@ -276,6 +276,8 @@ def test_step_plan_validation_names_the_field():
         StepPlan(["ode"], [0.0], [True])
     with pytest.raises(ValueError, match=r"noise_levels\[0\]"):
         StepPlan(["flow_sde"], [0.0], [True])
+    with pytest.raises(ValueError, match=r"noise_levels\[1\]=2.5: the cps kernel's eta must be in \(0, 1\]"):
+        StepPlan(["ode", "cps"], [0.0, 2.5], [False, True])  # sin(2.5 pi / 2) < 0 would give a negative std
 
 
 def test_sample_rejects_bad_inputs():

@@ -131,6 +131,34 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     return None
 
 
+def prune_checkpoints(directory: str | Path, keep: int) -> list[Path]:
+    """Delete the oldest checkpoints so that the newest `keep` complete ones remain (as transformers'
+    ``save_total_limit``). Only folders older than the oldest kept one are deleted, so an incomplete
+    newer folder is never the reason a complete one goes.
+
+    Args:
+        directory (`str` or `Path`): the run's checkpoint folder.
+        keep (`int`, `>= 1`): complete checkpoints to keep.
+
+    Returns:
+        `list[Path]`: the deleted folders, oldest first.
+
+    Raises:
+        ValueError: if `keep < 1`.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    folders = sorted(Path(directory).glob("checkpoint-*"), reverse=True)  # newest first (zero-padded names)
+    complete = [p for p in folders if all((p / name).is_file() for name in CHECKPOINT_FILES)]
+    if len(complete) <= keep:
+        return []
+    oldest_kept = complete[keep - 1]
+    doomed = sorted(p for p in folders if p.name < oldest_kept.name)
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
 def load_checkpoint(path: str | Path, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
                     ema: dict[str, torch.Tensor] | None = None) -> dict:
     """Restore a checkpoint written by :func:`save_checkpoint` in place.

@@ -188,6 +188,7 @@ class TrainConfig:
     reward_aggregation: str = "reward"  # several rewards: z-score their weighted sum (reward) | sum their z-scores (advantage)
     best_of_n: int = 0  # train only the best and worst best_of_n / 2 samples of each group (0 = all)
     step_grad_norms: str = "velocity"  # per-step gradient-norm diagnostic: none | velocity (free) | params (1 backward per step)
+    gradient_checkpointing: bool = False  # recompute the transformer's activations in backward: less memory, ~1 more forward
 
     def __post_init__(self):
         _check(self.adv_std in ("global", "group"), "train.adv_std", "global|group", self.adv_std)
@@ -239,6 +240,7 @@ class RunConfig:
     seed: int = 0
     iterations: int = 100
     save_every: int = 10
+    keep_checkpoints: Optional[int] = None  # keep only the newest N checkpoints (null: keep all)
     resume: bool = False  # continue from the newest checkpoint in output_dir
     device: str = "auto"  # auto | cpu | cuda
     mixed_precision: str = "bf16"  # no | bf16 (autocast; fp16 would need loss scaling, which flowrl does not do)
@@ -248,6 +250,8 @@ class RunConfig:
             self.mixed_precision = "no"
         _check(self.iterations >= 1, "run.iterations", ">= 1", self.iterations)
         _check(self.save_every >= 1, "run.save_every", ">= 1 (the last iteration is always saved)", self.save_every)
+        _check(self.keep_checkpoints is None or self.keep_checkpoints >= 1, "run.keep_checkpoints", ">= 1 or null (keep all)",
+               self.keep_checkpoints)
         _check(self.mixed_precision in ("no", "bf16"), "run.mixed_precision",
                "no|bf16 (fp16 needs loss scaling, which flowrl does not do)", self.mixed_precision)
         _check(self.device in ("auto", "cpu", "cuda"), "run.device", "auto|cpu|cuda", self.device)

@@ -24,7 +24,7 @@ from samplers import (SlidingWindow, StepPlan, flow_sigmas, leaf_incidence, mix_
 
 from .advantages import (aggregate_advantages, best_of_n, depthwise_advantages, group_advantages, process_advantages, sum_by_node, tree_node_rewards,
                          turning_point_rewards, width_prune)
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from .config import Config, ConfigError, prompt_file, resolve_path, save_config
 from .evaluate import evaluate, evaluate_reward, generate
 from .losses import kl_to_reference, ppo_loss, ratio_norm, step_weights, velocity_kl
@@ -84,6 +84,8 @@ class Trainer:
             self.model.add_lora(cfg.model.lora_rank, cfg.model.lora_alpha)
         else:
             self.model.full_finetune()
+        if cfg.train.gradient_checkpointing:  # only forwards with gradients (training) are checkpointed
+            self.model.transformer.enable_gradient_checkpointing()
         self.params = {n: p for n, p in self.model.transformer.named_parameters() if p.requires_grad}
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.train.learning_rate,
                                            betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay)
@@ -588,6 +590,8 @@ class Trainer:
         save_checkpoint(self.out / "checkpoints", iteration, self.params, self.optimizer, self.ema,
                         extra={"elapsed_s": elapsed, "window": self.window.state_dict() if self.window else None},
                         write_extra_files=write_lora if self.cfg.model.lora_rank > 0 else None)
+        if self.cfg.run.keep_checkpoints:
+            prune_checkpoints(self.out / "checkpoints", self.cfg.run.keep_checkpoints)
 
     def _refuse_existing_run(self) -> None:
         """Raise FileExistsError if ``run.output_dir`` already holds a run and ``run.resume`` is off."""

@@ -104,7 +104,10 @@ def test_resume_continues_a_killed_run_exactly(tmp_path, random_pipeline, prompt
     first_config = (tmp_path / "part/config.yaml").read_text()
     with open(tmp_path / "part/metrics.jsonl", "a") as f:
         f.write('{"iteration": 2, "reward/to')  # a line torn by the crash
-    resumed = _config(tmp_path, random_pipeline, prompt_files, out="part", **{"run.mixed_precision": "no", "run.resume": "true"})
+    # the resumed part also recomputes activations in backward: the update must not change
+    resumed = _config(tmp_path, random_pipeline, prompt_files, out="part",
+                      **{"run.mixed_precision": "no", "run.resume": "true", "run.keep_checkpoints": 1,
+                         "train.gradient_checkpointing": "true"})
     Trainer(resumed).train()
     a = load_file(Path(cfg_full.run.output_dir) / "checkpoints/checkpoint-000002/trainable.safetensors")
     b = load_file(tmp_path / "part/checkpoints/checkpoint-000002/trainable.safetensors")
@@ -116,6 +119,7 @@ def test_resume_continues_a_killed_run_exactly(tmp_path, random_pipeline, prompt
     assert (tmp_path / "part/config.yaml").read_text() == first_config  # the first part's config is kept
     assert "resume: true" in (tmp_path / "part/config-resume-000001.yaml").read_text()
     assert (tmp_path / "part/checkpoints/checkpoint-000002/lora").is_dir()  # sealed inside the checkpoint
+    assert sorted(p.name for p in (tmp_path / "part/checkpoints").iterdir()) == ["checkpoint-000002"]  # keep_checkpoints=1
 
 
 def test_existing_run_folder_needs_resume(tmp_path, random_pipeline, prompt_files):

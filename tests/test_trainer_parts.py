@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flowrl.advantages import group_advantages
-from flowrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from flowrl.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from flowrl.config import ConfigError, load_config
 from flowrl.losses import kl_to_reference, ppo_loss
 
@@ -157,6 +157,23 @@ def test_checkpoint_resave_and_extra_files(tmp_path):
     ema = {"w": torch.zeros(2)}
     load_checkpoint(path, {"w": w2}, torch.optim.AdamW([w2]), ema)  # EMA switched on at resume: no saved EMA
     assert torch.equal(w2.detach(), torch.full((2,), 3.0)) and torch.equal(ema["w"], torch.full((2,), 3.0))
+
+
+def test_prune_checkpoints_keeps_the_newest_complete_ones(tmp_path):
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([w])
+    for it in (1, 2, 3):
+        save_checkpoint(tmp_path, it, {"w": w}, opt)
+    assert prune_checkpoints(tmp_path, 5) == []
+    (tmp_path / "checkpoint-000004").mkdir()  # incomplete: does not count, and is not deleted
+    deleted = prune_checkpoints(tmp_path, 2)
+    assert [p.name for p in deleted] == ["checkpoint-000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000002", "checkpoint-000003", "checkpoint-000004"]
+    assert latest_checkpoint(tmp_path).name == "checkpoint-000003"
+    with pytest.raises(ValueError, match="keep must be >= 1"):
+        prune_checkpoints(tmp_path, 0)
+    with pytest.raises(ConfigError, match="run.keep_checkpoints"):
+        load_config(None, ["run.keep_checkpoints=0"])
 
 
 def test_checkpoint_names_missing_tensor(tmp_path):

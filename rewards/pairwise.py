@@ -76,8 +76,9 @@ def win_rates(judge: PairwiseJudge, images: torch.Tensor, prompts: Sequence[str]
     """Pref-GRPO win rates (arXiv 2508.20751, Sec. 3.2) of every image against the rest of its group.
 
     All pairs ``(i, j), i < j`` of every group go to the judge in one call (and the swapped pairs in a
-    second call when `both_orders`, unless the judge declares itself ``antisymmetric``); a judge with
-    ``scores`` and ``prob`` methods (:func:`bradley_terry_judge`) scores each image once instead; ``p_ij = (judge(i, j) + 1 - judge(j, i)) / 2``. With ``soft=False``
+    second call when `both_orders`, unless the judge declares itself ``antisymmetric``), so that
+    ``p_ij = (judge(i, j) + 1 - judge(j, i)) / 2``. A judge with ``scores`` and ``prob`` methods
+    (:func:`bradley_terry_judge`) scores each image once instead of once per pair. With ``soft=False``
     ``i`` wins (1 point) if ``p_ij > 0.5``, loses if below, and a tie gives each 0.5; with ``soft=True``
     ``i`` scores ``p_ij`` and ``j`` scores ``1 - p_ij``. Then ``win_i = points_i / (G - 1)``.
 

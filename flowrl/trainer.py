@@ -73,6 +73,10 @@ class Trainer:
         self._refuse_existing_run()  # before any expensive work
         # mixed precision is our own autocast (see _autocast): accelerate's state is a process-wide singleton
         self.accelerator = Accelerator(cpu=device == "cpu")
+        if self.accelerator.mixed_precision == "fp16":  # its loss scaling would run before our gradient clipping
+            raise ConfigError("accelerate's mixed precision is fp16 (accelerate launch --mixed_precision fp16 or "
+                              "ACCELERATE_MIXED_PRECISION=fp16), which flowrl does not support (no loss scaling): launch "
+                              "with --mixed_precision no and set run.mixed_precision=bf16 or no")
         self.device = self.accelerator.device
         self.train_metas = read_jsonl(prompt_file(cfg.train_prompts))
         self.eval_metas = read_jsonl(prompt_file(cfg.eval.prompts))

@@ -182,6 +182,16 @@ def test_cli_errors_are_one_line(tmp_path):
     assert r.returncode == 2 and "model_index.json" in r.stderr
 
 
+def test_accelerate_fp16_is_refused_before_the_model_loads(tmp_path):
+    import os
+
+    env = {**os.environ, "ACCELERATE_MIXED_PRECISION": "fp16"}  # what `accelerate launch --mixed_precision fp16` sets
+    r = subprocess.run([sys.executable, "-m", "flowrl.cli", "train", "configs/tiny_geneval.yaml",
+                        f"run.output_dir={tmp_path / 'run'}"], capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and "fp16" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "run/metrics.jsonl").exists()
+
+
 def test_mix_grpo_window_moves_counts_nfe_and_resumes(tmp_path, random_pipeline, prompt_files):
     mix = {"run.mixed_precision": "no", "sampling.num_steps": 6, "sampling.window.size": 2, "sampling.window.interval": 1,
            "sampling.window.flash_ratio": 0.5, "run.iterations": 3}

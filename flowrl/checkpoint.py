@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -116,29 +117,39 @@ def save_checkpoint(directory: str | Path, iteration: int, params: dict[str, tor
     return final
 
 
+def _checkpoint_folders(directory: str | Path) -> list[Path]:
+    """The ``checkpoint-<iteration>`` folders under ``directory``, newest (highest iteration) first."""
+    folders = [p for p in Path(directory).glob("checkpoint-*") if p.is_dir() and re.fullmatch(r"checkpoint-\d+", p.name)]
+    return sorted(folders, key=lambda p: int(p.name.split("-")[1]), reverse=True)
+
+
+def _is_complete(path: Path) -> bool:
+    """All of :data:`CHECKPOINT_FILES` present and ``state.json`` readable JSON."""
+    if not all((path / name).is_file() for name in CHECKPOINT_FILES):
+        return False
+    try:
+        json.loads((path / "state.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def latest_checkpoint(directory: str | Path) -> Path | None:
     """The newest complete ``checkpoint-*`` folder under ``directory`` (all of :data:`CHECKPOINT_FILES`
     present and ``state.json`` readable JSON), or None. An incomplete or damaged newest folder is skipped
     in favour of the one before it."""
-    for path in sorted(Path(directory).glob("checkpoint-*"), reverse=True):
-        if not all((path / name).is_file() for name in CHECKPOINT_FILES):
-            continue
-        try:
-            json.loads((path / "state.json").read_text())
-        except (OSError, ValueError):
-            continue
-        return path
-    return None
+    return next((path for path in _checkpoint_folders(directory) if _is_complete(path)), None)
 
 
-def prune_checkpoints(directory: str | Path, keep: int) -> list[Path]:
+def prune_checkpoints(directory: str | Path, keep: int, just_saved: str | Path | None = None) -> list[Path]:
     """Delete the oldest checkpoints so that the newest `keep` complete ones remain (as transformers'
-    ``save_total_limit``). Only folders older than the oldest kept one are deleted, so an incomplete
-    newer folder is never the reason a complete one goes.
+    ``save_total_limit``). Only folders older than the oldest kept one are deleted, so an incomplete or
+    damaged newer folder is never the reason a complete one goes, and `just_saved` is always kept.
 
     Args:
         directory (`str` or `Path`): the run's checkpoint folder.
-        keep (`int`, `>= 1`): complete checkpoints to keep.
+        keep (`int`, `>= 1`): complete checkpoints to keep (complete as :func:`latest_checkpoint` judges).
+        just_saved (`str` or `Path`, optional): the folder :func:`save_checkpoint` just returned.
 
     Returns:
         `list[Path]`: the deleted folders, oldest first.
@@ -148,12 +159,13 @@ def prune_checkpoints(directory: str | Path, keep: int) -> list[Path]:
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    folders = sorted(Path(directory).glob("checkpoint-*"), reverse=True)  # newest first (zero-padded names)
-    complete = [p for p in folders if all((p / name).is_file() for name in CHECKPOINT_FILES)]
+    folders = _checkpoint_folders(directory)  # newest first
+    complete = [p for p in folders if _is_complete(p)]
     if len(complete) <= keep:
         return []
-    oldest_kept = complete[keep - 1]
-    doomed = sorted(p for p in folders if p.name < oldest_kept.name)
+    oldest_kept = int(complete[keep - 1].name.split("-")[1])
+    saved = Path(just_saved).name if just_saved is not None else None
+    doomed = [p for p in reversed(folders) if int(p.name.split("-")[1]) < oldest_kept and p.name != saved]
     for path in doomed:
         shutil.rmtree(path)
     return doomed

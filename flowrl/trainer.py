@@ -73,7 +73,7 @@ class Trainer:
         self._refuse_existing_run()  # before any expensive work
         # mixed precision is our own autocast (see _autocast): accelerate's state is a process-wide singleton
         self.accelerator = Accelerator(cpu=device == "cpu")
-        if self.accelerator.mixed_precision == "fp16":  # its loss scaling would run before our gradient clipping
+        if self.accelerator.mixed_precision == "fp16":  # refused as in the config: on a GPU its loss scaling would run before our clipping
             raise ConfigError("accelerate's mixed precision is fp16 (accelerate launch --mixed_precision fp16 or "
                               "ACCELERATE_MIXED_PRECISION=fp16), which flowrl does not support (no loss scaling): launch "
                               "with --mixed_precision no and set run.mixed_precision=bf16 or no")
@@ -591,11 +591,11 @@ class Trainer:
             with self.ema_weights():
                 self.model.save_lora(folder / "lora")
 
-        save_checkpoint(self.out / "checkpoints", iteration, self.params, self.optimizer, self.ema,
+        saved = save_checkpoint(self.out / "checkpoints", iteration, self.params, self.optimizer, self.ema,
                         extra={"elapsed_s": elapsed, "window": self.window.state_dict() if self.window else None},
                         write_extra_files=write_lora if self.cfg.model.lora_rank > 0 else None)
         if self.cfg.run.keep_checkpoints:
-            prune_checkpoints(self.out / "checkpoints", self.cfg.run.keep_checkpoints)
+            prune_checkpoints(self.out / "checkpoints", self.cfg.run.keep_checkpoints, just_saved=saved)
 
     def _refuse_existing_run(self) -> None:
         """Raise FileExistsError if ``run.output_dir`` already holds a run and ``run.resume`` is off."""

@@ -8,6 +8,7 @@ ablations.
 from __future__ import annotations
 
 import io
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,7 @@ def jpeg_size_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
     sizes = []
     for array in pixels:
         buffer = io.BytesIO()
-        Image.fromarray(array).save(buffer, format="JPEG", quality=quality)
+        Image.fromarray(array).save(buffer, format="JPEG", quality=int(quality))
         sizes.append(buffer.tell() / 1000)
     return torch.tensor(sizes, dtype=torch.float32)
 
@@ -50,7 +51,7 @@ class _JpegSize:
     quality: int
 
     def __post_init__(self):
-        if isinstance(self.quality, bool) or not isinstance(self.quality, int) or not 1 <= self.quality <= 100:
+        if isinstance(self.quality, bool) or not isinstance(self.quality, numbers.Integral) or not 1 <= self.quality <= 100:
             raise ValueError(f"{self.name}: quality must be an integer in [1, 100], got {self.quality!r}")
 
     def __call__(

@@ -7,8 +7,9 @@ A pairwise judge is a callable::
 returning float32 values in [0, 1] on CPU; 0.5 is a tie (and what an unparseable answer counts as).
 ``pref_winrate`` turns a judge into an ordinary (pointwise-contract) reward for GRPO: within each group
 (the images of one prompt in the batch) every pair is judged, in BOTH orders to cancel position bias
-(Pref-GRPO, arXiv 2508.20751, whose published code judges one order only), and each image's reward is
-its win rate ``wins / (G - 1)`` (win 1, tie 0.5).
+(Pref-GRPO, arXiv 2508.20751, whose published code judges one order only; an antisymmetric judge such as
+the Bradley-Terry one is judged in one order, which is the same), and each image's reward is its win
+rate ``wins / (G - 1)`` (win 1, tie 0.5).
 """
 
 from __future__ import annotations
@@ -251,7 +252,7 @@ class PrefWinRate:
         check_inputs(images, prompts, metadata)
         keys = ([m["group"] for m in metadata] if metadata and all("group" in m for m in metadata) else list(prompts))
         ids = {k: i for i, k in enumerate(dict.fromkeys(keys))}
-        group = torch.tensor([ids[k] for k in keys])
+        group = torch.tensor([ids[k] for k in keys], dtype=torch.long)
         rates = win_rates(self.judge, images, prompts, metadata, group, self.both_orders, self.soft)
         sizes = torch.bincount(group)
         pairs = int((sizes * (sizes - 1) // 2).sum())

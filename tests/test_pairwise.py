@@ -91,6 +91,7 @@ def test_pref_winrate_counts_judge_calls_and_refuses_an_idle_temperature():
     reward = PrefWinRate(first)
     reward(_images([0.0, 0.1, 0.2, 0.3]), ["p"] * 4, [{}] * 4)
     assert reward.judge_calls == 12  # 6 pairs, both orders
+    assert reward(torch.zeros(0, 3, 8, 8), [], []).shape == (0,) and reward.judge_calls == 12  # an empty batch
     with pytest.raises(ValueError, match="temperature=0.05 has no effect with soft=false"):
         build_reward("pref_winrate", reward="jpeg_compressibility", temperature=0.05)
     soft = build_reward("pref_winrate", reward="jpeg_compressibility", temperature=0.05, soft=True)

@@ -108,7 +108,9 @@ def test_resume_continues_a_killed_run_exactly(tmp_path, random_pipeline, prompt
     resumed = _config(tmp_path, random_pipeline, prompt_files, out="part",
                       **{"run.mixed_precision": "no", "run.resume": "true", "run.keep_checkpoints": 1,
                          "train.gradient_checkpointing": "true"})
-    Trainer(resumed).train()
+    trainer = Trainer(resumed)
+    assert trainer.model.transformer.is_gradient_checkpointing
+    trainer.train()
     a = load_file(Path(cfg_full.run.output_dir) / "checkpoints/checkpoint-000002/trainable.safetensors")
     b = load_file(tmp_path / "part/checkpoints/checkpoint-000002/trainable.safetensors")
     assert a.keys() == b.keys()

@@ -166,10 +166,20 @@ def test_prune_checkpoints_keeps_the_newest_complete_ones(tmp_path):
         save_checkpoint(tmp_path, it, {"w": w}, opt)
     assert prune_checkpoints(tmp_path, 5) == []
     (tmp_path / "checkpoint-000004").mkdir()  # incomplete: does not count, and is not deleted
+    (tmp_path / "checkpoint-000000.tar").write_text("")  # a stray file that only looks like a checkpoint
     deleted = prune_checkpoints(tmp_path, 2)
     assert [p.name for p in deleted] == ["checkpoint-000001"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000002", "checkpoint-000003", "checkpoint-000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000000.tar", "checkpoint-000002", "checkpoint-000003",
+                                                          "checkpoint-000004"]
     assert latest_checkpoint(tmp_path).name == "checkpoint-000003"
+    torn = save_checkpoint(tmp_path, 5, {"w": w}, opt)
+    (torn / "state.json").write_text('{"iter')  # damaged: not complete, so keep=1 keeps checkpoint 3 ...
+    assert [p.name for p in prune_checkpoints(tmp_path, 1)] == ["checkpoint-000002"]
+    assert latest_checkpoint(tmp_path).name == "checkpoint-000003"
+    save_checkpoint(tmp_path, 1000000, {"w": w}, opt)  # ... and iterations sort as numbers, not names
+    prune_checkpoints(tmp_path, 1, just_saved=tmp_path / "checkpoint-1000000")
+    assert latest_checkpoint(tmp_path).name == "checkpoint-1000000"
+    assert not (tmp_path / "checkpoint-000003").exists()
     with pytest.raises(ValueError, match="keep must be >= 1"):
         prune_checkpoints(tmp_path, 0)
     with pytest.raises(ConfigError, match="run.keep_checkpoints"):

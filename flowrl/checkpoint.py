@@ -117,10 +117,15 @@ def save_checkpoint(directory: str | Path, iteration: int, params: dict[str, tor
     return final
 
 
+def _iteration(path: Path) -> int:
+    """The iteration a ``checkpoint-<iteration>`` folder is named after."""
+    return int(path.name.split("-")[1])
+
+
 def _checkpoint_folders(directory: str | Path) -> list[Path]:
     """The ``checkpoint-<iteration>`` folders under ``directory``, newest (highest iteration) first."""
     folders = [p for p in Path(directory).glob("checkpoint-*") if p.is_dir() and re.fullmatch(r"checkpoint-\d+", p.name)]
-    return sorted(folders, key=lambda p: int(p.name.split("-")[1]), reverse=True)
+    return sorted(folders, key=_iteration, reverse=True)
 
 
 def _is_complete(path: Path) -> bool:
@@ -163,9 +168,9 @@ def prune_checkpoints(directory: str | Path, keep: int, just_saved: str | Path |
     complete = [p for p in folders if _is_complete(p)]
     if len(complete) <= keep:
         return []
-    oldest_kept = int(complete[keep - 1].name.split("-")[1])
+    oldest_kept = _iteration(complete[keep - 1])
     saved = Path(just_saved).name if just_saved is not None else None
-    doomed = [p for p in reversed(folders) if int(p.name.split("-")[1]) < oldest_kept and p.name != saved]
+    doomed = [p for p in reversed(folders) if _iteration(p) < oldest_kept and p.name != saved]
     for path in doomed:
         shutil.rmtree(path)
     return doomed

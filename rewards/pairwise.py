@@ -96,6 +96,12 @@ def win_rates(judge: PairwiseJudge, images: torch.Tensor, prompts: Sequence[str]
     Raises:
         ValueError: if `group` is not `(B,)`, or the judge returns the wrong shape or values outside [0, 1].
     """
+    return _win_rates(judge, images, prompts, metadata, group, both_orders, soft)[0]
+
+
+def _win_rates(judge, images, prompts, metadata, group, both_orders, soft) -> tuple[torch.Tensor, int]:
+    """:func:`win_rates` and the number of judgements it made (pairs sent to the judge, each order
+    counted, or images scored by a pointwise judge)."""
     group = torch.as_tensor(group).cpu()
     if group.shape != (len(prompts),):
         raise ValueError(f"win_rates: group must have shape ({len(prompts)},); got {tuple(group.shape)}")
@@ -105,10 +111,11 @@ def win_rates(judge: PairwiseJudge, images: torch.Tensor, prompts: Sequence[str]
     inverse = torch.unique(group, return_inverse=True)[1]
     size = torch.bincount(inverse).float()[inverse]  # (B,) size of each image's group
     if not pairs:
-        return torch.full((len(prompts),), 0.5)
+        return torch.full((len(prompts),), 0.5), 0
     a = torch.tensor([p[0] for p in pairs])
     b = torch.tensor([p[1] for p in pairs])
     name = getattr(judge, "name", judge)
+    calls = 0
 
     def check(p, n):
         p = torch.as_tensor(p, dtype=torch.float32).cpu()
@@ -116,21 +123,25 @@ def win_rates(judge: PairwiseJudge, images: torch.Tensor, prompts: Sequence[str]
             raise ValueError(f"pairwise judge {name!r} must return ({n},) probabilities in [0, 1]; got shape {tuple(p.shape)}")
         return p
 
-    def ask(x, y):
-        return check(judge(images[x], images[y], [prompts[k] for k in x.tolist()], [metadata[k] for k in x.tolist()]), len(x))
-
     if hasattr(judge, "scores") and hasattr(judge, "prob"):  # pointwise judge: one score per image
         r = judge.scores(images, prompts, metadata)
         if r.shape != (len(prompts),) or not bool(torch.isfinite(r).all()):
             raise ValueError(f"pairwise judge {name!r}: its reward must return ({len(prompts)},) finite scores; "
                              f"got shape {tuple(r.shape)}")
-        p = check(judge.prob(r[a], r[b]), len(a))
-        if both_orders and not getattr(judge, "antisymmetric", False):
-            p = (p + 1 - check(judge.prob(r[b], r[a]), len(a))) / 2
+        calls = len(prompts)
+
+        def ask(x, y):
+            return check(judge.prob(r[x], r[y]), len(x))
     else:
-        p = ask(a, b)
-        if both_orders and not getattr(judge, "antisymmetric", False):
-            p = (p + 1 - ask(b, a)) / 2
+        def ask(x, y):
+            nonlocal calls
+            calls += len(x)
+            return check(judge(images[x], images[y], [prompts[k] for k in x.tolist()], [metadata[k] for k in x.tolist()]),
+                         len(x))
+
+    p = ask(a, b)
+    if both_orders and not getattr(judge, "antisymmetric", False):
+        p = (p + 1 - ask(b, a)) / 2
     if soft:
         score_a, score_b = p, 1 - p
     else:
@@ -138,7 +149,7 @@ def win_rates(judge: PairwiseJudge, images: torch.Tensor, prompts: Sequence[str]
         score_b = 1 - score_a
     points.index_add_(0, a, score_a)
     points.index_add_(0, b, score_b)
-    return torch.where(size > 1, points / (size - 1).clamp(min=1), torch.full_like(points, 0.5))
+    return torch.where(size > 1, points / (size - 1).clamp(min=1), torch.full_like(points, 0.5)), calls
 
 
 def parse_choice(text: str) -> float:
@@ -253,13 +264,8 @@ class PrefWinRate:
         keys = ([m["group"] for m in metadata] if metadata and all("group" in m for m in metadata) else list(prompts))
         ids = {k: i for i, k in enumerate(dict.fromkeys(keys))}
         group = torch.tensor([ids[k] for k in keys], dtype=torch.long)
-        rates = win_rates(self.judge, images, prompts, metadata, group, self.both_orders, self.soft)
-        sizes = torch.bincount(group)
-        pairs = int((sizes * (sizes - 1) // 2).sum())
-        if hasattr(self.judge, "scores") and hasattr(self.judge, "prob"):
-            self.judge_calls += len(prompts) if pairs else 0
-        else:
-            self.judge_calls += pairs * (2 if self.both_orders and not getattr(self.judge, "antisymmetric", False) else 1)
+        rates, calls = _win_rates(self.judge, images, prompts, metadata, group, self.both_orders, self.soft)
+        self.judge_calls += calls
         return rates
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -27,6 +28,7 @@ __all__ = [
     "build_reward",
     "check_inputs",
     "check_scores",
+    "is_integer",
     "register_reward",
     "reward_name",
 ]
@@ -162,6 +164,21 @@ def build_reward(spec: str, **kwargs: Any) -> Reward:
     if not callable(reward):
         raise TypeError(f"reward factory {spec!r} returned a {type(reward).__name__}, not a callable")
     return reward
+
+
+def is_integer(value: Any) -> bool:
+    """Whether `value` is an integer option: a Python or numpy integer, and not a bool.
+
+    Rewards use it to validate integer options (a JPEG quality, a batch size, a GenEval count), so that
+    `True`, `2.0` or `"2"` from a config are refused up front rather than failing deep inside a call.
+
+    Args:
+        value: anything.
+
+    Returns:
+        `bool`: True for `int` and `numpy.integer` values other than `bool`/`numpy.bool_`.
+    """
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def check_inputs(images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping]) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import check_inputs, register_reward
+from .base import check_inputs, is_integer, register_reward
 
 __all__ = ["ClipScore", "clipscore"]
 
@@ -91,7 +91,7 @@ class ClipScore:
     ):
         if len(image_mean) != 3 or len(image_std) != 3:
             raise ValueError(f"image_mean and image_std need 3 values, got {image_mean!r} and {image_std!r}")
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        if batch_size is not None and (not is_integer(batch_size) or batch_size < 1):
             raise ValueError(f"clipscore: batch_size must be an integer >= 1 or null, got {batch_size!r}")
         self.batch_size = batch_size
         self.device = torch.device(device)

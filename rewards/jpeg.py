@@ -8,7 +8,6 @@ ablations.
 from __future__ import annotations
 
 import io
-import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from .base import check_inputs, register_reward
+from .base import check_inputs, is_integer, register_reward
 
 __all__ = ["jpeg_compressibility", "jpeg_incompressibility", "jpeg_size_kb"]
 
@@ -51,7 +50,7 @@ class _JpegSize:
     quality: int
 
     def __post_init__(self):
-        if isinstance(self.quality, bool) or not isinstance(self.quality, numbers.Integral) or not 1 <= self.quality <= 100:
+        if not is_integer(self.quality) or not 1 <= self.quality <= 100:
             raise ValueError(f"{self.name}: quality must be an integer in [1, 100], got {self.quality!r}")
 
     def __call__(

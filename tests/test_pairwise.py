@@ -54,11 +54,15 @@ def test_bradley_terry_judge_from_a_pointwise_reward():
     torch.testing.assert_close(p, torch.sigmoid(torch.tensor([3.0, -3.0])))
     reward = build_reward("pref_winrate", reward="jpeg_compressibility")
     assert isinstance(reward, PrefWinRate)
-    scores = reward(torch.rand(4, 3, 16, 16), ["a", "a", "b", "b"], [{}] * 4)
-    assert sorted(scores[:2].tolist()) == [0.0, 1.0] and sorted(scores[2:].tolist()) == [0.0, 1.0]
+    # a flat image compresses far better than noise, so each pair has a clear winner (two noise images
+    # can tie on JPEG size, which would make the test depend on the global RNG)
+    flat, noise = torch.full((3, 16, 16), 0.5), torch.rand(3, 16, 16, generator=torch.Generator().manual_seed(0))
+    images = torch.stack([noise, flat, flat, noise])
+    scores = reward(images, ["a", "a", "b", "b"], [{}] * 4)
+    assert scores.tolist() == [0.0, 1.0, 1.0, 0.0]
     # one prompt drawn twice: the trainer's group ids keep the two groups apart
-    same = reward(torch.rand(4, 3, 16, 16), ["a"] * 4, [{"group": 0}, {"group": 0}, {"group": 1}, {"group": 1}])
-    assert sorted(same[:2].tolist()) == [0.0, 1.0] and sorted(same[2:].tolist()) == [0.0, 1.0]
+    same = reward(images, ["a"] * 4, [{"group": 0}, {"group": 0}, {"group": 1}, {"group": 1}])
+    assert same.tolist() == [0.0, 1.0, 1.0, 0.0]
     with pytest.raises(TypeError, match="temprature"):
         build_reward("pref_winrate", judge="bt", temprature=0.05)
 

@@ -175,10 +175,11 @@ def test_jpeg_flat_image_is_more_compressible_than_noise():
 
 
 def test_jpeg_quality_checked():
-    for bad in (0, 101, "80", 80.5, True):
+    import numpy as np
+
+    for bad in (0, 101, "80", 80.5, True, np.bool_(True)):
         with pytest.raises(ValueError, match=r"quality must be an integer in \[1, 100\]"):
             jpeg_compressibility(quality=bad)
-    import numpy as np
 
     assert jpeg_compressibility(quality=np.int64(80))(torch.rand(1, 3, 8, 8), ["p"], [{}]).shape == (1,)
 

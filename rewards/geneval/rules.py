@@ -12,6 +12,8 @@ from typing import Any
 
 import math
 
+from ..base import is_integer
+
 POSITION_THRESHOLD = 0.1
 """Each axis of the centre offset shrinks by this fraction of the summed box sizes (GenEval)."""
 
@@ -74,7 +76,7 @@ def _check_clause(kind: str, i: int, clause: Any, metadata: dict) -> None:
     if not isinstance(clause, dict) or "class" not in clause or "count" not in clause:
         raise ValueError(f"{where} needs 'class' and 'count'")
     count = clause["count"]
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+    if not is_integer(count) or count < 1:
         raise ValueError(f"{where}: 'count' must be an integer >= 1, got {count!r}")
     if "position" in clause:
         position = clause["position"]

@@ -18,6 +18,63 @@ SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
 """Flow-GRPO's LoRA targets for SD3 transformers: both streams of every joint attention block."""
 
+MIN_ROWS = {torch.nn.Linear: (2, 64), torch.nn.Conv2d: (4, 8)}
+"""For each layer type: the input rank that carries one row per sample, and the fewest rows it runs at."""
+
+
+def make_batch_invariant(module: torch.nn.Module) -> int:
+    """Make the per-sample layers of `module` give each sample the same bits at any batch size.
+
+    Matrix-product libraries pick a different kernel, with a different summation order, for a product
+    of only a few rows: on an AVX-512 CPU, MKL's results for a linear layer on up to 5-10 rows, and
+    oneDNN's for a convolution of a single image, differ in the last bits from those of larger batches.
+    In an SD3 transformer that hits the conditioning path (timestep and pooled-text embedders and the
+    AdaLayerNorm modulation run linear layers on `(N, features)`, one row per sample) and the patch
+    embedding (a `Conv2d` on `(N, C, H, W)`). A sample's velocity would then depend on how many samples
+    share its forward call, the log-probs recomputed for training (minibatches of any composition)
+    would differ from the rollout's (a tree node evaluated with few rows), and the PPO ratio before the
+    first optimizer step would not be exactly 1. Zero-padding such inputs up to the row counts of
+    :data:`MIN_ROWS` (64 rows for a 2-D linear input, 8 images for a convolution) and dropping the
+    padded outputs keeps every call on the large-batch kernel. The cost is a few padded rows of small
+    products; the token-wise layers, whose inputs `(N, tokens, features)` are large already, are not
+    touched. This is measured, not guaranteed: another BLAS or GPU may switch kernels elsewhere.
+
+    Args:
+        module (`torch.nn.Module`): e.g. an `SD3Transformer2DModel`; every `torch.nn.Linear` and
+            `torch.nn.Conv2d` inside it (including peft's LoRA layers, when called after the adapter is
+            added) gets the padding. Calling it again skips the layers already done.
+
+    Returns:
+        `int`: the number of layers newly made batch-invariant.
+    """
+    count = 0
+    for layer in module.modules():
+        rule = next((r for kind, r in MIN_ROWS.items() if isinstance(layer, kind)), None)
+        if rule is not None and not hasattr(layer, "_flowrl_min_rows"):
+            layer._flowrl_ndim, layer._flowrl_min_rows = rule
+            layer._flowrl_rows = None
+            layer.register_forward_pre_hook(_pad_rows)
+            layer.register_forward_hook(_unpad_rows)
+            count += 1
+    return count
+
+
+def _pad_rows(layer: torch.nn.Module, args: tuple):
+    """Forward pre-hook: zero-pad a per-sample input of fewer than ``layer._flowrl_min_rows`` rows."""
+    x = args[0]
+    if x.ndim != layer._flowrl_ndim or x.shape[0] >= layer._flowrl_min_rows:
+        layer._flowrl_rows = None
+        return None
+    layer._flowrl_rows = x.shape[0]
+    pad = x.new_zeros(layer._flowrl_min_rows - x.shape[0], *x.shape[1:])
+    return (torch.cat([x, pad]),) + args[1:]
+
+
+def _unpad_rows(layer: torch.nn.Module, args: tuple, output: torch.Tensor):
+    """Forward hook: drop the rows :func:`_pad_rows` added."""
+    rows, layer._flowrl_rows = layer._flowrl_rows, None
+    return output if rows is None else output[:rows]
+
 
 @dataclass
 class PromptEmbeds:
@@ -72,6 +129,7 @@ class FlowModel:
         self.device, self.dtype, self.path = torch.device(device), dtype, path
         self.max_sequence_length = max_sequence_length
         self.lora_targets = SD3_LORA_TARGETS
+        make_batch_invariant(self.transformer)  # the ratio is exactly 1 before the first optimizer step
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -102,6 +160,7 @@ class FlowModel:
         config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian",
                             target_modules=list(targets or self.lora_targets))
         self.transformer.add_adapter(config)
+        make_batch_invariant(self.transformer)  # the adapter's own layers
         params = [p for p in self.transformer.parameters() if p.requires_grad]
         for p in params:
             p.data = p.data.float()

@@ -40,7 +40,9 @@ class ToyVelocity:
     def __call__(self, x, t, cond):
         self.calls += 1
         self.rows += x.shape[0]
-        mixed = torch.einsum("dc,bchw->bdhw", self.mix, x)  # (N, C, H, W)
+        # channel mixing as elementwise products summed in a fixed order: a matrix product (einsum) may
+        # switch kernels with the batch size and change the last bits, which the exactness tests forbid
+        mixed = sum(self.mix[:, c].view(1, -1, 1, 1) * x[:, c:c + 1] for c in range(x.shape[1]))  # (N, C, H, W)
         return mixed + t.view(-1, 1, 1, 1) * x + (1 - t.view(-1, 1, 1, 1)) * self.bias[cond][:, :, None, None]
 
 

@@ -237,3 +237,29 @@ def test_tag_means_averages_each_tag_and_names_length_mismatch():
     assert out == {"reward/tag/colors/mean": 0.75, "reward/tag/position/mean": 0.125}
     with pytest.raises(ValueError, match="3 tags for 4 rewards"):
         tag_means(torch.zeros(4), ["a", "b", "c"])
+
+
+def test_velocity_of_a_sample_does_not_depend_on_its_batch():
+    """The PPO ratio is exactly 1 before the first optimizer step only if a sample's velocity has the same
+    bits whatever the forward call it shares (rollout batches, tree depths and minibatches differ)."""
+    from conftest import ASSETS
+
+    from flowrl.models import FlowModel, make_batch_invariant
+
+    model = FlowModel(ASSETS / "tiny-sd3", max_sequence_length=0)
+    model.add_lora(4, 8)
+    for p in model.transformer.parameters():
+        if p.requires_grad:
+            p.data.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))  # a non-zero adapter
+    table = model.encode(["", "a photo of a star", "a photo of two red circles"])
+    velocity = model.velocity_fn(table, guidance_scale=4.5)
+    gen = torch.Generator().manual_seed(0)
+    n = 40
+    x = torch.randn(n, *model.latent_shape, generator=gen)
+    t, cond = torch.rand(n, generator=gen), torch.randint(1, 3, (n,), generator=gen)
+    with torch.no_grad():
+        full = velocity(x, t, cond)
+        for rows in ([0], [1, 2], [3, 4, 5, 6, 7], list(range(8, 27))):
+            idx = torch.tensor(rows)
+            assert torch.equal(velocity(x[idx], t[idx], cond[idx]), full[idx]), rows
+    assert make_batch_invariant(model.transformer) == 0  # every layer already done, none hooked twice

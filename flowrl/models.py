@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,11 +19,11 @@ SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
 """Flow-GRPO's LoRA targets for SD3 transformers: both streams of every joint attention block."""
 
-MIN_ROWS = {torch.nn.Linear: (2, 64), torch.nn.Conv2d: (4, 8)}
+MIN_ROWS = {torch.nn.Linear: (2, 16), torch.nn.Conv2d: (4, 4)}
 """For each layer type: the input rank that carries one row per sample, and the fewest rows it runs at."""
 
 
-def make_batch_invariant(module: torch.nn.Module) -> int:
+def make_batch_invariant(module: torch.nn.Module, probe: Callable[[], object]) -> int:
     """Make the per-sample layers of `module` give each sample the same bits at any batch size.
 
     Matrix-product libraries pick a different kernel, with a different summation order, for a product
@@ -34,29 +35,45 @@ def make_batch_invariant(module: torch.nn.Module) -> int:
     share its forward call, the log-probs recomputed for training (minibatches of any composition)
     would differ from the rollout's (a tree node evaluated with few rows), and the PPO ratio before the
     first optimizer step would not be exactly 1. Zero-padding such inputs up to the row counts of
-    :data:`MIN_ROWS` (64 rows for a 2-D linear input, 8 images for a convolution) and dropping the
-    padded outputs keeps every call on the large-batch kernel. The cost is a few padded rows of small
-    products; the token-wise layers, whose inputs `(N, tokens, features)` are large already, are not
-    touched. This is measured, not guaranteed: another BLAS or GPU may switch kernels elsewhere.
+    :data:`MIN_ROWS` (16 rows for a 2-D linear input, 4 images for a convolution) and dropping the
+    padded outputs keeps every call on the large-batch kernel. Only the layers that `probe` shows
+    receiving per-sample inputs are padded; the token-wise layers, whose inputs
+    `(N, tokens, features)` are large already, get no hook. This is measured, not guaranteed: another
+    BLAS or a GPU may switch kernels elsewhere.
 
     Args:
-        module (`torch.nn.Module`): e.g. an `SD3Transformer2DModel`; every `torch.nn.Linear` and
-            `torch.nn.Conv2d` inside it (including peft's LoRA layers, when called after the adapter is
-            added) gets the padding. Calling it again skips the layers already done.
+        module (`torch.nn.Module`): e.g. an `SD3Transformer2DModel`, with or without peft LoRA layers.
+        probe (callable): runs one forward of `module` (any batch size); it is called once, under
+            `torch.no_grad()`, to see which `torch.nn.Linear` and `torch.nn.Conv2d` layers receive
+            inputs of the per-sample rank (2-D for a linear layer, 4-D for a convolution).
 
     Returns:
-        `int`: the number of layers newly made batch-invariant.
+        `int`: the number of layers newly padded (a layer already padded is skipped, so calling it again
+        after adding an adapter pads only the adapter's per-sample layers).
     """
-    count = 0
-    for layer in module.modules():
-        rule = next((r for kind, r in MIN_ROWS.items() if isinstance(layer, kind)), None)
-        if rule is not None and not hasattr(layer, "_flowrl_min_rows"):
-            layer._flowrl_ndim, layer._flowrl_min_rows = rule
+    kinds = tuple(MIN_ROWS)
+    candidates = [m for m in module.modules() if isinstance(m, kinds) and not hasattr(m, "_flowrl_min_rows")]
+    seen: set[torch.nn.Module] = set()
+
+    def record(layer, args):
+        rank = next(r for kind, (r, _) in MIN_ROWS.items() if isinstance(layer, kind))
+        if args and torch.is_tensor(args[0]) and args[0].ndim == rank:
+            seen.add(layer)
+
+    handles = [m.register_forward_pre_hook(record) for m in candidates]
+    try:
+        with torch.no_grad():
+            probe()
+    finally:
+        for handle in handles:
+            handle.remove()
+    for layer in candidates:
+        if layer in seen:
+            layer._flowrl_ndim, layer._flowrl_min_rows = next(r for kind, r in MIN_ROWS.items() if isinstance(layer, kind))
             layer._flowrl_rows = None
             layer.register_forward_pre_hook(_pad_rows)
             layer.register_forward_hook(_unpad_rows)
-            count += 1
-    return count
+    return len(seen)
 
 
 def _pad_rows(layer: torch.nn.Module, args: tuple):
@@ -129,7 +146,7 @@ class FlowModel:
         self.device, self.dtype, self.path = torch.device(device), dtype, path
         self.max_sequence_length = max_sequence_length
         self.lora_targets = SD3_LORA_TARGETS
-        make_batch_invariant(self.transformer)  # the ratio is exactly 1 before the first optimizer step
+        make_batch_invariant(self.transformer, self._probe)  # the ratio is exactly 1 before the first optimizer step
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -160,7 +177,7 @@ class FlowModel:
         config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian",
                             target_modules=list(targets or self.lora_targets))
         self.transformer.add_adapter(config)
-        make_batch_invariant(self.transformer)  # the adapter's own layers
+        make_batch_invariant(self.transformer, self._probe)  # the adapter's own per-sample layers, if any
         params = [p for p in self.transformer.parameters() if p.requires_grad]
         for p in params:
             p.data = p.data.float()
@@ -204,6 +221,12 @@ class FlowModel:
         both = PromptEmbeds(torch.cat([uncond.embeds, cond.embeds]), torch.cat([uncond.pooled, cond.pooled]))
         v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
         return v_u + guidance_scale * (v_c - v_u)
+
+    def _probe(self) -> None:
+        """One forward of the transformer on one sample (for :func:`make_batch_invariant`)."""
+        cond = self.encode([""])
+        x = torch.zeros(1, *self.latent_shape, device=self.device)
+        self._forward(x, torch.ones(1, device=self.device), cond, next(self.transformer.parameters()).dtype)
 
     def _forward(self, x, t, cond: PromptEmbeds, dtype) -> torch.Tensor:
         return self.transformer(hidden_states=x.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),

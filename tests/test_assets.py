@@ -36,7 +36,7 @@ def test_tiny_pipeline_loads_like_sd35():
     from diffusers import StableDiffusion3Pipeline
 
     pipe = StableDiffusion3Pipeline.from_pretrained(ASSETS / "tiny-sd3", text_encoder_3=None, tokenizer_3=None,
-                                                    torch_dtype=torch.float32)
+                                                    dtype=torch.float32)
     assert len(pipe.tokenizer) == 49408  # the real CLIP BPE vocabulary
     images = pipe("a photo of a red star", num_inference_steps=4, height=64, width=64, max_sequence_length=0,
                   output_type="pt", generator=torch.Generator().manual_seed(0)).images

@@ -49,7 +49,7 @@ def test_clip_condition_matches_the_pipeline_and_joint_training_moves_the_text_t
     from flowrl.tiny.build import clip_condition
 
     pipe = StableDiffusion3Pipeline.from_pretrained("assets/tiny-sd3", text_encoder_3=None, tokenizer_3=None,
-                                                    torch_dtype=torch.float32)
+                                                    dtype=torch.float32)
     prompts = ["", "a photo of a red star left of a blue cross"]
     with torch.no_grad():
         ref, _, ref_pooled, _ = pipe.encode_prompt(prompts, prompts, prompts, do_classifier_free_guidance=False,

@@ -376,7 +376,7 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
     t0 = time.time()
     cache = out / ".build-cache" / "vae"
     if init is not None:
-        vae = AutoencoderKL.from_pretrained(Path(init) / "vae", torch_dtype=torch.float32).eval()
+        vae = AutoencoderKL.from_pretrained(Path(init) / "vae", dtype=torch.float32).eval()
     elif resume and (cache / "config.json").is_file():
         vae = AutoencoderKL.from_pretrained(cache).eval()
     else:
@@ -395,7 +395,7 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
     if init is not None:
         from diffusers import SD3Transformer2DModel
 
-        transformer = SD3Transformer2DModel.from_pretrained(Path(init) / "transformer", torch_dtype=torch.float32)
+        transformer = SD3Transformer2DModel.from_pretrained(Path(init) / "transformer", dtype=torch.float32)
     else:
         transformer = tiny_transformer(width, text_encoder.config.projection_dim * 2, seed)
     unique = [""] + sorted(set(captions))

@@ -96,7 +96,7 @@ def render(scene: list[Obj], size: int = IMAGE_SIZE) -> np.ndarray:
             draw.polygon(_polygon(obj.shape, obj.cx, obj.cy, obj.size), fill=fill)
         else:
             raise KeyError(f"unknown shape {obj.shape!r}; expected one of {SHAPES}")
-    return np.asarray(image)
+    return np.array(image)  # a writable copy (torch.from_numpy warns on a read-only one)
 
 
 def _free(box: tuple[float, ...], others: list[Obj]) -> bool:

@@ -69,7 +69,8 @@ def make_batch_invariant(module: torch.nn.Module, probe: Callable[[], object]) -
             handle.remove()
     for layer in candidates:
         if layer in seen:
-            layer._flowrl_ndim, layer._flowrl_min_rows = next(r for kind, r in MIN_ROWS.items() if isinstance(layer, kind))
+            rule = next(r for kind, r in MIN_ROWS.items() if isinstance(layer, kind))
+            layer._flowrl_ndim, layer._flowrl_min_rows = rule
             layer._flowrl_rows = None
             layer.register_forward_pre_hook(_pad_rows)
             layer.register_forward_hook(_unpad_rows)

@@ -51,29 +51,26 @@ def make_batch_invariant(module: torch.nn.Module, probe: Callable[[], object]) -
         `int`: the number of layers newly padded (a layer already padded is skipped, so calling it again
         after adding an adapter pads only the adapter's per-sample layers).
     """
-    kinds = tuple(MIN_ROWS)
-    candidates = [m for m in module.modules() if isinstance(m, kinds) and not hasattr(m, "_flowrl_min_rows")]
+    rules = {m: rule for m in module.modules() if not hasattr(m, "_flowrl_min_rows")
+             for kind, rule in MIN_ROWS.items() if isinstance(m, kind)}  # layer -> (rank, min rows)
     seen: set[torch.nn.Module] = set()
 
     def record(layer, args):
-        rank = next(r for kind, (r, _) in MIN_ROWS.items() if isinstance(layer, kind))
-        if args and torch.is_tensor(args[0]) and args[0].ndim == rank:
+        if args and torch.is_tensor(args[0]) and args[0].ndim == rules[layer][0]:
             seen.add(layer)
 
-    handles = [m.register_forward_pre_hook(record) for m in candidates]
+    handles = [m.register_forward_pre_hook(record) for m in rules]
     try:
         with torch.no_grad():
             probe()
     finally:
         for handle in handles:
             handle.remove()
-    for layer in candidates:
-        if layer in seen:
-            rule = next(r for kind, r in MIN_ROWS.items() if isinstance(layer, kind))
-            layer._flowrl_ndim, layer._flowrl_min_rows = rule
-            layer._flowrl_rows = None
-            layer.register_forward_pre_hook(_pad_rows)
-            layer.register_forward_hook(_unpad_rows)
+    for layer in seen:
+        layer._flowrl_ndim, layer._flowrl_min_rows = rules[layer]
+        layer._flowrl_rows = None
+        layer.register_forward_pre_hook(_pad_rows)
+        layer.register_forward_hook(_unpad_rows)
     return len(seen)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .base import build_reward, check_inputs, register_reward
+from .base import build_reward, check_inputs, check_scores, register_reward
 
 __all__ = ["PrefWinRate", "VLMJudge", "bradley_terry_judge", "parse_choice", "pref_winrate", "win_rates"]
 
@@ -124,10 +124,7 @@ def _win_rates(judge, images, prompts, metadata, group, both_orders, soft) -> tu
         return p
 
     if hasattr(judge, "scores") and hasattr(judge, "prob"):  # pointwise judge: one score per image
-        r = judge.scores(images, prompts, metadata)
-        if r.shape != (len(prompts),) or not bool(torch.isfinite(r).all()):
-            raise ValueError(f"pairwise judge {name!r}: its reward must return ({len(prompts)},) finite scores; "
-                             f"got shape {tuple(r.shape)}")
+        r = check_scores(str(name), judge.scores(images, prompts, metadata), len(prompts))
         calls = len(prompts)
 
         def ask(x, y):

@@ -88,6 +88,9 @@ def test_bradley_terry_win_rates_score_each_image_once_and_match_the_pairwise_pa
     assert calls == [6] and reward.judge_calls == 6  # one score per image, not two per pair and order
     with pytest.raises(ValueError, match="group must have shape"):
         win_rates(judge, images, ["p"] * 6, [{}] * 6, torch.zeros(5, dtype=torch.long))
+    broken = bradley_terry_judge(lambda images, prompts, metadata: torch.full((len(prompts),), float("nan")))
+    with pytest.raises(ValueError, match=r"reward 'bradley_terry\(<lambda>\)' returned 6 NaN scores"):
+        win_rates(broken, images, ["p"] * 6, [{}] * 6, torch.zeros(6, dtype=torch.long))
 
 
 def test_pref_winrate_counts_judge_calls_and_refuses_an_idle_temperature():

@@ -28,10 +28,12 @@ def cmd_train(args) -> dict:
     from .trainer import Trainer
 
     config = load_config(args.config, args.overrides)
-    result = Trainer(config).train()
+    trainer = Trainer(config)
+    result = trainer.train()
     b, a = result["before"], result["after"]
-    print(f"GenEval strict accuracy on {config.eval.prompts} prompts: {b['overall']:.3f} -> {a['overall']:.3f} "
-          f"in {result['wall_time_s'] / 60:.1f} min; run folder {config.run.output_dir}")
+    if trainer.accelerator.is_main_process:
+        print(f"GenEval strict accuracy on {config.eval.prompts} prompts: {b['overall']:.3f} -> {a['overall']:.3f} "
+              f"in {result['wall_time_s'] / 60:.1f} min; run folder {config.run.output_dir}")
     return result
 
 

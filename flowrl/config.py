@@ -116,7 +116,7 @@ class SamplingConfig:
     noise_level: float = 0.7  # Flow-GRPO's a (or DanceGRPO's eta)
     shift: float = 1.0  # timestep shift of the sigma schedule
     group_size: int = 8  # G images per prompt
-    prompts_per_iteration: int = 8
+    prompts_per_iteration: int = 8  # per process (accelerate launch: each process draws its own prompts)
     shared_noise: bool = False  # one initial noise per group
     batch_size: int = 64  # images per sampler forward
     decode_precision: str = "no"  # "no" (float32) | "bf16": VAE decode of rollout images under bf16 autocast
@@ -179,7 +179,7 @@ class TrainConfig:
     adv_std: str = "global"  # global | group
     kl_beta: float = 0.0  # weight of the KL to the LoRA-disabled base
     inner_epochs: int = 1
-    minibatch_size: int = 64  # transitions per optimizer step
+    minibatch_size: int = 64  # transitions per optimizer step, per process
     ema_decay: float = 0.0  # 0 = no EMA
     timestep_fraction: float = 1.0  # DanceGRPO: train a random fraction of each sample's trained steps
     ratio_norm: bool = False  # GRPO-Guard RatioNorm of the log-ratio

@@ -38,6 +38,38 @@ def generate(model: FlowModel, prompts: list[str], seeds: list[int], num_steps: 
     return torch.cat(images)
 
 
+def sharded(fn, n: int, accelerator=None) -> torch.Tensor:
+    """``fn`` over items ``0..n-1`` split across the processes of ``accelerator``, results gathered in item order.
+
+    Process ``r`` of ``P`` calls ``fn`` once with the items ``r, r + P, r + 2P, ...`` (a process with none
+    makes no call); ``fn(idx)`` returns a float tensor ``(len(idx), K)``. Every process gets the whole
+    ``(n, K)`` result on CPU (one padded all-gather). Without an accelerator, or with one process,
+    it is ``fn(list(range(n)))``.
+    """
+    procs = 1 if accelerator is None else accelerator.num_processes
+    if procs == 1:
+        return fn(list(range(n)))
+    rank = accelerator.process_index
+    idx = list(range(rank, n, procs))
+    mine = fn(idx) if idx else None
+    k = mine.shape[1] if mine is not None else None
+    # every process needs K for the padded buffer: processes without items learn it from the others
+    ks = accelerator.gather(torch.tensor([k if k is not None else -1], device=accelerator.device)).cpu()
+    k = int(ks.max())
+    if k < 0:  # n == 0
+        return torch.empty(0, 0)
+    rows = -(-n // procs)
+    buf = torch.zeros(rows, k, device=accelerator.device)
+    if mine is not None:
+        buf[:len(idx)] = mine.to(accelerator.device)
+    full = accelerator.gather(buf).cpu().reshape(procs, rows, k)
+    out = torch.empty(n, k)
+    for r in range(procs):
+        count = len(range(r, n, procs))
+        out[r::procs] = full[r, :count]
+    return out
+
+
 def expand_per_tag(metas: list[dict], images_per_tag: int) -> list[dict]:
     """Exactly ``images_per_tag`` entries per tag, its prompts taken round-robin (every tag is then
     estimated from the same number of images); ``images_per_tag <= 0`` keeps every prompt once."""
@@ -53,25 +85,39 @@ def expand_per_tag(metas: list[dict], images_per_tag: int) -> list[dict]:
 
 def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_steps: int = 20,
              guidance_scale: float = 4.5, shift: float = 1.0, seed: int = 1234, batch_size: int = 64,
-             return_images: bool = False) -> dict:
+             return_images: bool = False, accelerator=None) -> dict:
     """GenEval strict accuracy (arXiv 2310.11513): per-tag mean of correct images, overall mean of tags.
 
     Args:
         metas: GenEval metadata dicts (with ``tag``, ``prompt``, ``include``).
         images_per_tag: images generated per tag (prompts repeated round-robin with new seeds).
+        accelerator: an ``accelerate.Accelerator``; with several processes each draws and judges every
+            P-th image (image i keeps seed ``seed + i``) and every process returns the gathered result.
 
     Returns:
         ``{"overall", "per_tag", "dense_overall", "dense_per_tag", "n_images", "num_steps",
         "guidance_scale"}`` (+ ``"images"`` float ``(N, 3, H, W)``, ``"correct"``, ``"prompts"`` and the
         ``"metas"`` of each image when asked).
+
+    Raises:
+        ValueError: for ``return_images`` with several processes.
     """
     from rewards.geneval import geneval
 
+    if return_images and accelerator is not None and accelerator.num_processes > 1:
+        raise ValueError("evaluate: return_images needs a single process (the images stay on the process that drew them)")
     metas = expand_per_tag(metas, images_per_tag)
     prompts = [m["prompt"] for m in metas]
-    images = generate(model, prompts, [seed + i for i in range(len(metas))], num_steps, guidance_scale, shift,
-                      batch_size)
-    strict, dense = geneval().judge(images, prompts, metas)  # one detection pass for both scores
+    images = None
+
+    def judge(idx: list[int]) -> torch.Tensor:  # (len(idx), 2): strict, dense
+        nonlocal images
+        images = generate(model, [prompts[i] for i in idx], [seed + i for i in idx], num_steps, guidance_scale, shift,
+                          batch_size)
+        strict, dense = geneval().judge(images, [prompts[i] for i in idx], [metas[i] for i in idx])  # one detection pass
+        return torch.stack([strict.float(), dense.float()], dim=1)
+
+    strict, dense = sharded(judge, len(metas), accelerator).unbind(1)
     per_tag, dense_tag = defaultdict(list), defaultdict(list)
     for m, s, d in zip(metas, strict.tolist(), dense.tolist()):
         per_tag[m.get("tag", "all")].append(s)
@@ -87,23 +133,35 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
         "guidance_scale": guidance_scale,
     }
     if return_images:
-        result.update(images=images, correct=strict, prompts=prompts, metas=metas)
+        result.update(images=images, correct=strict.bool(), prompts=prompts, metas=metas)
     return result
 
 
 def evaluate_reward(model: FlowModel, metas: list[dict], reward, images_per_prompt: int = 1, num_steps: int = 20,
-                    guidance_scale: float = 4.5, shift: float = 1.0, seed: int = 1234, batch_size: int = 64) -> dict:
+                    guidance_scale: float = 4.5, shift: float = 1.0, seed: int = 1234, batch_size: int = 64,
+                    accelerator=None) -> dict:
     """Mean reward of ODE samples, for prompt sets without GenEval metadata (e.g. PickScore prompts).
 
     Args:
         reward: a callable ``(images, prompts, metadata) -> CombinedScores`` (``rewards.WeightedSum``).
+        accelerator: as in :func:`evaluate` (images split over the processes, result gathered).
 
     Returns:
         ``{"overall": mean total reward, "per_reward": {name: mean}, "n_images", "num_steps", "guidance_scale"}``.
     """
     metas = [m for m in metas for _ in range(images_per_prompt)]
     prompts = [m["prompt"] for m in metas]
-    images = generate(model, prompts, [seed + i for i in range(len(metas))], num_steps, guidance_scale, shift, batch_size)
-    scores = reward(images, prompts, metas)
-    return {"overall": scores.total.mean().item(), "per_reward": {k: v.mean().item() for k, v in scores.per_reward.items()},
+    names = []
+
+    def score(idx: list[int]) -> torch.Tensor:  # (len(idx), 1 + rewards): total, then each reward
+        images = generate(model, [prompts[i] for i in idx], [seed + i for i in idx], num_steps, guidance_scale, shift,
+                          batch_size)
+        scores = reward(images, [prompts[i] for i in idx], [metas[i] for i in idx])
+        names[:] = list(scores.per_reward)
+        return torch.stack([scores.total.float(), *(v.float() for v in scores.per_reward.values())], dim=1)
+
+    table = sharded(score, len(metas), accelerator)
+    if not names:  # this process drew no image (fewer images than processes)
+        names = list(getattr(reward, "rewards", {}))
+    return {"overall": table[:, 0].mean().item(), "per_reward": {k: table[:, 1 + j].mean().item() for j, k in enumerate(names)},
             "per_tag": {}, "n_images": len(metas), "num_steps": num_steps, "guidance_scale": guidance_scale}

@@ -321,11 +321,18 @@ class Trainer:
         grad_step: dict[int, list[torch.Tensor]] = defaultdict(list)  # first epoch: gradient norms per step
         gain = velocity_gain(tv) if t.step_weighting == "guard" else None
         velocity = self.model.velocity_fn(table, self.cfg.sampling.guidance_scale)  # CFG against table row 0
+        sizes = self._minibatch_sizes(len(tv))  # (processes, minibatches): the same optimizer steps everywhere
+        optimizer_steps = 0
         self.model.transformer.train()
         for epoch in range(t.inner_epochs):
             order = torch.randperm(len(tv), generator=generator).to(self.device)
-            for start in range(0, len(tv), t.minibatch_size):
+            for j in range(sizes.shape[1]):
+                start = j * t.minibatch_size
                 mb = order[start:start + t.minibatch_size]
+                if len(mb) == 0:  # this process has no transitions left, the others do: a zero gradient
+                    self._step_optimizer(None, stats)
+                    optimizer_steps += 1
+                    continue
                 sub = tv.select(mb)
                 present = sub.step.unique().tolist()  # denoising steps in this minibatch
                 with self._autocast():
@@ -355,25 +362,19 @@ class Trainer:
                         kl = kl_to_reference(mean, recompute_log_prob(sub, v_ref)[1], sub.std)
                     loss = loss + t.kl_beta * kl
                     stats["policy/kl"].append(kl.item())
-                self.accelerator.backward(loss)
+                share = len(mb) / sizes[:, j].sum().item()  # this process's part of the global minibatch mean
+                self.accelerator.backward(loss * share if sizes.shape[0] > 1 else loss)
                 if track_v and v.grad is not None:  # d loss / d v per transition, undoing the 1/M of the mean
-                    norms = v.grad.float().flatten(1).norm(dim=1).cpu() * len(mb)
+                    norms = v.grad.float().flatten(1).norm(dim=1).cpu() * len(mb) / (share if sizes.shape[0] > 1 else 1.0)
                     for k in present:
                         grad_step[k].append(norms[(sub.step == k).cpu()])
-                if self.accelerator.num_processes > 1:
-                    for p in self.params.values():
-                        p.grad = self.accelerator.reduce(p.grad, "mean")
-                grad_norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), t.max_grad_norm)
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                self._update_ema()
-                stats["policy/loss"].append(loss.item())
-                stats["policy/grad_norm"].append(grad_norm.item())
+                self._step_optimizer(loss, stats)
+                optimizer_steps += 1
                 for k, v_ in st.items():
                     stats[k].append(v_.item())
         self.model.transformer.eval()
         out = {k: sum(v) / len(v) for k, v in stats.items()}
-        out["policy/optimizer_steps"] = sum(1 for _ in stats["policy/loss"])
+        out["policy/optimizer_steps"] = optimizer_steps
         for k, parts in sorted(per_step.items()):  # GRPO-Guard's diagnostic: the ratio per denoising step
             r = torch.cat(parts)
             out[f"diag/step_{k:02d}/ratio_mean"] = r.mean().item()
@@ -384,6 +385,42 @@ class Trainer:
             out[f"diag/step_{k:02d}/grad_norm"] = torch.cat(parts).mean().item()
         out["cost/trained_transitions"] = len(tv) * t.inner_epochs
         return out
+
+    def _minibatch_sizes(self, count: int) -> torch.Tensor:
+        """Transitions per minibatch of every process, ``(processes, minibatches)`` int64.
+
+        Each process splits its own ``count`` kept transitions into minibatches of ``train.minibatch_size``;
+        all run as many optimizer steps as the process with the most minibatches (one collective: the
+        gradients are all-reduced at every step, so every process must take every step).
+        """
+        size = self.cfg.train.minibatch_size
+        counts = torch.tensor([count])
+        if self.accelerator.num_processes > 1:
+            counts = self.accelerator.gather(counts.to(self.device)).cpu()
+        steps = max(-(-int(c) // size) for c in counts)
+        return torch.stack([torch.clamp(c - torch.arange(steps) * size, 0, size) for c in counts])
+
+    def _step_optimizer(self, loss: torch.Tensor | None, stats: dict[str, list[float]]) -> None:
+        """Sum the gradients over the processes (each process scaled its minibatch loss by its share of the
+        global minibatch, so the sum is the global mean's gradient), clip, step AdamW, update the EMA.
+
+        ``loss`` is None for a process that took part with no transitions (a zero gradient).
+        """
+        params = list(self.params.values())
+        if self.accelerator.num_processes > 1:  # one flat all-reduce instead of one per tensor
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = self.accelerator.reduce(torch.cat([g.reshape(-1).float() for g in grads]), "sum")
+            offset = 0
+            for p in params:
+                p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
+                offset += p.numel()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._update_ema()
+        stats["policy/grad_norm"].append(grad_norm.item())
+        if loss is not None:
+            stats["policy/loss"].append(loss.item())
 
     def _param_grad_norms(self, sub, steps: list[int], log_prob: torch.Tensor, adv: torch.Tensor,
                           weights: torch.Tensor | None) -> dict[int, list[torch.Tensor]]:
@@ -438,9 +475,9 @@ class Trainer:
         with self.ema_weights(), self._autocast():
             if all("include" in m for m in self.eval_metas):
                 return evaluate(self.model, self.eval_metas, e.images_per_tag, e.num_steps, e.guidance_scale, shift,
-                                e.seed, batch)
+                                e.seed, batch, accelerator=self.accelerator)
             return evaluate_reward(self.model, self.eval_metas, self.rewards, 1, e.num_steps, e.guidance_scale, shift,
-                                   e.seed, batch)
+                                   e.seed, batch, accelerator=self.accelerator)
 
     def grid_images(self) -> torch.Tensor:
         """Images of two fixed test prompts per tag, fixed seeds (for the before/after grid)."""
@@ -467,12 +504,14 @@ class Trainer:
             save_config(cfg, self.out / ("config.yaml" if start == 0 else f"config-resume-{start:06d}.yaml"))
         t_start = time.time() - elapsed
         if start == 0:
-            before = self.run_eval()
-            (self.out / "eval_before.json").write_text(json.dumps(before, indent=1))
-            from safetensors.torch import save_file
+            before = self.run_eval()  # every process takes part (the images are split) and gets the result
+            if acc.is_main_process:
+                (self.out / "eval_before.json").write_text(json.dumps(before, indent=1))
+                from safetensors.torch import save_file
 
-            save_file({"images": self.grid_images().contiguous()}, self.out / "grid_before.safetensors")
-        before = json.loads((self.out / "eval_before.json").read_text())
+                save_file({"images": self.grid_images().contiguous()}, self.out / "grid_before.safetensors")
+        else:
+            before = json.loads((self.out / "eval_before.json").read_text())
         bar = tqdm(range(start, cfg.run.iterations), initial=start, total=cfg.run.iterations, desc="flowrl train",
                    disable=not acc.is_main_process)
         for it in bar:
@@ -488,7 +527,8 @@ class Trainer:
         after = self.run_eval()
         wall = time.time() - t_start
         result = {"before": before, "after": after, "wall_time_s": wall, "iterations": cfg.run.iterations}
-        (self.out / "eval.json").write_text(json.dumps(result, indent=1))
+        if acc.is_main_process:
+            (self.out / "eval.json").write_text(json.dumps(result, indent=1))
         self._artifacts()
         return result
 

@@ -45,13 +45,19 @@ def cmd_eval(args) -> dict:
     from .tiny.prompts import read_jsonl
 
     metas = read_jsonl(prompt_file(args.prompts))
+    accelerator = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # accelerate launch / torchrun: split the images over the processes
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=args.device == "cpu")
     model = _model(args)
     with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         result = evaluate(model, metas, args.images_per_tag, args.num_steps, args.guidance_scale, args.shift,
-                          args.seed)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps({"overall": result["overall"], "per_tag": result["per_tag"]}, indent=1))
+                          args.seed, accelerator=accelerator)
+    if accelerator is None or accelerator.is_main_process:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(json.dumps({"overall": result["overall"], "per_tag": result["per_tag"]}, indent=1))
     return result
 
 

@@ -25,7 +25,7 @@ def two_process_run(tmp_path_factory, random_pipeline, prompt_files):
     overrides = tiny_overrides(random_pipeline, *prompt_files, tmp / "run", **{
         "run.mixed_precision": "no", "run.iterations": 3, "eval.images_per_tag": 3, "train.minibatch_size": 2})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}  # loopback only
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         str(HERE / "distributed_worker.py"), str(tmp / "c.yaml"), str(tmp), *overrides],
                        capture_output=True, text=True, env=env, timeout=600)

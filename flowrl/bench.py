@@ -89,15 +89,16 @@ def bench_tree(trainer, repeats: int = 3) -> dict[str, float]:
     metas = trainer.sample_prompts(0)
     table = trainer.model.encode([""] + [m["prompt"] for m in metas])
     velocity = trainer.model.velocity_fn(table, s.guidance_scale)
-    roots = torch.arange(len(metas))
-    noise = torch.randn((len(metas), *trainer.model.latent_shape), generator=torch.Generator().manual_seed(0))
+    roots = torch.arange(len(metas), device=trainer.device)
+    noise = torch.randn((len(metas), *trainer.model.latent_shape),
+                        generator=torch.Generator().manual_seed(0)).to(trainer.device)  # drawn on CPU, as the trainer's
     times = {}
     for batched in (True, False):
         runs = []
         for _ in range(repeats):
             t0 = time.time()
             with trainer._autocast():
-                sample_tree(velocity, noise, roots + 1, roots, trainer.sigmas, trainer.plan, trainer.branch,
+                sample_tree(velocity, noise, roots + 1, roots, trainer.sigmas.to(trainer.device), trainer.plan, trainer.branch,
                             generator=torch.Generator().manual_seed(1), batched=batched)
             runs.append(time.time() - t0)
         times["batched_s" if batched else "node_by_node_s"] = statistics.median(runs)

@@ -17,7 +17,8 @@ def _model(args):
     from .models import FlowModel
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    model = FlowModel(resolve_path(args.model), device, max_sequence_length=args.max_sequence_length)
+    model = FlowModel(resolve_path(args.model), device, max_sequence_length=args.max_sequence_length,
+                      resolution=args.resolution)
     if args.lora:
         model.load_lora(args.lora)
     return model
@@ -107,6 +108,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="assets/tiny-sd3", help="StableDiffusion3Pipeline folder")
     p.add_argument("--lora", default=None, help="diffusers-format LoRA folder (e.g. RUN/lora)")
     p.add_argument("--max-sequence-length", type=int, default=0, help="T5 tokens (0 for the tiny model)")
+    p.add_argument("--resolution", type=int, default=None, help="image side in px (default: the model's)")
     p.add_argument("--num-steps", type=int, default=20, help="Euler ODE steps")
     p.add_argument("--guidance-scale", type=float, default=4.5)
     p.add_argument("--shift", type=float, default=1.0, help="sigma-schedule shift")

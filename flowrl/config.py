@@ -36,9 +36,12 @@ class ModelConfig:
     lora_rank: int = 8  # 0 = full fine-tuning of the transformer
     lora_alpha: float = 16.0
     dtype: str = "float32"  # frozen parts: float32 | bfloat16 | float16
+    resolution: Optional[int] = None  # image side in px for rollouts and evaluation (null: the model's default)
 
     def __post_init__(self):
         _check(self.lora_rank >= 0, "model.lora_rank", ">= 0", self.lora_rank)
+        _check(self.resolution is None or self.resolution > 0, "model.resolution", "a positive number of pixels or null",
+               self.resolution)
         _check(self.lora_alpha > 0, "model.lora_alpha", "> 0 (the LoRA scale is alpha / rank)", self.lora_alpha)
         _check(self.max_sequence_length >= 0, "model.max_sequence_length", ">= 0", self.max_sequence_length)
         _check(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", "float32|bfloat16|float16", self.dtype)
@@ -180,6 +183,7 @@ class TrainConfig:
     kl_beta: float = 0.0  # weight of the KL to the LoRA-disabled base
     inner_epochs: int = 1
     minibatch_size: int = 64  # transitions per optimizer step, per process
+    micro_batch_size: Optional[int] = None  # transitions per forward/backward (gradient accumulation); null: the minibatch
     ema_decay: float = 0.0  # 0 = no EMA
     timestep_fraction: float = 1.0  # DanceGRPO: train a random fraction of each sample's trained steps
     ratio_norm: bool = False  # GRPO-Guard RatioNorm of the log-ratio
@@ -203,6 +207,8 @@ class TrainConfig:
         _check(self.clip_range > 0, "train.clip_range", "> 0", self.clip_range)
         _check(0 <= self.ema_decay < 1, "train.ema_decay", "in [0, 1)", self.ema_decay)
         _check(self.minibatch_size >= 1, "train.minibatch_size", ">= 1", self.minibatch_size)
+        _check(self.micro_batch_size is None or self.micro_batch_size >= 1, "train.micro_batch_size", ">= 1 or null",
+               self.micro_batch_size)
         _check(self.step_weighting in ("none", "guard", "noise_aware"), "train.step_weighting", "none|guard|noise_aware",
                self.step_weighting)
         _check(self.reward_aggregation in ("reward", "advantage"), "train.reward_aggregation", "reward|advantage",

@@ -112,20 +112,24 @@ class FlowModel:
         dtype: dtype of the frozen components (text encoders, VAE); the transformer is kept in float32
             on CPU and in ``dtype`` elsewhere (LoRA parameters are float32 everywhere).
         max_sequence_length: T5 tokens; 0 for pipelines without T5 (the tiny model was trained so).
+        resolution: image side in pixels for sampling and evaluation (square images); None for the
+            transformer's default (``sample_size`` latents: 64 px for the tiny model, 1024 px for SD3.5-Medium;
+            Flow-GRPO trains SD3.5-Medium at 512).
 
     Raises:
         FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
+        ValueError: for a ``resolution`` that is not a multiple of the VAE factor times the patch size, or
+            larger than the transformer's position embedding covers.
     """
 
     def __init__(self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 max_sequence_length: int = 256):
+                 max_sequence_length: int = 256, resolution: int | None = None):
         from diffusers import StableDiffusion3Pipeline
         from diffusers.utils import logging as diffusers_logging
         from transformers.utils import logging as transformers_logging
 
         path = Path(path)
-        if not (path / "model_index.json").is_file():
-            raise FileNotFoundError(f"model path {path} is not a diffusers pipeline folder (no model_index.json)")
+        self.resolution = self.check_resolution(path, resolution)  # and the folder, before the weights load
         index = json.loads((path / "model_index.json").read_text())
         kwargs = {name: None for name in ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor")
                   if (index.get(name) or [None])[0] is None}  # optional parts the folder leaves out
@@ -146,11 +150,35 @@ class FlowModel:
         self.lora_targets = SD3_LORA_TARGETS
         make_batch_invariant(self.transformer, self._probe)  # the ratio is exactly 1 before the first optimizer step
 
+    @staticmethod
+    def check_resolution(path: str | Path, resolution: int | None) -> int:
+        """The image side in pixels for the pipeline folder ``path``, read from its VAE and transformer configs
+        (no weights loaded): ``resolution`` if the model can draw it, else the default.
+
+        Raises:
+            FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
+            ValueError: as for the constructor's ``resolution``.
+        """
+        path = Path(path)
+        if not (path / "model_index.json").is_file():
+            raise FileNotFoundError(f"model path {path} is not a diffusers pipeline folder (no model_index.json)")
+        vae = json.loads((path / "vae" / "config.json").read_text())
+        cfg = json.loads((path / "transformer" / "config.json").read_text())
+        factor = 2 ** (len(vae["block_out_channels"]) - 1)  # as StableDiffusion3Pipeline.vae_scale_factor
+        if resolution is None:
+            return cfg["sample_size"] * factor
+        unit = factor * cfg.get("patch_size", 2)
+        largest = (cfg.get("pos_embed_max_size") or cfg["sample_size"]) * unit
+        if resolution < unit or resolution % unit or resolution > largest:
+            raise ValueError(f"resolution {resolution} px does not fit the model at {path}: expected a multiple of "
+                             f"{unit} (VAE factor {factor} x patch size {cfg.get('patch_size', 2)}) from {unit} to {largest}")
+        return resolution
+
     @property
     def latent_shape(self) -> tuple[int, int, int]:
-        """``(C, H, W)`` of the latents at the transformer's default sample size."""
-        cfg = self.transformer.config
-        return (cfg.in_channels, cfg.sample_size, cfg.sample_size)
+        """``(C, H, W)`` of the latents at :attr:`resolution` (``H = W = resolution / vae_scale_factor``)."""
+        side = self.resolution // self.pipe.vae_scale_factor  # the check above used the same factor
+        return (self.transformer.config.in_channels, side, side)
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> PromptEmbeds:

@@ -78,11 +78,15 @@ class Trainer:
                               "ACCELERATE_MIXED_PRECISION=fp16), which flowrl does not support (no loss scaling): launch "
                               "with --mixed_precision no and set run.mixed_precision=bf16 or no")
         self.device = self.accelerator.device
+        try:  # before anything loads
+            FlowModel.check_resolution(resolve_path(cfg.model.path), cfg.model.resolution)
+        except ValueError as e:
+            raise ConfigError(f"config key 'model.resolution': {e}") from None
         self.train_metas = read_jsonl(prompt_file(cfg.train_prompts))
         self.eval_metas = read_jsonl(prompt_file(cfg.eval.prompts))
         self.rewards = WeightedSum({name: (build_reward(name, **r.options), r.weight) for name, r in cfg.rewards.items()})
         self.model = FlowModel(resolve_path(cfg.model.path), self.device, DTYPES[cfg.model.dtype],
-                               cfg.model.max_sequence_length)
+                               cfg.model.max_sequence_length, cfg.model.resolution)
         torch.manual_seed(cfg.run.seed)  # the LoRA init: runs with one seed start from the same weights
         if cfg.model.lora_rank > 0:
             self.model.add_lora(cfg.model.lora_rank, cfg.model.lora_alpha)
@@ -114,7 +118,8 @@ class Trainer:
     # ----------------------------------------------------------------------------------------- parts
     def _smoke_test_rewards(self) -> None:
         metas = self.train_metas[:2]
-        images = torch.full((len(metas), 3, 64, 64), 0.5)
+        side = self.model.resolution  # the size the rollouts will have
+        images = torch.full((len(metas), 3, side, side), 0.5)
         self.rewards(images, [m["prompt"] for m in metas], metas)
 
     def _autocast(self, precision: str | None = None):
@@ -297,6 +302,9 @@ class Trainer:
         of ``train.minibatch_size`` transitions, one optimizer step (AdamW, gradient clipping at
         ``train.max_grad_norm``, EMA update) per minibatch, ``train.inner_epochs`` passes in a random order
         drawn from `generator`. The log-probs are recomputed in float32 with the std that drew each sample.
+        With ``train.micro_batch_size`` each minibatch is forwarded and back-propagated in micro-batches of
+        that many transitions, each loss weighted by its share of the minibatch (gradient accumulation: the
+        same step, less activation memory).
 
         Args:
             ro (:class:`samplers.Rollout`): the iteration's stored transitions, `M` rows.
@@ -333,45 +341,59 @@ class Trainer:
                     self._step_optimizer(None, stats)
                     optimizer_steps += 1
                     continue
-                sub = tv.select(mb)
-                present = sub.step.unique().tolist()  # denoising steps in this minibatch
-                with self._autocast():
-                    v = velocity(sub.state, sub.sigma, sub.cond)
-                track_v = epoch == 0 and t.step_grad_norms == "velocity" and v.requires_grad
-                if track_v:
-                    v.retain_grad()
-                log_prob, mean = recompute_log_prob(sub, v)
-                if t.ratio_norm:  # GRPO-Guard: unbiased, std-scaled log-ratio
-                    log_prob = sub.log_prob + ratio_norm(log_prob, sub.log_prob, mean, sub.mean, sub.std)
-                weights = step_weights(t.step_weighting, gain[mb] if gain is not None else sub.std, sub.std)
-                loss, st = ppo_loss(log_prob, sub.log_prob, adv[mb], t.clip_range, weights)
-                if epoch == 0:
-                    ratio = torch.exp(log_prob.detach() - sub.log_prob)
-                    for k in present:
-                        per_step[k].append(ratio[sub.step == k].cpu())
-                    if t.step_grad_norms == "params" and start == 0:
-                        grad_step.update(self._param_grad_norms(sub, present, log_prob, adv[mb], weights))
+                many = sizes.shape[0] > 1
+                share = len(mb) / sizes[:, j].sum().item() if many else 1.0  # this process's part of the global mean
+                weights = step_weights(t.step_weighting, gain[mb] if gain is not None else tv.std[mb], tv.std[mb])
+                micro = t.micro_batch_size or len(mb)
+                parts: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (value, fraction of the minibatch)
+                for c in range(0, len(mb), micro):  # gradient accumulation over micro-batches
+                    idx = mb[c:c + micro]
+                    frac = len(idx) / len(mb)
+                    sub = tv.select(idx)
+                    present = sub.step.unique().tolist()  # denoising steps in this micro-batch
+                    with self._autocast():
+                        v = velocity(sub.state, sub.sigma, sub.cond)
+                    track_v = epoch == 0 and t.step_grad_norms == "velocity" and v.requires_grad
+                    if track_v:
+                        v.retain_grad()
+                    log_prob, mean = recompute_log_prob(sub, v)
+                    if t.ratio_norm:  # GRPO-Guard: unbiased, std-scaled log-ratio
+                        log_prob = sub.log_prob + ratio_norm(log_prob, sub.log_prob, mean, sub.mean, sub.std)
+                    w = None if weights is None else weights[c:c + micro]
+                    loss, st = ppo_loss(log_prob, sub.log_prob, adv[idx], t.clip_range, w)
+                    if epoch == 0:
+                        ratio = torch.exp(log_prob.detach() - sub.log_prob)
+                        for k in present:
+                            per_step[k].append(ratio[sub.step == k].cpu())
+                        if t.step_grad_norms == "params" and start == 0 and c == 0:
+                            grad_step.update(self._param_grad_norms(sub, present, log_prob, adv[idx], w))
+                    if t.kl_beta > 0:
+                        with torch.no_grad(), self.model.reference(), self._autocast():
+                            v_ref = velocity(sub.state, sub.sigma, sub.cond)
+                        if t.kl_type == "velocity":
+                            kl = velocity_kl(v, v_ref)
+                        else:
+                            kl = kl_to_reference(mean, recompute_log_prob(sub, v_ref)[1], sub.std)
+                        loss = loss + t.kl_beta * kl
+                        parts["policy/kl"].append((kl.item(), frac))
+                    scale = frac * share  # the micro-batch's part of the (global) minibatch mean
+                    self.accelerator.backward(loss * scale if scale != 1.0 else loss)
+                    if track_v and v.grad is not None:  # d loss / d v per transition, undoing the 1/M of the mean
+                        norms = v.grad.float().flatten(1).norm(dim=1).cpu() * len(idx) / scale
+                        for k in present:
+                            grad_step[k].append(norms[(sub.step == k).cpu()])
+                    parts["policy/loss"].append((loss.item(), frac))
+                    for k, v_ in st.items():
+                        parts[k].append((v_.item(), frac))
+                merged = {k: max(x for x, _ in vals) if k == "policy/ratio_max_dev" else sum(x * f for x, f in vals)
+                          for k, vals in parts.items()}  # the minibatch's statistics
                 if not stats["policy/ratio_first_max_dev"]:
-                    stats["policy/ratio_first_max_dev"].append(st["policy/ratio_max_dev"].item())
-                if t.kl_beta > 0:
-                    with torch.no_grad(), self.model.reference(), self._autocast():
-                        v_ref = velocity(sub.state, sub.sigma, sub.cond)
-                    if t.kl_type == "velocity":
-                        kl = velocity_kl(v, v_ref)
-                    else:
-                        kl = kl_to_reference(mean, recompute_log_prob(sub, v_ref)[1], sub.std)
-                    loss = loss + t.kl_beta * kl
-                    stats["policy/kl"].append(kl.item())
-                share = len(mb) / sizes[:, j].sum().item()  # this process's part of the global minibatch mean
-                self.accelerator.backward(loss * share if sizes.shape[0] > 1 else loss)
-                if track_v and v.grad is not None:  # d loss / d v per transition, undoing the 1/M of the mean
-                    norms = v.grad.float().flatten(1).norm(dim=1).cpu() * len(mb) / (share if sizes.shape[0] > 1 else 1.0)
-                    for k in present:
-                        grad_step[k].append(norms[(sub.step == k).cpu()])
-                self._step_optimizer(loss, stats)
+                    stats["policy/ratio_first_max_dev"].append(merged["policy/ratio_max_dev"])
+                self._step_optimizer(merged["policy/loss"], stats)
                 optimizer_steps += 1
-                for k, v_ in st.items():
-                    stats[k].append(v_.item())
+                for k, x in merged.items():
+                    if k != "policy/loss":
+                        stats[k].append(x)
         self.model.transformer.eval()
         out = {k: sum(v) / len(v) for k, v in stats.items()}
         out["policy/optimizer_steps"] = optimizer_steps
@@ -400,7 +422,7 @@ class Trainer:
         steps = max(-(-int(c) // size) for c in counts)
         return torch.stack([torch.clamp(c - torch.arange(steps) * size, 0, size) for c in counts])
 
-    def _step_optimizer(self, loss: torch.Tensor | None, stats: dict[str, list[float]]) -> None:
+    def _step_optimizer(self, loss: float | None, stats: dict[str, list[float]]) -> None:
         """Sum the gradients over the processes (each process scaled its minibatch loss by its share of the
         global minibatch, so the sum is the global mean's gradient), clip, step AdamW, update the EMA.
 
@@ -420,7 +442,7 @@ class Trainer:
         self._update_ema()
         stats["policy/grad_norm"].append(grad_norm.item())
         if loss is not None:
-            stats["policy/loss"].append(loss.item())
+            stats["policy/loss"].append(loss)
 
     def _param_grad_norms(self, sub, steps: list[int], log_prob: torch.Tensor, adv: torch.Tensor,
                           weights: torch.Tensor | None) -> dict[int, list[torch.Tensor]]:

@@ -264,3 +264,36 @@ def test_bf16_decode_gives_float32_images_close_to_the_float32_decode(tmp_path, 
     assert 0 < (half - full).abs().max() < 0.05  # bf16 really ran, and the images agree
     with pytest.raises(ConfigError, match="sampling.decode_precision"):
         _config(tmp_path, random_pipeline, prompt_files, **{"sampling.decode_precision": "fp16"})
+
+
+def _captured_grads(trainer):
+    """Replace the optimizer step by a recorder of the gradients it would apply (the weights stay put)."""
+    grads = []
+    trainer.optimizer.step = lambda *a, **k: grads.append([p.grad.clone() for p in trainer.params.values()])
+    return grads
+
+
+def test_micro_batches_accumulate_the_minibatch_gradient(tmp_path, random_pipeline, prompt_files):
+    extra = {"run.mixed_precision": "no", "train.minibatch_size": 5, "train.kl_beta": 0.05,
+             "train.step_weighting": "noise_aware", "train.max_grad_norm": 1e9}
+    whole = Trainer(_config(tmp_path, random_pipeline, prompt_files, out="whole", **extra))
+    micro = Trainer(_config(tmp_path, random_pipeline, prompt_files, out="micro", **extra,
+                            **{"train.micro_batch_size": 2}))  # chunks of 2, 2, 1
+    g_whole, g_micro = _captured_grads(whole), _captured_grads(micro)
+    m_whole, m_micro = whole.step(0), micro.step(0)
+    assert len(g_whole) == len(g_micro) == m_whole["policy/optimizer_steps"] >= 2
+    for a, b in zip(g_whole, g_micro):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5 * x.abs().max().item())  # summation order only
+    for key in ("policy/loss", "policy/kl", "policy/clipfrac", "policy/ratio_first_max_dev"):
+        assert m_micro[key] == pytest.approx(m_whole[key], rel=1e-4, abs=1e-9), key
+
+
+def test_resolution_sets_the_rollout_size_and_is_checked_first(tmp_path, random_pipeline, prompt_files):
+    with pytest.raises(ConfigError, match=r"model.resolution.*multiple of 8"):
+        Trainer(_config(tmp_path, random_pipeline, prompt_files, out="bad", **{"model.resolution": 36}))
+    trainer = Trainer(_config(tmp_path, random_pipeline, prompt_files, **{"model.resolution": 32}))
+    assert trainer.model.latent_shape == (4, 8, 8)
+    ro, images, _ = trainer.rollout(trainer.sample_prompts(0), torch.Generator().manual_seed(0))
+    assert images.shape[1:] == (3, 32, 32) and ro.state.shape[1:] == (4, 8, 8)
+    assert trainer.run_eval()["n_images"] > 0

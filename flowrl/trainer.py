@@ -54,6 +54,19 @@ def tag_means(rewards: torch.Tensor, tags: list[str]) -> dict[str, float]:
             for tag in sorted(set(tags))}
 
 
+def minibatch_sizes(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """Transitions in each minibatch of each process, ``(processes, steps)`` int64.
+
+    Each process splits its own kept transitions (``counts``, ``(processes,)`` int) into minibatches of
+    ``size``; all take as many optimizer steps as the process with the most minibatches, because the
+    gradients are all-reduced at every step, so a process that has run out contributes 0 transitions
+    (a zero gradient) to the remaining steps. ``steps`` is 0 when no process kept a transition.
+    Example: counts ``[5, 0, 3]``, size 2 -> ``[[2, 2, 1], [0, 0, 0], [2, 1, 0]]``.
+    """
+    steps = max(-(-int(c) // size) for c in counts)
+    return torch.stack([torch.clamp(int(c) - torch.arange(steps) * size, 0, size) for c in counts])
+
+
 class Trainer:
     """Runs one configured GRPO job end to end, writing everything to ``config.run.output_dir``.
 
@@ -409,18 +422,11 @@ class Trainer:
         return out
 
     def _minibatch_sizes(self, count: int) -> torch.Tensor:
-        """Transitions per minibatch of every process, ``(processes, minibatches)`` int64.
-
-        Each process splits its own ``count`` kept transitions into minibatches of ``train.minibatch_size``;
-        all run as many optimizer steps as the process with the most minibatches (one collective: the
-        gradients are all-reduced at every step, so every process must take every step).
-        """
-        size = self.cfg.train.minibatch_size
+        """:func:`minibatch_sizes` of every process's ``count`` kept transitions (one gather of the counts)."""
         counts = torch.tensor([count])
         if self.accelerator.num_processes > 1:
             counts = self.accelerator.gather(counts.to(self.device)).cpu()
-        steps = max(-(-int(c) // size) for c in counts)
-        return torch.stack([torch.clamp(c - torch.arange(steps) * size, 0, size) for c in counts])
+        return minibatch_sizes(counts, self.cfg.train.minibatch_size)
 
     def _step_optimizer(self, loss: float | None, stats: dict[str, list[float]]) -> None:
         """Sum the gradients over the processes (each process scaled its minibatch loss by its share of the

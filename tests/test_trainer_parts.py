@@ -263,3 +263,13 @@ def test_velocity_of_a_sample_does_not_depend_on_its_batch():
             idx = torch.tensor(rows)
             assert torch.equal(velocity(x[idx], t[idx], cond[idx]), full[idx]), rows
     assert make_batch_invariant(model.transformer, model._probe) == 0  # every layer already done, none hooked twice
+
+
+def test_minibatch_sizes_give_every_process_the_same_number_of_steps():
+    from flowrl.trainer import minibatch_sizes
+
+    sizes = minibatch_sizes(torch.tensor([5, 0, 3]), 2)
+    assert sizes.tolist() == [[2, 2, 1], [0, 0, 0], [2, 1, 0]]
+    assert sizes.sum(1).tolist() == [5, 0, 3]  # every kept transition in exactly one step
+    assert minibatch_sizes(torch.tensor([0, 0]), 4).shape == (2, 0)
+    assert minibatch_sizes(torch.tensor([7]), 64).tolist() == [[7]]

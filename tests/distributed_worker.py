@@ -20,6 +20,33 @@ def rank_reward(images, prompts, metadata):
     return torch.zeros(len(prompts))
 
 
+def split_gradient(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The all-reduced gradient of one optimizer step over the same transitions, split two ways.
+
+    Both processes draw the same rollout (same prompts, same generator, same weights). Split: process 0
+    keeps every third transition, process 1 the rest. Whole: process 0 keeps all of them, process 1 none.
+    Both must give the gradient of the mean over all transitions (the optimizer step is replaced by a
+    recorder, so the weights do not move).
+    """
+    rank = trainer.accelerator.process_index
+    metas = trainer.train_metas[:2]
+    ro, _, table = trainer.rollout(metas, torch.Generator().manual_seed(7))
+    adv = torch.linspace(-1.0, 1.0, len(ro))
+    every_third = torch.arange(len(ro)) % 3 == 0
+    grads = []
+    step = trainer.optimizer.step
+    trainer.optimizer.step = lambda *a, **k: grads.append([p.grad.clone() for p in trainer.params.values()])
+    trainer.cfg.train.minibatch_size = len(ro)  # one optimizer step
+    try:
+        for keep in (every_third if rank == 0 else ~every_third,
+                     torch.ones(len(ro), dtype=torch.bool) if rank == 0 else torch.zeros(len(ro), dtype=torch.bool)):
+            trainer.optimize(ro, adv, keep & ro.trained.cpu(), table, torch.Generator().manual_seed(0))
+    finally:
+        trainer.optimizer.step = step
+    assert len(grads) == 2, len(grads)
+    return grads[0], grads[1]
+
+
 def main() -> None:
     from flowrl.config import load_config
     from flowrl.evaluate import sharded
@@ -30,6 +57,9 @@ def main() -> None:
     result = trainer.train()
     rank = trainer.accelerator.process_index
     save_file({n: p.detach().contiguous() for n, p in trainer.params.items()}, f"{out}/rank{rank}.safetensors")
+    split_grads, whole_grads = split_gradient(trainer)
+    save_file({**{f"split.{i}": g for i, g in enumerate(split_grads)}, **{f"whole.{i}": g for i, g in enumerate(whole_grads)}},
+              f"{out}/grads{rank}.safetensors")
     calls = []  # items 0..6 over 2 processes: 4 and 3 items, gathered back in item order
     order = sharded(lambda idx: calls.append(idx) or torch.tensor(idx, dtype=torch.float32)[:, None] * 10, 7,
                     trainer.accelerator)

@@ -59,3 +59,17 @@ def test_split_evaluation_equals_the_single_process_one(two_process_run):
     before = single.run_eval()
     assert before["n_images"] == r0["before"]["n_images"] == 18
     assert before["per_tag"] == r0["before"]["per_tag"] and before["dense_per_tag"] == r0["before"]["dense_per_tag"]
+
+
+def test_split_transitions_give_the_gradient_of_their_union(two_process_run):
+    """Every third transition on process 0 and the rest on process 1 give the same step as all of them on
+    process 0: the mean over all processes' transitions, whatever their shares."""
+    tmp, _ = two_process_run
+    g0, g1 = load_file(tmp / "grads0.safetensors"), load_file(tmp / "grads1.safetensors")
+    n = len([k for k in g0 if k.startswith("split.")])
+    assert n > 0
+    for i in range(n):
+        split, whole = g0[f"split.{i}"], g0[f"whole.{i}"]
+        assert torch.equal(split, g1[f"split.{i}"]) and torch.equal(whole, g1[f"whole.{i}"])  # all-reduced
+        torch.testing.assert_close(split, whole, rtol=1e-4, atol=1e-5 * whole.abs().max().item())
+    assert any(g0[f"whole.{i}"].abs().max() > 0 for i in range(n))

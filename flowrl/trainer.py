@@ -400,7 +400,7 @@ class Trainer:
                         parts[k].append((v_.item(), frac))
                 merged = {k: max(x for x, _ in vals) if k == "policy/ratio_max_dev" else sum(x * f for x, f in vals)
                           for k, vals in parts.items()}  # the minibatch's statistics
-                if not stats["policy/ratio_first_max_dev"]:
+                if optimizer_steps == 0:  # before any update (absent where this process's first step had no transitions)
                     stats["policy/ratio_first_max_dev"].append(merged["policy/ratio_max_dev"])
                 self._step_optimizer(merged["policy/loss"], stats)
                 optimizer_steps += 1

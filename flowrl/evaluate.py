@@ -43,7 +43,7 @@ def sharded(fn, n: int, accelerator=None) -> torch.Tensor:
 
     Process ``r`` of ``P`` calls ``fn`` once with the items ``r, r + P, r + 2P, ...`` (a process with none
     makes no call); ``fn(idx)`` returns a float tensor ``(len(idx), K)``. Every process gets the whole
-    ``(n, K)`` result on CPU (one padded all-gather). Without an accelerator, or with one process,
+    ``(n, K)`` result on CPU (two all-gathers: the width K, then the padded rows). Without an accelerator, or with one process,
     it is ``fn(list(range(n)))``.
     """
     procs = 1 if accelerator is None else accelerator.num_processes
@@ -133,7 +133,7 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
         "guidance_scale": guidance_scale,
     }
     if return_images:
-        result.update(images=images, correct=strict.bool(), prompts=prompts, metas=metas)
+        result.update(images=images, correct=strict, prompts=prompts, metas=metas)
     return result
 
 

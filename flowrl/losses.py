@@ -80,7 +80,7 @@ def ratio_norm(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.T
     return tau * (log_prob - old_log_prob) + dmu2 / (2 * tau)
 
 
-def step_weights(kind: str, gain: torch.Tensor, std: torch.Tensor) -> torch.Tensor | None:
+def step_weights(kind: str, gain: torch.Tensor, std: torch.Tensor, mean: float | None = None) -> torch.Tensor | None:
     """Per-transition loss weights that balance denoising steps, normalised to mean 1.
 
     - ``"guard"``: GRPO-Guard gradient reweighting (arXiv 2510.22319, Sec. 4.2): the gradient of the
@@ -93,9 +93,11 @@ def step_weights(kind: str, gain: torch.Tensor, std: torch.Tensor) -> torch.Tens
         kind (`str`): ``"none" | "guard" | "noise_aware"``.
         gain (`(M,)`): ``|d mean / d v|`` per transition (:func:`samplers.velocity_gain`).
         std (`(M,)`): the step std per transition.
+        mean (`float`, optional): divide by this instead of the weights' own mean (several processes: the
+            mean over every process's minibatch; ``1.0`` returns the unnormalised weights).
 
     Returns:
-        `(M,)` float32 weights with mean 1, or None.
+        `(M,)` float32 weights with mean 1 (over the batch, or as given by `mean`), or None.
 
     Raises:
         ValueError: for an unknown `kind`.
@@ -108,7 +110,7 @@ def step_weights(kind: str, gain: torch.Tensor, std: torch.Tensor) -> torch.Tens
         w = std.float()
     else:
         raise ValueError(f"step weighting must be 'none', 'guard' or 'noise_aware', got {kind!r}")
-    return w / w.mean()
+    return w / (w.mean() if mean is None else mean)
 
 
 def velocity_kl(velocity: torch.Tensor, ref_velocity: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,8 @@ class Trainer:
         ValueError: a reward that fails its smoke call (wrong shape, NaN or inf), named.
     """
 
+    REDUCE_BUCKET = 1 << 26  # gradient elements per all-reduce under several processes (256 MB in float32)
+
     def __init__(self, config: Config):
         from accelerate import Accelerator
 
@@ -317,7 +319,9 @@ class Trainer:
         drawn from `generator`. The log-probs are recomputed in float32 with the std that drew each sample.
         With ``train.micro_batch_size`` each minibatch is forwarded and back-propagated in micro-batches of
         that many transitions, each loss weighted by its share of the minibatch (gradient accumulation: the
-        same step, less activation memory).
+        same step, less activation memory). Under several processes the step follows the mean over every
+        process's minibatch (step weights normalised over it too); the returned statistics are this
+        process's, except ``policy/grad_norm``, which is the summed gradient's.
 
         Args:
             ro (:class:`samplers.Rollout`): the iteration's stored transitions, `M` rows.
@@ -350,13 +354,20 @@ class Trainer:
             for j in range(sizes.shape[1]):
                 start = j * t.minibatch_size
                 mb = order[start:start + t.minibatch_size]
+                many = sizes.shape[0] > 1
+                weight_mean = None  # step weights: mean 1 over the minibatch of all processes
+                if many and t.step_weighting != "none":
+                    raw = step_weights(t.step_weighting, gain[mb] if gain is not None else tv.std[mb], tv.std[mb], mean=1.0)
+                    total = self.accelerator.reduce(torch.tensor([raw.sum().item() if len(mb) else 0.0], device=self.device),
+                                                    "sum")
+                    weight_mean = total.item() / sizes[:, j].sum().item()
                 if len(mb) == 0:  # this process has no transitions left, the others do: a zero gradient
                     self._step_optimizer(None, stats)
                     optimizer_steps += 1
                     continue
-                many = sizes.shape[0] > 1
                 share = len(mb) / sizes[:, j].sum().item() if many else 1.0  # this process's part of the global mean
-                weights = step_weights(t.step_weighting, gain[mb] if gain is not None else tv.std[mb], tv.std[mb])
+                weights = step_weights(t.step_weighting, gain[mb] if gain is not None else tv.std[mb], tv.std[mb],
+                                       mean=weight_mean)
                 micro = t.micro_batch_size or len(mb)
                 parts: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (value, fraction of the minibatch)
                 for c in range(0, len(mb), micro):  # gradient accumulation over micro-batches
@@ -432,16 +443,33 @@ class Trainer:
         """Sum the gradients over the processes (each process scaled its minibatch loss by its share of the
         global minibatch, so the sum is the global mean's gradient), clip, step AdamW, update the EMA.
 
-        ``loss`` is None for a process that took part with no transitions (a zero gradient).
+        ``loss`` is None for a process that took part with no transitions (a zero gradient). The sum runs
+        in float32 buckets of at most :attr:`REDUCE_BUCKET` elements; a parameter without a gradient on
+        every process keeps none (AdamW skips it, as with one process).
         """
         params = list(self.params.values())
-        if self.accelerator.num_processes > 1:  # one flat all-reduce instead of one per tensor
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = self.accelerator.reduce(torch.cat([g.reshape(-1).float() for g in grads]), "sum")
-            offset = 0
-            for p in params:
-                p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
-                offset += p.numel()
+        if self.accelerator.num_processes > 1:
+            has = self.accelerator.reduce(torch.tensor([float(p.grad is not None) for p in params], device=self.device),
+                                          "sum")
+            bucket: list[torch.nn.Parameter] = []
+            size = 0
+            for i, p in enumerate(params):
+                bucket.append(p)
+                size += p.numel()
+                if i == len(params) - 1 or size + params[i + 1].numel() > self.REDUCE_BUCKET:
+                    flat = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1).float()
+                                      for q in bucket])
+                    for q in bucket:
+                        q.grad = None  # free this bucket's gradients before the summed ones arrive
+                    flat = self.accelerator.reduce(flat, "sum")
+                    offset = 0
+                    for q in bucket:
+                        q.grad = flat[offset:offset + q.numel()].view_as(q).to(q.dtype)
+                        offset += q.numel()
+                    bucket, size = [], 0
+            for p, h in zip(params, has.tolist()):
+                if h == 0:
+                    p.grad = None
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -452,8 +480,8 @@ class Trainer:
 
     def _param_grad_norms(self, sub, steps: list[int], log_prob: torch.Tensor, adv: torch.Tensor,
                           weights: torch.Tensor | None) -> dict[int, list[torch.Tensor]]:
-        """Norm of the gradient of each denoising step's mean PPO loss w.r.t. the trained parameters, on one
-        minibatch (``train.step_grad_norms: params``; one extra backward per step present)."""
+        """Norm of the gradient of each denoising step's mean PPO loss w.r.t. the trained parameters, on the
+        first (micro-)batch of an iteration (``train.step_grad_norms: params``; one extra backward per step present)."""
         t = self.cfg.train
         params = [p for p in self.params.values() if p.requires_grad]
         out = {}

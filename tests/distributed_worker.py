@@ -36,6 +36,7 @@ def split_gradient(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     grads = []
     step = trainer.optimizer.step
     trainer.optimizer.step = lambda *a, **k: grads.append([p.grad.clone() for p in trainer.params.values()])
+    size = trainer.cfg.train.minibatch_size
     trainer.cfg.train.minibatch_size = len(ro)  # one optimizer step
     try:
         for keep in (every_third if rank == 0 else ~every_third,
@@ -43,6 +44,7 @@ def split_gradient(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
             trainer.optimize(ro, adv, keep & ro.trained.cpu(), table, torch.Generator().manual_seed(0))
     finally:
         trainer.optimizer.step = step
+        trainer.cfg.train.minibatch_size = size
     assert len(grads) == 2, len(grads)
     return grads[0], grads[1]
 
@@ -54,10 +56,10 @@ def main() -> None:
 
     config, out, *overrides = sys.argv[1:]
     trainer = Trainer(load_config(config, overrides))
-    result = trainer.train()
     rank = trainer.accelerator.process_index
+    split_grads, whole_grads = split_gradient(trainer)  # at the initial weights, which a single process can repeat
+    result = trainer.train()
     save_file({n: p.detach().contiguous() for n, p in trainer.params.items()}, f"{out}/rank{rank}.safetensors")
-    split_grads, whole_grads = split_gradient(trainer)
     save_file({**{f"split.{i}": g for i, g in enumerate(split_grads)}, **{f"whole.{i}": g for i, g in enumerate(whole_grads)}},
               f"{out}/grads{rank}.safetensors")
     calls = []  # items 0..6 over 2 processes: 4 and 3 items, gathered back in item order

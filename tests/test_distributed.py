@@ -23,7 +23,8 @@ def two_process_run(tmp_path_factory, random_pipeline, prompt_files):
     tmp = tmp_path_factory.mktemp("ddp")
     (tmp / "c.yaml").write_text("rewards:\n  distributed_worker:rank_reward:\n    weight: 1.0\n")
     overrides = tiny_overrides(random_pipeline, *prompt_files, tmp / "run", **{
-        "run.mixed_precision": "no", "run.iterations": 3, "eval.images_per_tag": 3, "train.minibatch_size": 2})
+        "run.mixed_precision": "no", "run.iterations": 3, "eval.images_per_tag": 3, "train.minibatch_size": 2,
+        "train.step_weighting": "noise_aware"})  # weights normalised over both processes' minibatch
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}  # loopback only
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -62,14 +63,25 @@ def test_split_evaluation_equals_the_single_process_one(two_process_run):
 
 
 def test_split_transitions_give_the_gradient_of_their_union(two_process_run):
-    """Every third transition on process 0 and the rest on process 1 give the same step as all of them on
-    process 0: the mean over all processes' transitions, whatever their shares."""
-    tmp, _ = two_process_run
+    """One rollout's transitions, every third on process 0 and the rest on process 1, give the same step as
+    all of them on process 0, and as all of them in a single process: the mean over all transitions (with
+    the step weights normalised over all of them), whatever the shares."""
+    tmp, overrides = two_process_run
     g0, g1 = load_file(tmp / "grads0.safetensors"), load_file(tmp / "grads1.safetensors")
+    sys.path.insert(0, str(HERE))
+    try:
+        from distributed_worker import split_gradient
+
+        single = Trainer(load_config(tmp / "c.yaml", [*overrides, f"run.output_dir={tmp / 'reference'}"]))
+        _, reference = split_gradient(single)  # one process keeping every transition
+    finally:
+        sys.path.remove(str(HERE))
     n = len([k for k in g0 if k.startswith("split.")])
-    assert n > 0
+    assert n == len(reference) > 0
     for i in range(n):
-        split, whole = g0[f"split.{i}"], g0[f"whole.{i}"]
+        split, whole, ref = g0[f"split.{i}"], g0[f"whole.{i}"], reference[i]
         assert torch.equal(split, g1[f"split.{i}"]) and torch.equal(whole, g1[f"whole.{i}"])  # all-reduced
-        torch.testing.assert_close(split, whole, rtol=1e-4, atol=1e-5 * whole.abs().max().item())
-    assert any(g0[f"whole.{i}"].abs().max() > 0 for i in range(n))
+        tol = 1e-5 * ref.abs().max().item()
+        torch.testing.assert_close(whole, ref, rtol=1e-4, atol=tol)
+        torch.testing.assert_close(split, ref, rtol=1e-4, atol=tol)
+    assert any(r.abs().max() > 0 for r in reference)

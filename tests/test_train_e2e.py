@@ -267,9 +267,21 @@ def test_bf16_decode_gives_float32_images_close_to_the_float32_decode(tmp_path, 
 
 
 def _captured_grads(trainer):
-    """Replace the optimizer step by a recorder of the gradients it would apply (the weights stay put)."""
+    """Replace the optimizer step by a recorder of the gradients it would apply (the weights stay put), and
+    move the weights by the same random amount between the rollout and the training pass, as an earlier
+    update would: the ratio then differs from 1, some transitions are clipped and the KL is not 0."""
     grads = []
     trainer.optimizer.step = lambda *a, **k: grads.append([p.grad.clone() for p in trainer.params.values()])
+    optimize = trainer.optimize
+
+    def moved_then_optimize(*args, **kwargs):
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for p in trainer.params.values():
+                p.add_(torch.randn(p.shape, generator=g) * 0.001)
+        return optimize(*args, **kwargs)
+
+    trainer.optimize = moved_then_optimize
     return grads
 
 
@@ -285,7 +297,8 @@ def test_micro_batches_accumulate_the_minibatch_gradient(tmp_path, random_pipeli
     for a, b in zip(g_whole, g_micro):
         for x, y in zip(a, b):
             torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5 * x.abs().max().item())  # summation order only
-    for key in ("policy/loss", "policy/kl", "policy/clipfrac", "policy/ratio_first_max_dev"):
+    assert m_whole["policy/kl"] > 0 and 0 < m_whole["policy/clipfrac"] < 1 and m_whole["policy/ratio_first_max_dev"] > 0
+    for key in ("policy/loss", "policy/kl", "policy/clipfrac", "policy/ratio_first_max_dev", "policy/approx_kl"):
         assert m_micro[key] == pytest.approx(m_whole[key], rel=1e-4, abs=1e-9), key
 
 

@@ -24,7 +24,8 @@ def two_process_run(tmp_path_factory, random_pipeline, prompt_files):
     (tmp / "c.yaml").write_text("rewards:\n  distributed_worker:rank_reward:\n    weight: 1.0\n")
     overrides = tiny_overrides(random_pipeline, *prompt_files, tmp / "run", **{
         "run.mixed_precision": "no", "run.iterations": 3, "eval.images_per_tag": 3, "train.minibatch_size": 2,
-        "train.step_weighting": "noise_aware"})  # weights normalised over both processes' minibatch
+        # step weights normalised over both processes' minibatch; each minibatch accumulated in parts of 3
+        "train.step_weighting": "noise_aware", "train.micro_batch_size": 3})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}  # loopback only
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

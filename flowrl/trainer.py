@@ -12,6 +12,7 @@ import math
 import os
 import random
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -92,6 +93,10 @@ class Trainer:
             raise ConfigError("accelerate's mixed precision is fp16 (accelerate launch --mixed_precision fp16 or "
                               "ACCELERATE_MIXED_PRECISION=fp16), which flowrl does not support (no loss scaling): launch "
                               "with --mixed_precision no and set run.mixed_precision=bf16 or no")
+        if self.accelerator.mixed_precision == "bf16" and cfg.run.mixed_precision != "bf16":
+            warnings.warn(f"accelerate's mixed precision bf16 (accelerate launch --mixed_precision bf16) is not used: "
+                          f"flowrl's precision is run.mixed_precision, here {cfg.run.mixed_precision!r}; set "
+                          "run.mixed_precision=bf16 for bf16 autocast", UserWarning, stacklevel=2)
         self.device = self.accelerator.device
         try:  # before anything loads
             FlowModel.check_resolution(resolve_path(cfg.model.path), cfg.model.resolution)

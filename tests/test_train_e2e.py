@@ -194,6 +194,16 @@ def test_accelerate_fp16_is_refused_before_the_model_loads(tmp_path):
     assert not (tmp_path / "run/metrics.jsonl").exists()
 
 
+def test_accelerate_bf16_without_run_bf16_is_warned_about(tmp_path):
+    import os
+
+    env = {**os.environ, "ACCELERATE_MIXED_PRECISION": "bf16"}  # what `accelerate launch --mixed_precision bf16` sets
+    code = ("from flowrl.config import load_config; from flowrl.trainer import Trainer; "
+            f"Trainer(load_config('configs/tiny_geneval.yaml', ['run.output_dir={tmp_path / 'run'}', 'run.device=cpu']))")
+    r = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode != 0 and "run.mixed_precision" in r.stderr and "is not used" in r.stderr, r.stderr[-2000:]
+
+
 def test_mix_grpo_window_moves_counts_nfe_and_resumes(tmp_path, random_pipeline, prompt_files):
     mix = {"run.mixed_precision": "no", "sampling.num_steps": 6, "sampling.window.size": 2, "sampling.window.interval": 1,
            "sampling.window.flash_ratio": 0.5, "run.iterations": 3}

@@ -52,9 +52,8 @@ def sharded(fn, n: int, accelerator=None) -> torch.Tensor:
     rank = accelerator.process_index
     idx = list(range(rank, n, procs))
     mine = fn(idx) if idx else None
-    k = mine.shape[1] if mine is not None else None
-    # every process needs K for the padded buffer: processes without items learn it from the others
-    ks = accelerator.gather(torch.tensor([k if k is not None else -1], device=accelerator.device)).cpu()
+    # every process needs K for the padded buffer: processes without items (-1) learn it from the others
+    ks = accelerator.gather(torch.tensor([mine.shape[1] if mine is not None else -1], device=accelerator.device))
     k = int(ks.max())
     if k < 0:  # n == 0
         return torch.empty(0, 0)

@@ -360,19 +360,16 @@ class Trainer:
                 start = j * t.minibatch_size
                 mb = order[start:start + t.minibatch_size]
                 many = sizes.shape[0] > 1
-                weight_mean = None  # step weights: mean 1 over the minibatch of all processes
-                if many and t.step_weighting != "none":
-                    raw = step_weights(t.step_weighting, gain[mb] if gain is not None else tv.std[mb], tv.std[mb], mean=1.0)
-                    total = self.accelerator.reduce(torch.tensor([raw.sum().item() if len(mb) else 0.0], device=self.device),
-                                                    "sum")
-                    weight_mean = total.item() / sizes[:, j].sum().item()
+                rows = sizes[:, j].sum().item()  # the step's transitions over all processes
+                weights = step_weights(t.step_weighting, gain[mb] if gain is not None else tv.std[mb], tv.std[mb],
+                                       mean=1.0 if many else None)  # several processes: unnormalised here
+                if many and weights is not None:  # mean 1 over the minibatch of all processes
+                    weights = weights / (self.accelerator.reduce(weights.sum().reshape(1), "sum") / rows)
                 if len(mb) == 0:  # this process has no transitions left, the others do: a zero gradient
                     self._step_optimizer(None, stats)
                     optimizer_steps += 1
                     continue
-                share = len(mb) / sizes[:, j].sum().item() if many else 1.0  # this process's part of the global mean
-                weights = step_weights(t.step_weighting, gain[mb] if gain is not None else tv.std[mb], tv.std[mb],
-                                       mean=weight_mean)
+                share = len(mb) / rows  # this process's part of the global mean (1 with one process)
                 micro = t.micro_batch_size or len(mb)
                 parts: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (value, fraction of the minibatch)
                 for c in range(0, len(mb), micro):  # gradient accumulation over micro-batches
@@ -456,22 +453,23 @@ class Trainer:
         if self.accelerator.num_processes > 1:
             has = self.accelerator.reduce(torch.tensor([float(p.grad is not None) for p in params], device=self.device),
                                           "sum")
-            bucket: list[torch.nn.Parameter] = []
-            size = 0
-            for i, p in enumerate(params):
-                bucket.append(p)
+            buckets, size = [[]], 0
+            for p in params:
+                if buckets[-1] and size + p.numel() > self.REDUCE_BUCKET:
+                    buckets.append([])
+                    size = 0
+                buckets[-1].append(p)
                 size += p.numel()
-                if i == len(params) - 1 or size + params[i + 1].numel() > self.REDUCE_BUCKET:
-                    flat = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1).float()
-                                      for q in bucket])
-                    for q in bucket:
-                        q.grad = None  # free this bucket's gradients before the summed ones arrive
-                    flat = self.accelerator.reduce(flat, "sum")
-                    offset = 0
-                    for q in bucket:
-                        q.grad = flat[offset:offset + q.numel()].view_as(q).to(q.dtype)
-                        offset += q.numel()
-                    bucket, size = [], 0
+            for bucket in buckets:
+                flat = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1).float()
+                                  for q in bucket])
+                for q in bucket:
+                    q.grad = None  # free this bucket's gradients before the summed ones arrive
+                flat = self.accelerator.reduce(flat, "sum")
+                offset = 0
+                for q in bucket:
+                    q.grad = flat[offset:offset + q.numel()].view_as(q).to(q.dtype)
+                    offset += q.numel()
             for p, h in zip(params, has.tolist()):
                 if h == 0:
                     p.grad = None

@@ -55,6 +55,7 @@ def main() -> None:
     from flowrl.trainer import Trainer
 
     config, out, *overrides = sys.argv[1:]
+    Trainer.REDUCE_BUCKET = 1000  # several all-reduce buckets even for the tiny LoRA
     trainer = Trainer(load_config(config, overrides))
     rank = trainer.accelerator.process_index
     split_grads, whole_grads = split_gradient(trainer)  # at the initial weights, which a single process can repeat

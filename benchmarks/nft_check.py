@@ -13,7 +13,7 @@ training run under ``--precision`` (default bf16: there is no ratio to protect f
 diagnostic, not a flowrl method: no checkpoints, no resume.
 
     python benchmarks/nft_check.py [CONFIG] [key=value ...] [--iterations N] [--eval-every N]
-        [--timesteps K] [--beta B] [--optimizer-steps S] [--precision bf16|no] [--out FILE.json]
+        [--timesteps K] [--beta B] [--optimizer-steps S] [--precision bf16|no] [--save-lora DIR] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--beta", type=float, default=1.0)
     parser.add_argument("--optimizer-steps", type=int, default=2, help="optimizer steps per iteration")
     parser.add_argument("--precision", choices=("bf16", "no"), default="bf16", help="of sampling and training")
+    parser.add_argument("--save-lora", default="", help="write the trained LoRA here (diffusers format, for flowrl eval)")
     parser.add_argument("--skip-before", action="store_true", help="do not evaluate the base first")
     args = parse_preset_args(parser, argv)
     trainer = Trainer(load_config(args.config, ["run.output_dir=runs/nft_check", *args.overrides]))
@@ -141,6 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
         if (args.eval_every and (it + 1) % args.eval_every == 0) or it + 1 == args.iterations:
             evals[it + 1] = trainer.run_eval()
             print(f"held-out strict accuracy after {it + 1} iterations: {evals[it + 1]['overall']:.3f}", flush=True)
+    if args.save_lora:
+        trainer.model.save_lora(args.save_lora)
     result = {"held_out": {k: {"overall": v["overall"], "per_tag": v["per_tag"]} for k, v in evals.items()},
               "train_reward": [h["reward"] for h in history], "trained_rows": [h["rows"] for h in history],
               "seconds_per_iteration_median": sorted(h["seconds"] for h in history)[len(history) // 2],

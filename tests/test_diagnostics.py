@@ -94,7 +94,8 @@ def test_nft_loss_gradient_follows_the_optimality_weight():
 def test_nft_check_trains_and_evaluates(preset, tmp_path):
     out = tmp_path / "nft.json"
     result = _script("nft_check").main([*preset, "--iterations", "2", "--timesteps", "2", "--precision", "no",
-                                        "--out", str(out)])
+                                        "--save-lora", str(tmp_path / "lora"), "--out", str(out)])
     assert sorted(result["held_out"]) == [0, 2] and len(result["train_reward"]) == 2
     assert sum(result["trained_rows"]) > 0 and all(rows % 2 == 0 for rows in result["trained_rows"])  # 2 copies each
     assert json.loads(out.read_text())["train_reward"] == result["train_reward"]
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()

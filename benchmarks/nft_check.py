@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--save-lora", default="", help="write the trained LoRA here (diffusers format, for flowrl eval)")
     parser.add_argument("--skip-before", action="store_true", help="do not evaluate the base first")
     args = parse_preset_args(parser, argv)
+    if args.iterations < 1 or args.timesteps < 1 or args.optimizer_steps < 1:
+        parser.error("--iterations, --timesteps and --optimizer-steps must be at least 1")
     trainer = Trainer(load_config(args.config, ["run.output_dir=runs/nft_check", *args.overrides]))
     evals, start = {}, time.time()
     if not args.skip_before:

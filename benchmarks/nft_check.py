@@ -19,6 +19,7 @@ diagnostic, not a flowrl method: no checkpoints, no resume.
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 
 import torch
 
@@ -83,9 +84,9 @@ def nft_iteration(trainer: Trainer, it: int, timesteps: int, beta: float, optimi
     table = model.encode([""] + [m["prompt"] for m in metas])
     cond = torch.arange(len(metas), device=trainer.device).repeat_interleave(cfg.sampling.group_size) + 1  # (B,)
     noise = torch.randn((len(cond), *model.latent_shape), generator=gen).to(trainer.device)
-    w = cfg.sampling.guidance_scale
+    velocity = model.velocity_fn(table, cfg.sampling.guidance_scale)  # guided, against the empty prompt (row 0)
     with torch.no_grad(), trainer._autocast(precision):
-        x0 = ode_sample(model.velocity_fn(table, w), noise, cond, trainer.sigmas.to(trainer.device))
+        x0 = ode_sample(velocity, noise, cond, trainer.sigmas.to(trainer.device))
     scores = trainer.score(trainer._decode(x0), (cond - 1).cpu(), metas).total
     adv, zero = group_advantages(scores, cond.cpu(), cfg.train.adv_std, cfg.train.adv_clip_max)
     result = {"reward": scores.mean().item(), "zero_variance_frac": zero.float().mean().item(), "rows": 0, "loss": 0.0}
@@ -97,23 +98,16 @@ def nft_iteration(trainer: Trainer, it: int, timesteps: int, beta: float, optimi
         x_0, c = x0[rows], cond[rows.to(trainer.device)]
         x_t = (1 - t.view(-1, 1, 1, 1)) * x_0 + t.view(-1, 1, 1, 1) * eps
         r = (adv[rows] / cfg.train.adv_clip_max / 2 + 0.5).clamp(0, 1).to(trainer.device)
-
-        def velocity(i: torch.Tensor) -> torch.Tensor:
-            return model.velocity(x_t[i], t[i], table[c[i]], table[torch.zeros_like(c[i])], w).float()
-
         with torch.no_grad(), trainer._autocast(precision):
-            v_old = torch.cat([velocity(i) for i in torch.arange(len(rows)).split(cfg.sampling.batch_size)])
-        losses = []
+            v_old = trainer._chunked(velocity, cfg.sampling.batch_size)(x_t, t, c)
+        stats = defaultdict(list)
         for part in torch.randperm(len(rows), generator=gen).chunk(optimizer_steps):
-            trainer.optimizer.zero_grad()
             with trainer._autocast(precision):
-                v = velocity(part)
+                v = velocity(x_t[part], t[part], c[part])
             loss = nft_loss(v, v_old[part], x_t[part], x_0[part], t[part], r[part], beta, cfg.train.adv_clip_max)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(list(trainer.params.values()), cfg.train.max_grad_norm)
-            trainer.optimizer.step()
-            losses.append(loss.item())
-        result.update(rows=len(rows), loss=sum(losses) / len(losses))
+            trainer.accelerator.backward(loss)
+            trainer._step_optimizer(loss.item(), stats)  # the trainer's clip, AdamW step and EMA update
+        result.update(rows=len(rows), loss=sum(stats["policy/loss"]) / len(stats["policy/loss"]))
     return {**result, "seconds": time.time() - t0}
 
 

@@ -170,9 +170,25 @@ class RewardConfig:
 
 
 @dataclass
-class TrainConfig:
-    """``train.*``: the GRPO objective (advantages, PPO clip, KL, GRPO-Guard options) and AdamW."""
+class NFTConfig:
+    """``train.nft.*``: DiffusionNFT (arXiv 2509.16117), used when ``train.method`` is ``nft``."""
 
+    beta: float = 1.0  # step of the implicit positive / negative policies (the paper's GenEval setting)
+    timesteps: int = 4  # noised copies of each image per iteration, at times of the sampler's grid
+    old_decay: float = 0.0  # soft update of the sampling policy, theta_old <- d theta_old + (1 - d) theta (0: it follows theta)
+
+    def __post_init__(self):
+        _check(self.beta > 0, "train.nft.beta", "> 0", self.beta)
+        _check(self.timesteps >= 1, "train.nft.timesteps", ">= 1", self.timesteps)
+        _check(0 <= self.old_decay < 1, "train.nft.old_decay", "in [0, 1)", self.old_decay)
+
+
+@dataclass
+class TrainConfig:
+    """``train.*``: the objective (GRPO: advantages, PPO clip, KL, GRPO-Guard options; or DiffusionNFT) and AdamW."""
+
+    method: str = "grpo"  # grpo (SDE rollouts, PPO on log-prob ratios) | nft (ODE samples, DiffusionNFT loss)
+    nft: NFTConfig = field(default_factory=NFTConfig)
     learning_rate: float = 3e-4
     adam_betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 1e-4
@@ -195,6 +211,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False  # recompute the transformer's activations in backward: less memory, ~1 more forward
 
     def __post_init__(self):
+        _check(self.method in ("grpo", "nft"), "train.method", "grpo|nft", self.method)
         _check(self.adv_std in ("global", "group"), "train.adv_std", "global|group", self.adv_std)
         _check(self.learning_rate > 0, "train.learning_rate", "> 0", self.learning_rate)
         betas = list(self.adam_betas)
@@ -285,6 +302,13 @@ class Config:
             self.rewards = {"geneval": RewardConfig()}
         _check(self.train.kl_beta == 0 or self.model.lora_rank > 0, "train.kl_beta",
                "0 unless model.lora_rank > 0 (the KL reference is the LoRA-disabled base)", self.train.kl_beta)
+        if self.train.method == "nft":  # DiffusionNFT samples plain ODE groups: no rollout shape, no log-probs
+            s = self.sampling
+            for key, value, off in (("sampling.window.size", s.window.size, 0), ("sampling.tree.split_steps",
+                                    s.tree.split_steps, []), ("sampling.probe.method", s.probe.method, ""),
+                                    ("sampling.shared_noise", s.shared_noise, False),
+                                    ("train.kl_beta", self.train.kl_beta, 0.0)):
+                _check(value == off, key, f"{off!r} with train.method 'nft' (it trains on final samples)", value)
 
 
 def _load_yaml(path: Path, chain: tuple[Path, ...] = ()):

@@ -123,3 +123,60 @@ def velocity_kl(velocity: torch.Tensor, ref_velocity: torch.Tensor) -> torch.Ten
         Scalar float32.
     """
     return ((velocity.float() - ref_velocity.float()) ** 2).mean()
+
+
+def optimality_weights(advantages: torch.Tensor, adv_max: float) -> torch.Tensor:
+    """DiffusionNFT's optimality probability of each sample, ``r = clip(A / A_max, -1, 1) / 2 + 1/2``
+    (arXiv 2509.16117, Sec. 4.2): 1 for the best, 0 for the worst, 1/2 at the group mean.
+
+    Args:
+        advantages: ``(B,)`` float group-relative advantages (unitless, already clipped to ``[-A_max, A_max]``).
+        adv_max: ``A_max`` > 0 (``train.adv_clip_max``).
+
+    Returns:
+        ``(B,)`` float32 weights in [0, 1].
+    """
+    return (advantages.float() / adv_max / 2 + 0.5).clamp(0, 1)
+
+
+def nft_loss(v: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor, t: torch.Tensor,
+             r: torch.Tensor, beta: float = 1.0, adv_max: float = 5.0) -> torch.Tensor:
+    """DiffusionNFT's negative-aware flow-matching loss (arXiv 2509.16117, Eq. 8 with its adaptive weight).
+
+    ``v+ = beta v + (1 - beta) v_old`` and ``v- = (1 + beta) v_old - beta v`` are the implicit positive and
+    negative policies; with ``x0(u) = x_t - t u`` and ``w(u) = mean |x0(u) - x0|`` (no gradient) the loss is
+    ``A_max / beta * mean_b[r |x0(v+) - x0|^2 / w(v+) + (1 - r) |x0(v-) - x0|^2 / w(v-)]`` (squares
+    averaged over C, H, W). At ``v = v_old`` its gradient is that of the flow-matching loss scaled by
+    ``(2 r - 1)``: towards the sample for ``r > 1/2``, away for ``r < 1/2``, none at 1/2.
+
+    Args:
+        v: ``(B, C, H, W)`` velocity of the policy being trained (with gradient; any float dtype, the loss
+            is computed in float32).
+        v_old: ``(B, C, H, W)`` velocity of the old (sampling) policy at the same inputs, no gradient.
+        x_t: ``(B, C, H, W)`` noised samples ``(1 - t) x0 + t eps``; x0: ``(B, C, H, W)`` clean samples.
+        t: ``(B,)`` times in (0, 1] (1 = noise).
+        r: ``(B,)`` optimality weights in [0, 1] (:func:`optimality_weights`).
+        beta: the implicit policies' step, > 0 (DiffusionNFT's GenEval setting is 1).
+        adv_max: the advantage clip ``A_max`` that scaled ``r`` (restores the loss scale).
+
+    Returns:
+        Scalar float32 loss.
+
+    Raises:
+        ValueError: for ``beta <= 0`` or ``r`` outside [0, 1].
+    """
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    if r.min() < 0 or r.max() > 1:
+        raise ValueError(f"optimality weights r must lie in [0, 1], got [{r.min().item()}, {r.max().item()}]")
+    t = t.float().view(-1, *([1] * (x0.dim() - 1)))
+    v, v_old, x_t, x0 = v.float(), v_old.float(), x_t.float(), x0.float()
+
+    def weighted(u: torch.Tensor) -> torch.Tensor:  # (B,)
+        err = x_t - t * u - x0
+        scale = err.detach().abs().mean(dim=tuple(range(1, err.dim())), keepdim=True).clamp(min=1e-5)
+        return (err**2 / scale).mean(dim=tuple(range(1, err.dim())))
+
+    positive = weighted(beta * v + (1 - beta) * v_old)
+    negative = weighted((1 + beta) * v_old - beta * v)
+    return (adv_max / beta * (r * positive + (1 - r) * negative)).mean()

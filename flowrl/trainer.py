@@ -1,7 +1,9 @@
-"""The GRPO trainer: sample -> score -> advantages -> inner PPO epochs -> log -> evaluate -> checkpoint.
+"""The trainer: sample -> score -> advantages -> policy update -> log -> evaluate -> checkpoint.
 
 Flow-GRPO (arXiv 2505.05470) is the first method: G SDE rollouts per prompt, group-relative
 advantages, PPO clipped surrogate on every trained transition, optional KL to the LoRA-disabled base.
+``train.method: nft`` swaps in DiffusionNFT (arXiv 2509.16117): G ODE samples per prompt and the
+negative-aware flow-matching loss on noised copies of them (:meth:`Trainer.nft_step`).
 """
 
 from __future__ import annotations
@@ -20,15 +22,15 @@ import torch
 from tqdm import tqdm
 
 from rewards import WeightedSum, build_reward
-from samplers import (SlidingWindow, StepPlan, flow_sigmas, leaf_incidence, mix_plan, recompute_log_prob, sample,
-                      sample_probes, sample_shared_noise, sample_tree, velocity_gain)
+from samplers import (SlidingWindow, StepPlan, flow_sigmas, leaf_incidence, mix_plan, ode_sample, recompute_log_prob,
+                      sample, sample_probes, sample_shared_noise, sample_tree, velocity_gain)
 
 from .advantages import (aggregate_advantages, best_of_n, depthwise_advantages, group_advantages, process_advantages, sum_by_node, tree_node_rewards,
                          turning_point_rewards, width_prune)
 from .checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from .config import Config, ConfigError, prompt_file, resolve_path, save_config
 from .evaluate import evaluate, evaluate_reward, generate
-from .losses import kl_to_reference, ppo_loss, ratio_norm, step_weights, velocity_kl
+from .losses import kl_to_reference, nft_loss, optimality_weights, ppo_loss, ratio_norm, step_weights, velocity_kl
 from .models import FlowModel, PromptEmbeds
 from .plots import save_diagnostics, save_grid, save_reward_curve
 from .tiny.prompts import read_jsonl
@@ -77,6 +79,7 @@ class Trainer:
     """
 
     REDUCE_BUCKET = 1 << 26  # gradient elements per all-reduce under several processes (256 MB in float32)
+    OLD_POLICY_FILE = "old_policy.safetensors"  # DiffusionNFT's soft-updated sampling policy, in each checkpoint
 
     def __init__(self, config: Config):
         from accelerate import Accelerator
@@ -119,6 +122,8 @@ class Trainer:
                                            betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay)
         self.optimizer = self.accelerator.prepare(self.optimizer)
         self.ema = {n: p.detach().clone() for n, p in self.params.items()} if cfg.train.ema_decay > 0 else None
+        nft = cfg.train.method == "nft" and cfg.train.nft.old_decay > 0  # DiffusionNFT's soft-updated sampling policy
+        self.old_policy = {n: p.detach().clone() for n, p in self.params.items()} if nft else None
         s = cfg.sampling
         self.sigmas = flow_sigmas(s.num_steps, s.shift)
         self.plan = StepPlan.sde(s.num_steps, kernel=s.kernel, noise_level=s.noise_level, train_last=s.train_last_step)
@@ -506,21 +511,25 @@ class Trainer:
                 self.ema[n].mul_(d).add_(p.detach(), alpha=1 - d)
 
     @contextlib.contextmanager
-    def ema_weights(self):
-        """Context in which the trainable parameters hold their EMA (no-op without EMA)."""
-        if self.ema is None:
+    def _holding(self, weights: dict[str, torch.Tensor] | None):
+        """Context in which the trainable parameters hold ``weights`` (same names; no-op for None)."""
+        if weights is None:
             yield
             return
         backup = {n: p.detach().clone() for n, p in self.params.items()}
         with torch.no_grad():
             for n, p in self.params.items():
-                p.copy_(self.ema[n])
+                p.copy_(weights[n])
         try:
             yield
         finally:
             with torch.no_grad():
                 for n, p in self.params.items():
                     p.copy_(backup[n])
+
+    def ema_weights(self):
+        """Context in which the trainable parameters hold their EMA (no-op without EMA)."""
+        return self._holding(self.ema)
 
     def run_eval(self) -> dict:
         """Held-out evaluation with ODE sampling (EMA weights if configured): GenEval strict accuracy where
@@ -619,6 +628,8 @@ class Trainer:
         Raises:
             ValueError: if a reward returns the wrong shape, NaN or inf (the reward is named).
         """
+        if self.cfg.train.method == "nft":
+            return self.nft_step(it)
         gen = self._generator(it)
         metas = self.sample_prompts(it)
         t0 = time.time()
@@ -673,6 +684,109 @@ class Trainer:
             metrics["cost/judge_calls"] = judged
         return metrics
 
+    def nft_step(self, it: int) -> dict[str, float]:
+        """One DiffusionNFT iteration (arXiv 2509.16117, Algorithm 1): sample, score, train on the forward process.
+
+        ``sampling.group_size`` deterministic Euler samples (``sampling.num_steps`` steps, CFG at
+        ``sampling.guidance_scale``) of each of ``sampling.prompts_per_iteration`` prompts are drawn by the
+        old policy (the current one, or with ``train.nft.old_decay > 0`` its soft-updated copy) and scored;
+        the group-relative advantages (gathered over processes, as in GRPO) become optimality weights
+        ``r = clip(A / A_max) / 2 + 1/2`` (:func:`losses.optimality_weights`). Every image of a group with
+        reward variance is noised ``train.nft.timesteps`` times, ``x_t = (1 - t) x0 + t eps`` with ``t`` drawn
+        from the sampler's grid, and the guided velocity is trained on them with :func:`losses.nft_loss`:
+        minibatches of ``train.minibatch_size`` rows per process (the same optimizer steps on every process,
+        as :meth:`optimize`), ``train.inner_epochs`` passes, under ``run.mixed_precision`` (no ratio needs
+        float32 here). Then ``theta_old <- d theta_old + (1 - d) theta``. Needs no log-probs and no
+        trajectories, only the final latents.
+
+        Args:
+            it (`int`): the 0-based iteration (with ``run.seed`` it fixes prompts and every random draw).
+
+        Returns:
+            `dict[str, float]`: the keys of :meth:`step` (``reward/*``, ``advantage/*``, ``cost/*``,
+            ``time/*``, ``policy/loss``, ``policy/grad_norm``, ``policy/optimizer_steps``); ``cost/nfe`` counts
+            the sampling rows and the old-policy rows of the loss, CFG twice.
+
+        Raises:
+            ValueError: if a reward returns the wrong shape, NaN or inf (the reward is named).
+        """
+        cfg, model, t = self.cfg, self.model, self.cfg.train
+        gen = self._generator(it)
+        metas = self.sample_prompts(it)
+        t0 = time.time()
+        table = model.encode([""] + [m["prompt"] for m in metas])
+        cond = torch.arange(len(metas), device=self.device).repeat_interleave(cfg.sampling.group_size) + 1  # (B,)
+        noise = torch.randn((len(cond), *model.latent_shape), generator=gen).to(self.device)
+        velocity = model.velocity_fn(table, cfg.sampling.guidance_scale)  # guided, against the empty prompt (row 0)
+        sigmas, size = self.sigmas.to(self.device), cfg.sampling.batch_size
+        with torch.no_grad(), self._holding(self.old_policy), self._autocast():
+            x0 = torch.cat([ode_sample(velocity, noise[i:i + size], cond[i:i + size], sigmas)
+                            for i in range(0, len(cond), size)])
+        images = self._decode(x0)
+        t1 = time.time()
+        judged = self._judge_calls()
+        scores = self.score(images, (cond - 1).cpu(), metas)
+        judged = self._judge_calls() - judged
+        t2 = time.time()
+        total = self.accelerator.gather(scores.total.to(self.device)).cpu()
+        group = self.accelerator.gather((cond - 1 + self.accelerator.process_index * len(metas))).cpu()
+        adv, zero = group_advantages(total, group, t.adv_std, t.adv_clip_max)
+        if t.best_of_n:
+            zero = zero | ~best_of_n(total, group, t.best_of_n)
+        mine = slice(self.accelerator.process_index * len(cond), (self.accelerator.process_index + 1) * len(cond))
+        adv_stats = {"advantage/zero_variance_frac": zero.float().mean().item(), "advantage/abs_mean": adv.abs().mean().item()}
+        adv, keep = adv[mine], ~zero[mine]
+        rows = keep.nonzero().squeeze(1).repeat_interleave(t.nft.timesteps)  # (N,) noised copies of each kept image
+        grid = self.sigmas[:-1]  # the sampler's own times, in (0, 1]
+        times = grid[torch.randint(0, len(grid), (len(rows),), generator=gen)].to(self.device)
+        eps = torch.randn((len(rows), *model.latent_shape), generator=gen).to(self.device)
+        x_0, c = x0[rows.to(self.device)], cond[rows.to(self.device)]
+        x_t = (1 - times.view(-1, 1, 1, 1)) * x_0 + times.view(-1, 1, 1, 1) * eps
+        r = optimality_weights(adv[rows], t.adv_clip_max).to(self.device)
+        with torch.no_grad(), self._holding(self.old_policy), self._autocast():
+            v_old = self._chunked(velocity, size)(x_t, times, c) if len(rows) else x_t
+        stats: dict[str, list[float]] = defaultdict(list)
+        sizes = self._minibatch_sizes(len(rows))  # (processes, minibatches)
+        self.model.transformer.train()
+        for _ in range(t.inner_epochs):
+            order = torch.randperm(len(rows), generator=gen).to(self.device)
+            for j in range(sizes.shape[1]):
+                mb = order[j * t.minibatch_size:(j + 1) * t.minibatch_size]
+                if len(mb) == 0:  # this process has no rows left, the others do: a zero gradient
+                    self._step_optimizer(None, stats)
+                    continue
+                share = len(mb) / sizes[:, j].sum().item()  # this process's part of the global minibatch
+                micro, parts = t.micro_batch_size or len(mb), []
+                for k in range(0, len(mb), micro):  # gradient accumulation
+                    idx = mb[k:k + micro]
+                    with self._autocast():
+                        v = velocity(x_t[idx], times[idx], c[idx])
+                    loss = nft_loss(v, v_old[idx], x_t[idx], x_0[idx], times[idx], r[idx], t.nft.beta, t.adv_clip_max)
+                    scale = len(idx) / len(mb) * share
+                    self.accelerator.backward(loss * scale if scale != 1.0 else loss)
+                    parts.append(loss.item() * len(idx) / len(mb))
+                self._step_optimizer(sum(parts), stats)
+        self.model.transformer.eval()
+        if self.old_policy is not None:
+            d = t.nft.old_decay
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    self.old_policy[n].mul_(d).add_(p.detach(), alpha=1 - d)
+        t3 = time.time()
+        cfg_rows = 2 if cfg.sampling.guidance_scale != 1 else 1
+        metrics = {"iteration": it + 1, "reward/total/mean": total.mean().item(), "reward/total/std": total.std().item()}
+        for name, sc in scores.per_reward.items():
+            metrics[f"reward/{name}/mean"] = sc.mean().item()
+        metrics.update(tag_means(scores.total, [metas[i].get("tag", "all") for i in (cond - 1).tolist()]))
+        metrics.update({**adv_stats, "cost/nfe": (len(cond) * cfg.sampling.num_steps + len(rows)) * cfg_rows,
+                        "cost/reward_calls": len(images), "cost/trained_transitions": len(rows) * t.inner_epochs,
+                        "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2,
+                        **{k: sum(v) / len(v) for k, v in stats.items()},
+                        "policy/optimizer_steps": sizes.shape[1] * t.inner_epochs})
+        if any(hasattr(r_, "judge_calls") for r_, _ in self.rewards.rewards.values()):
+            metrics["cost/judge_calls"] = judged
+        return metrics
+
     def _judge_calls(self) -> int:
         """Cumulative judgements of the pairwise rewards (:attr:`rewards.PrefWinRate.judge_calls`), 0 if none."""
         return sum(getattr(r, "judge_calls", 0) for r, _ in self.rewards.rewards.values())
@@ -686,13 +800,19 @@ class Trainer:
     def _save(self, iteration: int, elapsed: float) -> None:
         if not self.accelerator.is_main_process:
             return
-        def write_lora(folder: Path) -> None:  # inside the checkpoint before it is sealed
-            with self.ema_weights():
-                self.model.save_lora(folder / "lora")
+        def write_extra(folder: Path) -> None:  # inside the checkpoint before it is sealed
+            if self.cfg.model.lora_rank > 0:
+                with self.ema_weights():
+                    self.model.save_lora(folder / "lora")
+            if self.old_policy is not None:
+                from safetensors.torch import save_file
+
+                save_file({n: v.detach().cpu().contiguous() for n, v in self.old_policy.items()},
+                          folder / self.OLD_POLICY_FILE)
 
         saved = save_checkpoint(self.out / "checkpoints", iteration, self.params, self.optimizer, self.ema,
-                        extra={"elapsed_s": elapsed, "window": self.window.state_dict() if self.window else None},
-                        write_extra_files=write_lora if self.cfg.model.lora_rank > 0 else None)
+                                extra={"elapsed_s": elapsed, "window": self.window.state_dict() if self.window else None},
+                                write_extra_files=write_extra)
         if self.cfg.run.keep_checkpoints:
             prune_checkpoints(self.out / "checkpoints", self.cfg.run.keep_checkpoints, just_saved=saved)
 
@@ -733,6 +853,15 @@ class Trainer:
             os.replace(tmp, metrics_file)
         if self.window is not None and state["extra"].get("window"):
             self.window.load_state_dict(state["extra"]["window"])
+        if self.old_policy is not None:
+            from safetensors.torch import load_file
+
+            file = path / self.OLD_POLICY_FILE
+            if not file.is_file():
+                raise ValueError(f"checkpoint {path} has no {self.OLD_POLICY_FILE}: it was not written with "
+                                 "train.nft.old_decay > 0, which this run sets")
+            for n, v in load_file(file).items():
+                self.old_policy[n].copy_(v)
         return it, state["extra"].get("elapsed_s", 0.0)
 
     def _artifacts(self) -> None:

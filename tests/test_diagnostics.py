@@ -64,38 +64,3 @@ def test_decode_precision_check_scores_the_same_rollouts_both_ways():
                                                      "sampling.group_size=2", "sampling.num_steps=2"])
     assert result["images"] == 2 and 0 <= result["identical_reward_frac"] <= 1
     assert 0 < result["max_pixel_diff"] < 0.05 and result["decode_s_bf16"] > 0
-
-
-def test_nft_loss_gradient_follows_the_optimality_weight():
-    """At v = v_old the gradient is (2r - 1) times the weighted flow-matching gradient (towards the sample for
-    r = 1, away for r = 0, none at r = 1/2), and a step with r = 1 moves v towards the sample's velocity."""
-    nft = _script("nft_check")
-    gen = torch.Generator().manual_seed(0)
-    x0, eps, v_old = (torch.randn(3, 2, 4, 4, generator=gen) for _ in range(3))
-    t = torch.tensor([0.3, 0.6, 0.9])
-    x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
-
-    def grad(r):
-        v = v_old.clone().requires_grad_(True)
-        nft.nft_loss(v, v_old, x_t, x0, t, torch.full((3,), r)).backward()
-        return v.grad
-
-    pull = grad(1.0)
-    assert torch.allclose(grad(0.0), -pull, atol=1e-6) and torch.allclose(grad(0.5), torch.zeros_like(pull), atol=1e-7)
-    assert torch.allclose(grad(0.75), 0.5 * pull, atol=1e-6)
-    target = eps - x0  # the flow-matching velocity of the sample
-    assert ((v_old - 0.1 * pull - target).norm() < (v_old - target).norm())
-    with pytest.raises(ValueError, match="beta"):
-        nft.nft_loss(v_old, v_old, x_t, x0, t, torch.ones(3), beta=0.0)
-    with pytest.raises(ValueError, match=r"\[0, 1\]"):
-        nft.nft_loss(v_old, v_old, x_t, x0, t, torch.full((3,), 1.5))
-
-
-def test_nft_check_trains_and_evaluates(preset, tmp_path):
-    out = tmp_path / "nft.json"
-    result = _script("nft_check").main([*preset, "--iterations", "2", "--timesteps", "2", "--precision", "no",
-                                        "--save-lora", str(tmp_path / "lora"), "--out", str(out)])
-    assert sorted(result["held_out"]) == [0, 2] and len(result["train_reward"]) == 2
-    assert sum(result["trained_rows"]) > 0 and all(rows % 2 == 0 for rows in result["trained_rows"])  # 2 copies each
-    assert json.loads(out.read_text())["train_reward"] == result["train_reward"]
-    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()

@@ -33,6 +33,9 @@ def test_preset_runs(path, tmp_path, random_pipeline, prompt_files):
     result = Trainer(load_config(path, tiny_overrides(random_pipeline, train, test, tmp_path / "run", **extra))).train()
     assert result["after"]["n_images"] > 0
     metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    if load_config(path).train.method == "nft":  # no log-probs, no ratio, no per-step diagnostics
+        assert all(m["cost/trained_transitions"] > 0 and m["policy/optimizer_steps"] > 0 for m in metrics)
+        return
     assert all(m["cost/trained_transitions"] > 0 and m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)
     if path.stem == "pref_grpo":  # the Bradley-Terry judge scores each image once
         assert all(m["cost/judge_calls"] == m["cost/reward_calls"] > 0 for m in metrics)

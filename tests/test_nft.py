@@ -1,0 +1,93 @@
+"""DiffusionNFT (train.method: nft): the loss, its weights, the config checks, a run, and exact resume."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_overrides
+from flowrl.config import ConfigError, load_config
+from flowrl.losses import nft_loss, optimality_weights
+from flowrl.trainer import Trainer
+
+
+def test_nft_loss_gradient_follows_the_optimality_weight():
+    """At v = v_old the gradient is (2r - 1) times the weighted flow-matching gradient (towards the sample for
+    r = 1, away for r = 0, none at r = 1/2), and a step with r = 1 moves v towards the sample's velocity."""
+    gen = torch.Generator().manual_seed(0)
+    x0, eps, v_old = (torch.randn(3, 2, 4, 4, generator=gen) for _ in range(3))
+    t = torch.tensor([0.3, 0.6, 0.9])
+    x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
+
+    def grad(r):
+        v = v_old.clone().requires_grad_(True)
+        nft_loss(v, v_old, x_t, x0, t, torch.full((3,), r)).backward()
+        return v.grad
+
+    pull = grad(1.0)
+    assert torch.allclose(grad(0.0), -pull, atol=1e-6) and torch.allclose(grad(0.5), torch.zeros_like(pull), atol=1e-7)
+    assert torch.allclose(grad(0.75), 0.5 * pull, atol=1e-6)
+    target = eps - x0  # the flow-matching velocity of the sample
+    assert (v_old - 0.1 * pull - target).norm() < (v_old - target).norm()
+    with pytest.raises(ValueError, match="beta"):
+        nft_loss(v_old, v_old, x_t, x0, t, torch.ones(3), beta=0.0)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        nft_loss(v_old, v_old, x_t, x0, t, torch.full((3,), 1.5))
+
+
+def test_optimality_weights_map_the_clipped_advantage_to_zero_one():
+    r = optimality_weights(torch.tensor([-5.0, -2.5, 0.0, 2.5, 5.0, 7.0]), adv_max=5.0)
+    assert r.tolist() == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("key,value", [("sampling.window.size", 2), ("sampling.tree.split_steps", "[0]"),
+                                       ("sampling.probe.method", "g2rpo"), ("sampling.shared_noise", "true"),
+                                       ("train.kl_beta", 0.1), ("train.nft.old_decay", 1.0),
+                                       ("train.nft.timesteps", 0), ("train.method", "dpo")])
+def test_nft_refuses_what_it_cannot_use(key, value):
+    over = ["train.method=nft", f"{key}={value}"] + (["sampling.group_size=2"] if "tree" in key else [])
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config("configs/diffusion_nft.yaml", over)
+
+
+def _nft_config(tmp_path, random_pipeline, prompt_files, out, **extra):
+    train, test = prompt_files
+    extra = {"run.mixed_precision": "no", "rewards.geneval": "null", "rewards.jpeg_compressibility.weight": 1.0,
+             "train.nft.timesteps": 2, **extra}
+    return load_config("configs/diffusion_nft.yaml", tiny_overrides(random_pipeline, train, test, tmp_path / out, **extra))
+
+
+def test_nft_run_trains_and_resumes_exactly(tmp_path, random_pipeline, prompt_files):
+    """Two iterations straight through equal one iteration, a kill, and a resume: the trained weights and
+    the soft-updated sampling policy of the checkpoint are the same."""
+    full = _nft_config(tmp_path, random_pipeline, prompt_files, "full", **{"train.nft.old_decay": 0.5})
+    trainer = Trainer(full)
+    before = {n: p.detach().clone() for n, p in trainer.params.items()}
+    result = trainer.train()
+    assert result["after"]["n_images"] > 0
+    metrics = [json.loads(line) for line in (tmp_path / "full/metrics.jsonl").read_text().splitlines()]
+    for m in metrics:  # 2 noised copies of each image of a group with variance; 3 sampling steps, CFG twice
+        kept = m["cost/trained_transitions"]
+        assert kept > 0 and kept % 2 == 0 and m["policy/optimizer_steps"] == -(-kept // 4)
+        assert m["cost/nfe"] == (4 * 3 + kept) * 2 and m["cost/reward_calls"] == 4
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.params.items())
+    old = load_file(tmp_path / "full/checkpoints/checkpoint-000002" / Trainer.OLD_POLICY_FILE)
+    # theta_old = 0.5 theta_old + 0.5 theta after each iteration: it lags behind the trained weights
+    assert any(not torch.equal(old[n], p.detach().cpu()) for n, p in trainer.params.items())
+
+    Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, "part", **{"train.nft.old_decay": 0.5,
+                                                                            "run.iterations": 1})).train()
+    Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, "part", **{"train.nft.old_decay": 0.5,
+                                                                            "run.resume": "true"})).train()
+    for name in ("trainable.safetensors", Trainer.OLD_POLICY_FILE):
+        a = load_file(tmp_path / "full/checkpoints/checkpoint-000002" / name)
+        b = load_file(tmp_path / "part/checkpoints/checkpoint-000002" / name)
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+
+    Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, "plain", **{"run.iterations": 1})).train()
+    with pytest.raises(ValueError, match="old_policy.safetensors"):  # a run without the soft update cannot resume with it
+        Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, "plain", **{"train.nft.old_decay": 0.5,
+                                                                                 "run.resume": "true",
+                                                                                 "run.iterations": 3})).train()

@@ -58,7 +58,7 @@ def main() -> None:
     Trainer.REDUCE_BUCKET = 1000  # several all-reduce buckets even for the tiny LoRA
     trainer = Trainer(load_config(config, overrides))
     rank = trainer.accelerator.process_index
-    split_grads, whole_grads = split_gradient(trainer)  # at the initial weights, which a single process can repeat
+    split_grads, whole_grads = ([], []) if trainer.cfg.train.method == "nft" else split_gradient(trainer)  # at the initial weights
     result = trainer.train()
     save_file({n: p.detach().contiguous() for n, p in trainer.params.items()}, f"{out}/rank{rank}.safetensors")
     save_file({**{f"split.{i}": g for i, g in enumerate(split_grads)}, **{f"whole.{i}": g for i, g in enumerate(whole_grads)}},

@@ -26,13 +26,18 @@ def two_process_run(tmp_path_factory, random_pipeline, prompt_files):
         "run.mixed_precision": "no", "run.iterations": 3, "eval.images_per_tag": 3, "train.minibatch_size": 2,
         # step weights normalised over both processes' minibatch; each minibatch accumulated in parts of 3
         "train.step_weighting": "noise_aware", "train.micro_batch_size": 3})
+    _launch(tmp, overrides)
+    return tmp, overrides
+
+
+def _launch(tmp: Path, overrides: list[str]) -> None:
+    """Train ``tmp/c.yaml`` with ``overrides`` in two torchrun processes (see distributed_worker.py)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}  # loopback only
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         str(HERE / "distributed_worker.py"), str(tmp / "c.yaml"), str(tmp), *overrides],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    return tmp, overrides
 
 
 def test_two_processes_train_to_identical_weights(two_process_run):
@@ -45,6 +50,22 @@ def test_two_processes_train_to_identical_weights(two_process_run):
     # process 0 alone keeps transitions; the other process still took every optimizer step with it
     assert all(r["policy/optimizer_steps"] >= 1 for r in rows)
     assert (tmp / "run/eval.json").exists()
+
+
+def test_two_processes_train_diffusion_nft_to_identical_weights(tmp_path, random_pipeline, prompt_files):
+    """DiffusionNFT under two processes: process 1's groups have no reward variance, so it keeps no rows and
+    takes every optimizer step with a zero gradient; the soft-updated sampling policy stays in step too."""
+    (tmp_path / "c.yaml").write_text("base: " + str(HERE.parent / "configs/diffusion_nft.yaml") +
+                                     "\nrewards:\n  geneval: null\n  distributed_worker:rank_reward:\n    weight: 1.0\n")
+    _launch(tmp_path, tiny_overrides(random_pipeline, *prompt_files, tmp_path / "run", **{
+        "run.mixed_precision": "no", "train.minibatch_size": 3, "train.micro_batch_size": 2, "train.nft.timesteps": 2,
+        "train.nft.old_decay": 0.5}))
+    w0, w1 = load_file(tmp_path / "rank0.safetensors"), load_file(tmp_path / "rank1.safetensors")
+    assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert any(w0[k].abs().sum() > 0 for k in w0 if "lora_B" in k)
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2] and all(r["policy/optimizer_steps"] >= 2 for r in rows)
+    assert (tmp_path / "run/checkpoints/checkpoint-000002" / Trainer.OLD_POLICY_FILE).is_file()
 
 
 def test_split_evaluation_equals_the_single_process_one(two_process_run):

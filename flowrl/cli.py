@@ -78,12 +78,15 @@ def cmd_sample(args) -> None:
 
 
 def cmd_bench(args) -> dict:
-    """``flowrl bench``: every sampler preset on the tiny world (see :mod:`flowrl.bench`)."""
+    """``flowrl bench``: every sampler preset on the tiny world (see :mod:`flowrl.bench`); ``--presets`` may
+    name any preset in configs/ (e.g. ``diffusion_nft``)."""
     from .bench import PRESETS, run_bench
+    from .config import REPO_ROOT
 
-    unknown = set(args.presets) - set(PRESETS)
+    available = sorted(p.stem for p in (REPO_ROOT / "configs").glob("*.yaml"))
+    unknown = set(args.presets) - set(available)
     if unknown:
-        raise ValueError(f"unknown bench preset(s) {sorted(unknown)}; choose from {list(PRESETS)}")
+        raise ValueError(f"unknown bench preset(s) {sorted(unknown)}; default {list(PRESETS)}, available {available}")
     results = run_bench(args.presets, args.iterations, args.warmup, args.budget_s, args.overrides, args.out,
                         args.preset_overrides)
     print(Path(args.out).with_suffix(".md").read_text())
@@ -122,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     one-line ``flowrl COMMAND: error: ...`` on stderr instead of a traceback."""
     parser = argparse.ArgumentParser(prog="flowrl", description="Online RL for text-to-image flow models")
     sub = parser.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="run a GRPO job from a YAML preset")
+    t = sub.add_parser("train", help="run a training job (GRPO or DiffusionNFT) from a YAML preset")
     t.add_argument("config", help="configs/*.yaml")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.iterations=10")
     t.set_defaults(fn=cmd_train)

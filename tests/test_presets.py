@@ -67,6 +67,15 @@ def test_bench_runs_and_writes_the_table(tmp_path, random_pipeline, prompt_files
     assert "| branch_grpo |" in (tmp_path / "b.md").read_text()
 
 
+def test_bench_names_the_unknown_preset_and_the_available_ones(capsys):
+    from flowrl.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--presets", "dance_grpo", "no_such_preset"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "no_such_preset" in err and "diffusion_nft" in err
+
+
 def test_bench_budget_reports_base_half_and_full_budget_accuracy(tmp_path, random_pipeline, prompt_files):
     import json
 

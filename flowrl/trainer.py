@@ -71,7 +71,8 @@ def minibatch_sizes(counts: torch.Tensor, size: int) -> torch.Tensor:
 
 
 class Trainer:
-    """Runs one configured GRPO job end to end, writing everything to ``config.run.output_dir``.
+    """Runs one configured job (GRPO, or DiffusionNFT with ``train.method: nft``) end to end, writing
+    everything to ``config.run.output_dir``.
 
     Raises (at construction, before any sampling):
         ConfigError / FileNotFoundError: bad config values, model folder or prompt files.
@@ -613,7 +614,8 @@ class Trainer:
         return self.rewards(images, [m["prompt"] for m in leaf_metas], leaf_metas)
 
     def step(self, it: int) -> dict[str, float]:
-        """One GRPO iteration: prompts, rollout, rewards, advantages, :meth:`optimize`, window advance.
+        """One iteration: prompts, rollout, rewards, advantages, :meth:`optimize`, window advance (GRPO), or
+        :meth:`nft_step` with ``train.method: nft``.
 
         Args:
             it (`int`): the 0-based iteration; with ``run.seed`` it fixes the prompts and every random draw,

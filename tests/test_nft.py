@@ -86,7 +86,8 @@ def test_nft_run_trains_and_resumes_exactly(tmp_path, random_pipeline, prompt_fi
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
 
-    Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, "plain", **{"run.iterations": 1})).train()
+    Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, "plain", **{"run.iterations": 1,
+                                                                             "train.nft.old_decay": 0.0})).train()
     with pytest.raises(ValueError, match="old_policy.safetensors"):  # a run without the soft update cannot resume with it
         Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, "plain", **{"train.nft.old_decay": 0.5,
                                                                                  "run.resume": "true",

@@ -504,12 +504,14 @@ class Trainer:
         return out
 
     def _update_ema(self) -> None:
-        if self.ema is None:
-            return
-        d = self.cfg.train.ema_decay
-        with torch.no_grad():
-            for n, p in self.params.items():
-                self.ema[n].mul_(d).add_(p.detach(), alpha=1 - d)
+        if self.ema is not None:
+            self._move_towards_params(self.ema, self.cfg.train.ema_decay)
+
+    @torch.no_grad()
+    def _move_towards_params(self, store: dict[str, torch.Tensor], decay: float) -> None:
+        """``store <- decay store + (1 - decay) theta`` for every trainable tensor (the EMA, DiffusionNFT's old policy)."""
+        for n, p in self.params.items():
+            store[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
 
     @contextlib.contextmanager
     def _holding(self, weights: dict[str, torch.Tensor] | None):
@@ -653,18 +655,8 @@ class Trainer:
         if probes is not None:  # process rewards of this process's own probes
             adv_t, keep, adv_stats = self.probe_advantages(probes, scores.total, image_prompt)
         elif self.branch is None:  # group z-scores over the gathered batch, then this process's share
-            group = self.accelerator.gather((ro.group + self.accelerator.process_index * len(metas)).to(self.device)).cpu()
-            t = self.cfg.train
-            if t.reward_aggregation == "advantage" and len(scores.per_reward) > 1:
-                per = {k: self.accelerator.gather(v.to(self.device)).cpu() for k, v in scores.per_reward.items()}
-                weights = {k: w for k, (_, w) in self.rewards.rewards.items()}
-                adv, zero = aggregate_advantages(per, weights, group, t.adv_std, t.adv_clip_max)
-            else:
-                adv, zero = group_advantages(total, group, t.adv_std, t.adv_clip_max)
-            if t.best_of_n:
-                zero = zero | ~best_of_n(total, group, t.best_of_n)
+            adv, zero, adv_stats = self._group_advantages(scores, total, image_prompt, len(metas))
             keep = ro.trained & ~zero[mine].to(ro.trained.device)[ro.leaf]
-            adv_stats = {"advantage/zero_variance_frac": zero.float().mean().item(), "advantage/abs_mean": adv.abs().mean().item()}
             adv_t = adv[mine].to(self.device)[ro.leaf]
         else:  # a tree is one process's group: no gather needed
             adv_t, keep, adv_stats = self.tree_advantages(ro, scores.total)
@@ -675,13 +667,47 @@ class Trainer:
         if self.window is not None:
             stats["sampling/window_start"] = self.window.start
             self.window.advance()
+        metrics = self._reward_metrics(it, total, scores, metas, image_prompt, judged)
+        metrics.update({**adv_stats, "cost/nfe": ro.cost["nfe"] * (2 if self.cfg.sampling.guidance_scale != 1 else 1),
+                        "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2, **stats})
+        return metrics
+
+    def _group_advantages(self, scores, total: torch.Tensor, image_prompt: torch.Tensor,
+                          prompts: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Group-relative advantages over every process's images (flat groups: GRPO and DiffusionNFT).
+
+        Args:
+            scores: this process's reward set scores (``.per_reward`` for ``train.reward_aggregation: advantage``).
+            total: ``(B_all,)`` float32 total rewards gathered over the processes.
+            image_prompt: ``(B,)`` long prompt slot of each of this process's images, in ``[0, prompts)``.
+            prompts: prompts per process (``sampling.prompts_per_iteration``).
+
+        Returns:
+            ``(adv (B_all,) float32, zero (B_all,) bool: untrained (no reward variance, or outside best-of-n),
+            {"advantage/zero_variance_frac", "advantage/abs_mean"})``.
+        """
+        t = self.cfg.train
+        group = self.accelerator.gather((image_prompt + self.accelerator.process_index * prompts).to(self.device)).cpu()
+        if t.reward_aggregation == "advantage" and len(scores.per_reward) > 1:
+            per = {k: self.accelerator.gather(v.to(self.device)).cpu() for k, v in scores.per_reward.items()}
+            weights = {k: w for k, (_, w) in self.rewards.rewards.items()}
+            adv, zero = aggregate_advantages(per, weights, group, t.adv_std, t.adv_clip_max)
+        else:
+            adv, zero = group_advantages(total, group, t.adv_std, t.adv_clip_max)
+        if t.best_of_n:
+            zero = zero | ~best_of_n(total, group, t.best_of_n)
+        return adv, zero, {"advantage/zero_variance_frac": zero.float().mean().item(),
+                           "advantage/abs_mean": adv.abs().mean().item()}
+
+    def _reward_metrics(self, it: int, total: torch.Tensor, scores, metas: list[dict], image_prompt: torch.Tensor,
+                        judged: int) -> dict[str, float]:
+        """An iteration's ``iteration``, ``reward/*`` (total over every process, per reward and per tag over this
+        process's images), ``cost/reward_calls`` and, with a pairwise reward, ``cost/judge_calls`` = `judged`."""
         metrics = {"iteration": it + 1, "reward/total/mean": total.mean().item(), "reward/total/std": total.std().item()}
         for name, s in scores.per_reward.items():
             metrics[f"reward/{name}/mean"] = s.mean().item()
         metrics.update(tag_means(scores.total, [metas[i].get("tag", "all") for i in image_prompt.tolist()]))
-        metrics.update({**adv_stats, "cost/nfe": ro.cost["nfe"] * (2 if self.cfg.sampling.guidance_scale != 1 else 1),
-                        "cost/reward_calls": len(images), "time/sample_s": t1 - t0, "time/score_s": t2 - t1,
-                        "time/train_s": t3 - t2, **stats})
+        metrics["cost/reward_calls"] = len(scores.total)
         if any(hasattr(r, "judge_calls") for r, _ in self.rewards.rewards.values()):
             metrics["cost/judge_calls"] = judged
         return metrics
@@ -726,17 +752,14 @@ class Trainer:
                             for i in range(0, len(cond), size)])
         images = self._decode(x0)
         t1 = time.time()
+        image_prompt = (cond - 1).cpu()
         judged = self._judge_calls()
-        scores = self.score(images, (cond - 1).cpu(), metas)
+        scores = self.score(images, image_prompt, metas)
         judged = self._judge_calls() - judged
         t2 = time.time()
         total = self.accelerator.gather(scores.total.to(self.device)).cpu()
-        group = self.accelerator.gather((cond - 1 + self.accelerator.process_index * len(metas))).cpu()
-        adv, zero = group_advantages(total, group, t.adv_std, t.adv_clip_max)
-        if t.best_of_n:
-            zero = zero | ~best_of_n(total, group, t.best_of_n)
+        adv, zero, adv_stats = self._group_advantages(scores, total, image_prompt, len(metas))
         mine = slice(self.accelerator.process_index * len(cond), (self.accelerator.process_index + 1) * len(cond))
-        adv_stats = {"advantage/zero_variance_frac": zero.float().mean().item(), "advantage/abs_mean": adv.abs().mean().item()}
         adv, keep = adv[mine], ~zero[mine]
         rows = keep.nonzero().squeeze(1).repeat_interleave(t.nft.timesteps)  # (N,) noised copies of each kept image
         grid = self.sigmas[:-1]  # the sampler's own times, in (0, 1]
@@ -770,23 +793,15 @@ class Trainer:
                 self._step_optimizer(sum(parts), stats)
         self.model.transformer.eval()
         if self.old_policy is not None:
-            d = t.nft.old_decay
-            with torch.no_grad():
-                for n, p in self.params.items():
-                    self.old_policy[n].mul_(d).add_(p.detach(), alpha=1 - d)
+            self._move_towards_params(self.old_policy, t.nft.old_decay)
         t3 = time.time()
         cfg_rows = 2 if cfg.sampling.guidance_scale != 1 else 1
-        metrics = {"iteration": it + 1, "reward/total/mean": total.mean().item(), "reward/total/std": total.std().item()}
-        for name, sc in scores.per_reward.items():
-            metrics[f"reward/{name}/mean"] = sc.mean().item()
-        metrics.update(tag_means(scores.total, [metas[i].get("tag", "all") for i in (cond - 1).tolist()]))
+        metrics = self._reward_metrics(it, total, scores, metas, image_prompt, judged)
         metrics.update({**adv_stats, "cost/nfe": (len(cond) * cfg.sampling.num_steps + len(rows)) * cfg_rows,
-                        "cost/reward_calls": len(images), "cost/trained_transitions": len(rows) * t.inner_epochs,
+                        "cost/trained_transitions": len(rows) * t.inner_epochs,
                         "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2,
                         **{k: sum(v) / len(v) for k, v in stats.items()},
                         "policy/optimizer_steps": sizes.shape[1] * t.inner_epochs})
-        if any(hasattr(r_, "judge_calls") for r_, _ in self.rewards.rewards.values()):
-            metrics["cost/judge_calls"] = judged
         return metrics
 
     def _judge_calls(self) -> int:

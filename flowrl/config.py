@@ -122,7 +122,7 @@ class SamplingConfig:
     prompts_per_iteration: int = 8  # per process (accelerate launch: each process draws its own prompts)
     shared_noise: bool = False  # one initial noise per group
     batch_size: int = 64  # images per sampler forward
-    decode_precision: str = "no"  # "no" (float32) | "bf16": VAE decode of rollout images under bf16 autocast
+    decode_precision: str = "bf16"  # "bf16" | "no" (float32): VAE decode of the rollout images (reward input only)
     train_last_step: bool = False
     window: WindowConfig = field(default_factory=WindowConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)

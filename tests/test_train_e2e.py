@@ -266,10 +266,11 @@ def test_a_single_prompt_file_trains_and_fills_the_grid(tmp_path, random_pipelin
 
 def test_bf16_decode_gives_float32_images_close_to_the_float32_decode(tmp_path, random_pipeline, prompt_files):
     trainer = Trainer(_config(tmp_path, random_pipeline, prompt_files))
+    assert trainer.cfg.sampling.decode_precision == "bf16"  # the default
     latents = torch.randn((3, *trainer.model.latent_shape), generator=torch.Generator().manual_seed(0))
-    full = trainer._decode(latents)
-    trainer.cfg.sampling.decode_precision = "bf16"
     half = trainer._decode(latents)
+    trainer.cfg.sampling.decode_precision = "no"
+    full = trainer._decode(latents)
     assert half.dtype == torch.float32 and half.shape == full.shape
     assert 0 < (half - full).abs().max() < 0.05  # bf16 really ran, and the images agree
     with pytest.raises(ConfigError, match="sampling.decode_precision"):

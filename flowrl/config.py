@@ -123,6 +123,7 @@ class SamplingConfig:
     shared_noise: bool = False  # one initial noise per group
     batch_size: int = 64  # images per sampler forward
     decode_precision: str = "bf16"  # "bf16" | "no" (float32): VAE decode of the rollout images (reward input only)
+    ode_precision: str = "bf16"  # "bf16" | "no" (float32): the rollout's deterministic steps, which record no log-prob
     train_last_step: bool = False
     window: WindowConfig = field(default_factory=WindowConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
@@ -130,6 +131,7 @@ class SamplingConfig:
 
     def __post_init__(self):
         _check(self.decode_precision in ("no", "bf16"), "sampling.decode_precision", "no|bf16", self.decode_precision)
+        _check(self.ode_precision in ("no", "bf16"), "sampling.ode_precision", "no|bf16", self.ode_precision)
         if self.probe.method:
             _check(all(0 <= k < self.num_steps - 1 for k in self.probe.steps), "sampling.probe.steps",
                    f"steps in [0, {self.num_steps - 1})", self.probe.steps)

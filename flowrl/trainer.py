@@ -186,6 +186,20 @@ class Trainer:
             return torch.cat([fn(x[i:i + size], t[i:i + size], cond[i:i + size]) for i in range(0, len(x), size)])
         return chunked
 
+    def _ode_velocity(self, velocity):
+        """`velocity` under ``sampling.ode_precision`` for the rollout's deterministic steps (ODE prefixes
+        and tails, DPM-Solver++ steps, ODE completions: their velocities enter no log-prob, so no ratio),
+        or None (``no``: the samplers then use `velocity` itself, float32)."""
+        precision = self.cfg.sampling.ode_precision
+        if precision == "no":
+            return None
+
+        def fn(x, t, cond):
+            with self._autocast(precision):
+                return velocity(x, t, cond)
+
+        return fn
+
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Rollout latents to float32 images in [0, 1] for the rewards (bf16 autocast if
         ``sampling.decode_precision`` says so: the images only feed the rewards, never a log-prob)."""
@@ -219,7 +233,8 @@ class Trainer:
         with self._autocast():
             pr = sample_probes(velocity, noise.to(self.device), (roots + 1).to(self.device), roots.to(self.device),
                                self.sigmas.to(self.device), plan, steps, children, s.kernel, s.noise_level,
-                               tuple(p.granularities), include_start=p.method == "tp_grpo", generator=generator)
+                               tuple(p.granularities), include_start=p.method == "tp_grpo", generator=generator,
+                               ode_velocity_fn=self._ode_velocity(velocity))
         return pr, self._decode(pr.final), roots[pr.root.cpu()]
 
     def probe_advantages(self, pr, rewards: torch.Tensor, image_prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -268,17 +283,19 @@ class Trainer:
         if self.branch is not None:  # the tree makes the group
             with self._autocast():
                 ro = sample_tree(velocity, noise, roots + 1, roots, self.sigmas.to(self.device), self.plan, self.branch,
-                                 generator=generator)
+                                 generator=generator, ode_velocity_fn=self._ode_velocity(velocity))
                 return ro, self._decode(ro.final), table
         sigmas, plan = self.current_plan()
         sigmas = sigmas.to(self.device)
         with self._autocast():
             if s.shared_noise:  # the group's deterministic prefix once per group
-                ro = sample_shared_noise(velocity, noise, roots + 1, roots, sigmas, plan, s.group_size, generator=generator)
+                ro = sample_shared_noise(velocity, noise, roots + 1, roots, sigmas, plan, s.group_size, generator=generator,
+                                         ode_velocity_fn=self._ode_velocity(velocity))
             else:
                 prompt_index = roots.repeat_interleave(s.group_size)  # (B,)
                 noise = torch.randn((len(prompt_index), *self.model.latent_shape), generator=generator)
-                ro = sample(velocity, noise.to(self.device), prompt_index + 1, prompt_index, sigmas, plan, generator=generator)
+                ro = sample(velocity, noise.to(self.device), prompt_index + 1, prompt_index, sigmas, plan, generator=generator,
+                            ode_velocity_fn=self._ode_velocity(velocity))
         return ro, self._decode(ro.final), table
 
     def tree_advantages(self, ro, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:

@@ -15,7 +15,8 @@ multi-granularity ``t[:k+2] ++ t[k+2::g]`` (arXiv 2510.01982; 1 = the full grid;
 ``x_T`` on ``sigmas[0], sigmas[g], ...`` (TP-GRPO's ``R_0``).
 
 All rows that sit at the same grid index -- main path, completions of every probe and granularity -- are
-evaluated in ONE velocity call per grid step.
+evaluated in ONE velocity call per grid step (two when an ``ode_velocity_fn`` is given for the rows
+whose velocity enters no log-prob and the main path's does).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def sample_probes(
     granularities: tuple[int, ...] = (1,),
     include_start: bool = False,
     generator: torch.Generator | None = None,
+    ode_velocity_fn: VelocityFn | None = None,
 ) -> ProbeRollout:
     """Main path + probes completed by ODE (see the module docstring).
 
@@ -92,6 +94,10 @@ def sample_probes(
         granularities (`tuple[int, ...]`): completion strides, each `>= 1`.
         include_start (`bool`): also complete ``x_T`` itself by ODE (step `-1`).
         generator (`torch.Generator`, optional): SDE noise source (main path first, then children, per step).
+        ode_velocity_fn (:class:`VelocityFn`, optional): the policy for rows whose velocity enters no
+            log-prob: the completions, and the main path at a deterministic step without children (e.g.
+            `velocity_fn` under bf16 autocast); default `velocity_fn`. At a step whose main-path velocity
+            draws a stored transition, the main rows and the completions are two calls.
 
     Returns:
         :class:`ProbeRollout`. Transition rows are in creation order; `parent` links main-path steps only.
@@ -140,7 +146,16 @@ def sample_probes(
         here = pool["idx"] == j  # completions sitting at grid index j
         batch_x = torch.cat([x, pool["x"][here]])
         batch_c = torch.cat([cond, cond[pool["root"][here]]])
-        velocity = velocity_fn(batch_x, sigmas[j].expand(batch_x.shape[0]).contiguous(), batch_c).float()
+        t = sigmas[j].expand(batch_x.shape[0]).contiguous()
+        exact = plan.kernels[j] in STOCHASTIC_KERNELS or (j in probes and children > 0)  # main rows draw a log-prob
+        if ode_velocity_fn is None:
+            velocity = velocity_fn(batch_x, t, batch_c).float()
+        elif exact:
+            velocity = torch.cat([velocity_fn(x, t[:roots], cond).float()]
+                                 + ([ode_velocity_fn(batch_x[roots:], t[roots:], batch_c[roots:]).float()]
+                                    if batch_x.shape[0] > roots else []))
+        else:
+            velocity = ode_velocity_fn(batch_x, t, batch_c).float()
         nfe += batch_x.shape[0]
         v_main, v_pool = velocity[:roots], velocity[roots:]
         # completions: one Euler step to their own next grid point

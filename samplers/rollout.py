@@ -371,6 +371,7 @@ def sample(
     sigmas: torch.Tensor,
     plan: StepPlan,
     generator: torch.Generator | None = None,
+    ode_velocity_fn: VelocityFn | None = None,
 ) -> Rollout:
     """Run `plan` on a batch from `noise` down the schedule `sigmas`, recording stochastic transitions.
 
@@ -387,6 +388,9 @@ def sample(
             :func:`samplers.flow_sigmas`.
         plan (:class:`StepPlan`): `N` steps.
         generator (`torch.Generator`, optional): source of the SDE noise; `None` uses the global RNG.
+        ode_velocity_fn (:class:`VelocityFn`, optional): the policy for the deterministic steps (ODE,
+            DPM-Solver++), which record no log-prob, e.g. `velocity_fn` under bf16 autocast; default
+            `velocity_fn`. Stochastic steps always call `velocity_fn`.
 
     Returns:
         :class:`Rollout` with `M = B * len(plan.stochastic_steps)` transitions and `B` leaves.
@@ -407,10 +411,11 @@ def sample(
     recorded.update(std=x.new_empty(num_transitions), log_prob=x.new_empty(num_transitions))
     rows, prev_x0, prev_sigma = 0, None, None
     for k in range(plan.num_steps):
-        velocity = velocity_fn(x, sigmas[k].expand(batch).contiguous(), cond)
+        kernel = plan.kernels[k]
+        fn = velocity_fn if kernel in STOCHASTIC_KERNELS or ode_velocity_fn is None else ode_velocity_fn
+        velocity = fn(x, sigmas[k].expand(batch).contiguous(), cond)
         if velocity.shape != x.shape:
             raise ValueError(f"velocity_fn returned shape {tuple(velocity.shape)}; expected {tuple(x.shape)}")
-        kernel = plan.kernels[k]
         out = plan_step(plan, k, x, velocity, sigmas, prev_x0, prev_sigma, generator)
         prev_x0, prev_sigma = x - sigmas[k] * velocity.float(), sigmas[k]  # history of the multistep kernels
         if kernel in STOCHASTIC_KERNELS:

@@ -42,6 +42,7 @@ def sample_tree(
     branch: list[int],
     generator: torch.Generator | None = None,
     batched: bool = True,
+    ode_velocity_fn: VelocityFn | None = None,
 ) -> Rollout:
     """Run `plan` as a tree from `R` roots, splitting node ``i`` into ``branch[k]`` children at step ``k``.
 
@@ -64,6 +65,8 @@ def sample_tree(
         branch (`list[int]`): children per node at each step, `>= 1`.
         generator (`torch.Generator`, optional): source of the SDE noise.
         batched (`bool`): evaluate the whole frontier in one velocity call (True) or node by node.
+        ode_velocity_fn (:class:`VelocityFn`, optional): the policy for the deterministic steps, which
+            record no log-prob (as :func:`samplers.sample`); default `velocity_fn`.
 
     Returns:
         :class:`Rollout` with `B = R * prod(branch)` leaves. `depth` counts the splits on a transition's
@@ -89,10 +92,12 @@ def sample_tree(
     rows, nfe, prev_x0, prev_sigma = 0, 0, None, None
     for k in range(plan.num_steps):
         t = sigmas[k].expand(x.shape[0]).contiguous()
+        kernel = plan.kernels[k]
+        fn = velocity_fn if kernel in STOCHASTIC_KERNELS or ode_velocity_fn is None else ode_velocity_fn
         if batched:
-            velocity = velocity_fn(x, t, cond).float()
+            velocity = fn(x, t, cond).float()
         else:
-            velocity = torch.cat([velocity_fn(x[i:i + 1], t[i:i + 1], cond[i:i + 1]).float() for i in range(x.shape[0])])
+            velocity = torch.cat([fn(x[i:i + 1], t[i:i + 1], cond[i:i + 1]).float() for i in range(x.shape[0])])
         nfe += x.shape[0]
         if velocity.shape != x.shape:
             raise ValueError(f"velocity_fn returned shape {tuple(velocity.shape)}; expected {tuple(x.shape)}")
@@ -102,7 +107,6 @@ def sample_tree(
             depth = depth.repeat_interleave(b, 0) + 1
             if prev_x0 is not None:
                 prev_x0 = prev_x0.repeat_interleave(b, 0)
-        kernel = plan.kernels[k]
         out = plan_step(plan, k, x, velocity, sigmas, prev_x0, prev_sigma, generator)
         prev_x0, prev_sigma = x - sigmas[k] * velocity, sigmas[k]
         if kernel in STOCHASTIC_KERNELS:
@@ -175,6 +179,7 @@ def sample_shared_noise(
     plan: StepPlan,
     group_size: int,
     generator: torch.Generator | None = None,
+    ode_velocity_fn: VelocityFn | None = None,
 ) -> Rollout:
     """Groups of `group_size` samples from one initial noise each, the shared deterministic prefix run once.
 
@@ -196,6 +201,8 @@ def sample_shared_noise(
         plan (:class:`StepPlan`): `N` steps.
         group_size (`int`): samples per group `G`, `>= 1`.
         generator (`torch.Generator`, optional): source of the SDE noise.
+        ode_velocity_fn (:class:`VelocityFn`, optional): the policy for the deterministic steps (as
+            :func:`samplers.sample`); default `velocity_fn`.
 
     Returns:
         :class:`Rollout` with `B = R * G` leaves; ``cost["nfe"]`` counts the rows actually evaluated.
@@ -207,7 +214,8 @@ def sample_shared_noise(
         raise ValueError(f"group_size must be >= 1; got {group_size}")
     if not plan.stochastic_steps:  # nothing to split at: every member is the same ODE sample
         rep = (z.repeat_interleave(group_size, 0) for z in (noise, cond, group))
-        return sample(velocity_fn, *rep, sigmas, plan, generator=generator)
+        return sample(velocity_fn, *rep, sigmas, plan, generator=generator, ode_velocity_fn=ode_velocity_fn)
     branch = [1] * plan.num_steps
     branch[plan.stochastic_steps[0]] = group_size
-    return sample_tree(velocity_fn, noise, cond, group, sigmas, plan, branch, generator=generator)
+    return sample_tree(velocity_fn, noise, cond, group, sigmas, plan, branch, generator=generator,
+                       ode_velocity_fn=ode_velocity_fn)

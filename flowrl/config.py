@@ -130,6 +130,9 @@ class SamplingConfig:
     probe: ProbeConfig = field(default_factory=ProbeConfig)
 
     def __post_init__(self):
+        for key in ("decode_precision", "ode_precision"):
+            if getattr(self, key) in ("False", "false", "none"):  # YAML reads a bare `no` as false
+                setattr(self, key, "no")
         _check(self.decode_precision in ("no", "bf16"), "sampling.decode_precision", "no|bf16", self.decode_precision)
         _check(self.ode_precision in ("no", "bf16"), "sampling.ode_precision", "no|bf16", self.ode_precision)
         if self.probe.method:

@@ -275,6 +275,9 @@ def test_bf16_decode_gives_float32_images_close_to_the_float32_decode(tmp_path, 
     assert 0 < (half - full).abs().max() < 0.05  # bf16 really ran, and the images agree
     with pytest.raises(ConfigError, match="sampling.decode_precision"):
         _config(tmp_path, random_pipeline, prompt_files, **{"sampling.decode_precision": "fp16"})
+    cfg = _config(tmp_path, random_pipeline, prompt_files, **{"sampling.decode_precision": "no",  # a bare `no`, as typed
+                                                              "sampling.ode_precision": "no"})
+    assert (cfg.sampling.decode_precision, cfg.sampling.ode_precision) == ("no", "no")
 
 
 def _captured_grads(trainer):

@@ -27,6 +27,11 @@ def _check(cond: bool, key: str, expected: str, value: Any) -> None:
         raise ConfigError(f"config key '{key}' must be {expected}, got {value!r}")
 
 
+def _precision(value: Any) -> Any:
+    """A precision key's value with YAML's reading of a bare ``no`` (false) turned back into ``"no"``."""
+    return "no" if value in ("False", "false", "none") else value
+
+
 @dataclass
 class ModelConfig:
     """``model.*``: which pipeline to load and how to train it (LoRA via peft, or the full transformer)."""
@@ -130,9 +135,7 @@ class SamplingConfig:
     probe: ProbeConfig = field(default_factory=ProbeConfig)
 
     def __post_init__(self):
-        for key in ("decode_precision", "ode_precision"):
-            if getattr(self, key) in ("False", "false", "none"):  # YAML reads a bare `no` as false
-                setattr(self, key, "no")
+        self.decode_precision, self.ode_precision = _precision(self.decode_precision), _precision(self.ode_precision)
         _check(self.decode_precision in ("no", "bf16"), "sampling.decode_precision", "no|bf16", self.decode_precision)
         _check(self.ode_precision in ("no", "bf16"), "sampling.ode_precision", "no|bf16", self.ode_precision)
         if self.probe.method:
@@ -274,8 +277,7 @@ class RunConfig:
     mixed_precision: str = "bf16"  # no | bf16 (autocast; fp16 would need loss scaling, which flowrl does not do)
 
     def __post_init__(self):
-        if self.mixed_precision in ("False", "false", "none"):  # YAML reads a bare `no` as false
-            self.mixed_precision = "no"
+        self.mixed_precision = _precision(self.mixed_precision)
         _check(self.iterations >= 1, "run.iterations", ">= 1", self.iterations)
         _check(self.save_every >= 1, "run.save_every", ">= 1 (the last iteration is always saved)", self.save_every)
         _check(self.keep_checkpoints is None or self.keep_checkpoints >= 1, "run.keep_checkpoints", ">= 1 or null (keep all)",

@@ -277,25 +277,26 @@ class Trainer:
         s = self.cfg.sampling
         table = self.model.encode([""] + [m["prompt"] for m in metas])
         velocity = self._chunked(self.model.velocity_fn(table, s.guidance_scale), s.batch_size)
+        ode = self._ode_velocity(velocity)
         roots = torch.arange(len(metas), device=self.device)  # (P,) one group per prompt
         if self.branch is not None or s.shared_noise:  # one initial noise per group
             noise = torch.randn((len(metas), *self.model.latent_shape), generator=generator).to(self.device)
         if self.branch is not None:  # the tree makes the group
             with self._autocast():
                 ro = sample_tree(velocity, noise, roots + 1, roots, self.sigmas.to(self.device), self.plan, self.branch,
-                                 generator=generator, ode_velocity_fn=self._ode_velocity(velocity))
+                                 generator=generator, ode_velocity_fn=ode)
                 return ro, self._decode(ro.final), table
         sigmas, plan = self.current_plan()
         sigmas = sigmas.to(self.device)
         with self._autocast():
             if s.shared_noise:  # the group's deterministic prefix once per group
                 ro = sample_shared_noise(velocity, noise, roots + 1, roots, sigmas, plan, s.group_size, generator=generator,
-                                         ode_velocity_fn=self._ode_velocity(velocity))
+                                         ode_velocity_fn=ode)
             else:
                 prompt_index = roots.repeat_interleave(s.group_size)  # (B,)
                 noise = torch.randn((len(prompt_index), *self.model.latent_shape), generator=generator)
                 ro = sample(velocity, noise.to(self.device), prompt_index + 1, prompt_index, sigmas, plan, generator=generator,
-                            ode_velocity_fn=self._ode_velocity(velocity))
+                            ode_velocity_fn=ode)
         return ro, self._decode(ro.final), table
 
     def tree_advantages(self, ro, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -765,8 +766,7 @@ class Trainer:
         velocity = model.velocity_fn(table, cfg.sampling.guidance_scale)  # guided, against the empty prompt (row 0)
         sigmas, size = self.sigmas.to(self.device), cfg.sampling.batch_size
         with torch.no_grad(), self._holding(self.old_policy), self._autocast():
-            x0 = torch.cat([ode_sample(velocity, noise[i:i + size], cond[i:i + size], sigmas)
-                            for i in range(0, len(cond), size)])
+            x0 = ode_sample(self._chunked(velocity, size), noise, cond, sigmas)
         images = self._decode(x0)
         t1 = time.time()
         image_prompt = (cond - 1).cpu()

@@ -314,6 +314,12 @@ def plan_step(plan: StepPlan, k: int, x: torch.Tensor, velocity: torch.Tensor, s
     return KERNELS[kernel](x, velocity, sigmas[k], sigmas[k + 1], plan.noise_levels[k], sigmas[1], generator=generator)
 
 
+def _step_policy(kernel: str, velocity_fn: VelocityFn, ode_velocity_fn: VelocityFn | None) -> VelocityFn:
+    """The policy a step of `kernel` calls: `velocity_fn` where it draws a stored log-prob (a stochastic
+    kernel), else `ode_velocity_fn` if given."""
+    return velocity_fn if kernel in STOCHASTIC_KERNELS or ode_velocity_fn is None else ode_velocity_fn
+
+
 def _check_sample_inputs(noise, cond, group, sigmas, plan: StepPlan) -> None:
     if noise.ndim < 2:
         raise ValueError(f"noise must have shape (B, C, H, W); got {tuple(noise.shape)}")
@@ -412,8 +418,7 @@ def sample(
     rows, prev_x0, prev_sigma = 0, None, None
     for k in range(plan.num_steps):
         kernel = plan.kernels[k]
-        fn = velocity_fn if kernel in STOCHASTIC_KERNELS or ode_velocity_fn is None else ode_velocity_fn
-        velocity = fn(x, sigmas[k].expand(batch).contiguous(), cond)
+        velocity = _step_policy(kernel, velocity_fn, ode_velocity_fn)(x, sigmas[k].expand(batch).contiguous(), cond)
         if velocity.shape != x.shape:
             raise ValueError(f"velocity_fn returned shape {tuple(velocity.shape)}; expected {tuple(x.shape)}")
         out = plan_step(plan, k, x, velocity, sigmas, prev_x0, prev_sigma, generator)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .kernels import STOCHASTIC_KERNELS
-from .rollout import Rollout, StepPlan, VelocityFn, _check_sample_inputs, plan_step, sample
+from .rollout import Rollout, StepPlan, VelocityFn, _check_sample_inputs, _step_policy, plan_step, sample
 
 __all__ = ["leaf_incidence", "sample_shared_noise", "sample_tree"]
 
@@ -93,7 +93,7 @@ def sample_tree(
     for k in range(plan.num_steps):
         t = sigmas[k].expand(x.shape[0]).contiguous()
         kernel = plan.kernels[k]
-        fn = velocity_fn if kernel in STOCHASTIC_KERNELS or ode_velocity_fn is None else ode_velocity_fn
+        fn = _step_policy(kernel, velocity_fn, ode_velocity_fn)
         if batched:
             velocity = fn(x, t, cond).float()
         else:

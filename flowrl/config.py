@@ -184,11 +184,13 @@ class NFTConfig:
     beta: float = 1.0  # step of the implicit positive / negative policies (the paper's GenEval setting)
     timesteps: int = 4  # noised copies of each image per iteration, at times of the sampler's grid
     old_decay: float = 0.0  # soft update of the sampling policy, theta_old <- d theta_old + (1 - d) theta (0: it follows theta)
+    min_time: float = 0.0  # noised copies only at grid times t >= min_time (1 = noise): weight training towards layout
 
     def __post_init__(self):
         _check(self.beta > 0, "train.nft.beta", "> 0", self.beta)
         _check(self.timesteps >= 1, "train.nft.timesteps", ">= 1", self.timesteps)
         _check(0 <= self.old_decay < 1, "train.nft.old_decay", "in [0, 1)", self.old_decay)
+        _check(0 <= self.min_time < 1, "train.nft.min_time", "in [0, 1)", self.min_time)
 
 
 @dataclass

@@ -739,7 +739,8 @@ class Trainer:
         the group-relative advantages (gathered over processes, as in GRPO) become optimality weights
         ``r = clip(A / A_max) / 2 + 1/2`` (:func:`losses.optimality_weights`). Every image of a group with
         reward variance is noised ``train.nft.timesteps`` times, ``x_t = (1 - t) x0 + t eps`` with ``t`` drawn
-        from the sampler's grid, and the guided velocity is trained on them with :func:`losses.nft_loss`:
+        uniformly from the sampler's grid times ``>= train.nft.min_time`` (0: all of them; 1 = noise), and the
+        guided velocity is trained on them with :func:`losses.nft_loss`:
         minibatches of ``train.minibatch_size`` rows per process (the same optimizer steps on every process,
         as :meth:`optimize`), ``train.inner_epochs`` passes, under ``run.mixed_precision`` (no ratio needs
         float32 here). Then ``theta_old <- d theta_old + (1 - d) theta``. Needs no log-probs and no
@@ -779,7 +780,8 @@ class Trainer:
         mine = slice(self.accelerator.process_index * len(cond), (self.accelerator.process_index + 1) * len(cond))
         adv, keep = adv[mine], ~zero[mine]
         rows = keep.nonzero().squeeze(1).repeat_interleave(t.nft.timesteps)  # (N,) noised copies of each kept image
-        grid = self.sigmas[:-1]  # the sampler's own times, in (0, 1]
+        grid = self.sigmas[:-1]  # the sampler's own times, in (0, 1]; it starts at 1, so the filter keeps one
+        grid = grid[grid >= t.nft.min_time]
         times = grid[torch.randint(0, len(grid), (len(rows),), generator=gen)].to(self.device)
         eps = torch.randn((len(rows), *model.latent_shape), generator=gen).to(self.device)
         x_0, c = x0[rows.to(self.device)], cond[rows.to(self.device)]

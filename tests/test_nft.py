@@ -44,7 +44,8 @@ def test_optimality_weights_map_the_clipped_advantage_to_zero_one():
 @pytest.mark.parametrize("key,value", [("sampling.window.size", 2), ("sampling.tree.split_steps", "[0]"),
                                        ("sampling.probe.method", "g2rpo"), ("sampling.shared_noise", "true"),
                                        ("train.kl_beta", 0.1), ("train.nft.old_decay", 1.0),
-                                       ("train.nft.timesteps", 0), ("train.method", "dpo")])
+                                       ("train.nft.timesteps", 0), ("train.nft.min_time", 1.0),
+                                       ("train.method", "dpo")])
 def test_nft_refuses_what_it_cannot_use(key, value):
     over = ["train.method=nft", f"{key}={value}"] + (["sampling.group_size=2"] if "tree" in key else [])
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -92,3 +93,26 @@ def test_nft_run_trains_and_resumes_exactly(tmp_path, random_pipeline, prompt_fi
         Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, "plain", **{"train.nft.old_decay": 0.5,
                                                                                  "run.resume": "true",
                                                                                  "run.iterations": 3})).train()
+
+
+def test_nft_min_time_noises_only_at_high_noise(tmp_path, random_pipeline, prompt_files, monkeypatch):
+    """``train.nft.min_time`` keeps the noised copies at grid times ``t >= min_time``; without it every
+    grid time of the sampler can be drawn."""
+    import flowrl.trainer as trainer_module
+
+    seen = []
+
+    def recording(v, v_old, x_t, x0, t, *args):
+        seen.append(t.detach().clone())
+        return nft_loss(v, v_old, x_t, x0, t, *args)
+
+    monkeypatch.setattr(trainer_module, "nft_loss", recording)
+    times = {}
+    for min_time in (0.0, 0.55):
+        seen.clear()
+        cfg = _nft_config(tmp_path, random_pipeline, prompt_files, f"t{min_time}",
+                          **{"run.iterations": 2, "train.nft.timesteps": 8, "train.nft.min_time": min_time})
+        Trainer(cfg).train()
+        times[min_time] = torch.cat(seen)
+    assert len(times[0.55]) > 0 and times[0.55].min() >= 0.55
+    assert times[0.0].min() < 0.55  # the filter, not chance, kept the high times

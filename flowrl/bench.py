@@ -44,7 +44,7 @@ def load_preset_overrides(path: str | Path) -> dict[str, list[str]]:
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
-        ValueError: for a key that is neither ``all`` nor a bench preset, or a value that is not a list of
+        ValueError: for a key that is neither ``all`` nor a preset in ``configs/``, or a value that is not a list of
             ``key=value`` strings (the file and the key are named).
     """
     from omegaconf import OmegaConf
@@ -56,8 +56,9 @@ def load_preset_overrides(path: str | Path) -> dict[str, list[str]]:
         raise ValueError(f"preset override file {path}: expected a mapping of preset names to key=value lists")
     out = {}
     for key, items in raw.items():
-        if key != "all" and key not in PRESETS:
-            raise ValueError(f"preset override file {path}: unknown key {key!r}; expected 'all' or one of {list(PRESETS)}")
+        if key != "all" and not (REPO_ROOT / "configs" / f"{key}.yaml").is_file():
+            raise ValueError(f"preset override file {path}: unknown key {key!r}; expected 'all' or a preset in configs/ "
+                             f"such as {list(PRESETS)}")
         if not isinstance(items, list) or not all(isinstance(i, str) and "=" in i for i in items):
             raise ValueError(f"preset override file {path}: {key!r} must be a list of key=value strings, got {items!r}")
         out[key] = items
@@ -99,7 +100,7 @@ def bench_tree(trainer, repeats: int = 3) -> dict[str, float]:
         for _ in range(repeats):
             t0 = time.time()
             with trainer._autocast():
-                sample_tree(velocity, noise, roots + 1, roots, trainer.sigmas.to(trainer.device), trainer.plan, trainer.branch,
+                sample_tree(velocity, noise, roots + 1, roots, trainer.plan_sigmas.to(trainer.device), trainer.plan, trainer.branch,
                             generator=torch.Generator().manual_seed(1), batched=batched, ode_velocity_fn=ode)
             runs.append(time.time() - t0)
         times["batched_s" if batched else "node_by_node_s"] = statistics.median(runs)

@@ -85,11 +85,13 @@ class TreeConfig:
     fusion: str = "mean"  # leaf-reward fusion into inner nodes: mean | prob
     width_keep: int = 0  # width pruning: train only the chains of the best and worst `width_keep` leaves (0 = off)
     depth_prune: list[int] = field(default_factory=list)  # steps left out of the backward pass
+    flash_ratio: float = 0.0  # with sde_steps: > 0 re-spaces the steps after the last SDE step (DPM-Solver++ 2M)
 
     def __post_init__(self):
         _check(self.branch >= 2, "sampling.tree.branch", ">= 2", self.branch)
         _check(self.fusion in ("mean", "prob"), "sampling.tree.fusion", "mean|prob", self.fusion)
         _check(self.width_keep >= 0, "sampling.tree.width_keep", ">= 0", self.width_keep)
+        _check(0 <= self.flash_ratio <= 1, "sampling.tree.flash_ratio", "in [0, 1]", self.flash_ratio)
         _check(len(set(self.split_steps)) == len(self.split_steps), "sampling.tree.split_steps", "distinct steps",
                self.split_steps)
 
@@ -153,6 +155,12 @@ class SamplingConfig:
                        f"steps in [0, {self.num_steps})", steps)
             _check(self.window.size == 0, "sampling.window.size", "0 with a tree (use sampling.tree.sde_steps)",
                    self.window.size)
+            if t.flash_ratio > 0:  # the deterministic tail after the last SDE step is what gets re-spaced
+                last = max(t.sde_steps + t.split_steps)
+                _check(bool(t.sde_steps) and last < self.num_steps - 1, "sampling.tree.flash_ratio",
+                       "0 unless sampling.tree.sde_steps leaves deterministic steps after the last SDE step "
+                       + (f"(the last SDE step is {last}, the last step {self.num_steps - 1})" if t.sde_steps
+                          else "(sde_steps is empty: every step is SDE)"), t.flash_ratio)
         _check(self.window.size < self.num_steps, "sampling.window.size", f"< sampling.num_steps ({self.num_steps})",
                self.window.size)
         _check(self.num_steps >= 2, "sampling.num_steps", ">= 2", self.num_steps)

@@ -127,15 +127,15 @@ class Trainer:
         self.old_policy = {n: p.detach().clone() for n, p in self.params.items()} if nft else None
         s = cfg.sampling
         self.sigmas = flow_sigmas(s.num_steps, s.shift)
+        self.plan_sigmas = self.sigmas  # the schedule of self.plan (re-spaced by a tree's flash_ratio)
         self.plan = StepPlan.sde(s.num_steps, kernel=s.kernel, noise_level=s.noise_level, train_last=s.train_last_step)
+        self.branch = None
         if s.tree.split_steps:
             t = s.tree
-            self.branch = [t.branch if k in t.split_steps else 1 for k in range(s.num_steps)]
-            if t.sde_steps:
-                self.plan = StepPlan.window(s.num_steps, sorted(set(t.sde_steps) | set(t.split_steps)), s.kernel,
-                                            s.noise_level)
-        else:
-            self.branch = None
+            if t.sde_steps:  # BranchGRPO-Mix, optionally with MixGRPO-Flash's DPM-Solver++ 2M tail
+                self.plan_sigmas, self.plan = mix_plan(self.sigmas, sorted(set(t.sde_steps) | set(t.split_steps)),
+                                                       s.kernel, s.noise_level, t.flash_ratio or None, s.shift)
+            self.branch = [t.branch if k in t.split_steps else 1 for k in range(self.plan.num_steps)]
         w = s.window
         self.window = None if w.size == 0 else SlidingWindow(
             s.num_steps, w.size, w.schedule, w.stride, w.interval, w.min_interval, w.roll_back, seed=cfg.run.seed)
@@ -175,9 +175,10 @@ class Trainer:
         return [rng.choice(by_tag[rng.choice(tags)]) for _ in range(n)]
 
     def current_plan(self) -> tuple[torch.Tensor, StepPlan]:
-        """This iteration's ``(sigmas (N' + 1,), plan)``: full SDE, or the MixGRPO window (+ Flash tail)."""
+        """This iteration's ``(sigmas (N' + 1,), plan)``: full SDE, the BranchGRPO-Mix pattern or the MixGRPO window
+        (either with its Flash tail)."""
         if self.window is None:
-            return self.sigmas, self.plan
+            return self.plan_sigmas, self.plan
         s = self.cfg.sampling
         return mix_plan(self.sigmas, self.window.steps, s.kernel, s.noise_level, s.window.flash_ratio or None, s.shift)
 
@@ -283,7 +284,7 @@ class Trainer:
             noise = torch.randn((len(metas), *self.model.latent_shape), generator=generator).to(self.device)
         if self.branch is not None:  # the tree makes the group
             with self._autocast():
-                ro = sample_tree(velocity, noise, roots + 1, roots, self.sigmas.to(self.device), self.plan, self.branch,
+                ro = sample_tree(velocity, noise, roots + 1, roots, self.plan_sigmas.to(self.device), self.plan, self.branch,
                                  generator=generator, ode_velocity_fn=ode)
                 return ro, self._decode(ro.final), table
         sigmas, plan = self.current_plan()

@@ -82,6 +82,7 @@ def test_config_rejects_unknown_and_bad_keys(tmp_path):
     ("sampling.batch_size=0", "sampling.batch_size"), ("sampling.prompts_per_iteration=0", "sampling.prompts_per_iteration"),
     ("sampling.shift=0", "sampling.shift"), ("sampling.window.stride=-1", "sampling.window.stride"),
     ("sampling.window.min_interval=0", "sampling.window.min_interval"),
+    ("sampling.tree.flash_ratio=1.5", "sampling.tree.flash_ratio"),
 ])
 def test_config_range_errors_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -95,6 +96,12 @@ def test_config_cross_field_errors_name_the_key():
         load_config(None, ["sampling.tree.split_steps=[0,2,4]", "sampling.tree.sde_steps=[99]"])
     with pytest.raises(ConfigError, match="sampling.tree.depth_prune"):
         load_config(None, ["sampling.tree.split_steps=[0,2,4]", "sampling.tree.depth_prune=[99]"])
+    tree = ["sampling.tree.split_steps=[0,2,4]", "sampling.tree.flash_ratio=0.4"]
+    with pytest.raises(ConfigError, match="sampling.tree.flash_ratio.*every step is SDE"):  # all SDE: no tail to re-space
+        load_config(None, tree)
+    with pytest.raises(ConfigError, match="sampling.tree.flash_ratio.*last SDE step is 9, the last step 9"):
+        load_config(None, [*tree, "sampling.tree.sde_steps=[0,9]"])
+    assert load_config(None, [*tree, "sampling.tree.sde_steps=[0,1,2,3]"]).sampling.tree.flash_ratio == 0.4
 
 
 def test_config_rewards_of_a_preset_replace_the_default(tmp_path):

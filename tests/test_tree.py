@@ -78,6 +78,25 @@ def test_batched_tree_equals_node_by_node_and_counts_nfe():
     assert torch.equal(a.group, torch.tensor([0] * 4 + [1] * 4))
 
 
+def test_tree_with_a_flash_tail_batches_and_counts_the_compressed_steps():
+    """BranchGRPO-Mix with MixGRPO-Flash's tail: splits at 0 and 2, SDE on 0-2, the 5 steps after re-spaced to 2."""
+    noise, cond, group = _inputs(2)
+    sigmas, plan = mix_plan(flow_sigmas(8, 3.0), [0, 1, 2], flash_ratio=0.4)
+    assert plan.kernels == ["flow_sde"] * 3 + ["dpm_solver_2m"] * 2 and sigmas.shape == (6,)
+    branch = [2, 1, 2, 1, 1]
+    a = sample_tree(velocity, noise, cond, group, sigmas, plan, branch, generator=torch.Generator().manual_seed(5))
+    b = sample_tree(velocity, noise, cond, group, sigmas, plan, branch, generator=torch.Generator().manual_seed(5),
+                    batched=False)
+    torch.testing.assert_close(a.final, b.final, rtol=0, atol=1e-6)
+    assert torch.equal(a.log_prob, b.log_prob)
+    assert a.num_leaves == 8 and a.cost["nfe"] == 2 + 4 + 4 + 8 + 8  # the tail: 2 steps of the 8 leaves
+    full_sigmas, full_plan = mix_plan(flow_sigmas(8, 3.0), [0, 1, 2])
+    full = sample_tree(velocity, noise, cond, group, full_sigmas, full_plan, branch + [1] * 3,
+                       generator=torch.Generator().manual_seed(5))
+    assert full.cost["nfe"] == 2 + 4 + 4 + 8 * 5
+    assert torch.equal(a.log_prob, full.log_prob)  # the same SDE prefix and noise; only the ODE tail differs
+
+
 def test_leaf_incidence_follows_the_tree():
     noise, cond, group = _inputs(1)
     plan = StepPlan(["flow_sde", "ode", "flow_sde", "flow_sde"], [0.7, 0.0, 0.7, 0.7], [True, False, True, False])

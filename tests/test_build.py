@@ -71,3 +71,17 @@ def test_clip_condition_matches_the_pipeline_and_joint_training_moves_the_text_t
     with pytest.raises(ValueError, match="text_lr"):
         train_transformer(model, torch.randn(8, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE), None, None,
                           torch.randint(1, 2, (8,)), steps=1, seed=0, batch=4, text_lr=1e-3)
+
+
+def test_render_dataset_tag_weights_draw_only_the_weighted_tags():
+    from flowrl.tiny.prompts import all_metadata
+
+    tag_of = {m["prompt"]: m["tag"] for m in all_metadata()}
+    _, captions = render_dataset(40, seed=0, tag_weights={"two_object": 1.0, "counting": 3.0})
+    tags = [tag_of[c] for c in captions]
+    assert set(tags) == {"two_object", "counting"} and tags.count("counting") > tags.count("two_object")
+    assert render_dataset(3, seed=0)[1] == [  # uniform: the scenes the shipped assets were built from
+        "a photo of a yellow star", "a photo of a green triangle", "a photo of a cross and a circle"]
+    for bad in ({"two_objects": 1.0}, {"two_object": -1.0}, {"two_object": 0.0}):
+        with pytest.raises(ValueError, match="tag_weights"):
+            render_dataset(4, seed=0, tag_weights=bad)

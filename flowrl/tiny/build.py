@@ -81,18 +81,31 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-def render_dataset(n: int, seed: int) -> tuple[torch.Tensor, list[str]]:
-    """Render ``n`` captioned scenes, tags uniform, prompts uniform within a tag.
+def render_dataset(n: int, seed: int, tag_weights: dict[str, float] | None = None) -> tuple[torch.Tensor, list[str]]:
+    """Render ``n`` captioned scenes, tags uniform (or drawn with ``tag_weights``), prompts uniform within a tag.
+
+    Args:
+        tag_weights: relative weight (>= 0) per GenEval tag; a tag left out gets 0. None: uniform.
 
     Returns:
         ``(images, captions)``: uint8 tensor ``(n, 3, 64, 64)`` and ``n`` prompt strings.
+
+    Raises:
+        ValueError: for an unknown tag, a negative weight, or weights that sum to 0.
     """
+    if tag_weights is not None:
+        unknown = set(tag_weights) - set(TAGS)
+        if unknown or min(tag_weights.values(), default=0) < 0 or sum(tag_weights.values()) <= 0:
+            raise ValueError(f"tag_weights must give tags of {list(TAGS)} weights >= 0 with a positive sum; "
+                             f"got {tag_weights}")
     rng = random.Random(seed)
     by_tag = {t: [m for m in all_metadata() if m["tag"] == t] for t in TAGS}
+    weights = None if tag_weights is None else [tag_weights.get(t, 0.0) for t in TAGS]
     images = np.empty((n, IMAGE_SIZE, IMAGE_SIZE, 3), np.uint8)
     captions = []
     for i in range(n):
-        meta = rng.choice(by_tag[rng.choice(TAGS)])
+        tag = rng.choice(TAGS) if weights is None else rng.choices(TAGS, weights)[0]
+        meta = rng.choice(by_tag[tag])
         images[i] = render(sample_scene(meta, rng))
         captions.append(meta["prompt"])
     return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), captions
@@ -346,7 +359,8 @@ def _save_clip(clip, tokenizer, folder: Path) -> None:
 
 def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int = 600, vae_steps: int = 900,
           dit_steps: int = 3000, resume: bool = False, init: str | Path | None = None, dit_lr: float = 1e-3,
-          dit_t_mean: float = 0.0, dit_batch: int = 128, dit_ema: float = 0.0, text_lr: float = 0.0) -> dict:
+          dit_t_mean: float = 0.0, dit_batch: int = 128, dit_ema: float = 0.0, text_lr: float = 0.0,
+          tag_weights: dict[str, float] | None = None) -> dict:
     """Regenerate every asset under ``out`` (see the module docstring); returns the wall times in seconds.
 
     ``resume`` keeps the stages an interrupted build finished (``out/tiny-clip``, the VAE in
@@ -355,6 +369,7 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
     with its VAE and text towers; the CLIP must then already be in ``out/tiny-clip``. ``text_lr > 0``
     trains the pipeline's text tower jointly with the transformer (see :func:`train_transformer`); the
     contrastive tiny CLIP in ``out/tiny-clip`` (the ``clipscore`` reward's default) is left as it was.
+    ``tag_weights`` draws the scenes' tags with those weights (:func:`render_dataset`; None: uniform).
     """
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
@@ -364,7 +379,7 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
     (out / "prompts").mkdir(parents=True, exist_ok=True)
     write_jsonl(train, out / "prompts" / "train.jsonl")
     write_jsonl(test, out / "prompts" / "test.jsonl")
-    images, captions = render_dataset(n_scenes, seed)
+    images, captions = render_dataset(n_scenes, seed, tag_weights)
     times["render_s"] = time.time() - t0
 
     t0 = time.time()
@@ -418,7 +433,7 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
     pipe.save_pretrained(out / "tiny-sd3")
     (out / "tiny-sd3" / "build.json").write_text(json.dumps({"seed": seed, "n_scenes": n_scenes, "clip_steps": clip_steps, "reused_clip": resume,
         "vae_steps": vae_steps, "dit_steps": dit_steps, "dit_lr": dit_lr, "dit_t_mean": dit_t_mean, "dit_batch": dit_batch, "dit_ema": dit_ema,
-        "text_lr": text_lr, "init": None if init is None else str(init),
+        "text_lr": text_lr, "tag_weights": tag_weights, "init": None if init is None else str(init),
         "times_s": times, "command": "python -m flowrl.tiny.build " + " ".join(sys.argv[1:]),
         "init_build": _read_build(init)}, indent=1))
     return times
@@ -444,11 +459,19 @@ def main(argv=None) -> None:
     p.add_argument("--dit-ema", type=float, default=0.0, help="EMA decay of the transformer weights (0: none)")
     p.add_argument("--text-lr", type=float, default=0.0,
                    help="peak learning rate of the pipeline's text tower, trained jointly with the transformer (0: frozen)")
+    p.add_argument("--tag-weights", nargs="+", default=None, metavar="TAG=W",
+                   help="draw the scenes' tags with these relative weights (tags left out: 0; default: uniform)")
     p.add_argument("--resume", action="store_true", help="keep the stages an interrupted build finished")
     p.add_argument("--init", default=None, help="a finished tiny-sd3 folder: keep its VAE, continue its transformer")
     a = p.parse_args(argv)
+    weights = None
+    if a.tag_weights:
+        try:
+            weights = {k: float(v) for k, v in (item.split("=", 1) for item in a.tag_weights)}
+        except ValueError:
+            p.error(f"--tag-weights takes TAG=WEIGHT items, e.g. two_object=2; got {a.tag_weights}")
     print(build(a.out, a.seed, a.n_scenes, a.clip_steps, a.vae_steps, a.dit_steps, a.resume, a.init, a.dit_lr, a.dit_t_mean,
-                a.dit_batch, a.dit_ema, a.text_lr))
+                a.dit_batch, a.dit_ema, a.text_lr, weights))
 
 
 if __name__ == "__main__":

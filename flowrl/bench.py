@@ -84,14 +84,11 @@ def _median_iteration(trainer, start: int, count: int) -> dict[str, float]:
 
 def bench_tree(trainer, repeats: int = 3) -> dict[str, float]:
     """Seconds of one BranchGRPO tree rollout (the preset's tree, all prompts) batched vs node by node."""
-    from samplers import sample_tree
-
     s = trainer.cfg.sampling
     metas = trainer.sample_prompts(0)
     table = trainer.model.encode([""] + [m["prompt"] for m in metas])
     velocity = trainer.model.velocity_fn(table, s.guidance_scale)
     ode = trainer._ode_velocity(velocity)  # built once, outside the timed calls
-    roots = torch.arange(len(metas), device=trainer.device)
     noise = torch.randn((len(metas), *trainer.model.latent_shape),
                         generator=torch.Generator().manual_seed(0)).to(trainer.device)  # drawn on CPU, as the trainer's
     times = {}
@@ -99,9 +96,7 @@ def bench_tree(trainer, repeats: int = 3) -> dict[str, float]:
         runs = []
         for _ in range(repeats):
             t0 = time.time()
-            with trainer._autocast():
-                sample_tree(velocity, noise, roots + 1, roots, trainer.plan_sigmas.to(trainer.device), trainer.plan, trainer.branch,
-                            generator=torch.Generator().manual_seed(1), batched=batched, ode_velocity_fn=ode)
+            trainer.tree_rollout(velocity, noise, torch.Generator().manual_seed(1), ode, batched=batched)
             runs.append(time.time() - t0)
         times["batched_s" if batched else "node_by_node_s"] = statistics.median(runs)
     times["speedup"] = times["node_by_node_s"] / times["batched_s"]

@@ -283,9 +283,8 @@ class Trainer:
         if self.branch is not None or s.shared_noise:  # one initial noise per group
             noise = torch.randn((len(metas), *self.model.latent_shape), generator=generator).to(self.device)
         if self.branch is not None:  # the tree makes the group
+            ro = self.tree_rollout(velocity, noise, generator, ode)
             with self._autocast():
-                ro = sample_tree(velocity, noise, roots + 1, roots, self.plan_sigmas.to(self.device), self.plan, self.branch,
-                                 generator=generator, ode_velocity_fn=ode)
                 return ro, self._decode(ro.final), table
         sigmas, plan = self.current_plan()
         sigmas = sigmas.to(self.device)
@@ -299,6 +298,26 @@ class Trainer:
                 ro = sample(velocity, noise.to(self.device), prompt_index + 1, prompt_index, sigmas, plan, generator=generator,
                             ode_velocity_fn=ode)
         return ro, self._decode(ro.final), table
+
+    def tree_rollout(self, velocity, noise: torch.Tensor, generator: torch.Generator, ode_velocity=None,
+                     batched: bool = True):
+        """The preset's BranchGRPO tree (``self.plan`` on ``self.plan_sigmas``, split by ``self.branch``) from one
+        root per prompt, under the rollout's autocast.
+
+        Args:
+            velocity: the old policy (:meth:`FlowModel.velocity_fn` of a table whose row ``1 + p`` is prompt p).
+            noise (`torch.Tensor` of shape `(P, C, H, W)`): the roots' starting latents, on ``self.device``.
+            generator (`torch.Generator`): source of the SDE noise.
+            ode_velocity: the policy of the deterministic steps (:meth:`_ode_velocity`); default `velocity`.
+            batched (`bool`): every depth in one velocity call (True) or node by node (:func:`samplers.sample_tree`).
+
+        Returns:
+            :class:`samplers.Rollout` with ``P * group_size`` leaves, tree p being group p.
+        """
+        roots = torch.arange(len(noise), device=self.device)
+        with self._autocast():
+            return sample_tree(velocity, noise, roots + 1, roots, self.plan_sigmas.to(self.device), self.plan, self.branch,
+                               generator=generator, batched=batched, ode_velocity_fn=ode_velocity)
 
     def tree_advantages(self, ro, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """BranchGRPO advantages of every stored transition of a tree rollout and whether it enters the loss:

@@ -284,8 +284,7 @@ class Trainer:
             noise = torch.randn((len(metas), *self.model.latent_shape), generator=generator).to(self.device)
         if self.branch is not None:  # the tree makes the group
             ro = self.tree_rollout(velocity, noise, generator, ode)
-            with self._autocast():
-                return ro, self._decode(ro.final), table
+            return ro, self._decode(ro.final), table  # decoded as a flat rollout's are, outside the autocast
         sigmas, plan = self.current_plan()
         sigmas = sigmas.to(self.device)
         with self._autocast():

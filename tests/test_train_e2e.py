@@ -280,6 +280,18 @@ def test_bf16_decode_gives_float32_images_close_to_the_float32_decode(tmp_path, 
     assert (cfg.sampling.decode_precision, cfg.sampling.ode_precision) == ("no", "no")
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_rollout_images_decode_in_decode_precision_whatever_the_rollout_precision(tmp_path, random_pipeline, prompt_files, tree):
+    extra = {"sampling.tree.split_steps": "[0]", "sampling.tree.branch": 2, "sampling.kernel": "dance_sde"} if tree else {}
+    trainer = Trainer(_config(tmp_path, random_pipeline, prompt_files, **{"run.mixed_precision": "bf16",
+                                                                         "sampling.decode_precision": "no", **extra}))
+    assert (trainer.branch is not None) == tree
+    seen, decode = [], trainer.model.decode
+    trainer.model.decode = lambda latents: seen.append(torch.is_autocast_enabled("cpu")) or decode(latents)
+    trainer.rollout(trainer.sample_prompts(0), torch.Generator().manual_seed(0))
+    assert seen and not any(seen)  # float32 decode, though the rollout ran under bf16 autocast
+
+
 def _captured_grads(trainer):
     """Replace the optimizer step by a recorder of the gradients it would apply (the weights stay put), and
     move the weights by the same random amount between the rollout and the training pass, as an earlier

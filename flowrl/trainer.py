@@ -394,75 +394,66 @@ class Trainer:
         grad_step: dict[int, list[torch.Tensor]] = defaultdict(list)  # first epoch: gradient norms per step
         gain = velocity_gain(tv) if t.step_weighting == "guard" else None
         velocity = self.model.velocity_fn(table, self.cfg.sampling.guidance_scale)  # CFG against table row 0
-        sizes = self._minibatch_sizes(len(tv))  # (processes, minibatches): the same optimizer steps everywhere
+        many = self.accelerator.num_processes > 1
         optimizer_steps = 0
         self.model.transformer.train()
-        for epoch in range(t.inner_epochs):
-            order = torch.randperm(len(tv), generator=generator).to(self.device)
-            for j in range(sizes.shape[1]):
-                start = j * t.minibatch_size
-                mb = order[start:start + t.minibatch_size]
-                many = sizes.shape[0] > 1
-                rows = sizes[:, j].sum().item()  # the step's transitions over all processes
-                weights = step_weights(t.step_weighting, gain[mb] if gain is not None else tv.std[mb], tv.std[mb],
-                                       mean=1.0 if many else None)  # several processes: unnormalised here
-                if many and weights is not None:  # mean 1 over the minibatch of all processes
-                    weights = weights / (self.accelerator.reduce(weights.sum().reshape(1), "sum") / rows)
-                if len(mb) == 0:  # this process has no transitions left, the others do: a zero gradient
-                    self._step_optimizer(None, stats)
-                    optimizer_steps += 1
-                    continue
-                share = len(mb) / rows  # this process's part of the global mean (1 with one process)
-                micro = t.micro_batch_size or len(mb)
-                parts: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (value, fraction of the minibatch)
-                for c in range(0, len(mb), micro):  # gradient accumulation over micro-batches
-                    idx = mb[c:c + micro]
-                    frac = len(idx) / len(mb)
-                    sub = tv.select(idx)
-                    present = sub.step.unique().tolist()  # denoising steps in this micro-batch
-                    with self._autocast():
-                        v = velocity(sub.state, sub.sigma, sub.cond)
-                    track_v = epoch == 0 and t.step_grad_norms == "velocity" and v.requires_grad
-                    if track_v:
-                        v.retain_grad()
-                    log_prob, mean = recompute_log_prob(sub, v)
-                    if t.ratio_norm:  # GRPO-Guard: unbiased, std-scaled log-ratio
-                        log_prob = sub.log_prob + ratio_norm(log_prob, sub.log_prob, mean, sub.mean, sub.std)
-                    w = None if weights is None else weights[c:c + micro]
-                    loss, st = ppo_loss(log_prob, sub.log_prob, adv[idx], t.clip_range, w)
-                    if epoch == 0:
-                        ratio = torch.exp(log_prob.detach() - sub.log_prob)
-                        for k in present:
-                            per_step[k].append(ratio[sub.step == k].cpu())
-                        if t.step_grad_norms == "params" and start == 0 and c == 0:
-                            grad_step.update(self._param_grad_norms(sub, present, log_prob, adv[idx], w))
-                    if t.kl_beta > 0:
-                        with torch.no_grad(), self.model.reference(), self._autocast():
-                            v_ref = velocity(sub.state, sub.sigma, sub.cond)
-                        if t.kl_type == "velocity":
-                            kl = velocity_kl(v, v_ref)
-                        else:
-                            kl = kl_to_reference(mean, recompute_log_prob(sub, v_ref)[1], sub.std)
-                        loss = loss + t.kl_beta * kl
-                        parts["policy/kl"].append((kl.item(), frac))
-                    scale = frac * share  # the micro-batch's part of the (global) minibatch mean
-                    self.accelerator.backward(loss * scale if scale != 1.0 else loss)
-                    if track_v and v.grad is not None:  # d loss / d v per transition, undoing the 1/M of the mean
-                        norms = v.grad.float().flatten(1).norm(dim=1).cpu() * len(idx) / scale
-                        for k in present:
-                            grad_step[k].append(norms[(sub.step == k).cpu()])
-                    parts["policy/loss"].append((loss.item(), frac))
-                    for k, v_ in st.items():
-                        parts[k].append((v_.item(), frac))
-                merged = {k: max(x for x, _ in vals) if k == "policy/ratio_max_dev" else sum(x * f for x, f in vals)
-                          for k, vals in parts.items()}  # the minibatch's statistics
-                if optimizer_steps == 0:  # before any update (absent where this process's first step had no transitions)
-                    stats["policy/ratio_first_max_dev"].append(merged["policy/ratio_max_dev"])
-                self._step_optimizer(merged["policy/loss"], stats)
+        for epoch, j, mb, rows in self._minibatches(len(tv), generator):
+            weights = step_weights(t.step_weighting, gain[mb] if gain is not None else tv.std[mb], tv.std[mb],
+                                   mean=1.0 if many else None)  # several processes: unnormalised here
+            if many and weights is not None:  # mean 1 over the minibatch of all processes
+                weights = weights / (self.accelerator.reduce(weights.sum().reshape(1), "sum") / rows)
+            if len(mb) == 0:  # this process has no transitions left, the others do: a zero gradient
+                self._step_optimizer(None, stats)
                 optimizer_steps += 1
-                for k, x in merged.items():
-                    if k != "policy/loss":
-                        stats[k].append(x)
+                continue
+            share = len(mb) / rows  # this process's part of the global mean (1 with one process)
+            parts: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (value, fraction of the minibatch)
+            for c, idx, frac in self._micro_batches(mb):  # gradient accumulation over micro-batches
+                sub = tv.select(idx)
+                present = sub.step.unique().tolist()  # denoising steps in this micro-batch
+                with self._autocast():
+                    v = velocity(sub.state, sub.sigma, sub.cond)
+                track_v = epoch == 0 and t.step_grad_norms == "velocity" and v.requires_grad
+                if track_v:
+                    v.retain_grad()
+                log_prob, mean = recompute_log_prob(sub, v)
+                if t.ratio_norm:  # GRPO-Guard: unbiased, std-scaled log-ratio
+                    log_prob = sub.log_prob + ratio_norm(log_prob, sub.log_prob, mean, sub.mean, sub.std)
+                w = None if weights is None else weights[c:c + len(idx)]
+                loss, st = ppo_loss(log_prob, sub.log_prob, adv[idx], t.clip_range, w)
+                if epoch == 0:
+                    ratio = torch.exp(log_prob.detach() - sub.log_prob)
+                    for k in present:
+                        per_step[k].append(ratio[sub.step == k].cpu())
+                    if t.step_grad_norms == "params" and j == 0 and c == 0:
+                        grad_step.update(self._param_grad_norms(sub, present, log_prob, adv[idx], w))
+                if t.kl_beta > 0:
+                    with torch.no_grad(), self.model.reference(), self._autocast():
+                        v_ref = velocity(sub.state, sub.sigma, sub.cond)
+                    if t.kl_type == "velocity":
+                        kl = velocity_kl(v, v_ref)
+                    else:
+                        kl = kl_to_reference(mean, recompute_log_prob(sub, v_ref)[1], sub.std)
+                    loss = loss + t.kl_beta * kl
+                    parts["policy/kl"].append((kl.item(), frac))
+                scale = frac * share  # the micro-batch's part of the (global) minibatch mean
+                self.accelerator.backward(loss * scale if scale != 1.0 else loss)
+                if track_v and v.grad is not None:  # d loss / d v per transition, undoing the 1/M of the mean
+                    norms = v.grad.float().flatten(1).norm(dim=1).cpu() * len(idx) / scale
+                    for k in present:
+                        grad_step[k].append(norms[(sub.step == k).cpu()])
+                parts["policy/loss"].append((loss.item(), frac))
+                for k, v_ in st.items():
+                    parts[k].append((v_.item(), frac))
+            merged = {k: max(x for x, _ in vals) if k == "policy/ratio_max_dev" else sum(x * f for x, f in vals)
+                      for k, vals in parts.items()}  # the minibatch's statistics
+            if optimizer_steps == 0:  # before any update (absent where this process's first step had no transitions)
+                stats["policy/ratio_first_max_dev"].append(merged["policy/ratio_max_dev"])
+            self._step_optimizer(merged["policy/loss"], stats)
+            optimizer_steps += 1
+            for k, x in merged.items():
+                if k != "policy/loss":
+                    stats[k].append(x)
         self.model.transformer.eval()
         out = {k: sum(v) / len(v) for k, v in stats.items()}
         out["policy/optimizer_steps"] = optimizer_steps
@@ -476,6 +467,34 @@ class Trainer:
             out[f"diag/step_{k:02d}/grad_norm"] = torch.cat(parts).mean().item()
         out["cost/trained_transitions"] = len(tv) * t.inner_epochs
         return out
+
+    def _minibatches(self, count: int, generator: torch.Generator):
+        """The optimizer steps of ``train.inner_epochs`` passes over this process's `count` rows, each pass in
+        a random order drawn from `generator`.
+
+        Yields:
+            ``(epoch, j, mb, rows)``: the pass, the step within it, this process's row indices of the
+            minibatch (`(<= train.minibatch_size,)` long; empty when only other processes have rows left) and
+            the minibatch's size summed over all processes. Every process gets the same steps
+            (:meth:`_minibatch_sizes`), so it must take each one, empty or not.
+        """
+        size = self.cfg.train.minibatch_size
+        sizes = self._minibatch_sizes(count)  # (processes, minibatches)
+        for epoch in range(self.cfg.train.inner_epochs):
+            order = torch.randperm(count, generator=generator).to(self.device)
+            for j in range(sizes.shape[1]):
+                yield epoch, j, order[j * size:(j + 1) * size], sizes[:, j].sum().item()
+
+    def _micro_batches(self, mb: torch.Tensor):
+        """`mb` in chunks of ``train.micro_batch_size`` rows (one chunk when 0), for gradient accumulation.
+
+        Yields:
+            ``(start, idx, frac)``: the chunk's offset in `mb`, its row indices and its fraction of `mb`.
+        """
+        micro = self.cfg.train.micro_batch_size or len(mb)
+        for start in range(0, len(mb), micro):
+            idx = mb[start:start + micro]
+            yield start, idx, len(idx) / len(mb)
 
     def _minibatch_sizes(self, count: int) -> torch.Tensor:
         """:func:`minibatch_sizes` of every process's ``count`` kept transitions (one gather of the counts)."""
@@ -809,26 +828,23 @@ class Trainer:
         with torch.no_grad(), self._holding(self.old_policy), self._autocast():
             v_old = self._chunked(velocity, size)(x_t, times, c) if len(rows) else x_t
         stats: dict[str, list[float]] = defaultdict(list)
-        sizes = self._minibatch_sizes(len(rows))  # (processes, minibatches)
+        optimizer_steps = 0
         self.model.transformer.train()
-        for _ in range(t.inner_epochs):
-            order = torch.randperm(len(rows), generator=gen).to(self.device)
-            for j in range(sizes.shape[1]):
-                mb = order[j * t.minibatch_size:(j + 1) * t.minibatch_size]
-                if len(mb) == 0:  # this process has no rows left, the others do: a zero gradient
-                    self._step_optimizer(None, stats)
-                    continue
-                share = len(mb) / sizes[:, j].sum().item()  # this process's part of the global minibatch
-                micro, parts = t.micro_batch_size or len(mb), []
-                for k in range(0, len(mb), micro):  # gradient accumulation
-                    idx = mb[k:k + micro]
-                    with self._autocast():
-                        v = velocity(x_t[idx], times[idx], c[idx])
-                    loss = nft_loss(v, v_old[idx], x_t[idx], x_0[idx], times[idx], r[idx], t.nft.beta, t.adv_clip_max)
-                    scale = len(idx) / len(mb) * share
-                    self.accelerator.backward(loss * scale if scale != 1.0 else loss)
-                    parts.append(loss.item() * len(idx) / len(mb))
-                self._step_optimizer(sum(parts), stats)
+        for _, _, mb, total_rows in self._minibatches(len(rows), gen):
+            optimizer_steps += 1
+            if len(mb) == 0:  # this process has no rows left, the others do: a zero gradient
+                self._step_optimizer(None, stats)
+                continue
+            share = len(mb) / total_rows  # this process's part of the global minibatch
+            parts = []
+            for _, idx, frac in self._micro_batches(mb):  # gradient accumulation
+                with self._autocast():
+                    v = velocity(x_t[idx], times[idx], c[idx])
+                loss = nft_loss(v, v_old[idx], x_t[idx], x_0[idx], times[idx], r[idx], t.nft.beta, t.adv_clip_max)
+                scale = frac * share
+                self.accelerator.backward(loss * scale if scale != 1.0 else loss)
+                parts.append(loss.item() * frac)
+            self._step_optimizer(sum(parts), stats)
         self.model.transformer.eval()
         if self.old_policy is not None:
             self._move_towards_params(self.old_policy, t.nft.old_decay)
@@ -839,7 +855,7 @@ class Trainer:
                         "cost/trained_transitions": len(rows) * t.inner_epochs,
                         "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2,
                         **{k: sum(v) / len(v) for k, v in stats.items()},
-                        "policy/optimizer_steps": sizes.shape[1] * t.inner_epochs})
+                        "policy/optimizer_steps": optimizer_steps})
         return metrics
 
     def _judge_calls(self) -> int:

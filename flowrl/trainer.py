@@ -70,6 +70,31 @@ def minibatch_sizes(counts: torch.Tensor, size: int) -> torch.Tensor:
     return torch.stack([torch.clamp(int(c) - torch.arange(steps) * size, 0, size) for c in counts])
 
 
+def step_diagnostics(ratios: dict[int, list[torch.Tensor]], grad_norms: dict[int, list[torch.Tensor]],
+                     clip_range: float) -> dict[str, float]:
+    """GRPO-Guard's (arXiv 2510.22319) per-step diagnostics of an iteration's first PPO epoch.
+
+    Args:
+        ratios: denoising step -> the ratios `(n,)` float of its transitions (in pieces, concatenated here).
+        grad_norms: denoising step -> gradient norms `(n,)` float (``train.step_grad_norms``); may be empty.
+        clip_range: the PPO clip range eps.
+
+    Returns:
+        ``diag/step_KK/{ratio_mean, ratio_std, clip_high, clip_low}`` (fractions of ratios above ``1 + eps``
+        and below ``1 - eps``) per step present, and ``diag/step_KK/grad_norm`` (mean) per step in `grad_norms`.
+    """
+    out = {}
+    for k, parts in sorted(ratios.items()):
+        r = torch.cat(parts)
+        out[f"diag/step_{k:02d}/ratio_mean"] = r.mean().item()
+        out[f"diag/step_{k:02d}/ratio_std"] = r.std(unbiased=False).item()
+        out[f"diag/step_{k:02d}/clip_high"] = (r > 1 + clip_range).float().mean().item()
+        out[f"diag/step_{k:02d}/clip_low"] = (r < 1 - clip_range).float().mean().item()
+    for k, parts in sorted(grad_norms.items()):
+        out[f"diag/step_{k:02d}/grad_norm"] = torch.cat(parts).mean().item()
+    return out
+
+
 class Trainer:
     """Runs one configured job (GRPO, or DiffusionNFT with ``train.method: nft``) end to end, writing
     everything to ``config.run.output_dir``.
@@ -411,15 +436,11 @@ class Trainer:
             for c, idx, frac in self._micro_batches(mb):  # gradient accumulation over micro-batches
                 sub = tv.select(idx)
                 present = sub.step.unique().tolist()  # denoising steps in this micro-batch
-                with self._autocast():
-                    v = velocity(sub.state, sub.sigma, sub.cond)
+                w = None if weights is None else weights[c:c + len(idx)]
+                v, log_prob, mean = self._policy_log_prob(velocity, sub)
                 track_v = epoch == 0 and t.step_grad_norms == "velocity" and v.requires_grad
                 if track_v:
                     v.retain_grad()
-                log_prob, mean = recompute_log_prob(sub, v)
-                if t.ratio_norm:  # GRPO-Guard: unbiased, std-scaled log-ratio
-                    log_prob = sub.log_prob + ratio_norm(log_prob, sub.log_prob, mean, sub.mean, sub.std)
-                w = None if weights is None else weights[c:c + len(idx)]
                 loss, st = ppo_loss(log_prob, sub.log_prob, adv[idx], t.clip_range, w)
                 if epoch == 0:
                     ratio = torch.exp(log_prob.detach() - sub.log_prob)
@@ -428,12 +449,7 @@ class Trainer:
                     if t.step_grad_norms == "params" and j == 0 and c == 0:
                         grad_step.update(self._param_grad_norms(sub, present, log_prob, adv[idx], w))
                 if t.kl_beta > 0:
-                    with torch.no_grad(), self.model.reference(), self._autocast():
-                        v_ref = velocity(sub.state, sub.sigma, sub.cond)
-                    if t.kl_type == "velocity":
-                        kl = velocity_kl(v, v_ref)
-                    else:
-                        kl = kl_to_reference(mean, recompute_log_prob(sub, v_ref)[1], sub.std)
+                    kl = self._kl_to_reference(velocity, sub, v, mean)
                     loss = loss + t.kl_beta * kl
                     parts["policy/kl"].append((kl.item(), frac))
                 scale = frac * share  # the micro-batch's part of the (global) minibatch mean
@@ -457,16 +473,31 @@ class Trainer:
         self.model.transformer.eval()
         out = {k: sum(v) / len(v) for k, v in stats.items()}
         out["policy/optimizer_steps"] = optimizer_steps
-        for k, parts in sorted(per_step.items()):  # GRPO-Guard's diagnostic: the ratio per denoising step
-            r = torch.cat(parts)
-            out[f"diag/step_{k:02d}/ratio_mean"] = r.mean().item()
-            out[f"diag/step_{k:02d}/ratio_std"] = r.std(unbiased=False).item()
-            out[f"diag/step_{k:02d}/clip_high"] = (r > 1 + t.clip_range).float().mean().item()
-            out[f"diag/step_{k:02d}/clip_low"] = (r < 1 - t.clip_range).float().mean().item()
-        for k, parts in sorted(grad_step.items()):
-            out[f"diag/step_{k:02d}/grad_norm"] = torch.cat(parts).mean().item()
+        out.update(step_diagnostics(per_step, grad_step, t.clip_range))
         out["cost/trained_transitions"] = len(tv) * t.inner_epochs
         return out
+
+    def _policy_log_prob(self, velocity, sub) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The current policy's velocity `(M, C, H, W)` (under ``run.mixed_precision``) at transitions `sub`,
+        and the float32 log-prob `(M,)` and mean `(M, C, H, W)` of their recorded next states at the std that
+        drew them (:func:`samplers.recompute_log_prob`); with ``train.ratio_norm`` the log-prob is GRPO-Guard's
+        (arXiv 2510.22319) std-scaled, unbiased one, ``old + ratio_norm(...)``, so that ``exp(new - old)`` is its ratio."""
+        with self._autocast():
+            v = velocity(sub.state, sub.sigma, sub.cond)
+        log_prob, mean = recompute_log_prob(sub, v)
+        if self.cfg.train.ratio_norm:
+            log_prob = sub.log_prob + ratio_norm(log_prob, sub.log_prob, mean, sub.mean, sub.std)
+        return v, log_prob, mean
+
+    def _kl_to_reference(self, velocity, sub, v: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+        """The KL penalty (scalar, before ``train.kl_beta``) of the policy's velocity `v` / step mean `mean` at
+        transitions `sub` to the LoRA-disabled base's (``train.kl_type``: ``velocity`` -> :func:`losses.velocity_kl`,
+        else the Gaussian steps' :func:`losses.kl_to_reference` at the recorded std)."""
+        with torch.no_grad(), self.model.reference(), self._autocast():
+            v_ref = velocity(sub.state, sub.sigma, sub.cond)
+        if self.cfg.train.kl_type == "velocity":
+            return velocity_kl(v, v_ref)
+        return kl_to_reference(mean, recompute_log_prob(sub, v_ref)[1], sub.std)
 
     def _minibatches(self, count: int, generator: torch.Generator):
         """The optimizer steps of ``train.inner_epochs`` passes over this process's `count` rows, each pass in

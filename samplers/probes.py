@@ -63,6 +63,172 @@ def _append(store: dict, **values) -> None:
         store.setdefault(name, []).append(value)
 
 
+def _check_probe_inputs(noise, cond, group, sigmas, plan: StepPlan, probe_steps: list[int], children: int,
+                        child_kernel: str, granularities: tuple[int, ...]) -> None:
+    """Validate :func:`sample_probes`'s arguments (shapes as :func:`samplers.sample`).
+
+    Raises:
+        ValueError: for bad shapes, a multistep kernel in `plan`, a probe step outside ``[0, N - 1)``, a
+            non-stochastic `child_kernel` (when `children > 0`), or an empty `granularities` or one `< 1`.
+    """
+    _check_sample_inputs(noise, cond, group, sigmas, plan)
+    multistep = sorted({k for k in plan.kernels if k not in KERNELS})
+    if multistep:
+        raise ValueError(f"sample_probes runs single-step kernels only; the plan uses {multistep} (no Flash plan here)")
+    n = plan.num_steps
+    if any(not 0 <= i < n - 1 for i in probe_steps):
+        raise ValueError(f"probe steps must lie in [0, {n - 1}) (a probe needs a step left to complete); got {probe_steps}")
+    if children and child_kernel not in STOCHASTIC_KERNELS:
+        raise ValueError(f"child_kernel={child_kernel!r} must be stochastic, one of {sorted(STOCHASTIC_KERNELS)}")
+    if not granularities or min(granularities) < 1:
+        raise ValueError(f"granularities must be >= 1; got {granularities}")
+
+
+def _new_pool(x: torch.Tensor, cond: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An empty completion pool: ``x`` `(0, C, H, W)` float32, and `(0,)` long ``idx`` (grid index the row
+    sits at), ``g``, ``root``, ``step``, ``child``, ``node`` (as the :class:`ProbeRollout` fields)."""
+    return dict(x=x.new_empty((0, *x.shape[1:])), idx=cond.new_empty(0), g=cond.new_empty(0), root=cond.new_empty(0),
+                step=cond.new_empty(0), child=cond.new_empty(0), node=cond.new_empty(0))
+
+
+def _spawn(pool: dict, granularities: tuple[int, ...], states: torch.Tensor, root: torch.Tensor, step: torch.Tensor,
+           child: torch.Tensor, node: torch.Tensor, start: int) -> None:
+    """Append `K` new completions per granularity to `pool` (in place), all sitting at grid index `start`.
+
+    `states` is `(K, C, H, W)` float32; `root`, `step`, `child`, `node` are `(K,)` long.
+    """
+    for g in granularities:
+        k = len(states)
+        new = dict(x=states, idx=torch.full((k,), start, dtype=torch.long, device=states.device),
+                   g=torch.full((k,), g, dtype=torch.long, device=states.device), root=root, step=step, child=child,
+                   node=node)
+        for name in pool:
+            pool[name] = torch.cat([pool[name], new[name]])
+
+
+def _velocity(velocity_fn: VelocityFn, ode_velocity_fn: VelocityFn | None, exact: bool, x: torch.Tensor,
+              cond: torch.Tensor, batch_x: torch.Tensor, batch_c: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Velocity `(B, C, H, W)` float32 of `batch_x` `(B, C, H, W)` (the `R` main rows `x` first, then the
+    completions), `batch_c` `(B,)` long, at `t` `(B,)`.
+
+    One call, or, when `exact` (the main rows draw a log-prob) and `ode_velocity_fn` is given, `velocity_fn`
+    on the main rows and `ode_velocity_fn` on the completions (if any).
+    """
+    if ode_velocity_fn is None:
+        return velocity_fn(batch_x, t, batch_c).float()
+    if not exact:
+        return ode_velocity_fn(batch_x, t, batch_c).float()
+    roots = x.shape[0]
+    return torch.cat([velocity_fn(x, t[:roots], cond).float()]
+                     + ([ode_velocity_fn(batch_x[roots:], t[roots:], batch_c[roots:]).float()]
+                        if batch_x.shape[0] > roots else []))
+
+
+def _euler_pool(pool: dict, here: torch.Tensor, v_pool: torch.Tensor, sigmas: torch.Tensor, j: int, n: int) -> None:
+    """Move the pool rows selected by `here` `(Q,)` bool, all at grid index `j`, one Euler step (in place)
+    with their velocity `v_pool` `(Q_j, C, H, W)`: to ``j + 1`` for a probe still at ``t_{step+1}``, else
+    ``j + g``, clamped to `n` (``t = 0``)."""
+    step_k, idx = pool["step"][here], pool["idx"][here]  # (Q_j,), (Q_j,)
+    fresh = (step_k >= 0) & (idx == step_k + 1)  # (Q_j,) a probe of step k first takes one grid step
+    stride = torch.where(fresh, torch.ones_like(pool["g"][here]), pool["g"][here])  # (Q_j,)
+    target = (idx + stride).clamp(max=n)  # (Q_j,)
+    pool["x"][here] = ode_step(pool["x"][here], v_pool, sigmas[j], sigmas[target]).prev_sample
+    pool["idx"][here] = target
+
+
+def _evaluate(pool: dict, x: torch.Tensor, cond: torch.Tensor, sigmas: torch.Tensor, j: int, n: int,
+              velocity_fn: VelocityFn, ode_velocity_fn: VelocityFn | None, exact: bool) -> tuple[torch.Tensor, int]:
+    """Evaluate the main rows `x` `(R, C, H, W)` and the completions at grid index `j` together, and advance
+    those completions one Euler step (see :func:`_euler_pool`).
+
+    Returns:
+        the main rows' velocity `(R, C, H, W)` float32, and the number of velocity rows evaluated.
+    """
+    roots = x.shape[0]
+    here = pool["idx"] == j  # (Q,) completions sitting at grid index j
+    batch_x = torch.cat([x, pool["x"][here]])  # (R + Q_j, C, H, W)
+    batch_c = torch.cat([cond, cond[pool["root"][here]]])  # (R + Q_j,)
+    t = sigmas[j].expand(batch_x.shape[0]).contiguous()  # (R + Q_j,)
+    velocity = _velocity(velocity_fn, ode_velocity_fn, exact, x, cond, batch_x, batch_c, t)
+    if bool(here.any()):
+        _euler_pool(pool, here, velocity[roots:], sigmas, j, n)
+    return velocity[:roots], batch_x.shape[0]
+
+
+def _retire(pool: dict, done: dict, n: int) -> None:
+    """Move the pool rows that reached grid index `n` (``t = 0``) into `done` (lists of tensors), in place."""
+    finished = pool["idx"] >= n  # (Q,)
+    for name in pool:
+        done.setdefault(name, []).append(pool[name][finished])
+        pool[name] = pool[name][~finished]
+
+
+def _append_main(trans: dict, rows: int, x: torch.Tensor, out, parent: torch.Tensor, cond: torch.Tensor,
+                 group: torch.Tensor, j: int, plan: StepPlan, kernel_id: int) -> torch.Tensor:
+    """Append the main path's stochastic step `j` (`R` rows from `x` `(R, C, H, W)` via kernel output `out`,
+    parents `parent` `(R,)` long) to `trans`; returns the new rows' node ids `(R,)` long."""
+    roots, device = x.shape[0], x.device
+    _append(trans, state=x, next_state=out.prev_sample, mean=out.mean, std=out.std, log_prob=out.log_prob,
+            parent=parent, cond=cond, leaf=torch.arange(roots, device=device), group=group,
+            step=torch.full_like(cond, j), kernel=torch.full_like(cond, kernel_id),
+            noise_level=torch.full((roots,), plan.noise_levels[j], device=device),
+            trained=torch.full((roots,), plan.trained[j], dtype=torch.bool, device=device))
+    return torch.arange(rows, rows + roots, device=device)  # (R,)
+
+
+def _repeat(z: torch.Tensor, children: int) -> torch.Tensor:
+    """Each row of `z` `(R, ...)` `children` times in a row: `(R * children, ...)`."""
+    return z.repeat_interleave(children, 0)
+
+
+def _append_children(trans: dict, rows: int, x: torch.Tensor, out, parent: torch.Tensor, cond: torch.Tensor,
+                     group: torch.Tensor, j: int, children: int, kernel_id: int, noise_level: float) -> torch.Tensor:
+    """Append the `R * children` SDE children of step `j` (kernel output `out` from ``_repeat(x)``; `x` is
+    `(R, C, H, W)`, `parent` `(R,)` long) to `trans`, all trained; returns their node ids `(R * children,)` long."""
+    roots, device = x.shape[0], x.device
+    m = roots * children
+    _append(trans, state=_repeat(x, children), next_state=out.prev_sample, mean=out.mean, std=out.std,
+            log_prob=out.log_prob, parent=_repeat(parent, children),
+            cond=_repeat(cond, children), leaf=_repeat(torch.arange(roots, device=device), children),
+            group=_repeat(group, children), step=torch.full((m,), j, device=device, dtype=torch.long),
+            kernel=torch.full((m,), kernel_id, device=device, dtype=torch.long),
+            noise_level=torch.full((m,), noise_level, device=device),
+            trained=torch.ones(m, dtype=torch.bool, device=device))
+    return torch.arange(rows, rows + m, device=device)  # (R * children,)
+
+
+def _build_rollout(trans: dict, sigmas: torch.Tensor, x: torch.Tensor, cond: torch.Tensor, group: torch.Tensor,
+                   last: torch.Tensor, kernel_names: tuple[str, ...]) -> Rollout:
+    """The :class:`Rollout` of the stored transitions `trans` (lists of per-step tensors, possibly empty),
+    with main-path finals `x` `(R, C, H, W)` and leaf nodes `last` `(R,)` long; `cost` left empty."""
+    device = x.device
+    if not trans:
+        empty, z = x.new_empty((0, *x.shape[1:])), cond.new_empty(0)
+        return Rollout(state=empty, next_state=empty, mean=empty, std=x.new_empty(0), log_prob=x.new_empty(0),
+                       sigma=x.new_empty(0), sigma_next=x.new_empty(0), sigma_max=x.new_empty(0),
+                       noise_level=x.new_empty(0), kernel_id=z, step=z, leaf=z, node=z, parent=z, depth=z, cond=z,
+                       trained=torch.zeros(0, dtype=torch.bool, device=device), final=x, leaf_cond=cond, group=group,
+                       leaf_node=last, kernel_names=kernel_names, cost={})
+    cat = {name: torch.cat(parts) for name, parts in trans.items()}
+    m = cat["state"].shape[0]
+    return Rollout(state=cat["state"], next_state=cat["next_state"], mean=cat["mean"], std=cat["std"],
+                   log_prob=cat["log_prob"], sigma=sigmas[cat["step"]], sigma_next=sigmas[cat["step"] + 1],
+                   sigma_max=sigmas[1].expand(m).clone(), noise_level=cat["noise_level"], kernel_id=cat["kernel"],
+                   step=cat["step"], leaf=cat["leaf"], node=torch.arange(m, device=device), parent=cat["parent"],
+                   depth=torch.ones(m, dtype=torch.long, device=device), cond=cat["cond"], trained=cat["trained"],
+                   final=x, leaf_cond=cond, group=group, leaf_node=last, kernel_names=kernel_names, cost={})
+
+
+def _sorted_probes(done: dict) -> dict[str, torch.Tensor]:
+    """The finished completions `done` (lists of pool tensors) concatenated to `P` rows and sorted by step,
+    root, child and granularity (stable)."""
+    out = {name: torch.cat(parts) for name, parts in done.items()}
+    order = torch.arange(out["x"].shape[0], device=out["x"].device)  # (P,)
+    for key in ("g", "child", "root", "step"):  # stable sorts, least significant key first
+        order = order[torch.argsort(out[key][order], stable=True)]  # (P,)
+    return {name: value[order] for name, value in out.items()}
+
+
 @torch.no_grad()
 def sample_probes(
     velocity_fn: VelocityFn,
@@ -108,126 +274,48 @@ def sample_probes(
             granularity `< 1`, a plan with a multistep kernel (DPM-Solver++), or bad shapes (as
             :func:`samplers.sample`).
     """
-    _check_sample_inputs(noise, cond, group, sigmas, plan)
-    multistep = sorted({k for k in plan.kernels if k not in KERNELS})
-    if multistep:
-        raise ValueError(f"sample_probes runs single-step kernels only; the plan uses {multistep} (no Flash plan here)")
-    n = plan.num_steps
-    if any(not 0 <= i < n - 1 for i in probe_steps):
-        raise ValueError(f"probe steps must lie in [0, {n - 1}) (a probe needs a step left to complete); got {probe_steps}")
-    if children and child_kernel not in STOCHASTIC_KERNELS:
-        raise ValueError(f"child_kernel={child_kernel!r} must be stochastic, one of {sorted(STOCHASTIC_KERNELS)}")
-    if not granularities or min(granularities) < 1:
-        raise ValueError(f"granularities must be >= 1; got {granularities}")
+    _check_probe_inputs(noise, cond, group, sigmas, plan, probe_steps, children, child_kernel, granularities)
     x = noise.float()
-    device, roots = x.device, x.shape[0]
+    device, roots, n = x.device, x.shape[0], plan.num_steps
     sigmas = sigmas.to(device=device, dtype=torch.float32)
     cond, group = cond.to(device), group.to(device)
+    leaves, no_node = torch.arange(roots, device=device), torch.full_like(cond, -1)  # (R,), (R,)
     kernel_names = tuple(dict.fromkeys(plan.kernels + ([child_kernel] if children else [])))
     trans: dict[str, list] = {}
-    pool = dict(x=x.new_empty((0, *x.shape[1:])), idx=cond.new_empty(0), g=cond.new_empty(0), root=cond.new_empty(0),
-                step=cond.new_empty(0), child=cond.new_empty(0), node=cond.new_empty(0))
     done: dict[str, list] = {}
-    rows, nfe, last = 0, 0, torch.full_like(cond, -1)
+    pool = _new_pool(x, cond)
+    rows, nfe, last = 0, 0, no_node
     probes = set(probe_steps)
-
-    def spawn(states, root, step, child, node, start):
-        for g in granularities:
-            k = len(states)
-            new = dict(x=states, idx=torch.full((k,), start, dtype=torch.long, device=device),
-                       g=torch.full((k,), g, dtype=torch.long, device=device), root=root, step=step, child=child, node=node)
-            for name in pool:
-                pool[name] = torch.cat([pool[name], new[name]])
-
     if include_start:
-        spawn(x.clone(), torch.arange(roots, device=device), torch.full_like(cond, -1), torch.zeros_like(cond),
-              torch.full_like(cond, -1), 0)
+        _spawn(pool, granularities, x.clone(), leaves, torch.full_like(cond, -1), torch.zeros_like(cond), no_node, 0)
     for j in range(n):
-        here = pool["idx"] == j  # completions sitting at grid index j
-        batch_x = torch.cat([x, pool["x"][here]])
-        batch_c = torch.cat([cond, cond[pool["root"][here]]])
-        t = sigmas[j].expand(batch_x.shape[0]).contiguous()
-        exact = plan.kernels[j] in STOCHASTIC_KERNELS or (j in probes and children > 0)  # main rows draw a log-prob
-        if ode_velocity_fn is None:
-            velocity = velocity_fn(batch_x, t, batch_c).float()
-        elif exact:
-            velocity = torch.cat([velocity_fn(x, t[:roots], cond).float()]
-                                 + ([ode_velocity_fn(batch_x[roots:], t[roots:], batch_c[roots:]).float()]
-                                    if batch_x.shape[0] > roots else []))
-        else:
-            velocity = ode_velocity_fn(batch_x, t, batch_c).float()
-        nfe += batch_x.shape[0]
-        v_main, v_pool = velocity[:roots], velocity[roots:]
-        # completions: one Euler step to their own next grid point
-        if bool(here.any()):
-            # a probe of step k still at t_{k+1} first takes one grid step (to t_{k+2}), then strides of g
-            step_k, idx = pool["step"][here], pool["idx"][here]
-            fresh = (step_k >= 0) & (idx == step_k + 1)
-            stride = torch.where(fresh, torch.ones_like(pool["g"][here]), pool["g"][here])
-            target = (pool["idx"][here] + stride).clamp(max=n)
-            stepped = ode_step(pool["x"][here], v_pool, sigmas[j], sigmas[target]).prev_sample
-            pool["x"][here] = stepped
-            pool["idx"][here] = target
-        # the main path
         kernel = plan.kernels[j]
+        exact = kernel in STOCHASTIC_KERNELS or (j in probes and children > 0)  # main rows draw a log-prob
+        v_main, width = _evaluate(pool, x, cond, sigmas, j, n, velocity_fn, ode_velocity_fn, exact)  # (R, C, H, W)
+        nfe += width
         before = last  # the main-path transition that produced x (the parent of this step's children)
         out = KERNELS[kernel](x, v_main, sigmas[j], sigmas[j + 1], plan.noise_levels[j], sigmas[1], generator=generator)
         if kernel in STOCHASTIC_KERNELS:
-            node = torch.arange(rows, rows + roots, device=device)
-            _append(trans, state=x, next_state=out.prev_sample, mean=out.mean, std=out.std, log_prob=out.log_prob,
-                    parent=last, cond=cond, leaf=torch.arange(roots, device=device), group=group,
-                    step=torch.full_like(cond, j), kernel=torch.full_like(cond, kernel_names.index(kernel)),
-                    noise_level=torch.full((roots,), plan.noise_levels[j], device=device),
-                    trained=torch.full((roots,), plan.trained[j], dtype=torch.bool, device=device))
-            last, rows = node, rows + roots
-        if j in probes:
-            if children:
-                rep = lambda z: z.repeat_interleave(children, 0)  # noqa: E731
-                child_out = KERNELS[child_kernel](rep(x), rep(v_main), sigmas[j], sigmas[j + 1], child_noise_level,
-                                                  sigmas[1], generator=generator)
-                m = roots * children
-                node = torch.arange(rows, rows + m, device=device)
-                _append(trans, state=rep(x), next_state=child_out.prev_sample, mean=child_out.mean, std=child_out.std,
-                        log_prob=child_out.log_prob, parent=rep(before),
-                        cond=rep(cond), leaf=rep(torch.arange(roots, device=device)), group=rep(group),
-                        step=torch.full((m,), j, device=device, dtype=torch.long),
-                        kernel=torch.full((m,), kernel_names.index(child_kernel), device=device, dtype=torch.long),
-                        noise_level=torch.full((m,), child_noise_level, device=device),
-                        trained=torch.ones(m, dtype=torch.bool, device=device))
-                rows += m
-                spawn(child_out.prev_sample, rep(torch.arange(roots, device=device)), torch.full((m,), j, device=device),
-                      torch.arange(children, device=device).repeat(roots), node, j + 1)
-            else:
-                main_node = last if kernel in STOCHASTIC_KERNELS else torch.full_like(cond, -1)
-                spawn(out.prev_sample.clone(), torch.arange(roots, device=device), torch.full_like(cond, j),
-                      torch.zeros_like(cond), main_node, j + 1)
+            last = _append_main(trans, rows, x, out, last, cond, group, j, plan, kernel_names.index(kernel))
+            rows += roots
+        if j in probes and children:
+            child_out = KERNELS[child_kernel](_repeat(x, children), _repeat(v_main, children), sigmas[j], sigmas[j + 1],
+                                              child_noise_level, sigmas[1], generator=generator)
+            node = _append_children(trans, rows, x, child_out, before, cond, group, j, children,
+                                    kernel_names.index(child_kernel), child_noise_level)  # (R * children,)
+            rows += len(node)
+            _spawn(pool, granularities, child_out.prev_sample, _repeat(leaves, children),
+                   torch.full_like(node, j), torch.arange(children, device=device).repeat(roots), node, j + 1)
+        elif j in probes:
+            main_node = last if kernel in STOCHASTIC_KERNELS else no_node
+            _spawn(pool, granularities, out.prev_sample.clone(), leaves, torch.full_like(cond, j),
+                   torch.zeros_like(cond), main_node, j + 1)
         x = out.prev_sample
-        finished = pool["idx"] >= n
-        for name in pool:
-            done.setdefault(name, []).append(pool[name][finished])
-            pool[name] = pool[name][~finished]
-    cat = {name: torch.cat(parts) for name, parts in trans.items()} if trans else {}
-    if cat:
-        m = cat["state"].shape[0]
-        rollout = Rollout(state=cat["state"], next_state=cat["next_state"], mean=cat["mean"], std=cat["std"],
-                          log_prob=cat["log_prob"], sigma=sigmas[cat["step"]], sigma_next=sigmas[cat["step"] + 1],
-                          sigma_max=sigmas[1].expand(m).clone(), noise_level=cat["noise_level"], kernel_id=cat["kernel"],
-                          step=cat["step"], leaf=cat["leaf"], node=torch.arange(m, device=device), parent=cat["parent"],
-                          depth=torch.ones(m, dtype=torch.long, device=device), cond=cat["cond"], trained=cat["trained"],
-                          final=x, leaf_cond=cond, group=group, leaf_node=last, kernel_names=kernel_names, cost={})
-    else:
-        empty = x.new_empty((0, *x.shape[1:]))
-        z = cond.new_empty(0)
-        rollout = Rollout(state=empty, next_state=empty, mean=empty, std=x.new_empty(0), log_prob=x.new_empty(0),
-                          sigma=x.new_empty(0), sigma_next=x.new_empty(0), sigma_max=x.new_empty(0),
-                          noise_level=x.new_empty(0), kernel_id=z, step=z, leaf=z, node=z, parent=z, depth=z, cond=z,
-                          trained=torch.zeros(0, dtype=torch.bool, device=device), final=x, leaf_cond=cond, group=group,
-                          leaf_node=last, kernel_names=kernel_names, cost={})
-    out = {name: torch.cat(parts) for name, parts in done.items()}
-    order = torch.arange(out["x"].shape[0], device=device)
-    for key in ("g", "child", "root", "step"):  # stable sorts, least significant key first
-        order = order[torch.argsort(out[key][order], stable=True)]
-    out = {name: value[order] for name, value in out.items()}
-    cost = dict(nfe=nfe, transitions=len(rollout), trained_transitions=int(rollout.trained.sum()), probes=out["x"].shape[0])
+        _retire(pool, done, n)
+    rollout = _build_rollout(trans, sigmas, x, cond, group, last, kernel_names)
+    found = _sorted_probes(done)
+    cost = dict(nfe=nfe, transitions=len(rollout), trained_transitions=int(rollout.trained.sum()),
+                probes=found["x"].shape[0])
     rollout.cost = dict(cost)
-    return ProbeRollout(rollout, out["x"], out["root"], out["step"], out["child"], out["g"], out["node"], cost)
+    return ProbeRollout(rollout, found["x"], found["root"], found["step"], found["child"], found["g"], found["node"],
+                        cost)

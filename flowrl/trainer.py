@@ -858,25 +858,7 @@ class Trainer:
         r = optimality_weights(adv[rows], t.adv_clip_max).to(self.device)
         with torch.no_grad(), self._holding(self.old_policy), self._autocast():
             v_old = self._chunked(velocity, size)(x_t, times, c) if len(rows) else x_t
-        stats: dict[str, list[float]] = defaultdict(list)
-        optimizer_steps = 0
-        self.model.transformer.train()
-        for _, _, mb, total_rows in self._minibatches(len(rows), gen):
-            optimizer_steps += 1
-            if len(mb) == 0:  # this process has no rows left, the others do: a zero gradient
-                self._step_optimizer(None, stats)
-                continue
-            share = len(mb) / total_rows  # this process's part of the global minibatch
-            parts = []
-            for _, idx, frac in self._micro_batches(mb):  # gradient accumulation
-                with self._autocast():
-                    v = velocity(x_t[idx], times[idx], c[idx])
-                loss = nft_loss(v, v_old[idx], x_t[idx], x_0[idx], times[idx], r[idx], t.nft.beta, t.adv_clip_max)
-                scale = frac * share
-                self.accelerator.backward(loss * scale if scale != 1.0 else loss)
-                parts.append(loss.item() * frac)
-            self._step_optimizer(sum(parts), stats)
-        self.model.transformer.eval()
+        stats = self._nft_update(velocity, x_t, times, c, x_0, v_old, r, gen)
         if self.old_policy is not None:
             self._move_towards_params(self.old_policy, t.nft.old_decay)
         t3 = time.time()
@@ -885,9 +867,46 @@ class Trainer:
         metrics.update({**adv_stats, "cost/nfe": (len(cond) * cfg.sampling.num_steps + len(rows)) * cfg_rows,
                         "cost/trained_transitions": len(rows) * t.inner_epochs,
                         "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2,
-                        **{k: sum(v) / len(v) for k, v in stats.items()},
-                        "policy/optimizer_steps": optimizer_steps})
+                        **stats})
         return metrics
+
+    def _nft_update(self, velocity, x_t: torch.Tensor, times: torch.Tensor, cond: torch.Tensor, x_0: torch.Tensor,
+                    v_old: torch.Tensor, r: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
+        """DiffusionNFT's optimizer steps (arXiv 2509.16117, Eq. 8: :func:`losses.nft_loss`) on `N` noised rows:
+        ``train.inner_epochs`` passes of minibatches (:meth:`_minibatches`, micro-batched as :meth:`optimize`).
+
+        Args:
+            velocity: the guided policy (:meth:`FlowModel.velocity_fn`), trained here.
+            x_t, x_0, v_old (`torch.Tensor` of shape `(N, C, H, W)`): noised rows, their clean samples, and the
+                old policy's velocity at them.
+            times (`torch.Tensor` of shape `(N,)`, float32 in (0, 1]): the rows' noise times; cond `(N,)` long
+                their prompt rows; r `(N,)` float32 in [0, 1] their optimality weights.
+            generator: the iteration's generator (minibatch order).
+
+        Returns:
+            ``policy/loss`` and ``policy/grad_norm`` (means over steps) and ``policy/optimizer_steps``.
+        """
+        t = self.cfg.train
+        stats: dict[str, list[float]] = defaultdict(list)
+        steps = 0
+        self.model.transformer.train()
+        for _, _, mb, total_rows in self._minibatches(len(x_t), generator):
+            steps += 1
+            if len(mb) == 0:  # this process has no rows left, the others do: a zero gradient
+                self._step_optimizer(None, stats)
+                continue
+            share = len(mb) / total_rows  # this process's part of the global minibatch
+            parts = []
+            for _, idx, frac in self._micro_batches(mb):  # gradient accumulation
+                with self._autocast():
+                    v = velocity(x_t[idx], times[idx], cond[idx])
+                loss = nft_loss(v, v_old[idx], x_t[idx], x_0[idx], times[idx], r[idx], t.nft.beta, t.adv_clip_max)
+                scale = frac * share
+                self.accelerator.backward(loss * scale if scale != 1.0 else loss)
+                parts.append(loss.item() * frac)
+            self._step_optimizer(sum(parts), stats)
+        self.model.transformer.eval()
+        return {**{k: sum(v) / len(v) for k, v in stats.items()}, "policy/optimizer_steps": steps}
 
     def _judge_calls(self) -> int:
         """Cumulative judgements of the pairwise rewards (:attr:`rewards.PrefWinRate.judge_calls`), 0 if none."""

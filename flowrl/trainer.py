@@ -150,7 +150,15 @@ class Trainer:
         self.ema = {n: p.detach().clone() for n, p in self.params.items()} if cfg.train.ema_decay > 0 else None
         nft = cfg.train.method == "nft" and cfg.train.nft.old_decay > 0  # DiffusionNFT's soft-updated sampling policy
         self.old_policy = {n: p.detach().clone() for n, p in self.params.items()} if nft else None
-        s = cfg.sampling
+        self._build_rollout_shape()
+        self._smoke_test_rewards()
+
+    def _build_rollout_shape(self) -> None:
+        """From ``sampling.*``: the grid ``self.sigmas`` `(N + 1,)`; the step plan ``self.plan`` on its grid
+        ``self.plan_sigmas`` (all SDE, or BranchGRPO-Mix's SDE steps with an optional MixGRPO-Flash tail,
+        :func:`samplers.mix_plan`); ``self.branch``, the children per plan step of a tree (None: flat groups);
+        and ``self.window``, MixGRPO's :class:`samplers.SlidingWindow` (None without ``sampling.window.size``)."""
+        s = self.cfg.sampling
         self.sigmas = flow_sigmas(s.num_steps, s.shift)
         self.plan_sigmas = self.sigmas  # the schedule of self.plan (re-spaced by a tree's flash_ratio)
         self.plan = StepPlan.sde(s.num_steps, kernel=s.kernel, noise_level=s.noise_level, train_last=s.train_last_step)
@@ -163,8 +171,7 @@ class Trainer:
             self.branch = [t.branch if k in t.split_steps else 1 for k in range(self.plan.num_steps)]
         w = s.window
         self.window = None if w.size == 0 else SlidingWindow(
-            s.num_steps, w.size, w.schedule, w.stride, w.interval, w.min_interval, w.roll_back, seed=cfg.run.seed)
-        self._smoke_test_rewards()
+            s.num_steps, w.size, w.schedule, w.stride, w.interval, w.min_interval, w.roll_back, seed=self.cfg.run.seed)
 
     # ----------------------------------------------------------------------------------------- parts
     def _smoke_test_rewards(self) -> None:

@@ -202,13 +202,8 @@ def _build_rollout(trans: dict, sigmas: torch.Tensor, x: torch.Tensor, cond: tor
     """The :class:`Rollout` of the stored transitions `trans` (lists of per-step tensors, possibly empty),
     with main-path finals `x` `(R, C, H, W)` and leaf nodes `last` `(R,)` long; `cost` left empty."""
     device = x.device
-    if not trans:
-        empty, z = x.new_empty((0, *x.shape[1:])), cond.new_empty(0)
-        return Rollout(state=empty, next_state=empty, mean=empty, std=x.new_empty(0), log_prob=x.new_empty(0),
-                       sigma=x.new_empty(0), sigma_next=x.new_empty(0), sigma_max=x.new_empty(0),
-                       noise_level=x.new_empty(0), kernel_id=z, step=z, leaf=z, node=z, parent=z, depth=z, cond=z,
-                       trained=torch.zeros(0, dtype=torch.bool, device=device), final=x, leaf_cond=cond, group=group,
-                       leaf_node=last, kernel_names=kernel_names, cost={})
+    if not trans:  # no stochastic step: `last` is still -1 everywhere
+        return Rollout.without_transitions(x, cond, group, kernel_names)
     cat = {name: torch.cat(parts) for name, parts in trans.items()}
     m = cat["state"].shape[0]
     return Rollout(state=cat["state"], next_state=cat["next_state"], mean=cat["mean"], std=cat["std"],

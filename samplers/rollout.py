@@ -263,6 +263,23 @@ class Rollout:
     kernel_names: tuple[str, ...] = ()
     cost: dict[str, int] = field(default_factory=dict)
 
+    @classmethod
+    def without_transitions(cls, final: torch.Tensor, leaf_cond: torch.Tensor, group: torch.Tensor,
+                            kernel_names: tuple[str, ...] = (), cost: dict[str, int] | None = None) -> Rollout:
+        """A rollout of `B` leaves that stored no transition (an all-deterministic plan): every per-transition
+        field has `M = 0` rows and ``leaf_node`` is `-1`; ``cost`` as given (default empty).
+
+        Args:
+            final (`torch.Tensor` of shape `(B, C, H, W)`, float32): the sampled latents.
+            leaf_cond, group (`torch.Tensor` of shape `(B,)`, long): conditioning index and group id per leaf.
+        """
+        empty, none, z = final.new_empty((0, *final.shape[1:])), final.new_empty(0), leaf_cond.new_empty(0)
+        return cls(state=empty, next_state=empty, mean=empty, std=none, log_prob=none, sigma=none, sigma_next=none,
+                   sigma_max=none, noise_level=none, kernel_id=z, step=z, leaf=z, node=z, parent=z, depth=z, cond=z,
+                   trained=torch.zeros(0, dtype=torch.bool, device=final.device), final=final, leaf_cond=leaf_cond,
+                   group=group, leaf_node=torch.full_like(leaf_cond, -1), kernel_names=kernel_names,
+                   cost=dict(cost or {}))
+
     def __len__(self) -> int:
         """Number of stored transitions `M`."""
         return self.state.shape[0]

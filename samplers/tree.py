@@ -126,15 +126,9 @@ def sample_tree(
             last = node
             rows += n
         x = out.prev_sample
-    num_leaves = x.shape[0]
-    fields = {name: torch.cat(parts) if parts else None for name, parts in chunks.items()}
-    if rows == 0:
-        shape = (0, *x.shape[1:])
-        fields = dict(state=x.new_empty(shape), next_state=x.new_empty(shape), mean=x.new_empty(shape),
-                      std=x.new_empty(0), log_prob=x.new_empty(0), sigma=x.new_empty(0), sigma_next=x.new_empty(0),
-                      sigma_max=x.new_empty(0), noise_level=x.new_empty(0),
-                      **{n: cond.new_empty(0) for n in ("kernel_id", "step", "frontier", "parent", "depth", "cond")},
-                      trained=torch.zeros(0, dtype=torch.bool, device=device))
+    if rows == 0:  # an all-deterministic plan
+        return Rollout.without_transitions(x, cond, group, kernel_names, dict(nfe=nfe, transitions=0, trained_transitions=0))
+    fields = {name: torch.cat(parts) for name, parts in chunks.items()}
     # the first leaf below a transition: its frontier index times the product of the later branch factors
     later = torch.tensor([1] * plan.num_steps, dtype=torch.long)
     for k in range(plan.num_steps - 2, -1, -1):
@@ -142,8 +136,7 @@ def sample_tree(
     leaf = fields.pop("frontier") * later.to(device)[fields["step"]]
     cost = dict(nfe=nfe, transitions=rows, trained_transitions=int(fields["trained"].sum()))
     return Rollout(**fields, leaf=leaf, node=torch.arange(rows, device=device), final=x, leaf_cond=cond, group=group,
-                   leaf_node=last if rows else torch.full((num_leaves,), -1, dtype=torch.long, device=device),
-                   kernel_names=kernel_names, cost=cost)
+                   leaf_node=last, kernel_names=kernel_names, cost=cost)
 
 
 def leaf_incidence(rollout: Rollout) -> torch.Tensor:

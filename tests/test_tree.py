@@ -64,6 +64,21 @@ def test_shared_noise_without_stochastic_steps_is_the_repeated_ode_sample():
         sample_shared_noise(velocity, noise, cond, group, flow_sigmas(4, 3.0), StepPlan.ode(4), 0)
 
 
+def test_ode_tree_and_probes_store_no_transition_and_match_flat_sampling():
+    from samplers import sample_probes
+
+    noise, cond, group = _inputs(3)
+    plan, sigmas = StepPlan.ode(4), flow_sigmas(4, 3.0)
+    flat = sample(velocity, noise, cond, group, sigmas, plan)
+    tree = sample_tree(velocity, noise, cond, group, sigmas, plan, [1] * 4)
+    probes = sample_probes(velocity, noise, cond, group, sigmas, plan, [1]).rollout
+    for out in (flat, tree, probes):
+        assert len(out) == 0 and out.state.shape == (0, 2, 4, 4) and out.trained.dtype == torch.bool
+        assert torch.equal(out.leaf_node, torch.full((3,), -1)) and torch.equal(out.group, group)
+        torch.testing.assert_close(out.final, flat.final, rtol=0, atol=0)
+    assert tree.cost == flat.cost == {"nfe": 12, "transitions": 0, "trained_transitions": 0}
+
+
 def test_batched_tree_equals_node_by_node_and_counts_nfe():
     noise, cond, group = _inputs(2)
     plan, sigmas = StepPlan.sde(4, train_last=True), flow_sigmas(4, 3.0)

@@ -429,16 +429,16 @@ class Trainer:
         many = self.accelerator.num_processes > 1
         optimizer_steps = 0
         self.model.transformer.train()
-        for epoch, j, mb, rows in self._minibatches(len(tv), generator):
+        for epoch, j, mb, total_rows in self._minibatches(len(tv), generator):
             weights = step_weights(t.step_weighting, gain[mb] if gain is not None else tv.std[mb], tv.std[mb],
                                    mean=1.0 if many else None)  # several processes: unnormalised here
             if many and weights is not None:  # mean 1 over the minibatch of all processes
-                weights = weights / (self.accelerator.reduce(weights.sum().reshape(1), "sum") / rows)
+                weights = weights / (self.accelerator.reduce(weights.sum().reshape(1), "sum") / total_rows)
             if len(mb) == 0:  # this process has no transitions left, the others do: a zero gradient
                 self._step_optimizer(None, stats)
                 optimizer_steps += 1
                 continue
-            share = len(mb) / rows  # this process's part of the global mean (1 with one process)
+            share = len(mb) / total_rows  # this process's part of the global mean (1 with one process)
             parts: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (value, fraction of the minibatch)
             for c, idx, frac in self._micro_batches(mb):  # gradient accumulation over micro-batches
                 sub = tv.select(idx)
@@ -511,7 +511,7 @@ class Trainer:
         a random order drawn from `generator`.
 
         Yields:
-            ``(epoch, j, mb, rows)``: the pass, the step within it, this process's row indices of the
+            ``(epoch, j, mb, total_rows)``: the pass, the step within it, this process's row indices of the
             minibatch (`(<= train.minibatch_size,)` long; empty when only other processes have rows left) and
             the minibatch's size summed over all processes. Every process gets the same steps
             (:meth:`_minibatch_sizes`), so it must take each one, empty or not.

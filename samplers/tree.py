@@ -91,16 +91,9 @@ def sample_tree(
         "kernel_id", "step", "frontier", "parent", "depth", "cond", "trained")}
     rows, nfe, prev_x0, prev_sigma = 0, 0, None, None
     for k in range(plan.num_steps):
-        t = sigmas[k].expand(x.shape[0]).contiguous()
         kernel = plan.kernels[k]
-        fn = _step_policy(kernel, velocity_fn, ode_velocity_fn)
-        if batched:
-            velocity = fn(x, t, cond).float()
-        else:
-            velocity = torch.cat([fn(x[i:i + 1], t[i:i + 1], cond[i:i + 1]).float() for i in range(x.shape[0])])
+        velocity = _frontier_velocity(_step_policy(kernel, velocity_fn, ode_velocity_fn), x, sigmas[k], cond, batched)
         nfe += x.shape[0]
-        if velocity.shape != x.shape:
-            raise ValueError(f"velocity_fn returned shape {tuple(velocity.shape)}; expected {tuple(x.shape)}")
         b = branch[k]
         if b > 1:
             x, velocity, cond, group, last = (z.repeat_interleave(b, 0) for z in (x, velocity, cond, group, last))
@@ -110,33 +103,61 @@ def sample_tree(
         out = plan_step(plan, k, x, velocity, sigmas, prev_x0, prev_sigma, generator)
         prev_x0, prev_sigma = x - sigmas[k] * velocity, sigmas[k]
         if kernel in STOCHASTIC_KERNELS:
-            n = x.shape[0]
-            node = torch.arange(rows, rows + n, device=device)
-            for name, value in (("state", x), ("next_state", out.prev_sample), ("mean", out.mean), ("std", out.std),
-                                ("log_prob", out.log_prob), ("parent", last), ("depth", depth), ("cond", cond)):
-                chunks[name].append(value)
-            for name, value, dtype in (("sigma", sigmas[k], torch.float32), ("sigma_next", sigmas[k + 1], torch.float32),
-                                       ("sigma_max", sigmas[1], torch.float32),
-                                       ("noise_level", plan.noise_levels[k], torch.float32),
-                                       ("kernel_id", kernel_names.index(kernel), torch.long), ("step", k, torch.long),
-                                       ("trained", plan.trained[k], torch.bool)):
-                chunks[name].append(torch.full((n,), value, dtype=dtype, device=device) if not torch.is_tensor(value)
-                                    else value.to(dtype).expand(n).clone())
-            chunks["frontier"].append(torch.arange(n, device=device))
-            last = node
-            rows += n
+            _record(chunks, plan, k, sigmas, kernel_names.index(kernel), x, out, last, depth, cond)
+            last = torch.arange(rows, rows + x.shape[0], device=device)  # (F,) the new nodes' ids
+            rows += x.shape[0]
         x = out.prev_sample
     if rows == 0:  # an all-deterministic plan
         return Rollout.without_transitions(x, cond, group, kernel_names, dict(nfe=nfe, transitions=0, trained_transitions=0))
     fields = {name: torch.cat(parts) for name, parts in chunks.items()}
-    # the first leaf below a transition: its frontier index times the product of the later branch factors
-    later = torch.tensor([1] * plan.num_steps, dtype=torch.long)
-    for k in range(plan.num_steps - 2, -1, -1):
-        later[k] = later[k + 1] * branch[k + 1]
-    leaf = fields.pop("frontier") * later.to(device)[fields["step"]]
+    leaf = _first_leaf(fields.pop("frontier"), fields["step"], branch)
     cost = dict(nfe=nfe, transitions=rows, trained_transitions=int(fields["trained"].sum()))
     return Rollout(**fields, leaf=leaf, node=torch.arange(rows, device=device), final=x, leaf_cond=cond, group=group,
                    leaf_node=last, kernel_names=kernel_names, cost=cost)
+
+
+def _frontier_velocity(fn: VelocityFn, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor,
+                       batched: bool) -> torch.Tensor:
+    """Velocity `(F, C, H, W)` float32 of the frontier `x` `(F, C, H, W)` at time `sigma` (a scalar tensor),
+    in one call (`batched`) or one call per node.
+
+    Raises:
+        ValueError: if `fn` returns another shape.
+    """
+    t = sigma.expand(x.shape[0]).contiguous()  # (F,)
+    if batched:
+        velocity = fn(x, t, cond).float()
+    else:
+        velocity = torch.cat([fn(x[i:i + 1], t[i:i + 1], cond[i:i + 1]).float() for i in range(x.shape[0])])
+    if velocity.shape != x.shape:
+        raise ValueError(f"velocity_fn returned shape {tuple(velocity.shape)}; expected {tuple(x.shape)}")
+    return velocity
+
+
+def _record(chunks: dict[str, list[torch.Tensor]], plan: StepPlan, k: int, sigmas: torch.Tensor, kernel_id: int,
+            x: torch.Tensor, out, parent: torch.Tensor, depth: torch.Tensor, cond: torch.Tensor) -> None:
+    """Append the `F` stochastic transitions of step `k` from the (post-split) frontier `x` `(F, C, H, W)`,
+    kernel output `out`, to `chunks` (one `(F, ...)` tensor per field; ``frontier`` is each node's index)."""
+    n, device = x.shape[0], x.device
+    for name, value in (("state", x), ("next_state", out.prev_sample), ("mean", out.mean), ("std", out.std),
+                        ("log_prob", out.log_prob), ("parent", parent), ("depth", depth), ("cond", cond)):
+        chunks[name].append(value)
+    for name, value, dtype in (("sigma", sigmas[k], torch.float32), ("sigma_next", sigmas[k + 1], torch.float32),
+                               ("sigma_max", sigmas[1], torch.float32), ("noise_level", plan.noise_levels[k], torch.float32),
+                               ("kernel_id", kernel_id, torch.long), ("step", k, torch.long),
+                               ("trained", plan.trained[k], torch.bool)):
+        chunks[name].append(torch.full((n,), value, dtype=dtype, device=device) if not torch.is_tensor(value)
+                            else value.to(dtype).expand(n).clone())  # (F,)
+    chunks["frontier"].append(torch.arange(n, device=device))  # (F,)
+
+
+def _first_leaf(frontier: torch.Tensor, step: torch.Tensor, branch: list[int]) -> torch.Tensor:
+    """The first leaf below each transition `(M,)` long: its frontier index `frontier` `(M,)` at its step
+    `step` `(M,)` times the product of the branch factors after that step."""
+    later = torch.ones(len(branch), dtype=torch.long)  # (N,)
+    for k in range(len(branch) - 2, -1, -1):
+        later[k] = later[k + 1] * branch[k + 1]
+    return frontier * later.to(frontier.device)[step]  # (M,)
 
 
 def leaf_incidence(rollout: Rollout) -> torch.Tensor:

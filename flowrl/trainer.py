@@ -1,16 +1,18 @@
 """The trainer: sample -> score -> advantages -> policy update -> log -> evaluate -> checkpoint.
 
-Flow-GRPO (arXiv 2505.05470) is the first method: G SDE rollouts per prompt, group-relative
-advantages, PPO clipped surrogate on every trained transition, optional KL to the LoRA-disabled base.
-``train.method: nft`` swaps in DiffusionNFT (arXiv 2509.16117): G ODE samples per prompt and the
-negative-aware flow-matching loss on noised copies of them (:meth:`Trainer.nft_step`).
+:class:`Trainer` is the loop and what every method shares (prompts, scoring, group advantages, minibatches,
+the optimizer step, EMA, evaluation, checkpoints and resume). The methods plug in as mixins:
+:class:`flowrl.rollouts.RolloutMixin` (flat groups, BranchGRPO trees, single-step branching),
+:class:`flowrl.grpo.GRPOMixin` (Flow-GRPO, arXiv 2505.05470: PPO clipped surrogate on the trained
+transitions, optional KL to the LoRA-disabled base) and, with ``train.method: nft``,
+:class:`flowrl.nft.NFTMixin` (DiffusionNFT, arXiv 2509.16117: G ODE samples per prompt and the
+negative-aware flow-matching loss on noised copies of them).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import random
 import time
@@ -22,17 +24,16 @@ import torch
 from tqdm import tqdm
 
 from rewards import WeightedSum, build_reward
-from samplers import (SlidingWindow, StepPlan, flow_sigmas, leaf_incidence, mix_plan, ode_sample, recompute_log_prob,
-                      sample, sample_probes, sample_shared_noise, sample_tree, velocity_gain)
 
-from .advantages import (aggregate_advantages, best_of_n, depthwise_advantages, group_advantages, process_advantages, sum_by_node, tree_node_rewards,
-                         turning_point_rewards, width_prune)
 from .checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from .config import Config, ConfigError, prompt_file, resolve_path, save_config
 from .evaluate import evaluate, evaluate_reward, generate
-from .losses import kl_to_reference, nft_loss, optimality_weights, ppo_loss, ratio_norm, step_weights, velocity_kl
-from .models import FlowModel, PromptEmbeds
+from .advantages import aggregate_advantages, best_of_n, group_advantages
+from .grpo import GRPOMixin
+from .models import FlowModel
+from .nft import NFTMixin
 from .plots import save_diagnostics, save_grid, save_reward_curve
+from .rollouts import RolloutMixin
 from .tiny.prompts import read_jsonl
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,32 +71,7 @@ def minibatch_sizes(counts: torch.Tensor, size: int) -> torch.Tensor:
     return torch.stack([torch.clamp(int(c) - torch.arange(steps) * size, 0, size) for c in counts])
 
 
-def step_diagnostics(ratios: dict[int, list[torch.Tensor]], grad_norms: dict[int, list[torch.Tensor]],
-                     clip_range: float) -> dict[str, float]:
-    """GRPO-Guard's (arXiv 2510.22319) per-step diagnostics of an iteration's first PPO epoch.
-
-    Args:
-        ratios: denoising step -> the ratios `(n,)` float of its transitions (in pieces, concatenated here).
-        grad_norms: denoising step -> gradient norms `(n,)` float (``train.step_grad_norms``); may be empty.
-        clip_range: the PPO clip range eps.
-
-    Returns:
-        ``diag/step_KK/{ratio_mean, ratio_std, clip_high, clip_low}`` (fractions of ratios above ``1 + eps``
-        and below ``1 - eps``) per step present, and ``diag/step_KK/grad_norm`` (mean) per step in `grad_norms`.
-    """
-    out = {}
-    for k, parts in sorted(ratios.items()):
-        r = torch.cat(parts)
-        out[f"diag/step_{k:02d}/ratio_mean"] = r.mean().item()
-        out[f"diag/step_{k:02d}/ratio_std"] = r.std(unbiased=False).item()
-        out[f"diag/step_{k:02d}/clip_high"] = (r > 1 + clip_range).float().mean().item()
-        out[f"diag/step_{k:02d}/clip_low"] = (r < 1 - clip_range).float().mean().item()
-    for k, parts in sorted(grad_norms.items()):
-        out[f"diag/step_{k:02d}/grad_norm"] = torch.cat(parts).mean().item()
-    return out
-
-
-class Trainer:
+class Trainer(RolloutMixin, GRPOMixin, NFTMixin):
     """Runs one configured job (GRPO, or DiffusionNFT with ``train.method: nft``) end to end, writing
     everything to ``config.run.output_dir``.
 
@@ -153,26 +129,6 @@ class Trainer:
         self._build_rollout_shape()
         self._smoke_test_rewards()
 
-    def _build_rollout_shape(self) -> None:
-        """From ``sampling.*``: the grid ``self.sigmas`` `(N + 1,)`; the step plan ``self.plan`` on its grid
-        ``self.plan_sigmas`` (all SDE, or BranchGRPO-Mix's SDE steps with an optional MixGRPO-Flash tail,
-        :func:`samplers.mix_plan`); ``self.branch``, the children per plan step of a tree (None: flat groups);
-        and ``self.window``, MixGRPO's :class:`samplers.SlidingWindow` (None without ``sampling.window.size``)."""
-        s = self.cfg.sampling
-        self.sigmas = flow_sigmas(s.num_steps, s.shift)
-        self.plan_sigmas = self.sigmas  # the schedule of self.plan (re-spaced by a tree's flash_ratio)
-        self.plan = StepPlan.sde(s.num_steps, kernel=s.kernel, noise_level=s.noise_level, train_last=s.train_last_step)
-        self.branch = None
-        if s.tree.split_steps:
-            t = s.tree
-            if t.sde_steps:  # BranchGRPO-Mix, optionally with MixGRPO-Flash's DPM-Solver++ 2M tail
-                self.plan_sigmas, self.plan = mix_plan(self.sigmas, sorted(set(t.sde_steps) | set(t.split_steps)),
-                                                       s.kernel, s.noise_level, t.flash_ratio or None, s.shift)
-            self.branch = [t.branch if k in t.split_steps else 1 for k in range(self.plan.num_steps)]
-        w = s.window
-        self.window = None if w.size == 0 else SlidingWindow(
-            s.num_steps, w.size, w.schedule, w.stride, w.interval, w.min_interval, w.roll_back, seed=self.cfg.run.seed)
-
     # ----------------------------------------------------------------------------------------- parts
     def _smoke_test_rewards(self) -> None:
         metas = self.train_metas[:2]
@@ -205,306 +161,6 @@ class Trainer:
             by_tag[m.get("tag", "all")].append(m)
         tags = sorted(by_tag)
         return [rng.choice(by_tag[rng.choice(tags)]) for _ in range(n)]
-
-    def current_plan(self) -> tuple[torch.Tensor, StepPlan]:
-        """This iteration's ``(sigmas (N' + 1,), plan)``: full SDE, the BranchGRPO-Mix pattern or the MixGRPO window
-        (either with its Flash tail)."""
-        if self.window is None:
-            return self.plan_sigmas, self.plan
-        s = self.cfg.sampling
-        return mix_plan(self.sigmas, self.window.steps, s.kernel, s.noise_level, s.window.flash_ratio or None, s.shift)
-
-    def _chunked(self, fn, size: int):
-        def chunked(x, t, cond):
-            return torch.cat([fn(x[i:i + size], t[i:i + size], cond[i:i + size]) for i in range(0, len(x), size)])
-        return chunked
-
-    def _ode_velocity(self, velocity):
-        """`velocity` under ``sampling.ode_precision`` for the rollout's deterministic steps (ODE prefixes
-        and tails, DPM-Solver++ steps, ODE completions: their velocities enter no log-prob, so no ratio),
-        or None (``no``: the samplers then use `velocity` itself, float32)."""
-        precision = self.cfg.sampling.ode_precision
-        if precision == "no":
-            return None
-
-        def fn(x, t, cond):
-            with self._autocast(precision):
-                return velocity(x, t, cond)
-
-        return fn
-
-    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Rollout latents to float32 images in [0, 1] for the rewards (bf16 autocast if
-        ``sampling.decode_precision`` says so: the images only feed the rewards, never a log-prob)."""
-        size = self.cfg.sampling.batch_size
-        with self._autocast(self.cfg.sampling.decode_precision):
-            return torch.cat([self.model.decode(latents[i:i + size]) for i in range(0, latents.shape[0], size)]).cpu()
-
-    @torch.no_grad()
-    def probe_rollout(self, metas: list[dict], table: PromptEmbeds, generator: torch.Generator):
-        """TempFlow-GRPO / G2RPO / TP-GRPO rollout: main paths with probes completed by ODE.
-
-        Trunks per prompt: 1 shared anchor for g2rpo (its group is the ``group_size`` SDE children of
-        each probe step), ``group_size`` for tempflow (each with ``probe.children`` children per step)
-        and for tp_grpo (each an SDE trajectory on the probe steps, probed after every SDE step).
-
-        Returns:
-            ``(probe_rollout, images (P, 3, H, W), prompt index of each image (P,))``.
-        """
-        s, p = self.cfg.sampling, self.cfg.sampling.probe
-        trunks = 1 if p.method == "g2rpo" else s.group_size
-        children = {"g2rpo": s.group_size, "tempflow": p.children, "tp_grpo": 0}[p.method]
-        roots = torch.arange(len(metas)).repeat_interleave(trunks)  # (R,)
-        shape = self.model.latent_shape
-        if s.shared_noise or trunks == 1:
-            noise = torch.randn((len(metas), *shape), generator=generator).repeat_interleave(trunks, 0)
-        else:
-            noise = torch.randn((len(roots), *shape), generator=generator)
-        steps = list(p.steps) or list(range(s.num_steps - 1))
-        plan = StepPlan.window(s.num_steps, steps, s.kernel, s.noise_level) if p.method == "tp_grpo" else StepPlan.ode(s.num_steps)
-        velocity = self._chunked(self.model.velocity_fn(table, s.guidance_scale), s.batch_size)
-        with self._autocast():
-            pr = sample_probes(velocity, noise.to(self.device), (roots + 1).to(self.device), roots.to(self.device),
-                               self.sigmas.to(self.device), plan, steps, children, s.kernel, s.noise_level,
-                               tuple(p.granularities), include_start=p.method == "tp_grpo", generator=generator,
-                               ode_velocity_fn=self._ode_velocity(velocity))
-        return pr, self._decode(pr.final), roots[pr.root.cpu()]
-
-    def probe_advantages(self, pr, rewards: torch.Tensor, image_prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """Advantages of the trained transitions of a probe rollout (see :meth:`probe_rollout`).
-
-        tempflow / g2rpo: per-step process rewards z-scored per (prompt or trunk, step, granularity), summed
-        over granularities (G2RPO). tp_grpo: turning-point step rewards from ``R_0 .. R_n``, z-scored per
-        (prompt, step).
-
-        Returns:
-            ``(advantages (M,), keep (M,) bool, stats)``.
-        """
-        p, clip, ro = self.cfg.sampling.probe, self.cfg.train.adv_clip_max, pr.rollout
-        step, root, node = pr.step.cpu(), pr.root.cpu(), pr.node.cpu()
-        if p.method in ("tempflow", "g2rpo"):
-            group = root if p.adv_group == "seed" and p.method == "tempflow" else image_prompt
-            adv_p = process_advantages(rewards, group, step, pr.granularity.cpu(), clip)
-        else:
-            probe_steps = sorted(set(step.tolist()))  # [-1, steps...]
-            returns = torch.zeros(int(root.max()) + 1, len(probe_steps))
-            returns[root, torch.tensor([probe_steps.index(k) for k in step.tolist()])] = rewards.float()
-            step_rewards = turning_point_rewards(returns)  # (R, n)
-            later = step >= 0
-            values = step_rewards[root[later], torch.tensor([probe_steps.index(k) - 1 for k in step[later].tolist()])]
-            adv_p = torch.zeros_like(rewards, dtype=torch.float32)
-            adv_p[later] = process_advantages(values, image_prompt[later], step[later], torch.ones_like(step[later]), clip)
-        adv = sum_by_node(adv_p, node, len(ro))
-        keep = ro.trained.cpu() & (adv != 0)
-        return adv.to(self.device), keep.to(self.device), {"advantage/abs_mean": adv_p.abs().mean().item(),
-                                                           "advantage/zero_frac": (adv_p == 0).float().mean().item()}
-
-    @torch.no_grad()
-    def rollout(self, metas: list[dict], generator: torch.Generator):
-        """G SDE rollouts per prompt from the current policy.
-
-        Returns:
-            ``(rollout, images (B, 3, H, W) in [0, 1], table)`` where ``table`` row 0 is the empty prompt
-            and row 1 + p the p-th prompt; leaves are grouped by prompt (B = P * G).
-        """
-        s = self.cfg.sampling
-        table = self.model.encode([""] + [m["prompt"] for m in metas])
-        velocity = self._chunked(self.model.velocity_fn(table, s.guidance_scale), s.batch_size)
-        ode = self._ode_velocity(velocity)
-        roots = torch.arange(len(metas), device=self.device)  # (P,) one group per prompt
-        if self.branch is not None or s.shared_noise:  # one initial noise per group
-            noise = torch.randn((len(metas), *self.model.latent_shape), generator=generator).to(self.device)
-        if self.branch is not None:  # the tree makes the group
-            ro = self.tree_rollout(velocity, noise, generator, ode)
-            return ro, self._decode(ro.final), table  # decoded as a flat rollout's are, outside the autocast
-        sigmas, plan = self.current_plan()
-        sigmas = sigmas.to(self.device)
-        with self._autocast():
-            if s.shared_noise:  # the group's deterministic prefix once per group
-                ro = sample_shared_noise(velocity, noise, roots + 1, roots, sigmas, plan, s.group_size, generator=generator,
-                                         ode_velocity_fn=ode)
-            else:
-                prompt_index = roots.repeat_interleave(s.group_size)  # (B,)
-                noise = torch.randn((len(prompt_index), *self.model.latent_shape), generator=generator)
-                ro = sample(velocity, noise.to(self.device), prompt_index + 1, prompt_index, sigmas, plan, generator=generator,
-                            ode_velocity_fn=ode)
-        return ro, self._decode(ro.final), table
-
-    def tree_rollout(self, velocity, noise: torch.Tensor, generator: torch.Generator, ode_velocity=None,
-                     batched: bool = True):
-        """The preset's BranchGRPO tree (``self.plan`` on ``self.plan_sigmas``, split by ``self.branch``) from one
-        root per prompt, under the rollout's autocast.
-
-        Args:
-            velocity: the old policy (:meth:`FlowModel.velocity_fn` of a table whose row ``1 + p`` is prompt p).
-            noise (`torch.Tensor` of shape `(P, C, H, W)`): the roots' starting latents, on ``self.device``.
-            generator (`torch.Generator`): source of the SDE noise.
-            ode_velocity: the policy of the deterministic steps (:meth:`_ode_velocity`); default `velocity`.
-            batched (`bool`): every depth in one velocity call (True) or node by node (:func:`samplers.sample_tree`).
-
-        Returns:
-            :class:`samplers.Rollout` with ``P * group_size`` leaves, tree p being group p.
-        """
-        roots = torch.arange(len(noise), device=self.device)
-        with self._autocast():
-            return sample_tree(velocity, noise, roots + 1, roots, self.plan_sigmas.to(self.device), self.plan, self.branch,
-                               generator=generator, batched=batched, ode_velocity_fn=ode_velocity)
-
-    def tree_advantages(self, ro, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """BranchGRPO advantages of every stored transition of a tree rollout and whether it enters the loss:
-        fused node rewards, depth-wise z-scores, then width and depth pruning of the backward pass.
-
-        Args:
-            ro: a :func:`samplers.sample_tree` rollout; rewards: `(B,)` leaf rewards.
-
-        Returns:
-            ``(advantages (M,), keep (M,) bool, stats)``.
-        """
-        t, tree = self.cfg.train, self.cfg.sampling.tree
-        inc = leaf_incidence(ro).cpu()
-        nodes = tree_node_rewards(inc, rewards, tree.fusion, ro.parent.cpu(), ro.log_prob.cpu())
-        adv = depthwise_advantages(nodes, ro.group.cpu()[ro.leaf.cpu()], ro.step.cpu(), t.adv_clip_max)
-        keep = ro.trained.cpu() & (adv != 0)
-        if tree.width_keep:
-            keep &= width_prune(inc, rewards, ro.group.cpu(), ro.step.cpu(), max(tree.split_steps), tree.width_keep)
-        if tree.depth_prune:
-            keep &= ~torch.isin(ro.step.cpu(), torch.tensor(tree.depth_prune))
-        _, zero = group_advantages(rewards, ro.group.cpu(), t.adv_std, t.adv_clip_max)
-        return adv.to(self.device), keep.to(self.device), {"advantage/zero_variance_frac": zero.float().mean().item(),
-                                                           "advantage/abs_mean": adv[ro.trained.cpu()].abs().mean().item()}
-
-    def step_subset(self, ro, generator: torch.Generator) -> torch.Tensor:
-        """DanceGRPO's ``timestep_fraction`` (arXiv 2505.07818): for each leaf, a random
-        ``ceil(fraction * S)`` of its ``S`` trained steps. Returns a `(M,)` bool mask."""
-        trained = ro.trained.cpu()
-        score = torch.rand(len(ro), generator=generator)  # random order of the steps within each leaf
-        score = torch.where(trained, score, torch.full_like(score, 2.0))
-        keep = torch.zeros(len(ro), dtype=torch.bool)
-        leaf = ro.leaf.cpu()
-        for b in leaf.unique().tolist():
-            rows = (leaf == b).nonzero().squeeze(1)
-            count = int(trained[rows].sum())
-            take = math.ceil(self.cfg.train.timestep_fraction * count)
-            keep[rows[torch.argsort(score[rows])[:take]]] = True
-        return keep & trained
-
-    def optimize(self, ro, adv_all: torch.Tensor, keep: torch.Tensor, table: PromptEmbeds,
-                 generator: torch.Generator) -> dict[str, float]:
-        """Inner PPO epochs over the kept transitions, each with its advantage ``adv_all[m]``.
-
-        Flow-GRPO's clipped surrogate (arXiv 2505.05470, Eq. 8 without its KL term, which is added here
-        with weight ``train.kl_beta``): ``max(-A r, -A clip(r, 1 - eps, 1 + eps))`` averaged over a minibatch
-        of ``train.minibatch_size`` transitions, one optimizer step (AdamW, gradient clipping at
-        ``train.max_grad_norm``, EMA update) per minibatch, ``train.inner_epochs`` passes in a random order
-        drawn from `generator`. The log-probs are recomputed in float32 with the std that drew each sample.
-        With ``train.micro_batch_size`` each minibatch is forwarded and back-propagated in micro-batches of
-        that many transitions, each loss weighted by its share of the minibatch (gradient accumulation: the
-        same step, less activation memory). Under several processes the step follows the mean over every
-        process's minibatch (step weights normalised over it too); the returned statistics are this
-        process's, except ``policy/grad_norm``, which is the summed gradient's.
-
-        Args:
-            ro (:class:`samplers.Rollout`): the iteration's stored transitions, `M` rows.
-            adv_all (`torch.Tensor` of shape `(M,)`, float32): advantage per transition (clipped, unitless).
-            keep (`torch.Tensor` of shape `(M,)`, bool): transitions that enter the loss.
-            table (:class:`PromptEmbeds`): prompt embeddings, row 0 the empty prompt (CFG), rows 1.. indexed
-                by ``ro.cond``.
-            generator (`torch.Generator`): the iteration's generator (minibatch order).
-
-        Returns:
-            `dict[str, float]`: means over optimizer steps of ``policy/*`` (loss, grad_norm, ratio, clip
-            fractions, approx_kl, kl), ``policy/ratio_first_max_dev`` (the ratio's largest deviation from 1
-            before the first optimizer step: 0 when the recomputation is exact), per-step ``diag/step_KK/*``
-            and ``cost/trained_transitions``.
-        """
-        t = self.cfg.train
-        rows = keep.nonzero().squeeze(1)
-        tv = ro.select(rows)
-        adv = adv_all[rows]  # (M',)
-        stats: dict[str, list[float]] = defaultdict(list)
-        per_step: dict[int, list[torch.Tensor]] = defaultdict(list)  # first epoch: the ratios per step
-        grad_step: dict[int, list[torch.Tensor]] = defaultdict(list)  # first epoch: gradient norms per step
-        gain = velocity_gain(tv) if t.step_weighting == "guard" else None
-        velocity = self.model.velocity_fn(table, self.cfg.sampling.guidance_scale)  # CFG against table row 0
-        many = self.accelerator.num_processes > 1
-        optimizer_steps = 0
-        self.model.transformer.train()
-        for epoch, j, mb, total_rows in self._minibatches(len(tv), generator):
-            weights = step_weights(t.step_weighting, gain[mb] if gain is not None else tv.std[mb], tv.std[mb],
-                                   mean=1.0 if many else None)  # several processes: unnormalised here
-            if many and weights is not None:  # mean 1 over the minibatch of all processes
-                weights = weights / (self.accelerator.reduce(weights.sum().reshape(1), "sum") / total_rows)
-            if len(mb) == 0:  # this process has no transitions left, the others do: a zero gradient
-                self._step_optimizer(None, stats)
-                optimizer_steps += 1
-                continue
-            share = len(mb) / total_rows  # this process's part of the global mean (1 with one process)
-            parts: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (value, fraction of the minibatch)
-            for c, idx, frac in self._micro_batches(mb):  # gradient accumulation over micro-batches
-                sub = tv.select(idx)
-                present = sub.step.unique().tolist()  # denoising steps in this micro-batch
-                w = None if weights is None else weights[c:c + len(idx)]
-                v, log_prob, mean = self._policy_log_prob(velocity, sub)
-                track_v = epoch == 0 and t.step_grad_norms == "velocity" and v.requires_grad
-                if track_v:
-                    v.retain_grad()
-                loss, st = ppo_loss(log_prob, sub.log_prob, adv[idx], t.clip_range, w)
-                if epoch == 0:
-                    ratio = torch.exp(log_prob.detach() - sub.log_prob)
-                    for k in present:
-                        per_step[k].append(ratio[sub.step == k].cpu())
-                    if t.step_grad_norms == "params" and j == 0 and c == 0:
-                        grad_step.update(self._param_grad_norms(sub, present, log_prob, adv[idx], w))
-                if t.kl_beta > 0:
-                    kl = self._kl_to_reference(velocity, sub, v, mean)
-                    loss = loss + t.kl_beta * kl
-                    parts["policy/kl"].append((kl.item(), frac))
-                scale = frac * share  # the micro-batch's part of the (global) minibatch mean
-                self.accelerator.backward(loss * scale if scale != 1.0 else loss)
-                if track_v and v.grad is not None:  # d loss / d v per transition, undoing the 1/M of the mean
-                    norms = v.grad.float().flatten(1).norm(dim=1).cpu() * len(idx) / scale
-                    for k in present:
-                        grad_step[k].append(norms[(sub.step == k).cpu()])
-                parts["policy/loss"].append((loss.item(), frac))
-                for k, v_ in st.items():
-                    parts[k].append((v_.item(), frac))
-            merged = {k: max(x for x, _ in vals) if k == "policy/ratio_max_dev" else sum(x * f for x, f in vals)
-                      for k, vals in parts.items()}  # the minibatch's statistics
-            if optimizer_steps == 0:  # before any update (absent where this process's first step had no transitions)
-                stats["policy/ratio_first_max_dev"].append(merged["policy/ratio_max_dev"])
-            self._step_optimizer(merged["policy/loss"], stats)
-            optimizer_steps += 1
-            for k, x in merged.items():
-                if k != "policy/loss":
-                    stats[k].append(x)
-        self.model.transformer.eval()
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
-        out["policy/optimizer_steps"] = optimizer_steps
-        out.update(step_diagnostics(per_step, grad_step, t.clip_range))
-        out["cost/trained_transitions"] = len(tv) * t.inner_epochs
-        return out
-
-    def _policy_log_prob(self, velocity, sub) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The current policy's velocity `(M, C, H, W)` (under ``run.mixed_precision``) at transitions `sub`,
-        and the float32 log-prob `(M,)` and mean `(M, C, H, W)` of their recorded next states at the std that
-        drew them (:func:`samplers.recompute_log_prob`); with ``train.ratio_norm`` the log-prob is GRPO-Guard's
-        (arXiv 2510.22319) std-scaled, unbiased one, ``old + ratio_norm(...)``, so that ``exp(new - old)`` is its ratio."""
-        with self._autocast():
-            v = velocity(sub.state, sub.sigma, sub.cond)
-        log_prob, mean = recompute_log_prob(sub, v)
-        if self.cfg.train.ratio_norm:
-            log_prob = sub.log_prob + ratio_norm(log_prob, sub.log_prob, mean, sub.mean, sub.std)
-        return v, log_prob, mean
-
-    def _kl_to_reference(self, velocity, sub, v: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
-        """The KL penalty (scalar, before ``train.kl_beta``) of the policy's velocity `v` / step mean `mean` at
-        transitions `sub` to the LoRA-disabled base's (``train.kl_type``: ``velocity`` -> :func:`losses.velocity_kl`,
-        else the Gaussian steps' :func:`losses.kl_to_reference` at the recorded std)."""
-        with torch.no_grad(), self.model.reference(), self._autocast():
-            v_ref = velocity(sub.state, sub.sigma, sub.cond)
-        if self.cfg.train.kl_type == "velocity":
-            return velocity_kl(v, v_ref)
-        return kl_to_reference(mean, recompute_log_prob(sub, v_ref)[1], sub.std)
 
     def _minibatches(self, count: int, generator: torch.Generator):
         """The optimizer steps of ``train.inner_epochs`` passes over this process's `count` rows, each pass in
@@ -580,22 +236,6 @@ class Trainer:
         stats["policy/grad_norm"].append(grad_norm.item())
         if loss is not None:
             stats["policy/loss"].append(loss)
-
-    def _param_grad_norms(self, sub, steps: list[int], log_prob: torch.Tensor, adv: torch.Tensor,
-                          weights: torch.Tensor | None) -> dict[int, list[torch.Tensor]]:
-        """Norm of the gradient of each denoising step's mean PPO loss w.r.t. the trained parameters, on the
-        first (micro-)batch of an iteration (``train.step_grad_norms: params``; one extra backward per step present)."""
-        t = self.cfg.train
-        params = [p for p in self.params.values() if p.requires_grad]
-        out = {}
-        for k in steps:
-            m = sub.step == k
-            loss_k, _ = ppo_loss(log_prob[m], sub.log_prob[m], adv[m], t.clip_range,
-                                 None if weights is None else weights[m])
-            grads = torch.autograd.grad(loss_k, params, retain_graph=True, allow_unused=True)
-            sq = sum(g.float().pow(2).sum() for g in grads if g is not None)
-            out[k] = [torch.as_tensor(sq).sqrt().reshape(1).cpu()]
-        return out
 
     def _update_ema(self) -> None:
         if self.ema is not None:
@@ -710,8 +350,8 @@ class Trainer:
         return self.rewards(images, [m["prompt"] for m in leaf_metas], leaf_metas)
 
     def step(self, it: int) -> dict[str, float]:
-        """One iteration: prompts, rollout, rewards, advantages, :meth:`optimize`, window advance (GRPO), or
-        :meth:`nft_step` with ``train.method: nft``.
+        """One iteration: :meth:`flowrl.grpo.GRPOMixin.grpo_step` (prompts, rollout, rewards, advantages, PPO
+        epochs, window advance), or :meth:`flowrl.nft.NFTMixin.nft_step` with ``train.method: nft``.
 
         Args:
             it (`int`): the 0-based iteration; with ``run.seed`` it fixes the prompts and every random draw,
@@ -726,45 +366,7 @@ class Trainer:
         Raises:
             ValueError: if a reward returns the wrong shape, NaN or inf (the reward is named).
         """
-        if self.cfg.train.method == "nft":
-            return self.nft_step(it)
-        gen = self._generator(it)
-        metas = self.sample_prompts(it)
-        t0 = time.time()
-        if self.cfg.sampling.probe.method:
-            table = self.model.encode([""] + [m["prompt"] for m in metas])
-            probes, images, image_prompt = self.probe_rollout(metas, table, gen)
-            ro = probes.rollout
-        else:
-            probes = None
-            ro, images, table = self.rollout(metas, gen)
-            image_prompt = ro.group.cpu()
-        t1 = time.time()
-        judged = self._judge_calls()
-        scores = self.score(images, image_prompt, metas)
-        judged = self._judge_calls() - judged
-        t2 = time.time()
-        total = self.accelerator.gather(scores.total.to(self.device)).cpu()
-        mine = slice(self.accelerator.process_index * len(scores.total), (self.accelerator.process_index + 1) * len(scores.total))
-        if probes is not None:  # process rewards of this process's own probes
-            adv_t, keep, adv_stats = self.probe_advantages(probes, scores.total, image_prompt)
-        elif self.branch is None:  # group z-scores over the gathered batch, then this process's share
-            adv, zero, adv_stats = self._group_advantages(scores, total, image_prompt, len(metas))
-            keep = ro.trained & ~zero[mine].to(ro.trained.device)[ro.leaf]
-            adv_t = adv[mine].to(self.device)[ro.leaf]
-        else:  # a tree is one process's group: no gather needed
-            adv_t, keep, adv_stats = self.tree_advantages(ro, scores.total)
-        if self.cfg.train.timestep_fraction < 1:
-            keep = keep & self.step_subset(ro, gen).to(keep.device)
-        stats = self.optimize(ro, adv_t, keep, table, gen)
-        t3 = time.time()
-        if self.window is not None:
-            stats["sampling/window_start"] = self.window.start
-            self.window.advance()
-        metrics = self._reward_metrics(it, total, scores, metas, image_prompt, judged)
-        metrics.update({**adv_stats, "cost/nfe": ro.cost["nfe"] * (2 if self.cfg.sampling.guidance_scale != 1 else 1),
-                        "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2, **stats})
-        return metrics
+        return self.nft_step(it) if self.cfg.train.method == "nft" else self.grpo_step(it)
 
     def _group_advantages(self, scores, total: torch.Tensor, image_prompt: torch.Tensor,
                           prompts: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
@@ -805,115 +407,6 @@ class Trainer:
         if any(hasattr(r, "judge_calls") for r, _ in self.rewards.rewards.values()):
             metrics["cost/judge_calls"] = judged
         return metrics
-
-    def nft_step(self, it: int) -> dict[str, float]:
-        """One DiffusionNFT iteration (arXiv 2509.16117, Algorithm 1): sample, score, train on the forward process.
-
-        ``sampling.group_size`` deterministic Euler samples (``sampling.num_steps`` steps, CFG at
-        ``sampling.guidance_scale``) of each of ``sampling.prompts_per_iteration`` prompts are drawn by the
-        old policy (the current one, or with ``train.nft.old_decay > 0`` its soft-updated copy) and scored;
-        the group-relative advantages (gathered over processes, as in GRPO) become optimality weights
-        ``r = clip(A / A_max) / 2 + 1/2`` (:func:`losses.optimality_weights`). Every image of a group with
-        reward variance is noised ``train.nft.timesteps`` times, ``x_t = (1 - t) x0 + t eps`` with ``t`` drawn
-        uniformly from the sampler's grid times ``>= train.nft.min_time`` (0: all of them; 1 = noise), and the
-        guided velocity is trained on them with :func:`losses.nft_loss`:
-        minibatches of ``train.minibatch_size`` rows per process (the same optimizer steps on every process,
-        as :meth:`optimize`), ``train.inner_epochs`` passes, under ``run.mixed_precision`` (no ratio needs
-        float32 here). Then ``theta_old <- d theta_old + (1 - d) theta``. Needs no log-probs and no
-        trajectories, only the final latents.
-
-        Args:
-            it (`int`): the 0-based iteration (with ``run.seed`` it fixes prompts and every random draw).
-
-        Returns:
-            `dict[str, float]`: the keys of :meth:`step` (``reward/*``, ``advantage/*``, ``cost/*``,
-            ``time/*``, ``policy/loss``, ``policy/grad_norm``, ``policy/optimizer_steps``); ``cost/nfe`` counts
-            the sampling rows and the old-policy rows of the loss, CFG twice.
-
-        Raises:
-            ValueError: if a reward returns the wrong shape, NaN or inf (the reward is named).
-        """
-        cfg, model, t = self.cfg, self.model, self.cfg.train
-        gen = self._generator(it)
-        metas = self.sample_prompts(it)
-        t0 = time.time()
-        table = model.encode([""] + [m["prompt"] for m in metas])
-        cond = torch.arange(len(metas), device=self.device).repeat_interleave(cfg.sampling.group_size) + 1  # (B,)
-        noise = torch.randn((len(cond), *model.latent_shape), generator=gen).to(self.device)
-        velocity = model.velocity_fn(table, cfg.sampling.guidance_scale)  # guided, against the empty prompt (row 0)
-        sigmas, size = self.sigmas.to(self.device), cfg.sampling.batch_size
-        with torch.no_grad(), self._holding(self.old_policy), self._autocast():
-            x0 = ode_sample(self._chunked(velocity, size), noise, cond, sigmas)
-        images = self._decode(x0)
-        t1 = time.time()
-        image_prompt = (cond - 1).cpu()
-        judged = self._judge_calls()
-        scores = self.score(images, image_prompt, metas)
-        judged = self._judge_calls() - judged
-        t2 = time.time()
-        total = self.accelerator.gather(scores.total.to(self.device)).cpu()
-        adv, zero, adv_stats = self._group_advantages(scores, total, image_prompt, len(metas))
-        mine = slice(self.accelerator.process_index * len(cond), (self.accelerator.process_index + 1) * len(cond))
-        adv, keep = adv[mine], ~zero[mine]
-        rows = keep.nonzero().squeeze(1).repeat_interleave(t.nft.timesteps)  # (N,) noised copies of each kept image
-        grid = self.sigmas[:-1]  # the sampler's own times, in (0, 1]; it starts at 1, so the filter keeps one
-        grid = grid[grid >= t.nft.min_time]
-        times = grid[torch.randint(0, len(grid), (len(rows),), generator=gen)].to(self.device)
-        eps = torch.randn((len(rows), *model.latent_shape), generator=gen).to(self.device)
-        x_0, c = x0[rows.to(self.device)], cond[rows.to(self.device)]
-        x_t = (1 - times.view(-1, 1, 1, 1)) * x_0 + times.view(-1, 1, 1, 1) * eps
-        r = optimality_weights(adv[rows], t.adv_clip_max).to(self.device)
-        with torch.no_grad(), self._holding(self.old_policy), self._autocast():
-            v_old = self._chunked(velocity, size)(x_t, times, c) if len(rows) else x_t
-        stats = self._nft_update(velocity, x_t, times, c, x_0, v_old, r, gen)
-        if self.old_policy is not None:
-            self._move_towards_params(self.old_policy, t.nft.old_decay)
-        t3 = time.time()
-        cfg_rows = 2 if cfg.sampling.guidance_scale != 1 else 1
-        metrics = self._reward_metrics(it, total, scores, metas, image_prompt, judged)
-        metrics.update({**adv_stats, "cost/nfe": (len(cond) * cfg.sampling.num_steps + len(rows)) * cfg_rows,
-                        "cost/trained_transitions": len(rows) * t.inner_epochs,
-                        "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2,
-                        **stats})
-        return metrics
-
-    def _nft_update(self, velocity, x_t: torch.Tensor, times: torch.Tensor, cond: torch.Tensor, x_0: torch.Tensor,
-                    v_old: torch.Tensor, r: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
-        """DiffusionNFT's optimizer steps (arXiv 2509.16117, Eq. 8: :func:`losses.nft_loss`) on `N` noised rows:
-        ``train.inner_epochs`` passes of minibatches (:meth:`_minibatches`, micro-batched as :meth:`optimize`).
-
-        Args:
-            velocity: the guided policy (:meth:`FlowModel.velocity_fn`), trained here.
-            x_t, x_0, v_old (`torch.Tensor` of shape `(N, C, H, W)`): noised rows, their clean samples, and the
-                old policy's velocity at them.
-            times (`torch.Tensor` of shape `(N,)`, float32 in (0, 1]): the rows' noise times; cond `(N,)` long
-                their prompt rows; r `(N,)` float32 in [0, 1] their optimality weights.
-            generator: the iteration's generator (minibatch order).
-
-        Returns:
-            ``policy/loss`` and ``policy/grad_norm`` (means over steps) and ``policy/optimizer_steps``.
-        """
-        t = self.cfg.train
-        stats: dict[str, list[float]] = defaultdict(list)
-        steps = 0
-        self.model.transformer.train()
-        for _, _, mb, total_rows in self._minibatches(len(x_t), generator):
-            steps += 1
-            if len(mb) == 0:  # this process has no rows left, the others do: a zero gradient
-                self._step_optimizer(None, stats)
-                continue
-            share = len(mb) / total_rows  # this process's part of the global minibatch
-            parts = []
-            for _, idx, frac in self._micro_batches(mb):  # gradient accumulation
-                with self._autocast():
-                    v = velocity(x_t[idx], times[idx], cond[idx])
-                loss = nft_loss(v, v_old[idx], x_t[idx], x_0[idx], times[idx], r[idx], t.nft.beta, t.adv_clip_max)
-                scale = frac * share
-                self.accelerator.backward(loss * scale if scale != 1.0 else loss)
-                parts.append(loss.item() * frac)
-            self._step_optimizer(sum(parts), stats)
-        self.model.transformer.eval()
-        return {**{k: sum(v) / len(v) for k, v in stats.items()}, "policy/optimizer_steps": steps}
 
     def _judge_calls(self) -> int:
         """Cumulative judgements of the pairwise rewards (:attr:`rewards.PrefWinRate.judge_calls`), 0 if none."""

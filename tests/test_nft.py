@@ -98,7 +98,7 @@ def test_nft_run_trains_and_resumes_exactly(tmp_path, random_pipeline, prompt_fi
 def test_nft_min_time_noises_only_at_high_noise(tmp_path, random_pipeline, prompt_files, monkeypatch):
     """``train.nft.min_time`` keeps the noised copies at grid times ``t >= min_time``; without it every
     grid time of the sampler can be drawn."""
-    import flowrl.trainer as trainer_module
+    import flowrl.nft as nft_module
 
     seen = []
 
@@ -106,7 +106,7 @@ def test_nft_min_time_noises_only_at_high_noise(tmp_path, random_pipeline, promp
         seen.append(t.detach().clone())
         return nft_loss(v, v_old, x_t, x0, t, *args)
 
-    monkeypatch.setattr(trainer_module, "nft_loss", recording)
+    monkeypatch.setattr(nft_module, "nft_loss", recording)
     times = {}
     for min_time in (0.0, 0.55):
         seen.clear()

@@ -18,6 +18,7 @@ from .kernels import (
 from .rollout import (
     Rollout,
     StepPlan,
+    TransitionBuffer,
     VelocityFn,
     group_index,
     initial_noise,
@@ -41,6 +42,7 @@ __all__ = [
     "SlidingWindow",
     "StepOutput",
     "StepPlan",
+    "TransitionBuffer",
     "VelocityFn",
     "cps_step",
     "dance_sde_step",

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import KERNELS, STOCHASTIC_KERNELS, ode_step
-from .rollout import Rollout, StepPlan, VelocityFn, _check_sample_inputs
+from .rollout import Rollout, StepPlan, TransitionBuffer, VelocityFn, _check_sample_inputs
 
 __all__ = ["ProbeRollout", "sample_probes"]
 
@@ -56,11 +56,6 @@ class ProbeRollout:
     granularity: torch.Tensor
     node: torch.Tensor
     cost: dict
-
-
-def _append(store: dict, **values) -> None:
-    for name, value in values.items():
-        store.setdefault(name, []).append(value)
 
 
 def _check_probe_inputs(noise, cond, group, sigmas, plan: StepPlan, probe_steps: list[int], children: int,
@@ -163,55 +158,9 @@ def _retire(pool: dict, done: dict, n: int) -> None:
         pool[name] = pool[name][~finished]
 
 
-def _append_main(trans: dict, rows: int, x: torch.Tensor, out, parent: torch.Tensor, cond: torch.Tensor,
-                 group: torch.Tensor, j: int, plan: StepPlan, kernel_id: int) -> torch.Tensor:
-    """Append the main path's stochastic step `j` (`R` rows from `x` `(R, C, H, W)` via kernel output `out`,
-    parents `parent` `(R,)` long) to `trans`; returns the new rows' node ids `(R,)` long."""
-    roots, device = x.shape[0], x.device
-    _append(trans, state=x, next_state=out.prev_sample, mean=out.mean, std=out.std, log_prob=out.log_prob,
-            parent=parent, cond=cond, leaf=torch.arange(roots, device=device), group=group,
-            step=torch.full_like(cond, j), kernel=torch.full_like(cond, kernel_id),
-            noise_level=torch.full((roots,), plan.noise_levels[j], device=device),
-            trained=torch.full((roots,), plan.trained[j], dtype=torch.bool, device=device))
-    return torch.arange(rows, rows + roots, device=device)  # (R,)
-
-
 def _repeat(z: torch.Tensor, children: int) -> torch.Tensor:
     """Each row of `z` `(R, ...)` `children` times in a row: `(R * children, ...)`."""
     return z.repeat_interleave(children, 0)
-
-
-def _append_children(trans: dict, rows: int, x: torch.Tensor, out, parent: torch.Tensor, cond: torch.Tensor,
-                     group: torch.Tensor, j: int, children: int, kernel_id: int, noise_level: float) -> torch.Tensor:
-    """Append the `R * children` SDE children of step `j` (kernel output `out` from ``_repeat(x)``; `x` is
-    `(R, C, H, W)`, `parent` `(R,)` long) to `trans`, all trained; returns their node ids `(R * children,)` long."""
-    roots, device = x.shape[0], x.device
-    m = roots * children
-    _append(trans, state=_repeat(x, children), next_state=out.prev_sample, mean=out.mean, std=out.std,
-            log_prob=out.log_prob, parent=_repeat(parent, children),
-            cond=_repeat(cond, children), leaf=_repeat(torch.arange(roots, device=device), children),
-            group=_repeat(group, children), step=torch.full((m,), j, device=device, dtype=torch.long),
-            kernel=torch.full((m,), kernel_id, device=device, dtype=torch.long),
-            noise_level=torch.full((m,), noise_level, device=device),
-            trained=torch.ones(m, dtype=torch.bool, device=device))
-    return torch.arange(rows, rows + m, device=device)  # (R * children,)
-
-
-def _build_rollout(trans: dict, sigmas: torch.Tensor, x: torch.Tensor, cond: torch.Tensor, group: torch.Tensor,
-                   last: torch.Tensor, kernel_names: tuple[str, ...]) -> Rollout:
-    """The :class:`Rollout` of the stored transitions `trans` (lists of per-step tensors, possibly empty),
-    with main-path finals `x` `(R, C, H, W)` and leaf nodes `last` `(R,)` long; `cost` left empty."""
-    device = x.device
-    if not trans:  # no stochastic step: `last` is still -1 everywhere
-        return Rollout.without_transitions(x, cond, group, kernel_names)
-    cat = {name: torch.cat(parts) for name, parts in trans.items()}
-    m = cat["state"].shape[0]
-    return Rollout(state=cat["state"], next_state=cat["next_state"], mean=cat["mean"], std=cat["std"],
-                   log_prob=cat["log_prob"], sigma=sigmas[cat["step"]], sigma_next=sigmas[cat["step"] + 1],
-                   sigma_max=sigmas[1].expand(m).clone(), noise_level=cat["noise_level"], kernel_id=cat["kernel"],
-                   step=cat["step"], leaf=cat["leaf"], node=torch.arange(m, device=device), parent=cat["parent"],
-                   depth=torch.ones(m, dtype=torch.long, device=device), cond=cat["cond"], trained=cat["trained"],
-                   final=x, leaf_cond=cond, group=group, leaf_node=last, kernel_names=kernel_names, cost={})
 
 
 def _sorted_probes(done: dict) -> dict[str, torch.Tensor]:
@@ -276,10 +225,10 @@ def sample_probes(
     cond, group = cond.to(device), group.to(device)
     leaves, no_node = torch.arange(roots, device=device), torch.full_like(cond, -1)  # (R,), (R,)
     kernel_names = tuple(dict.fromkeys(plan.kernels + ([child_kernel] if children else [])))
-    trans: dict[str, list] = {}
+    buffer = TransitionBuffer(sigmas, kernel_names)
     done: dict[str, list] = {}
     pool = _new_pool(x, cond)
-    rows, nfe, last = 0, 0, no_node
+    nfe, last = 0, no_node
     probes = set(probe_steps)
     if include_start:
         _spawn(pool, granularities, x.clone(), leaves, torch.full_like(cond, -1), torch.zeros_like(cond), no_node, 0)
@@ -291,14 +240,14 @@ def sample_probes(
         before = last  # the main-path transition that produced x (the parent of this step's children)
         out = KERNELS[kernel](x, v_main, sigmas[j], sigmas[j + 1], plan.noise_levels[j], sigmas[1], generator=generator)
         if kernel in STOCHASTIC_KERNELS:
-            last = _append_main(trans, rows, x, out, last, cond, group, j, plan, kernel_names.index(kernel))
-            rows += roots
+            last = buffer.append(x, out, j, kernel, plan.noise_levels[j], plan.trained[j], parent=last, leaf=leaves,
+                                 cond=cond)  # (R,)
         if j in probes and children:
             child_out = KERNELS[child_kernel](_repeat(x, children), _repeat(v_main, children), sigmas[j], sigmas[j + 1],
                                               child_noise_level, sigmas[1], generator=generator)
-            node = _append_children(trans, rows, x, child_out, before, cond, group, j, children,
-                                    kernel_names.index(child_kernel), child_noise_level)  # (R * children,)
-            rows += len(node)
+            node = buffer.append(_repeat(x, children), child_out, j, child_kernel, child_noise_level, True,
+                                 parent=_repeat(before, children), leaf=_repeat(leaves, children),
+                                 cond=_repeat(cond, children))  # (R * children,)
             _spawn(pool, granularities, child_out.prev_sample, _repeat(leaves, children),
                    torch.full_like(node, j), torch.arange(children, device=device).repeat(roots), node, j + 1)
         elif j in probes:
@@ -307,10 +256,9 @@ def sample_probes(
                    torch.zeros_like(cond), main_node, j + 1)
         x = out.prev_sample
         _retire(pool, done, n)
-    rollout = _build_rollout(trans, sigmas, x, cond, group, last, kernel_names)
+    rollout = buffer.to_rollout(x, cond, group, last, nfe)
     found = _sorted_probes(done)
-    cost = dict(nfe=nfe, transitions=len(rollout), trained_transitions=int(rollout.trained.sum()),
-                probes=found["x"].shape[0])
+    cost = dict(rollout.cost, probes=found["x"].shape[0])
     rollout.cost = dict(cost)
     return ProbeRollout(rollout, found["x"], found["root"], found["step"], found["child"], found["g"], found["node"],
                         cost)

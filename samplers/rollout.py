@@ -16,6 +16,7 @@ from .kernels import KERNELS, MULTISTEP_KERNELS, STOCHASTIC_KERNELS
 __all__ = [
     "Rollout",
     "StepPlan",
+    "TransitionBuffer",
     "VelocityFn",
     "group_index",
     "initial_noise",
@@ -358,31 +359,81 @@ def _check_sample_inputs(noise, cond, group, sigmas, plan: StepPlan) -> None:
                              "(train_last / sampling.train_last_step must be False with kernel 'cps')")
 
 
-def _transition_index(plan: StepPlan, sigmas: torch.Tensor, cond: torch.Tensor, kernel_names) -> dict:
-    """Every per-transition field that does not depend on the sampled values, shape `(M,)` each."""
-    batch, device = cond.shape[0], cond.device
-    steps = torch.tensor(plan.stochastic_steps, dtype=torch.long, device=device)  # (S,)
-    num_stored = steps.shape[0]
+class TransitionBuffer:
+    """A sampler's stochastic transitions, appended one kernel call at a time, then built into a :class:`Rollout`.
 
-    def per_step(values, dtype):  # one value per plan step -> (M,)
-        return torch.tensor(values, dtype=dtype, device=device)[steps].repeat_interleave(batch)
+    Rows are numbered in the order they are appended (a transition's node id is its row). Per-step
+    constants (step, kernel, noise level, trained) are Python scalars; ``sigma``, ``sigma_next`` and
+    ``sigma_max = sigmas[1]`` are read from the schedule by step when the rollout is built.
 
-    node = torch.arange(num_stored * batch, device=device)  # (M,)
-    kernel_ids = [kernel_names.index(kernel) for kernel in plan.kernels]
-    return dict(
-        sigma=sigmas[steps].repeat_interleave(batch),  # (M,)
-        sigma_next=sigmas[steps + 1].repeat_interleave(batch),  # (M,)
-        sigma_max=sigmas[1].expand(num_stored * batch).clone(),  # (M,)
-        noise_level=per_step(plan.noise_levels, torch.float32),  # (M,)
-        kernel_id=per_step(kernel_ids, torch.long),  # (M,)
-        step=steps.repeat_interleave(batch),  # (M,)
-        leaf=torch.arange(batch, device=device).repeat(num_stored),  # (M,)
-        node=node,
-        parent=torch.where(node >= batch, node - batch, -1),  # (M,)
-        depth=torch.ones_like(node),  # (M,)
-        cond=cond.repeat(num_stored),  # (M,)
-        trained=per_step(plan.trained, torch.bool),  # (M,)
-    )
+    Args:
+        sigmas (`torch.Tensor` of shape `(N + 1,)`, float32): the schedule the kernels stepped on.
+        kernel_names (`tuple[str, ...]`): the rollout's kernel names; ``kernel_id`` indexes them.
+
+    Attributes:
+        rows (`int`): transitions appended so far.
+    """
+
+    def __init__(self, sigmas: torch.Tensor, kernel_names: tuple[str, ...]):
+        self.sigmas, self.kernel_names, self.rows = sigmas, tuple(kernel_names), 0
+        self._parts: dict[str, list[torch.Tensor]] = {}
+
+    def append(self, x: torch.Tensor, out, step: int, kernel: str, noise_level: float, trained: bool, *,
+               parent: torch.Tensor, leaf: torch.Tensor, cond: torch.Tensor, depth: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """Record the `F` transitions of one stochastic kernel call from the states `x`.
+
+        Args:
+            x (`torch.Tensor` of shape `(F, C, H, W)`, float32): the states the kernel stepped from.
+            out (:class:`samplers.StepOutput`): the kernel's output on `x`: ``prev_sample``, ``mean``
+                `(F, C, H, W)` and ``std``, ``log_prob`` `(F,)`, float32.
+            step (`int`): the denoising step `k`; kernel (`str`): its name, one of `kernel_names`.
+            noise_level (`float`), trained (`bool`): the kernel's noise level; whether the rows are trained.
+            parent, leaf, cond (`torch.Tensor` of shape `(F,)`, long): per row, the node id of the previous
+                stored transition on its path (`-1` for none), the first leaf below it, its conditioning index.
+            depth (`torch.Tensor` of shape `(F,)`, long, optional): branchings on each path; default 1.
+
+        Returns:
+            `torch.Tensor` of shape `(F,)`, long: the new rows' node ids (the next step's `parent`).
+        """
+        n, device = x.shape[0], x.device
+
+        def full(value, dtype):  # a per-step constant -> (F,)
+            return torch.full((n,), value, dtype=dtype, device=device)
+
+        columns = dict(state=x, next_state=out.prev_sample, mean=out.mean, std=out.std, log_prob=out.log_prob,
+                       noise_level=full(noise_level, torch.float32),
+                       kernel_id=full(self.kernel_names.index(kernel), torch.long), step=full(step, torch.long),
+                       leaf=leaf, parent=parent, depth=full(1, torch.long) if depth is None else depth, cond=cond,
+                       trained=full(trained, torch.bool))
+        for name, value in columns.items():
+            self._parts.setdefault(name, []).append(value)
+        self.rows += n
+        return torch.arange(self.rows - n, self.rows, device=device)  # (F,)
+
+    def to_rollout(self, final: torch.Tensor, leaf_cond: torch.Tensor, group: torch.Tensor, leaf_node: torch.Tensor,
+                   nfe: int) -> Rollout:
+        """The :class:`Rollout` of the appended rows (`M` of them, possibly none) and `B` leaves.
+
+        Args:
+            final (`torch.Tensor` of shape `(B, C, H, W)`, float32): the sampled latents.
+            leaf_cond, group, leaf_node (`torch.Tensor` of shape `(B,)`, long): per leaf, its conditioning
+                index, group id and the node id of the last stored transition on its path (`-1` if none).
+            nfe (`int`): velocity rows evaluated, for ``cost``.
+
+        Returns:
+            :class:`Rollout`; ``cost`` holds ``nfe``, ``transitions`` and ``trained_transitions``.
+        """
+        cost = dict(nfe=nfe, transitions=self.rows, trained_transitions=0)
+        if not self.rows:
+            return Rollout.without_transitions(final, leaf_cond, group, self.kernel_names, cost)
+        cat = {name: torch.cat(parts) for name, parts in self._parts.items()}  # (M, ...) each
+        cost["trained_transitions"] = int(cat["trained"].sum())
+        m, step = self.rows, cat["step"]
+        return Rollout(**cat, sigma=self.sigmas[step], sigma_next=self.sigmas[step + 1],  # (M,), (M,)
+                       sigma_max=self.sigmas[1].expand(m).clone(), node=torch.arange(m, device=final.device),  # (M,)
+                       final=final, leaf_cond=leaf_cond, group=group, leaf_node=leaf_node,
+                       kernel_names=self.kernel_names, cost=cost)
 
 
 @torch.no_grad()
@@ -427,12 +478,9 @@ def sample(
     x = noise.float()
     sigmas = sigmas.to(device=x.device, dtype=torch.float32)
     cond, group = cond.to(x.device), group.to(x.device)
-    kernel_names = tuple(dict.fromkeys(plan.kernels))
-    index = _transition_index(plan, sigmas, cond, kernel_names)
-    num_transitions = index["step"].shape[0]
-    recorded = {name: x.new_empty((num_transitions, *x.shape[1:])) for name in ("state", "next_state", "mean")}
-    recorded.update(std=x.new_empty(num_transitions), log_prob=x.new_empty(num_transitions))
-    rows, prev_x0, prev_sigma = 0, None, None
+    buffer = TransitionBuffer(sigmas, tuple(dict.fromkeys(plan.kernels)))
+    leaves, last = torch.arange(batch, device=x.device), torch.full_like(cond, -1)  # (B,), (B,)
+    prev_x0, prev_sigma = None, None
     for k in range(plan.num_steps):
         kernel = plan.kernels[k]
         velocity = _step_policy(kernel, velocity_fn, ode_velocity_fn)(x, sigmas[k].expand(batch).contiguous(), cond)
@@ -441,17 +489,10 @@ def sample(
         out = plan_step(plan, k, x, velocity, sigmas, prev_x0, prev_sigma, generator)
         prev_x0, prev_sigma = x - sigmas[k] * velocity.float(), sigmas[k]  # history of the multistep kernels
         if kernel in STOCHASTIC_KERNELS:
-            for name, value in (("state", x), ("next_state", out.prev_sample), ("mean", out.mean),
-                                ("std", out.std), ("log_prob", out.log_prob)):
-                recorded[name][rows:rows + batch] = value  # (B, ...) into (M, ...)
-            rows += batch
+            last = buffer.append(x, out, k, kernel, plan.noise_levels[k], plan.trained[k], parent=last, leaf=leaves,
+                                 cond=cond)  # (B,)
         x = out.prev_sample
-    cost = dict(nfe=plan.num_steps * batch, transitions=num_transitions,
-                trained_transitions=int(index["trained"].sum()))
-    stored = len(plan.stochastic_steps)
-    leaf_node = torch.arange(batch, device=x.device) + (stored - 1) * batch if stored else torch.full_like(cond, -1)
-    return Rollout(**recorded, **index, final=x, leaf_cond=cond, group=group, leaf_node=leaf_node, kernel_names=kernel_names,
-                   cost=cost)
+    return buffer.to_rollout(x, cond, group, last, nfe=plan.num_steps * batch)
 
 
 def ode_sample(velocity_fn: VelocityFn, noise: torch.Tensor, cond: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:

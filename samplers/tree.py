@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from .kernels import STOCHASTIC_KERNELS
-from .rollout import Rollout, StepPlan, VelocityFn, _check_sample_inputs, _step_policy, plan_step, sample
+from .rollout import (Rollout, StepPlan, TransitionBuffer, VelocityFn, _check_sample_inputs, _step_policy, plan_step,
+                      sample)
 
 __all__ = ["leaf_incidence", "sample_shared_noise", "sample_tree"]
 
@@ -85,11 +86,9 @@ def sample_tree(
     cond, group = cond.to(device), group.to(device)
     last = torch.full_like(cond, -1)  # (F,) node id of the last stored transition on each frontier path
     depth = torch.zeros_like(cond)  # (F,)
-    kernel_names = tuple(dict.fromkeys(plan.kernels))
-    chunks: dict[str, list[torch.Tensor]] = {name: [] for name in (
-        "state", "next_state", "mean", "std", "log_prob", "sigma", "sigma_next", "sigma_max", "noise_level",
-        "kernel_id", "step", "frontier", "parent", "depth", "cond", "trained")}
-    rows, nfe, prev_x0, prev_sigma = 0, 0, None, None
+    buffer = TransitionBuffer(sigmas, tuple(dict.fromkeys(plan.kernels)))
+    below = _leaves_below(branch)
+    nfe, prev_x0, prev_sigma = 0, None, None
     for k in range(plan.num_steps):
         kernel = plan.kernels[k]
         velocity = _frontier_velocity(_step_policy(kernel, velocity_fn, ode_velocity_fn), x, sigmas[k], cond, batched)
@@ -103,17 +102,11 @@ def sample_tree(
         out = plan_step(plan, k, x, velocity, sigmas, prev_x0, prev_sigma, generator)
         prev_x0, prev_sigma = x - sigmas[k] * velocity, sigmas[k]
         if kernel in STOCHASTIC_KERNELS:
-            _record(chunks, plan, k, sigmas, kernel_names.index(kernel), x, out, last, depth, cond)
-            last = torch.arange(rows, rows + x.shape[0], device=device)  # (F,) the new nodes' ids
-            rows += x.shape[0]
+            leaf = torch.arange(x.shape[0], device=device) * below[k]  # (F,) the first leaf below each node
+            last = buffer.append(x, out, k, kernel, plan.noise_levels[k], plan.trained[k], parent=last, leaf=leaf,
+                                 cond=cond, depth=depth)  # (F,) the new nodes' ids
         x = out.prev_sample
-    if rows == 0:  # an all-deterministic plan
-        return Rollout.without_transitions(x, cond, group, kernel_names, dict(nfe=nfe, transitions=0, trained_transitions=0))
-    fields = {name: torch.cat(parts) for name, parts in chunks.items()}
-    leaf = _first_leaf(fields.pop("frontier"), fields["step"], branch)
-    cost = dict(nfe=nfe, transitions=rows, trained_transitions=int(fields["trained"].sum()))
-    return Rollout(**fields, leaf=leaf, node=torch.arange(rows, device=device), final=x, leaf_cond=cond, group=group,
-                   leaf_node=last, kernel_names=kernel_names, cost=cost)
+    return buffer.to_rollout(x, cond, group, last, nfe)
 
 
 def _frontier_velocity(fn: VelocityFn, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor,
@@ -134,30 +127,12 @@ def _frontier_velocity(fn: VelocityFn, x: torch.Tensor, sigma: torch.Tensor, con
     return velocity
 
 
-def _record(chunks: dict[str, list[torch.Tensor]], plan: StepPlan, k: int, sigmas: torch.Tensor, kernel_id: int,
-            x: torch.Tensor, out, parent: torch.Tensor, depth: torch.Tensor, cond: torch.Tensor) -> None:
-    """Append the `F` stochastic transitions of step `k` from the (post-split) frontier `x` `(F, C, H, W)`,
-    kernel output `out`, to `chunks` (one `(F, ...)` tensor per field; ``frontier`` is each node's index)."""
-    n, device = x.shape[0], x.device
-    for name, value in (("state", x), ("next_state", out.prev_sample), ("mean", out.mean), ("std", out.std),
-                        ("log_prob", out.log_prob), ("parent", parent), ("depth", depth), ("cond", cond)):
-        chunks[name].append(value)
-    for name, value, dtype in (("sigma", sigmas[k], torch.float32), ("sigma_next", sigmas[k + 1], torch.float32),
-                               ("sigma_max", sigmas[1], torch.float32), ("noise_level", plan.noise_levels[k], torch.float32),
-                               ("kernel_id", kernel_id, torch.long), ("step", k, torch.long),
-                               ("trained", plan.trained[k], torch.bool)):
-        chunks[name].append(torch.full((n,), value, dtype=dtype, device=device) if not torch.is_tensor(value)
-                            else value.to(dtype).expand(n).clone())  # (F,)
-    chunks["frontier"].append(torch.arange(n, device=device))  # (F,)
-
-
-def _first_leaf(frontier: torch.Tensor, step: torch.Tensor, branch: list[int]) -> torch.Tensor:
-    """The first leaf below each transition `(M,)` long: its frontier index `frontier` `(M,)` at its step
-    `step` `(M,)` times the product of the branch factors after that step."""
-    later = torch.ones(len(branch), dtype=torch.long)  # (N,)
+def _leaves_below(branch: list[int]) -> list[int]:
+    """Leaves below one node of step `k`'s post-split frontier, per step: ``prod(branch[k + 1:])``."""
+    below = [1] * len(branch)
     for k in range(len(branch) - 2, -1, -1):
-        later[k] = later[k + 1] * branch[k + 1]
-    return frontier * later.to(frontier.device)[step]  # (M,)
+        below[k] = below[k + 1] * branch[k + 1]
+    return below
 
 
 def leaf_incidence(rollout: Rollout) -> torch.Tensor:

@@ -330,3 +330,34 @@ def test_cps_matches_closed_form_and_preserves_coefficients():
     last = cps_step(x, v, 0.2, 0.0, eta, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(last.prev_sample, x - 0.2 * v)  # to t' = 0: x0_hat, std 0, log-prob 0
     assert bool((last.log_prob == 0).all())
+
+
+def test_transition_buffer_numbers_rows_and_reads_sigmas_by_step():
+    sigmas, (x, v) = flow_sigmas(4, 3.0), _batch(3)
+    cond, group = torch.tensor([0, 1, 1]), torch.tensor([0, 0, 1])
+    buffer = samplers.TransitionBuffer(sigmas, ("ode", "flow_sde", "cps"))
+    first = flow_sde_step(x, v, sigmas[1], sigmas[2], 0.7, sigmas[1], generator=torch.Generator().manual_seed(0))
+    node = buffer.append(x, first, 1, "flow_sde", 0.7, False, parent=torch.full_like(cond, -1),
+                         leaf=torch.arange(3), cond=cond)
+    second = KERNELS["cps"](first.prev_sample, v, sigmas[2], sigmas[3], 0.5, sigmas[1])
+    last = buffer.append(first.prev_sample, second, 2, "cps", 0.5, True, parent=node, leaf=torch.arange(3), cond=cond,
+                         depth=torch.tensor([1, 2, 2]))
+    ro = buffer.to_rollout(second.prev_sample, cond, group, last, nfe=12)
+    assert node.tolist() == [0, 1, 2] and last.tolist() == [3, 4, 5] and len(ro) == buffer.rows == 6
+    assert ro.parent.tolist() == [-1, -1, -1, 0, 1, 2] and ro.node.tolist() == list(range(6))
+    assert torch.equal(ro.sigma, sigmas[ro.step]) and torch.equal(ro.sigma_next, sigmas[ro.step + 1])
+    assert torch.equal(ro.sigma_max, sigmas[1].expand(6)) and ro.kernel_id.tolist() == [1] * 3 + [2] * 3
+    assert ro.depth.tolist() == [1, 1, 1, 1, 2, 2] and ro.trained.tolist() == [False] * 3 + [True] * 3
+    assert ro.noise_level.dtype == torch.float32 and torch.equal(ro.next_state[3:], second.prev_sample)
+    assert ro.cost == dict(nfe=12, transitions=6, trained_transitions=3)
+    torch.testing.assert_close(recompute_log_prob(ro, torch.cat([v, v])),
+                               (torch.cat([first.log_prob, second.log_prob]), torch.cat([first.mean, second.mean])),
+                               rtol=0, atol=0)
+
+
+def test_empty_transition_buffer_gives_a_rollout_without_transitions():
+    x, _ = _batch(2)
+    cond = torch.tensor([0, 1])
+    ro = samplers.TransitionBuffer(flow_sigmas(3, 3.0), ("ode",)).to_rollout(x, cond, cond, torch.full_like(cond, -1), 6)
+    assert len(ro) == 0 and ro.leaf_node.tolist() == [-1, -1] and torch.equal(ro.final, x)
+    assert ro.cost == dict(nfe=6, transitions=0, trained_transitions=0)

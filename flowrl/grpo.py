@@ -150,34 +150,12 @@ class GRPOMixin:
                 continue
             share = len(mb) / total_rows  # this process's part of the global mean (1 with one process)
             parts: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (value, fraction of the minibatch)
+            diag = (per_step, grad_step) if epoch == 0 else None
             for c, idx, frac in self._micro_batches(mb):  # gradient accumulation over micro-batches
-                sub = tv.select(idx)
-                present = sub.step.unique().tolist()  # denoising steps in this micro-batch
                 w = None if weights is None else weights[c:c + len(idx)]
-                v, log_prob, mean = self._policy_log_prob(velocity, sub)
-                track_v = epoch == 0 and t.step_grad_norms == "velocity" and v.requires_grad
-                if track_v:
-                    v.retain_grad()
-                loss, st = ppo_loss(log_prob, sub.log_prob, adv[idx], t.clip_range, w)
-                if epoch == 0:
-                    ratio = torch.exp(log_prob.detach() - sub.log_prob)
-                    for k in present:
-                        per_step[k].append(ratio[sub.step == k].cpu())
-                    if t.step_grad_norms == "params" and j == 0 and c == 0:
-                        grad_step.update(self._param_grad_norms(sub, present, log_prob, adv[idx], w))
-                if t.kl_beta > 0:
-                    kl = self._kl_to_reference(velocity, sub, v, mean)
-                    loss = loss + t.kl_beta * kl
-                    parts["policy/kl"].append((kl.item(), frac))
-                scale = frac * share  # the micro-batch's part of the (global) minibatch mean
-                self.accelerator.backward(loss * scale if scale != 1.0 else loss)
-                if track_v and v.grad is not None:  # d loss / d v per transition, undoing the 1/M of the mean
-                    norms = v.grad.float().flatten(1).norm(dim=1).cpu() * len(idx) / scale
-                    for k in present:
-                        grad_step[k].append(norms[(sub.step == k).cpu()])
-                parts["policy/loss"].append((loss.item(), frac))
-                for k, v_ in st.items():
-                    parts[k].append((v_.item(), frac))
+                micro = self._ppo_micro_batch(velocity, tv.select(idx), adv[idx], w, frac * share, diag, j == 0 and c == 0)
+                for k, x in micro.items():
+                    parts[k].append((x, frac))
             merged = {k: max(x for x, _ in vals) if k == "policy/ratio_max_dev" else sum(x * f for x, f in vals)
                       for k, vals in parts.items()}  # the minibatch's statistics
             if optimizer_steps == 0:  # before any update (absent where this process's first step had no transitions)
@@ -192,6 +170,49 @@ class GRPOMixin:
         out["policy/optimizer_steps"] = optimizer_steps
         out.update(step_diagnostics(per_step, grad_step, t.clip_range))
         out["cost/trained_transitions"] = len(tv) * t.inner_epochs
+        return out
+
+    def _ppo_micro_batch(self, velocity, sub, adv: torch.Tensor, weights: torch.Tensor | None, scale: float,
+                         diag: tuple[dict, dict] | None, first: bool) -> dict[str, float]:
+        """Forward and backward of one micro-batch of :meth:`optimize`: the clipped surrogate (plus the KL term)
+        of the `m` transitions `sub`, back-propagated with weight `scale` (their share of the global minibatch).
+
+        Args:
+            velocity: the policy (:meth:`FlowModel.velocity_fn`); sub (:class:`samplers.Rollout`): `m` transitions.
+            adv (`torch.Tensor` of shape `(m,)`, float32): their advantages; weights `(m,)` or None: step weights.
+            diag: in the first epoch, ``(ratios, grad_norms)``, denoising step -> list of `(n,)` tensors, to
+                which this micro-batch's per-step ratios (and gradient norms, ``train.step_grad_norms``) are
+                appended; None in later epochs.
+            first (`bool`): the iteration's first micro-batch (where ``step_grad_norms: params`` is measured).
+
+        Returns:
+            This micro-batch's ``policy/kl`` (with ``train.kl_beta``), ``policy/loss`` and :func:`losses.ppo_loss`'s statistics.
+        """
+        t = self.cfg.train
+        present = sub.step.unique().tolist()  # denoising steps in this micro-batch
+        v, log_prob, mean = self._policy_log_prob(velocity, sub)
+        track_v = diag is not None and t.step_grad_norms == "velocity" and v.requires_grad
+        if track_v:
+            v.retain_grad()
+        loss, st = ppo_loss(log_prob, sub.log_prob, adv, t.clip_range, weights)
+        out = {}
+        if diag is not None:
+            ratio = torch.exp(log_prob.detach() - sub.log_prob)
+            for k in present:
+                diag[0][k].append(ratio[sub.step == k].cpu())
+            if t.step_grad_norms == "params" and first:
+                diag[1].update(self._param_grad_norms(sub, present, log_prob, adv, weights))
+        if t.kl_beta > 0:
+            kl = self._kl_to_reference(velocity, sub, v, mean)
+            loss = loss + t.kl_beta * kl
+            out["policy/kl"] = kl.item()
+        self.accelerator.backward(loss * scale if scale != 1.0 else loss)
+        if track_v and v.grad is not None:  # d loss / d v per transition, undoing the 1/m of the mean
+            norms = v.grad.float().flatten(1).norm(dim=1).cpu() * len(sub) / scale
+            for k in present:
+                diag[1][k].append(norms[(sub.step == k).cpu()])
+        out["policy/loss"] = loss.item()
+        out.update({k: x.item() for k, x in st.items()})
         return out
 
     def _policy_log_prob(self, velocity, sub) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,6 +11,10 @@ from pathlib import Path
 from .config import ConfigError, load_config, prompt_file, resolve_path
 
 
+USER_ERRORS = (ConfigError, FileNotFoundError, FileExistsError, ValueError, KeyError, TypeError)
+"""Exceptions that mean bad input (config key, file, reward, preset): reported in one line, exit status 2."""
+
+
 def _model(args):
     import torch
 
@@ -120,30 +124,41 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast")
 
 
-def main(argv: list[str] | None = None) -> None:
-    """The ``flowrl`` command. Bad input (config key, file, reward, preset) exits with status 2 and a
-    one-line ``flowrl COMMAND: error: ...`` on stderr instead of a traceback."""
-    parser = argparse.ArgumentParser(prog="flowrl", description="Online RL for text-to-image flow models")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_train(sub) -> None:
+    """The ``train`` sub-command: ``CONFIG`` and ``key=value`` overrides, run by :func:`cmd_train`."""
     t = sub.add_parser("train", help="run a training job (GRPO or DiffusionNFT) from a YAML preset")
     t.add_argument("config", help="configs/*.yaml")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.iterations=10")
     t.set_defaults(fn=cmd_train)
+
+
+def _add_eval(sub) -> None:
+    """The ``eval`` sub-command: the model options, the prompt set and the JSON output, run by :func:`cmd_eval`."""
     e = sub.add_parser("eval", help="GenEval-style strict accuracy of a model (+ LoRA)")
     _model_args(e)
     e.add_argument("--prompts", default="test", help="train | test | FILE.jsonl")
     e.add_argument("--images-per-tag", type=int, default=64)
     e.add_argument("--out", required=True, help="FILE.json")
     e.set_defaults(fn=cmd_eval)
+
+
+def _add_sample(sub) -> None:
+    """The ``sample`` sub-command: the model options, the prompt, ``-n`` and the PNG output, run by
+    :func:`cmd_sample`."""
     s = sub.add_parser("sample", help="a grid of images for one prompt")
     _model_args(s)
     s.add_argument("--prompt", required=True)
     s.add_argument("-n", type=int, default=8)
     s.add_argument("--out", default="grid.png")
     s.set_defaults(fn=cmd_sample)
-    b = sub.add_parser("bench", help="time every sampler preset on the tiny world (one table)")
+
+
+def _add_bench(sub) -> None:
+    """The ``bench`` sub-command: presets (default :data:`flowrl.bench.PRESETS`), timing and budget options,
+    run by :func:`cmd_bench`."""
     from .bench import PRESETS
 
+    b = sub.add_parser("bench", help="time every sampler preset on the tiny world (one table)")
     b.add_argument("--presets", nargs="+", default=list(PRESETS))
     b.add_argument("--iterations", type=int, default=3, help="timed iterations per preset (median)")
     b.add_argument("--warmup", type=int, default=1)
@@ -153,23 +168,48 @@ def main(argv: list[str] | None = None) -> None:
                    help="YAML of per-preset key=value lists ('all' for every preset), e.g. benchmarks/scale_mixgrpo.yaml")
     b.add_argument("overrides", nargs="*", help="key=value overrides for every preset")
     b.set_defaults(fn=cmd_bench)
-    o = sub.add_parser("overopt", help="over-optimisation study: train on the clipscore proxy, track GenEval gold")
-    from .overopt import PRESETS as OVEROPT_PRESETS
 
-    o.add_argument("--presets", nargs="+", default=list(OVEROPT_PRESETS))
+
+def _add_overopt(sub) -> None:
+    """The ``overopt`` sub-command: presets (default :data:`flowrl.overopt.PRESETS`), iterations and evaluation
+    interval, run by :func:`cmd_overopt`."""
+    from .overopt import PRESETS
+
+    o = sub.add_parser("overopt", help="over-optimisation study: train on the clipscore proxy, track GenEval gold")
+    o.add_argument("--presets", nargs="+", default=list(PRESETS))
     o.add_argument("--iterations", type=int, default=30)
     o.add_argument("--eval-every", type=int, default=10)
     o.add_argument("--out", default="benchmarks/overopt.json")
     o.add_argument("overrides", nargs="*", help="key=value overrides for every preset")
     o.set_defaults(fn=cmd_overopt)
-    args = parser.parse_args(argv)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The ``flowrl`` parser: one sub-command each for train, eval, sample, bench and overopt (in that order,
+    as ``--help`` lists them); each sets ``fn``, the ``cmd_*`` function that runs it."""
+    parser = argparse.ArgumentParser(prog="flowrl", description="Online RL for text-to-image flow models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_train, _add_eval, _add_sample, _add_bench, _add_overopt):
+        add(sub)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> None:
+    """Run ``args.fn(args)``; a :data:`USER_ERRORS` exception prints ``flowrl COMMAND: error: ...`` on stderr and
+    exits with status 2 (``SystemExit``) instead of a traceback."""
     if "" not in sys.path and os.getcwd() not in sys.path:  # user rewards 'pkg.module:fn' from the working folder,
         sys.path.insert(0, os.getcwd())  # as with `python -m flowrl.cli` (the console script puts its bin/ first)
     try:
         args.fn(args)
-    except (ConfigError, FileNotFoundError, FileExistsError, ValueError, KeyError, TypeError) as e:
+    except USER_ERRORS as e:
         print(f"flowrl {args.command}: error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``flowrl`` command. Bad input (config key, file, reward, preset) exits with status 2 and a
+    one-line ``flowrl COMMAND: error: ...`` on stderr instead of a traceback."""
+    _run(_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import math
 import random
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -371,72 +372,171 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
     contrastive tiny CLIP in ``out/tiny-clip`` (the ``clipscore`` reward's default) is left as it was.
     ``tag_weights`` draws the scenes' tags with those weights (:func:`render_dataset`; None: uniform).
     """
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+    out, times = Path(out), {}
+    with _timed(times, "render_s"):
+        images, captions = _prompts_and_scenes(out, seed, n_scenes, tag_weights)
+    with _timed(times, "clip_s"):
+        tokenizer = _clip_stage(out, images, captions, clip_steps, seed, resume)
+    with _timed(times, "vae_s"):
+        vae = _vae_stage(out, images, vae_steps, seed, resume, init)
+    with _timed(times, "transformer_s"):
+        text_encoder, transformer = _transformer_stage(out, images, captions, tokenizer, vae, init, dit_steps, seed,
+                                                       batch=dit_batch, lr=dit_lr, t_mean=dit_t_mean,
+                                                       ema_decay=dit_ema, text_lr=text_lr)
+    _save_pipeline(out / "tiny-sd3", transformer, vae, text_encoder, tokenizer)
+    settings = {"seed": seed, "n_scenes": n_scenes, "clip_steps": clip_steps, "reused_clip": resume,
+                "vae_steps": vae_steps, "dit_steps": dit_steps, "dit_lr": dit_lr, "dit_t_mean": dit_t_mean,
+                "dit_batch": dit_batch, "dit_ema": dit_ema, "text_lr": text_lr, "tag_weights": tag_weights,
+                "init": None if init is None else str(init)}
+    _write_build_json(out / "tiny-sd3", settings, times, init)
+    return times
 
-    out = Path(out)
-    times, t0 = {}, time.time()
+
+@contextmanager
+def _timed(times: dict[str, float], key: str):
+    """Store the wall time of the ``with`` body, in seconds, as ``times[key]`` (not when the body raises)."""
+    t0 = time.time()
+    yield
+    times[key] = time.time() - t0
+
+
+def _prompts_and_scenes(out: Path, seed: int, n_scenes: int, tag_weights: dict[str, float] | None):
+    """The data stage: write the RL prompt files and render the pre-training scenes.
+
+    Writes ``out/prompts/{train,test}.jsonl``, the GenEval-style prompts split by ``seed``
+    (:func:`flowrl.tiny.prompts.split`), then renders ``n_scenes`` captioned scenes with :func:`render_dataset`.
+
+    Returns:
+        ``(images, captions)``: uint8 tensor ``(n_scenes, 3, 64, 64)`` and ``n_scenes`` prompt strings.
+
+    Raises:
+        ValueError: for bad ``tag_weights`` (see :func:`render_dataset`), once the prompt files are written.
+    """
     train, test = split(seed)
     (out / "prompts").mkdir(parents=True, exist_ok=True)
     write_jsonl(train, out / "prompts" / "train.jsonl")
     write_jsonl(test, out / "prompts" / "test.jsonl")
-    images, captions = render_dataset(n_scenes, seed, tag_weights)
-    times["render_s"] = time.time() - t0
+    return render_dataset(n_scenes, seed, tag_weights)
 
-    t0 = time.time()
+
+def _clip_stage(out: Path, images: torch.Tensor, captions: list[str], steps: int, seed: int, resume: bool):
+    """The tiny CLIP stage: train it (:func:`train_clip`, ``steps`` steps) and save it in ``out/tiny-clip``,
+    unless ``resume`` finds ``out/tiny-clip/model.safetensors`` there already.
+
+    Args:
+        images: uint8 ``(N, 3, 64, 64)`` scenes; captions: their ``N`` prompt strings.
+
+    Returns:
+        The CLIP BPE tokenizer (:func:`build_tokenizer`), which the pipeline shares.
+    """
     tokenizer = build_tokenizer()
     if not (resume and (out / "tiny-clip" / "model.safetensors").is_file()):
-        _save_clip(train_clip(images, captions, tokenizer, clip_steps, seed), tokenizer, out / "tiny-clip")
-    times["clip_s"] = time.time() - t0
+        _save_clip(train_clip(images, captions, tokenizer, steps, seed), tokenizer, out / "tiny-clip")
+    return tokenizer
 
-    t0 = time.time()
+
+def _vae_stage(out: Path, images: torch.Tensor, steps: int, seed: int, resume: bool, init: str | Path | None):
+    """The VAE stage: the ``init`` pipeline's VAE; else, with ``resume``, the one an interrupted build cached in
+    ``out/.build-cache/vae``; else one trained on ``images`` (uint8 ``(N, 3, 64, 64)``) by :func:`train_vae` for
+    ``steps`` steps and cached there.
+
+    Returns:
+        The ``AutoencoderKL`` (float32, eval mode).
+    """
+    from diffusers import AutoencoderKL
+
     cache = out / ".build-cache" / "vae"
     if init is not None:
-        vae = AutoencoderKL.from_pretrained(Path(init) / "vae", dtype=torch.float32).eval()
-    elif resume and (cache / "config.json").is_file():
-        vae = AutoencoderKL.from_pretrained(cache).eval()
-    else:
-        vae = train_vae(images, vae_steps, seed)
-        vae.save_pretrained(cache)
-    times["vae_s"] = time.time() - t0
+        return AutoencoderKL.from_pretrained(Path(init) / "vae", dtype=torch.float32).eval()
+    if resume and (cache / "config.json").is_file():
+        return AutoencoderKL.from_pretrained(cache).eval()
+    vae = train_vae(images, steps, seed)
+    vae.save_pretrained(cache)
+    return vae
 
-    t0 = time.time()
-    if init is not None:
-        from transformers import CLIPTextModelWithProjection
 
-        text_encoder = CLIPTextModelWithProjection.from_pretrained(Path(init) / "text_encoder", dtype=torch.float32).eval()
-    else:
-        text_encoder = text_tower(out / "tiny-clip")
-    width = text_encoder.config.hidden_size * 2  # CLIP-L and CLIP-G slots, both the tiny tower
-    if init is not None:
-        from diffusers import SD3Transformer2DModel
+def _transformer_stage(out: Path, images: torch.Tensor, captions: list[str], tokenizer, vae, init: str | Path | None,
+                       steps: int, seed: int, *, batch: int, lr: float, t_mean: float, ema_decay: float,
+                       text_lr: float):
+    """The transformer stage: rectified-flow training (:func:`train_transformer`) on the scenes' VAE latents.
 
-        transformer = SD3Transformer2DModel.from_pretrained(Path(init) / "transformer", dtype=torch.float32)
-    else:
-        transformer = tiny_transformer(width, text_encoder.config.projection_dim * 2, seed)
-    unique = [""] + sorted(set(captions))
-    input_ids = tokenizer(unique, padding="max_length", max_length=MAX_TOKENS, truncation=True, return_tensors="pt").input_ids
+    The text tower and transformer come from :func:`_text_encoder_and_transformer`; checkpoints go to
+    ``out/.build-cache/transformer/step-K`` every ``max(1, steps // 6)`` steps.
+
+    Args:
+        images: uint8 ``(N, 3, 64, 64)`` scenes; captions: their ``N`` prompt strings.
+        tokenizer: the CLIP tokenizer of :func:`build_tokenizer`; vae: the trained ``AutoencoderKL``.
+        batch, lr, t_mean, ema_decay, text_lr: :func:`train_transformer`'s, as ``build``'s ``dit_*`` and ``text_lr``.
+
+    Returns:
+        ``(text_encoder, transformer)``, float32 and eval mode, trained in place.
+    """
+    text_encoder, transformer = _text_encoder_and_transformer(out, init, seed)
+    input_ids, cap_idx = _caption_rows(tokenizer, captions)
     with torch.no_grad():
         cond, pooled = clip_condition(text_encoder, input_ids)  # the pipeline's encode_prompt (tested equal)
-    index = {c: i for i, c in enumerate(unique)}
-    cap_idx = torch.tensor([index[c] for c in captions])
-    latents = (encode_latents(vae, images) - vae.config.shift_factor) * vae.config.scaling_factor
-    train_transformer(transformer, latents, cond.float(), pooled.float(), cap_idx, dit_steps, seed, batch=dit_batch,
-                      lr=dit_lr, checkpoints=out / ".build-cache" / "transformer", t_mean=dit_t_mean, ema_decay=dit_ema,
-                      checkpoint_every=max(1, dit_steps // 6), text_encoder=text_encoder, input_ids=input_ids,
+    latents = (encode_latents(vae, images) - vae.config.shift_factor) * vae.config.scaling_factor  # (N, C, h, w)
+    train_transformer(transformer, latents, cond.float(), pooled.float(), cap_idx, steps, seed, batch=batch,
+                      lr=lr, checkpoints=out / ".build-cache" / "transformer", t_mean=t_mean, ema_decay=ema_decay,
+                      checkpoint_every=max(1, steps // 6), text_encoder=text_encoder, input_ids=input_ids,
                       text_lr=text_lr)
-    times["transformer_s"] = time.time() - t0
+    return text_encoder, transformer
+
+
+def _text_encoder_and_transformer(out: Path, init: str | Path | None, seed: int):
+    """The pipeline's text tower and transformer before training, both float32.
+
+    With ``init``: its ``text_encoder`` (eval mode) and ``transformer``, to train on. Without: the text tower of
+    the tiny CLIP in ``out/tiny-clip`` (:func:`text_tower`) and a fresh :func:`tiny_transformer` seeded with
+    ``seed``, sized for that tower in both CLIP slots.
+
+    Returns:
+        ``(text_encoder, transformer)``: a ``CLIPTextModelWithProjection`` and an ``SD3Transformer2DModel``.
+    """
+    if init is not None:
+        from diffusers import SD3Transformer2DModel
+        from transformers import CLIPTextModelWithProjection
+
+        text_encoder = CLIPTextModelWithProjection.from_pretrained(Path(init) / "text_encoder", dtype=torch.float32)
+        transformer = SD3Transformer2DModel.from_pretrained(Path(init) / "transformer", dtype=torch.float32)
+        return text_encoder.eval(), transformer
+    text_encoder = text_tower(out / "tiny-clip")
+    width = text_encoder.config.hidden_size * 2  # CLIP-L and CLIP-G slots, both the tiny tower
+    return text_encoder, tiny_transformer(width, text_encoder.config.projection_dim * 2, seed)
+
+
+def _caption_rows(tokenizer, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids of the empty prompt and the sorted unique captions, and each caption's row among them.
+
+    Returns:
+        ``(input_ids, cap_idx)``: long ``(P, MAX_TOKENS)`` with row 0 the empty prompt (for classifier-free
+        guidance), and long ``(N,)`` row of each of the ``N`` captions.
+    """
+    unique = [""] + sorted(set(captions))
+    input_ids = tokenizer(unique, padding="max_length", max_length=MAX_TOKENS, truncation=True,
+                          return_tensors="pt").input_ids  # (P, MAX_TOKENS)
+    index = {c: i for i, c in enumerate(unique)}
+    return input_ids, torch.tensor([index[c] for c in captions])
+
+
+def _save_pipeline(folder: Path, transformer, vae, text_encoder, tokenizer) -> None:
+    """Write the ``StableDiffusion3Pipeline`` folder: the tiny text tower and tokenizer in both CLIP slots, no T5,
+    Euler flow-matching scheduler (shift 1). Converts the three models to float16 in place (fp16 on disk)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
     pipe = StableDiffusion3Pipeline(
-        transformer=transformer.half(), scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=vae.half(),  # fp16 on disk
+        transformer=transformer.half(), scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=vae.half(),
         text_encoder=text_encoder.half(), tokenizer=tokenizer, text_encoder_2=text_encoder, tokenizer_2=tokenizer,
         text_encoder_3=None, tokenizer_3=None)
-    pipe.save_pretrained(out / "tiny-sd3")
-    (out / "tiny-sd3" / "build.json").write_text(json.dumps({"seed": seed, "n_scenes": n_scenes, "clip_steps": clip_steps, "reused_clip": resume,
-        "vae_steps": vae_steps, "dit_steps": dit_steps, "dit_lr": dit_lr, "dit_t_mean": dit_t_mean, "dit_batch": dit_batch, "dit_ema": dit_ema,
-        "text_lr": text_lr, "tag_weights": tag_weights, "init": None if init is None else str(init),
-        "times_s": times, "command": "python -m flowrl.tiny.build " + " ".join(sys.argv[1:]),
-        "init_build": _read_build(init)}, indent=1))
-    return times
+    pipe.save_pretrained(folder)
+
+
+def _write_build_json(folder: Path, settings: dict, times: dict[str, float], init: str | Path | None) -> None:
+    """Write ``folder/build.json``: ``settings`` in their order, then ``times_s`` (stage wall times in seconds),
+    the ``command`` line and ``init_build``, the ``init`` pipeline's own ``build.json`` (or None)."""
+    record = {**settings, "times_s": times, "command": "python -m flowrl.tiny.build " + " ".join(sys.argv[1:]),
+              "init_build": _read_build(init)}
+    (folder / "build.json").write_text(json.dumps(record, indent=1))
 
 
 def _read_build(init: str | Path | None) -> dict | None:

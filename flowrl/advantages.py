@@ -28,28 +28,37 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, std: str = "glo
         raise ValueError(f"advantage std must be 'group' or 'global', got {std!r}")
     if rewards.shape != group.shape or rewards.dim() != 1:
         raise ValueError(f"rewards {tuple(rewards.shape)} and group {tuple(group.shape)} must both be (B,)")
-    rewards = rewards.float()
+    rewards = rewards.double()  # float64: float32 sums leave a spread of ~1e-6 in a group of equal rewards near 30
     _, inverse = torch.unique(group, return_inverse=True)  # (B,) dense group index
-    n = torch.bincount(inverse).float()  # (G,)
+    n = torch.bincount(inverse).double()  # (G,)
     mean = torch.bincount(inverse, rewards) / n  # (G,)
     centred = rewards - mean[inverse]  # (B,)
     var = torch.bincount(inverse, centred**2) / n  # (G,)
-    zero_variance = (var < 1e-12)[inverse]  # (B,)
+    zero_variance = (_tied(rewards, inverse) | (var < 1e-12))[inverse]  # (B,)
     scale = var.sqrt()[inverse] if std == "group" else rewards.std(unbiased=False).expand_as(rewards)
-    advantages = (centred / (scale + eps)).clamp(-clip, clip)
+    advantages = (centred / (scale + eps)).clamp(-clip, clip).float()
     return torch.where(zero_variance, torch.zeros_like(advantages), advantages), zero_variance
 
 
+def _tied(values: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """`(G,)` bool: True for each dense group index of `inverse` `(B,)` whose `values` `(B,)` are all equal."""
+    groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    high = values.new_full((groups,), -torch.inf).scatter_reduce(0, inverse, values, "amax")
+    low = values.new_full((groups,), torch.inf).scatter_reduce(0, inverse, values, "amin")
+    return high == low
+
+
 def _zscore_by(values: torch.Tensor, key: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
-    """z-score of `values` (B,) within each distinct `key` (B,) (population std); 0 where a key's std is
-    below 1e-6 (so also for a key with one value)."""
+    """z-score `(B,)` float32 of `values` (B,) within each distinct `key` (B,) (population std, in float64); 0
+    where a key's values are all equal (so also for a key with one value) or their std is below 1e-6."""
     _, inverse = torch.unique(key, return_inverse=True)
-    n = torch.bincount(inverse).float()
-    values = values.float()
+    n = torch.bincount(inverse).double()
+    values = values.double()
     mean = torch.bincount(inverse, values) / n
     centred = values - mean[inverse]
-    std = (torch.bincount(inverse, centred**2) / n).sqrt()[inverse]
-    return torch.where(std < 1e-6, torch.zeros_like(centred), centred / (std + eps))
+    std = (torch.bincount(inverse, centred**2) / n).sqrt()
+    flat = (_tied(values, inverse) | (std < 1e-6))[inverse]
+    return torch.where(flat, torch.zeros_like(centred), centred / (std[inverse] + eps)).float()
 
 
 def _key(*columns: torch.Tensor) -> torch.Tensor:
@@ -120,7 +129,7 @@ def depthwise_advantages(node_rewards: torch.Tensor, group: torch.Tensor, step: 
     nodes of the same tree at the same step; a transition takes the advantage of the node it leads to.
 
     ``A = (R - mean) / (std + eps)`` with the population std; 0 where a (tree, step) holds one node or
-    its std is below 1e-6; clipped to ``+-clip``.
+    its rewards are all equal or their std is below 1e-6 (in float64); clipped to ``+-clip``.
 
     Args:
         node_rewards (`torch.Tensor` of shape `(M,)`): :func:`tree_node_rewards`.

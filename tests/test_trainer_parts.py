@@ -280,3 +280,19 @@ def test_minibatch_sizes_give_every_process_the_same_number_of_steps():
     assert sizes.sum(1).tolist() == [5, 0, 3]  # every kept transition in exactly one step
     assert minibatch_sizes(torch.tensor([0, 0]), 4).shape == (2, 0)
     assert minibatch_sizes(torch.tensor([7]), 64).tolist() == [[7]]
+
+
+@pytest.mark.parametrize("value", [22.3, 31.7, 1000.1])
+def test_equal_rewards_at_clip_scale_are_zero_variance(value):
+    """A group (or tree depth) of equal rewards gets A = 0 and is dropped, also at CLIP-score magnitudes,
+    where float32 means left a spread of ~1e-6 that neither threshold caught (A up to -1 per node)."""
+    from flowrl.advantages import depthwise_advantages, process_advantages
+
+    r = torch.cat([torch.full((8,), value), torch.tensor([value, value + 1.0])])
+    g = torch.tensor([0] * 8 + [1, 1])
+    for std in ("group", "global"):
+        adv, zero = group_advantages(r, g, std=std)
+        assert zero.tolist() == [True] * 8 + [False, False] and (adv[:8] == 0).all() and (adv[8:] != 0).all()
+    step = torch.zeros(10, dtype=torch.long)
+    assert (depthwise_advantages(r, g, step, 5.0)[:8] == 0).all()
+    assert (process_advantages(r, g, step, torch.ones_like(step), 5.0)[:8] == 0).all()

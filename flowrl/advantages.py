@@ -196,7 +196,7 @@ def sum_by_node(values: torch.Tensor, node: torch.Tensor, num_nodes: int) -> tor
     return torch.zeros(num_nodes, dtype=torch.float32, device=values.device).index_add_(0, node[keep], values[keep].float())
 
 
-def turning_point_rewards(returns: torch.Tensor) -> torch.Tensor:
+def turning_point_rewards(returns: torch.Tensor, balance: bool = True) -> torch.Tensor:
     """TP-GRPO step rewards (arXiv 2602.06422, Sec. 3): from ``R_0`` (pure ODE from x_T) and ``R_t`` (ODE
     completion after the first ``t`` SDE steps, ``R_n`` = the SDE sample's reward).
 
@@ -204,10 +204,13 @@ def turning_point_rewards(returns: torch.Tensor) -> torch.Tensor:
     ``d`` flips there to agree with ``D`` (``sign(d_{t-1}) sign(D) < 0 < sign(d_t) sign(D)``) and the step
     also agrees with what remains (``sign(d_t) sign(R_n - R_t) > 0``, the 'consistent trajectory' rule;
     always false at ``t = n``); at ``t = 1`` only the latter rule. A turning point's reward is the
-    long-term effect ``R_n - R_{t-1}``; elsewhere ``d_t``.
+    long-term effect ``R_n - R_{t-1}``; elsewhere ``d_t``. With `balance` (the paper's balanced bonus), when
+    the turning points of the batch have both signs of ``D``, only as many of each sign are kept as the
+    rarer sign has, those of the largest ``|D|``; the others take ``d_t``.
 
     Args:
         returns (`torch.Tensor` of shape `(B, n + 1)`): ``R_0 .. R_n`` per trajectory.
+        balance (`bool`): balance the positive and negative turning points over the batch.
 
     Returns:
         `torch.Tensor` of shape `(B, n)`, float32: the reward of SDE steps ``1 .. n``.
@@ -221,8 +224,25 @@ def turning_point_rewards(returns: torch.Tensor) -> torch.Tensor:
     flip[:, 1:] = (local[:, :-1] < 0) & (local[:, 1:] > 0)
     flip[:, 0] = True
     turning = flip & (remaining > 0)
+    if balance:
+        turning = _balanced(turning, (r[:, -1] - r[:, 0]).unsqueeze(1).expand_as(d))
     long_term = r[:, -1:] - r[:, :-1]  # (B, n): R_n - R_{t-1}
     return torch.where(turning, long_term, d)
+
+
+def _balanced(turning: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """`turning` `(B, n)` bool with, when both signs of `total` `(B, n)` (``D`` per entry) occur among its True
+    entries, only the ``min(#positive, #negative)`` entries of each sign with the largest ``|D|`` kept (ties:
+    the first in row-major order)."""
+    flat, value = turning.flatten(), total.flatten()
+    kept = torch.zeros_like(flat)
+    positive, negative = (flat & (value > 0)).nonzero().squeeze(1), (flat & (value < 0)).nonzero().squeeze(1)
+    if len(positive) == 0 or len(negative) == 0:
+        return turning
+    count = min(len(positive), len(negative))
+    for idx in (positive, negative):
+        kept[idx[torch.argsort(-value[idx].abs(), stable=True)[:count]]] = True
+    return kept.view_as(turning)
 
 
 def aggregate_advantages(per_reward: dict[str, torch.Tensor], weights: dict[str, float], group: torch.Tensor,

@@ -105,6 +105,7 @@ class ProbeConfig:
     children: int = 4  # tempflow: SDE children per trunk and probe step (g2rpo uses group_size, tp_grpo none)
     granularities: list[int] = field(default_factory=lambda: [1])  # g2rpo: ODE-completion strides
     adv_group: str = "prompt"  # tempflow: normalise over the prompt's branches (prompt) or one trunk's (seed)
+    balance: bool = True  # tp_grpo: as many positive as negative turning points (the largest |R_n - R_0| of each)
 
     def __post_init__(self):
         _check(self.method in ("", "tempflow", "g2rpo", "tp_grpo"), "sampling.probe.method", "''|tempflow|g2rpo|tp_grpo",
@@ -113,6 +114,8 @@ class ProbeConfig:
         _check(bool(self.granularities) and min(self.granularities) >= 1, "sampling.probe.granularities",
                "a non-empty list of strides >= 1", self.granularities)
         _check(self.adv_group in ("prompt", "seed"), "sampling.probe.adv_group", "prompt|seed", self.adv_group)
+        _check(self.method != "tp_grpo" or len(self.granularities) == 1, "sampling.probe.granularities",
+               "one stride for tp_grpo (one ODE completion per SDE step)", self.granularities)
 
 
 @dataclass

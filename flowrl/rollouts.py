@@ -216,7 +216,7 @@ class RolloutMixin:
             probe_steps = sorted(set(step.tolist()))  # [-1, steps...]
             returns = torch.zeros(int(root.max()) + 1, len(probe_steps))
             returns[root, torch.tensor([probe_steps.index(k) for k in step.tolist()])] = rewards.float()
-            step_rewards = turning_point_rewards(returns)  # (R, n)
+            step_rewards = turning_point_rewards(returns, p.balance)  # (R, n)
             later = step >= 0
             values = step_rewards[root[later], torch.tensor([probe_steps.index(k) - 1 for k in step[later].tolist()])]
             adv_p = torch.zeros_like(rewards, dtype=torch.float32)

@@ -69,6 +69,8 @@ def test_config_rejects_unknown_and_bad_keys(tmp_path):
         load_config(None, ["sampling.group_size=1"])
     with pytest.raises(ConfigError, match="key=value"):
         load_config(None, ["sampling.group_size"])
+    with pytest.raises(ConfigError, match="sampling.probe.granularities.*tp_grpo"):  # its returns would overwrite
+        load_config(None, ["sampling.probe.method=tp_grpo", "sampling.probe.granularities=[1,2]"])
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         load_config(tmp_path / "nope.yaml")
 

@@ -67,6 +67,18 @@ def test_turning_points():
     assert out.tolist() == [[2.0, -0.5, 1.5]]
 
 
+def test_turning_points_are_balanced_over_the_batch():
+    """Two rising trajectories (D = 2, 4) and one falling (D = -2) each have a turning point at step 1: the
+    balanced bonus keeps one of each sign, the rising one with the larger |D|; the other takes d_1."""
+    from flowrl.advantages import turning_point_rewards
+
+    returns = torch.tensor([[0.0, 1.0, 0.5, 2.0], [0.0, 2.0, 1.0, 4.0], [0.0, -1.0, -0.5, -2.0]])
+    assert turning_point_rewards(returns).tolist() == [[1.0, -0.5, 1.5], [4.0, -1.0, 3.0], [-2.0, 0.5, -1.5]]
+    assert turning_point_rewards(returns, balance=False).tolist() == [[2.0, -0.5, 1.5], [4.0, -1.0, 3.0],
+                                                                      [-2.0, 0.5, -1.5]]
+    assert turning_point_rewards(returns[:2]).tolist() == [[2.0, -0.5, 1.5], [4.0, -1.0, 3.0]]  # one sign: all kept
+
+
 def test_advantage_aggregation_and_best_of_n():
     from flowrl.advantages import aggregate_advantages, best_of_n, group_advantages
 

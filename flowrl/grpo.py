@@ -110,7 +110,7 @@ class GRPOMixin:
         With ``train.micro_batch_size`` each minibatch is forwarded and back-propagated in micro-batches of
         that many transitions, each loss weighted by its share of the minibatch (gradient accumulation: the
         same step, less activation memory). Under several processes the step follows the mean over every
-        process's minibatch (step weights normalised over it too); the returned statistics are this
+        process's minibatch; the returned statistics are this
         process's, except ``policy/grad_norm``, which is the summed gradient's.
 
         Args:
@@ -134,16 +134,15 @@ class GRPOMixin:
         stats: dict[str, list[float]] = defaultdict(list)
         per_step: dict[int, list[torch.Tensor]] = defaultdict(list)  # first epoch: the ratios per step
         grad_step: dict[int, list[torch.Tensor]] = defaultdict(list)  # first epoch: gradient norms per step
-        gain = velocity_gain(tv) if t.step_weighting == "guard" else None
+        # step weights normalised over the plan's trained steps (the same on every process), then kept rows
+        gain = velocity_gain(ro) if t.step_weighting == "guard" else ro.std
+        step_w = step_weights(t.step_weighting, gain, ro.std, ro.step, ro.trained) if len(rows) else None  # (M,)
+        step_w = None if step_w is None else step_w[rows]  # (M',)
         velocity = self.model.velocity_fn(table, self.cfg.sampling.guidance_scale)  # CFG against table row 0
-        many = self.accelerator.num_processes > 1
         optimizer_steps = 0
         self.model.transformer.train()
         for epoch, j, mb, total_rows in self._minibatches(len(tv), generator):
-            weights = step_weights(t.step_weighting, gain[mb] if gain is not None else tv.std[mb], tv.std[mb],
-                                   mean=1.0 if many else None)  # several processes: unnormalised here
-            if many and weights is not None:  # mean 1 over the minibatch of all processes
-                weights = weights / (self.accelerator.reduce(weights.sum().reshape(1), "sum") / total_rows)
+            weights = None if step_w is None else step_w[mb]
             if len(mb) == 0:  # this process has no transitions left, the others do: a zero gradient
                 self._step_optimizer(None, stats)
                 optimizer_steps += 1

@@ -80,27 +80,31 @@ def ratio_norm(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.T
     return tau * (log_prob - old_log_prob) + dmu2 / (2 * tau)
 
 
-def step_weights(kind: str, gain: torch.Tensor, std: torch.Tensor, mean: float | None = None) -> torch.Tensor | None:
-    """Per-transition loss weights that balance denoising steps, normalised to mean 1.
+def step_weights(kind: str, gain: torch.Tensor, std: torch.Tensor, step: torch.Tensor,
+                 among: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Per-transition loss weights that balance denoising steps, normalised to mean 1 over the steps.
 
     - ``"guard"``: GRPO-Guard gradient reweighting (arXiv 2510.22319, Sec. 4.2): the gradient of the
       normalised log-ratio is ``eps . d(mean)/d(theta) = eps g_t dv/d(theta)`` with ``g_t = |d mean / d v|``
       of the step's kernel (``c_t |dt|``; ``|dt|`` for the Flow-GRPO SDE), so the weight is ``1 / g_t``.
-    - ``"noise_aware"``: TempFlow-GRPO (arXiv 2508.04324, Sec. 3.3): ``w_t = tau_t / mean(tau)``.
+    - ``"noise_aware"``: TempFlow-GRPO (arXiv 2508.04324, Sec. 3.3): ``w_t = tau_t / mean_t(tau_t)``.
     - ``"none"``: returns None.
+
+    The normaliser is the mean over the distinct steps of the rows in `among` of each step's mean weight, so
+    a step's weight does not depend on how many of its transitions a minibatch holds.
 
     Args:
         kind (`str`): ``"none" | "guard" | "noise_aware"``.
         gain (`(M,)`): ``|d mean / d v|`` per transition (:func:`samplers.velocity_gain`).
         std (`(M,)`): the step std per transition.
-        mean (`float`, optional): divide by this instead of the weights' own mean (several processes: the
-            mean over every process's minibatch; ``1.0`` returns the unnormalised weights).
+        step (`(M,)` long): the denoising step of each transition.
+        among (`(M,)` bool, optional): the rows whose steps set the normaliser (e.g. the trained ones); default all.
 
     Returns:
-        `(M,)` float32 weights with mean 1 (over the batch, or as given by `mean`), or None.
+        `(M,)` float32 weights, or None.
 
     Raises:
-        ValueError: for an unknown `kind`.
+        ValueError: for an unknown `kind`, or if `among` selects no row.
     """
     if kind == "none":
         return None
@@ -110,7 +114,13 @@ def step_weights(kind: str, gain: torch.Tensor, std: torch.Tensor, mean: float |
         w = std.float()
     else:
         raise ValueError(f"step weighting must be 'none', 'guard' or 'noise_aware', got {kind!r}")
-    return w / (w.mean() if mean is None else mean)
+    pick = torch.ones_like(step, dtype=torch.bool) if among is None else among
+    if not bool(pick.any()):
+        raise ValueError("step weights: no transition to normalise over")
+    steps, inverse = torch.unique(step[pick], return_inverse=True)
+    per_step = torch.zeros(len(steps), dtype=torch.float32, device=w.device).index_add_(0, inverse, w[pick])
+    per_step = per_step / torch.bincount(inverse, minlength=len(steps)).float()  # (S,) each step's mean weight
+    return w / per_step.mean()
 
 
 def velocity_kl(velocity: torch.Tensor, ref_velocity: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from flowrl.losses import ppo_loss, ratio_norm, step_weights, velocity_kl
@@ -58,10 +59,23 @@ def test_guard_reweighting_equalises_per_step_gradients_on_a_linear_model():
         (grad,) = torch.autograd.grad(lr_hat.sum() / gain, theta)
         norms.append(grad.abs().item())
     assert max(norms) / min(norms) < 1 + 1e-4
-    w = step_weights("guard", torch.tensor([0.1, 0.2, 0.4]), torch.ones(3))
+    w = step_weights("guard", torch.tensor([0.1, 0.2, 0.4]), torch.ones(3), torch.arange(3))
     torch.testing.assert_close(w, torch.tensor([4.0, 2.0, 1.0]) / (7 / 3))
-    torch.testing.assert_close(step_weights("noise_aware", torch.ones(2), torch.tensor([1.0, 3.0])), torch.tensor([0.5, 1.5]))
-    assert step_weights("none", torch.ones(2), torch.ones(2)) is None
+    torch.testing.assert_close(step_weights("noise_aware", torch.ones(2), torch.tensor([1.0, 3.0]), torch.arange(2)),
+                               torch.tensor([0.5, 1.5]))
+    assert step_weights("none", torch.ones(2), torch.ones(2), torch.arange(2)) is None
+
+
+def test_step_weights_are_normalised_over_steps_not_transitions():
+    """TempFlow's w_t = tau_t / mean_t(tau_t): a step holding more transitions (or a minibatch holding few
+    of a step) does not move the weights; `among` picks the steps that set the mean."""
+    std = torch.tensor([1.0, 1.0, 1.0, 3.0])  # step 0 three times, step 1 once
+    step = torch.tensor([0, 0, 0, 1])
+    torch.testing.assert_close(step_weights("noise_aware", std, std, step), torch.tensor([0.5, 0.5, 0.5, 1.5]))
+    among = torch.tensor([True, True, True, False])  # only step 0 sets the mean
+    torch.testing.assert_close(step_weights("noise_aware", std, std, step, among), torch.tensor([1.0, 1.0, 1.0, 3.0]))
+    with pytest.raises(ValueError, match="no transition"):
+        step_weights("noise_aware", std, std, step, torch.zeros(4, dtype=torch.bool))
 
 
 def test_weighted_ppo_loss_and_velocity_kl():

@@ -25,10 +25,10 @@ from tqdm import tqdm
 
 from rewards import WeightedSum, build_reward
 
+from .advantages import aggregate_advantages, best_of_n, group_advantages
 from .checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from .config import Config, ConfigError, prompt_file, resolve_path, save_config
 from .evaluate import evaluate, evaluate_reward, generate
-from .advantages import aggregate_advantages, best_of_n, group_advantages
 from .grpo import GRPOMixin
 from .models import FlowModel
 from .nft import NFTMixin

@@ -28,16 +28,24 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, std: str = "glo
         raise ValueError(f"advantage std must be 'group' or 'global', got {std!r}")
     if rewards.shape != group.shape or rewards.dim() != 1:
         raise ValueError(f"rewards {tuple(rewards.shape)} and group {tuple(group.shape)} must both be (B,)")
-    rewards = rewards.double()  # float64: float32 sums leave a spread of ~1e-6 in a group of equal rewards near 30
-    _, inverse = torch.unique(group, return_inverse=True)  # (B,) dense group index
-    n = torch.bincount(inverse).double()  # (G,)
-    mean = torch.bincount(inverse, rewards) / n  # (G,)
-    centred = rewards - mean[inverse]  # (B,)
-    var = torch.bincount(inverse, centred**2) / n  # (G,)
-    zero_variance = (_tied(rewards, inverse) | (var < 1e-12))[inverse]  # (B,)
-    scale = var.sqrt()[inverse] if std == "group" else rewards.std(unbiased=False).expand_as(rewards)
+    centred, group_std, zero_variance = _centred_by(rewards, group)  # (B,) each
+    scale = group_std if std == "group" else rewards.double().std(unbiased=False).expand_as(centred)
     advantages = (centred / (scale + eps)).clamp(-clip, clip).float()
     return torch.where(zero_variance, torch.zeros_like(advantages), advantages), zero_variance
+
+
+def _centred_by(values: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`values` `(B,)` centred on the mean of their `key` `(B,)`, the key's population std, and whether the
+    key's values are flat (all equal, or std below 1e-6): three `(B,)` tensors (float64, float64, bool).
+
+    In float64: float32 sums leave a spread of ~1e-6 in a group of equal rewards near 30 (CLIP scores).
+    """
+    values = values.double()
+    _, inverse = torch.unique(key, return_inverse=True)  # (B,) dense key index
+    n = torch.bincount(inverse).double()  # (K,)
+    centred = values - (torch.bincount(inverse, values) / n)[inverse]  # (B,)
+    std = (torch.bincount(inverse, centred**2) / n).sqrt()  # (K,)
+    return centred, std[inverse], (_tied(values, inverse) | (std < 1e-6))[inverse]
 
 
 def _tied(values: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
@@ -51,14 +59,8 @@ def _tied(values: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
 def _zscore_by(values: torch.Tensor, key: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     """z-score `(B,)` float32 of `values` (B,) within each distinct `key` (B,) (population std, in float64); 0
     where a key's values are all equal (so also for a key with one value) or their std is below 1e-6."""
-    _, inverse = torch.unique(key, return_inverse=True)
-    n = torch.bincount(inverse).double()
-    values = values.double()
-    mean = torch.bincount(inverse, values) / n
-    centred = values - mean[inverse]
-    std = (torch.bincount(inverse, centred**2) / n).sqrt()
-    flat = (_tied(values, inverse) | (std < 1e-6))[inverse]
-    return torch.where(flat, torch.zeros_like(centred), centred / (std[inverse] + eps)).float()
+    centred, std, flat = _centred_by(values, key)  # (B,) each
+    return torch.where(flat, torch.zeros_like(centred), centred / (std + eps)).float()
 
 
 def _key(*columns: torch.Tensor) -> torch.Tensor:

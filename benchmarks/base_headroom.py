@@ -115,8 +115,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--times", type=float, nargs="*", default=[0.0, 0.4, 0.6, 0.8, 1.0])
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
     p.add_argument("--out", default="")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     a = p.parse_args(argv)
-    model = FlowModel(a.model, "cpu", torch.float32, 0)
+    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    model = FlowModel(a.model, device, torch.float32, 0)
     if a.lora:
         model.load_lora(a.lora)
     metas = read_jsonl(prompt_file(a.prompts))

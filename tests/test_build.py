@@ -85,3 +85,33 @@ def test_render_dataset_tag_weights_draw_only_the_weighted_tags():
     for bad in ({"two_objects": 1.0}, {"two_object": -1.0}, {"two_object": 0.0}):
         with pytest.raises(ValueError, match="tag_weights"):
             render_dataset(4, seed=0, tag_weights=bad)
+
+
+def test_transformer_size_options_and_their_errors():
+    model = tiny_transformer(128, 128, seed=0, num_layers=2, width=64)
+    assert model.config.num_layers == 2 and model.config.num_attention_heads == 2
+    assert model.config.caption_projection_dim == 64
+    with pytest.raises(ValueError, match="multiple of 32"):
+        tiny_transformer(128, 128, seed=0, width=48)
+
+
+def test_fresh_transformer_keeps_the_init_text_tower_but_not_its_transformer(tmp_path):
+    from transformers import CLIPTextModelWithProjection
+
+    from flowrl.tiny.build import _text_encoder_and_transformer
+
+    init = "assets/tiny-sd3"
+    text, fresh = _text_encoder_and_transformer(tmp_path, init, seed=0, fresh=True, layers=2, width=64)
+    shipped = CLIPTextModelWithProjection.from_pretrained(f"{init}/text_encoder", dtype=torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(text.state_dict().values(), shipped.state_dict().values()))
+    assert fresh.config.num_layers == 2 and fresh.config.caption_projection_dim == 64
+    _, kept = _text_encoder_and_transformer(tmp_path, init, seed=0)
+    assert kept.config.num_layers == 5  # without fresh: the init transformer, to continue
+
+
+def test_fresh_transformer_without_init_is_a_usage_error():
+    from flowrl.tiny.build import main
+
+    with pytest.raises(SystemExit) as err:
+        main(["--out", "unused", "--fresh-transformer"])
+    assert err.value.code == 2

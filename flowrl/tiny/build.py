@@ -126,7 +126,8 @@ def _optimizer_step(loss, params, opt, sched, bar, max_grad_norm: float | None =
         torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     opt.step()
     sched.step()
-    bar.set_postfix(loss=f"{loss.item():.4f}")
+    if bar.n % 25 == 0:  # reading the loss waits for the device
+        bar.set_postfix(loss=f"{loss.item():.4f}")
 
 
 def _to_float(images: torch.Tensor) -> torch.Tensor:
@@ -216,17 +217,31 @@ def train_vae(images, steps: int, seed: int, batch: int = 32):
 @torch.no_grad()
 def encode_latents(vae, images: torch.Tensor, batch: int = 256) -> torch.Tensor:
     """Unscaled latent means of uint8 images ``(N, 3, 64, 64)`` -> float32 ``(N, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE)``."""
-    return torch.cat([vae.encode(_to_float(images[i : i + batch])).latent_dist.mean for i in range(0, len(images), batch)])
+    return torch.cat([vae.encode(_to_float(images[i : i + batch]).to(vae.device)).latent_dist.mean.cpu()
+                      for i in range(0, len(images), batch)])
 
 
-def tiny_transformer(joint_attention_dim: int, pooled_projection_dim: int, seed: int):
-    """A freshly initialised tiny ``SD3Transformer2DModel`` (5 joint blocks, width 128, 8x8 image tokens)."""
+def tiny_transformer(joint_attention_dim: int, pooled_projection_dim: int, seed: int, num_layers: int = 5,
+                     width: int = 128):
+    """A freshly initialised tiny ``SD3Transformer2DModel`` (8x8 image tokens, attention heads of 32 features).
+
+    Args:
+        num_layers: joint transformer blocks (the shipped model has 5).
+        width: hidden size, a positive multiple of 32 (the shipped model has 128, i.e. 4 heads).
+
+    Raises:
+        ValueError: if ``width`` is not a positive multiple of 32 or ``num_layers < 1``.
+    """
     from diffusers import SD3Transformer2DModel
 
+    if width < 32 or width % 32 or num_layers < 1:
+        raise ValueError(f"the transformer needs num_layers >= 1 and a width that is a positive multiple of 32; "
+                         f"got num_layers={num_layers}, width={width}")
     torch.manual_seed(seed)
-    return SD3Transformer2DModel(sample_size=LATENT_SIZE, patch_size=PATCH_SIZE, in_channels=LATENT_CHANNELS, num_layers=5, attention_head_dim=32,
-                                 num_attention_heads=4, joint_attention_dim=joint_attention_dim,
-                                 caption_projection_dim=128, pooled_projection_dim=pooled_projection_dim,
+    return SD3Transformer2DModel(sample_size=LATENT_SIZE, patch_size=PATCH_SIZE, in_channels=LATENT_CHANNELS,
+                                 num_layers=num_layers, attention_head_dim=32,
+                                 num_attention_heads=width // 32, joint_attention_dim=joint_attention_dim,
+                                 caption_projection_dim=width, pooled_projection_dim=pooled_projection_dim,
                                  out_channels=LATENT_CHANNELS, pos_embed_max_size=LATENT_SIZE, qk_norm="rms_norm")
 
 
@@ -252,7 +267,7 @@ def clip_condition(text_encoder, input_ids: torch.Tensor) -> tuple[torch.Tensor,
 def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: int, batch: int = 128,
                       uncond_p: float = 0.1, lr: float = 1e-3, checkpoints: Path | None = None, t_mean: float = 0.0,
                       ema_decay: float = 0.0, checkpoint_every: int = 1200, text_encoder=None,
-                      input_ids: torch.Tensor | None = None, text_lr: float = 0.0):
+                      input_ids: torch.Tensor | None = None, text_lr: float = 0.0, device: str | torch.device = "cpu"):
     """Rectified-flow training (SD3, arXiv 2403.03206) of a tiny ``SD3Transformer2DModel``.
 
     x_t = (1 - t) x_0 + t eps, t ~ logit-normal(t_mean, 1); loss = |v_theta(x_t, t) - (eps - x_0)|^2. Captions
@@ -276,9 +291,11 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
             ``CLIPTextModelWithProjection``) trains jointly at that peak learning rate, ``cond`` and
             ``pooled`` are then recomputed every step by :func:`clip_condition` from ``input_ids``
             ``(P, MAX_TOKENS)`` (the token ids of the same P rows), and the EMA covers it too.
+        device: where the model (and text tower) train, under bf16 autocast; the random draws stay on the
+            CPU generator, so a CUDA build draws the same batches, times and noise as a CPU one.
 
     Returns:
-        ``model``, trained in place (float32, eval mode), holding the EMA weights when ``ema_decay > 0``
+        ``model``, trained in place (float32, eval mode, moved to ``device``), holding the EMA weights when ``ema_decay > 0``
         (``text_encoder`` likewise, when it trains).
 
     Raises:
@@ -292,6 +309,14 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
     joint = text_lr > 0
     if joint and (text_encoder is None or input_ids is None):
         raise ValueError("text_lr > 0 trains the text tower: pass text_encoder and input_ids too")
+    device = torch.device(device)
+    model.to(device)
+    latents, cap_idx = latents.to(device), cap_idx.to(device)
+    if joint:
+        text_encoder.to(device)
+        input_ids = input_ids.to(device)
+    else:
+        cond, pooled = cond.to(device), pooled.to(device)
     groups = [{"params": list(model.parameters()), "lr": lr}]
     if joint:
         text_encoder.train().requires_grad_(True)
@@ -306,12 +331,13 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
     done = 0
     bar = tqdm(_batches(len(latents), batch, steps, gen), total=steps, desc="tiny SD3 transformer")
     for idx in bar:
-        x0 = latents[idx]  # (B, C, h, w)
-        eps = torch.randn(x0.shape, generator=gen)
-        t = torch.sigmoid(t_mean + torch.randn(len(idx), generator=gen))  # (B,) logit-normal
+        x0 = latents[idx.to(device)]  # (B, C, h, w)
+        eps = torch.randn(x0.shape, generator=gen).to(device)
+        t = torch.sigmoid(t_mean + torch.randn(len(idx), generator=gen)).to(device)  # (B,) logit-normal
         xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
-        rows = torch.where(torch.rand(len(idx), generator=gen) < uncond_p, 0, cap_idx[idx])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        drop = torch.rand(len(idx), generator=gen).to(device) < uncond_p
+        rows = torch.where(drop, 0, cap_idx[idx.to(device)])
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             c, p = clip_condition(text_encoder, input_ids[rows]) if joint else (cond[rows], pooled[rows])
             v = model(hidden_states=xt, encoder_hidden_states=c, pooled_projections=p, timestep=t * 1000).sample.float()
         loss = F.mse_loss(v, eps - x0)
@@ -361,7 +387,8 @@ def _save_clip(clip, tokenizer, folder: Path) -> None:
 def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int = 600, vae_steps: int = 900,
           dit_steps: int = 3000, resume: bool = False, init: str | Path | None = None, dit_lr: float = 1e-3,
           dit_t_mean: float = 0.0, dit_batch: int = 128, dit_ema: float = 0.0, text_lr: float = 0.0,
-          tag_weights: dict[str, float] | None = None) -> dict:
+          tag_weights: dict[str, float] | None = None, device: str = "cpu", fresh_transformer: bool = False,
+          dit_layers: int = 5, dit_width: int = 128) -> dict:
     """Regenerate every asset under ``out`` (see the module docstring); returns the wall times in seconds.
 
     ``resume`` keeps the stages an interrupted build finished (``out/tiny-clip``, the VAE in
@@ -371,6 +398,9 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
     trains the pipeline's text tower jointly with the transformer (see :func:`train_transformer`); the
     contrastive tiny CLIP in ``out/tiny-clip`` (the ``clipscore`` reward's default) is left as it was.
     ``tag_weights`` draws the scenes' tags with those weights (:func:`render_dataset`; None: uniform).
+    ``device`` (``cpu``, ``cuda``) is where the transformer stage runs. ``fresh_transformer`` with ``init``
+    keeps ``init``'s VAE and text tower but trains a new transformer of ``dit_layers`` blocks and width
+    ``dit_width`` (:func:`tiny_transformer`), as does a build without ``init``.
     """
     out, times = Path(out), {}
     with _timed(times, "render_s"):
@@ -382,11 +412,14 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
     with _timed(times, "transformer_s"):
         text_encoder, transformer = _transformer_stage(out, images, captions, tokenizer, vae, init, dit_steps, seed,
                                                        batch=dit_batch, lr=dit_lr, t_mean=dit_t_mean,
-                                                       ema_decay=dit_ema, text_lr=text_lr)
+                                                       ema_decay=dit_ema, text_lr=text_lr, device=device,
+                                                       fresh=fresh_transformer, layers=dit_layers, width=dit_width)
     _save_pipeline(out / "tiny-sd3", transformer, vae, text_encoder, tokenizer)
     settings = {"seed": seed, "n_scenes": n_scenes, "clip_steps": clip_steps, "reused_clip": resume,
                 "vae_steps": vae_steps, "dit_steps": dit_steps, "dit_lr": dit_lr, "dit_t_mean": dit_t_mean,
                 "dit_batch": dit_batch, "dit_ema": dit_ema, "text_lr": text_lr, "tag_weights": tag_weights,
+                "fresh_transformer": fresh_transformer, "dit_layers": transformer.config.num_layers,
+                "dit_width": transformer.config.caption_projection_dim, "device": device,
                 "init": None if init is None else str(init)}
     _write_build_json(out / "tiny-sd3", settings, times, init)
     return times
@@ -457,7 +490,7 @@ def _vae_stage(out: Path, images: torch.Tensor, steps: int, seed: int, resume: b
 
 def _transformer_stage(out: Path, images: torch.Tensor, captions: list[str], tokenizer, vae, init: str | Path | None,
                        steps: int, seed: int, *, batch: int, lr: float, t_mean: float, ema_decay: float,
-                       text_lr: float):
+                       text_lr: float, device: str = "cpu", fresh: bool = False, layers: int = 5, width: int = 128):
     """The transformer stage: rectified-flow training (:func:`train_transformer`) on the scenes' VAE latents.
 
     The text tower and transformer come from :func:`_text_encoder_and_transformer`; checkpoints go to
@@ -466,27 +499,33 @@ def _transformer_stage(out: Path, images: torch.Tensor, captions: list[str], tok
     Args:
         images: uint8 ``(N, 3, 64, 64)`` scenes; captions: their ``N`` prompt strings.
         tokenizer: the CLIP tokenizer of :func:`build_tokenizer`; vae: the trained ``AutoencoderKL``.
-        batch, lr, t_mean, ema_decay, text_lr: :func:`train_transformer`'s, as ``build``'s ``dit_*`` and ``text_lr``.
+        batch, lr, t_mean, ema_decay, text_lr, device: :func:`train_transformer`'s, as ``build``'s ``dit_*``,
+            ``text_lr`` and ``device``.
+        fresh, layers, width: :func:`_text_encoder_and_transformer`'s.
 
     Returns:
-        ``(text_encoder, transformer)``, float32 and eval mode, trained in place.
+        ``(text_encoder, transformer)``, float32, eval mode and on the CPU, trained in place.
     """
-    text_encoder, transformer = _text_encoder_and_transformer(out, init, seed)
+    text_encoder, transformer = _text_encoder_and_transformer(out, init, seed, fresh, layers, width)
     input_ids, cap_idx = _caption_rows(tokenizer, captions)
     with torch.no_grad():
         cond, pooled = clip_condition(text_encoder, input_ids)  # the pipeline's encode_prompt (tested equal)
-    latents = (encode_latents(vae, images) - vae.config.shift_factor) * vae.config.scaling_factor  # (N, C, h, w)
+    latents = encode_latents(vae.to(device), images)
+    vae.cpu()
+    latents = (latents - vae.config.shift_factor) * vae.config.scaling_factor  # (N, C, h, w)
     train_transformer(transformer, latents, cond.float(), pooled.float(), cap_idx, steps, seed, batch=batch,
                       lr=lr, checkpoints=out / ".build-cache" / "transformer", t_mean=t_mean, ema_decay=ema_decay,
                       checkpoint_every=max(1, steps // 6), text_encoder=text_encoder, input_ids=input_ids,
-                      text_lr=text_lr)
-    return text_encoder, transformer
+                      text_lr=text_lr, device=device)
+    return text_encoder.cpu(), transformer.cpu()
 
 
-def _text_encoder_and_transformer(out: Path, init: str | Path | None, seed: int):
+def _text_encoder_and_transformer(out: Path, init: str | Path | None, seed: int, fresh: bool = False,
+                                  layers: int = 5, width: int = 128):
     """The pipeline's text tower and transformer before training, both float32.
 
-    With ``init``: its ``text_encoder`` (eval mode) and ``transformer``, to train on. Without: the text tower of
+    With ``init``: its ``text_encoder`` (eval mode) and ``transformer``, to train on (with ``fresh``, a new
+    :func:`tiny_transformer` of ``layers`` blocks and width ``width`` instead). Without: the text tower of
     the tiny CLIP in ``out/tiny-clip`` (:func:`text_tower`) and a fresh :func:`tiny_transformer` seeded with
     ``seed``, sized for that tower in both CLIP slots.
 
@@ -498,11 +537,14 @@ def _text_encoder_and_transformer(out: Path, init: str | Path | None, seed: int)
         from transformers import CLIPTextModelWithProjection
 
         text_encoder = CLIPTextModelWithProjection.from_pretrained(Path(init) / "text_encoder", dtype=torch.float32)
-        transformer = SD3Transformer2DModel.from_pretrained(Path(init) / "transformer", dtype=torch.float32)
-        return text_encoder.eval(), transformer
-    text_encoder = text_tower(out / "tiny-clip")
-    width = text_encoder.config.hidden_size * 2  # CLIP-L and CLIP-G slots, both the tiny tower
-    return text_encoder, tiny_transformer(width, text_encoder.config.projection_dim * 2, seed)
+        if not fresh:
+            transformer = SD3Transformer2DModel.from_pretrained(Path(init) / "transformer", dtype=torch.float32)
+            return text_encoder.eval(), transformer
+        text_encoder.eval()
+    else:
+        text_encoder = text_tower(out / "tiny-clip")
+    joint = text_encoder.config.hidden_size * 2  # CLIP-L and CLIP-G slots, both the tiny tower
+    return text_encoder, tiny_transformer(joint, text_encoder.config.projection_dim * 2, seed, layers, width)
 
 
 def _caption_rows(tokenizer, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -563,7 +605,16 @@ def main(argv=None) -> None:
                    help="draw the scenes' tags with these relative weights (tags left out: 0; default: uniform)")
     p.add_argument("--resume", action="store_true", help="keep the stages an interrupted build finished")
     p.add_argument("--init", default=None, help="a finished tiny-sd3 folder: keep its VAE, continue its transformer")
+    p.add_argument("--fresh-transformer", action="store_true",
+                   help="with --init: keep its VAE and text tower but train a new transformer")
+    p.add_argument("--dit-layers", type=int, default=5, help="blocks of a new transformer")
+    p.add_argument("--dit-width", type=int, default=128, help="hidden size of a new transformer (a multiple of 32)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the transformer trains (auto: cuda when available)")
     a = p.parse_args(argv)
+    if a.fresh_transformer and a.init is None:
+        p.error("--fresh-transformer keeps the VAE and text tower of an --init pipeline folder; pass --init")
+    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     weights = None
     if a.tag_weights:
         try:
@@ -571,7 +622,7 @@ def main(argv=None) -> None:
         except ValueError:
             p.error(f"--tag-weights takes TAG=WEIGHT items, e.g. two_object=2; got {a.tag_weights}")
     print(build(a.out, a.seed, a.n_scenes, a.clip_steps, a.vae_steps, a.dit_steps, a.resume, a.init, a.dit_lr, a.dit_t_mean,
-                a.dit_batch, a.dit_ema, a.text_lr, weights))
+                a.dit_batch, a.dit_ema, a.text_lr, weights, device, a.fresh_transformer, a.dit_layers, a.dit_width))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import torch
 
 from flowrl.config import prompt_file
 from flowrl.evaluate import generate
-from flowrl.models import FlowModel
+from flowrl.models import FlowModel, resolve_device
 from flowrl.tiny.build import encode_latents
 from flowrl.tiny.prompts import read_jsonl
 from flowrl.tiny.render import render, sample_scene
@@ -117,8 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     a = p.parse_args(argv)
-    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    model = FlowModel(a.model, device, torch.float32, 0)
+    model = FlowModel(a.model, resolve_device(a.device), torch.float32, 0)
     if a.lora:
         model.load_lora(a.lora)
     metas = read_jsonl(prompt_file(a.prompts))

@@ -16,13 +16,10 @@ USER_ERRORS = (ConfigError, FileNotFoundError, FileExistsError, ValueError, KeyE
 
 
 def _model(args):
-    import torch
+    from .models import FlowModel, resolve_device
 
-    from .models import FlowModel
-
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    model = FlowModel(resolve_path(args.model), device, max_sequence_length=args.max_sequence_length,
-                      resolution=args.resolution)
+    model = FlowModel(resolve_path(args.model), resolve_device(args.device),
+                      max_sequence_length=args.max_sequence_length, resolution=args.resolution)
     if args.lora:
         model.load_lora(args.lora)
     return model

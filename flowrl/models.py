@@ -23,6 +23,14 @@ MIN_ROWS = {torch.nn.Linear: (2, 16), torch.nn.Conv2d: (4, 4)}
 """For each layer type: the input rank that carries one row per sample, and the fewest rows it runs at."""
 
 
+def resolve_device(name: str) -> str:
+    """The device a ``--device`` / ``run.device`` value names: ``"auto"`` is ``"cuda"`` when PyTorch sees a GPU,
+    else ``"cpu"``; any other value (``"cpu"``, ``"cuda"``, ``"cuda:1"``) is returned as it is."""
+    if name != "auto":
+        return name
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def make_batch_invariant(module: torch.nn.Module, probe: Callable[[], object]) -> int:
     """Make the per-sample layers of `module` give each sample the same bits at any batch size.
 

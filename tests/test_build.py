@@ -109,9 +109,15 @@ def test_fresh_transformer_keeps_the_init_text_tower_but_not_its_transformer(tmp
     assert kept.config.num_layers == 5  # without fresh: the init transformer, to continue
 
 
-def test_fresh_transformer_without_init_is_a_usage_error():
+@pytest.mark.parametrize("args", [
+    ["--fresh-transformer"],  # no --init to take the VAE and text tower from
+    ["--init", "assets/tiny-sd3", "--dit-layers", "8"],  # sizes a new transformer, but --init continues its own
+    ["--dit-width", "48"],  # not a multiple of 32
+    ["--dit-layers", "0"],
+])
+def test_build_usage_errors_come_before_any_work(args, tmp_path):
     from flowrl.tiny.build import main
 
     with pytest.raises(SystemExit) as err:
-        main(["--out", "unused", "--fresh-transformer"])
-    assert err.value.code == 2
+        main(["--out", str(tmp_path / "out"), *args])
+    assert err.value.code == 2 and not (tmp_path / "out").exists()

@@ -614,7 +614,15 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if a.fresh_transformer and a.init is None:
         p.error("--fresh-transformer keeps the VAE and text tower of an --init pipeline folder; pass --init")
-    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if a.init is not None and not a.fresh_transformer and (a.dit_layers, a.dit_width) != (5, 128):
+        p.error("--dit-layers / --dit-width size a new transformer: with --init they need --fresh-transformer")
+    if a.dit_layers < 1 or a.dit_width < 32 or a.dit_width % 32:
+        p.error(f"--dit-layers must be >= 1 and --dit-width a positive multiple of 32; got {a.dit_layers}, {a.dit_width}")
+    from flowrl.models import resolve_device
+
+    device = resolve_device(a.device)
+    if device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but PyTorch sees no CUDA device; use --device auto or cpu")
     weights = None
     if a.tag_weights:
         try:

@@ -311,12 +311,10 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
         raise ValueError("text_lr > 0 trains the text tower: pass text_encoder and input_ids too")
     device = torch.device(device)
     model.to(device)
-    latents, cap_idx = latents.to(device), cap_idx.to(device)
     if joint:
         text_encoder.to(device)
-        input_ids = input_ids.to(device)
-    else:
-        cond, pooled = cond.to(device), pooled.to(device)
+    latents, cap_idx, cond, pooled, input_ids = (None if x is None else x.to(device)
+                                                 for x in (latents, cap_idx, cond, pooled, input_ids))
     groups = [{"params": list(model.parameters()), "lr": lr}]
     if joint:
         text_encoder.train().requires_grad_(True)
@@ -331,12 +329,7 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
     done = 0
     bar = tqdm(_batches(len(latents), batch, steps, gen), total=steps, desc="tiny SD3 transformer")
     for idx in bar:
-        x0 = latents[idx.to(device)]  # (B, C, h, w)
-        eps = torch.randn(x0.shape, generator=gen).to(device)
-        t = torch.sigmoid(t_mean + torch.randn(len(idx), generator=gen)).to(device)  # (B,) logit-normal
-        xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
-        drop = torch.rand(len(idx), generator=gen).to(device) < uncond_p
-        rows = torch.where(drop, 0, cap_idx[idx.to(device)])
+        x0, eps, t, xt, rows = _noised_batch(latents, cap_idx, idx.to(device), gen, t_mean, uncond_p)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             c, p = clip_condition(text_encoder, input_ids[rows]) if joint else (cond[rows], pooled[rows])
             v = model(hidden_states=xt, encoder_hidden_states=c, pooled_projections=p, timestep=t * 1000).sample.float()
@@ -346,19 +339,47 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
             ema.step(params)
         done += 1
         if checkpoints is not None and done % checkpoint_every == 0:
-            if ema is not None:
-                ema.store(params)
-                ema.copy_to(params)
-            model.save_pretrained(checkpoints / f"step-{done}")
-            if joint:
-                text_encoder.save_pretrained(checkpoints / f"step-{done}" / "text_encoder")
-            if ema is not None:
-                ema.restore(params)
+            _save_checkpoint(checkpoints / f"step-{done}", model, text_encoder if joint else None, params, ema)
     if ema is not None:
         ema.copy_to(params)
     if joint:
         text_encoder.eval().requires_grad_(False)
     return model.eval()
+
+
+def _noised_batch(latents: torch.Tensor, cap_idx: torch.Tensor, idx: torch.Tensor, gen: torch.Generator,
+                  t_mean: float, uncond_p: float):
+    """One rectified-flow training batch, drawn from the CPU generator ``gen`` (noise, then times, then the
+    caption drop) and placed on the latents' device.
+
+    Args:
+        latents: ``(N, C, h, w)`` scaled latents; cap_idx: ``(N,)`` caption row of each; idx: ``(B,)`` the batch.
+
+    Returns:
+        ``(x0, eps, t, xt, rows)``: latents, noise and ``xt = (1 - t) x0 + t eps`` of shape ``(B, C, h, w)``, times
+        ``t`` ``(B,)`` in (0, 1) (logit-normal with mean ``t_mean``), and caption rows ``(B,)``, 0 (the empty
+        prompt) with probability ``uncond_p``.
+    """
+    device = latents.device
+    x0 = latents[idx]
+    eps = torch.randn(x0.shape, generator=gen).to(device)
+    t = torch.sigmoid(t_mean + torch.randn(len(idx), generator=gen)).to(device)
+    xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
+    drop = torch.rand(len(idx), generator=gen).to(device) < uncond_p
+    return x0, eps, t, xt, torch.where(drop, 0, cap_idx[idx])
+
+
+def _save_checkpoint(folder: Path, model, text_encoder, params: list, ema) -> None:
+    """Save ``model`` (and ``text_encoder`` in ``folder/text_encoder``, unless None) to ``folder``, holding the EMA
+    weights of ``params`` while saving when ``ema`` (a diffusers ``EMAModel``) is given."""
+    if ema is not None:
+        ema.store(params)
+        ema.copy_to(params)
+    model.save_pretrained(folder)
+    if text_encoder is not None:
+        text_encoder.save_pretrained(folder / "text_encoder")
+    if ema is not None:
+        ema.restore(params)
 
 
 def text_tower(folder: Path):

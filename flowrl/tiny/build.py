@@ -221,6 +221,17 @@ def encode_latents(vae, images: torch.Tensor, batch: int = 256) -> torch.Tensor:
                       for i in range(0, len(images), batch)])
 
 
+def check_transformer_size(num_layers: int, width: int) -> None:
+    """Check the size of a new :func:`tiny_transformer`.
+
+    Raises:
+        ValueError: if ``num_layers < 1`` or ``width`` is not a positive multiple of 32 (heads of 32 features).
+    """
+    if width < 32 or width % 32 or num_layers < 1:
+        raise ValueError(f"the transformer needs num_layers >= 1 and a width that is a positive multiple of 32; "
+                         f"got num_layers={num_layers}, width={width}")
+
+
 def tiny_transformer(joint_attention_dim: int, pooled_projection_dim: int, seed: int, num_layers: int = 5,
                      width: int = 128):
     """A freshly initialised tiny ``SD3Transformer2DModel`` (8x8 image tokens, attention heads of 32 features).
@@ -234,9 +245,7 @@ def tiny_transformer(joint_attention_dim: int, pooled_projection_dim: int, seed:
     """
     from diffusers import SD3Transformer2DModel
 
-    if width < 32 or width % 32 or num_layers < 1:
-        raise ValueError(f"the transformer needs num_layers >= 1 and a width that is a positive multiple of 32; "
-                         f"got num_layers={num_layers}, width={width}")
+    check_transformer_size(num_layers, width)
     torch.manual_seed(seed)
     return SD3Transformer2DModel(sample_size=LATENT_SIZE, patch_size=PATCH_SIZE, in_channels=LATENT_CHANNELS,
                                  num_layers=num_layers, attention_head_dim=32,
@@ -557,11 +566,9 @@ def _text_encoder_and_transformer(out: Path, init: str | Path | None, seed: int,
         from diffusers import SD3Transformer2DModel
         from transformers import CLIPTextModelWithProjection
 
-        text_encoder = CLIPTextModelWithProjection.from_pretrained(Path(init) / "text_encoder", dtype=torch.float32)
+        text_encoder = CLIPTextModelWithProjection.from_pretrained(Path(init) / "text_encoder", dtype=torch.float32).eval()
         if not fresh:
-            transformer = SD3Transformer2DModel.from_pretrained(Path(init) / "transformer", dtype=torch.float32)
-            return text_encoder.eval(), transformer
-        text_encoder.eval()
+            return text_encoder, SD3Transformer2DModel.from_pretrained(Path(init) / "transformer", dtype=torch.float32)
     else:
         text_encoder = text_tower(out / "tiny-clip")
     joint = text_encoder.config.hidden_size * 2  # CLIP-L and CLIP-G slots, both the tiny tower
@@ -637,8 +644,10 @@ def main(argv=None) -> None:
         p.error("--fresh-transformer keeps the VAE and text tower of an --init pipeline folder; pass --init")
     if a.init is not None and not a.fresh_transformer and (a.dit_layers, a.dit_width) != (5, 128):
         p.error("--dit-layers / --dit-width size a new transformer: with --init they need --fresh-transformer")
-    if a.dit_layers < 1 or a.dit_width < 32 or a.dit_width % 32:
-        p.error(f"--dit-layers must be >= 1 and --dit-width a positive multiple of 32; got {a.dit_layers}, {a.dit_width}")
+    try:
+        check_transformer_size(a.dit_layers, a.dit_width)
+    except ValueError as e:
+        p.error(f"--dit-layers / --dit-width: {e}")
     from flowrl.models import resolve_device
 
     device = resolve_device(a.device)

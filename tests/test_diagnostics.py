@@ -64,3 +64,16 @@ def test_decode_precision_check_scores_the_same_rollouts_both_ways():
                                                      "sampling.group_size=2", "sampling.num_steps=2"])
     assert result["images"] == 2 and 0 <= result["identical_reward_frac"] <= 1
     assert 0 < result["max_pixel_diff"] < 0.05 and result["decode_s_bf16"] > 0
+
+
+def test_failure_mode_sorts_rendered_scenes():
+    from flowrl.tiny.render import Obj, render
+
+    mode = _script("failure_modes").failure_mode
+    three = {"tag": "counting", "include": [{"class": "star", "count": 3}], "exclude": [{"class": "star", "count": 4}]}
+    stars = [Obj("star", "red", 14, 14, 16), Obj("star", "blue", 48, 14, 16), Obj("star", "green", 14, 48, 16)]
+    as_tensor = lambda scene: torch.from_numpy(render(scene)).permute(2, 0, 1).float() / 255  # (3, H, W) in [0, 1]
+    assert mode(as_tensor(stars), three) is None
+    assert mode(as_tensor([]), three) == "empty"
+    assert mode(as_tensor(stars[:2]), three) == "composition"  # two clean stars: a wrong count
+    assert mode(as_tensor(stars[:2] + [Obj("circle", "green", 14, 48, 16)]), three) == "unread_shape"

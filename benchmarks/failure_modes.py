@@ -1,0 +1,119 @@
+"""Why do a model's samples fail GenEval? Each failed image sorted into one of three failure modes.
+
+For ``k`` ODE samples of every prompt of a GenEval-style prompt file (seeds ``seed + j``), the tiny-world
+detector's colour segments are classified one by one, and a strictly wrong image gets the first mode
+that applies:
+
+- ``empty``: no coloured object at all on the background.
+- ``unread_shape``: at least one object is not read as one of the prompt's shapes, with GenEval's
+  confidence (0.9 for the ``counting`` tag, 0.3 otherwise): a blob, or a drawing closer to another shape.
+  Fixing it needs shapes drawn more clearly, a rendering skill.
+- ``composition``: every object is read as one of the prompt's shapes, yet a clause fails (a wrong count,
+  colour or position). Fixing it needs a different layout or binding.
+
+    python benchmarks/failure_modes.py [--model assets/tiny-sd3] [--lora DIR] [--prompts test] [-k 8] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+
+from flowrl.config import prompt_file
+from flowrl.evaluate import generate
+from flowrl.models import FlowModel, resolve_device
+from flowrl.tiny.prompts import read_jsonl
+from rewards.geneval import keep_confident
+from rewards.geneval.detector import classify, objects, shape_features
+from rewards.geneval.rules import Detection, evaluate
+
+MODES = ("empty", "unread_shape", "composition")
+
+
+def failure_mode(image: torch.Tensor, meta: dict) -> str | None:
+    """The failure mode of one image, or None when it is strictly correct.
+
+    Args:
+        image (`torch.Tensor` of shape `(3, H, W)`, float in [0, 1]): one sample.
+        meta: its GenEval metadata (``include``, ``exclude``, ``tag``).
+
+    Returns:
+        None, or one of :data:`MODES` (see the module docstring).
+
+    Raises:
+        ValueError: as :func:`rewards.geneval.rules.evaluate` for malformed metadata.
+    """
+    segments = objects(image)
+    detections = []
+    for color, mask in segments:
+        features, box = shape_features(mask)
+        shape, score = classify(features)
+        detections.append(Detection(shape, color, tuple(float(v) for v in box), score))
+    kept = keep_confident([d for d in detections if d.score > 0], meta)
+    if evaluate(kept, meta)[0]:
+        return None
+    if not segments:
+        return "empty"
+    named = {clause["class"] for clause in meta["include"]}
+    read = [d for d in kept if d.cls in named]
+    return "unread_shape" if len(read) < len(segments) else "composition"
+
+
+def failure_modes(model: FlowModel, metas: list[dict], k: int, num_steps: int = 20, guidance_scale: float = 4.5,
+                  seed: int = 1234) -> dict[str, dict[str, float]]:
+    """Per tag: strict accuracy and the fraction of samples in each failure mode, over ``k`` ODE samples per prompt.
+
+    Args:
+        metas: GenEval metadata of the prompts (each sampled ``k`` times, seeds ``seed + j``).
+        k: samples per prompt (>= 1).
+
+    Returns:
+        ``{tag: {"images": int, "correct": float, "empty": float, "unread_shape": float, "composition": float}}``,
+        fractions of the tag's images (they sum to 1 with ``correct``).
+
+    Raises:
+        ValueError: if ``k < 1`` or ``metas`` is empty.
+    """
+    if k < 1 or not metas:
+        raise ValueError(f"failure_modes needs k >= 1 and at least one prompt; got k={k}, {len(metas)} prompts")
+    expanded = [m for m in metas for _ in range(k)]
+    images = generate(model, [m["prompt"] for m in expanded], [seed + j for _ in metas for j in range(k)],
+                      num_steps, guidance_scale)
+    counts: dict[str, Counter] = defaultdict(Counter)
+    for image, meta in zip(images, expanded):
+        counts[meta["tag"]][failure_mode(image, meta) or "correct"] += 1
+    return {tag: {"images": sum(c.values()), **{m: c[m] / sum(c.values()) for m in ("correct", *MODES)}}
+            for tag, c in counts.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="assets/tiny-sd3")
+    parser.add_argument("--lora", default=None, help="diffusers-format LoRA folder")
+    parser.add_argument("--prompts", default="test", help="train | test | FILE.jsonl")
+    parser.add_argument("-k", type=int, default=8, help="ODE samples per prompt")
+    parser.add_argument("--num-steps", type=int, default=20)
+    parser.add_argument("--guidance-scale", type=float, default=4.5)
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    parser.add_argument("--out", default=None, help="write the table as JSON here")
+    args = parser.parse_args()
+    if args.k < 1:
+        parser.error(f"-k must be at least 1, got {args.k}")
+    model = FlowModel(args.model, device=resolve_device(args.device), max_sequence_length=0)
+    if args.lora:
+        model.load_lora(args.lora)
+    table = failure_modes(model, read_jsonl(prompt_file(args.prompts)), args.k, args.num_steps, args.guidance_scale)
+    print(f"| tag | images | correct | {' | '.join(MODES)} |\n|---|---|---|---|---|---|")
+    for tag, row in table.items():
+        print(f"| {tag} | {row['images']} | " + " | ".join(f"{row[m]:.3f}" for m in ("correct", *MODES)) + " |")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"model": args.model, "lora": args.lora, "prompts": args.prompts,
+                                              "k": args.k, "per_tag": table}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -28,8 +28,8 @@ from flowrl.evaluate import generate
 from flowrl.models import FlowModel, resolve_device
 from flowrl.tiny.prompts import read_jsonl
 from rewards.geneval import keep_confident
-from rewards.geneval.detector import classify, objects, shape_features
-from rewards.geneval.rules import Detection, evaluate
+from rewards.geneval.detector import detect, objects
+from rewards.geneval.rules import evaluate
 
 MODES = ("empty", "unread_shape", "composition")
 
@@ -47,15 +47,10 @@ def failure_mode(image: torch.Tensor, meta: dict) -> str | None:
     Raises:
         ValueError: as :func:`rewards.geneval.rules.evaluate` for malformed metadata.
     """
-    segments = objects(image)
-    detections = []
-    for color, mask in segments:
-        features, box = shape_features(mask)
-        shape, score = classify(features)
-        detections.append(Detection(shape, color, tuple(float(v) for v in box), score))
-    kept = keep_confident([d for d in detections if d.score > 0], meta)
+    kept = keep_confident(detect(image), meta)
     if evaluate(kept, meta)[0]:
         return None
+    segments = objects(image)  # every coloured object, read or not (detect drops those that look like no shape)
     if not segments:
         return "empty"
     named = {clause["class"] for clause in meta["include"]}

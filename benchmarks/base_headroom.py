@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from flowrl.config import prompt_file
-from flowrl.evaluate import generate
+from flowrl.evaluate import generate_per_prompt
 from flowrl.models import FlowModel, resolve_device
 from flowrl.tiny.build import encode_latents
 from flowrl.tiny.prompts import read_jsonl
@@ -52,11 +52,7 @@ def pass_at_k(model: FlowModel, metas: list[dict], k: int, num_steps: int = 20, 
     Raises:
         ValueError: if ``k < 1`` or ``metas`` is empty.
     """
-    if k < 1 or not metas:
-        raise ValueError(f"pass_at_k needs k >= 1 and at least one prompt; got k={k}, {len(metas)} prompts")
-    expanded = [m for m in metas for _ in range(k)]  # (P * k,) prompt-major
-    images = generate(model, [m["prompt"] for m in expanded], [seed + j for _ in metas for j in range(k)],
-                      num_steps, guidance_scale)
+    expanded, images = generate_per_prompt(model, metas, k, num_steps, guidance_scale, seed, "pass_at_k")  # prompt-major
     correct = geneval(strict=True)(images, [m["prompt"] for m in expanded], expanded).view(len(metas), k)  # (P, k)
     by_tag: dict[str, list[int]] = defaultdict(list)
     for i, m in enumerate(metas):

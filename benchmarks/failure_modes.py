@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from flowrl.config import prompt_file
-from flowrl.evaluate import generate
+from flowrl.evaluate import generate_per_prompt
 from flowrl.models import FlowModel, resolve_device
 from flowrl.tiny.prompts import read_jsonl
 from rewards.geneval import keep_confident
@@ -73,11 +73,7 @@ def failure_modes(model: FlowModel, metas: list[dict], k: int, num_steps: int = 
     Raises:
         ValueError: if ``k < 1`` or ``metas`` is empty.
     """
-    if k < 1 or not metas:
-        raise ValueError(f"failure_modes needs k >= 1 and at least one prompt; got k={k}, {len(metas)} prompts")
-    expanded = [m for m in metas for _ in range(k)]
-    images = generate(model, [m["prompt"] for m in expanded], [seed + j for _ in metas for j in range(k)],
-                      num_steps, guidance_scale)
+    expanded, images = generate_per_prompt(model, metas, k, num_steps, guidance_scale, seed, "failure_modes")
     counts: dict[str, Counter] = defaultdict(Counter)
     for image, meta in zip(images, expanded):
         counts[meta["tag"]][failure_mode(image, meta) or "correct"] += 1

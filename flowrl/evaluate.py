@@ -37,6 +37,30 @@ def generate(model: FlowModel, prompts: list[str], seeds: list[int], num_steps: 
     return torch.cat(images)
 
 
+def generate_per_prompt(model: FlowModel, metas: list[dict], k: int, num_steps: int = 20, guidance_scale: float = 4.5,
+                        seed: int = 1234, caller: str = "generate_per_prompt") -> tuple[list[dict], torch.Tensor]:
+    """``k`` deterministic ODE samples of every prompt (:func:`generate`; sample ``j`` of each prompt from seed ``seed + j``).
+
+    Args:
+        metas: P GenEval metadata dicts (with ``prompt``).
+        k: samples per prompt (>= 1).
+        caller: the name the error message gives.
+
+    Returns:
+        ``(expanded, images)``: the ``P * k`` metadata dicts, prompt-major, and float32 images ``(P * k, 3, H, W)``
+        in [0, 1], on CPU.
+
+    Raises:
+        ValueError: if ``k < 1`` or ``metas`` is empty.
+    """
+    if k < 1 or not metas:
+        raise ValueError(f"{caller} needs k >= 1 and at least one prompt; got k={k}, {len(metas)} prompts")
+    expanded = [m for m in metas for _ in range(k)]
+    images = generate(model, [m["prompt"] for m in expanded], [seed + j for _ in metas for j in range(k)],
+                      num_steps, guidance_scale)
+    return expanded, images
+
+
 def sharded(fn, n: int, accelerator=None) -> torch.Tensor:
     """``fn`` over items ``0..n-1`` split across the processes of ``accelerator``, results gathered in item order.
 

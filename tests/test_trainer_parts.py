@@ -1,7 +1,5 @@
 """Advantages, PPO loss, KL, config and checkpoint: numeric checks against hand-computed values."""
 
-import math
-
 import pytest
 import torch
 

@@ -103,7 +103,8 @@ def main() -> None:
         print(f"| {tag} | {row['images']} | " + " | ".join(f"{row[m]:.3f}" for m in ("correct", *MODES)) + " |")
     if args.out:
         Path(args.out).write_text(json.dumps({"model": args.model, "lora": args.lora, "prompts": args.prompts,
-                                              "k": args.k, "per_tag": table}, indent=1) + "\n")
+                                              "k": args.k, "num_steps": args.num_steps,
+                                              "guidance_scale": args.guidance_scale, "per_tag": table}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -196,12 +196,15 @@ class NFTConfig:
     timesteps: int = 4  # noised copies of each image per iteration, at times of the sampler's grid
     old_decay: float = 0.0  # soft update of the sampling policy, theta_old <- d theta_old + (1 - d) theta (0: it follows theta)
     min_time: float = 0.0  # noised copies only at grid times t >= min_time (1 = noise): weight training towards layout
+    guidance_scale: float | None = None  # CFG of the trained velocity (None: sampling.guidance_scale); 1 with guided sampling trains the conditional velocity off-policy
 
     def __post_init__(self):
         _check(self.beta > 0, "train.nft.beta", "> 0", self.beta)
         _check(self.timesteps >= 1, "train.nft.timesteps", ">= 1", self.timesteps)
         _check(0 <= self.old_decay < 1, "train.nft.old_decay", "in [0, 1)", self.old_decay)
         _check(0 <= self.min_time < 1, "train.nft.min_time", "in [0, 1)", self.min_time)
+        _check(self.guidance_scale is None or self.guidance_scale >= 1, "train.nft.guidance_scale", ">= 1 or null",
+               self.guidance_scale)
 
 
 @dataclass

@@ -30,7 +30,8 @@ class NFTMixin:
         ``r = clip(A / A_max) / 2 + 1/2`` (:func:`losses.optimality_weights`). Every image of a group with
         reward variance is noised ``train.nft.timesteps`` times, ``x_t = (1 - t) x0 + t eps`` with ``t`` drawn
         uniformly from the sampler's grid times ``>= train.nft.min_time`` (0: all of them; 1 = noise), and the
-        guided velocity is trained on them with :func:`losses.nft_loss`:
+        velocity at CFG ``train.nft.guidance_scale`` (by default the sampling guidance; 1: the conditional
+        velocity alone, trained off-policy on guided samples) is trained on them with :func:`losses.nft_loss`:
         minibatches of ``train.minibatch_size`` rows per process (the same optimizer steps on every process,
         as :meth:`flowrl.grpo.GRPOMixin.optimize`), ``train.inner_epochs`` passes, under ``run.mixed_precision`` (no ratio needs
         float32 here). Then ``theta_old <- d theta_old + (1 - d) theta``. Needs no log-probs and no
@@ -42,7 +43,7 @@ class NFTMixin:
         Returns:
             `dict[str, float]`: the keys of :meth:`flowrl.trainer.Trainer.step` (``reward/*``, ``advantage/*``, ``cost/*``,
             ``time/*``, ``policy/loss``, ``policy/grad_norm``, ``policy/optimizer_steps``); ``cost/nfe`` counts
-            the sampling rows and the old-policy rows of the loss, CFG twice.
+            the sampling rows and the old-policy rows of the loss, each twice under CFG.
 
         Raises:
             ValueError: if a reward returns the wrong shape, NaN or inf (the reward is named).
@@ -77,15 +78,17 @@ class NFTMixin:
         x_0, c = x0[rows.to(self.device)], cond[rows.to(self.device)]
         x_t = (1 - times.view(-1, 1, 1, 1)) * x_0 + times.view(-1, 1, 1, 1) * eps
         r = optimality_weights(adv[rows], t.adv_clip_max).to(self.device)
+        trained_scale = cfg.sampling.guidance_scale if t.nft.guidance_scale is None else t.nft.guidance_scale
+        trained = velocity if trained_scale == cfg.sampling.guidance_scale else model.velocity_fn(table, trained_scale)
         with torch.no_grad(), self._holding(self.old_policy), self._autocast():
-            v_old = self._chunked(velocity, size)(x_t, times, c) if len(rows) else x_t
-        stats = self._nft_update(velocity, x_t, times, c, x_0, v_old, r, gen)
+            v_old = self._chunked(trained, size)(x_t, times, c) if len(rows) else x_t
+        stats = self._nft_update(trained, x_t, times, c, x_0, v_old, r, gen)
         if self.old_policy is not None:
             self._move_towards_params(self.old_policy, t.nft.old_decay)
         t3 = time.time()
-        cfg_rows = 2 if cfg.sampling.guidance_scale != 1 else 1
+        sample_rows, train_rows = (2 if scale != 1 else 1 for scale in (cfg.sampling.guidance_scale, trained_scale))
         metrics = self._reward_metrics(it, total, scores, metas, image_prompt, judged)
-        metrics.update({**adv_stats, "cost/nfe": (len(cond) * cfg.sampling.num_steps + len(rows)) * cfg_rows,
+        metrics.update({**adv_stats, "cost/nfe": len(cond) * cfg.sampling.num_steps * sample_rows + len(rows) * train_rows,
                         "cost/trained_transitions": len(rows) * t.inner_epochs,
                         "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2,
                         **stats})
@@ -97,7 +100,7 @@ class NFTMixin:
         ``train.inner_epochs`` passes of minibatches (:meth:`_minibatches`, micro-batched as :meth:`flowrl.grpo.GRPOMixin.optimize`).
 
         Args:
-            velocity: the guided policy (:meth:`FlowModel.velocity_fn`), trained here.
+            velocity: the policy at the trained guidance (:meth:`FlowModel.velocity_fn`), trained here.
             x_t, x_0, v_old (`torch.Tensor` of shape `(N, C, H, W)`): noised rows, their clean samples, and the
                 old policy's velocity at them.
             times (`torch.Tensor` of shape `(N,)`, float32 in (0, 1]): the rows' noise times; cond `(N,)` long

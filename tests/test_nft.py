@@ -116,3 +116,34 @@ def test_nft_min_time_noises_only_at_high_noise(tmp_path, random_pipeline, promp
         times[min_time] = torch.cat(seen)
     assert len(times[0.55]) > 0 and times[0.55].min() >= 0.55
     assert times[0.0].min() < 0.55  # the filter, not chance, kept the high times
+
+
+def test_nft_trains_the_conditional_velocity_off_policy(tmp_path, random_pipeline, prompt_files, monkeypatch):
+    """``train.nft.guidance_scale=1`` with guided sampling: the samples are drawn under CFG, while the old
+    policy's velocity and the trained one are the conditional velocity alone (one row per noised copy)."""
+    from flowrl.models import FlowModel
+
+    calls = []
+    original = FlowModel.velocity_fn
+
+    def recording(self, table, guidance_scale):
+        fn = original(self, table, guidance_scale)
+
+        def wrapped(x, t, cond):
+            calls.append((guidance_scale, torch.is_grad_enabled(), len(x)))
+            return fn(x, t, cond)
+
+        return wrapped
+
+    monkeypatch.setattr(FlowModel, "velocity_fn", recording)
+    cfg = _nft_config(tmp_path, random_pipeline, prompt_files, "offp",
+                      **{"run.iterations": 1, "sampling.guidance_scale": 3.0, "train.nft.guidance_scale": 1.0})
+    Trainer(cfg).train()
+    m = json.loads((tmp_path / "offp/metrics.jsonl").read_text().splitlines()[0])
+    kept = m["cost/trained_transitions"]
+    assert kept > 0 and m["cost/nfe"] == 4 * 3 * 2 + kept
+    trained = [c for c in calls if c[1]]
+    assert trained and all(scale == 1.0 for scale, _, _ in trained)
+    assert sum(n for scale, grad, n in calls if scale == 1.0 and not grad) == kept  # the old policy's rows
+    with pytest.raises(ConfigError, match=r"train\.nft\.guidance_scale"):
+        load_config("configs/diffusion_nft.yaml", ["train.nft.guidance_scale=0.5"])

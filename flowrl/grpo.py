@@ -94,7 +94,7 @@ class GRPOMixin:
             stats["sampling/window_start"] = self.window.start
             self.window.advance()
         metrics = self._reward_metrics(it, total, scores, metas, image_prompt, judged)
-        metrics.update({**adv_stats, "cost/nfe": ro.cost["nfe"] * (2 if self.cfg.sampling.guidance_scale != 1 else 1),
+        metrics.update({**adv_stats, "cost/nfe": ro.cost["nfe"] * self.model.cfg_rows(self.cfg.sampling.guidance_scale),
                         "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2, **stats})
         return metrics
 

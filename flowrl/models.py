@@ -268,6 +268,12 @@ class FlowModel:
                                 pooled_projections=cond.pooled.to(dtype), timestep=t * 1000,
                                 return_dict=False)[0]
 
+    @staticmethod
+    def cfg_rows(guidance_scale: float) -> int:
+        """Transformer rows one velocity evaluation costs per sample (the ``cost/nfe`` unit): 2 under CFG
+        (conditional and unconditional, as :meth:`velocity_fn` batches them), 1 at ``guidance_scale == 1``."""
+        return 2 if guidance_scale != 1.0 else 1
+
     def velocity_fn(self, table: PromptEmbeds, guidance_scale: float):
         """A :class:`samplers.VelocityFn` over a table of prompts; row 0 of ``table`` must be the empty prompt."""
 

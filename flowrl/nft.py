@@ -79,16 +79,16 @@ class NFTMixin:
         x_t = (1 - times.view(-1, 1, 1, 1)) * x_0 + times.view(-1, 1, 1, 1) * eps
         r = optimality_weights(adv[rows], t.adv_clip_max).to(self.device)
         trained_scale = cfg.sampling.guidance_scale if t.nft.guidance_scale is None else t.nft.guidance_scale
-        trained = velocity if trained_scale == cfg.sampling.guidance_scale else model.velocity_fn(table, trained_scale)
+        trained = model.velocity_fn(table, trained_scale)
         with torch.no_grad(), self._holding(self.old_policy), self._autocast():
             v_old = self._chunked(trained, size)(x_t, times, c) if len(rows) else x_t
         stats = self._nft_update(trained, x_t, times, c, x_0, v_old, r, gen)
         if self.old_policy is not None:
             self._move_towards_params(self.old_policy, t.nft.old_decay)
         t3 = time.time()
-        sample_rows, train_rows = (2 if scale != 1 else 1 for scale in (cfg.sampling.guidance_scale, trained_scale))
         metrics = self._reward_metrics(it, total, scores, metas, image_prompt, judged)
-        metrics.update({**adv_stats, "cost/nfe": len(cond) * cfg.sampling.num_steps * sample_rows + len(rows) * train_rows,
+        metrics.update({**adv_stats, "cost/nfe": (len(cond) * cfg.sampling.num_steps * model.cfg_rows(cfg.sampling.guidance_scale)
+                                                  + len(rows) * model.cfg_rows(trained_scale)),
                         "cost/trained_transitions": len(rows) * t.inner_epochs,
                         "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2,
                         **stats})

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .config import REPO_ROOT, load_config
+from .evaluate import machine
 
 PRESETS = ("flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "mix_grpo_flash", "branch_grpo", "branch_grpo_mix",
            "tempflow_grpo", "g2rpo", "tp_grpo")
@@ -154,20 +155,12 @@ def run_bench(presets=PRESETS, iterations: int = 3, warmup: int = 1, budget_s: f
         row["vs_dance_grpo"] = row["time/iteration_s"] / base if base else None
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": _machine(), "iterations": iterations, "warmup": warmup, "budget_s": budget_s,
+    meta = {"machine": machine(), "iterations": iterations, "warmup": warmup, "budget_s": budget_s,
             "base_accuracy": base_accuracy, "overrides": list(overrides),
             "preset_overrides": {"file": str(preset_overrides), **per_preset} if preset_overrides else None}
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     out.with_suffix(".md").write_text(markdown_table(results, meta))
     return results
-
-
-def _machine() -> str:
-    import os
-    import platform
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, {gpu}, torch {torch.__version__}"
 
 
 def markdown_table(results: dict, meta: dict) -> str:

@@ -2,13 +2,39 @@
 
 from __future__ import annotations
 
+import os
+import platform
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
 from samplers import flow_sigmas, ode_sample
 
 from .models import FlowModel
+
+
+def machine() -> str:
+    """One line naming the hardware and torch build a measurement ran on, recorded in result files.
+
+    E.g. ``"AMD EPYC (native bf16), 2 CPU cores, no GPU, torch 2.15.0+cu132"``. The CPU model comes from
+    ``/proc/cpuinfo`` where it exists (Linux), else from :mod:`platform`. "native bf16" marks a CPU whose
+    flags include AVX-512 BF16 or AMX BF16: bf16 autocast results (e.g. an evaluation's accuracy) can
+    differ by a few images between CPUs with and without it, so they are compared on one machine.
+    """
+    cpu, flags = "", set()
+    info = Path("/proc/cpuinfo")
+    for line in info.read_text(errors="replace").splitlines() if info.exists() else []:
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key == "model name" and not cpu:
+            cpu = value
+        elif key in ("flags", "Features"):
+            flags.update(value.split())
+    cpu = cpu or platform.processor() or platform.machine()
+    if flags & {"avx512_bf16", "amx_bf16", "bf16"}:
+        cpu += " (native bf16)"
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {os.cpu_count()} CPU cores, {gpu}, torch {torch.__version__}"
 
 
 def generate(model: FlowModel, prompts: list[str], seeds: list[int], num_steps: int, guidance_scale: float,
@@ -118,7 +144,8 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
 
     Returns:
         ``{"overall", "per_tag", "dense_overall", "dense_per_tag", "n_images", "num_steps",
-        "guidance_scale"}`` (+ ``"images"`` float ``(N, 3, H, W)``, ``"correct"``, ``"prompts"`` and the
+        "guidance_scale", "bf16", "machine"}`` (``bf16``: whether bf16 autocast was on; ``machine``:
+        :func:`machine`, since bf16 results depend on the CPU) (+ ``"images"`` float ``(N, 3, H, W)``, ``"correct"``, ``"prompts"`` and the
         ``"metas"`` of each image when asked).
 
     Raises:
@@ -139,6 +166,7 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
         strict, dense = geneval().judge(images, [prompts[i] for i in idx], [metas[i] for i in idx])  # one detection pass
         return torch.stack([strict.float(), dense.float()], dim=1)
 
+    bf16 = torch.is_autocast_enabled(model.device.type) and torch.get_autocast_dtype(model.device.type) == torch.bfloat16
     strict, dense = sharded(judge, len(metas), accelerator).unbind(1)
     per_tag, dense_tag = defaultdict(list), defaultdict(list)
     for m, s, d in zip(metas, strict.tolist(), dense.tolist()):
@@ -153,6 +181,8 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
         "n_images": len(metas),
         "num_steps": num_steps,
         "guidance_scale": guidance_scale,
+        "bf16": bf16,
+        "machine": machine(),
     }
     if return_images:
         result.update(images=images, correct=strict, prompts=prompts, metas=metas)

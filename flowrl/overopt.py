@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .bench import _machine
 from .config import REPO_ROOT, load_config
+from .evaluate import evaluate, machine
 
 PRESETS = ("flow_grpo", "grpo_guard", "dance_grpo", "grpo_guard_dance")
 
@@ -33,8 +33,6 @@ def proxy_and_gold(trainer, proxy) -> dict[str, float]:
         ``{"proxy": mean proxy score, "gold": GenEval strict accuracy in [0, 1], "gold_dense": dense
         GenEval score in [0, 1], "per_tag": {tag: strict accuracy}}``.
     """
-    from .evaluate import evaluate
-
     e, s = trainer.cfg.eval, trainer.cfg.sampling
     with trainer.ema_weights(), trainer._autocast():
         result = evaluate(trainer.model, trainer.eval_metas, e.images_per_tag, e.num_steps, e.guidance_scale, s.shift,
@@ -90,7 +88,7 @@ def run_overopt(presets=PRESETS, iterations: int = 30, eval_every: int = 10, pro
             results[name] = rows
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": _machine(), "iterations": iterations, "eval_every": eval_every, "proxy": proxy,
+    meta = {"machine": machine(), "iterations": iterations, "eval_every": eval_every, "proxy": proxy,
             "overrides": list(overrides)}
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     out.with_suffix(".md").write_text(markdown_table(results, meta))

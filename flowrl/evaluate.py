@@ -19,7 +19,7 @@ def machine() -> str:
 
     E.g. ``"AMD EPYC (native bf16), 2 CPU cores, no GPU, torch 2.15.0+cu132"``. The CPU model comes from
     ``/proc/cpuinfo`` where it exists (Linux), else from :mod:`platform`. "native bf16" marks a CPU whose
-    flags include AVX-512 BF16 or AMX BF16: bf16 autocast results (e.g. an evaluation's accuracy) can
+    flags include AVX-512 BF16, AMX BF16 or Arm's BF16: bf16 autocast results (e.g. an evaluation's accuracy) can
     differ by a few images between CPUs with and without it, so they are compared on one machine.
     """
     cpu, flags = "", set()
@@ -145,8 +145,8 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
     Returns:
         ``{"overall", "per_tag", "dense_overall", "dense_per_tag", "n_images", "num_steps",
         "guidance_scale", "bf16", "machine"}`` (``bf16``: whether bf16 autocast was on; ``machine``:
-        :func:`machine`, since bf16 results depend on the CPU) (+ ``"images"`` float ``(N, 3, H, W)``, ``"correct"``, ``"prompts"`` and the
-        ``"metas"`` of each image when asked).
+        :func:`machine`, since bf16 results depend on the CPU), plus ``"images"`` float ``(N, 3, H, W)``,
+        ``"correct"``, ``"prompts"`` and the ``"metas"`` of each image when asked.
 
     Raises:
         ValueError: for ``return_images`` with several processes.
@@ -166,7 +166,8 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
         strict, dense = geneval().judge(images, [prompts[i] for i in idx], [metas[i] for i in idx])  # one detection pass
         return torch.stack([strict.float(), dense.float()], dim=1)
 
-    bf16 = torch.is_autocast_enabled(model.device.type) and torch.get_autocast_dtype(model.device.type) == torch.bfloat16
+    kind = model.device.type
+    bf16 = torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.bfloat16
     strict, dense = sharded(judge, len(metas), accelerator).unbind(1)
     per_tag, dense_tag = defaultdict(list), defaultdict(list)
     for m, s, d in zip(metas, strict.tolist(), dense.tolist()):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from collections import defaultdict
@@ -14,8 +15,10 @@ from samplers import flow_sigmas, ode_sample
 from .models import FlowModel
 
 
+@functools.cache
 def machine() -> str:
-    """One line naming the hardware and torch build a measurement ran on, recorded in result files.
+    """One line naming the hardware and torch build a measurement ran on, recorded in result files
+    (read once per process: every evaluation of a run records the same line).
 
     E.g. ``"AMD EPYC (native bf16), 2 CPU cores, no GPU, torch 2.15.0+cu132"``. The CPU model comes from
     ``/proc/cpuinfo`` where it exists (Linux), else from :mod:`platform`. "native bf16" marks a CPU whose

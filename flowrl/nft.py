@@ -87,8 +87,9 @@ class NFTMixin:
             self._move_towards_params(self.old_policy, t.nft.old_decay)
         t3 = time.time()
         metrics = self._reward_metrics(it, total, scores, metas, image_prompt, judged)
-        metrics.update({**adv_stats, "cost/nfe": (len(cond) * cfg.sampling.num_steps * model.cfg_rows(cfg.sampling.guidance_scale)
-                                                  + len(rows) * model.cfg_rows(trained_scale)),
+        nfe = len(cond) * cfg.sampling.num_steps * model.cfg_rows(cfg.sampling.guidance_scale)  # sampling
+        nfe += len(rows) * model.cfg_rows(trained_scale)  # the old policy's rows of the loss
+        metrics.update({**adv_stats, "cost/nfe": nfe,
                         "cost/trained_transitions": len(rows) * t.inner_epochs,
                         "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2,
                         **stats})

@@ -303,6 +303,20 @@ class FlowModel:
         StableDiffusion3Pipeline.save_lora_weights(directory, transformer_lora_layers=state,
                                                    transformer_lora_adapter_metadata=metadata)
 
+    def save_pipeline(self, directory: str | Path) -> None:
+        """Write the whole pipeline, with the transformer as it is now (float32 on CPU), as a diffusers
+        folder of safetensors: what full fine-tuning (``model.lora_rank=0``) leaves, loadable by
+        ``flowrl eval --model directory`` and ``StableDiffusion3Pipeline.from_pretrained(directory)``.
+        For SD3.5-Medium that is the text encoders and the VAE too, several GB."""
+        from diffusers.utils import logging as diffusers_logging
+
+        verbosity = diffusers_logging.get_verbosity()
+        diffusers_logging.set_verbosity_error()  # not the warning for each absent optional part (T5)
+        try:
+            self.pipe.save_pretrained(directory, safe_serialization=True)
+        finally:
+            diffusers_logging.set_verbosity(verbosity)
+
     def load_lora(self, directory: str | Path) -> None:
         """Load a diffusers-format LoRA folder into the transformer (as the default adapter).
 

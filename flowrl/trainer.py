@@ -496,6 +496,8 @@ class Trainer(RolloutMixin, GRPOMixin, NFTMixin):
         save_diagnostics(metrics, self.out / "diagnostics.png")
         before = load_file(self.out / "grid_before.safetensors")["images"]
         save_grid(before, self.grid_images(), [m["prompt"] for m in self._grid_metas()], self.out / "grid.png")
-        if self.cfg.model.lora_rank > 0:
-            with self.ema_weights():
+        with self.ema_weights():
+            if self.cfg.model.lora_rank > 0:
                 self.model.save_lora(self.out / "lora")
+            else:
+                self.model.save_pipeline(self.out / "pipeline")

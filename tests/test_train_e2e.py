@@ -95,6 +95,27 @@ def test_lora_loads_in_stock_diffusers(finished_run, random_pipeline):
     torch.testing.assert_close(stock, ours, rtol=1e-4, atol=1e-5)
 
 
+def test_full_finetuning_writes_a_pipeline_that_loads_in_stock_diffusers(tmp_path, random_pipeline, prompt_files):
+    from pathlib import Path
+
+    from diffusers import StableDiffusion3Pipeline
+
+    cfg = _config(tmp_path, random_pipeline, prompt_files, **{"model.lora_rank": 0, "run.iterations": 1,
+                                                               "run.mixed_precision": "no"})
+    trainer = Trainer(cfg)
+    before = {n: p.detach().clone() for n, p in trainer.params.items()}
+    trainer.train()
+    out = Path(cfg.run.output_dir)
+    assert not (out / "lora").exists()
+    saved = StableDiffusion3Pipeline.from_pretrained(out / "pipeline", text_encoder_3=None,
+                                                     tokenizer_3=None).transformer.state_dict()
+    trained = {n: p.detach() for n, p in trainer.params.items()}
+    assert set(trained) <= set(saved)  # the state dict also holds buffers (the position embedding)
+    assert any(not torch.equal(trained[n], before[n]) for n in trained)  # it trained, and what it wrote is that
+    for n, p in trained.items():
+        torch.testing.assert_close(saved[n].float(), p, rtol=0, atol=0)
+
+
 def test_resume_continues_a_killed_run_exactly(tmp_path, random_pipeline, prompt_files, finished_run):
     cfg_full = finished_run[0]
     from pathlib import Path

@@ -120,6 +120,14 @@ class Trainer(RolloutMixin, GRPOMixin, NFTMixin):
         if cfg.train.gradient_checkpointing:  # only forwards with gradients (training) are checkpointed
             self.model.transformer.enable_gradient_checkpointing()
         self.params = {n: p for n, p in self.model.transformer.named_parameters() if p.requires_grad}
+        if cfg.model.lora_rank == 0 and cfg.run.keep_checkpoints is None:
+            # the weights, AdamW's two moments, and the EMA and the old policy where they exist
+            copies = 3 + (cfg.train.ema_decay > 0) + (cfg.train.method == "nft" and cfg.train.nft.old_decay > 0)
+            mb = copies * sum(p.numel() * p.element_size() for p in self.params.values()) / 2**20
+            count = -(-cfg.run.iterations // cfg.run.save_every)
+            warnings.warn(f"full fine-tuning (model.lora_rank=0) with run.keep_checkpoints unset keeps all {count} "
+                          f"checkpoints of about {mb:.0f} MB each; set run.keep_checkpoints to keep only the newest",
+                          UserWarning, stacklevel=2)
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.train.learning_rate,
                                            betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay)
         self.optimizer = self.accelerator.prepare(self.optimizer)

@@ -102,7 +102,8 @@ def test_full_finetuning_writes_a_pipeline_that_loads_in_stock_diffusers(tmp_pat
 
     cfg = _config(tmp_path, random_pipeline, prompt_files, **{"model.lora_rank": 0, "run.iterations": 1,
                                                                "run.mixed_precision": "no"})
-    trainer = Trainer(cfg)
+    with pytest.warns(UserWarning, match="run.keep_checkpoints unset keeps all 1 checkpoints"):
+        trainer = Trainer(cfg)
     before = {n: p.detach().clone() for n, p in trainer.params.items()}
     trainer.train()
     out = Path(cfg.run.output_dir)

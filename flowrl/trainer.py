@@ -120,22 +120,26 @@ class Trainer(RolloutMixin, GRPOMixin, NFTMixin):
         if cfg.train.gradient_checkpointing:  # only forwards with gradients (training) are checkpointed
             self.model.transformer.enable_gradient_checkpointing()
         self.params = {n: p for n, p in self.model.transformer.named_parameters() if p.requires_grad}
-        if cfg.model.lora_rank == 0 and cfg.run.keep_checkpoints is None:
-            # the weights, AdamW's two moments, and the EMA and the old policy where they exist
-            copies = 3 + (cfg.train.ema_decay > 0) + (cfg.train.method == "nft" and cfg.train.nft.old_decay > 0)
-            mb = copies * sum(p.numel() * p.element_size() for p in self.params.values()) / 2**20
-            count = -(-cfg.run.iterations // cfg.run.save_every)
-            warnings.warn(f"full fine-tuning (model.lora_rank=0) with run.keep_checkpoints unset keeps all {count} "
-                          f"checkpoints of about {mb:.0f} MB each; set run.keep_checkpoints to keep only the newest",
-                          UserWarning, stacklevel=2)
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.train.learning_rate,
                                            betas=tuple(cfg.train.adam_betas), weight_decay=cfg.train.weight_decay)
         self.optimizer = self.accelerator.prepare(self.optimizer)
         self.ema = {n: p.detach().clone() for n, p in self.params.items()} if cfg.train.ema_decay > 0 else None
         nft = cfg.train.method == "nft" and cfg.train.nft.old_decay > 0  # DiffusionNFT's soft-updated sampling policy
         self.old_policy = {n: p.detach().clone() for n, p in self.params.items()} if nft else None
+        if cfg.model.lora_rank == 0 and cfg.run.keep_checkpoints is None:
+            self._warn_checkpoint_size()
         self._build_rollout_shape()
         self._smoke_test_rewards()
+
+    def _warn_checkpoint_size(self) -> None:
+        """Warn how many checkpoints a run that keeps all of them writes, and their size: the trained weights,
+        AdamW's two moments of each, and the EMA and old-policy copies where the run has them."""
+        copies = (self.params, self.params, self.params, self.ema or {}, self.old_policy or {})  # AdamW: 2 moments
+        mib = sum(t.numel() * t.element_size() for copy in copies for t in copy.values()) / 2**20
+        count = -(-self.cfg.run.iterations // self.cfg.run.save_every)
+        warnings.warn(f"full fine-tuning (model.lora_rank=0) with run.keep_checkpoints unset keeps all {count} "
+                      f"checkpoints of about {mib:.0f} MiB each; set run.keep_checkpoints to keep only the newest",
+                      UserWarning, stacklevel=3)
 
     # ----------------------------------------------------------------------------------------- parts
     def _smoke_test_rewards(self) -> None:

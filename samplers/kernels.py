@@ -363,7 +363,7 @@ def dpm_solver_2m_step(
 
     Raises:
         ValueError: if `sigma`, `sigma_next` or `prev_sigma` is not a single number (one time for the whole
-            batch), or ``sigma_next >= sigma``.
+            batch), ``sigma_next >= sigma`` or ``prev_sigma <= sigma``.
     """
     sample, velocity = sample.float(), velocity.float()
     for name, value in (("sigma", sigma), ("sigma_next", sigma_next), ("prev_sigma", prev_sigma)):
@@ -373,6 +373,9 @@ def dpm_solver_2m_step(
     t, t_next = float(sigma), float(sigma_next)
     if not t_next < t:
         raise ValueError(f"dpm_solver_2m_step: sigma_next={t_next} must be < sigma={t}")
+    if prev_sigma is not None and not float(prev_sigma) > t:
+        raise ValueError(f"dpm_solver_2m_step: prev_sigma={float(prev_sigma)} (the previous step's time) must be "
+                         f"> sigma={t}")
     x0 = sample - t * velocity  # (B, C, H, W)
 
     def lam(u: float) -> float:

@@ -59,14 +59,17 @@ class ProbeRollout:
 
 
 def _check_probe_inputs(noise, cond, group, sigmas, plan: StepPlan, probe_steps: list[int], children: int,
-                        child_kernel: str, granularities: tuple[int, ...]) -> None:
+                        child_kernel: str, child_noise_level: float, granularities: tuple[int, ...]) -> None:
     """Validate :func:`sample_probes`'s arguments (shapes as :func:`samplers.sample`).
 
     Raises:
         ValueError: for bad shapes, a multistep kernel in `plan`, a probe step outside ``[0, N - 1)``, a
-            non-stochastic `child_kernel` (when `children > 0`), or an empty `granularities` or one `< 1`.
+            negative `children`, a non-stochastic `child_kernel` or a `child_noise_level` outside ``(0, inf)``
+            (``(0, 1]`` for ``"cps"``) (when `children > 0`), or an empty `granularities` or one `< 1`.
     """
     _check_sample_inputs(noise, cond, group, sigmas, plan)
+    if isinstance(children, bool) or not isinstance(children, int) or children < 0:
+        raise ValueError(f"children must be an integer >= 0 (0 = probe the main path's own state); got {children!r}")
     multistep = sorted({k for k in plan.kernels if k not in KERNELS})
     if multistep:
         raise ValueError(f"sample_probes runs single-step kernels only; the plan uses {multistep} (no Flash plan here)")
@@ -75,6 +78,9 @@ def _check_probe_inputs(noise, cond, group, sigmas, plan: StepPlan, probe_steps:
         raise ValueError(f"probe steps must lie in [0, {n - 1}) (a probe needs a step left to complete); got {probe_steps}")
     if children and child_kernel not in STOCHASTIC_KERNELS:
         raise ValueError(f"child_kernel={child_kernel!r} must be stochastic, one of {sorted(STOCHASTIC_KERNELS)}")
+    if children and not (child_noise_level > 0 and (child_kernel != "cps" or child_noise_level <= 1)):
+        raise ValueError(f"child_noise_level={child_noise_level} must be > 0 (and <= 1 for 'cps'): the children are "
+                         "trained transitions and a zero noise level gives them std 0 and no log-prob")
     if not granularities or min(granularities) < 1:
         raise ValueError(f"granularities must be >= 1; got {granularities}")
 
@@ -214,11 +220,12 @@ def sample_probes(
         Probes are sorted by step, root, child and granularity.
 
     Raises:
-        ValueError: for a probe step outside ``[0, N - 1)``, a non-stochastic `child_kernel`, a
-            granularity `< 1`, a plan with a multistep kernel (DPM-Solver++), or bad shapes (as
-            :func:`samplers.sample`).
+        ValueError: for a probe step outside ``[0, N - 1)``, a negative `children`, a non-stochastic
+            `child_kernel` or a `child_noise_level <= 0` (`> 1` for ``"cps"``) with children, a granularity
+            `< 1`, a plan with a multistep kernel (DPM-Solver++), or bad shapes (as :func:`samplers.sample`).
     """
-    _check_probe_inputs(noise, cond, group, sigmas, plan, probe_steps, children, child_kernel, granularities)
+    _check_probe_inputs(noise, cond, group, sigmas, plan, probe_steps, children, child_kernel, child_noise_level,
+                        granularities)
     x = noise.float()
     device, roots, n = x.device, x.shape[0], plan.num_steps
     sigmas = sigmas.to(device=device, dtype=torch.float32)

@@ -322,8 +322,16 @@ def plan_step(plan: StepPlan, k: int, x: torch.Tensor, velocity: torch.Tensor, s
     (`None` on the first step) and run first order on the plan's last step; the others get the step's
     noise level, ``sigma_max = sigmas[1]`` and `generator`.
 
+    Args:
+        plan (:class:`StepPlan`): `N` steps; k (`int`): the step, in ``[0, N)``.
+        x, velocity (`torch.Tensor` of shape `(F, C, H, W)`): states at ``sigmas[k]`` and their velocities.
+        sigmas (`torch.Tensor` of shape `(N + 1,)`, float32): the schedule.
+        prev_x0 (`torch.Tensor` of shape `(F, C, H, W)`, optional): ``x0_hat`` of step ``k - 1``;
+            prev_sigma (0-d tensor, optional): ``sigmas[k - 1]``.
+        generator (`torch.Generator`, optional): source of the SDE noise.
+
     Returns:
-        The kernel's :class:`samplers.StepOutput`.
+        The kernel's :class:`samplers.StepOutput` (float32; `mean`, `std`, `log_prob` `None` if deterministic).
     """
     kernel = plan.kernels[k]
     if kernel in MULTISTEP_KERNELS:

@@ -15,6 +15,8 @@ def _shift(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
 def flow_sigmas(num_steps: int, shift: float = 3.0, num_train_timesteps: int = 1000) -> torch.Tensor:
     """Shifted sigma schedule ``t_0 = 1 > t_1 > ... > t_N = 0``, as diffusers builds it for SD3.
 
+    The shift is SD3's timestep shift (Esser et al., arXiv 2403.03206, "resolution-dependent shifting").
+
     Reproduces ``FlowMatchEulerDiscreteScheduler(shift=shift).set_timesteps(num_steps)`` (static shift,
     no dynamic shifting, no Karras/exponential/beta sigmas):
 
@@ -74,6 +76,8 @@ def respace_tail(sigmas: torch.Tensor, keep: int, num_tail: int, shift: float = 
     Raises:
         ValueError: if `keep`, `num_tail` or `shift` is out of range, or `sigmas` is not 1-d.
     """
+    if sigmas.ndim != 1:
+        raise ValueError(f"sigmas must have shape (N + 1,); got {tuple(sigmas.shape)}")
     num_steps = sigmas.shape[0] - 1
     if not 0 <= keep < num_steps:
         raise ValueError(f"keep must lie in [0, {num_steps}); got {keep}")
@@ -81,8 +85,6 @@ def respace_tail(sigmas: torch.Tensor, keep: int, num_tail: int, shift: float = 
         raise ValueError(f"num_tail must be >= 1; got {num_tail}")
     if not shift > 0:
         raise ValueError(f"shift must be > 0; got {shift}")
-    if sigmas.ndim != 1:
-        raise ValueError(f"sigmas must have shape (N + 1,); got {tuple(sigmas.shape)}")
     start = _unshift(sigmas[keep].double(), shift)
     tail = _shift(torch.linspace(float(start), 0.0, num_tail + 1, dtype=torch.float64), shift).float()  # (num_tail + 1,)
     return torch.cat([sigmas[:keep].float(), tail])

@@ -22,7 +22,9 @@ from .rollout import (Rollout, StepPlan, TransitionBuffer, VelocityFn, _check_sa
 __all__ = ["leaf_incidence", "sample_shared_noise", "sample_tree"]
 
 
-def _check_branch(plan: StepPlan, branch: list[int]) -> None:
+def _check_branch(plan: StepPlan, branch: list[int], sigmas: torch.Tensor) -> None:
+    """Refuse a `branch` of the wrong length, a factor `< 1`, or a split where the children would be equal: at a
+    deterministic step, or at a ``"cps"`` step onto ``t' = 0`` (std 0)."""
     if len(branch) != plan.num_steps:
         raise ValueError(f"branch has {len(branch)} entries; expected {plan.num_steps} (one per step)")
     for k, (b, kernel) in enumerate(zip(branch, plan.kernels)):
@@ -30,6 +32,9 @@ def _check_branch(plan: StepPlan, branch: list[int]) -> None:
             raise ValueError(f"branch[{k}]={b} must be >= 1")
         if b > 1 and kernel not in STOCHASTIC_KERNELS:
             raise ValueError(f"branch[{k}]={b} splits at a deterministic step ({kernel!r}); children would be equal")
+        if b > 1 and kernel == "cps" and float(sigmas[k + 1]) == 0:
+            raise ValueError(f"branch[{k}]={b} splits at the cps step onto t'=0, whose std is 0; children would be "
+                             "equal")
 
 
 @torch.no_grad()
@@ -54,7 +59,8 @@ def sample_tree(
     batched matrix products (about 1e-6), and it is slower.
 
     With ``branch = [G, 1, ..., 1]`` and one root per group this is the flat group with shared initial
-    noise; with all ones it is :func:`samplers.sample` on the roots.
+    noise; with all ones it is :func:`samplers.sample` on the roots (but for ``depth``: 0 here, no split;
+    :func:`samplers.sample` records 1, its group's split at step 0).
 
     Args:
         velocity_fn (:class:`VelocityFn`): the old policy.
@@ -76,10 +82,10 @@ def sample_tree(
 
     Raises:
         ValueError: bad shapes (as :func:`samplers.sample`), a `branch` of the wrong length, a factor
-            `< 1`, or a split at a deterministic step.
+            `< 1`, or a split at a deterministic step or at a ``"cps"`` step onto ``t' = 0``.
     """
     _check_sample_inputs(noise, cond, group, sigmas, plan)
-    _check_branch(plan, branch)
+    _check_branch(plan, branch, sigmas)
     x = noise.float()
     device = x.device
     sigmas = sigmas.to(device=device, dtype=torch.float32)
@@ -139,6 +145,10 @@ def leaf_incidence(rollout: Rollout) -> torch.Tensor:
     """Which leaves lie below each stored transition (the transition is on their path).
 
     Works on a full rollout (node ids are row numbers); walks each leaf's ``leaf_node`` up ``parent``.
+
+    Args:
+        rollout (:class:`samplers.Rollout`): a whole rollout of `M` transitions and `B` leaves, e.g. from
+            :func:`sample_tree`.
 
     Returns:
         `torch.Tensor` of shape `(M, B)`, bool: ``[m, b]`` is True iff transition `m` is on leaf `b`'s path.

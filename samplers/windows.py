@@ -75,7 +75,7 @@ class SlidingWindow:
         if self.schedule not in WINDOW_SCHEDULES:
             raise ValueError(f"SlidingWindow.schedule={self.schedule!r}; expected one of {WINDOW_SCHEDULES}")
         for name, low in (("num_steps", 2), ("size", 1), ("stride", 0), ("interval", 1), ("min_interval", 1),
-                          ("exp_threshold", 0), ("count", 0), ("iteration", 0)):
+                          ("exp_threshold", 0), ("start", 0), ("count", 0), ("iteration", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"SlidingWindow.{name}={value!r} must be an integer >= {low}")

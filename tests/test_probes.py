@@ -84,3 +84,18 @@ def test_bad_probe_arguments_are_named():
                       StepPlan(["ode", "dpm_solver_2m", "dpm_solver_2m"], [0.0] * 3, [False] * 3), [0])
     with pytest.raises(ValueError, match="child_kernel"):
         sample_probes(velocity, noise, cond, group, flow_sigmas(3, 3.0), StepPlan.ode(3), [0], children=2, child_kernel="ode")
+
+
+def test_children_with_a_zero_or_out_of_range_noise_level_or_a_negative_count_are_refused():
+    """A zero noise level gave trained children with std 0 and log-prob 0 (ratio always 1, no gradient) silently."""
+    noise, cond, group = _inputs(1)
+    sigmas, plan = flow_sigmas(4, 3.0), StepPlan.ode(4)
+    with pytest.raises(ValueError, match="child_noise_level=0.0 must be > 0"):
+        sample_probes(velocity, noise, cond, group, sigmas, plan, [1], children=2, child_noise_level=0.0)
+    with pytest.raises(ValueError, match="child_noise_level=1.5"):
+        sample_probes(velocity, noise, cond, group, sigmas, plan, [1], children=2, child_kernel="cps",
+                      child_noise_level=1.5)
+    with pytest.raises(ValueError, match="children must be an integer >= 0"):
+        sample_probes(velocity, noise, cond, group, sigmas, plan, [1], children=-1)
+    out = sample_probes(velocity, noise, cond, group, sigmas, plan, [1], child_noise_level=0.0)  # no children: unused
+    assert out.final.shape[0] == 1

@@ -134,3 +134,12 @@ def test_split_at_a_deterministic_step_is_refused():
         sample_tree(velocity, noise, cond, group, flow_sigmas(3, 3.0), StepPlan.window(3, [0]), [1, 2, 1])
     with pytest.raises(ValueError, match="one per step"):
         sample_tree(velocity, noise, cond, group, flow_sigmas(3, 3.0), StepPlan.sde(3), [1, 1])
+
+
+def test_split_at_the_cps_step_onto_zero_is_refused():
+    noise, cond, group = _inputs(1)
+    plan = StepPlan.sde(3, kernel="cps", noise_level=0.5)  # the last step lands on t' = 0 with std 0
+    with pytest.raises(ValueError, match=r"branch\[2\]=2 splits at the cps step onto t'=0"):
+        sample_tree(velocity, noise, cond, group, flow_sigmas(3, 3.0), plan, [1, 1, 2])
+    ro = sample_tree(velocity, noise, cond, group, flow_sigmas(3, 3.0), plan, [1, 2, 1])
+    assert ro.num_leaves == 2 and not torch.equal(ro.final[0], ro.final[1])

@@ -82,6 +82,10 @@ def test_bad_window_values_are_named():
         SlidingWindow(num_steps=10, interval=2.5)
     with pytest.raises(ValueError, match="reaches the last step"):
         mix_plan(flow_sigmas(10, 3.0), [8, 9], flash_ratio=0.4)
+    with pytest.raises(ValueError, match=r"SlidingWindow.start=1.5 must be an integer"):  # was a TypeError in .steps
+        SlidingWindow(num_steps=10, start=1.5)
+    with pytest.raises(ValueError, match=r"sigmas must have shape \(N \+ 1,\)"):  # was an IndexError
+        respace_tail(torch.tensor(1.0), 0, 1)
 
 
 def test_mix_plan_and_flash_schedule():
@@ -104,6 +108,8 @@ def test_dpm_solver_refuses_per_sample_or_increasing_times():
         dpm_solver_2m_step(x, x, torch.tensor([0.5, 0.6]), 0.3)
     with pytest.raises(ValueError, match="sigma_next=0.6 must be < sigma=0.5"):
         dpm_solver_2m_step(x, x, 0.5, 0.6)
+    with pytest.raises(ValueError, match="prev_sigma=0.4 .* must be > sigma=0.5"):  # was a silent wrong correction
+        dpm_solver_2m_step(x, x, 0.5, 0.3, prev_x0=x, prev_sigma=0.4)
 
 
 def test_dpm_first_order_from_one_is_euler():

@@ -96,7 +96,7 @@ def register_reward(name: str) -> Callable[[RewardFactory], RewardFactory]:
 
 
 def reward_name(reward: Callable) -> str:
-    """The reward's `name` attribute, else its `__name__`, else its class name."""
+    """The reward's `name` attribute, else its `__name__`, else its class name (for error messages)."""
     return getattr(reward, "name", None) or getattr(reward, "__name__", None) or type(reward).__name__
 
 
@@ -134,14 +134,16 @@ def build_reward(spec: str, **kwargs: Any) -> Reward:
     Raises:
         ValueError: unknown name (the message lists the registered names), or a dotted path whose
             module or attribute is missing (the message names it).
-        TypeError: an option the factory does not accept (the message lists the accepted ones), or
-            the built object is not callable.
+        TypeError: `spec` is not a string, an option the factory does not accept (the message lists
+            the accepted ones), or the named or built object is not callable.
     """
+    if not isinstance(spec, str):
+        raise TypeError(f"reward spec must be a registered name or 'package.module:function', got {spec!r}")
     if ":" in spec:
         target = _import_dotted(spec)
+        if not callable(target):
+            raise TypeError(f"reward spec {spec!r} names a {type(target).__name__}, not a callable")
         if not kwargs:
-            if not callable(target):
-                raise TypeError(f"reward spec {spec!r} names a {type(target).__name__}, not a callable")
             return target
     elif spec in REWARDS:
         target = REWARDS[spec]
@@ -184,10 +186,16 @@ def is_integer(value: Any) -> bool:
 def check_inputs(images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping]) -> None:
     """Check the reward inputs agree with the contract of `Reward`.
 
+    Args:
+        images (`torch.Tensor` of shape `(B, 3, H, W)`, floating point, values in `[0, 1]`, any device).
+        prompts (`Sequence[str]` of length `B`).
+        metadata (`Sequence[Mapping]` of length `B`).
+
     Raises:
-        TypeError: `images` is not a floating-point tensor.
-        ValueError: `images` is not `(B, 3, H, W)`, has values outside `[0, 1]`, or `prompts` or
-            `metadata` does not have length `B`.
+        TypeError: `images` is not a floating-point tensor, a prompt is not a `str`, or a metadata
+            entry is not a mapping (the message gives its index).
+        ValueError: `images` is not `(B, 3, H, W)`, has values outside `[0, 1]` or non-finite values,
+            or `prompts` or `metadata` does not have length `B`.
     """
     if not isinstance(images, torch.Tensor) or not images.is_floating_point():
         got = f"{images.dtype} tensor" if isinstance(images, torch.Tensor) else type(images).__name__
@@ -200,6 +208,11 @@ def check_inputs(images: torch.Tensor, prompts: Sequence[str], metadata: Sequenc
             f"need one prompt and one metadata dict per image: {batch} images, "
             f"{len(prompts)} prompts, {len(metadata)} metadata"
         )
+    for i, (prompt, meta) in enumerate(zip(prompts, metadata)):
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompts[{i}] must be a str, got {type(prompt).__name__}")
+        if not isinstance(meta, Mapping):
+            raise TypeError(f"metadata[{i}] must be a dict (use {{}} when there is none), got {type(meta).__name__}")
     if batch and images.numel():
         if not bool(torch.isfinite(images).all()):
             raise ValueError("images contain NaN or inf (a diverged policy or decoder?); rewards need values in [0, 1]")
@@ -286,7 +299,7 @@ class WeightedSum:
         for key, (reward, weight) in rewards.items():
             if not callable(reward):
                 raise TypeError(f"reward {key!r} is a {type(reward).__name__}, not a callable")
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            if isinstance(weight, (bool, np.bool_)) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
                 raise ValueError(f"reward {key!r} has weight {weight!r}; weights must be finite numbers")
             self.rewards[key] = (reward, float(weight))
 

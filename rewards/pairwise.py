@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .base import build_reward, check_inputs, check_scores, register_reward
+from .base import build_reward, check_inputs, check_scores, is_integer, register_reward, reward_name
 
 __all__ = ["PrefWinRate", "VLMJudge", "bradley_terry_judge", "parse_choice", "pref_winrate", "win_rates"]
 
@@ -39,7 +39,7 @@ class _BradleyTerryJudge:
 
     def __init__(self, reward: Callable, temperature: float):
         self.reward, self.temperature = reward, temperature
-        self.name = f"bradley_terry({getattr(reward, 'name', getattr(reward, '__name__', 'reward'))})"
+        self.name = f"bradley_terry({reward_name(reward)})"
 
     def scores(self, images, prompts, metadata) -> torch.Tensor:
         """The pointwise reward, float32 ``(B,)`` on CPU."""
@@ -63,6 +63,10 @@ def bradley_terry_judge(reward: Callable, temperature: float = 1.0) -> PairwiseJ
     Args:
         reward: a pointwise reward ``(images, prompts, metadata) -> (B,)``.
         temperature (`float`): in the reward's units, `> 0`.
+
+    Returns:
+        A pairwise judge ``(images_a, images_b, prompts, metadata) -> (B,)`` float32 CPU probabilities
+        in (0, 1), with ``scores`` and ``prob`` methods that :func:`win_rates` uses.
 
     Raises:
         ValueError: if `temperature <= 0`.
@@ -111,16 +115,17 @@ def _win_rates(judge, images, prompts, metadata, group, both_orders, soft) -> tu
     inverse = torch.unique(group, return_inverse=True)[1]
     size = torch.bincount(inverse).float()[inverse]  # (B,) size of each image's group
     if not pairs:
-        return torch.full((len(prompts),), 0.5), 0
+        return torch.full((len(prompts),), 0.5, dtype=torch.float32), 0
     a = torch.tensor([p[0] for p in pairs])
     b = torch.tensor([p[1] for p in pairs])
-    name = getattr(judge, "name", judge)
+    name = reward_name(judge)
     calls = 0
 
     def check(p, n):
         p = torch.as_tensor(p, dtype=torch.float32).cpu()
         if p.shape != (n,) or bool(((p < 0) | (p > 1) | p.isnan()).any()):
-            raise ValueError(f"pairwise judge {name!r} must return ({n},) probabilities in [0, 1]; got shape {tuple(p.shape)}")
+            got = f"values {p.flatten()[:8].tolist()}" if p.shape == (n,) else f"shape {tuple(p.shape)}"
+            raise ValueError(f"pairwise judge {name!r} must return ({n},) probabilities in [0, 1]; got {got}")
         return p
 
     if hasattr(judge, "scores") and hasattr(judge, "prob"):  # pointwise judge: one score per image
@@ -197,8 +202,11 @@ class VLMJudge:
         concurrency (`int`): requests in flight. max_tokens (`int`): reply length limit.
         question (`str`): the instruction; ``{prompt}`` is replaced by the image prompt.
 
-    Raises (on call):
-        RuntimeError: naming the server and the prompt, when a request still fails after its retries.
+    Raises:
+        ValueError: `concurrency` or `max_tokens` is not an integer >= 1, or `question` has a
+            placeholder other than ``{prompt}``.
+        RuntimeError (on call): naming the server and the prompt, when a request still fails after its
+            retries.
     """
 
     name = "vlm_judge"
@@ -207,6 +215,14 @@ class VLMJudge:
                  concurrency: int = 8, max_tokens: int = 512, question: str = DEFAULT_QUESTION):
         from openai import OpenAI
 
+        for key, value in (("concurrency", concurrency), ("max_tokens", max_tokens)):
+            if not is_integer(value) or value < 1:
+                raise ValueError(f"{self.name}: {key} must be an integer >= 1, got {value!r}")
+        try:
+            question.format(prompt="")
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(f"{self.name}: question may hold only the placeholder {{prompt}} (write other braces "
+                             f"as {{{{ }}}}); {type(err).__name__}: {err}") from None
         self.client = OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries)
         self.base_url, self.model, self.concurrency = base_url, model, concurrency
         self.max_tokens, self.question = max_tokens, question
@@ -255,10 +271,15 @@ class PrefWinRate:
         the images sharing a prompt.
 
         Raises:
-            ValueError, TypeError: for malformed inputs (:func:`rewards.check_inputs`) or judge output.
+            ValueError, TypeError: for malformed inputs (:func:`rewards.check_inputs`), ``"group"`` set in
+                some metadata records but not all, or judge output.
         """
         check_inputs(images, prompts, metadata)
-        keys = ([m["group"] for m in metadata] if metadata and all("group" in m for m in metadata) else list(prompts))
+        with_group = sum("group" in m for m in metadata)
+        if 0 < with_group < len(metadata):
+            raise ValueError(f"{self.name}: metadata 'group' is set in {with_group} of {len(metadata)} records; "
+                             "set it in all (the trainer does) or in none (group by prompt)")
+        keys = [m["group"] for m in metadata] if with_group else list(prompts)
         ids = {k: i for i, k in enumerate(dict.fromkeys(keys))}
         group = torch.tensor([ids[k] for k in keys], dtype=torch.long)
         rates, calls = _win_rates(self.judge, images, prompts, metadata, group, self.both_orders, self.soft)

@@ -108,6 +108,9 @@ def test_detect_accepts_uint8_and_float_alike_and_checks_shapes():
                                  {"class": "circle", "count": 1, "position": ["left of", -1]}]}, "'position'"),
     ({"prompt": "p", "include": [{"class": "star", "count": 1},
                                  {"class": "circle", "count": 1, "position": ["right", 0]}]}, "'position'"),
+    ({"prompt": "p", "include": [{"class": "star", "count": 1}, {"class": "star", "count": 1},
+                                 {"class": "circle", "count": 1, "position": ["left of", True]}]}, "'position'"),
+    ({"prompt": "p"}, "empty 'include'"),
 ])
 def test_malformed_metadata_is_named(metadata, match):
     with pytest.raises(ValueError, match=match):
@@ -181,6 +184,29 @@ def test_reward_is_registered_and_needs_geneval_metadata():
     images = torch.full((1, 3, 64, 64), 0.5)
     with pytest.raises(ValueError, match="a photo of a cat"):
         geneval()(images, ["a photo of a cat"], [{"tag": "single_object"}])
+
+
+def test_metadata_is_checked_before_detection(monkeypatch):
+    import sys
+
+    geneval_module = sys.modules["rewards.geneval"]  # the attribute rewards.geneval is the factory function
+    def no_detection(*args, **kwargs):
+        raise AssertionError("metadata should be refused before detection")
+
+    monkeypatch.setattr(geneval_module, "detect_batch", no_detection)
+    images = torch.full((2, 3, 64, 64), 0.5)
+    good = {"tag": "single_object", "include": [{"class": "star", "count": 1}], "exclude": []}
+    bad = {"tag": "counting", "include": [{"class": "star", "count": "2"}], "exclude": []}
+    with pytest.raises(ValueError, match="'count' must be an integer"):
+        geneval()(images, ["a star", "two stars"], [good, bad])
+
+
+@pytest.mark.parametrize("clause", [{"class": "dog", "count": 1}, {"class": "star", "count": 1, "color": "pink"}])
+def test_classes_and_colours_outside_the_tiny_world_are_named(clause):
+    # real-photo GenEval metadata would otherwise score 0 everywhere without a word
+    meta = {"tag": "colors", "include": [clause], "exclude": []}
+    with pytest.raises(ValueError, match=r"geneval: metadata of prompt 'a photo of a dog' asks for .*knows the shapes"):
+        geneval()(torch.full((1, 3, 64, 64), 0.5), ["a photo of a dog"], [meta])
 
 
 def test_graded_dense_weighs_holding_clauses_by_confidence():

@@ -107,6 +107,26 @@ def test_pref_winrate_counts_judge_calls_and_refuses_an_idle_temperature():
         build_reward("pref_winrate", judge="vlm", temperature=0.5, base_url="http://127.0.0.1:1/v1", model="m")
 
 
+def test_partial_group_metadata_and_bad_judge_output_are_named():
+    first = lambda a, b, p, m: torch.ones(len(a))  # noqa: E731
+    with pytest.raises(ValueError, match="pref_winrate: metadata 'group' is set in 1 of 2 records"):
+        PrefWinRate(first)(_images([0.0, 0.1]), ["p", "p"], [{"group": 0}, {}])
+
+    def overconfident(a, b, prompts, metadata):
+        return torch.full((len(a),), 1.5)
+
+    with pytest.raises(ValueError, match=r"pairwise judge 'overconfident' must return \(1,\) probabilities .*got values \[1.5\]"):
+        win_rates(overconfident, _images([0.0, 0.1]), ["p", "p"], [{}, {}], torch.zeros(2, dtype=torch.long))
+    assert win_rates(first, _images([0.0]), ["p"], [{}], torch.zeros(1, dtype=torch.long)).dtype == torch.float32
+
+
+def test_vlm_judge_options_are_checked_when_built():
+    with pytest.raises(ValueError, match="vlm_judge: concurrency must be an integer >= 1, got 0"):
+        VLMJudge("http://127.0.0.1:1/v1", "m", concurrency=0)
+    with pytest.raises(ValueError, match=r"vlm_judge: question may hold only the placeholder \{prompt\}"):
+        VLMJudge("http://127.0.0.1:1/v1", "m", question="Rate {prompt} as {score}")
+
+
 def test_parse_choice():
     assert parse_choice("Image 2 has more detail... Final answer: Image 1") == 1.0
     assert parse_choice("I prefer image 2.") == 0.0

@@ -90,6 +90,13 @@ def test_dotted_path_errors_name_what_is_missing():
         build_reward("rewards:")
 
 
+def test_bad_spec_types_are_refused_with_one_line():
+    with pytest.raises(TypeError, match="reward spec must be a registered name or 'package.module:function', got None"):
+        build_reward(None)
+    with pytest.raises(TypeError, match=r"reward spec 'math:pi' names a float, not a callable"):
+        build_reward("math:pi", scale=2.0)  # with options: used to fail inside the signature check
+
+
 def test_import_rewards_pulls_in_neither_flowrl_nor_samplers_nor_transformers():
     heavy = "{'flowrl', 'samplers', 'transformers'}"
     code = f"import sys, rewards; print(sorted({{m.split('.')[0] for m in sys.modules}} & {heavy}))"
@@ -136,6 +143,10 @@ def test_check_inputs():
         check_inputs(torch.full_like(images, float("nan")), prompts, metadata)
     with pytest.raises(TypeError, match="floating-point"):
         check_inputs((images * 255).to(torch.uint8), prompts, metadata)
+    with pytest.raises(TypeError, match=r"metadata\[1\] must be a dict .*got NoneType"):
+        check_inputs(images, prompts, [{}, None])
+    with pytest.raises(TypeError, match=r"prompts\[0\] must be a str, got int"):
+        check_inputs(images, [0, "p"], metadata)
 
 
 def test_weighted_sum_arithmetic():
@@ -157,6 +168,23 @@ def test_weighted_sum_names_the_bad_reward():
         WeightedSum({"ok": (brightness, 1.0), "broken": (nan, 1.0)})(images, prompts, metadata)
     with pytest.raises(ValueError, match="reward 'ok' has weight nan"):
         WeightedSum({"ok": (brightness, math.nan)})
+    with pytest.raises(ValueError, match="reward 'ok' has weight True"):
+        WeightedSum({"ok": (brightness, True)})
+
+
+def test_weighted_sum_accepts_numpy_weights():
+    import numpy as np
+
+    images, prompts, metadata = _batch(batch=2)
+    total = WeightedSum({"bright": (brightness, np.float32(0.5))})(images, prompts, metadata).total
+    torch.testing.assert_close(total, 0.5 * images.mean(dim=(1, 2, 3)))
+
+
+def test_empty_batch_gives_empty_scores():
+    empty = (torch.zeros(0, 3, 16, 16), [], [])
+    for reward in (jpeg_compressibility(), build_reward("geneval")):
+        scores = reward(*empty)
+        assert scores.shape == (0,) and scores.dtype == torch.float32
 
 
 # --- JPEG -------------------------------------------------------------------------------------

@@ -23,13 +23,15 @@ import torch
 
 from ..base import check_inputs, register_reward
 from .detector import detect, detect_batch
-from .rules import Detection, evaluate, relative_position
+from .rules import Detection, check_metadata, evaluate, relative_position
+from .world import COLORS, SHAPES
 
 __all__ = [
     "COUNTING_THRESHOLD",
     "THRESHOLD",
     "Detection",
     "GenEval",
+    "check_metadata",
     "detect",
     "detect_batch",
     "evaluate",
@@ -46,7 +48,8 @@ COUNTING_THRESHOLD = 0.9
 
 
 def keep_confident(detections: Sequence[Detection], metadata: Mapping[str, Any]) -> list[Detection]:
-    """The detections GenEval would keep: score >= 0.9 for the ``counting`` tag, >= 0.3 otherwise.
+    """The detections GenEval would keep: score > 0.9 for the ``counting`` tag, > 0.3 otherwise (strictly
+    above, as the reference evaluator's ``> confidence_threshold``).
 
     GenEval also applies per-class non-maximum suppression; ``detect`` returns disjoint masks, so
     there is nothing to suppress.
@@ -59,7 +62,7 @@ def keep_confident(detections: Sequence[Detection], metadata: Mapping[str, Any])
         The kept detections, in their input order.
     """
     threshold = COUNTING_THRESHOLD if metadata.get("tag") == "counting" else THRESHOLD
-    return [d for d in detections if d.score >= threshold]
+    return [d for d in detections if d.score > threshold]
 
 
 @dataclass(frozen=True)
@@ -94,9 +97,11 @@ class GenEval:
             correctness and the fraction of clauses met in [0, 1].
 
         Raises:
-            ValueError: a metadata dict lacks ``include`` (the message names its prompt), or the
-                inputs break the reward contract (see ``rewards.base.check_inputs``).
-            TypeError: ``images`` is not a floating-point tensor.
+            ValueError: before any detection, when a metadata dict lacks ``include``, is off GenEval's
+                schema (see ``rules.check_metadata``) or names a class or colour outside the tiny
+                world's ``SHAPES`` and ``COLORS`` (the message names its prompt), or the inputs break
+                the reward contract (see ``rewards.base.check_inputs``).
+            TypeError: ``images`` is not a floating-point tensor, or a metadata entry is not a dict.
         """
         check_inputs(images, prompts, metadata)
         for prompt, meta in zip(prompts, metadata):
@@ -104,6 +109,13 @@ class GenEval:
                 raise ValueError(
                     f"{self.name}: metadata of prompt {prompt!r} has no 'include'; this reward needs GenEval metadata"
                 )
+            check_metadata(meta)
+            for clause in [*meta["include"], *meta.get("exclude", [])]:
+                if clause["class"] not in SHAPES or ("color" in clause and clause["color"] not in COLORS):
+                    raise ValueError(
+                        f"{self.name}: metadata of prompt {prompt!r} asks for {clause}; the tiny-world detector "
+                        f"knows the shapes {SHAPES} and the colours {tuple(COLORS)}"
+                    )
         correct, dense = [], []
         for detections, meta in zip(detect_batch(images, self.lenient), metadata):
             kept = detections if self.lenient else keep_confident(detections, meta)
@@ -138,7 +150,8 @@ def geneval(strict: bool = False, lenient: bool = False) -> GenEval:
 
     Returns:
         A ``GenEval`` reward: ``(images (B, 3, H, W) float in [0, 1], prompts, metadata) -> (B,)``
-        float32 scores in [0, 1].
+        float32 scores on CPU in [0, 1] (``(0,)`` for an empty batch). Calling it raises as
+        :meth:`GenEval.judge`.
     """
     return GenEval(strict=strict, name="geneval_strict" if strict else "geneval", lenient=lenient)
 

@@ -13,6 +13,7 @@ from typing import Any
 import math
 
 from ..base import is_integer
+from .world import RELATIONS
 
 POSITION_THRESHOLD = 0.1
 """Each axis of the centre offset shrinks by this fraction of the summed box sizes (GenEval)."""
@@ -67,9 +68,6 @@ def relative_position(a: tuple[float, ...], b: tuple[float, ...]) -> set[str]:
     return relations
 
 
-_RELATIONS = ("left of", "right of", "above", "below")
-
-
 def _check_clause(kind: str, i: int, clause: Any, metadata: dict) -> None:
     """Refuse a malformed include/exclude clause with a one-line error naming the prompt and clause."""
     where = f"{kind} clause {i} of {metadata.get('prompt', metadata)!r}"
@@ -80,10 +78,30 @@ def _check_clause(kind: str, i: int, clause: Any, metadata: dict) -> None:
         raise ValueError(f"{where}: 'count' must be an integer >= 1, got {count!r}")
     if "position" in clause:
         position = clause["position"]
-        if not (isinstance(position, (list, tuple)) and len(position) == 2 and position[0] in _RELATIONS
-                and isinstance(position[1], int) and 0 <= position[1] < i):
-            raise ValueError(f"{where}: 'position' must be [relation, index] with relation in {_RELATIONS} and an "
+        if not (isinstance(position, (list, tuple)) and len(position) == 2 and position[0] in RELATIONS
+                and is_integer(position[1]) and 0 <= position[1] < i):
+            raise ValueError(f"{where}: 'position' must be [relation, index] with relation in {RELATIONS} and an "
                              f"earlier clause's index in [0, {i}), got {position!r}")
+
+
+def check_metadata(metadata: dict) -> None:
+    """Refuse GenEval metadata that does not follow the schema ``evaluate`` reads.
+
+    Args:
+        metadata: ``{"include": [{"class", "count", "color"?, "position"?: [relation, index]}],
+            "exclude"?: [{"class", "count"}], "prompt"?: str}``.
+
+    Raises:
+        ValueError: naming the prompt and clause, when ``include`` is missing or empty, a clause lacks
+            ``class`` or ``count``, a count is not an integer >= 1, or a position is not
+            ``[relation, index]`` with a known relation and an earlier include clause's index.
+    """
+    include, exclude = metadata.get("include", []), metadata.get("exclude", [])
+    if not include:
+        raise ValueError(f"metadata of {metadata.get('prompt', metadata)!r} has an empty 'include'; GenEval needs one clause")
+    for kind, clauses in (("include", include), ("exclude", exclude)):
+        for i, clause in enumerate(clauses):
+            _check_clause(kind, i if kind == "include" else len(include), clause, metadata)
 
 
 def evaluate(detections: list[Detection], metadata: dict, graded: bool = False) -> tuple[bool, float, list[str]]:
@@ -102,20 +120,14 @@ def evaluate(detections: list[Detection], metadata: dict, graded: bool = False) 
         ``failures`` one short reason per failed clause.
 
     Raises:
-        ValueError: naming the prompt and clause, when ``include`` is empty, a clause lacks ``class`` or
-            ``count``, a count is not an integer >= 1, or a position is not ``[relation, index]`` with a
-            known relation and an earlier clause's index.
+        ValueError: for metadata off the schema (see ``check_metadata``).
     """
+    check_metadata(metadata)
     by_class: dict[str, list[Detection]] = {}
     for det in sorted(detections, key=lambda d: -d.score):
         by_class.setdefault(det.cls, []).append(det)
 
-    include, exclude = metadata.get("include", []), metadata.get("exclude", [])
-    if not include:
-        raise ValueError(f"metadata of {metadata.get('prompt', metadata)!r} has an empty 'include'; GenEval needs one clause")
-    for kind, clauses in (("include", include), ("exclude", exclude)):
-        for i, clause in enumerate(clauses):
-            _check_clause(kind, i if kind == "include" else len(include), clause, metadata)
+    include, exclude = metadata["include"], metadata.get("exclude", [])
     matched: list[list[Detection] | None] = []
     failures: list[str] = []
     shortfall = 0.0  # graded: 1 - mean confidence of each holding include clause

@@ -191,17 +191,23 @@ def load_checkpoint(path: str | Path, params: dict[str, torch.Tensor], optimizer
         The JSON state (``iteration``, ``extra``); the Python, numpy and torch RNG states are restored.
 
     Raises:
-        FileNotFoundError: if the folder lacks a file; KeyError naming a trainable tensor that is missing.
+        FileNotFoundError: if the folder lacks a file; KeyError naming a trainable tensor that is missing;
+        ValueError naming a trainable tensor whose shape differs (e.g. another LoRA rank). Nothing is
+        overwritten when one of these is raised.
     """
     path = Path(path)
     for name in CHECKPOINT_FILES:
         if not (path / name).is_file():
             raise FileNotFoundError(f"checkpoint {path} is incomplete: no {name}")
     saved = load_file(path / "trainable.safetensors")
+    for name, tensor in params.items():  # all checked before any is overwritten
+        if name not in saved:
+            raise KeyError(f"checkpoint {path} has no trainable tensor {name!r}: was it made with another model.lora_rank?")
+        if saved[name].shape != tensor.shape:  # LoRA names do not depend on the rank; copy_ would broadcast (1, n) silently
+            raise ValueError(f"checkpoint {path} has trainable tensor {name!r} of shape {tuple(saved[name].shape)}, the "
+                             f"model's is {tuple(tensor.shape)}: was it made with another model.lora_rank?")
     with torch.no_grad():
         for name, tensor in params.items():
-            if name not in saved:
-                raise KeyError(f"checkpoint {path} has no trainable tensor {name!r}: was it made with another model.lora_rank?")
             tensor.copy_(saved[name])
     state = json.loads((path / "state.json").read_text())
     optimizer.load_state_dict(_unflatten_optimizer(load_file(path / "optimizer.safetensors"), state["optimizer"]))

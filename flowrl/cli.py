@@ -12,13 +12,25 @@ from .config import ConfigError, load_config, prompt_file, resolve_path
 
 
 USER_ERRORS = (ConfigError, FileNotFoundError, FileExistsError, ValueError, KeyError, TypeError)
-"""Exceptions that mean bad input (config key, file, reward, preset): reported in one line, exit status 2."""
+"""Exceptions that mean bad input (config key, file, reward, preset): reported in one line, exit status 2
+(with the full traceback when the environment sets ``FLOWRL_TRACEBACK=1``, to tell a bug from bad input)."""
 
 
 def _model(args):
+    """The ``--model`` pipeline on ``--device``, with the ``--lora`` loaded if given.
+
+    Raises:
+        ValueError: for ``--device cuda`` without a CUDA device (before anything loads), a folder that is not a
+            pipeline, a resolution the model cannot take, or a LoRA folder without weights.
+    """
+    import torch
+
     from .models import FlowModel, resolve_device
 
-    model = FlowModel(resolve_path(args.model), resolve_device(args.device),
+    device = resolve_device(args.device)
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA device is available; use --device auto or cpu")
+    model = FlowModel(resolve_path(args.model), device,
                       max_sequence_length=args.max_sequence_length, resolution=args.resolution)
     if args.lora:
         model.load_lora(args.lora)
@@ -47,6 +59,7 @@ def cmd_eval(args) -> dict:
     from .tiny.prompts import read_jsonl
 
     metas = read_jsonl(prompt_file(args.prompts))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # before the work, not after it
     accelerator = None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # accelerate launch / torchrun: split the images over the processes
         from accelerate import Accelerator
@@ -57,7 +70,6 @@ def cmd_eval(args) -> dict:
         result = evaluate(model, metas, args.images_per_tag, args.num_steps, args.guidance_scale, args.shift,
                           args.seed, accelerator=accelerator)
     if accelerator is None or accelerator.is_main_process:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(json.dumps({"overall": result["overall"], "per_tag": result["per_tag"]}, indent=1))
     return result
@@ -70,6 +82,7 @@ def cmd_sample(args) -> None:
 
     from .evaluate import generate
 
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # before the work, not after it
     model = _model(args)
     with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         images = generate(model, [args.prompt] * args.n, [args.seed + i for i in range(args.n)], args.num_steps,
@@ -108,16 +121,42 @@ def cmd_overopt(args) -> dict:
     return results
 
 
+def _at_least(low: float, kind: type = int, strict: bool = False):
+    """An argparse ``type``: ``kind(text)``, refused (one line, naming the option) unless ``>= low`` (``> low``
+    with ``strict``), so that a bad value fails before the model loads."""
+    def parse(text: str):
+        value = kind(text)  # a ValueError here is argparse's "invalid int value: 'x'"
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _device(text: str) -> str:
+    """An argparse ``type`` for ``--device``: ``auto`` or a torch device name (``cpu``, ``cuda``, ``cuda:1``)."""
+    import torch
+
+    if text != "auto":
+        try:
+            torch.device(text)
+        except RuntimeError:
+            raise argparse.ArgumentTypeError(f"must be auto, cpu or cuda[:N], got {text!r}") from None
+    return text
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
+    """The options ``eval`` and ``sample`` share: model, LoRA, sampling and device."""
     p.add_argument("--model", default="assets/tiny-sd3", help="StableDiffusion3Pipeline folder")
     p.add_argument("--lora", default=None, help="diffusers-format LoRA folder (e.g. RUN/lora)")
-    p.add_argument("--max-sequence-length", type=int, default=0, help="T5 tokens (0 for the tiny model)")
-    p.add_argument("--resolution", type=int, default=None, help="image side in px (default: the model's)")
-    p.add_argument("--num-steps", type=int, default=20, help="Euler ODE steps")
+    p.add_argument("--max-sequence-length", type=_at_least(0), default=0, help="T5 tokens (0 for the tiny model)")
+    p.add_argument("--resolution", type=_at_least(1), default=None, help="image side in px (default: the model's)")
+    p.add_argument("--num-steps", type=_at_least(1), default=20, help="Euler ODE steps")
     p.add_argument("--guidance-scale", type=float, default=4.5)
-    p.add_argument("--shift", type=float, default=1.0, help="sigma-schedule shift")
+    p.add_argument("--shift", type=_at_least(0, float, strict=True), default=1.0, help="sigma-schedule shift")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", type=_device, default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast")
 
 
@@ -134,7 +173,7 @@ def _add_eval(sub) -> None:
     e = sub.add_parser("eval", help="GenEval-style strict accuracy of a model (+ LoRA)")
     _model_args(e)
     e.add_argument("--prompts", default="test", help="train | test | FILE.jsonl")
-    e.add_argument("--images-per-tag", type=int, default=64)
+    e.add_argument("--images-per-tag", type=int, default=64, help="images per tag (0: each prompt once)")
     e.add_argument("--out", required=True, help="FILE.json")
     e.set_defaults(fn=cmd_eval)
 
@@ -145,7 +184,7 @@ def _add_sample(sub) -> None:
     s = sub.add_parser("sample", help="a grid of images for one prompt")
     _model_args(s)
     s.add_argument("--prompt", required=True)
-    s.add_argument("-n", type=int, default=8)
+    s.add_argument("-n", type=_at_least(1), default=8, help="images")
     s.add_argument("--out", default="grid.png")
     s.set_defaults(fn=cmd_sample)
 
@@ -193,13 +232,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> None:
     """Run ``args.fn(args)``; a :data:`USER_ERRORS` exception prints ``flowrl COMMAND: error: ...`` on stderr and
-    exits with status 2 (``SystemExit``) instead of a traceback."""
+    exits with status 2 (``SystemExit``) instead of a traceback, unless ``FLOWRL_TRACEBACK=1`` is set."""
     if "" not in sys.path and os.getcwd() not in sys.path:  # user rewards 'pkg.module:fn' from the working folder,
         sys.path.insert(0, os.getcwd())  # as with `python -m flowrl.cli` (the console script puts its bin/ first)
     try:
         args.fn(args)
     except USER_ERRORS as e:
-        print(f"flowrl {args.command}: error: {e}", file=sys.stderr)
+        if os.environ.get("FLOWRL_TRACEBACK") == "1":
+            raise
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) would quote it
+        print(f"flowrl {args.command}: error: {message}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -141,6 +142,8 @@ class SamplingConfig:
 
     def __post_init__(self):
         self.decode_precision, self.ode_precision = _precision(self.decode_precision), _precision(self.ode_precision)
+        # first: the window, tree and probe checks below are stated in terms of num_steps
+        _check(self.num_steps >= 2, "sampling.num_steps", ">= 2", self.num_steps)
         _check(self.decode_precision in ("no", "bf16"), "sampling.decode_precision", "no|bf16", self.decode_precision)
         _check(self.ode_precision in ("no", "bf16"), "sampling.ode_precision", "no|bf16", self.ode_precision)
         if self.probe.method:
@@ -166,7 +169,6 @@ class SamplingConfig:
                           else "(sde_steps is empty: every step is SDE)"), t.flash_ratio)
         _check(self.window.size < self.num_steps, "sampling.window.size", f"< sampling.num_steps ({self.num_steps})",
                self.window.size)
-        _check(self.num_steps >= 2, "sampling.num_steps", ">= 2", self.num_steps)
         _check(self.group_size >= 2, "sampling.group_size", ">= 2 (group-relative advantages)", self.group_size)
         _check(self.guidance_scale >= 1.0, "sampling.guidance_scale", ">= 1", self.guidance_scale)
         _check(self.kernel in ("flow_sde", "dance_sde", "cps"), "sampling.kernel", "flow_sde|dance_sde|cps", self.kernel)
@@ -341,7 +343,15 @@ def _load_yaml(path: Path, chain: tuple[Path, ...] = ()):
         raise ConfigError(f"config key 'base' of {path} makes a cycle: {' -> '.join(str(c) for c in chain + (path,))}")
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist" + (f" (the 'base' of {chain[-1]})" if chain else ""))
-    cfg = OmegaConf.load(path)
+    try:
+        cfg = OmegaConf.load(path)
+    except yaml.YAMLError as e:  # a syntax error: name the file and the line, in one line
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"config file {path} must hold a mapping of keys (model:, sampling:, train:, ...), "
+                          f"got a {type(cfg).__name__.removesuffix('Config').lower()}")
     base = cfg.pop("base", None)
     if base is None:
         return cfg
@@ -363,7 +373,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
-        ConfigError: for an unknown key, a value of the wrong type or out of range (the key is named).
+        ConfigError: for an unknown key, a value of the wrong type or out of range (the key is named), or a
+            preset that is not valid YAML or not a mapping (the file and line are named).
     """
     schema = OmegaConf.structured(Config)
     try:

@@ -45,12 +45,20 @@ def generate(model: FlowModel, prompts: list[str], seeds: list[int], num_steps: 
     """Deterministic ODE (Euler) sampling: image i from ``torch.Generator().manual_seed(seeds[i])``.
 
     Args:
-        prompts: B prompts; seeds: B integer seeds.
+        model: the pipeline adapter (its LoRA, if any, is active).
+        prompts: B prompts, B >= 1; seeds: B integer seeds.
         num_steps: Euler steps; guidance_scale: CFG w; shift: sigma-schedule shift.
+        batch_size: images per forward.
 
     Returns:
         float32 images ``(B, 3, H, W)`` in [0, 1], on CPU.
+
+    Raises:
+        ValueError: if ``prompts`` is empty or ``seeds`` has another length.
     """
+    if not prompts or len(seeds) != len(prompts):
+        raise ValueError(f"generate needs at least one prompt and one seed per prompt; got {len(prompts)} prompts, "
+                         f"{len(seeds)} seeds")
     sigmas = flow_sigmas(num_steps, shift).to(model.device)
     images = []
     for start in range(0, len(prompts), batch_size):
@@ -140,8 +148,13 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
     """GenEval strict accuracy (arXiv 2310.11513): per-tag mean of correct images, overall mean of tags.
 
     Args:
-        metas: GenEval metadata dicts (with ``tag``, ``prompt``, ``include``).
-        images_per_tag: images generated per tag (prompts repeated round-robin with new seeds).
+        model: the pipeline adapter (its LoRA, if any, is active; bf16 autocast if the caller enters it).
+        metas: GenEval metadata dicts (with ``tag``, ``prompt``, ``include``), at least one.
+        images_per_tag: images generated per tag (prompts repeated round-robin with new seeds); ``<= 0``: each
+            prompt once.
+        num_steps, guidance_scale, shift: Euler ODE steps, CFG w and sigma-schedule shift (:func:`generate`).
+        seed: image i is drawn from seed ``seed + i``; batch_size: images per forward.
+        return_images: also return the images and their judgements.
         accelerator: an ``accelerate.Accelerator``; with several processes each draws and judges every
             P-th image (image i keeps seed ``seed + i``) and every process returns the gathered result.
 
@@ -152,10 +165,12 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
         ``"correct"``, ``"prompts"`` and the ``"metas"`` of each image when asked.
 
     Raises:
-        ValueError: for ``return_images`` with several processes.
+        ValueError: for no prompt, or ``return_images`` with several processes.
     """
     from rewards.geneval import geneval
 
+    if not metas:
+        raise ValueError("evaluate needs at least one prompt; got an empty prompt list")
     if return_images and accelerator is not None and accelerator.num_processes > 1:
         raise ValueError("evaluate: return_images needs a single process (the images stay on the process that drew them)")
     metas = expand_per_tag(metas, images_per_tag)

@@ -19,7 +19,15 @@ def _plt():
 
 def save_reward_curve(metrics: list[dict], result: dict | None, path: str | Path) -> None:
     """Plot ``reward/total/mean`` (and each reward's mean) per iteration, and the held-out GenEval
-    accuracy before, during (``eval/overall``) and after training, side by side."""
+    accuracy before, during (``eval/overall``) and after training, side by side.
+
+    Args:
+        metrics: the rows of ``metrics.jsonl``, each with ``iteration`` and ``reward/NAME/mean`` (``eval/overall``
+            on evaluation iterations).
+        result: the trainer's result (``before`` and ``after`` with ``overall``, ``iterations``), or None for
+            the reward curve with the evaluations during training only.
+        path: the PNG to write.
+    """
     plt = _plt()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
     its = [m["iteration"] for m in metrics]
@@ -42,7 +50,8 @@ def save_reward_curve(metrics: list[dict], result: dict | None, path: str | Path
 
 
 def save_grid(before: torch.Tensor, after: torch.Tensor, prompts: list[str], path: str | Path) -> None:
-    """Two rows (before, after) of images ``(N, 3, H, W)`` in [0, 1] with their prompts as titles."""
+    """Two rows (before, after) of float images ``(N, 3, H, W)`` in [0, 1] on CPU, with the N ``prompts`` as
+    column titles, written as a PNG to ``path``."""
     plt = _plt()
     n = len(prompts)
     fig, axes = plt.subplots(2, n, figsize=(1.6 * n, 4.2), squeeze=False)

@@ -107,8 +107,8 @@ class Trainer(RolloutMixin, GRPOMixin, NFTMixin):
             FlowModel.check_resolution(resolve_path(cfg.model.path), cfg.model.resolution)
         except ValueError as e:
             raise ConfigError(f"config key 'model.resolution': {e}") from None
-        self.train_metas = read_jsonl(prompt_file(cfg.train_prompts))
-        self.eval_metas = read_jsonl(prompt_file(cfg.eval.prompts))
+        self.train_metas = self._read_prompts("train_prompts", cfg.train_prompts)
+        self.eval_metas = self._read_prompts("eval.prompts", cfg.eval.prompts)
         self.rewards = WeightedSum({name: (build_reward(name, **r.options), r.weight) for name, r in cfg.rewards.items()})
         self.model = FlowModel(resolve_path(cfg.model.path), self.device, DTYPES[cfg.model.dtype],
                                cfg.model.max_sequence_length, cfg.model.resolution)
@@ -130,6 +130,18 @@ class Trainer(RolloutMixin, GRPOMixin, NFTMixin):
             self._warn_checkpoint_size()
         self._build_rollout_shape()
         self._smoke_test_rewards()
+
+    @staticmethod
+    def _read_prompts(key: str, name: str) -> list[dict]:
+        """The prompt records of config key `key` (``train``, ``test`` or a JSONL file: :func:`read_jsonl`).
+
+        Raises:
+            FileNotFoundError: a missing file. ConfigError: naming `key`, for a malformed line or no prompt.
+        """
+        try:
+            return read_jsonl(prompt_file(name))
+        except ValueError as e:
+            raise ConfigError(f"config key '{key}': {e}") from None
 
     def _warn_checkpoint_size(self) -> None:
         """Warn how many checkpoints a run that keeps all of them writes, and their size: the trained weights,
@@ -468,10 +480,14 @@ class Trainer(RolloutMixin, GRPOMixin, NFTMixin):
         main = self.accelerator.is_main_process
         path = latest_checkpoint(self.out / "checkpoints")
         if path is None:
-            if main and metrics_file.exists():
-                metrics_file.unlink()  # nothing checkpointed: start over
+            if main:
+                warnings.warn(f"run.resume=true but {self.out / 'checkpoints'} holds no complete checkpoint: "
+                              "starting the run from iteration 0", UserWarning, stacklevel=3)
+                if metrics_file.exists():
+                    metrics_file.unlink()  # nothing checkpointed: start over
             return 0, 0.0
         state = load_checkpoint(path, self.params, self.optimizer, self.ema)
+        self._apply_optimizer_config(path)
         it = state["iteration"]
         if main:
             kept = []
@@ -496,6 +512,22 @@ class Trainer(RolloutMixin, GRPOMixin, NFTMixin):
             for n, v in load_file(file).items():
                 self.old_policy[n].copy_(v)
         return it, state["extra"].get("elapsed_s", 0.0)
+
+    def _apply_optimizer_config(self, path: Path) -> None:
+        """Set AdamW's learning rate, betas and weight decay to the config's after a resume (a restored optimizer
+        state carries the checkpoint's), warning which of them the resumed config changes."""
+        t = self.cfg.train
+        wanted = {"lr": t.learning_rate, "betas": tuple(t.adam_betas), "weight_decay": t.weight_decay}
+        changed = set()
+        for group in self.optimizer.param_groups:
+            for key, value in wanted.items():
+                if (tuple(group[key]) if key == "betas" else group[key]) != value:
+                    changed.add(key)
+                    group[key] = value
+        if changed and self.accelerator.is_main_process:
+            warnings.warn(f"resuming from {path} with the config's {', '.join(sorted(changed))} "
+                          f"(learning rate {t.learning_rate}, betas {tuple(t.adam_betas)}, weight decay {t.weight_decay}), "
+                          "not the checkpoint's", UserWarning, stacklevel=4)
 
     def _artifacts(self) -> None:
         if not self.accelerator.is_main_process:

@@ -157,6 +157,16 @@ def test_existing_run_folder_needs_resume(tmp_path, random_pipeline, prompt_file
     assert (tmp_path / "run/config.yaml").read_text() == "original"
 
 
+def test_resume_without_a_checkpoint_says_it_starts_over(tmp_path, random_pipeline, prompt_files):
+    cfg = _config(tmp_path, random_pipeline, prompt_files, **{"run.resume": "true"})
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run/metrics.jsonl").write_text('{"iteration": 1}\n')  # a run killed before its first checkpoint
+    trainer = Trainer(cfg)
+    with pytest.warns(UserWarning, match="holds no complete checkpoint: starting the run from iteration 0"):
+        assert trainer._maybe_resume() == (0, 0.0)
+    assert not (tmp_path / "run/metrics.jsonl").exists()
+
+
 def test_bad_reward_is_named_before_any_work(tmp_path, random_pipeline, prompt_files):
     cfg = _config(tmp_path, random_pipeline, prompt_files, rewards="test_train_e2e:nan_reward")
     with pytest.raises(ValueError, match="nan_reward.*NaN"):

@@ -296,3 +296,24 @@ def test_equal_rewards_at_clip_scale_are_zero_variance(value):
     step = torch.zeros(10, dtype=torch.long)
     assert (depthwise_advantages(r, g, step, 5.0)[:8] == 0).all()
     assert (process_advantages(r, g, step, torch.ones_like(step), 5.0)[:8] == 0).all()
+
+
+def test_resume_takes_the_configs_optimizer_settings_not_the_checkpoints(tmp_path):
+    """A restored AdamW state carries the checkpoint's learning rate; a resumed run must use (and say it uses)
+    the resumed config's."""
+    import warnings
+    from types import SimpleNamespace
+
+    from flowrl.trainer import Trainer
+
+    cfg = load_config("configs/tiny_geneval.yaml", ["train.learning_rate=1e-4"])
+    w = torch.nn.Parameter(torch.zeros(2))
+    t = cfg.train
+    opt = torch.optim.AdamW([w], lr=3e-4, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)  # as saved
+    fake = SimpleNamespace(cfg=cfg, optimizer=opt, accelerator=SimpleNamespace(is_main_process=True))
+    with pytest.warns(UserWarning, match=r"config's lr \(learning rate 0.0001"):
+        Trainer._apply_optimizer_config(fake, tmp_path)
+    assert opt.param_groups[0]["lr"] == 1e-4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # unchanged settings: no warning
+        Trainer._apply_optimizer_config(fake, tmp_path)

@@ -124,7 +124,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
     Raises:
         FileNotFoundError: naming the path.
         ValueError: naming the file and line of a line that is not JSON, or not an object with a string
-            ``prompt``.
+            ``prompt``; naming the file when it holds no prompt at all.
     """
     path = Path(path)
     if not path.is_file():
@@ -139,4 +139,6 @@ def read_jsonl(path: str | Path) -> list[dict]:
             if not isinstance(meta, dict) or not isinstance(meta.get("prompt"), str):
                 raise ValueError(f"{path}:{i}: expected a JSON object with a 'prompt' key")
             metas.append(meta)
+    if not metas:
+        raise ValueError(f"prompt file {path} holds no prompts; expected one JSON object with a 'prompt' key per line")
     return metas

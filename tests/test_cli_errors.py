@@ -1,0 +1,112 @@
+"""Bad input to the ``flowrl`` command and the config loader fails fast, in one line naming the culprit."""
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowrl import cli
+from flowrl.config import ConfigError, load_config
+
+
+def _fails(capsys, *argv) -> str:
+    """Run ``flowrl ARGV`` in-process; assert exit status 2 and return the one line it wrote on stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([str(a) for a in argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+def test_num_steps_error_names_num_steps_not_the_window():
+    with pytest.raises(ConfigError, match=r"'sampling\.num_steps' must be >= 2, got 0"):
+        load_config("configs/tiny_geneval.yaml", ["sampling.num_steps=0"])
+
+
+def test_a_preset_that_is_not_yaml_or_not_a_mapping_is_named(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  learning_rate: [1\n")
+    with pytest.raises(ConfigError, match=r"config file .*bad\.yaml is not valid YAML at line 3"):
+        load_config(bad)
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    (tmp_path / "child.yaml").write_text("base: list.yaml\n")
+    with pytest.raises(ConfigError, match=r"list\.yaml must hold a mapping of keys .*got a list"):
+        load_config(tmp_path / "child.yaml")
+    assert "bad.yaml is not valid YAML" in _fails(capsys, "train", bad)
+
+
+@pytest.mark.parametrize("key", ["train_prompts", "eval.prompts"])
+def test_train_refuses_an_empty_prompt_file_before_the_model_loads(tmp_path, capsys, key):
+    (tmp_path / "empty.jsonl").write_text("\n")
+    line = _fails(capsys, "train", "configs/tiny_geneval.yaml", f"{key}={tmp_path / 'empty.jsonl'}",
+                  f"run.output_dir={tmp_path / 'run'}")
+    assert f"config key '{key}'" in line and "holds no prompts" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_refuses_an_empty_prompt_file(tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text("")
+    line = _fails(capsys, "eval", "--prompts", tmp_path / "empty.jsonl", "--out", tmp_path / "e.json")
+    assert line.startswith("flowrl eval: error: prompt file") and "holds no prompts" in line
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["-n", "0"], "argument -n: must be >= 1, got 0"),
+    (["--num-steps", "0"], "argument --num-steps: must be >= 1, got 0"),
+    (["--shift", "0"], "argument --shift: must be > 0, got 0"),
+    (["--device", "gpu"], "argument --device: must be auto, cpu or cuda[:N], got 'gpu'"),
+])
+def test_sample_options_are_checked_before_the_model_loads(capsys, monkeypatch, argv, message):
+    monkeypatch.setattr(cli, "_model", lambda args: pytest.fail("the model loaded"))
+    assert _fails(capsys, "sample", "--prompt", "a photo of a star", *argv) == f"flowrl sample: error: {message}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_a_gpu_is_one_line(capsys, tmp_path):
+    line = _fails(capsys, "sample", "--prompt", "x", "--device", "cuda", "--model", tmp_path / "nope")
+    assert line == "flowrl sample: error: --device cuda: no CUDA device is available; use --device auto or cpu"
+
+
+@pytest.mark.parametrize("command", ["eval", "sample"])
+def test_output_folder_is_made_before_the_work(tmp_path, capsys, monkeypatch, command):
+    def model(args):  # stands in for the model load: the output folder must already exist
+        assert Path(args.out).parent.is_dir()
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(cli, "_model", model)
+    out = tmp_path / "new" / ("e.json" if command == "eval" else "g.png")
+    extra = ["--prompts", "test"] if command == "eval" else ["--prompt", "x"]
+    assert _fails(capsys, command, "--out", out, *extra) == f"flowrl {command}: error: stop here"
+
+
+def test_key_error_message_is_not_quoted(capsys):
+    def fn(args):
+        raise KeyError("checkpoint c has no trainable tensor 'w'")
+
+    with pytest.raises(SystemExit):
+        cli._run(argparse.Namespace(fn=fn, command="train"))
+    assert capsys.readouterr().err == "flowrl train: error: checkpoint c has no trainable tensor 'w'\n"
+
+
+def test_generate_and_evaluate_refuse_no_prompts_before_sampling():
+    from flowrl.evaluate import evaluate, generate
+
+    with pytest.raises(ValueError, match="at least one prompt"):
+        generate(None, [], [], 2, 1.0)
+    with pytest.raises(ValueError, match="one seed per prompt; got 2 prompts, 1 seeds"):
+        generate(None, ["a", "b"], [0], 2, 1.0)
+    with pytest.raises(ValueError, match="evaluate needs at least one prompt"):
+        evaluate(None, [])
+
+
+def test_checkpoint_of_another_lora_rank_is_refused_not_broadcast(tmp_path):
+    from flowrl.checkpoint import load_checkpoint, save_checkpoint
+
+    w = torch.nn.Parameter(torch.ones(1, 2))  # a rank-1 LoRA matrix; rank 3 has the same name
+    path = save_checkpoint(tmp_path, 1, {"lora_A": w}, torch.optim.AdamW([w]))
+    w3 = torch.nn.Parameter(torch.zeros(3, 2))
+    with pytest.raises(ValueError, match=r"'lora_A' of shape \(1, 2\), the model's is \(3, 2\).*model.lora_rank"):
+        load_checkpoint(path, {"lora_A": w3}, torch.optim.AdamW([w3]))
+    assert torch.equal(w3.detach(), torch.zeros(3, 2))  # nothing overwritten

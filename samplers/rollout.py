@@ -495,7 +495,9 @@ def sample(
         if velocity.shape != x.shape:
             raise ValueError(f"velocity_fn returned shape {tuple(velocity.shape)}; expected {tuple(x.shape)}")
         out = plan_step(plan, k, x, velocity, sigmas, prev_x0, prev_sigma, generator)
-        prev_x0, prev_sigma = x - sigmas[k] * velocity.float(), sigmas[k]  # history of the multistep kernels
+        # history of the multistep kernels; after an SDE window it is the window's last x0_hat, so the first
+        # DPM-Solver++ step is second order, as in MixGRPO's code (its x0 history is updated on SDE steps too)
+        prev_x0, prev_sigma = x - sigmas[k] * velocity.float(), sigmas[k]
         if kernel in STOCHASTIC_KERNELS:
             last = buffer.append(x, out, k, kernel, plan.noise_levels[k], plan.trained[k], parent=last, leaf=leaves,
                                  cond=cond)  # (B,)

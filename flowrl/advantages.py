@@ -5,12 +5,20 @@ from __future__ import annotations
 import torch
 
 
+def _check_vectors(**tensors: torch.Tensor) -> None:
+    """Refuse, in one line naming every argument's shape, unless all `tensors` are 1-D of one length."""
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if any(len(shape) != 1 for shape in shapes.values()) or len(set(shapes.values())) > 1:
+        named = [f"{name} {shape}" for name, shape in shapes.items()]
+        raise ValueError(f"{', '.join(named[:-1])} and {named[-1]} must be 1-D tensors of one length (N,)")
+
+
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, std: str = "global", clip: float = 5.0,
                      eps: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-prompt z-scored advantages A = (r - mean_group) / (std + eps), clipped to +-clip.
 
     Args:
-        rewards: float ``(B,)`` scalar rewards of the B samples.
+        rewards: float ``(B,)`` scalar rewards of the B samples, finite (any float dtype; computed in float64).
         group: long ``(B,)`` group (prompt) id of each sample.
         std: ``"group"`` (std within each group) or ``"global"`` (std over the whole batch, Flow-GRPO's
             default); both use the population std.
@@ -22,12 +30,15 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, std: str = "glo
         group has all rewards equal; their advantage is exactly 0.
 
     Raises:
-        ValueError: for an unknown ``std`` or mismatched shapes.
+        ValueError: for an unknown ``std``, mismatched shapes, ``clip <= 0`` or a NaN/inf reward.
     """
     if std not in ("group", "global"):
         raise ValueError(f"advantage std must be 'group' or 'global', got {std!r}")
-    if rewards.shape != group.shape or rewards.dim() != 1:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and group {tuple(group.shape)} must both be (B,)")
+    _check_vectors(rewards=rewards, group=group)
+    if not clip > 0:
+        raise ValueError(f"advantage clip must be > 0, got {clip}")
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError("rewards must be finite; got NaN or inf")
     centred, group_std, zero_variance = _centred_by(rewards, group)  # (B,) each
     scale = group_std if std == "group" else rewards.double().std(unbiased=False).expand_as(centred)
     advantages = (centred / (scale + eps)).clamp(-clip, clip).float()
@@ -91,10 +102,14 @@ def tree_node_rewards(incidence: torch.Tensor, leaf_rewards: torch.Tensor, fusio
         `torch.Tensor` of shape `(M,)`, float32.
 
     Raises:
-        ValueError: for an unknown `fusion`, a transition with no leaf, or ``"prob"`` without `parent`/`log_prob`.
+        ValueError: for an unknown `fusion`, mismatched shapes, a transition with no leaf, or ``"prob"`` without
+            `parent`/`log_prob`.
     """
     if fusion not in ("mean", "prob"):
         raise ValueError(f"tree reward fusion must be 'mean' or 'prob', got {fusion!r}")
+    if incidence.dim() != 2 or leaf_rewards.shape != incidence.shape[1:]:
+        raise ValueError(f"incidence {tuple(incidence.shape)} must be (M, B) and leaf_rewards "
+                         f"{tuple(leaf_rewards.shape)} (B,)")
     inc = incidence.float()  # (M, B)
     count = inc.sum(1)  # (M,)
     if bool((count == 0).any()):
@@ -105,6 +120,9 @@ def tree_node_rewards(incidence: torch.Tensor, leaf_rewards: torch.Tensor, fusio
     if parent is None or log_prob is None:
         raise ValueError("fusion='prob' needs the rollout's parent and log_prob")
     m = incidence.shape[0]
+    if parent.shape != (m,) or log_prob.shape != (m,):
+        raise ValueError(f"parent {tuple(parent.shape)} and log_prob {tuple(log_prob.shape)} must be ({m},), one per "
+                         "row of incidence")
     has_child = torch.zeros(m, dtype=torch.bool, device=inc.device)
     has_child[parent[parent >= 0]] = True
     reward = mean.clone()  # leaves' nodes (no stored children) keep their single leaf's reward
@@ -135,12 +153,18 @@ def depthwise_advantages(node_rewards: torch.Tensor, group: torch.Tensor, step: 
 
     Args:
         node_rewards (`torch.Tensor` of shape `(M,)`): :func:`tree_node_rewards`.
-        group (`torch.Tensor` of shape `(M,)`, long): tree (group) id of each transition.
-        step (`torch.Tensor` of shape `(M,)`, long): the transition's denoising step.
+        group (`torch.Tensor` of shape `(M,)`, long): tree (group) id of each transition, `>= 0`.
+        step (`torch.Tensor` of shape `(M,)`, long): the transition's denoising step, `>= 0`.
+        clip (`float`): |A| bound.
+        eps (`float`): added to the std (the published code's 1e-8).
 
     Returns:
         `torch.Tensor` of shape `(M,)`, float32.
+
+    Raises:
+        ValueError: for mismatched shapes.
     """
+    _check_vectors(node_rewards=node_rewards, group=group, step=step)
     return _zscore_by(node_rewards, _key(group, step), eps).clamp(-clip, clip)
 
 
@@ -158,15 +182,17 @@ def width_prune(incidence: torch.Tensor, leaf_rewards: torch.Tensor, leaf_group:
 
     Returns:
         `torch.Tensor` of shape `(M,)`, bool: True for transitions that stay in the loss.
+
+    Raises:
+        ValueError: if ``keep < 1`` or the shapes do not match.
     """
     if keep < 1:
         raise ValueError(f"width pruning keep must be >= 1, got {keep}")
-    chosen = torch.zeros_like(leaf_rewards, dtype=torch.bool)
-    for g in leaf_group.unique():
-        idx = (leaf_group == g).nonzero().squeeze(1)
-        order = idx[torch.argsort(leaf_rewards[idx], stable=True)]
-        chosen[order[:keep]] = True
-        chosen[order[-keep:]] = True
+    _check_vectors(leaf_rewards=leaf_rewards, leaf_group=leaf_group)
+    if step.dim() != 1 or incidence.shape != (len(step), len(leaf_rewards)):
+        raise ValueError(f"incidence {tuple(incidence.shape)} must be (M, B) for step {tuple(step.shape)} (M,) and "
+                         f"leaf_rewards {tuple(leaf_rewards.shape)} (B,)")
+    chosen = _extremes(leaf_rewards, leaf_group, keep, keep)  # (B,)
     on_chosen = (incidence & chosen[None, :]).any(1)  # (M,)
     return (step <= last_split) | on_chosen
 
@@ -188,12 +214,32 @@ def process_advantages(rewards: torch.Tensor, group: torch.Tensor, step: torch.T
 
     Returns:
         `torch.Tensor` of shape `(P,)`, float32: 0 where a (group, step, granularity) has equal rewards.
+
+    Raises:
+        ValueError: for mismatched shapes.
     """
+    _check_vectors(rewards=rewards, group=group, step=step, granularity=granularity)
     return _zscore_by(rewards, _key(group, step, granularity)).clamp(-clip, clip)
 
 
 def sum_by_node(values: torch.Tensor, node: torch.Tensor, num_nodes: int) -> torch.Tensor:
-    """Sum the per-probe `values` (P,) of each transition ``node`` (P,) -> `(num_nodes,)` (0 for no probe)."""
+    """Sum per-probe values by the transition each probe belongs to (G2RPO's sum over granularities).
+
+    Args:
+        values (`torch.Tensor` of shape `(P,)`): e.g. :func:`process_advantages`.
+        node (`torch.Tensor` of shape `(P,)`, long): transition row of each probe in `[0, num_nodes)`, or `-1`
+            for a probe without a trained transition (skipped).
+        num_nodes (`int`): the rollout's transitions `M`.
+
+    Returns:
+        `torch.Tensor` of shape `(num_nodes,)`, float32: 0 for a transition without a probe.
+
+    Raises:
+        ValueError: for mismatched shapes or a `node` outside ``[-1, num_nodes)``.
+    """
+    _check_vectors(values=values, node=node)
+    if len(node) and not (int(node.min()) >= -1 and int(node.max()) < num_nodes):
+        raise ValueError(f"node ids must lie in [-1, {num_nodes}), got [{int(node.min())}, {int(node.max())}]")
     keep = node >= 0
     return torch.zeros(num_nodes, dtype=torch.float32, device=values.device).index_add_(0, node[keep], values[keep].float())
 
@@ -216,7 +262,12 @@ def turning_point_rewards(returns: torch.Tensor, balance: bool = True) -> torch.
 
     Returns:
         `torch.Tensor` of shape `(B, n)`, float32: the reward of SDE steps ``1 .. n``.
+
+    Raises:
+        ValueError: unless `returns` is 2-D with ``n >= 1``.
     """
+    if returns.dim() != 2 or returns.shape[1] < 2:
+        raise ValueError(f"returns must be (B, n + 1) with n >= 1 SDE steps (R_0 .. R_n), got {tuple(returns.shape)}")
     r = returns.float()
     d = r[:, 1:] - r[:, :-1]  # (B, n)
     trend = torch.sign(r[:, -1:] - r[:, :1])  # (B, 1)
@@ -261,7 +312,15 @@ def aggregate_advantages(per_reward: dict[str, torch.Tensor], weights: dict[str,
 
     Returns:
         ``(advantages (B,), zero_variance (B,) bool)``: zero-variance where EVERY reward is constant in the group.
+
+    Raises:
+        ValueError: if `per_reward` is empty or names a reward without a weight; as :func:`group_advantages`.
     """
+    if not per_reward:
+        raise ValueError("advantage aggregation needs at least one reward in per_reward")
+    missing = sorted(set(per_reward) - set(weights))
+    if missing:
+        raise ValueError(f"advantage aggregation: no weight for reward(s) {missing}; weights has {sorted(weights)}")
     total = torch.zeros_like(group, dtype=torch.float32)
     zero = torch.ones_like(group, dtype=torch.bool)
     for name, scores in per_reward.items():
@@ -282,14 +341,21 @@ def best_of_n(rewards: torch.Tensor, group: torch.Tensor, keep: int) -> torch.Te
         `torch.Tensor` of shape `(B,)`, bool.
 
     Raises:
-        ValueError: if ``keep < 2``.
+        ValueError: if ``keep < 2`` or the shapes do not match.
     """
     if keep < 2:
         raise ValueError(f"best-of-N keep must be >= 2, got {keep}")
-    mask = torch.zeros_like(rewards, dtype=torch.bool)
+    _check_vectors(rewards=rewards, group=group)
+    return _extremes(rewards, group, keep - keep // 2, keep // 2)
+
+
+def _extremes(values: torch.Tensor, group: torch.Tensor, low: int, high: int) -> torch.Tensor:
+    """`(B,)` bool: in each `group` `(B,)`, the `low` smallest and the `high` largest `values` `(B,)` (ties: stable
+    order of appearance; a group of fewer than ``low + high`` keeps all its members)."""
+    mask = torch.zeros_like(values, dtype=torch.bool)
     for g in group.unique():
         idx = (group == g).nonzero().squeeze(1)
-        order = idx[torch.argsort(rewards[idx], stable=True)]
-        mask[order[-(keep // 2):]] = True
-        mask[order[:keep - keep // 2]] = True
+        order = idx[torch.argsort(values[idx], stable=True)]
+        mask[order[:low]] = True
+        mask[order[len(order) - high:]] = True
     return mask

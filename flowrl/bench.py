@@ -67,6 +67,9 @@ def load_preset_overrides(path: str | Path) -> dict[str, list[str]]:
 
 
 def _median_iteration(trainer, start: int, count: int) -> dict[str, float]:
+    """Medians over `count` iterations ``start, start + 1, ...`` of `trainer` of the cost and time metrics
+    (``cost/nfe``, ``cost/trained_transitions``, ``cost/reward_calls``, ``time/*_s``) and of their sum
+    ``time/iteration_s``; a progressive or decaying window is put at evenly spaced starts (restored after)."""
     window = trainer.window  # a sliding window is timed at evenly spaced starts, the positions a run cycles through
     spread = window is not None and window.schedule not in ("fixed", "random")
     state = window.state_dict() if spread else None
@@ -84,7 +87,16 @@ def _median_iteration(trainer, start: int, count: int) -> dict[str, float]:
 
 
 def bench_tree(trainer, repeats: int = 3) -> dict[str, float]:
-    """Seconds of one BranchGRPO tree rollout (the preset's tree, all prompts) batched vs node by node."""
+    """Seconds of one BranchGRPO tree rollout (the preset's tree, all prompts) batched vs node by node.
+
+    Returns:
+        ``{"batched_s", "node_by_node_s"}`` (medians of `repeats` rollouts each) and their ratio ``"speedup"``.
+
+    Raises:
+        ValueError: if ``repeats < 1``.
+    """
+    if repeats < 1:
+        raise ValueError(f"bench_tree repeats must be >= 1, got {repeats}")
     s = trainer.cfg.sampling
     metas = trainer.sample_prompts(0)
     table = trainer.model.encode([""] + [m["prompt"] for m in metas])
@@ -112,10 +124,15 @@ def run_bench(presets=PRESETS, iterations: int = 3, warmup: int = 1, budget_s: f
     :func:`load_preset_overrides`: its ``all`` list, then the preset's list), then `overrides` (every preset).
 
     Raises:
+        ValueError: for ``iterations < 1``, ``warmup < 0`` or ``budget_s < 0``, before any preset runs.
         ConfigError: for an override that does not fit a preset (the key is named), before any preset runs.
         FileNotFoundError, ValueError: for a missing or malformed `preset_overrides` file.
     """
     from .trainer import Trainer
+
+    for name, value, low in (("iterations", iterations, 1), ("warmup", warmup, 0), ("budget_s", budget_s, 0)):
+        if not value >= low:
+            raise ValueError(f"bench {name} must be >= {low}, got {value}")
 
     per_preset = load_preset_overrides(preset_overrides) if preset_overrides else {}
 

@@ -5,6 +5,24 @@ from __future__ import annotations
 import torch
 
 
+def _mean_sq_diff(a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: str) -> torch.Tensor:
+    """``mean over every non-batch dim of (a - b)^2`` in float32: `(M,)` from two `(M, ...)` tensors of one shape.
+
+    Raises:
+        ValueError: if the shapes differ or the tensors have no batch dim (the argument names are given).
+    """
+    if a.shape != b.shape or a.dim() < 2:
+        raise ValueError(f"{name_a} {tuple(a.shape)} and {name_b} {tuple(b.shape)} must have one shape (M, C, H, W)")
+    return ((a.float() - b.float()) ** 2).mean(tuple(range(1, a.dim())))  # (M,)
+
+
+def _check_per_row(rows: int, **tensors: torch.Tensor | None) -> None:
+    """Refuse, naming the argument, any tensor of `tensors` (None skipped) whose shape is not ``(rows,)``."""
+    for name, t in tensors.items():
+        if t is not None and tuple(t.shape) != (rows,):
+            raise ValueError(f"{name} must have shape ({rows},), one value per row; got {tuple(t.shape)}")
+
+
 def ppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
              clip_range: float, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (arXiv 1707.06347) per transition, as in Flow-GRPO (arXiv 2505.05470, eq. 6).
@@ -21,8 +39,19 @@ def ppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: tor
 
     Returns:
         ``(loss, stats)``: scalar loss and detached ``policy/ratio_mean``, ``policy/ratio_max_dev`` (max
-        |r - 1|), ``policy/clipfrac``, ``policy/approx_kl`` (mean of (logp_new - logp_old)^2 / 2).
+        |r - 1|), ``policy/clipfrac`` (|r - 1| > eps), ``policy/clipfrac_high`` (r > 1 + eps),
+        ``policy/clipfrac_low`` (r < 1 - eps), ``policy/approx_kl`` (mean of (logp_new - logp_old)^2 / 2, as
+        Flow-GRPO logs it).
+
+    Raises:
+        ValueError: if `old_log_prob`, `advantages` or `weights` is not of `log_prob`'s shape ``(M,)`` (a
+            ``(M, 1)`` advantage would otherwise broadcast to an ``(M, M)`` loss), or ``clip_range <= 0``.
     """
+    if log_prob.dim() != 1:
+        raise ValueError(f"log_prob must have shape (M,); got {tuple(log_prob.shape)}")
+    _check_per_row(len(log_prob), old_log_prob=old_log_prob, advantages=advantages, weights=weights)
+    if not clip_range > 0:
+        raise ValueError(f"clip_range must be > 0, got {clip_range}")
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
@@ -42,17 +71,22 @@ def ppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: tor
 
 
 def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """Flow-GRPO's KL between the policy's and the reference's Gaussian steps (same std):
+    """Flow-GRPO's (arXiv 2505.05470) KL between the policy's and the reference's Gaussian steps (same std):
     KL = mean_d (mean - ref_mean)^2 / (2 std^2), reduced by mean over latent dims, then over transitions.
 
     Args:
-        mean, ref_mean: ``(M, C, H, W)`` step means; std: ``(M,)`` step std.
+        mean, ref_mean: ``(M, C, H, W)`` step means (any float dtype; computed in float32); std: ``(M,)``
+            step std, `> 0`.
 
     Returns:
         Scalar float32.
+
+    Raises:
+        ValueError: for mismatched shapes.
     """
-    dims = tuple(range(1, mean.dim()))
-    return ((mean.float() - ref_mean.float()) ** 2).mean(dims).div(2 * std.float() ** 2).mean()
+    dmu2 = _mean_sq_diff(mean, ref_mean, "mean", "ref_mean")  # (M,)
+    _check_per_row(len(dmu2), std=std)
+    return dmu2.div(2 * std.float() ** 2).mean()
 
 
 def ratio_norm(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor,
@@ -73,9 +107,12 @@ def ratio_norm(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.T
 
     Returns:
         `torch.Tensor` of shape `(M,)`, float32: the normalised log-ratio.
+
+    Raises:
+        ValueError: for mismatched shapes.
     """
-    dims = tuple(range(1, mean.dim()))
-    dmu2 = ((mean.float() - old_mean.float()) ** 2).mean(dims)  # (M,)
+    dmu2 = _mean_sq_diff(mean, old_mean, "mean", "old_mean")  # (M,)
+    _check_per_row(len(dmu2), log_prob=log_prob, old_log_prob=old_log_prob, std=std)
     tau = std.float()
     return tau * (log_prob - old_log_prob) + dmu2 / (2 * tau)
 
@@ -131,7 +168,13 @@ def velocity_kl(velocity: torch.Tensor, ref_velocity: torch.Tensor) -> torch.Ten
 
     Returns:
         Scalar float32.
+
+    Raises:
+        ValueError: for mismatched shapes.
     """
+    if velocity.shape != ref_velocity.shape:
+        raise ValueError(f"velocity {tuple(velocity.shape)} and ref_velocity {tuple(ref_velocity.shape)} must have "
+                         "one shape")
     return ((velocity.float() - ref_velocity.float()) ** 2).mean()
 
 
@@ -145,7 +188,12 @@ def optimality_weights(advantages: torch.Tensor, adv_max: float) -> torch.Tensor
 
     Returns:
         ``(B,)`` float32 weights in [0, 1].
+
+    Raises:
+        ValueError: if ``adv_max <= 0``.
     """
+    if not adv_max > 0:
+        raise ValueError(f"adv_max must be > 0, got {adv_max}")
     return (advantages.float() / adv_max / 2 + 0.5).clamp(0, 1)
 
 
@@ -173,10 +221,16 @@ def nft_loss(v: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: torch.
         Scalar float32 loss.
 
     Raises:
-        ValueError: for ``beta <= 0`` or ``r`` outside [0, 1].
+        ValueError: for ``beta <= 0``, ``adv_max <= 0``, mismatched shapes or ``r`` outside [0, 1].
     """
     if beta <= 0:
         raise ValueError(f"beta must be > 0, got {beta}")
+    if not adv_max > 0:
+        raise ValueError(f"adv_max must be > 0, got {adv_max}")
+    for name, u in (("v_old", v_old), ("x_t", x_t), ("x0", x0)):
+        if u.shape != v.shape:
+            raise ValueError(f"{name} {tuple(u.shape)} must have v's shape {tuple(v.shape)}")
+    _check_per_row(v.shape[0], t=t, r=r)
     if r.min() < 0 or r.max() > 1:
         raise ValueError(f"optimality weights r must lie in [0, 1], got [{r.min().item()}, {r.max().item()}]")
     t = t.float().view(-1, *([1] * (x0.dim() - 1)))

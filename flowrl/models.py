@@ -107,6 +107,7 @@ class PromptEmbeds:
     pooled: torch.Tensor
 
     def __getitem__(self, index: torch.Tensor) -> PromptEmbeds:
+        """The rows `index` (`(N,)` long) of both tensors: ``(N, T, D)`` and ``(N, D_pooled)``."""
         return PromptEmbeds(self.embeds[index], self.pooled[index])
 
 
@@ -249,7 +250,12 @@ class FlowModel:
 
         Returns:
             float32 ``(N, C, H, W)``.
+
+        Raises:
+            ValueError: if ``guidance_scale < 1``.
         """
+        if guidance_scale < 1:
+            raise ValueError(f"guidance_scale must be >= 1 (1 = no guidance), got {guidance_scale}")
         dtype = next(self.transformer.parameters()).dtype
         if uncond is None or guidance_scale == 1.0:
             return self._forward(x, t, cond, dtype).float()
@@ -275,7 +281,14 @@ class FlowModel:
         return 2 if guidance_scale != 1.0 else 1
 
     def velocity_fn(self, table: PromptEmbeds, guidance_scale: float):
-        """A :class:`samplers.VelocityFn` over a table of prompts; row 0 of ``table`` must be the empty prompt."""
+        """A :class:`samplers.VelocityFn` ``fn(x (N, C, H, W), t (N,), cond (N,) long) -> (N, C, H, W)`` float32 over
+        a table of prompts: ``cond`` indexes ``table``, whose row 0 must be the empty prompt (the CFG negative).
+
+        Raises:
+            ValueError: if ``guidance_scale < 1``.
+        """
+        if guidance_scale < 1:
+            raise ValueError(f"guidance_scale must be >= 1 (1 = no guidance), got {guidance_scale}")
 
         def fn(x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
             uncond = table[torch.zeros_like(cond)] if guidance_scale != 1.0 else None

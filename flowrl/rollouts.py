@@ -53,6 +53,8 @@ class RolloutMixin:
         return mix_plan(self.sigmas, self.window.steps, s.kernel, s.noise_level, s.window.flash_ratio or None, s.shift)
 
     def _chunked(self, fn, size: int):
+        """`fn` (a :class:`samplers.VelocityFn`) evaluated in consecutive chunks of at most `size` rows, concatenated
+        (``sampling.batch_size``: bounds the activation memory of one forward)."""
         def chunked(x, t, cond):
             return torch.cat([fn(x[i:i + size], t[i:i + size], cond[i:i + size]) for i in range(0, len(x), size)])
         return chunked

@@ -23,14 +23,9 @@ def _model(args):
         ValueError: for ``--device cuda`` without a CUDA device (before anything loads), a folder that is not a
             pipeline, a resolution the model cannot take, or a LoRA folder without weights.
     """
-    import torch
-
     from .models import FlowModel, resolve_device
 
-    device = resolve_device(args.device)
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: no CUDA device is available; use --device auto or cpu")
-    model = FlowModel(resolve_path(args.model), device,
+    model = FlowModel(resolve_path(args.model), resolve_device(args.device),
                       max_sequence_length=args.max_sequence_length, resolution=args.resolution)
     if args.lora:
         model.load_lora(args.lora)

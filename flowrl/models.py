@@ -23,12 +23,24 @@ MIN_ROWS = {torch.nn.Linear: (2, 16), torch.nn.Conv2d: (4, 4)}
 """For each layer type: the input rank that carries one row per sample, and the fewest rows it runs at."""
 
 
-def resolve_device(name: str) -> str:
+def resolve_device(name: str, option: str = "--device") -> str:
     """The device a ``--device`` / ``run.device`` value names: ``"auto"`` is ``"cuda"`` when PyTorch sees a GPU,
-    else ``"cpu"``; any other value (``"cpu"``, ``"cuda"``, ``"cuda:1"``) is returned as it is."""
-    if name != "auto":
-        return name
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    else ``"cpu"``; any other value (``"cpu"``, ``"cuda"``, ``"cuda:1"``) is returned as it is.
+
+    Raises:
+        ValueError: naming `option`, for a CUDA device when PyTorch sees none (before anything loads).
+    """
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(name).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{option} {name}: no CUDA device is available; use {option} auto or cpu")
+    return name
+
+
+def check_guidance(guidance_scale: float) -> None:
+    """Raise ValueError unless the CFG scale ``guidance_scale >= 1`` (1 = no guidance)."""
+    if guidance_scale < 1:
+        raise ValueError(f"guidance_scale must be >= 1 (1 = no guidance), got {guidance_scale}")
 
 
 def make_batch_invariant(module: torch.nn.Module, probe: Callable[[], object]) -> int:
@@ -254,8 +266,7 @@ class FlowModel:
         Raises:
             ValueError: if ``guidance_scale < 1``.
         """
-        if guidance_scale < 1:
-            raise ValueError(f"guidance_scale must be >= 1 (1 = no guidance), got {guidance_scale}")
+        check_guidance(guidance_scale)
         dtype = next(self.transformer.parameters()).dtype
         if uncond is None or guidance_scale == 1.0:
             return self._forward(x, t, cond, dtype).float()
@@ -287,8 +298,7 @@ class FlowModel:
         Raises:
             ValueError: if ``guidance_scale < 1``.
         """
-        if guidance_scale < 1:
-            raise ValueError(f"guidance_scale must be >= 1 (1 = no guidance), got {guidance_scale}")
+        check_guidance(guidance_scale)
 
         def fn(x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
             uncond = table[torch.zeros_like(cond)] if guidance_scale != 1.0 else None

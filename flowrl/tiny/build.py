@@ -650,9 +650,10 @@ def main(argv=None) -> None:
         p.error(f"--dit-layers / --dit-width: {e}")
     from flowrl.models import resolve_device
 
-    device = resolve_device(a.device)
-    if device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda, but PyTorch sees no CUDA device; use --device auto or cpu")
+    try:
+        device = resolve_device(a.device)
+    except ValueError as e:
+        p.error(str(e))
     weights = None
     if a.tag_weights:
         try:

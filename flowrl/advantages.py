@@ -149,7 +149,9 @@ def depthwise_advantages(node_rewards: torch.Tensor, group: torch.Tensor, step: 
     nodes of the same tree at the same step; a transition takes the advantage of the node it leads to.
 
     ``A = (R - mean) / (std + eps)`` with the population std; 0 where a (tree, step) holds one node or
-    its rewards are all equal or their std is below 1e-6 (in float64); clipped to ``+-clip``.
+    its rewards are all equal or their std is below 1e-6 (in float64); clipped to ``+-clip``. The published
+    code uses the sample std (``torch.std``), which scales a depth of ``n`` nodes by ``sqrt((n - 1) / n)``
+    (+-0.71 instead of +-1 for two nodes); flowrl keeps the population std of every other z-score here.
 
     Args:
         node_rewards (`torch.Tensor` of shape `(M,)`): :func:`tree_node_rewards`.
@@ -333,6 +335,10 @@ def aggregate_advantages(per_reward: dict[str, torch.Tensor], weights: dict[str,
 def best_of_n(rewards: torch.Tensor, group: torch.Tensor, keep: int) -> torch.Tensor:
     """Best-of-N selection (DanceGRPO, arXiv 2505.07818, Sec. 3.4 on video): in each group keep only the
     ``keep // 2`` highest- and ``keep - keep // 2`` lowest-reward samples for the backward pass.
+
+    As in DanceGRPO's published code, the advantages are z-scored over all N samples before the selection and
+    not again over the kept ones; the trainer ranks by the unclipped advantage it trains with (with
+    ``train.reward_aggregation: advantage``, ``sum_k w_k z_k``), so `rewards` is any `(B,)` ranking key.
 
     Args:
         rewards (`(B,)`), group (`(B,)` long), keep (`int`, `>= 2`): samples kept per group.

@@ -102,7 +102,7 @@ class GRPOMixin:
                  generator: torch.Generator) -> dict[str, float]:
         """Inner PPO epochs over the kept transitions, each with its advantage ``adv_all[m]``.
 
-        Flow-GRPO's clipped surrogate (arXiv 2505.05470, Eq. 8 without its KL term, which is added here
+        Flow-GRPO's clipped surrogate (arXiv 2505.05470, its GRPO objective without the KL term, which is added here
         with weight ``train.kl_beta``): ``max(-A r, -A clip(r, 1 - eps, 1 + eps))`` averaged over a minibatch
         of ``train.minibatch_size`` transitions, one optimizer step (AdamW, gradient clipping at
         ``train.max_grad_norm``, EMA update) per minibatch, ``train.inner_epochs`` passes in a random order

@@ -25,7 +25,7 @@ def _check_per_row(rows: int, **tensors: torch.Tensor | None) -> None:
 
 def ppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
              clip_range: float, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate (arXiv 1707.06347) per transition, as in Flow-GRPO (arXiv 2505.05470, eq. 6).
+    """PPO clipped surrogate (arXiv 1707.06347) per transition, as in Flow-GRPO's GRPO objective (arXiv 2505.05470).
 
     r = exp(logp_new - logp_old); loss = mean(w max(-A r, -A clip(r, 1 - eps, 1 + eps))).
 

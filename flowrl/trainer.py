@@ -408,14 +408,17 @@ class Trainer(RolloutMixin, GRPOMixin, NFTMixin):
         """
         t = self.cfg.train
         group = self.accelerator.gather((image_prompt + self.accelerator.process_index * prompts).to(self.device)).cpu()
+        rank = total  # best-of-n ranks by the unclipped advantage, as DanceGRPO; within a group `total` orders alike
         if t.reward_aggregation == "advantage" and len(scores.per_reward) > 1:
             per = {k: self.accelerator.gather(v.to(self.device)).cpu() for k, v in scores.per_reward.items()}
             weights = {k: w for k, (_, w) in self.rewards.rewards.items()}
             adv, zero = aggregate_advantages(per, weights, group, t.adv_std, t.adv_clip_max)
+            if t.best_of_n:  # sum_k w_k z_k may order a group unlike the total reward
+                rank = aggregate_advantages(per, weights, group, t.adv_std, float("inf"))[0]
         else:
             adv, zero = group_advantages(total, group, t.adv_std, t.adv_clip_max)
         if t.best_of_n:
-            zero = zero | ~best_of_n(total, group, t.best_of_n)
+            zero = zero | ~best_of_n(rank, group, t.best_of_n)
         return adv, zero, {"advantage/zero_variance_frac": zero.float().mean().item(),
                            "advantage/abs_mean": adv.abs().mean().item()}
 

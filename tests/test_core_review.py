@@ -126,3 +126,22 @@ def test_velocity_refuses_guidance_below_one():
     x = torch.zeros(1, *model.latent_shape)
     with pytest.raises(ValueError, match="guidance_scale must be >= 1"):
         model.velocity(x, torch.ones(1), table[torch.tensor([1])], table[torch.tensor([0])], 0.0)
+
+
+def test_best_of_n_ranks_by_the_aggregated_advantage_as_dancegrpo():
+    """With advantage aggregation DanceGRPO keeps the extremes of sum_k w_k z_k; the total reward can order a group
+    otherwise (here reward `b` has the larger scale, so the total follows `b` while the z-scores weigh both alike)."""
+    from types import SimpleNamespace
+
+    from flowrl.trainer import Trainer
+
+    a = torch.tensor([0.0, 1.0, 0.4, 0.0])
+    b = torch.tensor([0.0, 0.0, 10.0, 10.5])
+    train = SimpleNamespace(reward_aggregation="advantage", adv_std="group", adv_clip_max=5.0, best_of_n=2)
+    fake = SimpleNamespace(cfg=SimpleNamespace(train=train), device="cpu",
+                           accelerator=SimpleNamespace(gather=lambda x: x, process_index=0),
+                           rewards=SimpleNamespace(rewards={"a": (None, 1.0), "b": (None, 1.0)}))
+    scores = SimpleNamespace(per_reward={"a": a, "b": b})
+    adv, zero, _ = Trainer._group_advantages(fake, scores, a + b, torch.zeros(4, dtype=LONG), 1)
+    assert int(adv.argmax()) == 2 and int(adv.argmin()) == 0  # z-sum order: image 2 best, image 0 worst
+    assert (~zero).tolist() == [True, False, True, False]  # the total reward would keep images 3 and 0

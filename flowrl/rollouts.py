@@ -203,7 +203,7 @@ class RolloutMixin:
         """Advantages of the trained transitions of a probe rollout (see :meth:`probe_rollout`).
 
         tempflow / g2rpo: per-step process rewards z-scored per (prompt or trunk, step, granularity), summed
-        over granularities (G2RPO). tp_grpo: turning-point step rewards from ``R_0 .. R_n``, z-scored per
+        over granularities (G2RPO) and the sum clipped to ``+-train.adv_clip_max`` as in G2RPO's code. tp_grpo: turning-point step rewards from ``R_0 .. R_n``, z-scored per
         (prompt, step).
 
         Returns:
@@ -223,7 +223,7 @@ class RolloutMixin:
             values = step_rewards[root[later], torch.tensor([probe_steps.index(k) - 1 for k in step[later].tolist()])]
             adv_p = torch.zeros_like(rewards, dtype=torch.float32)
             adv_p[later] = process_advantages(values, image_prompt[later], step[later], torch.ones_like(step[later]), clip)
-        adv = sum_by_node(adv_p, node, len(ro))
+        adv = sum_by_node(adv_p, node, len(ro)).clamp(-clip, clip)  # G2RPO's sum over granularities, clipped again
         keep = ro.trained.cpu() & (adv != 0)
         return adv.to(self.device), keep.to(self.device), {"advantage/abs_mean": adv_p.abs().mean().item(),
                                                            "advantage/zero_frac": (adv_p == 0).float().mean().item()}

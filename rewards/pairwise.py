@@ -158,14 +158,21 @@ def parse_choice(text: str) -> float:
     """P(image 1 preferred) from a judge's reply: 1.0 for 'Image 1', 0.0 for 'Image 2', 0.5 if unparseable.
 
     Reads the content of the last ``<answer>...</answer>`` tag if there is one (the tagged format of
-    reasoning judges such as UnifiedReward-Think), else the part after the last 'answer', else the whole
-    reply. "Image N is better" decides; otherwise a reply naming both or neither image is a tie.
+    reasoning judges such as UnifiedReward-Think), else the part after the last 'answer' (``Final answer:
+    Image N``, :data:`DEFAULT_QUESTION`'s format), else the whole reply. "Image N is better" (or preferred,
+    superior; or "prefer Image N"; the last one) decides. Otherwise an answer naming exactly one image chooses it, but only in
+    a tag or after 'answer': a free reply such as "Image 1 is blurry." is a tie, as in Pref-GRPO's code
+    (which reads only "Image N is better" and calls everything else a tie).
     """
     tagged = re.findall(r"<answer>(.*?)</answer>", text, flags=re.IGNORECASE | re.DOTALL)
-    tail = tagged[-1] if tagged else re.split(r"answer", text, flags=re.IGNORECASE)[-1]
-    better = re.findall(r"image\s*([12])\s+is\s+(?:better|preferred|superior)", tail, re.IGNORECASE)
+    parts = re.split(r"answer", text, flags=re.IGNORECASE)
+    tail = tagged[-1] if tagged else parts[-1]
+    better = re.findall(r"image\s*([12])\s+is\s+(?:better|preferred|superior)|prefer(?:s|red)?\s+image\s*([12])\b",
+                        tail, re.IGNORECASE)
     if better:
-        return 1.0 if better[-1] == "1" else 0.0
+        return 1.0 if "1" in better[-1] else 0.0
+    if not tagged and len(parts) == 1:  # no answer marked: naming an image is not choosing it
+        return 0.5
     ones = re.search(r"image\s*1\b", tail, re.IGNORECASE) is not None
     twos = re.search(r"image\s*2\b", tail, re.IGNORECASE) is not None
     return 1.0 if ones and not twos else 0.0 if twos and not ones else 0.5

@@ -134,6 +134,8 @@ def test_parse_choice():
     assert parse_choice("no idea") == 0.5
     assert parse_choice("<think>Image 2 is blurry</think><answer>Image 1 is better</answer>") == 1.0
     assert parse_choice("Image 2 is better than Image 1") == 0.0
+    assert parse_choice("Image 1 is blurry.") == 0.5  # naming an image outside an answer is not choosing it
+    assert parse_choice("<answer>Image 2</answer>") == 0.0
 
 
 class _Server:

@@ -25,8 +25,11 @@ def _model(args):
     """
     from .models import FlowModel, resolve_device
 
-    model = FlowModel(resolve_path(args.model), resolve_device(args.device),
-                      max_sequence_length=args.max_sequence_length, resolution=args.resolution)
+    device = resolve_device(args.device)
+    if args.shift is None:  # the model's own schedule (SD3.5: 3, the tiny model: 1)
+        args.shift = FlowModel.scheduler_shift(resolve_path(args.model))
+    model = FlowModel(resolve_path(args.model), device, max_sequence_length=args.max_sequence_length,
+                      resolution=args.resolution)
     if args.lora:
         model.load_lora(args.lora)
     return model
@@ -149,7 +152,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resolution", type=_at_least(1), default=None, help="image side in px (default: the model's)")
     p.add_argument("--num-steps", type=_at_least(1), default=20, help="Euler ODE steps")
     p.add_argument("--guidance-scale", type=float, default=4.5)
-    p.add_argument("--shift", type=_at_least(0, float, strict=True), default=1.0, help="sigma-schedule shift")
+    p.add_argument("--shift", type=_at_least(0, float, strict=True), default=None,
+                   help="sigma-schedule shift (default: the model scheduler's)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", type=_device, default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast")

@@ -128,7 +128,7 @@ class SamplingConfig:
     guidance_scale: float = 4.5  # classifier-free guidance w (1 = off)
     kernel: str = "flow_sde"  # samplers.KERNELS stochastic kernel: flow_sde | dance_sde | cps
     noise_level: float = 0.7  # Flow-GRPO's a (or DanceGRPO's eta)
-    shift: float = 1.0  # timestep shift of the sigma schedule
+    shift: float | None = None  # timestep shift of the sigma schedule (None: the model scheduler's, 3 for SD3.5, 1 tiny)
     group_size: int = 8  # G images per prompt
     prompts_per_iteration: int = 8  # per process (accelerate launch: each process draws its own prompts)
     shared_noise: bool = False  # one initial noise per group
@@ -177,7 +177,7 @@ class SamplingConfig:
                self.noise_level)
         _check(not (self.kernel == "cps" and self.train_last_step), "sampling.train_last_step",
                "false with kernel 'cps' (its last step lands on t = 0 with std 0: no log-prob)", self.train_last_step)
-        _check(self.shift > 0, "sampling.shift", "> 0", self.shift)
+        _check(self.shift is None or self.shift > 0, "sampling.shift", "> 0 or null", self.shift)
         _check(self.batch_size >= 1, "sampling.batch_size", ">= 1", self.batch_size)
         _check(self.prompts_per_iteration >= 1, "sampling.prompts_per_iteration", ">= 1", self.prompts_per_iteration)
 
@@ -199,6 +199,8 @@ class NFTConfig:
     old_decay: float = 0.0  # soft update of the sampling policy, theta_old <- d theta_old + (1 - d) theta (0: it follows theta)
     min_time: float = 0.0  # noised copies only at grid times t >= min_time (1 = noise): weight training towards layout
     guidance_scale: float | None = None  # CFG of the trained velocity (None: sampling.guidance_scale); 1 with guided sampling trains the conditional velocity off-policy
+    keep_flat_groups: bool = False  # also train groups without reward variance, at r = 1/2 (the published code's); False drops them
+    decay_ramp: float = 0.0  # > 0: the soft update's decay is min(decay_ramp * optimizer steps so far, old_decay) (the published code's 0.001)
 
     def __post_init__(self):
         _check(self.beta > 0, "train.nft.beta", "> 0", self.beta)
@@ -207,6 +209,7 @@ class NFTConfig:
         _check(0 <= self.min_time < 1, "train.nft.min_time", "in [0, 1)", self.min_time)
         _check(self.guidance_scale is None or self.guidance_scale >= 1, "train.nft.guidance_scale", ">= 1 or null",
                self.guidance_scale)
+        _check(self.decay_ramp >= 0, "train.nft.decay_ramp", ">= 0", self.decay_ramp)
 
 
 @dataclass
@@ -230,7 +233,7 @@ class TrainConfig:
     timestep_fraction: float = 1.0  # DanceGRPO: train a random fraction of each sample's trained steps
     ratio_norm: bool = False  # GRPO-Guard RatioNorm of the log-ratio
     step_weighting: str = "none"  # none | guard (GRPO-Guard gradient reweighting) | noise_aware (TempFlow-GRPO)
-    kl_type: str = "mean"  # mean (Flow-GRPO's latent-mean KL) | velocity (squared velocity difference)
+    kl_type: str = "mean"  # mean (exact KL of the Gaussian steps) | flow_grpo (Flow-GRPO's code: that times |dt|) | velocity (squared velocity difference)
     reward_aggregation: str = "reward"  # several rewards: z-score their weighted sum (reward) | sum their z-scores (advantage)
     best_of_n: int = 0  # train only the best and worst best_of_n / 2 samples of each group (0 = all)
     step_grad_norms: str = "velocity"  # per-step gradient-norm diagnostic: none | velocity (free) | params (1 backward per step)
@@ -257,7 +260,8 @@ class TrainConfig:
         _check(self.reward_aggregation in ("reward", "advantage"), "train.reward_aggregation", "reward|advantage",
                self.reward_aggregation)
         _check(self.best_of_n == 0 or self.best_of_n >= 2, "train.best_of_n", "0 or >= 2", self.best_of_n)
-        _check(self.kl_type in ("mean", "velocity"), "train.kl_type", "mean|velocity", self.kl_type)
+        _check(self.kl_type in ("mean", "flow_grpo", "velocity"), "train.kl_type", "mean|flow_grpo|velocity",
+               self.kl_type)
         _check(self.step_grad_norms in ("none", "velocity", "params"), "train.step_grad_norms", "none|velocity|params",
                self.step_grad_norms)
         _check(0 < self.timestep_fraction <= 1, "train.timestep_fraction", "in (0, 1]", self.timestep_fraction)
@@ -334,6 +338,8 @@ class Config:
                                     ("sampling.shared_noise", s.shared_noise, False),
                                     ("train.kl_beta", self.train.kl_beta, 0.0)):
                 _check(value == off, key, f"{off!r} with train.method 'nft' (it trains on final samples)", value)
+            _check(not (self.train.nft.keep_flat_groups and self.train.best_of_n), "train.nft.keep_flat_groups",
+                   "false with train.best_of_n (which drops samples)", self.train.nft.keep_flat_groups)
 
 
 def _load_yaml(path: Path, chain: tuple[Path, ...] = ()):

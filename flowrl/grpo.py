@@ -229,12 +229,16 @@ class GRPOMixin:
     def _kl_to_reference(self, velocity, sub, v: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
         """The KL penalty (scalar, before ``train.kl_beta``) of the policy's velocity `v` / step mean `mean` at
         transitions `sub` to the LoRA-disabled base's (``train.kl_type``: ``velocity`` -> :func:`losses.velocity_kl`,
-        else the Gaussian steps' :func:`losses.kl_to_reference` at the recorded std)."""
+        else the Gaussian steps' :func:`losses.kl_to_reference` at the recorded std; ``flow_grpo``: at the std per
+        unit time, Flow-GRPO's code's KL)."""
         with torch.no_grad(), self.model.reference(), self._autocast():
             v_ref = velocity(sub.state, sub.sigma, sub.cond)
         if self.cfg.train.kl_type == "velocity":
             return velocity_kl(v, v_ref)
-        return kl_to_reference(mean, recompute_log_prob(sub, v_ref)[1], sub.std)
+        std = sub.std  # flow_grpo: the SDE's sigma_t, as Flow-GRPO's code (its KL is the exact one times |dt|)
+        if self.cfg.train.kl_type == "flow_grpo":
+            std = std / (sub.sigma - sub.sigma_next).abs().sqrt()
+        return kl_to_reference(mean, recompute_log_prob(sub, v_ref)[1], std)
 
     def _param_grad_norms(self, sub, steps: list[int], log_prob: torch.Tensor, adv: torch.Tensor,
                           weights: torch.Tensor | None) -> dict[int, list[torch.Tensor]]:

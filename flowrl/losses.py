@@ -71,8 +71,12 @@ def ppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: tor
 
 
 def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """Flow-GRPO's (arXiv 2505.05470) KL between the policy's and the reference's Gaussian steps (same std):
+    """KL between the policy's and the reference's Gaussian steps of the same std (Flow-GRPO, arXiv 2505.05470):
     KL = mean_d (mean - ref_mean)^2 / (2 std^2), reduced by mean over latent dims, then over transitions.
+
+    With `std` the step's std ``sigma_t sqrt(|dt|)`` this is the exact KL of the two steps. Flow-GRPO's code
+    divides by the SDE's ``sigma_t^2`` alone, i.e. its KL is this one times ``|dt|`` (pass
+    ``std / sqrt(|dt|)``: ``train.kl_type: flow_grpo``), so its ``beta`` values are not comparable with the exact KL's.
 
     Args:
         mean, ref_mean: ``(M, C, H, W)`` step means (any float dtype; computed in float32); std: ``(M,)``

@@ -196,6 +196,27 @@ class FlowModel:
                              f"{unit} (VAE factor {factor} x patch size {cfg.get('patch_size', 2)}) from {unit} to {largest}")
         return resolution
 
+    @staticmethod
+    def scheduler_shift(path: str | Path) -> float:
+        """The sigma-schedule shift of the pipeline folder ``path``, read from ``scheduler/scheduler_config.json``
+        (no weights loaded): 3.0 for Stable Diffusion 3 / 3.5, 1.0 for the shipped tiny model.
+
+        Raises:
+            FileNotFoundError: if the folder has no scheduler config.
+            ValueError: if the scheduler shifts dynamically (its shift depends on the resolution, as FLUX's), or
+                its shift is not a positive number.
+        """
+        file = Path(path) / "scheduler" / "scheduler_config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} not found: cannot read the model's sigma-schedule shift; set it explicitly")
+        cfg = json.loads(file.read_text())
+        if cfg.get("use_dynamic_shifting"):
+            raise ValueError(f"{file} shifts dynamically (the shift depends on the resolution); set the shift explicitly")
+        shift = cfg.get("shift", 1.0)
+        if not isinstance(shift, (int, float)) or not shift > 0:
+            raise ValueError(f"{file} has shift {shift!r}; expected a number > 0")
+        return float(shift)
+
     @property
     def latent_shape(self) -> tuple[int, int, int]:
         """``(C, H, W)`` of the latents at :attr:`resolution` (``H = W = resolution / vae_scale_factor``)."""

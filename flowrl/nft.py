@@ -28,13 +28,14 @@ class NFTMixin:
         old policy (the current one, or with ``train.nft.old_decay > 0`` its soft-updated copy) and scored;
         the group-relative advantages (gathered over processes, as in GRPO) become optimality weights
         ``r = clip(A / A_max) / 2 + 1/2`` (:func:`losses.optimality_weights`). Every image of a group with
-        reward variance is noised ``train.nft.timesteps`` times, ``x_t = (1 - t) x0 + t eps`` with ``t`` drawn
+        reward variance (with ``train.nft.keep_flat_groups`` every image, a flat group's at ``r = 1/2``, as the
+        published code) is noised ``train.nft.timesteps`` times, ``x_t = (1 - t) x0 + t eps`` with ``t`` drawn
         uniformly from the sampler's grid times ``>= train.nft.min_time`` (0: all of them; 1 = noise), and the
         velocity at CFG ``train.nft.guidance_scale`` (by default the sampling guidance; 1: the conditional
         velocity alone, trained off-policy on guided samples) is trained on them with :func:`losses.nft_loss`:
         minibatches of ``train.minibatch_size`` rows per process (the same optimizer steps on every process,
         as :meth:`flowrl.grpo.GRPOMixin.optimize`), ``train.inner_epochs`` passes, under ``run.mixed_precision`` (no ratio needs
-        float32 here). Then ``theta_old <- d theta_old + (1 - d) theta``. Needs no log-probs and no
+        float32 here). Then ``theta_old <- d theta_old + (1 - d) theta`` (:meth:`_old_decay`). Needs no log-probs and no
         trajectories, only the final latents.
 
         Args:
@@ -70,6 +71,8 @@ class NFTMixin:
         adv, zero, adv_stats = self._group_advantages(scores, total, image_prompt, len(metas))
         mine = slice(self.accelerator.process_index * len(cond), (self.accelerator.process_index + 1) * len(cond))
         adv, keep = adv[mine], ~zero[mine]
+        if t.nft.keep_flat_groups:  # a flat group's advantages are 0: r = 1/2 pulls theta towards the old policy
+            keep = torch.ones_like(keep)
         rows = keep.nonzero().squeeze(1).repeat_interleave(t.nft.timesteps)  # (N,) noised copies of each kept image
         grid = self.sigmas[:-1]  # the sampler's own times, in (0, 1]; it starts at 1, so the filter keeps one
         grid = grid[grid >= t.nft.min_time]
@@ -84,7 +87,7 @@ class NFTMixin:
             v_old = self._chunked(trained, size)(x_t, times, c) if len(rows) else x_t
         stats = self._nft_update(trained, x_t, times, c, x_0, v_old, r, gen)
         if self.old_policy is not None:
-            self._move_towards_params(self.old_policy, t.nft.old_decay)
+            self._move_towards_params(self.old_policy, self._old_decay())
         t3 = time.time()
         metrics = self._reward_metrics(it, total, scores, metas, image_prompt, judged)
         nfe = len(cond) * cfg.sampling.num_steps * model.cfg_rows(cfg.sampling.guidance_scale)  # sampling
@@ -94,6 +97,15 @@ class NFTMixin:
                         "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2,
                         **stats})
         return metrics
+
+    def _old_decay(self) -> float:
+        """The soft update's decay in [0, 1): ``train.nft.old_decay``, or with ``train.nft.decay_ramp`` ``min(ramp *
+        optimizer steps so far, old_decay)`` (the published code ramps 0.001 per step up to 0.5 for GenEval)."""
+        nft = self.cfg.train.nft
+        if nft.decay_ramp == 0:
+            return nft.old_decay
+        state = next(iter(self.optimizer.state.values()), {})  # AdamW counts its steps (restored on resume)
+        return min(nft.decay_ramp * float(state.get("step", 0)), nft.old_decay)
 
     def _nft_update(self, velocity, x_t: torch.Tensor, times: torch.Tensor, cond: torch.Tensor, x_0: torch.Tensor,
                     v_old: torch.Tensor, r: torch.Tensor, generator: torch.Generator) -> dict[str, float]:

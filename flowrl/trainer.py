@@ -107,6 +107,11 @@ class Trainer(RolloutMixin, GRPOMixin, NFTMixin):
             FlowModel.check_resolution(resolve_path(cfg.model.path), cfg.model.resolution)
         except ValueError as e:
             raise ConfigError(f"config key 'model.resolution': {e}") from None
+        if cfg.sampling.shift is None:  # the model's own schedule; the saved config.yaml records the value
+            try:
+                cfg.sampling.shift = FlowModel.scheduler_shift(resolve_path(cfg.model.path))
+            except (ValueError, FileNotFoundError) as e:
+                raise ConfigError(f"config key 'sampling.shift': {e}") from None
         self.train_metas = self._read_prompts("train_prompts", cfg.train_prompts)
         self.eval_metas = self._read_prompts("eval.prompts", cfg.eval.prompts)
         self.rewards = WeightedSum({name: (build_reward(name, **r.options), r.weight) for name, r in cfg.rewards.items()})

@@ -110,3 +110,24 @@ def test_checkpoint_of_another_lora_rank_is_refused_not_broadcast(tmp_path):
     with pytest.raises(ValueError, match=r"'lora_A' of shape \(1, 2\), the model's is \(3, 2\).*model.lora_rank"):
         load_checkpoint(path, {"lora_A": w3}, torch.optim.AdamW([w3]))
     assert torch.equal(w3.detach(), torch.zeros(3, 2))  # nothing overwritten
+
+
+def test_shift_defaults_to_the_model_schedulers(tmp_path):
+    """`sampling.shift` / `--shift` left unset take the pipeline's scheduler shift (SD3.5: 3), which a preset pointed at
+    SD3.5 used to replace silently by 1; a dynamically shifting scheduler is refused with the file named."""
+    import json
+
+    from flowrl.models import FlowModel
+
+    from flowrl.config import REPO_ROOT
+
+    assert FlowModel.scheduler_shift(REPO_ROOT / "assets" / "tiny-sd3") == 1.0
+    (tmp_path / "scheduler").mkdir()
+    config = tmp_path / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps({"shift": 3.0, "use_dynamic_shifting": False}))
+    assert FlowModel.scheduler_shift(tmp_path) == 3.0
+    config.write_text(json.dumps({"shift": 3.0, "use_dynamic_shifting": True}))
+    with pytest.raises(ValueError, match="scheduler_config.json shifts dynamically"):
+        FlowModel.scheduler_shift(tmp_path)
+    with pytest.raises(FileNotFoundError, match="sigma-schedule shift"):
+        FlowModel.scheduler_shift(tmp_path / "nothing")

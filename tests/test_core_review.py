@@ -145,3 +145,53 @@ def test_best_of_n_ranks_by_the_aggregated_advantage_as_dancegrpo():
     adv, zero, _ = Trainer._group_advantages(fake, scores, a + b, torch.zeros(4, dtype=LONG), 1)
     assert int(adv.argmax()) == 2 and int(adv.argmin()) == 0  # z-sum order: image 2 best, image 0 worst
     assert (~zero).tolist() == [True, False, True, False]  # the total reward would keep images 3 and 0
+
+
+def test_g2rpo_sum_over_granularities_is_clipped():
+    """G2RPO sums a z-score per granularity; with 12 children and one outlier each z is 3.32 and the sum 6.63, which
+    the published code clips to adv_clip_max (flowrl used to leave it at 6.63)."""
+    from types import SimpleNamespace
+
+    from flowrl.rollouts import RolloutMixin
+
+    class _Rollout:
+        trained = torch.ones(12, dtype=torch.bool)
+
+        def __len__(self):
+            return 12
+
+    children = torch.arange(12)
+    pr = SimpleNamespace(rollout=_Rollout(), step=torch.zeros(24, dtype=LONG), root=torch.zeros(24, dtype=LONG),
+                         node=children.repeat(2), granularity=torch.tensor([1] * 12 + [2] * 12))
+    probe = SimpleNamespace(method="g2rpo", adv_group="prompt", balance=True)
+    fake = SimpleNamespace(cfg=SimpleNamespace(sampling=SimpleNamespace(probe=probe),
+                                               train=SimpleNamespace(adv_clip_max=5.0)), device="cpu")
+    rewards = torch.tensor(([1.0] + [0.0] * 11) * 2)
+    adv, keep, _ = RolloutMixin.probe_advantages(fake, pr, rewards, torch.zeros(24, dtype=LONG))
+    assert adv[0].item() == pytest.approx(5.0) and adv[1].item() == pytest.approx(-2 * (1 / 12) / (11 ** 0.5 / 12), abs=1e-3)
+    assert keep.all()
+
+
+def test_kl_type_flow_grpo_is_the_exact_kl_times_dt():
+    """`train.kl_type: flow_grpo` divides by the SDE's sigma_t^2 as Flow-GRPO's code (the recipe's beta is for that
+    KL); `mean` is the exact KL of the two Gaussian steps, 1 / |dt| times it per transition."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from flowrl.grpo import GRPOMixin
+    from samplers import StepPlan, flow_sigmas, recompute_log_prob, sample
+
+    gen = torch.Generator().manual_seed(0)
+    noise, cond = torch.randn(3, 2, 4, 4, generator=gen), torch.zeros(3, dtype=LONG)
+    ro = sample(lambda x, t, c: 0.5 * x, noise, cond, cond, flow_sigmas(4), StepPlan.sde(4), gen)
+    v = 0.7 * ro.state  # the policy's velocity at the transitions; the reference's is 0.5 x
+    mean = recompute_log_prob(ro, v)[1]
+    ref_mean = recompute_log_prob(ro, 0.5 * ro.state)[1]
+    dt = (ro.sigma - ro.sigma_next).abs()
+    per_row = (mean - ref_mean).pow(2).mean(dim=(1, 2, 3)) / (2 * ro.std ** 2)  # (M,) exact KL per transition
+    for kl_type, expected in (("mean", per_row.mean()), ("flow_grpo", (per_row * dt).mean())):
+        fake = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(kl_type=kl_type)),
+                               model=SimpleNamespace(reference=contextlib.nullcontext), _autocast=contextlib.nullcontext)
+        kl = GRPOMixin._kl_to_reference(fake, lambda x, t, c: 0.5 * x, ro, v, mean)
+        assert kl.item() == pytest.approx(expected.item(), rel=1e-5), kl_type
+    assert not torch.allclose(dt, dt[:1].expand_as(dt))  # the two differ by more than one constant

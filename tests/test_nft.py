@@ -147,3 +147,31 @@ def test_nft_trains_the_conditional_velocity_off_policy(tmp_path, random_pipelin
     assert sum(n for scale, grad, n in calls if scale == 1.0 and not grad) == kept  # the old policy's rows
     with pytest.raises(ConfigError, match=r"train\.nft\.guidance_scale"):
         load_config("configs/diffusion_nft.yaml", ["train.nft.guidance_scale=0.5"])
+
+
+def test_nft_keep_flat_groups_trains_them_at_one_half(tmp_path, random_pipeline, prompt_files, monkeypatch):
+    """Every group flat: by default nothing is trained; with ``train.nft.keep_flat_groups`` (the published code's
+    way) every image is, at r = 1/2, which pulls the policy towards the old one."""
+    rows = {}
+    for keep in (False, True):
+        trainer = Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, f"flat{keep}",
+                                      **{"train.nft.keep_flat_groups": str(keep).lower(), "train.nft.old_decay": 0.5}))
+        monkeypatch.setattr(trainer, "_group_advantages", lambda scores, total, *a: (
+            torch.zeros_like(total), torch.ones_like(total, dtype=torch.bool), {}))
+        rows[keep] = trainer.nft_step(0)["cost/trained_transitions"]
+    assert rows == {False: 0, True: 4 * 2}  # 4 images x 2 noised copies
+    with pytest.raises(ConfigError, match="train.nft.keep_flat_groups"):
+        load_config("configs/diffusion_nft.yaml", ["train.nft.keep_flat_groups=true", "train.best_of_n=2"])
+
+
+def test_nft_decay_ramp_grows_with_the_optimizer_steps():
+    """``train.nft.decay_ramp``: decay = min(ramp * optimizer steps, old_decay), as the published code's 0.001 per step."""
+    from types import SimpleNamespace
+
+    def decay(steps, ramp=0.001, old=0.5):
+        state = {} if steps is None else {"p": {"step": torch.tensor(float(steps))}}
+        fake = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(nft=SimpleNamespace(decay_ramp=ramp, old_decay=old))),
+                               optimizer=SimpleNamespace(state=state))
+        return Trainer._old_decay(fake)
+
+    assert decay(None) == 0 and decay(100) == pytest.approx(0.1) and decay(2000) == 0.5 and decay(100, ramp=0) == 0.5

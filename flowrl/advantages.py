@@ -305,7 +305,9 @@ def aggregate_advantages(per_reward: dict[str, torch.Tensor], weights: dict[str,
     """'Advantage aggregation' of several rewards (MixGRPO, arXiv 2507.21802, Sec. 4.1):
     ``A = sum_k w_k z_k`` with each reward z-scored on its own (:func:`group_advantages`), instead of
     z-scoring the weighted sum ('reward aggregation'), so a reward with a large scale cannot drown the
-    others. The sum is clipped to ``+-clip``.
+    others. The sum is clipped to ``+-clip``. The weights are used as given: MixGRPO's code divides them by
+    their sum first, so its three rewards at weight 1 are weights 1/3 here (with 1 each, advantages 3x larger
+    and more often clipped).
 
     Args:
         per_reward (`dict[str, torch.Tensor]`): name -> `(B,)` raw scores.

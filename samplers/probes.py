@@ -10,8 +10,10 @@ At each probe step ``i`` the velocity the main path already computed at ``x_i`` 
 
 and every probe is completed to ``t = 0`` with deterministic Euler on the sub-schedule
 ``sigmas[i+1], sigmas[i+2], sigmas[i+2+g], sigmas[i+2+2g], ...`` (and 0) for each granularity ``g``: G2RPO's
-multi-granularity ``t[:k+2] ++ t[k+2::g]`` (arXiv 2510.01982; 1 = the full grid; the last Euler step onto
-``t = 0`` gives the ``x0_hat`` that G2RPO decodes). ``include_start`` adds the pure-ODE completion from
+multi-granularity ``t[:k+2] ++ t[k+2::g]`` (arXiv 2510.01982; 1 = the full grid). When that sub-grid ends at
+0, the last Euler step onto ``t = 0`` gives the ``x0_hat`` that G2RPO decodes; when it does not (``(N - k -
+2) % g != 0``), flowrl evaluates its last point too and steps from it to 0, where G2RPO's code decodes the
+``x0_hat`` of the point before: one Euler step finer, one more velocity row. ``include_start`` adds the pure-ODE completion from
 ``x_T`` on ``sigmas[0], sigmas[g], ...`` (TP-GRPO's ``R_0``).
 
 All rows that sit at the same grid index -- main path, completions of every probe and granularity -- are

@@ -80,8 +80,8 @@ def initial_noise(
         group_size (`int`): samples per group, `>= 1`.
         shape (`tuple` of `int`): one latent's shape, e.g. `(C, H, W)`.
         generator (`torch.Generator`, optional): random source; `None` uses the global one.
-        shared_per_group (`bool`): if True every member of a group starts from the same noise (Flow-GRPO
-            and DanceGRPO share ``x_1`` within a group); else every sample draws its own.
+        shared_per_group (`bool`): if True every member of a group starts from the same noise (DanceGRPO and
+            MixGRPO share ``x_1`` within a group); else every sample draws its own (Flow-GRPO's default).
         device (optional): where to put the result; default the generator's device (or CPU).
 
     Returns:

@@ -16,7 +16,10 @@ with the training iteration following a schedule:
 
 Steps are indexed ``0 .. N-1``; ``last = N - 2`` is the last trainable step (the final step, which lands on
 ``t = 0``, is never trained, as in Flow-GRPO). The window is ``[l, min(l + size - 1, last)]``: it shrinks
-near the end instead of becoming empty (the published code can yield an empty window at ``l = N - 2``).
+near the end instead of becoming empty. The published code caps the window one step earlier, at ``N - 3``:
+it never trains step ``N - 2``, its windows shrink one step sooner and are empty at ``l = N - 2``, and its
+``"random"`` starts range over one step fewer (at 25 steps, start 20 of a 4-step window trains [20, 21, 22]
+there and [20 .. 23] here).
 """
 
 from __future__ import annotations
@@ -152,8 +155,10 @@ def mix_plan(sigmas: torch.Tensor, window: list[int], kernel: str = "flow_sde", 
     ``R = N - l`` steps after it, with ``l = l_end + 1`` the first step after the window (the ``l`` of
     ``n = max(1, round((N - l) * ratio))`` in the formula), are re-spaced into ``n = max(1, round(R *
     flash_ratio))`` steps solved with DPM-Solver++(2M) (:func:`samplers.kernels.dpm_solver_2m_step`);
-    Python's ``round`` rounds halves to even. The published code uses ``int((N - l_end) * ratio) - 1``
-    steps; the difference is at most one step.
+    Python's ``round`` rounds halves to even. The published code uses ``max(int((N - l_end) * ratio), 1) - 1``
+    steps: at ratio 0.4 and 25 steps one step fewer than here at every window end, at ratio 0.2 up to two
+    fewer (window ending at step 1: 3 against 5), and none at all (a partly noisy image) once ``(N - l_end) *
+    ratio < 2``, which flowrl's ``max(1, ...)`` avoids.
 
     Args:
         sigmas (`torch.Tensor` of shape `(N + 1,)`): the base schedule (:func:`samplers.flow_sigmas`).

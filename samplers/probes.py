@@ -6,7 +6,8 @@ At each probe step ``i`` the velocity the main path already computed at ``x_i`` 
 - draw ``children`` SDE children ``x'_{i,k}`` (stored, trained transitions; TempFlow-GRPO arXiv 2508.04324,
   G2RPO arXiv 2510.01982), or, with ``children = 0``,
 - take the main path's own next state ``x_{i+1}`` (TP-GRPO arXiv 2602.06422: the reward after the
-  first ``i + 1`` SDE steps),
+  first ``i + 1`` SDE steps; when only Euler steps follow, its stride-1 completion is the main path itself,
+  whose final is reused instead of being computed twice, as TP-GRPO's code reuses the main image),
 
 and every probe is completed to ``t = 0`` with deterministic Euler on the sub-schedule
 ``sigmas[i+1], sigmas[i+2], sigmas[i+2+g], sigmas[i+2+2g], ...`` (and 0) for each granularity ``g``: G2RPO's
@@ -239,6 +240,7 @@ def sample_probes(
     pool = _new_pool(x, cond)
     nfe, last = 0, no_node
     probes = set(probe_steps)
+    follows: list[tuple[int, torch.Tensor]] = []  # probes whose completion is the main path's own ODE tail
     if include_start:
         _spawn(pool, granularities, x.clone(), leaves, torch.full_like(cond, -1), torch.zeros_like(cond), no_node, 0)
     for j in range(n):
@@ -261,10 +263,21 @@ def sample_probes(
                    torch.full_like(node, j), torch.arange(children, device=device).repeat(roots), node, j + 1)
         elif j in probes:
             main_node = last if kernel in STOCHASTIC_KERNELS else no_node
-            _spawn(pool, granularities, out.prev_sample.clone(), leaves, torch.full_like(cond, j),
-                   torch.zeros_like(cond), main_node, j + 1)
+            # with only Euler steps left, the main path's own continuation is the stride-1 completion: reuse its final
+            same = 1 in granularities and all(k == "ode" for k in plan.kernels[j + 1:])
+            if same:
+                follows.append((j, main_node))
+            rest = tuple(g for g in granularities if not (same and g == 1))
+            if rest:
+                _spawn(pool, rest, out.prev_sample.clone(), leaves, torch.full_like(cond, j), torch.zeros_like(cond),
+                       main_node, j + 1)
         x = out.prev_sample
         _retire(pool, done, n)
+    for j, main_node in follows:  # the main path's final, as a probe of step j at stride 1
+        tail = _new_pool(x, cond)
+        _spawn(tail, (1,), x.clone(), leaves, torch.full_like(cond, j), torch.zeros_like(cond), main_node, n)
+        for name in done:
+            done[name].append(tail[name])
     rollout = buffer.to_rollout(x, cond, group, last, nfe)
     found = _sorted_probes(done)
     cost = dict(rollout.cost, probes=found["x"].shape[0])

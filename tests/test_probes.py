@@ -72,7 +72,11 @@ def test_tp_grpo_probes_take_the_main_sde_state():
     out = sample_probes(velocity, noise, cond, group, flow_sigmas(5, 3.0), plan, [1, 2], include_start=True,
                         generator=torch.Generator().manual_seed(3))
     assert len(out.rollout) == 2 and out.node.tolist() == [-1, 0, 1]  # R_0, then after SDE steps 1 and 2
-    torch.testing.assert_close(out.final[-1], out.rollout.final[0], rtol=1e-6, atol=1e-6)  # after the last SDE step, ODE = main
+    assert torch.equal(out.final[-1], out.rollout.final[0])  # after the last SDE step the completion IS the main path
+    assert out.cost["nfe"] == 5 + 5 + 3  # main path, R_0's completion, step 1's (step 2's is not computed again)
+    again = sample_probes(velocity, noise, cond, group, flow_sigmas(5, 3.0), plan, [1, 2], include_start=True,
+                          granularities=(1, 2), generator=torch.Generator().manual_seed(3))
+    assert again.cost["nfe"] == 5 + (5 + 3) + (3 + 2) + 2  # stride 2 of step 2 is still completed: from index 3 to 4, 0
 
 
 def test_bad_probe_arguments_are_named():

@@ -200,6 +200,7 @@ class NFTConfig:
     min_time: float = 0.0  # noised copies only at grid times t >= min_time (1 = noise): weight training towards layout
     guidance_scale: float | None = None  # CFG of the trained velocity (None: sampling.guidance_scale); 1 with guided sampling trains the conditional velocity off-policy
     keep_flat_groups: bool = False  # also train groups without reward variance, at r = 1/2 (the published code's); False drops them
+    solver: str = "euler"  # the deterministic rollout sampler: euler | dpm_solver_2m (the published code's, DPM-Solver++ 2M)
     decay_ramp: float = 0.0  # > 0: the soft update's decay is min(decay_ramp * optimizer steps so far, old_decay) (the published code's 0.001)
 
     def __post_init__(self):
@@ -210,6 +211,7 @@ class NFTConfig:
         _check(self.guidance_scale is None or self.guidance_scale >= 1, "train.nft.guidance_scale", ">= 1 or null",
                self.guidance_scale)
         _check(self.decay_ramp >= 0, "train.nft.decay_ramp", ">= 0", self.decay_ramp)
+        _check(self.solver in ("euler", "dpm_solver_2m"), "train.nft.solver", "euler|dpm_solver_2m", self.solver)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from collections import defaultdict
 
 import torch
 
-from samplers import ode_sample
+from samplers import StepPlan, sample
 
 from .losses import nft_loss, optimality_weights
 
@@ -23,7 +23,8 @@ class NFTMixin:
     def nft_step(self, it: int) -> dict[str, float]:
         """One DiffusionNFT iteration (arXiv 2509.16117, Algorithm 1): sample, score, train on the forward process.
 
-        ``sampling.group_size`` deterministic Euler samples (``sampling.num_steps`` steps, CFG at
+        ``sampling.group_size`` deterministic samples (``sampling.num_steps`` steps of Euler, or of
+        DPM-Solver++ 2M with ``train.nft.solver``, the published code's; CFG at
         ``sampling.guidance_scale``) of each of ``sampling.prompts_per_iteration`` prompts are drawn by the
         old policy (the current one, or with ``train.nft.old_decay > 0`` its soft-updated copy) and scored;
         the group-relative advantages (gathered over processes, as in GRPO) become optimality weights
@@ -58,8 +59,10 @@ class NFTMixin:
         noise = torch.randn((len(cond), *model.latent_shape), generator=gen).to(self.device)
         velocity = model.velocity_fn(table, cfg.sampling.guidance_scale)  # guided, against the empty prompt (row 0)
         sigmas, size = self.sigmas.to(self.device), cfg.sampling.batch_size
+        n = cfg.sampling.num_steps
+        plan = StepPlan.ode(n) if t.nft.solver == "euler" else StepPlan([t.nft.solver] * n, [0.0] * n, [False] * n)
         with torch.no_grad(), self._holding(self.old_policy), self._autocast():
-            x0 = ode_sample(self._chunked(velocity, size), noise, cond, sigmas)
+            x0 = sample(self._chunked(velocity, size), noise, cond, torch.zeros_like(cond), sigmas, plan).final
         images = self._decode(x0)
         t1 = time.time()
         image_prompt = (cond - 1).cpu()

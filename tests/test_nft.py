@@ -175,3 +175,22 @@ def test_nft_decay_ramp_grows_with_the_optimizer_steps():
         return Trainer._old_decay(fake)
 
     assert decay(None) == 0 and decay(100) == pytest.approx(0.1) and decay(2000) == 0.5 and decay(100, ramp=0) == 0.5
+
+
+def test_nft_solver_dpm_solver_2m_draws_other_samples(tmp_path, random_pipeline, prompt_files, monkeypatch):
+    """``train.nft.solver=dpm_solver_2m`` (the published code's sampler) replaces the Euler rollouts; the default is
+    Euler, the samples of ``samplers.ode_sample``."""
+    seen = {}
+    for solver in ("euler", "dpm_solver_2m"):
+        trainer = Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, solver, **{"train.nft.solver": solver}))
+
+        def recording(images, *args, _score=trainer.score, _solver=solver):
+            seen[_solver] = images
+            return _score(images, *args)
+
+        monkeypatch.setattr(trainer, "score", recording)
+        trainer.nft_step(0)
+    assert seen["euler"].shape == seen["dpm_solver_2m"].shape and bool(torch.isfinite(seen["dpm_solver_2m"]).all())
+    assert not torch.allclose(seen["euler"], seen["dpm_solver_2m"])
+    with pytest.raises(ConfigError, match="train.nft.solver"):
+        load_config("configs/diffusion_nft.yaml", ["train.nft.solver=heun"])

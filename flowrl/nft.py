@@ -44,7 +44,8 @@ class NFTMixin:
 
         Returns:
             `dict[str, float]`: the keys of :meth:`flowrl.trainer.Trainer.step` (``reward/*``, ``advantage/*``, ``cost/*``,
-            ``time/*``, ``policy/loss``, ``policy/grad_norm``, ``policy/optimizer_steps``); ``cost/nfe`` counts
+            ``time/*``, ``policy/loss``, ``policy/grad_norm``, ``policy/optimizer_steps``, with a soft-updated
+            sampling policy ``policy/old_decay``, the decay applied); ``cost/nfe`` counts
             the sampling rows and the old-policy rows of the loss, each twice under CFG.
 
         Raises:
@@ -90,7 +91,8 @@ class NFTMixin:
             v_old = self._chunked(trained, size)(x_t, times, c) if len(rows) else x_t
         stats = self._nft_update(trained, x_t, times, c, x_0, v_old, r, gen)
         if self.old_policy is not None:
-            self._move_towards_params(self.old_policy, self._old_decay())
+            stats["policy/old_decay"] = self._old_decay()
+            self._move_towards_params(self.old_policy, stats["policy/old_decay"])
         t3 = time.time()
         metrics = self._reward_metrics(it, total, scores, metas, image_prompt, judged)
         nfe = len(cond) * cfg.sampling.num_steps * model.cfg_rows(cfg.sampling.guidance_scale)  # sampling

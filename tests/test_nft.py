@@ -70,6 +70,7 @@ def test_nft_run_trains_and_resumes_exactly(tmp_path, random_pipeline, prompt_fi
     metrics = [json.loads(line) for line in (tmp_path / "full/metrics.jsonl").read_text().splitlines()]
     for m in metrics:  # 2 noised copies of each image of a group with variance; 3 sampling steps, CFG twice
         kept = m["cost/trained_transitions"]
+        assert m["policy/old_decay"] == 0.5
         assert kept > 0 and kept % 2 == 0 and m["policy/optimizer_steps"] == -(-kept // 4)
         assert m["cost/nfe"] == (4 * 3 + kept) * 2 and m["cost/reward_calls"] == 4
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.params.items())

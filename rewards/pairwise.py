@@ -207,7 +207,9 @@ class VLMJudge:
         api_key (`str`): sent as a bearer token (local servers ignore it).
         timeout (`float`): seconds per request. max_retries (`int`): retries per request.
         concurrency (`int`): requests in flight. max_tokens (`int`): reply length limit.
-        question (`str`): the instruction; ``{prompt}`` is replaced by the image prompt.
+        question (`str`): the instruction; ``{prompt}`` is replaced by the image prompt. The default
+            (:data:`DEFAULT_QUESTION`) is a generic one; a judge trained on its own template, such as
+            UnifiedReward-Think (its ``<answer>Image N is better</answer>`` format), should get that template.
 
     Raises:
         ValueError: `concurrency` or `max_tokens` is not an integer >= 1, or `question` has a

@@ -123,6 +123,18 @@ class PromptEmbeds:
         return PromptEmbeds(self.embeds[index], self.pooled[index])
 
 
+def _pipeline_folder(path: str | Path) -> Path:
+    """``path`` as a Path, if it is a diffusers pipeline folder (has ``model_index.json``).
+
+    Raises:
+        FileNotFoundError: naming the path, otherwise.
+    """
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        raise FileNotFoundError(f"model path {path} is not a diffusers pipeline folder (no model_index.json)")
+    return path
+
+
 class FlowModel:
     """An SD3-family text-to-image flow model (``StableDiffusion3Pipeline`` folder).
 
@@ -181,9 +193,7 @@ class FlowModel:
             FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
             ValueError: as for the constructor's ``resolution``.
         """
-        path = Path(path)
-        if not (path / "model_index.json").is_file():
-            raise FileNotFoundError(f"model path {path} is not a diffusers pipeline folder (no model_index.json)")
+        path = _pipeline_folder(path)
         vae = json.loads((path / "vae" / "config.json").read_text())
         cfg = json.loads((path / "transformer" / "config.json").read_text())
         factor = 2 ** (len(vae["block_out_channels"]) - 1)  # as StableDiffusion3Pipeline.vae_scale_factor
@@ -202,11 +212,11 @@ class FlowModel:
         (no weights loaded): 3.0 for Stable Diffusion 3 / 3.5, 1.0 for the shipped tiny model.
 
         Raises:
-            FileNotFoundError: if the folder has no scheduler config.
+            FileNotFoundError: if ``path`` is not a folder with ``model_index.json``, or has no scheduler config.
             ValueError: if the scheduler shifts dynamically (its shift depends on the resolution, as FLUX's), or
                 its shift is not a positive number.
         """
-        file = Path(path) / "scheduler" / "scheduler_config.json"
+        file = _pipeline_folder(path) / "scheduler" / "scheduler_config.json"
         if not file.is_file():
             raise FileNotFoundError(f"{file} not found: cannot read the model's sigma-schedule shift; set it explicitly")
         cfg = json.loads(file.read_text())

@@ -117,11 +117,15 @@ def test_shift_defaults_to_the_model_schedulers(tmp_path):
     SD3.5 used to replace silently by 1; a dynamically shifting scheduler is refused with the file named."""
     import json
 
+    from flowrl.config import REPO_ROOT
     from flowrl.models import FlowModel
 
-    from flowrl.config import REPO_ROOT
-
     assert FlowModel.scheduler_shift(REPO_ROOT / "assets" / "tiny-sd3") == 1.0
+    with pytest.raises(FileNotFoundError, match="no model_index.json"):  # not a pipeline: the same error as loading
+        FlowModel.scheduler_shift(tmp_path)
+    (tmp_path / "model_index.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="sigma-schedule shift"):
+        FlowModel.scheduler_shift(tmp_path)
     (tmp_path / "scheduler").mkdir()
     config = tmp_path / "scheduler" / "scheduler_config.json"
     config.write_text(json.dumps({"shift": 3.0, "use_dynamic_shifting": False}))
@@ -129,5 +133,3 @@ def test_shift_defaults_to_the_model_schedulers(tmp_path):
     config.write_text(json.dumps({"shift": 3.0, "use_dynamic_shifting": True}))
     with pytest.raises(ValueError, match="scheduler_config.json shifts dynamically"):
         FlowModel.scheduler_shift(tmp_path)
-    with pytest.raises(FileNotFoundError, match="sigma-schedule shift"):
-        FlowModel.scheduler_shift(tmp_path / "nothing")

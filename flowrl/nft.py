@@ -11,7 +11,7 @@ from collections import defaultdict
 
 import torch
 
-from samplers import StepPlan, sample
+from samplers import ode_sample
 
 from .losses import nft_loss, optimality_weights
 
@@ -60,10 +60,9 @@ class NFTMixin:
         noise = torch.randn((len(cond), *model.latent_shape), generator=gen).to(self.device)
         velocity = model.velocity_fn(table, cfg.sampling.guidance_scale)  # guided, against the empty prompt (row 0)
         sigmas, size = self.sigmas.to(self.device), cfg.sampling.batch_size
-        n = cfg.sampling.num_steps
-        plan = StepPlan.ode(n) if t.nft.solver == "euler" else StepPlan([t.nft.solver] * n, [0.0] * n, [False] * n)
+        kernel = "ode" if t.nft.solver == "euler" else t.nft.solver
         with torch.no_grad(), self._holding(self.old_policy), self._autocast():
-            x0 = sample(self._chunked(velocity, size), noise, cond, torch.zeros_like(cond), sigmas, plan).final
+            x0 = ode_sample(self._chunked(velocity, size), noise, cond, sigmas, kernel)
         images = self._decode(x0)
         t1 = time.time()
         image_prompt = (cond - 1).cpu()

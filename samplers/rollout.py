@@ -155,9 +155,16 @@ class StepPlan:
         return [k for k, kernel in enumerate(self.kernels) if kernel in STOCHASTIC_KERNELS]
 
     @classmethod
-    def ode(cls, num_steps: int) -> StepPlan:
-        """Deterministic Euler at every step, nothing trained (evaluation sampling)."""
-        return cls(["ode"] * num_steps, [0.0] * num_steps, [False] * num_steps)
+    def ode(cls, num_steps: int, kernel: str = "ode") -> StepPlan:
+        """A deterministic `kernel` at every step, nothing trained (evaluation sampling): Euler (``"ode"``) or
+        DPM-Solver++ 2M (``"dpm_solver_2m"``).
+
+        Raises:
+            ValueError: if `kernel` is stochastic (and as :class:`StepPlan` for an unknown kernel).
+        """
+        if kernel in STOCHASTIC_KERNELS:
+            raise ValueError(f"StepPlan.ode needs a deterministic kernel; got stochastic {kernel!r}")
+        return cls([kernel] * num_steps, [0.0] * num_steps, [False] * num_steps)
 
     @classmethod
     def sde(
@@ -505,23 +512,26 @@ def sample(
     return buffer.to_rollout(x, cond, group, last, nfe=plan.num_steps * batch)
 
 
-def ode_sample(velocity_fn: VelocityFn, noise: torch.Tensor, cond: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-    """Deterministic Euler sampling (``x' = x + dt v`` at every step), for evaluation.
+def ode_sample(velocity_fn: VelocityFn, noise: torch.Tensor, cond: torch.Tensor, sigmas: torch.Tensor,
+               kernel: str = "ode") -> torch.Tensor:
+    """Deterministic sampling, for evaluation: Euler (``x' = x + dt v`` at every step) or another deterministic
+    `kernel` (``"dpm_solver_2m"``, DPM-Solver++ 2M) at every step.
 
     Args:
         velocity_fn (:class:`VelocityFn`): the policy.
         noise (`torch.Tensor` of shape `(B, C, H, W)`): starting latents.
         cond (`torch.Tensor` of shape `(B,)`, long): conditioning index per sample.
         sigmas (`torch.Tensor` of shape `(N + 1,)`): strictly decreasing times in `[0, 1]`.
+        kernel (`str`): the deterministic kernel of every step (:meth:`StepPlan.ode`).
 
     Returns:
         `torch.Tensor` of shape `(B, C, H, W)`, float32: latents at ``t = sigmas[-1]``.
 
     Raises:
-        ValueError: as :func:`sample`.
+        ValueError: as :func:`sample`, or for a stochastic `kernel`.
     """
     group = torch.zeros_like(cond)
-    return sample(velocity_fn, noise, cond, group, sigmas, StepPlan.ode(sigmas.shape[0] - 1)).final
+    return sample(velocity_fn, noise, cond, group, sigmas, StepPlan.ode(sigmas.shape[0] - 1, kernel)).final
 
 
 def recompute_log_prob(transitions: Rollout, velocity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

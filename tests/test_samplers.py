@@ -361,3 +361,11 @@ def test_empty_transition_buffer_gives_a_rollout_without_transitions():
     ro = samplers.TransitionBuffer(flow_sigmas(3, 3.0), ("ode",)).to_rollout(x, cond, cond, torch.full_like(cond, -1), 6)
     assert len(ro) == 0 and ro.leaf_node.tolist() == [-1, -1] and torch.equal(ro.final, x)
     assert ro.cost == dict(nfe=6, transitions=0, trained_transitions=0)
+
+
+def test_ode_plan_takes_a_deterministic_kernel_only():
+    """StepPlan.ode / ode_sample run one deterministic kernel at every step (Euler, or DPM-Solver++ 2M for
+    DiffusionNFT's rollouts); a stochastic kernel is refused by name."""
+    assert StepPlan.ode(3, "dpm_solver_2m").kernels == ["dpm_solver_2m"] * 3
+    with pytest.raises(ValueError, match="stochastic 'flow_sde'"):
+        StepPlan.ode(3, "flow_sde")

@@ -41,13 +41,14 @@ def machine() -> str:
 
 
 def generate(model: FlowModel, prompts: list[str], seeds: list[int], num_steps: int, guidance_scale: float,
-             shift: float = 1.0, batch_size: int = 64) -> torch.Tensor:
+             shift: float | None = None, batch_size: int = 64) -> torch.Tensor:
     """Deterministic ODE (Euler) sampling: image i from ``torch.Generator().manual_seed(seeds[i])``.
 
     Args:
         model: the pipeline adapter (its LoRA, if any, is active).
         prompts: B prompts, B >= 1; seeds: B integer seeds.
-        num_steps: Euler steps; guidance_scale: CFG w; shift: sigma-schedule shift.
+        num_steps: Euler steps; guidance_scale: CFG w; shift: sigma-schedule shift, ``None``: the model
+            scheduler's (:attr:`FlowModel.shift`; 3.0 for SD3.5, 1.0 for the tiny model).
         batch_size: images per forward.
 
     Returns:
@@ -59,7 +60,7 @@ def generate(model: FlowModel, prompts: list[str], seeds: list[int], num_steps: 
     if not prompts or len(seeds) != len(prompts):
         raise ValueError(f"generate needs at least one prompt and one seed per prompt; got {len(prompts)} prompts, "
                          f"{len(seeds)} seeds")
-    sigmas = flow_sigmas(num_steps, shift).to(model.device)
+    sigmas = flow_sigmas(num_steps, model.shift if shift is None else shift).to(model.device)
     images = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
@@ -143,7 +144,7 @@ def expand_per_tag(metas: list[dict], images_per_tag: int) -> list[dict]:
 
 
 def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_steps: int = 20,
-             guidance_scale: float = 4.5, shift: float = 1.0, seed: int = 1234, batch_size: int = 64,
+             guidance_scale: float = 4.5, shift: float | None = None, seed: int = 1234, batch_size: int = 64,
              return_images: bool = False, accelerator=None) -> dict:
     """GenEval strict accuracy (arXiv 2310.11513): per-tag mean of correct images, overall mean of tags.
 
@@ -209,7 +210,7 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
 
 
 def evaluate_reward(model: FlowModel, metas: list[dict], reward, images_per_prompt: int = 1, num_steps: int = 20,
-                    guidance_scale: float = 4.5, shift: float = 1.0, seed: int = 1234, batch_size: int = 64,
+                    guidance_scale: float = 4.5, shift: float | None = None, seed: int = 1234, batch_size: int = 64,
                     accelerator=None) -> dict:
     """Mean reward of ODE samples, for prompt sets without GenEval metadata (e.g. PickScore prompts).
 

@@ -135,6 +135,20 @@ def _pipeline_folder(path: str | Path) -> Path:
     return path
 
 
+def _config_shift(cfg: dict, where: str | Path) -> float:
+    """The ``shift`` of a flow-matching scheduler config read from ``where`` (named in the errors).
+
+    Raises:
+        ValueError: if the scheduler shifts dynamically, or its shift is not a number > 0.
+    """
+    if cfg.get("use_dynamic_shifting"):
+        raise ValueError(f"{where} shifts dynamically (the shift depends on the resolution); set the shift explicitly")
+    shift = cfg.get("shift", 1.0)
+    if not isinstance(shift, (int, float)) or not shift > 0:
+        raise ValueError(f"{where} has shift {shift!r}; expected a number > 0")
+    return float(shift)
+
+
 class FlowModel:
     """An SD3-family text-to-image flow model (``StableDiffusion3Pipeline`` folder).
 
@@ -219,13 +233,17 @@ class FlowModel:
         file = _pipeline_folder(path) / "scheduler" / "scheduler_config.json"
         if not file.is_file():
             raise FileNotFoundError(f"{file} not found: cannot read the model's sigma-schedule shift; set it explicitly")
-        cfg = json.loads(file.read_text())
-        if cfg.get("use_dynamic_shifting"):
-            raise ValueError(f"{file} shifts dynamically (the shift depends on the resolution); set the shift explicitly")
-        shift = cfg.get("shift", 1.0)
-        if not isinstance(shift, (int, float)) or not shift > 0:
-            raise ValueError(f"{file} has shift {shift!r}; expected a number > 0")
-        return float(shift)
+        return _config_shift(json.loads(file.read_text()), file)
+
+    @property
+    def shift(self) -> float:
+        """The sigma-schedule shift of the loaded pipeline's scheduler (as :meth:`scheduler_shift`): the default
+        of every sampler and evaluation that is given no shift.
+
+        Raises:
+            ValueError: as :meth:`scheduler_shift`.
+        """
+        return _config_shift(dict(self.pipe.scheduler.config), Path(self.path) / "scheduler")
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:

@@ -133,3 +133,21 @@ def test_shift_defaults_to_the_model_schedulers(tmp_path):
     config.write_text(json.dumps({"shift": 3.0, "use_dynamic_shifting": True}))
     with pytest.raises(ValueError, match="scheduler_config.json shifts dynamically"):
         FlowModel.scheduler_shift(tmp_path)
+
+
+def test_library_sampling_defaults_to_the_loaded_models_shift(random_pipeline):
+    """`flowrl.evaluate.generate` (and `evaluate`, which calls it) given no shift samples with the loaded scheduler's
+    shift, as the CLI and the trainer do; it used to default to 1 whatever the model (SD3.5's is 3)."""
+    from flowrl.evaluate import generate
+    from flowrl.models import FlowModel
+
+    model = FlowModel(random_pipeline)
+    assert model.shift == 1.0
+    model.pipe.scheduler.register_to_config(shift=3.0)
+    assert model.shift == 3.0
+    args = (model, ["a photo of a red circle"], [0], 3, 2.0)
+    default, three, one = generate(*args), generate(*args, shift=3.0), generate(*args, shift=1.0)
+    assert torch.equal(default, three) and not torch.equal(default, one)
+    model.pipe.scheduler.register_to_config(use_dynamic_shifting=True)
+    with pytest.raises(ValueError, match="shifts dynamically"):
+        generate(*args)

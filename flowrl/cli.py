@@ -148,7 +148,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     """The options ``eval`` and ``sample`` share: model, LoRA, sampling and device."""
     p.add_argument("--model", default="assets/tiny-sd3", help="StableDiffusion3Pipeline folder")
     p.add_argument("--lora", default=None, help="diffusers-format LoRA folder (e.g. RUN/lora)")
-    p.add_argument("--max-sequence-length", type=_at_least(0), default=0, help="T5 tokens (0 for the tiny model)")
+    p.add_argument("--max-sequence-length", type=_at_least(0), default=None,
+                   help="T5 tokens (default: 256 for a pipeline with a T5 encoder, 0 without one, as the tiny model)")
     p.add_argument("--resolution", type=_at_least(1), default=None, help="image side in px (default: the model's)")
     p.add_argument("--num-steps", type=_at_least(1), default=20, help="Euler ODE steps")
     p.add_argument("--guidance-scale", type=float, default=4.5)

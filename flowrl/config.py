@@ -38,7 +38,7 @@ class ModelConfig:
     """``model.*``: which pipeline to load and how to train it (LoRA via peft, or the full transformer)."""
 
     path: str = "assets/tiny-sd3"  # a StableDiffusion3Pipeline folder
-    max_sequence_length: int = 0  # T5 tokens (0 for the tiny model, 256 for SD3.5)
+    max_sequence_length: Optional[int] = None  # T5 tokens (null: 256 with a T5 encoder as SD3.5, 0 without, the tiny model)
     lora_rank: int = 8  # 0 = full fine-tuning of the transformer
     lora_alpha: float = 16.0
     dtype: str = "float32"  # frozen parts: float32 | bfloat16 | float16
@@ -49,7 +49,8 @@ class ModelConfig:
         _check(self.resolution is None or self.resolution > 0, "model.resolution", "a positive number of pixels or null",
                self.resolution)
         _check(self.lora_alpha > 0, "model.lora_alpha", "> 0 (the LoRA scale is alpha / rank)", self.lora_alpha)
-        _check(self.max_sequence_length >= 0, "model.max_sequence_length", ">= 0", self.max_sequence_length)
+        _check(self.max_sequence_length is None or self.max_sequence_length >= 0, "model.max_sequence_length",
+               ">= 0 or null", self.max_sequence_length)
         _check(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", "float32|bfloat16|float16", self.dtype)
 
 

@@ -158,7 +158,8 @@ class FlowModel:
         device: torch device for every component.
         dtype: dtype of the frozen components (text encoders, VAE); the transformer is kept in float32
             on CPU and in ``dtype`` elsewhere (LoRA parameters are float32 everywhere).
-        max_sequence_length: T5 tokens; 0 for pipelines without T5 (the tiny model was trained so).
+        max_sequence_length: T5 tokens; None: :meth:`default_max_sequence_length` (256 with a T5 encoder, 0 without
+            one, as the tiny model, which was trained so).
         resolution: image side in pixels for sampling and evaluation (square images); None for the
             transformer's default (``sample_size`` latents: 64 px for the tiny model, 1024 px for SD3.5-Medium;
             Flow-GRPO trains SD3.5-Medium at 512).
@@ -170,7 +171,7 @@ class FlowModel:
     """
 
     def __init__(self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 max_sequence_length: int = 256, resolution: int | None = None):
+                 max_sequence_length: int | None = None, resolution: int | None = None):
         from diffusers import StableDiffusion3Pipeline
         from diffusers.utils import logging as diffusers_logging
         from transformers.utils import logging as transformers_logging
@@ -194,10 +195,24 @@ class FlowModel:
                 module.requires_grad_(False).eval()
         self.pipe.vae.to(memory_format=torch.channels_last)  # its convolutions run faster so, on CPU as on GPU
         self.device, self.dtype, self.path = torch.device(device), dtype, path
-        self.max_sequence_length = max_sequence_length
+        self.max_sequence_length = (self.default_max_sequence_length(path) if max_sequence_length is None
+                                    else max_sequence_length)
         self.decode_chunk = 32  # latents per VAE decode call (:meth:`decode`)
         self.lora_targets = SD3_LORA_TARGETS
         make_batch_invariant(self.transformer, self._probe)  # the ratio is exactly 1 before the first optimizer step
+
+    @staticmethod
+    def default_max_sequence_length(path: str | Path) -> int:
+        """The T5 prompt length the pipeline folder ``path`` is used with when none is given, read from its
+        ``model_index.json`` (no weights loaded): 256 (diffusers' SD3 default) if it has a T5 text encoder
+        (``text_encoder_3``), else 0: without T5, ``encode_prompt`` pads that many zero tokens, which the tiny model
+        never saw. Flow-GRPO's SD3.5 recipe sets 128 explicitly.
+
+        Raises:
+            FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
+        """
+        index = json.loads((_pipeline_folder(path) / "model_index.json").read_text())
+        return 0 if (index.get("text_encoder_3") or [None])[0] is None else 256
 
     @staticmethod
     def check_resolution(path: str | Path, resolution: int | None) -> int:

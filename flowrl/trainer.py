@@ -112,6 +112,8 @@ class Trainer(RolloutMixin, GRPOMixin, NFTMixin):
                 cfg.sampling.shift = FlowModel.scheduler_shift(resolve_path(cfg.model.path))
             except (ValueError, FileNotFoundError) as e:
                 raise ConfigError(f"config key 'sampling.shift': {e}") from None
+        if cfg.model.max_sequence_length is None:  # 256 with a T5 encoder, 0 without (the tiny model); recorded as well
+            cfg.model.max_sequence_length = FlowModel.default_max_sequence_length(resolve_path(cfg.model.path))
         self.train_metas = self._read_prompts("train_prompts", cfg.train_prompts)
         self.eval_metas = self._read_prompts("eval.prompts", cfg.eval.prompts)
         self.rewards = WeightedSum({name: (build_reward(name, **r.options), r.weight) for name, r in cfg.rewards.items()})

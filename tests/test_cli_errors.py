@@ -166,3 +166,24 @@ def test_decode_in_chunks_keeps_order_and_values(random_pipeline):
     assert chunked.shape == (5, 3, model.resolution, model.resolution)
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
     assert not torch.allclose(chunked[1:], whole[:-1], atol=1e-3)  # not shifted
+
+
+def test_t5_length_defaults_to_the_pipelines(tmp_path, random_pipeline):
+    """With no `max_sequence_length`, a pipeline without T5 (the tiny model) is encoded with 0 T5 tokens, as it was
+    trained, and one with T5 (SD3.5) with diffusers' 256; the CLI's default used to be 0 for every model (T5 dropped
+    for SD3.5) and the library's 256 for every model (256 zero tokens added for the tiny one)."""
+    import json
+
+    from flowrl.config import REPO_ROOT, load_config
+    from flowrl.models import FlowModel
+
+    assert FlowModel.default_max_sequence_length(REPO_ROOT / "assets" / "tiny-sd3") == 0
+    index = json.loads((REPO_ROOT / "assets" / "tiny-sd3" / "model_index.json").read_text())
+    (tmp_path / "model_index.json").write_text(json.dumps({**index, "text_encoder_3": ["transformers", "T5EncoderModel"]}))
+    assert FlowModel.default_max_sequence_length(tmp_path) == 256
+    model = FlowModel(random_pipeline)
+    padded = FlowModel(random_pipeline, max_sequence_length=5)  # what a length does without T5: zero tokens appended
+    tokens = model.encode(["a photo of a star"]).embeds.shape[1]
+    assert model.max_sequence_length == 0 and padded.encode(["a photo of a star"]).embeds.shape[1] == tokens + 5
+    assert load_config(REPO_ROOT / "configs" / "tiny_geneval.yaml", []).model.max_sequence_length is None
+    assert load_config(REPO_ROOT / "configs" / "sd35m_pickscore.yaml", []).model.max_sequence_length == 128

@@ -187,3 +187,24 @@ def test_t5_length_defaults_to_the_pipelines(tmp_path, random_pipeline):
     assert model.max_sequence_length == 0 and padded.encode(["a photo of a star"]).embeds.shape[1] == tokens + 5
     assert load_config(REPO_ROOT / "configs" / "tiny_geneval.yaml", []).model.max_sequence_length is None
     assert load_config(REPO_ROOT / "configs" / "sd35m_pickscore.yaml", []).model.max_sequence_length == 128
+
+
+def test_readme_python_block_runs(monkeypatch):
+    """The README's "Use from Python" block runs as written (less the LoRA of a run that does not exist here, and
+    with one image per tag instead of 64), and its outputs have the shapes it states."""
+    import re
+
+    from flowrl.config import REPO_ROOT
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme[readme.index("## Use from Python"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "images_per_tag=64" in code and "model.load_lora(" in code
+    code = code.replace("images_per_tag=64", "images_per_tag=1")
+    code = "\n".join(line for line in code.splitlines() if not line.startswith("model.load_lora("))
+    monkeypatch.chdir(REPO_ROOT)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert scope["result"]["n_images"] == 6 and set(scope["result"]["per_tag"]) == {
+        "single_object", "two_object", "counting", "colors", "position", "color_attr"}
+    assert scope["images"].shape == (4, 3, 64, 64) and 0 <= scope["images"].min() <= scope["images"].max() <= 1

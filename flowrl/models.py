@@ -378,7 +378,8 @@ class FlowModel:
 
         The chunks keep diffusers' ``Upsample2D`` on the channels-last path: from 64 images on it copies its
         input to NCHW (a workaround for an old PyTorch bug), which on the CPU made decoding 64 tiny-model
-        latents 1.4x (bf16 autocast) to 1.9x (float32) slower than two chunks of 32.
+        latents about 1.5x (bf16 autocast) and 1.6x (float32) slower than two chunks of 32
+        (``benchmarks/decode_precision_check.py --decode-chunk 64`` against ``32``).
         """
         vae = self.pipe.vae
         images = []

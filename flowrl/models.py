@@ -135,6 +135,16 @@ def _pipeline_folder(path: str | Path) -> Path:
     return path
 
 
+def _absent(index: dict, name: str) -> bool:
+    """Whether the pipeline's ``model_index.json`` (parsed: ``index``) leaves the component ``name`` out."""
+    return (index.get(name) or [None])[0] is None
+
+
+def _default_t5_length(index: dict) -> int:
+    """:meth:`FlowModel.default_max_sequence_length` of a parsed ``model_index.json``."""
+    return 0 if _absent(index, "text_encoder_3") else 256
+
+
 def _config_shift(cfg: dict, where: str | Path) -> float:
     """The ``shift`` of a flow-matching scheduler config read from ``where`` (named in the errors).
 
@@ -180,7 +190,7 @@ class FlowModel:
         self.resolution = self.check_resolution(path, resolution)  # and the folder, before the weights load
         index = json.loads((path / "model_index.json").read_text())
         kwargs = {name: None for name in ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor")
-                  if (index.get(name) or [None])[0] is None}  # optional parts the folder leaves out
+                  if _absent(index, name)}  # optional parts the folder leaves out
         diffusers_logging.disable_progress_bar()
         transformers_logging.disable_progress_bar()
         self.pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype, **kwargs).to(device)
@@ -195,8 +205,7 @@ class FlowModel:
                 module.requires_grad_(False).eval()
         self.pipe.vae.to(memory_format=torch.channels_last)  # its convolutions run faster so, on CPU as on GPU
         self.device, self.dtype, self.path = torch.device(device), dtype, path
-        self.max_sequence_length = (self.default_max_sequence_length(path) if max_sequence_length is None
-                                    else max_sequence_length)
+        self.max_sequence_length = _default_t5_length(index) if max_sequence_length is None else max_sequence_length
         self.decode_chunk = 32  # latents per VAE decode call (:meth:`decode`)
         self.lora_targets = SD3_LORA_TARGETS
         make_batch_invariant(self.transformer, self._probe)  # the ratio is exactly 1 before the first optimizer step
@@ -211,8 +220,7 @@ class FlowModel:
         Raises:
             FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
         """
-        index = json.loads((_pipeline_folder(path) / "model_index.json").read_text())
-        return 0 if (index.get("text_encoder_3") or [None])[0] is None else 256
+        return _default_t5_length(json.loads((_pipeline_folder(path) / "model_index.json").read_text()))
 
     @staticmethod
     def check_resolution(path: str | Path, resolution: int | None) -> int:

@@ -23,13 +23,13 @@ def _model(args):
         ValueError: for ``--device cuda`` without a CUDA device (before anything loads), a folder that is not a
             pipeline, a resolution the model cannot take, or a LoRA folder without weights.
     """
-    from .models import FlowModel, resolve_device
+    from .models import load_model, model_class, resolve_device
 
     device = resolve_device(args.device)
-    if args.shift is None:  # the model's own schedule (SD3.5: 3, the tiny model: 1)
-        args.shift = FlowModel.scheduler_shift(resolve_path(args.model))
-    model = FlowModel(resolve_path(args.model), device, max_sequence_length=args.max_sequence_length,
-                      resolution=args.resolution)
+    if args.shift is None:  # the model's own schedule (SD3.5: 3, the tiny model: 1, FLUX.1 at 1024 px: 3.16)
+        args.shift = model_class(resolve_path(args.model)).scheduler_shift(resolve_path(args.model), args.resolution)
+    model = load_model(resolve_path(args.model), device, max_sequence_length=args.max_sequence_length,
+                       resolution=args.resolution)
     if args.lora:
         model.load_lora(args.lora)
     return model
@@ -146,10 +146,10 @@ def _device(text: str) -> str:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     """The options ``eval`` and ``sample`` share: model, LoRA, sampling and device."""
-    p.add_argument("--model", default="assets/tiny-sd3", help="StableDiffusion3Pipeline folder")
+    p.add_argument("--model", default="assets/tiny-sd3", help="StableDiffusion3Pipeline or FluxPipeline folder")
     p.add_argument("--lora", default=None, help="diffusers-format LoRA folder (e.g. RUN/lora)")
     p.add_argument("--max-sequence-length", type=_at_least(0), default=None,
-                   help="T5 tokens (default: 256 for a pipeline with a T5 encoder, 0 without one, as the tiny model)")
+                   help="T5 tokens (default: SD3 256 with a T5 encoder, 0 without one as the tiny model; FLUX 512)")
     p.add_argument("--resolution", type=_at_least(1), default=None, help="image side in px (default: the model's)")
     p.add_argument("--num-steps", type=_at_least(1), default=20, help="Euler ODE steps")
     p.add_argument("--guidance-scale", type=float, default=4.5)

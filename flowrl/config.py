@@ -37,8 +37,8 @@ def _precision(value: Any) -> Any:
 class ModelConfig:
     """``model.*``: which pipeline to load and how to train it (LoRA via peft, or the full transformer)."""
 
-    path: str = "assets/tiny-sd3"  # a StableDiffusion3Pipeline folder
-    max_sequence_length: Optional[int] = None  # T5 tokens (null: 256 with a T5 encoder as SD3.5, 0 without, the tiny model)
+    path: str = "assets/tiny-sd3"  # a StableDiffusion3Pipeline or FluxPipeline folder
+    max_sequence_length: Optional[int] = None  # T5 tokens (null: 256 with a T5 encoder as SD3.5, 0 without, the tiny model; FLUX 512)
     lora_rank: int = 8  # 0 = full fine-tuning of the transformer
     lora_alpha: float = 16.0
     dtype: str = "float32"  # frozen parts: float32 | bfloat16 | float16

@@ -1,14 +1,16 @@
 """Model adapters: a thin layer over a diffusers pipeline loaded with ``from_pretrained``.
 
 An adapter encodes prompts, predicts velocity with classifier-free guidance, decodes latents to images
-and names its LoRA target modules. The SD3 family (SD3, SD3.5 and flowrl's shipped tiny model) is the
-first; the sampler only ever sees :meth:`FlowModel.velocity_fn`.
+and names its LoRA target modules. Two families: the SD3 family (:class:`FlowModel`: SD3, SD3.5 and
+flowrl's shipped tiny model) and FLUX.1 (:class:`FluxModel`); :func:`load_model` picks the adapter a
+pipeline folder's ``model_index.json`` names. The sampler only ever sees :meth:`FlowModel.velocity_fn`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,11 @@ import torch
 SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
 """Flow-GRPO's LoRA targets for SD3 transformers: both streams of every joint attention block."""
+
+FLUX_LORA_TARGETS = SD3_LORA_TARGETS + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
+"""LoRA targets for FLUX.1 transformers, as diffusers' FLUX LoRA training script: both streams' attention and
+feed-forward layers of the dual-stream blocks; the attention suffixes also match the single-stream blocks'
+``attn.to_q / to_k / to_v``."""
 
 MIN_ROWS = {torch.nn.Linear: (2, 16), torch.nn.Conv2d: (4, 4)}
 """For each layer type: the input rank that carries one row per sample, and the fewest rows it runs at."""
@@ -140,11 +147,6 @@ def _absent(index: dict, name: str) -> bool:
     return (index.get(name) or [None])[0] is None
 
 
-def _default_t5_length(index: dict) -> int:
-    """:meth:`FlowModel.default_max_sequence_length` of a parsed ``model_index.json``."""
-    return 0 if _absent(index, "text_encoder_3") else 256
-
-
 def _config_shift(cfg: dict, where: str | Path) -> float:
     """The ``shift`` of a flow-matching scheduler config read from ``where`` (named in the errors).
 
@@ -159,8 +161,82 @@ def _config_shift(cfg: dict, where: str | Path) -> float:
     return float(shift)
 
 
+def _dynamic_shift(cfg: dict, where: str | Path, image_tokens: int) -> float:
+    """The static shift equal to a FLUX-style scheduler config's schedule at ``image_tokens`` packed latent tokens.
+
+    A dynamic-shifting ``FlowMatchEulerDiscreteScheduler`` maps t to ``exp(mu) / (exp(mu) + 1/t - 1)`` (its exponential
+    time shift) with ``mu = calculate_shift(image_tokens, ...)`` (diffusers' FLUX pipeline, linear in the token count
+    between ``base_shift`` at ``base_image_seq_len`` and ``max_shift`` at ``max_image_seq_len``); that equals SD3's static
+    shift ``s t / (1 + (s - 1) t)`` with ``s = exp(mu)``. A config without dynamic shifting gives its own ``shift``.
+
+    Raises:
+        ValueError: naming ``where``, for a linear time shift (no static equivalent) or a shift that is not > 0.
+    """
+    if not cfg.get("use_dynamic_shifting"):
+        return _config_shift(cfg, where)
+    if cfg.get("time_shift_type", "exponential") != "exponential":
+        raise ValueError(f"{where} has time_shift_type {cfg['time_shift_type']!r}; flowrl supports 'exponential' (FLUX's)")
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    mu = calculate_shift(image_tokens, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                         cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+    return math.exp(mu)
+
+
+def _scheduler_file(path: str | Path) -> Path:
+    """``scheduler/scheduler_config.json`` of the pipeline folder ``path``.
+
+    Raises:
+        FileNotFoundError: if ``path`` is not a pipeline folder or has no scheduler config.
+    """
+    file = _pipeline_folder(path) / "scheduler" / "scheduler_config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} not found: cannot read the model's sigma-schedule shift; set it explicitly")
+    return file
+
+
+def _vae_factor(path: Path) -> int:
+    """The VAE's downsampling factor of the pipeline folder ``path`` (as the pipelines' ``vae_scale_factor``)."""
+    return 2 ** (len(json.loads((path / "vae" / "config.json").read_text())["block_out_channels"]) - 1)
+
+
+def _model_index(path: str | Path) -> dict:
+    """The parsed ``model_index.json`` of the pipeline folder ``path`` (FileNotFoundError if there is none)."""
+    return json.loads((_pipeline_folder(path) / "model_index.json").read_text())
+
+
+def model_class(path: str | Path) -> type[FlowModel]:
+    """The adapter class for the pipeline folder ``path``, from the ``_class_name`` of its ``model_index.json`` (no
+    weights loaded): :class:`FlowModel` for ``StableDiffusion3Pipeline``, :class:`FluxModel` for ``FluxPipeline``.
+    Its class methods (``check_resolution``, ``scheduler_shift``, ``default_max_sequence_length``) check a folder
+    before anything loads.
+
+    Raises:
+        FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
+        ValueError: naming the file, for any other pipeline class.
+    """
+    name = _model_index(path).get("_class_name")
+    for cls in (FlowModel, FluxModel):
+        if cls.PIPELINE == name:
+            return cls
+    raise ValueError(f"{Path(path) / 'model_index.json'} names pipeline {name!r}; flowrl adapts "
+                     f"{FlowModel.PIPELINE} (SD3, SD3.5, the tiny model) and {FluxModel.PIPELINE} (FLUX.1)")
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               max_sequence_length: int | None = None, resolution: int | None = None) -> FlowModel:
+    """Load the pipeline folder ``path`` with the adapter its ``model_index.json`` names (:func:`model_class`); the
+    arguments are :class:`FlowModel`'s.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`model_class` and the adapter's constructor.
+    """
+    return model_class(path)(path, device, dtype, max_sequence_length, resolution)
+
+
 class FlowModel:
-    """An SD3-family text-to-image flow model (``StableDiffusion3Pipeline`` folder).
+    """An SD3-family text-to-image flow model (``StableDiffusion3Pipeline`` folder); the base of every adapter
+    (:class:`FluxModel`). :func:`load_model` picks the adapter from the folder.
 
     Args:
         path: a local pipeline folder (``model_index.json`` + subfolders), e.g. ``assets/tiny-sd3`` or a
@@ -177,41 +253,50 @@ class FlowModel:
     Raises:
         FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
         ValueError: for a ``resolution`` that is not a multiple of the VAE factor times the patch size, or
-            larger than the transformer's position embedding covers.
+            larger than the transformer's position embedding covers; for a folder of another pipeline class.
     """
+
+    PIPELINE = "StableDiffusion3Pipeline"
+    """The diffusers pipeline class this adapter loads (``_class_name`` in ``model_index.json``)."""
+    OPTIONAL = ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor")
+    """Components a folder may leave out (``null`` in ``model_index.json``)."""
+    LORA_TARGETS = SD3_LORA_TARGETS
 
     def __init__(self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  max_sequence_length: int | None = None, resolution: int | None = None):
-        from diffusers import StableDiffusion3Pipeline
+        import diffusers
         from diffusers.utils import logging as diffusers_logging
         from transformers.utils import logging as transformers_logging
 
         path = Path(path)
-        self.resolution = self.check_resolution(path, resolution)  # and the folder, before the weights load
-        index = json.loads((path / "model_index.json").read_text())
-        kwargs = {name: None for name in ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor")
-                  if _absent(index, name)}  # optional parts the folder leaves out
+        index = _model_index(path)  # the folder, its pipeline class and resolution are checked before weights load
+        if index.get("_class_name") != self.PIPELINE:
+            raise ValueError(f"{path / 'model_index.json'} names pipeline {index.get('_class_name')!r}, not "
+                             f"{self.PIPELINE}: load it with flowrl.models.load_model")
+        self.resolution = self.check_resolution(path, resolution)
+        self.max_sequence_length = self._default_length(index) if max_sequence_length is None else max_sequence_length
+        self._check_length()
+        kwargs = {name: None for name in self.OPTIONAL if _absent(index, name)}  # optional parts the folder leaves out
         diffusers_logging.disable_progress_bar()
         transformers_logging.disable_progress_bar()
-        self.pipe = StableDiffusion3Pipeline.from_pretrained(path, dtype=dtype, **kwargs).to(device)
+        self.pipe = getattr(diffusers, self.PIPELINE).from_pretrained(path, dtype=dtype, **kwargs).to(device)
         self.pipe.set_progress_bar_config(disable=True)
         self.transformer = self.pipe.transformer
         train_dtype = torch.float32 if torch.device(device).type == "cpu" else dtype
         if self.transformer.dtype != train_dtype:
             self.transformer.to(train_dtype)
         self.transformer.requires_grad_(False)
-        for module in (self.pipe.vae, self.pipe.text_encoder, self.pipe.text_encoder_2, self.pipe.text_encoder_3):
-            if module is not None:
+        for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+            if (module := getattr(self.pipe, name, None)) is not None:
                 module.requires_grad_(False).eval()
         self.pipe.vae.to(memory_format=torch.channels_last)  # its convolutions run faster so, on CPU as on GPU
         self.device, self.dtype, self.path = torch.device(device), dtype, path
-        self.max_sequence_length = _default_t5_length(index) if max_sequence_length is None else max_sequence_length
         self.decode_chunk = 32  # latents per VAE decode call (:meth:`decode`)
-        self.lora_targets = SD3_LORA_TARGETS
+        self.lora_targets = self.LORA_TARGETS
         make_batch_invariant(self.transformer, self._probe)  # the ratio is exactly 1 before the first optimizer step
 
-    @staticmethod
-    def default_max_sequence_length(path: str | Path) -> int:
+    @classmethod
+    def default_max_sequence_length(cls, path: str | Path) -> int:
         """The T5 prompt length the pipeline folder ``path`` is used with when none is given, read from its
         ``model_index.json`` (no weights loaded): 256 (diffusers' SD3 default) if it has a T5 text encoder
         (``text_encoder_3``), else 0: without T5, ``encode_prompt`` pads that many zero tokens, which the tiny model
@@ -220,10 +305,20 @@ class FlowModel:
         Raises:
             FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
         """
-        return _default_t5_length(json.loads((_pipeline_folder(path) / "model_index.json").read_text()))
+        return cls._default_length(_model_index(path))
 
     @staticmethod
-    def check_resolution(path: str | Path, resolution: int | None) -> int:
+    def _default_length(index: dict) -> int:
+        """:meth:`default_max_sequence_length` of a parsed ``model_index.json``."""
+        return 0 if _absent(index, "text_encoder_3") else 256
+
+    def _check_length(self) -> None:
+        """Raise ValueError unless :attr:`max_sequence_length` is a T5 length this model takes (SD3: any >= 0)."""
+        if self.max_sequence_length < 0:
+            raise ValueError(f"max_sequence_length must be >= 0, got {self.max_sequence_length}")
+
+    @classmethod
+    def check_resolution(cls, path: str | Path, resolution: int | None) -> int:
         """The image side in pixels for the pipeline folder ``path``, read from its VAE and transformer configs
         (no weights loaded): ``resolution`` if the model can draw it, else the default.
 
@@ -232,9 +327,8 @@ class FlowModel:
             ValueError: as for the constructor's ``resolution``.
         """
         path = _pipeline_folder(path)
-        vae = json.loads((path / "vae" / "config.json").read_text())
         cfg = json.loads((path / "transformer" / "config.json").read_text())
-        factor = 2 ** (len(vae["block_out_channels"]) - 1)  # as StableDiffusion3Pipeline.vae_scale_factor
+        factor = _vae_factor(path)
         if resolution is None:
             return cfg["sample_size"] * factor
         unit = factor * cfg.get("patch_size", 2)
@@ -244,19 +338,18 @@ class FlowModel:
                              f"{unit} (VAE factor {factor} x patch size {cfg.get('patch_size', 2)}) from {unit} to {largest}")
         return resolution
 
-    @staticmethod
-    def scheduler_shift(path: str | Path) -> float:
+    @classmethod
+    def scheduler_shift(cls, path: str | Path, resolution: int | None = None) -> float:
         """The sigma-schedule shift of the pipeline folder ``path``, read from ``scheduler/scheduler_config.json``
-        (no weights loaded): 3.0 for Stable Diffusion 3 / 3.5, 1.0 for the shipped tiny model.
+        (no weights loaded): 3.0 for Stable Diffusion 3 / 3.5, 1.0 for the shipped tiny model. ``resolution``
+        matters only to :class:`FluxModel`, whose shift depends on it.
 
         Raises:
             FileNotFoundError: if ``path`` is not a folder with ``model_index.json``, or has no scheduler config.
             ValueError: if the scheduler shifts dynamically (its shift depends on the resolution, as FLUX's), or
                 its shift is not a positive number.
         """
-        file = _pipeline_folder(path) / "scheduler" / "scheduler_config.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"{file} not found: cannot read the model's sigma-schedule shift; set it explicitly")
+        file = _scheduler_file(path)
         return _config_shift(json.loads(file.read_text()), file)
 
     @property
@@ -358,8 +451,7 @@ class FlowModel:
                                 pooled_projections=cond.pooled.to(dtype), timestep=t * 1000,
                                 return_dict=False)[0]
 
-    @staticmethod
-    def cfg_rows(guidance_scale: float) -> int:
+    def cfg_rows(self, guidance_scale: float) -> int:
         """Transformer rows one velocity evaluation costs per sample (the ``cost/nfe`` unit): 2 under CFG
         (conditional and unconditional, as :meth:`velocity_fn` batches them), 1 at ``guidance_scale == 1``."""
         return 2 if guidance_scale != 1.0 else 1
@@ -398,15 +490,14 @@ class FlowModel:
         return (torch.cat(images) / 2 + 0.5).clamp(0, 1)
 
     def save_lora(self, directory: str | Path) -> None:
-        """Write the LoRA in diffusers' format (``pytorch_lora_weights.safetensors``), loadable by
-        ``StableDiffusion3Pipeline.load_lora_weights(directory)``."""
-        from diffusers import StableDiffusion3Pipeline
+        """Write the LoRA in diffusers' format (``pytorch_lora_weights.safetensors``), loadable by the stock
+        pipeline's ``load_lora_weights(directory)`` (``StableDiffusion3Pipeline``, ``FluxPipeline``)."""
         from peft.utils import get_peft_model_state_dict
 
         state = get_peft_model_state_dict(self.transformer)
         metadata = self.transformer.peft_config["default"].to_dict()  # carries lora_alpha: without it alpha = rank
-        StableDiffusion3Pipeline.save_lora_weights(directory, transformer_lora_layers=state,
-                                                   transformer_lora_adapter_metadata=metadata)
+        type(self.pipe).save_lora_weights(directory, transformer_lora_layers=state,
+                                          transformer_lora_adapter_metadata=metadata)
 
     def save_pipeline(self, directory: str | Path) -> None:
         """Write the whole pipeline, with the transformer as it is now (float32 on CPU), as a diffusers
@@ -431,3 +522,130 @@ class FlowModel:
         if not (Path(directory) / "pytorch_lora_weights.safetensors").is_file():
             raise FileNotFoundError(f"LoRA folder {directory} has no pytorch_lora_weights.safetensors")
         self.pipe.load_lora_weights(str(directory))
+
+
+class FluxModel(FlowModel):
+    """A FLUX.1 text-to-image flow model (``FluxPipeline`` folder: FLUX.1-dev, FLUX.1-schnell or a small one), with
+    :class:`FlowModel`'s interface; the samplers and the trainer see no difference.
+
+    What the adapter does differently, all inside it:
+
+    - Latents stay ``(B, C, H, W)`` (``C`` the VAE's latent channels, 16 for FLUX.1) for the samplers; :meth:`velocity`
+      packs them into FLUX's tokens of 2x2 latent patches, with the pipeline's own ``_pack_latents``,
+      ``_prepare_latent_image_ids`` and ``_unpack_latents``, and unpacks the prediction.
+    - Guidance: a guidance-distilled transformer (``guidance_embeds``, FLUX.1-dev) takes the guidance scale as an
+      input (one forward per sample, :meth:`cfg_rows` 1, the empty prompt unused), as ``FluxPipeline(guidance_scale=)``;
+      one without it (FLUX.1-schnell) gets classifier-free guidance with the empty prompt, as SD3.
+    - Prompts: CLIP-L's pooled output and ``max_sequence_length`` T5 tokens (default 512, as ``FluxPipeline``; at least 1).
+    - Shift: FLUX's scheduler shifts dynamically, by ``exp(mu)`` with ``mu`` linear in the number of image tokens, which
+      equals SD3's static shift ``exp(mu)`` (:func:`_dynamic_shift`): 3.16 at 1024 px, 1.92 at 512 px. flowrl's sigma
+      schedule (:func:`samplers.flow_sigmas`) then spaces the steps as diffusers' SD3 scheduler does, while
+      ``FluxPipeline`` spaces ``linspace(1, 1/N, N)`` before shifting (a larger last sigma); given those sigmas (the
+      ``sigmas`` argument of ``FluxPipeline.__call__``) the two sample alike (a test checks it).
+    - Resolution: any multiple of 16 px (VAE factor 8 x the 2x2 packing; FLUX's rotary position embedding has no
+      largest size); the default is ``FluxPipeline``'s 128 latents (1024 px).
+
+    Args, Raises: as :class:`FlowModel`; ``ValueError`` also for ``max_sequence_length < 1``.
+    """
+
+    PIPELINE = "FluxPipeline"
+    OPTIONAL = ("image_encoder", "feature_extractor")
+    LORA_TARGETS = FLUX_LORA_TARGETS
+    DEFAULT_SAMPLE_SIZE = 128
+    """Latents per image side when no resolution is given (``FluxPipeline.default_sample_size``)."""
+
+    @staticmethod
+    def _default_length(index: dict) -> int:
+        return 512  # FluxPipeline's default; FLUX.1-schnell was trained with 256
+
+    def _check_length(self) -> None:
+        if self.max_sequence_length < 1:
+            raise ValueError(f"max_sequence_length must be >= 1 for FLUX (its T5 tokens condition every block), "
+                             f"got {self.max_sequence_length}")
+
+    @classmethod
+    def check_resolution(cls, path: str | Path, resolution: int | None) -> int:
+        """As :meth:`FlowModel.check_resolution`: ``resolution``, or ``DEFAULT_SAMPLE_SIZE`` latents x the VAE factor.
+
+        Raises:
+            FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
+            ValueError: for a resolution that is not a positive multiple of the VAE factor x 2.
+        """
+        path = _pipeline_folder(path)
+        factor = _vae_factor(path)
+        if resolution is None:
+            return cls.DEFAULT_SAMPLE_SIZE * factor
+        unit = factor * 2  # 2x2 latent patches per token
+        if resolution < unit or resolution % unit:
+            raise ValueError(f"resolution {resolution} px does not fit the model at {path}: expected a multiple of "
+                             f"{unit} (VAE factor {factor} x FLUX's 2x2 latent packing)")
+        return resolution
+
+    @classmethod
+    def scheduler_shift(cls, path: str | Path, resolution: int | None = None) -> float:
+        """The static shift equal to the folder's scheduler at ``resolution`` px (default: :meth:`check_resolution`'s),
+        read without loading weights (:func:`_dynamic_shift`): 3.16 for FLUX.1 at 1024 px, 1.92 at 512 px.
+
+        Raises:
+            FileNotFoundError: if ``path`` is not a pipeline folder or has no scheduler config.
+            ValueError: for a resolution the model cannot take, or a scheduler as :func:`_dynamic_shift` refuses.
+        """
+        file = _scheduler_file(path)
+        tokens = (cls.check_resolution(path, resolution) // (2 * _vae_factor(Path(path)))) ** 2
+        return _dynamic_shift(json.loads(file.read_text()), file, tokens)
+
+    @property
+    def shift(self) -> float:
+        """:meth:`scheduler_shift` of the loaded scheduler at the model's :attr:`resolution`."""
+        tokens = (self.resolution // (2 * self.pipe.vae_scale_factor)) ** 2
+        return _dynamic_shift(dict(self.pipe.scheduler.config), Path(self.path) / "scheduler", tokens)
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """``(C, H, W)`` of the unpacked latents: the VAE's latent channels, ``H = W = resolution / vae_scale_factor``."""
+        side = self.resolution // self.pipe.vae_scale_factor
+        return (self.pipe.vae.config.latent_channels, side, side)
+
+    @property
+    def guidance_embeds(self) -> bool:
+        """Whether the transformer is guidance-distilled (takes the guidance scale as an input, FLUX.1-dev)."""
+        return bool(self.transformer.config.guidance_embeds)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> PromptEmbeds:
+        """Encode prompts with ``FluxPipeline.encode_prompt``: T5 tokens ``(P, max_sequence_length, D_t5)`` and CLIP-L's
+        pooled output ``(P, D_clip)``, float32."""
+        embeds, pooled, _ = self.pipe.encode_prompt(prompts, prompts, device=self.device,
+                                                    max_sequence_length=self.max_sequence_length)
+        return PromptEmbeds(embeds.float(), pooled.float())
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None,
+                 guidance_scale: float) -> torch.Tensor:
+        """Velocity ``(N, C, H, W)`` float32 of latents ``x (N, C, H, W)`` at times ``t (N,)`` in [0, 1]: with the
+        guidance scale as the transformer's input if it is guidance-distilled (``uncond`` unused), else with
+        classifier-free guidance as :meth:`FlowModel.velocity`.
+
+        Raises:
+            ValueError: if ``guidance_scale < 1``.
+        """
+        if not self.guidance_embeds:
+            return super().velocity(x, t, cond, uncond, guidance_scale)
+        check_guidance(guidance_scale)
+        return self._forward(x, t, cond, next(self.transformer.parameters()).dtype, guidance_scale).float()
+
+    def cfg_rows(self, guidance_scale: float) -> int:
+        """Transformer rows per sample and velocity: 1 for a guidance-distilled transformer, else as SD3's."""
+        return 1 if self.guidance_embeds else super().cfg_rows(guidance_scale)
+
+    def _forward(self, x, t, cond: PromptEmbeds, dtype, guidance: float = 1.0) -> torch.Tensor:
+        n, c, h, w = x.shape
+        pipe = self.pipe
+        tokens = pipe._pack_latents(x.to(dtype), n, c, h, w)  # (N, h/2 * w/2, 4C)
+        img_ids = pipe._prepare_latent_image_ids(n, h // 2, w // 2, x.device, dtype)
+        txt_ids = torch.zeros(cond.embeds.shape[1], 3, device=x.device, dtype=dtype)
+        g = torch.full((n,), float(guidance), device=x.device) if self.guidance_embeds else None
+        out = self.transformer(hidden_states=tokens, timestep=t.to(dtype), guidance=g,
+                               pooled_projections=cond.pooled.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),
+                               txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+        factor = pipe.vae_scale_factor
+        return pipe._unpack_latents(out, h * factor, w * factor, factor)

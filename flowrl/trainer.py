@@ -30,7 +30,7 @@ from .checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, s
 from .config import Config, ConfigError, prompt_file, resolve_path, save_config
 from .evaluate import evaluate, evaluate_reward, generate
 from .grpo import GRPOMixin
-from .models import FlowModel
+from .models import load_model, model_class
 from .nft import NFTMixin
 from .plots import save_diagnostics, save_grid, save_reward_curve
 from .rollouts import RolloutMixin
@@ -103,22 +103,30 @@ class Trainer(RolloutMixin, GRPOMixin, NFTMixin):
                           f"flowrl's precision is run.mixed_precision, here {cfg.run.mixed_precision!r}; set "
                           "run.mixed_precision=bf16 for bf16 autocast", UserWarning, stacklevel=2)
         self.device = self.accelerator.device
+        model_path = resolve_path(cfg.model.path)
         try:  # before anything loads
-            FlowModel.check_resolution(resolve_path(cfg.model.path), cfg.model.resolution)
+            adapter = model_class(model_path)  # SD3 family or FLUX, from model_index.json
+        except ValueError as e:
+            raise ConfigError(f"config key 'model.path': {e}") from None
+        try:
+            adapter.check_resolution(model_path, cfg.model.resolution)
         except ValueError as e:
             raise ConfigError(f"config key 'model.resolution': {e}") from None
         if cfg.sampling.shift is None:  # the model's own schedule; the saved config.yaml records the value
             try:
-                cfg.sampling.shift = FlowModel.scheduler_shift(resolve_path(cfg.model.path))
+                cfg.sampling.shift = adapter.scheduler_shift(model_path, cfg.model.resolution)
             except (ValueError, FileNotFoundError) as e:
                 raise ConfigError(f"config key 'sampling.shift': {e}") from None
-        if cfg.model.max_sequence_length is None:  # 256 with a T5 encoder, 0 without (the tiny model); recorded as well
-            cfg.model.max_sequence_length = FlowModel.default_max_sequence_length(resolve_path(cfg.model.path))
+        if cfg.model.max_sequence_length is None:  # SD3: 256 with a T5 encoder, 0 without (the tiny model); FLUX 512
+            cfg.model.max_sequence_length = adapter.default_max_sequence_length(model_path)
         self.train_metas = self._read_prompts("train_prompts", cfg.train_prompts)
         self.eval_metas = self._read_prompts("eval.prompts", cfg.eval.prompts)
         self.rewards = WeightedSum({name: (build_reward(name, **r.options), r.weight) for name, r in cfg.rewards.items()})
-        self.model = FlowModel(resolve_path(cfg.model.path), self.device, DTYPES[cfg.model.dtype],
-                               cfg.model.max_sequence_length, cfg.model.resolution)
+        try:
+            self.model = load_model(model_path, self.device, DTYPES[cfg.model.dtype], cfg.model.max_sequence_length,
+                                    cfg.model.resolution)
+        except ValueError as e:  # a T5 length the model cannot take
+            raise ConfigError(f"config key 'model.max_sequence_length': {e}") from None
         torch.manual_seed(cfg.run.seed)  # the LoRA init: runs with one seed start from the same weights
         if cfg.model.lora_rank > 0:
             self.model.add_lora(cfg.model.lora_rank, cfg.model.lora_alpha)

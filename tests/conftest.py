@@ -1,4 +1,4 @@
-"""Shared fixtures: a seeded random tiny SD3 pipeline (built in seconds, no download) and prompts."""
+"""Shared fixtures: seeded random tiny SD3 and FLUX pipelines (built in seconds, no download) and prompts."""
 
 from __future__ import annotations
 
@@ -35,6 +35,43 @@ def build_random_pipeline(folder: Path) -> Path:
                                     text_encoder_3=None, tokenizer_3=None)
     pipe.save_pretrained(folder)
     return folder
+
+
+def build_random_flux_pipeline(folder: Path, guidance_embeds: bool = True) -> Path:
+    """Save a random-weight FluxPipeline to ``folder``: CLIP and a 1-layer T5 (both with the tiny CLIP tokenizer), a
+    VAE with factor 4 and FLUX's scaling and shift factors, a FLUX transformer of one dual- and one single-stream
+    block, and FLUX.1's dynamically shifting scheduler."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from flowrl.tiny.build import MAX_TOKENS, build_tokenizer
+
+    torch.manual_seed(0)
+    tok = build_tokenizer()
+    clip = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=MAX_TOKENS, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id))
+    t5 = T5EncoderModel(T5Config(vocab_size=len(tok), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                 relative_attention_num_buckets=8, pad_token_id=tok.pad_token_id))
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
+                        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 16, 16), layers_per_block=1,
+                        latent_channels=4, norm_num_groups=8, sample_size=32, scaling_factor=0.3611,
+                        shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
+    dit = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                                 num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                                 guidance_embeds=guidance_embeds, axes_dims_rope=(4, 6, 6))
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)
+    pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=tok, text_encoder_2=t5,
+                        tokenizer_2=tok, transformer=dit)
+    pipe.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def random_flux_pipeline(tmp_path_factory) -> Path:
+    return build_random_flux_pipeline(tmp_path_factory.mktemp("random-flux"))
 
 
 @pytest.fixture(scope="session")

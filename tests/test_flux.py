@@ -1,0 +1,124 @@
+"""The FLUX.1 adapter (`flowrl.models.FluxModel`) on random tiny FluxPipelines: it samples as the stock pipeline does,
+with distilled guidance and with classifier-free guidance, and trains through the same trainer to a LoRA that the
+stock pipeline loads."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import build_random_flux_pipeline, tiny_overrides
+from flowrl.config import ConfigError, load_config
+from flowrl.models import FlowModel, FluxModel, load_model, model_class
+from flowrl.trainer import Trainer
+from samplers.schedule import _unshift, flow_sigmas
+
+PROMPTS = ["a photo of a red star", "a photo of two circles"]
+
+
+@pytest.fixture(scope="module")
+def schnell_like(tmp_path_factory) -> Path:
+    """A FLUX pipeline whose transformer is not guidance-distilled (as FLUX.1-schnell)."""
+    return build_random_flux_pipeline(tmp_path_factory.mktemp("random-flux-cfg"), guidance_embeds=False)
+
+
+def _stock_images(folder: Path, model: FluxModel, num_steps: int, **kwargs) -> torch.Tensor:
+    """The stock FluxPipeline's images from the noise of `flowrl.evaluate.generate` (seeds 0, 1), on flowrl's sigmas."""
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(folder)
+    c, h, w = model.latent_shape
+    noise = torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
+    sigmas = _unshift(flow_sigmas(num_steps, model.shift)[:-1].double(), model.shift)  # the pipeline shifts them again
+    with torch.no_grad():
+        return pipe(PROMPTS, latents=pipe._pack_latents(noise, 2, c, h, w), sigmas=sigmas.tolist(),
+                    num_inference_steps=num_steps, height=model.resolution, width=model.resolution,
+                    max_sequence_length=model.max_sequence_length, output_type="pt", **kwargs).images
+
+
+def test_adapter_is_picked_from_model_index(random_flux_pipeline, random_pipeline, tmp_path):
+    assert model_class(random_flux_pipeline) is FluxModel and model_class(random_pipeline) is FlowModel
+    with pytest.raises(ValueError, match="not StableDiffusion3Pipeline: load it with flowrl.models.load_model"):
+        FlowModel(random_flux_pipeline)
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
+    with pytest.raises(ValueError, match="model_index.json names pipeline 'StableDiffusionXLPipeline'"):
+        model_class(tmp_path)
+
+
+def test_shift_is_the_dynamic_shift_at_the_resolution(random_flux_pipeline):
+    # FLUX.1's scheduler: mu = 1.15 at 4096 image tokens (1024 px with VAE factor 8), 0.5 at 256; factor 4 here
+    assert FluxModel.scheduler_shift(random_flux_pipeline, 512) == pytest.approx(math.exp(1.15))
+    assert FluxModel.scheduler_shift(random_flux_pipeline, 128) == pytest.approx(math.exp(0.5))
+    assert FluxModel.scheduler_shift(random_flux_pipeline) == pytest.approx(math.exp(1.15))  # default: 128 latents
+    model = load_model(random_flux_pipeline, max_sequence_length=8, resolution=32)
+    assert model.shift == FluxModel.scheduler_shift(random_flux_pipeline, 32)
+    with pytest.raises(ValueError, match="resolution 36 px .* multiple of 8"):
+        FluxModel.check_resolution(random_flux_pipeline, 36)
+    with pytest.raises(ValueError, match="max_sequence_length must be >= 1 for FLUX"):
+        load_model(random_flux_pipeline, max_sequence_length=0, resolution=32)
+
+
+def test_distilled_guidance_samples_as_the_stock_pipeline(random_flux_pipeline):
+    from flowrl.evaluate import generate
+
+    model = load_model(random_flux_pipeline, max_sequence_length=8, resolution=32)
+    assert model.cfg_rows(3.5) == 1  # the guidance scale is an input, not a second forward
+    ours = generate(model, PROMPTS, [0, 1], num_steps=4, guidance_scale=3.5)
+    stock = _stock_images(random_flux_pipeline, model, 4, guidance_scale=3.5)
+    assert ours.shape == stock.shape == (2, 3, 32, 32)
+    torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
+    other = generate(model, PROMPTS, [0, 1], num_steps=4, guidance_scale=1.0)
+    assert (other - ours).abs().max() > 1e-3  # the guidance input matters
+
+
+def test_classifier_free_guidance_samples_as_the_stock_true_cfg(schnell_like):
+    from flowrl.evaluate import generate
+
+    model = load_model(schnell_like, max_sequence_length=8, resolution=32)
+    assert model.cfg_rows(4.5) == 2 and model.cfg_rows(1.0) == 1
+    ours = generate(model, PROMPTS, [0, 1], num_steps=3, guidance_scale=4.5)
+    stock = _stock_images(schnell_like, model, 3, true_cfg_scale=4.5, negative_prompt="")
+    torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
+
+
+def test_grpo_trains_flux_and_the_lora_loads_in_stock_diffusers(tmp_path, random_flux_pipeline, prompt_files):
+    from diffusers import FluxPipeline
+
+    train, test = prompt_files
+    (tmp_path / "c.yaml").write_text("rewards:\n  jpeg_compressibility:\n    weight: 1.0\n")
+    cfg = load_config(tmp_path / "c.yaml", tiny_overrides(
+        random_flux_pipeline, train, test, tmp_path / "run", **{"run.mixed_precision": "no", "model.resolution": 32,
+                                                                "model.max_sequence_length": 8,
+                                                                "sampling.guidance_scale": 3.5}))
+    trainer = Trainer(cfg)
+    assert isinstance(trainer.model, FluxModel) and cfg.sampling.shift == trainer.model.shift
+    trainer.train()
+    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
+    assert metrics[0]["cost/nfe"] == 2 * 2 * 3  # 4 images x 3 steps, one row each (distilled guidance)
+    model = trainer.model
+    x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
+    t, emb = torch.tensor([0.5, 0.5]), model.encode(PROMPTS)
+    pipe = FluxPipeline.from_pretrained(random_flux_pipeline)
+    stock = load_model(random_flux_pipeline, max_sequence_length=8, resolution=32)
+    stock.pipe, stock.transformer = pipe, pipe.transformer  # the adapter's packing around the stock transformer
+    with torch.no_grad():
+        base = stock.velocity(x, t, emb, None, 3.5)
+        pipe.load_lora_weights(str(tmp_path / "run" / "lora"))
+        loaded = stock.velocity(x, t, emb, None, 3.5)
+        ours = model.velocity(x, t, emb, None, 3.5)
+    assert not torch.allclose(base, ours)
+    torch.testing.assert_close(loaded, ours, rtol=1e-4, atol=1e-5)
+
+
+def test_flux_config_errors_name_the_key(tmp_path, random_flux_pipeline, prompt_files):
+    train, test = prompt_files
+    over = tiny_overrides(random_flux_pipeline, train, test, tmp_path / "run", **{"model.resolution": 36})
+    with pytest.raises(ConfigError, match="'model.resolution'.*multiple of 8"):
+        Trainer(load_config(None, over))
+    over = tiny_overrides(random_flux_pipeline, train, test, tmp_path / "run", **{"model.resolution": 32,
+                                                                                  "model.max_sequence_length": 0})
+    with pytest.raises(ConfigError, match="'model.max_sequence_length'.*>= 1 for FLUX"):
+        Trainer(load_config(None, over))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import build_random_flux_pipeline, tiny_overrides
+from conftest import REPO, build_random_flux_pipeline, tiny_overrides
 from flowrl.config import ConfigError, load_config
 from flowrl.models import FlowModel, FluxModel, load_model, model_class
 from flowrl.trainer import Trainer
@@ -83,21 +83,26 @@ def test_classifier_free_guidance_samples_as_the_stock_true_cfg(schnell_like):
     torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
 
 
-def test_grpo_trains_flux_and_the_lora_loads_in_stock_diffusers(tmp_path, random_flux_pipeline, prompt_files):
+def test_dance_grpo_flux_recipe_trains_and_the_lora_loads_in_stock_diffusers(tmp_path, random_flux_pipeline,
+                                                                             prompt_files):
+    """configs/flux_dance_grpo.yaml, shrunk onto the tiny random FLUX pipeline (the reward swapped for one that needs
+    no download)."""
     from diffusers import FluxPipeline
 
     train, test = prompt_files
-    (tmp_path / "c.yaml").write_text("rewards:\n  jpeg_compressibility:\n    weight: 1.0\n")
-    cfg = load_config(tmp_path / "c.yaml", tiny_overrides(
-        random_flux_pipeline, train, test, tmp_path / "run", **{"run.mixed_precision": "no", "model.resolution": 32,
-                                                                "model.max_sequence_length": 8,
-                                                                "sampling.guidance_scale": 3.5}))
+    over = tiny_overrides(random_flux_pipeline, train, test, tmp_path / "run", **{
+        "run.mixed_precision": "no", "model.dtype": "float32", "model.resolution": 32, "model.max_sequence_length": 8,
+        "model.lora_rank": 2, "rewards.clipscore": "null", "rewards.jpeg_compressibility.weight": 1.0,
+        "sampling.group_size": 4, "sampling.batch_size": 8})
+    cfg = load_config(REPO / "configs" / "flux_dance_grpo.yaml", over)
+    assert cfg.sampling.kernel == "dance_sde" and cfg.sampling.guidance_scale == 3.5 and cfg.sampling.shift == 3.0
     trainer = Trainer(cfg)
-    assert isinstance(trainer.model, FluxModel) and cfg.sampling.shift == trainer.model.shift
+    assert isinstance(trainer.model, FluxModel)
     trainer.train()
     metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
-    assert metrics[0]["cost/nfe"] == 2 * 2 * 3  # 4 images x 3 steps, one row each (distilled guidance)
+    # one transformer row per velocity (distilled guidance): the 2 groups' shared noise once, then 8 images x 2 steps
+    assert metrics[0]["cost/nfe"] == 2 + 8 * 2
     model = trainer.model
     x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
     t, emb = torch.tensor([0.5, 0.5]), model.encode(PROMPTS)

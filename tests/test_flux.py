@@ -127,3 +127,39 @@ def test_flux_config_errors_name_the_key(tmp_path, random_flux_pipeline, prompt_
                                                                                   "model.max_sequence_length": 0})
     with pytest.raises(ConfigError, match="'model.max_sequence_length'.*>= 1 for FLUX"):
         Trainer(load_config(None, over))
+
+
+@pytest.mark.parametrize("preset", ["mix_grpo_flash", "branch_grpo_mix", "tempflow_grpo", "diffusion_nft_off_policy"])
+def test_rollout_shapes_and_nft_run_on_flux(preset, tmp_path, random_flux_pipeline, prompt_files):
+    """Windows with a DPM-Solver++ tail, trees, single-step probes and DiffusionNFT: model-agnostic, so unchanged on
+    FLUX (the presets' own shapes, shrunk as in test_presets)."""
+    cfg = load_config(REPO / "configs" / f"{preset}.yaml")
+    extra = {"run.mixed_precision": "no", "model.resolution": 32, "model.max_sequence_length": 8,
+             "sampling.guidance_scale": 3.5, "rewards.jpeg_compressibility.weight": 1.0}
+    if cfg.sampling.tree.split_steps:
+        extra.update({"sampling.num_steps": 6, "sampling.group_size": 8})
+    elif cfg.sampling.window.size:
+        extra.update({"sampling.num_steps": 5})
+    elif cfg.sampling.probe.method:
+        extra.update({"sampling.num_steps": 8})
+    train, test = prompt_files
+    over = tiny_overrides(random_flux_pipeline, train, test, tmp_path / "run", **extra)
+    result = Trainer(load_config(REPO / "configs" / f"{preset}.yaml", over)).train()
+    assert result["after"]["n_images"] > 0
+    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert all(m["cost/trained_transitions"] > 0 and m["policy/optimizer_steps"] > 0 for m in metrics)
+    if cfg.train.method == "grpo":
+        assert all(m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)
+
+
+def test_cli_samples_a_flux_folder(tmp_path, random_flux_pipeline, capsys):
+    from PIL import Image
+
+    from flowrl.cli import main
+
+    out = tmp_path / "grid.png"
+    main(["sample", "--model", str(random_flux_pipeline), "--prompt", "a photo of a star", "-n", "2", "--resolution",
+          "32", "--max-sequence-length", "8", "--num-steps", "2", "--guidance-scale", "3.5", "--device", "cpu",
+          "--out", str(out)])
+    assert "wrote 2 images" in capsys.readouterr().out
+    assert Image.open(out).size == (2 * 33 + 1, 32 + 2)  # two 32 px images in a row, 1 px padding

@@ -640,7 +640,7 @@ class FluxModel(FlowModel):
     def _forward(self, x, t, cond: PromptEmbeds, dtype, guidance: float = 1.0) -> torch.Tensor:
         n, c, h, w = x.shape
         pipe = self.pipe
-        tokens = pipe._pack_latents(x.to(dtype), n, c, h, w)  # (N, h/2 * w/2, 4C)
+        tokens = pipe._pack_latents(x.to(dtype).contiguous(), n, c, h, w)  # (N, h/2 * w/2, 4C); it views its input
         img_ids = pipe._prepare_latent_image_ids(n, h // 2, w // 2, x.device, dtype)
         txt_ids = torch.zeros(cond.embeds.shape[1], 3, device=x.device, dtype=dtype)
         g = torch.full((n,), float(guidance), device=x.device) if self.guidance_embeds else None

@@ -163,3 +163,15 @@ def test_cli_samples_a_flux_folder(tmp_path, random_flux_pipeline, capsys):
           "--out", str(out)])
     assert "wrote 2 images" in capsys.readouterr().out
     assert Image.open(out).size == (2 * 33 + 1, 32 + 2)  # two 32 px images in a row, 1 px padding
+
+
+def test_velocity_takes_any_memory_layout(random_flux_pipeline):
+    model = load_model(random_flux_pipeline, max_sequence_length=8, resolution=32)
+    emb = model.encode(PROMPTS)
+    x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([0.9, 0.4])
+    with torch.no_grad():
+        dense = model.velocity(x, t, emb, None, 3.5)
+        strided = model.velocity(x.contiguous(memory_format=torch.channels_last), t, emb, None, 3.5)
+    assert dense.shape == (2, *model.latent_shape)
+    torch.testing.assert_close(strided, dense)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from samplers import flow_sigmas, ode_sample
+from samplers import ode_sample
 
 from .models import FlowModel
 
@@ -60,7 +60,7 @@ def generate(model: FlowModel, prompts: list[str], seeds: list[int], num_steps: 
     if not prompts or len(seeds) != len(prompts):
         raise ValueError(f"generate needs at least one prompt and one seed per prompt; got {len(prompts)} prompts, "
                          f"{len(seeds)} seeds")
-    sigmas = flow_sigmas(num_steps, model.shift if shift is None else shift).to(model.device)
+    sigmas = model.sigmas(num_steps, shift).to(model.device)  # the stock pipeline's spacing (SD3 or FLUX)
     images = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from samplers import flow_sigmas
+
 SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
 """Flow-GRPO's LoRA targets for SD3 transformers: both streams of every joint attention block."""
@@ -261,6 +263,8 @@ class FlowModel:
     OPTIONAL = ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor")
     """Components a folder may leave out (``null`` in ``model_index.json``)."""
     LORA_TARGETS = SD3_LORA_TARGETS
+    SIGMA_SPACING = "sd3"
+    """How the stock pipeline spaces its steps (:func:`samplers.flow_sigmas`' ``spacing``)."""
 
     def __init__(self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  max_sequence_length: int | None = None, resolution: int | None = None):
@@ -361,6 +365,15 @@ class FlowModel:
             ValueError: as :meth:`scheduler_shift`.
         """
         return _config_shift(dict(self.pipe.scheduler.config), Path(self.path) / "scheduler")
+
+    def sigmas(self, num_steps: int, shift: float | None = None) -> torch.Tensor:
+        """The sigma schedule ``(num_steps + 1,)`` float32 (CPU) from 1 to 0 that the stock pipeline samples with
+        (:func:`samplers.flow_sigmas` with :attr:`SIGMA_SPACING`), at ``shift`` (None: :attr:`shift`).
+
+        Raises:
+            ValueError: as :func:`samplers.flow_sigmas`.
+        """
+        return flow_sigmas(num_steps, self.shift if shift is None else shift, spacing=self.SIGMA_SPACING)
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -537,11 +550,10 @@ class FluxModel(FlowModel):
       input (one forward per sample, :meth:`cfg_rows` 1, the empty prompt unused), as ``FluxPipeline(guidance_scale=)``;
       one without it (FLUX.1-schnell) gets classifier-free guidance with the empty prompt, as SD3.
     - Prompts: CLIP-L's pooled output and ``max_sequence_length`` T5 tokens (default 512, as ``FluxPipeline``; at least 1).
-    - Shift: FLUX's scheduler shifts dynamically, by ``exp(mu)`` with ``mu`` linear in the number of image tokens, which
-      equals SD3's static shift ``exp(mu)`` (:func:`_dynamic_shift`): 3.16 at 1024 px, 1.92 at 512 px. flowrl's sigma
-      schedule (:func:`samplers.flow_sigmas`) then spaces the steps as diffusers' SD3 scheduler does, while
-      ``FluxPipeline`` spaces ``linspace(1, 1/N, N)`` before shifting (a larger last sigma); given those sigmas (the
-      ``sigmas`` argument of ``FluxPipeline.__call__``) the two sample alike (a test checks it).
+    - Schedule: FLUX's scheduler shifts dynamically, by ``exp(mu)`` with ``mu`` linear in the number of image tokens,
+      which equals SD3's static shift ``exp(mu)`` (:func:`_dynamic_shift`): 3.16 at 1024 px, 1.92 at 512 px; the
+      steps are spaced as ``FluxPipeline`` spaces them (:meth:`sigmas`: ``linspace(1, 1/N, N)`` shifted, then 0), so
+      the adapter's ODE sampling gives the stock pipeline's images (a test checks it).
     - Resolution: any multiple of 16 px (VAE factor 8 x the 2x2 packing; FLUX's rotary position embedding has no
       largest size); the default is ``FluxPipeline``'s 128 latents (1024 px).
 
@@ -551,6 +563,7 @@ class FluxModel(FlowModel):
     PIPELINE = "FluxPipeline"
     OPTIONAL = ("image_encoder", "feature_extractor")
     LORA_TARGETS = FLUX_LORA_TARGETS
+    SIGMA_SPACING = "flux"
     DEFAULT_SAMPLE_SIZE = 128
     """Latents per image side when no resolution is given (``FluxPipeline.default_sample_size``)."""
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from samplers import (SlidingWindow, StepPlan, flow_sigmas, leaf_incidence, mix_plan, sample, sample_probes,
+from samplers import (SlidingWindow, StepPlan, leaf_incidence, mix_plan, sample, sample_probes,
                       sample_shared_noise, sample_tree)
 
 from .advantages import (depthwise_advantages, group_advantages, process_advantages, sum_by_node, tree_node_rewards,
@@ -30,7 +30,7 @@ class RolloutMixin:
         :func:`samplers.mix_plan`); ``self.branch``, the children per plan step of a tree (None: flat groups);
         and ``self.window``, MixGRPO's :class:`samplers.SlidingWindow` (None without ``sampling.window.size``)."""
         s = self.cfg.sampling
-        self.sigmas = flow_sigmas(s.num_steps, s.shift)
+        self.sigmas = self.model.sigmas(s.num_steps, s.shift)  # the stock pipeline's spacing (SD3 or FLUX)
         self.plan_sigmas = self.sigmas  # the schedule of self.plan (re-spaced by a tree's flash_ratio)
         self.plan = StepPlan.sde(s.num_steps, kernel=s.kernel, noise_level=s.noise_level, train_last=s.train_last_step)
         self.branch = None

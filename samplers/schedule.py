@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["flow_sigmas", "respace_tail"]
+__all__ = ["SPACINGS", "flow_sigmas", "respace_tail"]
 
 
 def _shift(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
@@ -12,30 +12,40 @@ def _shift(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 
-def flow_sigmas(num_steps: int, shift: float = 3.0, num_train_timesteps: int = 1000) -> torch.Tensor:
-    """Shifted sigma schedule ``t_0 = 1 > t_1 > ... > t_N = 0``, as diffusers builds it for SD3.
+SPACINGS = ("sd3", "flux")
+"""Step spacings of :func:`flow_sigmas`: those of diffusers' SD3 and FLUX pipelines."""
 
-    The shift is SD3's timestep shift (Esser et al., arXiv 2403.03206, "resolution-dependent shifting").
 
-    Reproduces ``FlowMatchEulerDiscreteScheduler(shift=shift).set_timesteps(num_steps)`` (static shift,
-    no dynamic shifting, no Karras/exponential/beta sigmas):
+def flow_sigmas(num_steps: int, shift: float = 3.0, num_train_timesteps: int = 1000, spacing: str = "sd3") -> torch.Tensor:
+    """Shifted sigma schedule ``t_0 = 1 > t_1 > ... > t_N = 0``, as diffusers builds it for SD3 or FLUX.
+
+    The shift is SD3's timestep shift (Esser et al., arXiv 2403.03206, "resolution-dependent shifting"),
+    ``shift(s) = shift s / (1 + (shift - 1) s)``; FLUX's dynamic shift ``exp(mu)`` is this one with ``shift = exp(mu)``.
+
+    ``spacing="sd3"`` reproduces ``FlowMatchEulerDiscreteScheduler(shift=shift).set_timesteps(num_steps)`` (static
+    shift, no dynamic shifting, no Karras/exponential/beta sigmas), the schedule of ``StableDiffusion3Pipeline``:
 
     1. ``sigma_min = shift(1 / num_train_timesteps)`` (the smallest training sigma, already shifted);
     2. ``s = linspace(1, sigma_min, num_steps)`` (diffusers spaces ``s * num_train_timesteps``);
-    3. ``sigmas = shift(s)`` with ``shift(s) = shift s / (1 + (shift - 1) s)``, then append 0.
+    3. ``sigmas = shift(s)``, then append 0.
 
     (diffusers shifts the lower end twice; we keep that so schedules match the pipelines exactly.)
+
+    ``spacing="flux"`` reproduces ``FluxPipeline``'s: ``shift(linspace(1, 1 / num_steps, num_steps))``, then 0 (a larger
+    last sigma than SD3's spacing).
 
     Args:
         num_steps (`int`): number of denoising steps ``N``, `>= 1`.
         shift (`float`): time shift, `> 0`; 3.0 for SD3 / SD3.5, 1.0 for no shift.
-        num_train_timesteps (`int`): the scheduler's training timesteps (1000 for every SD3-family model).
+        num_train_timesteps (`int`): the scheduler's training timesteps (1000 for every SD3-family model; unused by
+            the FLUX spacing).
+        spacing (`str`): one of :data:`SPACINGS`.
 
     Returns:
         `torch.Tensor` of shape `(num_steps + 1,)`, float32, on CPU, strictly decreasing from 1 to 0.
 
     Raises:
-        ValueError: if `num_steps < 1`, `shift <= 0` or `num_train_timesteps < 1`.
+        ValueError: if `num_steps < 1`, `shift <= 0`, `num_train_timesteps < 1` or `spacing` is not in SPACINGS.
     """
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1; got {num_steps}")
@@ -43,6 +53,11 @@ def flow_sigmas(num_steps: int, shift: float = 3.0, num_train_timesteps: int = 1
         raise ValueError(f"shift must be > 0; got {shift}")
     if num_train_timesteps < 1:
         raise ValueError(f"num_train_timesteps must be >= 1; got {num_train_timesteps}")
+    if spacing not in SPACINGS:
+        raise ValueError(f"spacing must be one of {SPACINGS}; got {spacing!r}")
+    if spacing == "flux":  # FluxPipeline: np.linspace(1, 1 / N, N), made float32 by the scheduler, then shifted
+        unshifted = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float64).float().double()
+        return torch.cat([_shift(unshifted, shift).float(), torch.zeros(1, dtype=torch.float32)])  # (N + 1,)
     # diffusers computes its training sigmas in float32 and keeps the smallest as sigma_min.
     smallest = torch.tensor(1.0 / num_train_timesteps, dtype=torch.float32)
     sigma_min = _shift(smallest, shift).item()

@@ -13,7 +13,6 @@ from conftest import REPO, build_random_flux_pipeline, tiny_overrides
 from flowrl.config import ConfigError, load_config
 from flowrl.models import FlowModel, FluxModel, load_model, model_class
 from flowrl.trainer import Trainer
-from samplers.schedule import _unshift, flow_sigmas
 
 PROMPTS = ["a photo of a red star", "a photo of two circles"]
 
@@ -25,17 +24,16 @@ def schnell_like(tmp_path_factory) -> Path:
 
 
 def _stock_images(folder: Path, model: FluxModel, num_steps: int, **kwargs) -> torch.Tensor:
-    """The stock FluxPipeline's images from the noise of `flowrl.evaluate.generate` (seeds 0, 1), on flowrl's sigmas."""
+    """The stock FluxPipeline's images, with its own schedule, from the noise of `flowrl.evaluate.generate` (seeds 0, 1)."""
     from diffusers import FluxPipeline
 
     pipe = FluxPipeline.from_pretrained(folder)
     c, h, w = model.latent_shape
     noise = torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
-    sigmas = _unshift(flow_sigmas(num_steps, model.shift)[:-1].double(), model.shift)  # the pipeline shifts them again
     with torch.no_grad():
-        return pipe(PROMPTS, latents=pipe._pack_latents(noise, 2, c, h, w), sigmas=sigmas.tolist(),
-                    num_inference_steps=num_steps, height=model.resolution, width=model.resolution,
-                    max_sequence_length=model.max_sequence_length, output_type="pt", **kwargs).images
+        return pipe(PROMPTS, latents=pipe._pack_latents(noise, 2, c, h, w), num_inference_steps=num_steps,
+                    height=model.resolution, width=model.resolution, max_sequence_length=model.max_sequence_length,
+                    output_type="pt", **kwargs).images
 
 
 def test_adapter_is_picked_from_model_index(random_flux_pipeline, random_pipeline, tmp_path):

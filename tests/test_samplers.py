@@ -184,6 +184,24 @@ def test_flow_sigmas_match_diffusers(num_steps, shift):
     assert torch.equal(flow_sigmas(num_steps, shift), scheduler.sigmas)
 
 
+@pytest.mark.parametrize("num_steps,mu", [(1, 0.5), (4, 0.65), (28, 1.15), (50, 0.9)])
+def test_flux_spacing_matches_diffusers_dynamic_shift(num_steps, mu):
+    """FluxPipeline's schedule: linspace(1, 1/N, N) through the scheduler's exponential shift by mu, which
+    flow_sigmas(spacing="flux") gives as the static shift exp(mu)."""
+    import math
+
+    import numpy as np
+
+    schedulers = pytest.importorskip("diffusers.schedulers.scheduling_flow_match_euler_discrete")
+    scheduler = schedulers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+    ours = flow_sigmas(num_steps, math.exp(mu), spacing="flux")
+    torch.testing.assert_close(ours, scheduler.sigmas, rtol=0, atol=1e-6)
+    assert not torch.allclose(ours, flow_sigmas(num_steps, math.exp(mu)), atol=1e-3) or num_steps == 1
+    with pytest.raises(ValueError, match="spacing must be one of"):
+        flow_sigmas(num_steps, 1.0, spacing="karras")
+
+
 # --------------------------------------------------------------------------------------------- rollout
 
 

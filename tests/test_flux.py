@@ -173,3 +173,20 @@ def test_velocity_takes_any_memory_layout(random_flux_pipeline):
         strided = model.velocity(x.contiguous(memory_format=torch.channels_last), t, emb, None, 3.5)
     assert dense.shape == (2, *model.latent_shape)
     torch.testing.assert_close(strided, dense)
+
+
+def test_full_finetuning_writes_a_flux_pipeline_that_loads_back(tmp_path, random_flux_pipeline, prompt_files):
+    train, test = prompt_files
+    (tmp_path / "c.yaml").write_text("rewards:\n  jpeg_compressibility:\n    weight: 1.0\n")
+    over = tiny_overrides(random_flux_pipeline, train, test, tmp_path / "run", **{
+        "model.lora_rank": 0, "run.iterations": 1, "run.keep_checkpoints": 1, "run.mixed_precision": "no",
+        "model.resolution": 32, "model.max_sequence_length": 8, "sampling.guidance_scale": 3.5})
+    trainer = Trainer(load_config(tmp_path / "c.yaml", over))
+    before = {n: p.detach().clone() for n, p in trainer.params.items()}
+    trainer.train()
+    reloaded = load_model(tmp_path / "run" / "pipeline", max_sequence_length=8, resolution=32)
+    assert isinstance(reloaded, FluxModel)
+    saved = reloaded.transformer.state_dict()
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.params.items())
+    for n, p in trainer.params.items():
+        torch.testing.assert_close(saved[n].float(), p.detach(), rtol=0, atol=0)

@@ -25,11 +25,16 @@ def _model(args):
     """
     from .models import load_model, model_class, resolve_device
 
-    device = resolve_device(args.device)
+    device, path = resolve_device(args.device), resolve_path(args.model)
+    adapter = model_class(path)  # SD3 family or FLUX, from model_index.json
+    if args.max_sequence_length is not None:
+        try:
+            adapter.check_max_sequence_length(args.max_sequence_length)
+        except ValueError as e:
+            raise ValueError(f"--max-sequence-length: {e}") from None
     if args.shift is None:  # the model's own schedule (SD3.5: 3, the tiny model: 1, FLUX.1 at 1024 px: 3.16)
-        args.shift = model_class(resolve_path(args.model)).scheduler_shift(resolve_path(args.model), args.resolution)
-    model = load_model(resolve_path(args.model), device, max_sequence_length=args.max_sequence_length,
-                       resolution=args.resolution)
+        args.shift = adapter.scheduler_shift(path, args.resolution)
+    model = load_model(path, device, max_sequence_length=args.max_sequence_length, resolution=args.resolution)
     if args.lora:
         model.load_lora(args.lora)
     return model

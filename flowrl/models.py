@@ -210,8 +210,8 @@ def _model_index(path: str | Path) -> dict:
 def model_class(path: str | Path) -> type[FlowModel]:
     """The adapter class for the pipeline folder ``path``, from the ``_class_name`` of its ``model_index.json`` (no
     weights loaded): :class:`FlowModel` for ``StableDiffusion3Pipeline``, :class:`FluxModel` for ``FluxPipeline``.
-    Its class methods (``check_resolution``, ``scheduler_shift``, ``default_max_sequence_length``) check a folder
-    before anything loads.
+    Its class methods (``check_resolution``, ``scheduler_shift``, ``default_max_sequence_length``,
+    ``check_max_sequence_length``) check a folder and settings before anything loads.
 
     Raises:
         FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
@@ -279,7 +279,7 @@ class FlowModel:
                              f"{self.PIPELINE}: load it with flowrl.models.load_model")
         self.resolution = self.check_resolution(path, resolution)
         self.max_sequence_length = self._default_length(index) if max_sequence_length is None else max_sequence_length
-        self._check_length()
+        self.check_max_sequence_length(self.max_sequence_length)
         kwargs = {name: None for name in self.OPTIONAL if _absent(index, name)}  # optional parts the folder leaves out
         diffusers_logging.disable_progress_bar()
         transformers_logging.disable_progress_bar()
@@ -316,10 +316,15 @@ class FlowModel:
         """:meth:`default_max_sequence_length` of a parsed ``model_index.json``."""
         return 0 if _absent(index, "text_encoder_3") else 256
 
-    def _check_length(self) -> None:
-        """Raise ValueError unless :attr:`max_sequence_length` is a T5 length this model takes (SD3: any >= 0)."""
-        if self.max_sequence_length < 0:
-            raise ValueError(f"max_sequence_length must be >= 0, got {self.max_sequence_length}")
+    @staticmethod
+    def check_max_sequence_length(length: int) -> None:
+        """Check a T5 prompt length before anything loads (SD3: any ``>= 0``; 0 without T5).
+
+        Raises:
+            ValueError: for a length this family cannot take.
+        """
+        if length < 0:
+            raise ValueError(f"max_sequence_length must be >= 0, got {length}")
 
     @classmethod
     def check_resolution(cls, path: str | Path, resolution: int | None) -> int:
@@ -571,10 +576,11 @@ class FluxModel(FlowModel):
     def _default_length(index: dict) -> int:
         return 512  # FluxPipeline's default; FLUX.1-schnell was trained with 256
 
-    def _check_length(self) -> None:
-        if self.max_sequence_length < 1:
-            raise ValueError(f"max_sequence_length must be >= 1 for FLUX (its T5 tokens condition every block), "
-                             f"got {self.max_sequence_length}")
+    @staticmethod
+    def check_max_sequence_length(length: int) -> None:
+        """Raise ValueError for a T5 prompt length below 1 (FLUX's T5 tokens condition every block)."""
+        if length < 1:
+            raise ValueError(f"max_sequence_length must be >= 1 for FLUX (its T5 tokens condition every block), got {length}")
 
     @classmethod
     def check_resolution(cls, path: str | Path, resolution: int | None) -> int:

@@ -119,14 +119,15 @@ class Trainer(RolloutMixin, GRPOMixin, NFTMixin):
                 raise ConfigError(f"config key 'sampling.shift': {e}") from None
         if cfg.model.max_sequence_length is None:  # SD3: 256 with a T5 encoder, 0 without (the tiny model); FLUX 512
             cfg.model.max_sequence_length = adapter.default_max_sequence_length(model_path)
+        try:
+            adapter.check_max_sequence_length(cfg.model.max_sequence_length)
+        except ValueError as e:
+            raise ConfigError(f"config key 'model.max_sequence_length': {e}") from None
         self.train_metas = self._read_prompts("train_prompts", cfg.train_prompts)
         self.eval_metas = self._read_prompts("eval.prompts", cfg.eval.prompts)
         self.rewards = WeightedSum({name: (build_reward(name, **r.options), r.weight) for name, r in cfg.rewards.items()})
-        try:
-            self.model = load_model(model_path, self.device, DTYPES[cfg.model.dtype], cfg.model.max_sequence_length,
-                                    cfg.model.resolution)
-        except ValueError as e:  # a T5 length the model cannot take
-            raise ConfigError(f"config key 'model.max_sequence_length': {e}") from None
+        self.model = load_model(model_path, self.device, DTYPES[cfg.model.dtype], cfg.model.max_sequence_length,
+                                cfg.model.resolution)
         torch.manual_seed(cfg.run.seed)  # the LoRA init: runs with one seed start from the same weights
         if cfg.model.lora_rank > 0:
             self.model.add_lora(cfg.model.lora_rank, cfg.model.lora_alpha)

@@ -190,3 +190,13 @@ def test_full_finetuning_writes_a_flux_pipeline_that_loads_back(tmp_path, random
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.params.items())
     for n, p in trainer.params.items():
         torch.testing.assert_close(saved[n].float(), p.detach(), rtol=0, atol=0)
+
+
+def test_cli_names_a_t5_length_flux_cannot_take(tmp_path, random_flux_pipeline, capsys):
+    from flowrl.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["sample", "--model", str(random_flux_pipeline), "--prompt", "x", "--max-sequence-length", "0",
+              "--resolution", "32", "--device", "cpu", "--out", str(tmp_path / "g.png")])
+    assert exit_.value.code == 2
+    assert "--max-sequence-length: max_sequence_length must be >= 1 for FLUX" in capsys.readouterr().err

@@ -23,7 +23,7 @@ def _model(args):
         ValueError: for ``--device cuda`` without a CUDA device (before anything loads), a folder that is not a
             pipeline, a resolution the model cannot take, or a LoRA folder without weights.
     """
-    from .models import load_model, model_class, resolve_device
+    from .models import model_class, resolve_device
 
     device, path = resolve_device(args.device), resolve_path(args.model)
     adapter = model_class(path)  # SD3 family or FLUX, from model_index.json
@@ -34,7 +34,7 @@ def _model(args):
             raise ValueError(f"--max-sequence-length: {e}") from None
     if args.shift is None:  # the model's own schedule (SD3.5: 3, the tiny model: 1, FLUX.1 at 1024 px: 3.16)
         args.shift = adapter.scheduler_shift(path, args.resolution)
-    model = load_model(path, device, max_sequence_length=args.max_sequence_length, resolution=args.resolution)
+    model = adapter(path, device, max_sequence_length=args.max_sequence_length, resolution=args.resolution)
     if args.lora:
         model.load_lora(args.lora)
     return model

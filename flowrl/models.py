@@ -296,7 +296,6 @@ class FlowModel:
         self.pipe.vae.to(memory_format=torch.channels_last)  # its convolutions run faster so, on CPU as on GPU
         self.device, self.dtype, self.path = torch.device(device), dtype, path
         self.decode_chunk = 32  # latents per VAE decode call (:meth:`decode`)
-        self.lora_targets = self.LORA_TARGETS
         make_batch_invariant(self.transformer, self._probe)  # the ratio is exactly 1 before the first optimizer step
 
     @classmethod
@@ -407,7 +406,7 @@ class FlowModel:
         from peft import LoraConfig
 
         config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian",
-                            target_modules=list(targets or self.lora_targets))
+                            target_modules=list(targets or self.LORA_TARGETS))
         self.transformer.add_adapter(config)
         make_batch_invariant(self.transformer, self._probe)  # the adapter's own per-sample layers, if any
         params = [p for p in self.transformer.parameters() if p.requires_grad]
@@ -610,14 +609,19 @@ class FluxModel(FlowModel):
             ValueError: for a resolution the model cannot take, or a scheduler as :func:`_dynamic_shift` refuses.
         """
         file = _scheduler_file(path)
-        tokens = (cls.check_resolution(path, resolution) // (2 * _vae_factor(Path(path)))) ** 2
+        tokens = cls._image_tokens(cls.check_resolution(path, resolution), _vae_factor(Path(path)))
         return _dynamic_shift(json.loads(file.read_text()), file, tokens)
 
     @property
     def shift(self) -> float:
         """:meth:`scheduler_shift` of the loaded scheduler at the model's :attr:`resolution`."""
-        tokens = (self.resolution // (2 * self.pipe.vae_scale_factor)) ** 2
+        tokens = self._image_tokens(self.resolution, self.pipe.vae_scale_factor)
         return _dynamic_shift(dict(self.pipe.scheduler.config), Path(self.path) / "scheduler", tokens)
+
+    @staticmethod
+    def _image_tokens(resolution: int, vae_factor: int) -> int:
+        """Packed image tokens of a square ``resolution`` px image: one per 2x2 latent patch."""
+        return (resolution // (2 * vae_factor)) ** 2
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:

@@ -30,7 +30,7 @@ from .checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, s
 from .config import Config, ConfigError, prompt_file, resolve_path, save_config
 from .evaluate import evaluate, evaluate_reward, generate
 from .grpo import GRPOMixin
-from .models import load_model, model_class
+from .models import model_class
 from .nft import NFTMixin
 from .plots import save_diagnostics, save_grid, save_reward_curve
 from .rollouts import RolloutMixin
@@ -126,8 +126,8 @@ class Trainer(RolloutMixin, GRPOMixin, NFTMixin):
         self.train_metas = self._read_prompts("train_prompts", cfg.train_prompts)
         self.eval_metas = self._read_prompts("eval.prompts", cfg.eval.prompts)
         self.rewards = WeightedSum({name: (build_reward(name, **r.options), r.weight) for name, r in cfg.rewards.items()})
-        self.model = load_model(model_path, self.device, DTYPES[cfg.model.dtype], cfg.model.max_sequence_length,
-                                cfg.model.resolution)
+        self.model = adapter(model_path, self.device, DTYPES[cfg.model.dtype], cfg.model.max_sequence_length,
+                             cfg.model.resolution)
         torch.manual_seed(cfg.run.seed)  # the LoRA init: runs with one seed start from the same weights
         if cfg.model.lora_rank > 0:
             self.model.add_lora(cfg.model.lora_rank, cfg.model.lora_alpha)

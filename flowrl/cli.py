@@ -51,7 +51,16 @@ def cmd_train(args) -> dict:
     if trainer.accelerator.is_main_process:
         print(f"GenEval strict accuracy on {config.eval.prompts} prompts: {b['overall']:.3f} -> {a['overall']:.3f} "
               f"in {result['wall_time_s'] / 60:.1f} min; run folder {config.run.output_dir}")
+    _end(trainer.accelerator)
     return result
+
+
+def _end(accelerator) -> None:
+    """End a command that ran under ``accelerator``: every process waits for the others, then the process group
+    (torchrun / ``accelerate launch``) is destroyed before the interpreter exits, as torch asks; a single process
+    has none and this does nothing."""
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
 
 
 def cmd_eval(args) -> dict:
@@ -75,6 +84,8 @@ def cmd_eval(args) -> dict:
     if accelerator is None or accelerator.is_main_process:
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(json.dumps({"overall": result["overall"], "per_tag": result["per_tag"]}, indent=1))
+    if accelerator is not None:
+        _end(accelerator)
     return result
 
 

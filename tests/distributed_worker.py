@@ -69,6 +69,8 @@ def main() -> None:
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump({"before": result["before"], "after": result["after"], "sharded": order.squeeze(1).tolist(),
                    "sharded_calls": calls, "num_processes": trainer.accelerator.num_processes}, f)
+    trainer.accelerator.wait_for_everyone()  # then tear the process group down together, as flowrl train does
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -107,3 +107,21 @@ def test_split_transitions_give_the_gradient_of_their_union(two_process_run):
         torch.testing.assert_close(whole, ref, rtol=1e-4, atol=tol)
         torch.testing.assert_close(split, ref, rtol=1e-4, atol=tol)
     assert any(r.abs().max() > 0 for r in reference)
+
+
+def test_flowrl_eval_under_torchrun_equals_one_process(tmp_path, random_pipeline, prompt_files):
+    """`torchrun --nproc_per_node 2 -m flowrl.cli eval` splits the images over the processes, writes the
+    single process's result once, and both processes exit cleanly (the process group torn down together)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    args = ["eval", "--model", str(random_pipeline), "--prompts", str(prompt_files[1]), "--images-per-tag", "2",
+            "--num-steps", "2", "--device", "cpu", "--no-bf16"]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "flowrl.cli", *args, "--out", str(tmp_path / "two.json")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = subprocess.run([sys.executable, "-m", "flowrl.cli", *args, "--out", str(tmp_path / "one.json")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    r2, r1 = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("two", "one"))
+    assert r2["n_images"] == r1["n_images"] == 12
+    assert r2["per_tag"] == r1["per_tag"] and r2["dense_per_tag"] == r1["dense_per_tag"]

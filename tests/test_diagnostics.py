@@ -77,3 +77,22 @@ def test_failure_mode_sorts_rendered_scenes():
     assert mode(as_tensor([]), three) == "empty"
     assert mode(as_tensor(stars[:2]), three) == "composition"  # two clean stars: a wrong count
     assert mode(as_tensor(stars[:2] + [Obj("circle", "green", 14, 48, 16)]), three) == "unread_shape"
+
+
+def test_nft_text_encoders_trains_both_text_towers(preset, tmp_path):
+    from flowrl.config import load_config
+
+    script = _script("nft_text_encoders")
+    over = [*preset[1:], "train.method=nft", "train.nft.old_decay=0.5", f"run.output_dir={tmp_path / 'te'}"]
+    trainer = script.TextEncoderTrainer(load_config(preset[0], over), text_lr=1e-2)
+    pipe = trainer.model.pipe
+    before = {n: p.detach().clone() for n, p in trainer.params.items() if n.startswith("text_encoder")}
+    assert {n.split(".")[0] for n in before} == set(script.TEXT_ENCODERS)
+    table = trainer.model.encode(["", "a photo of a star"])
+    with torch.no_grad(), trainer._holding({**trainer.params, **{n: p + 1 for n, p in before.items()}}):
+        shifted = table[torch.tensor([1])].embeds  # encoded by the weights held when indexed
+    assert not torch.equal(shifted, table[torch.tensor([1])].embeds)
+    trainer.train()
+    moved = [n for n, p in before.items() if not torch.equal(p, trainer.params[n].detach())]
+    assert any(n.startswith("text_encoder.") for n in moved) and any(n.startswith("text_encoder_2.") for n in moved)
+    assert pipe.text_encoder.text_model.embeddings.token_embedding.weight.requires_grad

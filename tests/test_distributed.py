@@ -30,10 +30,14 @@ def two_process_run(tmp_path_factory, random_pipeline, prompt_files):
     return tmp, overrides
 
 
+def _env() -> dict[str, str]:
+    """The environment of a two-process CPU run: one thread per process, gloo on the loopback only."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+
+
 def _launch(tmp: Path, overrides: list[str]) -> None:
     """Train ``tmp/c.yaml`` with ``overrides`` in two torchrun processes (see distributed_worker.py)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}  # loopback only
+    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         str(HERE / "distributed_worker.py"), str(tmp / "c.yaml"), str(tmp), *overrides],
                        capture_output=True, text=True, env=env, timeout=600)
@@ -112,7 +116,7 @@ def test_split_transitions_give_the_gradient_of_their_union(two_process_run):
 def test_flowrl_eval_under_torchrun_equals_one_process(tmp_path, random_pipeline, prompt_files):
     """`torchrun --nproc_per_node 2 -m flowrl.cli eval` splits the images over the processes, writes the
     single process's result once, and both processes exit cleanly (the process group torn down together)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    env = _env()
     args = ["eval", "--model", str(random_pipeline), "--prompts", str(prompt_files[1]), "--images-per-tag", "2",
             "--num-steps", "2", "--device", "cpu", "--no-bf16"]
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

@@ -70,7 +70,7 @@ def _median_iteration(trainer, start: int, count: int) -> dict[str, float]:
     """Medians over `count` iterations ``start, start + 1, ...`` of `trainer` of the cost and time metrics
     (``cost/nfe``, ``cost/trained_transitions``, ``cost/reward_calls``, ``time/*_s``) and of their sum
     ``time/iteration_s``; a progressive or decaying window is put at evenly spaced starts (restored after)."""
-    window = trainer.window  # a sliding window is timed at evenly spaced starts, the positions a run cycles through
+    window = getattr(trainer.method, "window", None)  # a sliding window is timed at evenly spaced starts, the positions a run cycles through
     spread = window is not None and window.schedule not in ("fixed", "random")
     state = window.state_dict() if spread else None
     rows = []
@@ -101,7 +101,7 @@ def bench_tree(trainer, repeats: int = 3) -> dict[str, float]:
     metas = trainer.sample_prompts(0)
     table = trainer.model.encode([""] + [m["prompt"] for m in metas])
     velocity = trainer.model.velocity_fn(table, s.guidance_scale)
-    ode = trainer._ode_velocity(velocity)  # built once, outside the timed calls
+    ode = trainer.method.ode_velocity(velocity)  # built once, outside the timed calls
     noise = torch.randn((len(metas), *trainer.model.latent_shape),
                         generator=torch.Generator().manual_seed(0)).to(trainer.device)  # drawn on CPU, as the trainer's
     times = {}
@@ -109,7 +109,7 @@ def bench_tree(trainer, repeats: int = 3) -> dict[str, float]:
         runs = []
         for _ in range(repeats):
             t0 = time.time()
-            trainer.tree_rollout(velocity, noise, torch.Generator().manual_seed(1), ode, batched=batched)
+            trainer.method.tree_rollout(velocity, noise, torch.Generator().manual_seed(1), ode, batched=batched)
             runs.append(time.time() - t0)
         times["batched_s" if batched else "node_by_node_s"] = statistics.median(runs)
     times["speedup"] = times["node_by_node_s"] / times["batched_s"]
@@ -117,7 +117,7 @@ def bench_tree(trainer, repeats: int = 3) -> dict[str, float]:
 
 
 def run_bench(presets=PRESETS, iterations: int = 3, warmup: int = 1, budget_s: float = 0.0, overrides=(),
-              out: str | Path = "benchmarks/results.json", preset_overrides: str | Path | None = None) -> dict:
+              out: str | Path = "runs/bench.json", preset_overrides: str | Path | None = None) -> dict:
     """Benchmark `presets` (names in configs/); see the module docstring. Returns the results dict.
 
     Overrides apply in this order: the same-images settings, `preset_overrides` (a file read by
@@ -152,7 +152,7 @@ def run_bench(presets=PRESETS, iterations: int = 3, warmup: int = 1, budget_s: f
             for i in range(warmup):
                 trainer.step(i)
             row = _median_iteration(trainer, warmup, iterations)
-            if trainer.branch is not None:
+            if getattr(trainer.method, "branch", None) is not None:
                 row["tree"] = bench_tree(trainer)
             if budget_s > 0:  # training time only: the half-way evaluation is not counted
                 it, trained = warmup + iterations, 0.0

@@ -224,3 +224,19 @@ def load_checkpoint(path: str | Path, params: dict[str, torch.Tensor], optimizer
     np.random.set_state(("MT19937", np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
     return state
+
+
+def truncate_metrics(path: str | Path, iteration: int) -> None:
+    """Cut a run's ``metrics.jsonl`` back to the rows of iterations ``<= iteration`` (a resumed run repeats the
+    rest), dropping a line torn by a crash, and replace the file atomically (absent: an empty file)."""
+    path = Path(path)
+    kept = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            if json.loads(line)["iteration"] <= iteration:
+                kept.append(line)
+        except (ValueError, KeyError):  # a line torn by a crash while it was written
+            continue
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)

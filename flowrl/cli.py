@@ -8,7 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from .config import ConfigError, load_config, prompt_file, resolve_path
+from .config import ConfigError, load_config, resolve_path
+from .data import prompt_file
 
 
 USER_ERRORS = (ConfigError, FileNotFoundError, FileExistsError, ValueError, KeyError, TypeError)
@@ -68,7 +69,7 @@ def cmd_eval(args) -> dict:
     import torch
 
     from .evaluate import evaluate
-    from .tiny.prompts import read_jsonl
+    from .data import read_jsonl
 
     metas = read_jsonl(prompt_file(args.prompts))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # before the work, not after it
@@ -215,7 +216,7 @@ def _add_bench(sub) -> None:
     b.add_argument("--iterations", type=int, default=3, help="timed iterations per preset (median)")
     b.add_argument("--warmup", type=int, default=1)
     b.add_argument("--budget-s", type=float, default=0.0, help="also train each preset this long (s) and report the eval accuracy at half and full budget")
-    b.add_argument("--out", default="benchmarks/results.json")
+    b.add_argument("--out", default="runs/bench.json")
     b.add_argument("--preset-overrides", default=None,
                    help="YAML of per-preset key=value lists ('all' for every preset), e.g. benchmarks/scale_mixgrpo.yaml")
     b.add_argument("overrides", nargs="*", help="key=value overrides for every preset")
@@ -231,7 +232,7 @@ def _add_overopt(sub) -> None:
     o.add_argument("--presets", nargs="+", default=list(PRESETS))
     o.add_argument("--iterations", type=int, default=30)
     o.add_argument("--eval-every", type=int, default=10)
-    o.add_argument("--out", default="benchmarks/overopt.json")
+    o.add_argument("--out", default="runs/overopt.json")
     o.add_argument("overrides", nargs="*", help="key=value overrides for every preset")
     o.set_defaults(fn=cmd_overopt)
 

@@ -415,13 +415,6 @@ def resolve_path(path: str | Path) -> Path:
     return path if path.exists() or path.is_absolute() else REPO_ROOT / path
 
 
-def prompt_file(name: str) -> Path:
-    """``train`` / ``test`` -> the shipped tiny-world prompt files; anything else is a path."""
-    if name in ("train", "test"):
-        return REPO_ROOT / "assets" / "prompts" / f"{name}.jsonl"
-    return resolve_path(name)
-
-
 def preset_parser(description: str, default: str = "configs/tiny_geneval.yaml"):
     """An ``argparse.ArgumentParser`` for scripts that take ``[CONFIG.yaml] [key=value ...]`` plus options.
 

@@ -34,7 +34,7 @@ def proxy_and_gold(trainer, proxy) -> dict[str, float]:
         GenEval score in [0, 1], "per_tag": {tag: strict accuracy}}``.
     """
     e, s = trainer.cfg.eval, trainer.cfg.sampling
-    with trainer.ema_weights(), trainer._autocast():
+    with trainer.policy.ema_weights(), trainer.policy.autocast():
         result = evaluate(trainer.model, trainer.eval_metas, e.images_per_tag, e.num_steps, e.guidance_scale, s.shift,
                           e.seed, s.batch_size, return_images=True)
     scores = proxy(result["images"], result["prompts"], result["metas"])
@@ -43,7 +43,7 @@ def proxy_and_gold(trainer, proxy) -> dict[str, float]:
 
 
 def run_overopt(presets=PRESETS, iterations: int = 30, eval_every: int = 10, proxy: str = "clipscore",
-                proxy_options: dict | None = None, overrides=(), out: str | Path = "benchmarks/overopt.json") -> dict:
+                proxy_options: dict | None = None, overrides=(), out: str | Path = "runs/overopt.json") -> dict:
     """Train each preset (names in configs/) on ``proxy`` and track proxy and gold on held-out prompts.
 
     Args:

@@ -81,7 +81,8 @@ def random_pipeline(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def prompt_files(tmp_path_factory) -> tuple[Path, Path]:
-    from flowrl.tiny.prompts import split, write_jsonl
+    from flowrl.data import write_jsonl
+    from flowrl.tiny.prompts import split
 
     folder = tmp_path_factory.mktemp("prompts")
     train, test = split(0)

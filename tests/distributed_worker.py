@@ -30,20 +30,20 @@ def split_gradient(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """
     rank = trainer.accelerator.process_index
     metas = trainer.train_metas[:2]
-    ro, _, table = trainer.rollout(metas, torch.Generator().manual_seed(7))
+    ro, _, table = trainer.method.flat_or_tree_rollout(metas, torch.Generator().manual_seed(7))
     adv = torch.linspace(-1.0, 1.0, len(ro))
     every_third = torch.arange(len(ro)) % 3 == 0
     grads = []
-    step = trainer.optimizer.step
-    trainer.optimizer.step = lambda *a, **k: grads.append([p.grad.clone() for p in trainer.params.values()])
+    step = trainer.policy.optimizer.step
+    trainer.policy.optimizer.step = lambda *a, **k: grads.append([p.grad.clone() for p in trainer.policy.params.values()])
     size = trainer.cfg.train.minibatch_size
     trainer.cfg.train.minibatch_size = len(ro)  # one optimizer step
     try:
         for keep in (every_third if rank == 0 else ~every_third,
                      torch.ones(len(ro), dtype=torch.bool) if rank == 0 else torch.zeros(len(ro), dtype=torch.bool)):
-            trainer.optimize(ro, adv, keep & ro.trained.cpu(), table, torch.Generator().manual_seed(0))
+            trainer.method.optimize(ro, adv, keep & ro.trained.cpu(), table, torch.Generator().manual_seed(0))
     finally:
-        trainer.optimizer.step = step
+        trainer.policy.optimizer.step = step
         trainer.cfg.train.minibatch_size = size
     assert len(grads) == 2, len(grads)
     return grads[0], grads[1]
@@ -52,15 +52,16 @@ def split_gradient(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 def main() -> None:
     from flowrl.config import load_config
     from flowrl.evaluate import sharded
+    from flowrl.policy import Policy
     from flowrl.trainer import Trainer
 
     config, out, *overrides = sys.argv[1:]
-    Trainer.REDUCE_BUCKET = 1000  # several all-reduce buckets even for the tiny LoRA
+    Policy.REDUCE_BUCKET = 1000  # several all-reduce buckets even for the tiny LoRA
     trainer = Trainer(load_config(config, overrides))
     rank = trainer.accelerator.process_index
     split_grads, whole_grads = ([], []) if trainer.cfg.train.method == "nft" else split_gradient(trainer)  # at the initial weights
     result = trainer.train()
-    save_file({n: p.detach().contiguous() for n, p in trainer.params.items()}, f"{out}/rank{rank}.safetensors")
+    save_file({n: p.detach().contiguous() for n, p in trainer.policy.params.items()}, f"{out}/rank{rank}.safetensors")
     save_file({**{f"split.{i}": g for i, g in enumerate(split_grads)}, **{f"whole.{i}": g for i, g in enumerate(whole_grads)}},
               f"{out}/grads{rank}.safetensors")
     calls = []  # items 0..6 over 2 processes: 4 and 3 items, gathered back in item order

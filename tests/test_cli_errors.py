@@ -118,30 +118,30 @@ def test_shift_defaults_to_the_model_schedulers(tmp_path):
     import json
 
     from flowrl.config import REPO_ROOT
-    from flowrl.models import FlowModel
+    from flowrl.models import SD3Model
 
-    assert FlowModel.scheduler_shift(REPO_ROOT / "assets" / "tiny-sd3") == 1.0
+    assert SD3Model.scheduler_shift(REPO_ROOT / "assets" / "tiny-sd3") == 1.0
     with pytest.raises(FileNotFoundError, match="no model_index.json"):  # not a pipeline: the same error as loading
-        FlowModel.scheduler_shift(tmp_path)
+        SD3Model.scheduler_shift(tmp_path)
     (tmp_path / "model_index.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="sigma-schedule shift"):
-        FlowModel.scheduler_shift(tmp_path)
+        SD3Model.scheduler_shift(tmp_path)
     (tmp_path / "scheduler").mkdir()
     config = tmp_path / "scheduler" / "scheduler_config.json"
     config.write_text(json.dumps({"shift": 3.0, "use_dynamic_shifting": False}))
-    assert FlowModel.scheduler_shift(tmp_path) == 3.0
+    assert SD3Model.scheduler_shift(tmp_path) == 3.0
     config.write_text(json.dumps({"shift": 3.0, "use_dynamic_shifting": True}))
     with pytest.raises(ValueError, match="scheduler_config.json shifts dynamically"):
-        FlowModel.scheduler_shift(tmp_path)
+        SD3Model.scheduler_shift(tmp_path)
 
 
 def test_library_sampling_defaults_to_the_loaded_models_shift(random_pipeline):
     """`flowrl.evaluate.generate` (and `evaluate`, which calls it) given no shift samples with the loaded scheduler's
     shift, as the CLI and the trainer do; it used to default to 1 whatever the model (SD3.5's is 3)."""
     from flowrl.evaluate import generate
-    from flowrl.models import FlowModel
+    from flowrl.models import SD3Model
 
-    model = FlowModel(random_pipeline)
+    model = SD3Model(random_pipeline)
     assert model.shift == 1.0
     model.pipe.scheduler.register_to_config(shift=3.0)
     assert model.shift == 3.0
@@ -154,11 +154,11 @@ def test_library_sampling_defaults_to_the_loaded_models_shift(random_pipeline):
 
 
 def test_decode_in_chunks_keeps_order_and_values(random_pipeline):
-    """`FlowModel.decode` splits a batch into chunks of `decode_chunk` latents (diffusers' upsampler leaves the fast
+    """`SD3Model.decode` splits a batch into chunks of `decode_chunk` latents (diffusers' upsampler leaves the fast
     channels-last path from 64 images on); the images come back in order, as one call would decode them."""
-    from flowrl.models import FlowModel
+    from flowrl.models import SD3Model
 
-    model = FlowModel(random_pipeline)
+    model = SD3Model(random_pipeline)
     latents = torch.randn(5, *model.latent_shape, generator=torch.Generator().manual_seed(0))
     whole = model.decode(latents)
     model.decode_chunk = 2
@@ -175,14 +175,14 @@ def test_t5_length_defaults_to_the_pipelines(tmp_path, random_pipeline):
     import json
 
     from flowrl.config import REPO_ROOT, load_config
-    from flowrl.models import FlowModel
+    from flowrl.models import SD3Model
 
-    assert FlowModel.default_max_sequence_length(REPO_ROOT / "assets" / "tiny-sd3") == 0
+    assert SD3Model.default_max_sequence_length(REPO_ROOT / "assets" / "tiny-sd3") == 0
     index = json.loads((REPO_ROOT / "assets" / "tiny-sd3" / "model_index.json").read_text())
     (tmp_path / "model_index.json").write_text(json.dumps({**index, "text_encoder_3": ["transformers", "T5EncoderModel"]}))
-    assert FlowModel.default_max_sequence_length(tmp_path) == 256
-    model = FlowModel(random_pipeline)
-    padded = FlowModel(random_pipeline, max_sequence_length=5)  # what a length does without T5: zero tokens appended
+    assert SD3Model.default_max_sequence_length(tmp_path) == 256
+    model = SD3Model(random_pipeline)
+    padded = SD3Model(random_pipeline, max_sequence_length=5)  # what a length does without T5: zero tokens appended
     tokens = model.encode(["a photo of a star"]).embeds.shape[1]
     assert model.max_sequence_length == 0 and padded.encode(["a photo of a star"]).embeds.shape[1] == tokens + 5
     assert load_config(REPO_ROOT / "configs" / "tiny_geneval.yaml", []).model.max_sequence_length is None

@@ -117,9 +117,9 @@ def test_bench_refuses_zero_timed_iterations_before_running_a_preset(tmp_path):
 def test_velocity_refuses_guidance_below_one():
     from conftest import ASSETS
 
-    from flowrl.models import FlowModel
+    from flowrl.models import SD3Model
 
-    model = FlowModel(ASSETS / "tiny-sd3", max_sequence_length=0)
+    model = SD3Model(ASSETS / "tiny-sd3", max_sequence_length=0)
     table = model.encode(["", "a photo of a star"])
     with pytest.raises(ValueError, match="guidance_scale must be >= 1"):
         model.velocity_fn(table, 0.5)
@@ -133,7 +133,7 @@ def test_best_of_n_ranks_by_the_aggregated_advantage_as_dancegrpo():
     otherwise (here reward `b` has the larger scale, so the total follows `b` while the z-scores weigh both alike)."""
     from types import SimpleNamespace
 
-    from flowrl.trainer import Trainer
+    from flowrl.methods import Method
 
     a = torch.tensor([0.0, 1.0, 0.4, 0.0])
     b = torch.tensor([0.0, 0.0, 10.0, 10.5])
@@ -142,7 +142,7 @@ def test_best_of_n_ranks_by_the_aggregated_advantage_as_dancegrpo():
                            accelerator=SimpleNamespace(gather=lambda x: x, process_index=0),
                            rewards=SimpleNamespace(rewards={"a": (None, 1.0), "b": (None, 1.0)}))
     scores = SimpleNamespace(per_reward={"a": a, "b": b})
-    adv, zero, _ = Trainer._group_advantages(fake, scores, a + b, torch.zeros(4, dtype=LONG), 1)
+    adv, zero, _ = Method.group_advantages(fake, scores, a + b, torch.zeros(4, dtype=LONG), 1)
     assert int(adv.argmax()) == 2 and int(adv.argmin()) == 0  # z-sum order: image 2 best, image 0 worst
     assert (~zero).tolist() == [True, False, True, False]  # the total reward would keep images 3 and 0
 
@@ -152,7 +152,7 @@ def test_g2rpo_sum_over_granularities_is_clipped():
     the published code clips to adv_clip_max (flowrl used to leave it at 6.63)."""
     from types import SimpleNamespace
 
-    from flowrl.rollouts import RolloutMixin
+    from flowrl.methods import GroupRollouts
 
     class _Rollout:
         trained = torch.ones(12, dtype=torch.bool)
@@ -167,7 +167,7 @@ def test_g2rpo_sum_over_granularities_is_clipped():
     fake = SimpleNamespace(cfg=SimpleNamespace(sampling=SimpleNamespace(probe=probe),
                                                train=SimpleNamespace(adv_clip_max=5.0)), device="cpu")
     rewards = torch.tensor(([1.0] + [0.0] * 11) * 2)
-    adv, keep, _ = RolloutMixin.probe_advantages(fake, pr, rewards, torch.zeros(24, dtype=LONG))
+    adv, keep, _ = GroupRollouts.probe_advantages(fake, pr, rewards, torch.zeros(24, dtype=LONG))
     assert adv[0].item() == pytest.approx(5.0) and adv[1].item() == pytest.approx(-2 * (1 / 12) / (11 ** 0.5 / 12), abs=1e-3)
     assert keep.all()
 
@@ -178,7 +178,7 @@ def test_kl_type_flow_grpo_is_the_exact_kl_times_dt():
     import contextlib
     from types import SimpleNamespace
 
-    from flowrl.grpo import GRPOMixin
+    from flowrl.methods import GRPO
     from samplers import StepPlan, flow_sigmas, recompute_log_prob, sample
 
     gen = torch.Generator().manual_seed(0)
@@ -191,7 +191,8 @@ def test_kl_type_flow_grpo_is_the_exact_kl_times_dt():
     per_row = (mean - ref_mean).pow(2).mean(dim=(1, 2, 3)) / (2 * ro.std ** 2)  # (M,) exact KL per transition
     for kl_type, expected in (("mean", per_row.mean()), ("flow_grpo", (per_row * dt).mean())):
         fake = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(kl_type=kl_type)),
-                               model=SimpleNamespace(reference=contextlib.nullcontext), _autocast=contextlib.nullcontext)
-        kl = GRPOMixin._kl_to_reference(fake, lambda x, t, c: 0.5 * x, ro, v, mean)
+                               model=SimpleNamespace(reference=contextlib.nullcontext),
+                               policy=SimpleNamespace(autocast=contextlib.nullcontext))
+        kl = GRPO.kl_to_reference(fake, lambda x, t, c: 0.5 * x, ro, v, mean)
         assert kl.item() == pytest.approx(expected.item(), rel=1e-5), kl_type
     assert not torch.allclose(dt, dt[:1].expand_as(dt))  # the two differ by more than one constant

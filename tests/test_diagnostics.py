@@ -86,13 +86,13 @@ def test_nft_text_encoders_trains_both_text_towers(preset, tmp_path):
     over = [*preset[1:], "train.method=nft", "train.nft.old_decay=0.5", f"run.output_dir={tmp_path / 'te'}"]
     trainer = script.TextEncoderTrainer(load_config(preset[0], over), text_lr=1e-2)
     pipe = trainer.model.pipe
-    before = {n: p.detach().clone() for n, p in trainer.params.items() if n.startswith("text_encoder")}
+    before = {n: p.detach().clone() for n, p in trainer.policy.params.items() if n.startswith("text_encoder")}
     assert {n.split(".")[0] for n in before} == set(script.TEXT_ENCODERS)
     table = trainer.model.encode(["", "a photo of a star"])
-    with torch.no_grad(), trainer._holding({**trainer.params, **{n: p + 1 for n, p in before.items()}}):
+    with torch.no_grad(), trainer.policy.holding({**trainer.policy.params, **{n: p + 1 for n, p in before.items()}}):
         shifted = table[torch.tensor([1])].embeds  # encoded by the weights held when indexed
     assert not torch.equal(shifted, table[torch.tensor([1])].embeds)
     trainer.train()
-    moved = [n for n, p in before.items() if not torch.equal(p, trainer.params[n].detach())]
+    moved = [n for n, p in before.items() if not torch.equal(p, trainer.policy.params[n].detach())]
     assert any(n.startswith("text_encoder.") for n in moved) and any(n.startswith("text_encoder_2.") for n in moved)
     assert pipe.text_encoder.text_model.embeddings.token_embedding.weight.requires_grad

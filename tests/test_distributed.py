@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from conftest import tiny_overrides
 from flowrl.config import load_config
+from flowrl.methods import DiffusionNFT
 from flowrl.trainer import Trainer
 
 HERE = Path(__file__).parent
@@ -69,7 +70,7 @@ def test_two_processes_train_diffusion_nft_to_identical_weights(tmp_path, random
     assert any(w0[k].abs().sum() > 0 for k in w0 if "lora_B" in k)
     rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2] and all(r["policy/optimizer_steps"] >= 2 for r in rows)
-    assert (tmp_path / "run/checkpoints/checkpoint-000002" / Trainer.OLD_POLICY_FILE).is_file()
+    assert (tmp_path / "run/checkpoints/checkpoint-000002" / DiffusionNFT.OLD_POLICY_FILE).is_file()
 
 
 def test_split_evaluation_equals_the_single_process_one(two_process_run):

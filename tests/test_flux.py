@@ -11,7 +11,7 @@ import torch
 
 from conftest import REPO, build_random_flux_pipeline, tiny_overrides
 from flowrl.config import ConfigError, load_config
-from flowrl.models import FlowModel, FluxModel, load_model, model_class
+from flowrl.models import FluxModel, SD3Model, load_model, model_class
 from flowrl.trainer import Trainer
 
 PROMPTS = ["a photo of a red star", "a photo of two circles"]
@@ -37,9 +37,9 @@ def _stock_images(folder: Path, model: FluxModel, num_steps: int, **kwargs) -> t
 
 
 def test_adapter_is_picked_from_model_index(random_flux_pipeline, random_pipeline, tmp_path):
-    assert model_class(random_flux_pipeline) is FluxModel and model_class(random_pipeline) is FlowModel
+    assert model_class(random_flux_pipeline) is FluxModel and model_class(random_pipeline) is SD3Model
     with pytest.raises(ValueError, match="not StableDiffusion3Pipeline: load it with flowrl.models.load_model"):
-        FlowModel(random_flux_pipeline)
+        SD3Model(random_flux_pipeline)
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
     with pytest.raises(ValueError, match="model_index.json names pipeline 'StableDiffusionXLPipeline'"):
         model_class(tmp_path)
@@ -182,13 +182,13 @@ def test_full_finetuning_writes_a_flux_pipeline_that_loads_back(tmp_path, random
         "model.lora_rank": 0, "run.iterations": 1, "run.keep_checkpoints": 1, "run.mixed_precision": "no",
         "model.resolution": 32, "model.max_sequence_length": 8, "sampling.guidance_scale": 3.5})
     trainer = Trainer(load_config(tmp_path / "c.yaml", over))
-    before = {n: p.detach().clone() for n, p in trainer.params.items()}
+    before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     trainer.train()
     reloaded = load_model(tmp_path / "run" / "pipeline", max_sequence_length=8, resolution=32)
     assert isinstance(reloaded, FluxModel)
     saved = reloaded.transformer.state_dict()
-    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.params.items())
-    for n, p in trainer.params.items():
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
+    for n, p in trainer.policy.params.items():
         torch.testing.assert_close(saved[n].float(), p.detach(), rtol=0, atol=0)
 
 

@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from conftest import tiny_overrides
 from flowrl.config import ConfigError, load_config
 from flowrl.losses import nft_loss, optimality_weights
+from flowrl.methods import DiffusionNFT
 from flowrl.trainer import Trainer
 
 
@@ -64,7 +65,7 @@ def test_nft_run_trains_and_resumes_exactly(tmp_path, random_pipeline, prompt_fi
     the soft-updated sampling policy of the checkpoint are the same."""
     full = _nft_config(tmp_path, random_pipeline, prompt_files, "full", **{"train.nft.old_decay": 0.5})
     trainer = Trainer(full)
-    before = {n: p.detach().clone() for n, p in trainer.params.items()}
+    before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     result = trainer.train()
     assert result["after"]["n_images"] > 0
     metrics = [json.loads(line) for line in (tmp_path / "full/metrics.jsonl").read_text().splitlines()]
@@ -73,16 +74,16 @@ def test_nft_run_trains_and_resumes_exactly(tmp_path, random_pipeline, prompt_fi
         assert m["policy/old_decay"] == 0.5
         assert kept > 0 and kept % 2 == 0 and m["policy/optimizer_steps"] == -(-kept // 4)
         assert m["cost/nfe"] == (4 * 3 + kept) * 2 and m["cost/reward_calls"] == 4
-    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.params.items())
-    old = load_file(tmp_path / "full/checkpoints/checkpoint-000002" / Trainer.OLD_POLICY_FILE)
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
+    old = load_file(tmp_path / "full/checkpoints/checkpoint-000002" / DiffusionNFT.OLD_POLICY_FILE)
     # theta_old = 0.5 theta_old + 0.5 theta after each iteration: it lags behind the trained weights
-    assert any(not torch.equal(old[n], p.detach().cpu()) for n, p in trainer.params.items())
+    assert any(not torch.equal(old[n], p.detach().cpu()) for n, p in trainer.policy.params.items())
 
     Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, "part", **{"train.nft.old_decay": 0.5,
                                                                             "run.iterations": 1})).train()
     Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, "part", **{"train.nft.old_decay": 0.5,
                                                                             "run.resume": "true"})).train()
-    for name in ("trainable.safetensors", Trainer.OLD_POLICY_FILE):
+    for name in ("trainable.safetensors", DiffusionNFT.OLD_POLICY_FILE):
         a = load_file(tmp_path / "full/checkpoints/checkpoint-000002" / name)
         b = load_file(tmp_path / "part/checkpoints/checkpoint-000002" / name)
         for k in a:
@@ -99,7 +100,7 @@ def test_nft_run_trains_and_resumes_exactly(tmp_path, random_pipeline, prompt_fi
 def test_nft_min_time_noises_only_at_high_noise(tmp_path, random_pipeline, prompt_files, monkeypatch):
     """``train.nft.min_time`` keeps the noised copies at grid times ``t >= min_time``; without it every
     grid time of the sampler can be drawn."""
-    import flowrl.nft as nft_module
+    import flowrl.methods.nft as nft_module
 
     seen = []
 
@@ -157,9 +158,9 @@ def test_nft_keep_flat_groups_trains_them_at_one_half(tmp_path, random_pipeline,
     for keep in (False, True):
         trainer = Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, f"flat{keep}",
                                       **{"train.nft.keep_flat_groups": str(keep).lower(), "train.nft.old_decay": 0.5}))
-        monkeypatch.setattr(trainer, "_group_advantages", lambda scores, total, *a: (
+        monkeypatch.setattr(trainer.method, "group_advantages", lambda scores, total, *a: (
             torch.zeros_like(total), torch.ones_like(total, dtype=torch.bool), {}))
-        rows[keep] = trainer.nft_step(0)["cost/trained_transitions"]
+        rows[keep] = trainer.step(0)["cost/trained_transitions"]
     assert rows == {False: 0, True: 4 * 2}  # 4 images x 2 noised copies
     with pytest.raises(ConfigError, match="train.nft.keep_flat_groups"):
         load_config("configs/diffusion_nft.yaml", ["train.nft.keep_flat_groups=true", "train.best_of_n=2"])
@@ -172,8 +173,8 @@ def test_nft_decay_ramp_grows_with_the_optimizer_steps():
     def decay(steps, ramp=0.001, old=0.5):
         state = {} if steps is None else {"p": {"step": torch.tensor(float(steps))}}
         fake = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(nft=SimpleNamespace(decay_ramp=ramp, old_decay=old))),
-                               optimizer=SimpleNamespace(state=state))
-        return Trainer._old_decay(fake)
+                               policy=SimpleNamespace(optimizer=SimpleNamespace(state=state)))
+        return DiffusionNFT.old_decay(fake)
 
     assert decay(None) == 0 and decay(100) == pytest.approx(0.1) and decay(2000) == 0.5 and decay(100, ramp=0) == 0.5
 
@@ -190,7 +191,7 @@ def test_nft_solver_dpm_solver_2m_draws_other_samples(tmp_path, random_pipeline,
             return _score(images, *args)
 
         monkeypatch.setattr(trainer, "score", recording)
-        trainer.nft_step(0)
+        trainer.step(0)
     assert seen["euler"].shape == seen["dpm_solver_2m"].shape and bool(torch.isfinite(seen["dpm_solver_2m"]).all())
     assert not torch.allclose(seen["euler"], seen["dpm_solver_2m"])
     with pytest.raises(ConfigError, match="train.nft.solver"):

@@ -131,7 +131,7 @@ def test_bench_times_a_sliding_window_at_evenly_spaced_starts():
         return {"cost/nfe": 1, "cost/trained_transitions": 1, "cost/reward_calls": 1, "time/sample_s": float(window.start),
                 "time/score_s": 0.0, "time/train_s": 0.0}
 
-    row = _median_iteration(SimpleNamespace(window=window, step=step), 1, 3)
+    row = _median_iteration(SimpleNamespace(method=SimpleNamespace(window=window), step=step), 1, 3)
     assert starts == [0, 4, 8] and row["time/iteration_s"] == 4.0  # the median over the window's range
     assert window.state_dict() == {"start": 0, "count": 1, "iteration": 1}  # the run's schedule is restored
 

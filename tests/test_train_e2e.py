@@ -32,7 +32,7 @@ def finished_run(tmp_path_factory, random_pipeline, prompt_files):
     tmp = tmp_path_factory.mktemp("run")
     cfg = _config(tmp, random_pipeline, prompt_files, **{"run.mixed_precision": "no"})
     trainer = Trainer(cfg)
-    before = {n: p.detach().clone() for n, p in trainer.params.items()}
+    before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     result = trainer.train()
     return cfg, trainer, before, result
 
@@ -71,8 +71,8 @@ def test_ratio_is_exactly_one_before_the_first_step(finished_run):
 
 def test_trainable_parameters_changed(finished_run):
     _, trainer, before, _ = finished_run
-    changed = [n for n, p in trainer.params.items() if not torch.equal(p.detach(), before[n])]
-    assert changed and all("lora" in n for n in trainer.params)
+    changed = [n for n, p in trainer.policy.params.items() if not torch.equal(p.detach(), before[n])]
+    assert changed and all("lora" in n for n in trainer.policy.params)
 
 
 def test_lora_loads_in_stock_diffusers(finished_run, random_pipeline):
@@ -104,13 +104,13 @@ def test_full_finetuning_writes_a_pipeline_that_loads_in_stock_diffusers(tmp_pat
                                                                "run.mixed_precision": "no"})
     with pytest.warns(UserWarning, match="run.keep_checkpoints unset keeps all 1 checkpoints"):
         trainer = Trainer(cfg)
-    before = {n: p.detach().clone() for n, p in trainer.params.items()}
+    before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     trainer.train()
     out = Path(cfg.run.output_dir)
     assert not (out / "lora").exists()
     saved = StableDiffusion3Pipeline.from_pretrained(out / "pipeline", text_encoder_3=None,
                                                      tokenizer_3=None).transformer.state_dict()
-    trained = {n: p.detach() for n, p in trainer.params.items()}
+    trained = {n: p.detach() for n, p in trainer.policy.params.items()}
     assert set(trained) <= set(saved)  # the state dict also holds buffers (the position embedding)
     assert any(not torch.equal(trained[n], before[n]) for n in trained)  # it trained, and what it wrote is that
     for n, p in trained.items():
@@ -301,9 +301,9 @@ def test_bf16_decode_gives_float32_images_close_to_the_float32_decode(tmp_path, 
     trainer = Trainer(_config(tmp_path, random_pipeline, prompt_files))
     assert trainer.cfg.sampling.decode_precision == "bf16"  # the default
     latents = torch.randn((3, *trainer.model.latent_shape), generator=torch.Generator().manual_seed(0))
-    half = trainer._decode(latents)
+    half = trainer.method.decode(latents)
     trainer.cfg.sampling.decode_precision = "no"
-    full = trainer._decode(latents)
+    full = trainer.method.decode(latents)
     assert half.dtype == torch.float32 and half.shape == full.shape
     assert 0 < (half - full).abs().max() < 0.05  # bf16 really ran, and the images agree
     with pytest.raises(ConfigError, match="sampling.decode_precision"):
@@ -318,10 +318,10 @@ def test_rollout_images_decode_in_decode_precision_whatever_the_rollout_precisio
     extra = {"sampling.tree.split_steps": "[0]", "sampling.tree.branch": 2, "sampling.kernel": "dance_sde"} if tree else {}
     trainer = Trainer(_config(tmp_path, random_pipeline, prompt_files, **{"run.mixed_precision": "bf16",
                                                                          "sampling.decode_precision": "no", **extra}))
-    assert (trainer.branch is not None) == tree
+    assert (trainer.method.branch is not None) == tree
     seen, decode = [], trainer.model.decode
     trainer.model.decode = lambda latents: seen.append(torch.is_autocast_enabled("cpu")) or decode(latents)
-    trainer.rollout(trainer.sample_prompts(0), torch.Generator().manual_seed(0))
+    trainer.method.flat_or_tree_rollout(trainer.sample_prompts(0), torch.Generator().manual_seed(0))
     assert seen and not any(seen)  # float32 decode, though the rollout ran under bf16 autocast
 
 
@@ -330,17 +330,17 @@ def _captured_grads(trainer):
     move the weights by the same random amount between the rollout and the training pass, as an earlier
     update would: the ratio then differs from 1, some transitions are clipped and the KL is not 0."""
     grads = []
-    trainer.optimizer.step = lambda *a, **k: grads.append([p.grad.clone() for p in trainer.params.values()])
-    optimize = trainer.optimize
+    trainer.policy.optimizer.step = lambda *a, **k: grads.append([p.grad.clone() for p in trainer.policy.params.values()])
+    optimize = trainer.method.optimize
 
     def moved_then_optimize(*args, **kwargs):
         g = torch.Generator().manual_seed(3)
         with torch.no_grad():
-            for p in trainer.params.values():
+            for p in trainer.policy.params.values():
                 p.add_(torch.randn(p.shape, generator=g) * 0.001)
         return optimize(*args, **kwargs)
 
-    trainer.optimize = moved_then_optimize
+    trainer.method.optimize = moved_then_optimize
     return grads
 
 
@@ -366,6 +366,6 @@ def test_resolution_sets_the_rollout_size_and_is_checked_first(tmp_path, random_
         Trainer(_config(tmp_path, random_pipeline, prompt_files, out="bad", **{"model.resolution": 36}))
     trainer = Trainer(_config(tmp_path, random_pipeline, prompt_files, **{"model.resolution": 32}))
     assert trainer.model.latent_shape == (4, 8, 8)
-    ro, images, _ = trainer.rollout(trainer.sample_prompts(0), torch.Generator().manual_seed(0))
+    ro, images, _ = trainer.method.flat_or_tree_rollout(trainer.sample_prompts(0), torch.Generator().manual_seed(0))
     assert images.shape[1:] == (3, 32, 32) and ro.state.shape[1:] == (4, 8, 8)
     assert trainer.run_eval()["n_images"] > 0

@@ -204,18 +204,18 @@ def test_checkpoint_names_missing_tensor(tmp_path):
 def test_timestep_fraction_trains_that_share_of_each_samples_steps():
     from types import SimpleNamespace
 
-    from flowrl.trainer import Trainer
+    from flowrl.methods import GroupRollouts
     from samplers import StepPlan, flow_sigmas, sample
 
     plan = StepPlan.sde(6)  # 5 trained steps per sample
     x = torch.randn(4, 2, 4, 4, generator=torch.Generator().manual_seed(0))
     ro = sample(lambda x, t, c: torch.tanh(x), x, torch.zeros(4, dtype=torch.long), torch.arange(4), flow_sigmas(6), plan)
     fake = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(timestep_fraction=0.6)))
-    keep = Trainer.step_subset(fake, ro, torch.Generator().manual_seed(1))
+    keep = GroupRollouts.step_subset(fake, ro, torch.Generator().manual_seed(1))
     per_leaf = torch.bincount(ro.leaf[keep], minlength=4)
     assert per_leaf.tolist() == [3, 3, 3, 3]  # ceil(0.6 * 5)
     assert not bool((keep & ~ro.trained).any())
-    other = Trainer.step_subset(fake, ro, torch.Generator().manual_seed(2))
+    other = GroupRollouts.step_subset(fake, ro, torch.Generator().manual_seed(2))
     assert not torch.equal(keep, other)  # a different random subset each iteration
 
 
@@ -251,9 +251,9 @@ def test_velocity_of_a_sample_does_not_depend_on_its_batch():
     bits whatever the forward call it shares (rollout batches, tree depths and minibatches differ)."""
     from conftest import ASSETS
 
-    from flowrl.models import FlowModel, make_batch_invariant
+    from flowrl.models import SD3Model, make_batch_invariant
 
-    model = FlowModel(ASSETS / "tiny-sd3", max_sequence_length=0)
+    model = SD3Model(ASSETS / "tiny-sd3", max_sequence_length=0)
     model.add_lora(4, 8)
     for p in model.transformer.parameters():
         if p.requires_grad:
@@ -273,7 +273,7 @@ def test_velocity_of_a_sample_does_not_depend_on_its_batch():
 
 
 def test_minibatch_sizes_give_every_process_the_same_number_of_steps():
-    from flowrl.trainer import minibatch_sizes
+    from flowrl.policy import minibatch_sizes
 
     sizes = minibatch_sizes(torch.tensor([5, 0, 3]), 2)
     assert sizes.tolist() == [[2, 2, 1], [0, 0, 0], [2, 1, 0]]
@@ -304,16 +304,16 @@ def test_resume_takes_the_configs_optimizer_settings_not_the_checkpoints(tmp_pat
     import warnings
     from types import SimpleNamespace
 
-    from flowrl.trainer import Trainer
+    from flowrl.policy import Policy
 
     cfg = load_config("configs/tiny_geneval.yaml", ["train.learning_rate=1e-4"])
     w = torch.nn.Parameter(torch.zeros(2))
     t = cfg.train
     opt = torch.optim.AdamW([w], lr=3e-4, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)  # as saved
-    fake = SimpleNamespace(cfg=cfg, optimizer=opt, accelerator=SimpleNamespace(is_main_process=True))
+    fake = SimpleNamespace(cfg=cfg.train, optimizer=opt, accelerator=SimpleNamespace(is_main_process=True))
     with pytest.warns(UserWarning, match=r"config's lr \(learning rate 0.0001"):
-        Trainer._apply_optimizer_config(fake, tmp_path)
+        Policy.apply_optimizer_config(fake, tmp_path)
     assert opt.param_groups[0]["lr"] == 1e-4
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # unchanged settings: no warning
-        Trainer._apply_optimizer_config(fake, tmp_path)
+        Policy.apply_optimizer_config(fake, tmp_path)

@@ -8,9 +8,7 @@ holds shape-colour pairs, shape pairs and shape-count pairs that never appear in
 from __future__ import annotations
 
 import itertools
-import json
 import random
-from pathlib import Path
 
 from rewards.geneval.world import COLORS, COUNT_WORDS, COUNTING_RANGE, PLURALS, RELATIONS, SHAPES, TAGS
 
@@ -111,34 +109,3 @@ def split(seed: int = 0, max_per_tag: int = 40) -> tuple[list[dict], list[dict]]
         test += rng.sample(held, min(len(held), max_per_tag))
         train += rng.sample(seen, min(len(seen), 4 * max_per_tag))
     return train, test
-
-
-def write_jsonl(metas: list[dict], path: str | Path) -> None:
-    """Write one JSON object per line."""
-    Path(path).write_text("".join(json.dumps(m) + "\n" for m in metas))
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Read a prompt file written by :func:`write_jsonl` (or any GenEval metadata file).
-
-    Raises:
-        FileNotFoundError: naming the path.
-        ValueError: naming the file and line of a line that is not JSON, or not an object with a string
-            ``prompt``; naming the file when it holds no prompt at all.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
-    metas = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                meta = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}:{i}: not a JSON line ({e.msg}); expected a JSON object with a 'prompt' key") from None
-            if not isinstance(meta, dict) or not isinstance(meta.get("prompt"), str):
-                raise ValueError(f"{path}:{i}: expected a JSON object with a 'prompt' key")
-            metas.append(meta)
-    if not metas:
-        raise ValueError(f"prompt file {path} holds no prompts; expected one JSON object with a 'prompt' key per line")
-    return metas

@@ -1,16 +1,33 @@
-"""Model adapters: a thin layer over a diffusers pipeline loaded with ``from_pretrained``.
+"""The model-adapter contract: what a model family provides to flowrl, and the machinery every family shares.
 
-An adapter encodes prompts, predicts velocity with classifier-free guidance, decodes latents to images
-and names its LoRA target modules. Two families: the SD3 family (:class:`FlowModel`: SD3, SD3.5 and
-flowrl's shipped tiny model) and FLUX.1 (:class:`FluxModel`); :func:`load_model` picks the adapter a
-pipeline folder's ``model_index.json`` names. The sampler only ever sees :meth:`FlowModel.velocity_fn`.
+An adapter is a thin layer over a diffusers pipeline loaded with ``from_pretrained``. The samplers see only
+:meth:`FlowModel.velocity_fn` (a velocity over latents of any trailing shape); the trainer and the evaluation
+use the rest. A family (one file beside this one) subclasses :class:`FlowModel` and provides:
+
+====================================  ==========================================================================
+``PIPELINE``                          the diffusers pipeline class name its folders' ``model_index.json`` names
+``OPTIONAL``                          components a folder may leave out (``null`` in ``model_index.json``)
+``LORA_TARGETS``                      module-name suffixes a LoRA adapts
+``SIGMA_SPACING``                     how the stock pipeline spaces its steps (:func:`samplers.flow_sigmas`)
+``check_resolution`` (classmethod)    the image side a folder can draw, checked before weights load
+``scheduler_shift`` / ``shift``       the sigma-schedule shift read from the scheduler config (static by default)
+``_default_length`` (staticmethod)    the prompt length the stock pipeline uses (``max_sequence_length``)
+``latent_shape``                      ``(C, H, W)`` of one sample's latents at :attr:`resolution`
+``encode``                            prompts -> :class:`PromptEmbeds` with the pipeline's own ``encode_prompt``
+``_forward``                          one transformer call: latents, times in [0, 1], embeddings -> prediction
+====================================  ==========================================================================
+
+Shared here: loading (every component in ``dtype``, the trained network in float32 on CPU), classifier-free
+guidance (:meth:`FlowModel.velocity`), chunked decoding, LoRA (add, save in diffusers' format, load, the
+LoRA-disabled reference), full fine-tuning and saving the whole pipeline, and batch invariance
+(:func:`make_batch_invariant`: the PPO ratio is exactly 1 before the first optimizer step).
+:func:`flowrl.models.load_model` picks the family from a folder's ``model_index.json``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,15 +35,6 @@ from pathlib import Path
 import torch
 
 from samplers import flow_sigmas
-
-SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
-"""Flow-GRPO's LoRA targets for SD3 transformers: both streams of every joint attention block."""
-
-FLUX_LORA_TARGETS = SD3_LORA_TARGETS + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
-"""LoRA targets for FLUX.1 transformers, as diffusers' FLUX LoRA training script: both streams' attention and
-feed-forward layers of the dual-stream blocks; the attention suffixes also match the single-stream blocks'
-``attn.to_q / to_k / to_v``."""
 
 MIN_ROWS = {torch.nn.Linear: (2, 16), torch.nn.Conv2d: (4, 4)}
 """For each layer type: the input rank that carries one row per sample, and the fewest rows it runs at."""
@@ -163,28 +171,6 @@ def _config_shift(cfg: dict, where: str | Path) -> float:
     return float(shift)
 
 
-def _dynamic_shift(cfg: dict, where: str | Path, image_tokens: int) -> float:
-    """The static shift equal to a FLUX-style scheduler config's schedule at ``image_tokens`` packed latent tokens.
-
-    A dynamic-shifting ``FlowMatchEulerDiscreteScheduler`` maps t to ``exp(mu) / (exp(mu) + 1/t - 1)`` (its exponential
-    time shift) with ``mu = calculate_shift(image_tokens, ...)`` (diffusers' FLUX pipeline, linear in the token count
-    between ``base_shift`` at ``base_image_seq_len`` and ``max_shift`` at ``max_image_seq_len``); that equals SD3's static
-    shift ``s t / (1 + (s - 1) t)`` with ``s = exp(mu)``. A config without dynamic shifting gives its own ``shift``.
-
-    Raises:
-        ValueError: naming ``where``, for a linear time shift (no static equivalent) or a shift that is not > 0.
-    """
-    if not cfg.get("use_dynamic_shifting"):
-        return _config_shift(cfg, where)
-    if cfg.get("time_shift_type", "exponential") != "exponential":
-        raise ValueError(f"{where} has time_shift_type {cfg['time_shift_type']!r}; flowrl supports 'exponential' (FLUX's)")
-    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-    mu = calculate_shift(image_tokens, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
-                         cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
-    return math.exp(mu)
-
-
 def _scheduler_file(path: str | Path) -> Path:
     """``scheduler/scheduler_config.json`` of the pipeline folder ``path``.
 
@@ -207,38 +193,10 @@ def _model_index(path: str | Path) -> dict:
     return json.loads((_pipeline_folder(path) / "model_index.json").read_text())
 
 
-def model_class(path: str | Path) -> type[FlowModel]:
-    """The adapter class for the pipeline folder ``path``, from the ``_class_name`` of its ``model_index.json`` (no
-    weights loaded): :class:`FlowModel` for ``StableDiffusion3Pipeline``, :class:`FluxModel` for ``FluxPipeline``.
-    Its class methods (``check_resolution``, ``scheduler_shift``, ``default_max_sequence_length``,
-    ``check_max_sequence_length``) check a folder and settings before anything loads.
-
-    Raises:
-        FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
-        ValueError: naming the file, for any other pipeline class.
-    """
-    name = _model_index(path).get("_class_name")
-    for cls in (FlowModel, FluxModel):
-        if cls.PIPELINE == name:
-            return cls
-    raise ValueError(f"{Path(path) / 'model_index.json'} names pipeline {name!r}; flowrl adapts "
-                     f"{FlowModel.PIPELINE} (SD3, SD3.5, the tiny model) and {FluxModel.PIPELINE} (FLUX.1)")
-
-
-def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               max_sequence_length: int | None = None, resolution: int | None = None) -> FlowModel:
-    """Load the pipeline folder ``path`` with the adapter its ``model_index.json`` names (:func:`model_class`); the
-    arguments are :class:`FlowModel`'s.
-
-    Raises:
-        FileNotFoundError, ValueError: as :func:`model_class` and the adapter's constructor.
-    """
-    return model_class(path)(path, device, dtype, max_sequence_length, resolution)
-
-
 class FlowModel:
-    """An SD3-family text-to-image flow model (``StableDiffusion3Pipeline`` folder); the base of every adapter
-    (:class:`FluxModel`). :func:`load_model` picks the adapter from the folder.
+    """The base of every model adapter: a flow-matching text-to-image (or video) pipeline behind one contract
+    (this module's docstring lists what a family provides). Construct a family's subclass, or let
+    :func:`flowrl.models.load_model` pick it from the folder.
 
     Args:
         path: a local pipeline folder (``model_index.json`` + subfolders), e.g. ``assets/tiny-sd3`` or a
@@ -246,23 +204,22 @@ class FlowModel:
         device: torch device for every component.
         dtype: dtype of the frozen components (text encoders, VAE); the transformer is kept in float32
             on CPU and in ``dtype`` elsewhere (LoRA parameters are float32 everywhere).
-        max_sequence_length: T5 tokens; None: :meth:`default_max_sequence_length` (256 with a T5 encoder, 0 without
-            one, as the tiny model, which was trained so).
+        max_sequence_length: T5 tokens; None: :meth:`default_max_sequence_length` (the stock pipeline's).
         resolution: image side in pixels for sampling and evaluation (square images); None for the
-            transformer's default (``sample_size`` latents: 64 px for the tiny model, 1024 px for SD3.5-Medium;
-            Flow-GRPO trains SD3.5-Medium at 512).
+            family's default (:meth:`check_resolution`).
 
     Raises:
         FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
-        ValueError: for a ``resolution`` that is not a multiple of the VAE factor times the patch size, or
-            larger than the transformer's position embedding covers; for a folder of another pipeline class.
+        ValueError: for a ``resolution`` or ``max_sequence_length`` the family cannot take, or a folder of
+            another pipeline class.
     """
 
-    PIPELINE = "StableDiffusion3Pipeline"
+    PIPELINE: str | None = None
     """The diffusers pipeline class this adapter loads (``_class_name`` in ``model_index.json``)."""
-    OPTIONAL = ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor")
+    OPTIONAL: tuple[str, ...] = ()
     """Components a folder may leave out (``null`` in ``model_index.json``)."""
-    LORA_TARGETS = SD3_LORA_TARGETS
+    LORA_TARGETS: tuple[str, ...] = ()
+    """Module-name suffixes of the transformer layers a LoRA adapts."""
     SIGMA_SPACING = "sd3"
     """How the stock pipeline spaces its steps (:func:`samplers.flow_sigmas`' ``spacing``)."""
 
@@ -274,6 +231,9 @@ class FlowModel:
 
         path = Path(path)
         index = _model_index(path)  # the folder, its pipeline class and resolution are checked before weights load
+        if self.PIPELINE is None:
+            raise TypeError("FlowModel is the adapters' base: construct a family (SD3Model, FluxModel) or use "
+                            "flowrl.models.load_model")
         if index.get("_class_name") != self.PIPELINE:
             raise ValueError(f"{path / 'model_index.json'} names pipeline {index.get('_class_name')!r}, not "
                              f"{self.PIPELINE}: load it with flowrl.models.load_model")
@@ -312,8 +272,8 @@ class FlowModel:
 
     @staticmethod
     def _default_length(index: dict) -> int:
-        """:meth:`default_max_sequence_length` of a parsed ``model_index.json``."""
-        return 0 if _absent(index, "text_encoder_3") else 256
+        """The family's default prompt length for a parsed ``model_index.json``."""
+        raise NotImplementedError
 
     @staticmethod
     def check_max_sequence_length(length: int) -> None:
@@ -327,24 +287,14 @@ class FlowModel:
 
     @classmethod
     def check_resolution(cls, path: str | Path, resolution: int | None) -> int:
-        """The image side in pixels for the pipeline folder ``path``, read from its VAE and transformer configs
-        (no weights loaded): ``resolution`` if the model can draw it, else the default.
+        """The image side in pixels the pipeline folder ``path`` draws: ``resolution`` checked, or the default
+        (no weights loaded).
 
         Raises:
             FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
-            ValueError: as for the constructor's ``resolution``.
+            ValueError: naming the folder, for a resolution the model cannot draw.
         """
-        path = _pipeline_folder(path)
-        cfg = json.loads((path / "transformer" / "config.json").read_text())
-        factor = _vae_factor(path)
-        if resolution is None:
-            return cfg["sample_size"] * factor
-        unit = factor * cfg.get("patch_size", 2)
-        largest = (cfg.get("pos_embed_max_size") or cfg["sample_size"]) * unit
-        if resolution < unit or resolution % unit or resolution > largest:
-            raise ValueError(f"resolution {resolution} px does not fit the model at {path}: expected a multiple of "
-                             f"{unit} (VAE factor {factor} x patch size {cfg.get('patch_size', 2)}) from {unit} to {largest}")
-        return resolution
+        raise NotImplementedError
 
     @classmethod
     def scheduler_shift(cls, path: str | Path, resolution: int | None = None) -> float:
@@ -380,22 +330,13 @@ class FlowModel:
         return flow_sigmas(num_steps, self.shift if shift is None else shift, spacing=self.SIGMA_SPACING)
 
     @property
-    def latent_shape(self) -> tuple[int, int, int]:
-        """``(C, H, W)`` of the latents at :attr:`resolution` (``H = W = resolution / vae_scale_factor``)."""
-        side = self.resolution // self.pipe.vae_scale_factor  # the check above used the same factor
-        return (self.transformer.config.in_channels, side, side)
+    def latent_shape(self) -> tuple[int, ...]:
+        """``(C, H, W)`` (or ``(C, F, H, W)`` for video) of one sample's latents at :attr:`resolution`."""
+        raise NotImplementedError
 
-    @torch.no_grad()
     def encode(self, prompts: list[str]) -> PromptEmbeds:
-        """Encode prompts with the pipeline's own ``encode_prompt`` (CLIP-L, CLIP-G and T5 where present).
-
-        Returns:
-            :class:`PromptEmbeds` with ``P = len(prompts)`` rows, float32.
-        """
-        embeds, _, pooled, _ = self.pipe.encode_prompt(
-            prompts, prompts, prompts, device=self.device, do_classifier_free_guidance=False,
-            max_sequence_length=self.max_sequence_length)
-        return PromptEmbeds(embeds.float(), pooled.float())
+        """Encode ``P`` prompts with the pipeline's own ``encode_prompt``: :class:`PromptEmbeds`, float32."""
+        raise NotImplementedError
 
     def add_lora(self, rank: int, alpha: float, targets: tuple[str, ...] | None = None) -> list[torch.nn.Parameter]:
         """Add a peft LoRA adapter (Gaussian init of A, zero B) to the transformer.
@@ -463,10 +404,10 @@ class FlowModel:
         x = torch.zeros(1, *self.latent_shape, device=self.device)
         self._forward(x, torch.ones(1, device=self.device), cond, next(self.transformer.parameters()).dtype)
 
-    def _forward(self, x, t, cond: PromptEmbeds, dtype) -> torch.Tensor:
-        return self.transformer(hidden_states=x.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),
-                                pooled_projections=cond.pooled.to(dtype), timestep=t * 1000,
-                                return_dict=False)[0]
+    def _forward(self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, dtype: torch.dtype) -> torch.Tensor:
+        """One transformer call: latents ``x (N, *latent_shape)`` at times ``t (N,)`` in [0, 1] (1 = noise), prompt
+        embeddings ``cond`` (``N`` rows), inputs cast to ``dtype``; returns the prediction ``(N, *latent_shape)``."""
+        raise NotImplementedError
 
     def cfg_rows(self, guidance_scale: float) -> int:
         """Transformer rows one velocity evaluation costs per sample (the ``cost/nfe`` unit): 2 under CFG
@@ -541,134 +482,3 @@ class FlowModel:
         self.pipe.load_lora_weights(str(directory))
 
 
-class FluxModel(FlowModel):
-    """A FLUX.1 text-to-image flow model (``FluxPipeline`` folder: FLUX.1-dev, FLUX.1-schnell or a small one), with
-    :class:`FlowModel`'s interface; the samplers and the trainer see no difference.
-
-    What the adapter does differently, all inside it:
-
-    - Latents stay ``(B, C, H, W)`` (``C`` the VAE's latent channels, 16 for FLUX.1) for the samplers; :meth:`velocity`
-      packs them into FLUX's tokens of 2x2 latent patches, with the pipeline's own ``_pack_latents``,
-      ``_prepare_latent_image_ids`` and ``_unpack_latents``, and unpacks the prediction.
-    - Guidance: a guidance-distilled transformer (``guidance_embeds``, FLUX.1-dev) takes the guidance scale as an
-      input (one forward per sample, :meth:`cfg_rows` 1, the empty prompt unused), as ``FluxPipeline(guidance_scale=)``;
-      one without it (FLUX.1-schnell) gets classifier-free guidance with the empty prompt, as SD3.
-    - Prompts: CLIP-L's pooled output and ``max_sequence_length`` T5 tokens (default 512, as ``FluxPipeline``; at least 1).
-    - Schedule: FLUX's scheduler shifts dynamically, by ``exp(mu)`` with ``mu`` linear in the number of image tokens,
-      which equals SD3's static shift ``exp(mu)`` (:func:`_dynamic_shift`): 3.16 at 1024 px, 1.92 at 512 px; the
-      steps are spaced as ``FluxPipeline`` spaces them (:meth:`sigmas`: ``linspace(1, 1/N, N)`` shifted, then 0), so
-      the adapter's ODE sampling gives the stock pipeline's images (a test checks it).
-    - Resolution: any multiple of 16 px (VAE factor 8 x the 2x2 packing; FLUX's rotary position embedding has no
-      largest size); the default is ``FluxPipeline``'s 128 latents (1024 px).
-
-    Args, Raises: as :class:`FlowModel`; ``ValueError`` also for ``max_sequence_length < 1``.
-    """
-
-    PIPELINE = "FluxPipeline"
-    OPTIONAL = ("image_encoder", "feature_extractor")
-    LORA_TARGETS = FLUX_LORA_TARGETS
-    SIGMA_SPACING = "flux"
-    DEFAULT_SAMPLE_SIZE = 128
-    """Latents per image side when no resolution is given (``FluxPipeline.default_sample_size``)."""
-
-    @staticmethod
-    def _default_length(index: dict) -> int:
-        return 512  # FluxPipeline's default; FLUX.1-schnell was trained with 256
-
-    @staticmethod
-    def check_max_sequence_length(length: int) -> None:
-        """Raise ValueError for a T5 prompt length below 1 (FLUX's T5 tokens condition every block)."""
-        if length < 1:
-            raise ValueError(f"max_sequence_length must be >= 1 for FLUX (its T5 tokens condition every block), got {length}")
-
-    @classmethod
-    def check_resolution(cls, path: str | Path, resolution: int | None) -> int:
-        """As :meth:`FlowModel.check_resolution`: ``resolution``, or ``DEFAULT_SAMPLE_SIZE`` latents x the VAE factor.
-
-        Raises:
-            FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
-            ValueError: for a resolution that is not a positive multiple of the VAE factor x 2.
-        """
-        path = _pipeline_folder(path)
-        factor = _vae_factor(path)
-        if resolution is None:
-            return cls.DEFAULT_SAMPLE_SIZE * factor
-        unit = factor * 2  # 2x2 latent patches per token
-        if resolution < unit or resolution % unit:
-            raise ValueError(f"resolution {resolution} px does not fit the model at {path}: expected a multiple of "
-                             f"{unit} (VAE factor {factor} x FLUX's 2x2 latent packing)")
-        return resolution
-
-    @classmethod
-    def scheduler_shift(cls, path: str | Path, resolution: int | None = None) -> float:
-        """The static shift equal to the folder's scheduler at ``resolution`` px (default: :meth:`check_resolution`'s),
-        read without loading weights (:func:`_dynamic_shift`): 3.16 for FLUX.1 at 1024 px, 1.92 at 512 px.
-
-        Raises:
-            FileNotFoundError: if ``path`` is not a pipeline folder or has no scheduler config.
-            ValueError: for a resolution the model cannot take, or a scheduler as :func:`_dynamic_shift` refuses.
-        """
-        file = _scheduler_file(path)
-        tokens = cls._image_tokens(cls.check_resolution(path, resolution), _vae_factor(Path(path)))
-        return _dynamic_shift(json.loads(file.read_text()), file, tokens)
-
-    @property
-    def shift(self) -> float:
-        """:meth:`scheduler_shift` of the loaded scheduler at the model's :attr:`resolution`."""
-        tokens = self._image_tokens(self.resolution, self.pipe.vae_scale_factor)
-        return _dynamic_shift(dict(self.pipe.scheduler.config), Path(self.path) / "scheduler", tokens)
-
-    @staticmethod
-    def _image_tokens(resolution: int, vae_factor: int) -> int:
-        """Packed image tokens of a square ``resolution`` px image: one per 2x2 latent patch."""
-        return (resolution // (2 * vae_factor)) ** 2
-
-    @property
-    def latent_shape(self) -> tuple[int, int, int]:
-        """``(C, H, W)`` of the unpacked latents: the VAE's latent channels, ``H = W = resolution / vae_scale_factor``."""
-        side = self.resolution // self.pipe.vae_scale_factor
-        return (self.pipe.vae.config.latent_channels, side, side)
-
-    @property
-    def guidance_embeds(self) -> bool:
-        """Whether the transformer is guidance-distilled (takes the guidance scale as an input, FLUX.1-dev)."""
-        return bool(self.transformer.config.guidance_embeds)
-
-    @torch.no_grad()
-    def encode(self, prompts: list[str]) -> PromptEmbeds:
-        """Encode prompts with ``FluxPipeline.encode_prompt``: T5 tokens ``(P, max_sequence_length, D_t5)`` and CLIP-L's
-        pooled output ``(P, D_clip)``, float32."""
-        embeds, pooled, _ = self.pipe.encode_prompt(prompts, prompts, device=self.device,
-                                                    max_sequence_length=self.max_sequence_length)
-        return PromptEmbeds(embeds.float(), pooled.float())
-
-    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None,
-                 guidance_scale: float) -> torch.Tensor:
-        """Velocity ``(N, C, H, W)`` float32 of latents ``x (N, C, H, W)`` at times ``t (N,)`` in [0, 1]: with the
-        guidance scale as the transformer's input if it is guidance-distilled (``uncond`` unused), else with
-        classifier-free guidance as :meth:`FlowModel.velocity`.
-
-        Raises:
-            ValueError: if ``guidance_scale < 1``.
-        """
-        if not self.guidance_embeds:
-            return super().velocity(x, t, cond, uncond, guidance_scale)
-        check_guidance(guidance_scale)
-        return self._forward(x, t, cond, next(self.transformer.parameters()).dtype, guidance_scale).float()
-
-    def cfg_rows(self, guidance_scale: float) -> int:
-        """Transformer rows per sample and velocity: 1 for a guidance-distilled transformer, else as SD3's."""
-        return 1 if self.guidance_embeds else super().cfg_rows(guidance_scale)
-
-    def _forward(self, x, t, cond: PromptEmbeds, dtype, guidance: float = 1.0) -> torch.Tensor:
-        n, c, h, w = x.shape
-        pipe = self.pipe
-        tokens = pipe._pack_latents(x.to(dtype).contiguous(), n, c, h, w)  # (N, h/2 * w/2, 4C); it views its input
-        img_ids = pipe._prepare_latent_image_ids(n, h // 2, w // 2, x.device, dtype)
-        txt_ids = torch.zeros(cond.embeds.shape[1], 3, device=x.device, dtype=dtype)
-        g = torch.full((n,), float(guidance), device=x.device) if self.guidance_embeds else None
-        out = self.transformer(hidden_states=tokens, timestep=t.to(dtype), guidance=g,
-                               pooled_projections=cond.pooled.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),
-                               txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
-        factor = pipe.vae_scale_factor
-        return pipe._unpack_latents(out, h * factor, w * factor, factor)

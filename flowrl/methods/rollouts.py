@@ -1,8 +1,8 @@
-"""Rollout shapes of the GRPO methods, as a mixin of :class:`flowrl.trainer.Trainer`.
+"""GRPO's rollouts and their advantages: flat groups (Flow-GRPO, DanceGRPO; MixGRPO's sliding window and its
+Flash tail), BranchGRPO trees and the single-step branching of TempFlow-GRPO / G2RPO / TP-GRPO.
 
-Flat groups (Flow-GRPO, DanceGRPO, MixGRPO windows with their Flash tail), BranchGRPO trees and the
-single-step branching of TempFlow-GRPO / G2RPO / TP-GRPO: each builds a :class:`samplers.Rollout` from the
-config's step plan and turns the rewards of its images into per-transition advantages.
+:class:`GroupRollouts` builds a :class:`samplers.Rollout` from the config's step plan and turns the rewards of
+its images into per-transition advantages; :class:`flowrl.methods.grpo.GRPO` adds the PPO update.
 """
 
 from __future__ import annotations
@@ -14,23 +14,77 @@ import torch
 from samplers import (SlidingWindow, StepPlan, leaf_incidence, mix_plan, sample, sample_probes,
                       sample_shared_noise, sample_tree)
 
-from .advantages import (depthwise_advantages, group_advantages, process_advantages, sum_by_node, tree_node_rewards,
-                         turning_point_rewards, width_prune)
-from .models import PromptEmbeds
+from ..advantages import (depthwise_advantages, group_advantages, process_advantages, sum_by_node, tree_node_rewards,
+                          turning_point_rewards, width_prune)
+from ..models import PromptEmbeds
+from .base import Method, Samples
 
 
-class RolloutMixin:
-    """The rollouts and their advantage estimators. Uses the trainer's ``cfg``, ``model``, ``device`` and
-    ``_autocast``; :meth:`_build_rollout_shape` sets ``sigmas``, ``plan_sigmas``, ``plan``, ``branch`` and
-    ``window``."""
+class GroupRollouts(Method):
+    """The rollout shapes of the GRPO family and their advantage estimators.
 
+    From ``sampling.*``: the step plan ``self.plan`` on its grid ``self.plan_sigmas`` (all SDE, or
+    BranchGRPO-Mix's SDE steps with an optional MixGRPO-Flash tail, :func:`samplers.mix_plan`); ``self.branch``,
+    the children per plan step of a tree (None: flat groups); ``self.window``, MixGRPO's
+    :class:`samplers.SlidingWindow` (None without ``sampling.window.size``). Args: as :class:`Method`.
+    """
+
+    def __init__(self, cfg, model, policy, rewards):
+        super().__init__(cfg, model, policy, rewards)
+        self._build_rollout_shape()
+
+    # ------------------------------------------------------------------------------ the contract
+    def rollout(self, metas: list[dict], generator: torch.Generator) -> Samples:
+        """This iteration's rollout: probes (``sampling.probe.method``), a tree (``sampling.tree``) or flat groups of
+        ``sampling.group_size`` per prompt. ``data``: ``rollout`` (:class:`samplers.Rollout`), ``table`` (prompt
+        embeddings, row 0 the empty prompt), ``probes`` (the probe rollout, or None) and ``generator`` (the
+        iteration's, for the advantages' random step subset)."""
+        probes = None
+        if self.cfg.sampling.probe.method:
+            table = self.model.encode([""] + [m["prompt"] for m in metas])
+            probes, images, image_prompt = self.probe_rollout(metas, table, generator)
+            ro = probes.rollout
+        else:
+            ro, images, table = self.flat_or_tree_rollout(metas, generator)
+            image_prompt = ro.group.cpu()
+        nfe = ro.cost["nfe"] * self.model.cfg_rows(self.cfg.sampling.guidance_scale)
+        return Samples(images, image_prompt, nfe, {"rollout": ro, "table": table, "probes": probes, "generator": generator})
+
+    def advantages(self, samples: Samples, scores, total: torch.Tensor, prompts: int):
+        """Per-transition advantages ``(M,)`` and the transitions that enter the loss ``(M,)`` bool: process
+        rewards of the probes, group z-scores of the gathered batch (this process's share), or the tree's
+        depth-wise advantages; with ``train.timestep_fraction < 1``, DanceGRPO's random subset of steps."""
+        ro, probes, gen = samples.data["rollout"], samples.data["probes"], samples.data["generator"]
+        if probes is not None:  # process rewards of this process's own probes
+            adv_t, keep, stats = self.probe_advantages(probes, scores.total, samples.image_prompt)
+        elif self.branch is None:  # group z-scores over the gathered batch, then this process's share
+            adv, zero, stats = self.group_advantages(scores, total, samples.image_prompt, prompts)
+            mine = self.mine(len(scores.total))
+            keep = ro.trained & ~zero[mine].to(ro.trained.device)[ro.leaf]
+            adv_t = adv[mine].to(self.device)[ro.leaf]
+        else:  # a tree is one process's group: no gather needed
+            adv_t, keep, stats = self.tree_advantages(ro, scores.total)
+        if self.cfg.train.timestep_fraction < 1:
+            keep = keep & self.step_subset(ro, gen).to(keep.device)
+        return adv_t, keep, stats
+
+    def end_iteration(self, stats: dict) -> None:
+        """Advance MixGRPO's sliding window (recording ``sampling/window_start``)."""
+        if self.window is not None:
+            stats["sampling/window_start"] = self.window.start
+            self.window.advance()
+
+    def state_dict(self) -> dict:
+        return {"window": self.window.state_dict() if self.window else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.window is not None and state.get("window"):
+            self.window.load_state_dict(state["window"])
+
+    # ------------------------------------------------------------------------------ the shapes
     def _build_rollout_shape(self) -> None:
-        """From ``sampling.*``: the grid ``self.sigmas`` `(N + 1,)`; the step plan ``self.plan`` on its grid
-        ``self.plan_sigmas`` (all SDE, or BranchGRPO-Mix's SDE steps with an optional MixGRPO-Flash tail,
-        :func:`samplers.mix_plan`); ``self.branch``, the children per plan step of a tree (None: flat groups);
-        and ``self.window``, MixGRPO's :class:`samplers.SlidingWindow` (None without ``sampling.window.size``)."""
+        """Set ``plan``, ``plan_sigmas``, ``branch`` and ``window`` from ``sampling.*`` (see the class docstring)."""
         s = self.cfg.sampling
-        self.sigmas = self.model.sigmas(s.num_steps, s.shift)  # the stock pipeline's spacing (SD3 or FLUX)
         self.plan_sigmas = self.sigmas  # the schedule of self.plan (re-spaced by a tree's flash_ratio)
         self.plan = StepPlan.sde(s.num_steps, kernel=s.kernel, noise_level=s.noise_level, train_last=s.train_last_step)
         self.branch = None
@@ -52,14 +106,7 @@ class RolloutMixin:
         s = self.cfg.sampling
         return mix_plan(self.sigmas, self.window.steps, s.kernel, s.noise_level, s.window.flash_ratio or None, s.shift)
 
-    def _chunked(self, fn, size: int):
-        """`fn` (a :class:`samplers.VelocityFn`) evaluated in consecutive chunks of at most `size` rows, concatenated
-        (``sampling.batch_size``: bounds the activation memory of one forward)."""
-        def chunked(x, t, cond):
-            return torch.cat([fn(x[i:i + size], t[i:i + size], cond[i:i + size]) for i in range(0, len(x), size)])
-        return chunked
-
-    def _ode_velocity(self, velocity):
+    def ode_velocity(self, velocity):
         """`velocity` under ``sampling.ode_precision`` for the rollout's deterministic steps (ODE prefixes
         and tails, DPM-Solver++ steps, ODE completions: their velocities enter no log-prob, so no ratio),
         or None (``no``: the samplers then use `velocity` itself, float32)."""
@@ -68,20 +115,13 @@ class RolloutMixin:
             return None
 
         def fn(x, t, cond):
-            with self._autocast(precision):
+            with self.policy.autocast(precision):
                 return velocity(x, t, cond)
 
         return fn
 
-    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Rollout latents to float32 images in [0, 1] for the rewards (bf16 autocast if
-        ``sampling.decode_precision`` says so: the images only feed the rewards, never a log-prob)."""
-        size = self.cfg.sampling.batch_size
-        with self._autocast(self.cfg.sampling.decode_precision):
-            return torch.cat([self.model.decode(latents[i:i + size]) for i in range(0, latents.shape[0], size)]).cpu()
-
     @torch.no_grad()
-    def rollout(self, metas: list[dict], generator: torch.Generator):
+    def flat_or_tree_rollout(self, metas: list[dict], generator: torch.Generator):
         """G SDE rollouts per prompt from the current policy.
 
         Returns:
@@ -90,17 +130,17 @@ class RolloutMixin:
         """
         s = self.cfg.sampling
         table = self.model.encode([""] + [m["prompt"] for m in metas])
-        velocity = self._chunked(self.model.velocity_fn(table, s.guidance_scale), s.batch_size)
-        ode = self._ode_velocity(velocity)
+        velocity = self.chunked(self.model.velocity_fn(table, s.guidance_scale), s.batch_size)
+        ode = self.ode_velocity(velocity)
         roots = torch.arange(len(metas), device=self.device)  # (P,) one group per prompt
         if self.branch is not None or s.shared_noise:  # one initial noise per group
             noise = torch.randn((len(metas), *self.model.latent_shape), generator=generator).to(self.device)
         if self.branch is not None:  # the tree makes the group
             ro = self.tree_rollout(velocity, noise, generator, ode)
-            return ro, self._decode(ro.final), table  # decoded as a flat rollout's are, outside the autocast
+            return ro, self.decode(ro.final), table  # decoded as a flat rollout's are, outside the autocast
         sigmas, plan = self.current_plan()
         sigmas = sigmas.to(self.device)
-        with self._autocast():
+        with self.policy.autocast():
             if s.shared_noise:  # the group's deterministic prefix once per group
                 ro = sample_shared_noise(velocity, noise, roots + 1, roots, sigmas, plan, s.group_size, generator=generator,
                                          ode_velocity_fn=ode)
@@ -109,7 +149,7 @@ class RolloutMixin:
                 noise = torch.randn((len(prompt_index), *self.model.latent_shape), generator=generator)
                 ro = sample(velocity, noise.to(self.device), prompt_index + 1, prompt_index, sigmas, plan, generator=generator,
                             ode_velocity_fn=ode)
-        return ro, self._decode(ro.final), table
+        return ro, self.decode(ro.final), table
 
     def tree_rollout(self, velocity, noise: torch.Tensor, generator: torch.Generator, ode_velocity=None,
                      batched: bool = True):
@@ -120,14 +160,14 @@ class RolloutMixin:
             velocity: the old policy (:meth:`FlowModel.velocity_fn` of a table whose row ``1 + p`` is prompt p).
             noise (`torch.Tensor` of shape `(P, C, H, W)`): the roots' starting latents, on ``self.device``.
             generator (`torch.Generator`): source of the SDE noise.
-            ode_velocity: the policy of the deterministic steps (:meth:`_ode_velocity`); default `velocity`.
+            ode_velocity: the policy of the deterministic steps (:meth:`ode_velocity`); default `velocity`.
             batched (`bool`): every depth in one velocity call (True) or node by node (:func:`samplers.sample_tree`).
 
         Returns:
             :class:`samplers.Rollout` with ``P * group_size`` leaves, tree p being group p.
         """
         roots = torch.arange(len(noise), device=self.device)
-        with self._autocast():
+        with self.policy.autocast():
             return sample_tree(velocity, noise, roots + 1, roots, self.plan_sigmas.to(self.device), self.plan, self.branch,
                                generator=generator, batched=batched, ode_velocity_fn=ode_velocity)
 
@@ -191,13 +231,13 @@ class RolloutMixin:
             noise = torch.randn((len(roots), *shape), generator=generator)
         steps = list(p.steps) or list(range(s.num_steps - 1))
         plan = StepPlan.window(s.num_steps, steps, s.kernel, s.noise_level) if p.method == "tp_grpo" else StepPlan.ode(s.num_steps)
-        velocity = self._chunked(self.model.velocity_fn(table, s.guidance_scale), s.batch_size)
-        with self._autocast():
+        velocity = self.chunked(self.model.velocity_fn(table, s.guidance_scale), s.batch_size)
+        with self.policy.autocast():
             pr = sample_probes(velocity, noise.to(self.device), (roots + 1).to(self.device), roots.to(self.device),
                                self.sigmas.to(self.device), plan, steps, children, s.kernel, s.noise_level,
                                tuple(p.granularities), include_start=p.method == "tp_grpo", generator=generator,
-                               ode_velocity_fn=self._ode_velocity(velocity))
-        return pr, self._decode(pr.final), roots[pr.root.cpu()]
+                               ode_velocity_fn=self.ode_velocity(velocity))
+        return pr, self.decode(pr.final), roots[pr.root.cpu()]
 
     def probe_advantages(self, pr, rewards: torch.Tensor, image_prompt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Advantages of the trained transitions of a probe rollout (see :meth:`probe_rollout`).

@@ -1,0 +1,69 @@
+"""Prompt files: one JSON object per line, each with a ``prompt`` and, for GenEval-style rewards and evaluation,
+its metadata (``tag``, ``include``, ``exclude``; see :mod:`rewards.geneval`).
+
+The training path reads prompts only through here; the tiny world's generator of prompt sets
+(:mod:`flowrl.tiny.prompts`) is a separate command that writes such files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = REPO_ROOT / "assets" / "prompts"
+"""The shipped prompt files: ``train``, ``test`` (the tiny world's GenEval-style split) and ``quickstart``."""
+
+
+def prompt_file(name: str | Path) -> Path:
+    """The file a prompt-set name refers to: a shipped set's name (``train``, ``test``, ... : a file
+    ``assets/prompts/<name>.jsonl``) or a path (as given if it exists, else relative to the repository root).
+
+    No existence check: :func:`read_prompts` names a missing file.
+    """
+    name = str(name)
+    shipped = PROMPTS / f"{name}.jsonl"
+    if "/" not in name and not name.endswith(".jsonl") and shipped.is_file():
+        return shipped
+    path = Path(name)
+    return path if path.exists() or path.is_absolute() else REPO_ROOT / path
+
+
+def write_jsonl(metas: list[dict], path: str | Path) -> None:
+    """Write one JSON object per line (a prompt file :func:`read_jsonl` reads back)."""
+    Path(path).write_text("".join(json.dumps(m) + "\n" for m in metas))
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Read a prompt file: one JSON object with a string ``prompt`` per non-empty line (any GenEval metadata file).
+
+    Raises:
+        FileNotFoundError: naming the path.
+        ValueError: naming the file and line of a line that is not JSON, or not an object with a string
+            ``prompt``; naming the file when it holds no prompt at all.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    metas = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                meta = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{i}: not a JSON line ({e.msg}); expected a JSON object with a 'prompt' key") from None
+            if not isinstance(meta, dict) or not isinstance(meta.get("prompt"), str):
+                raise ValueError(f"{path}:{i}: expected a JSON object with a 'prompt' key")
+            metas.append(meta)
+    if not metas:
+        raise ValueError(f"prompt file {path} holds no prompts; expected one JSON object with a 'prompt' key per line")
+    return metas
+
+
+def read_prompts(name: str | Path) -> list[dict]:
+    """The prompt records of a shipped set's name or a file (:func:`prompt_file`, :func:`read_jsonl`).
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`read_jsonl`.
+    """
+    return read_jsonl(prompt_file(name))

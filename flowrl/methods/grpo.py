@@ -1,0 +1,178 @@
+"""GRPO for flow models: Flow-GRPO's policy update (arXiv 2505.05470) on any of the GRPO rollout shapes.
+
+The rollouts and advantages are :class:`flowrl.methods.rollouts.GroupRollouts`'; :class:`GRPO` adds the
+inner PPO epochs of the clipped surrogate on the trained transitions, with the log-probs recomputed in
+float32 at the std that drew each sample, and the optional KL to the LoRA-disabled base.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from samplers import recompute_log_prob, velocity_gain
+
+from ..losses import kl_to_reference, ppo_loss, ratio_norm, step_weights, velocity_kl
+from .base import Samples
+from .diagnostics import StepDiagnostics
+from .rollouts import GroupRollouts
+
+
+class GRPO(GroupRollouts):
+    """``train.method: grpo``: Flow-GRPO, DanceGRPO, MixGRPO, BranchGRPO, TempFlow-GRPO, G2RPO, TP-GRPO, GRPO-Guard
+    and Pref-GRPO are this method with other rollout shapes, rewards and loss options (``configs/``).
+
+    Args: as :class:`flowrl.methods.base.Method`.
+    """
+
+    name = "grpo"
+
+    def update(self, samples: Samples, adv: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> dict:
+        """Inner PPO epochs over the kept transitions of ``samples.data["rollout"]`` (:meth:`optimize`)."""
+        return self.optimize(samples.data["rollout"], adv, keep, samples.data["table"], generator)
+
+    def optimize(self, ro, adv_all: torch.Tensor, keep: torch.Tensor, table, generator: torch.Generator) -> dict[str, float]:
+        """Inner PPO epochs over the kept transitions, each with its advantage ``adv_all[m]``.
+
+        Flow-GRPO's clipped surrogate (arXiv 2505.05470, its GRPO objective without the KL term, which is added here
+        with weight ``train.kl_beta``): ``max(-A r, -A clip(r, 1 - eps, 1 + eps))`` averaged over a minibatch
+        of ``train.minibatch_size`` transitions, one optimizer step (AdamW, gradient clipping at
+        ``train.max_grad_norm``, EMA update) per minibatch, ``train.inner_epochs`` passes in a random order
+        drawn from `generator`. The log-probs are recomputed in float32 with the std that drew each sample.
+        With ``train.micro_batch_size`` each minibatch is forwarded and back-propagated in micro-batches of
+        that many transitions, each loss weighted by its share of the minibatch (gradient accumulation: the
+        same step, less activation memory). Under several processes the step follows the mean over every
+        process's minibatch; the returned statistics are this process's, except ``policy/grad_norm``, which
+        is the summed gradient's.
+
+        Args:
+            ro (:class:`samplers.Rollout`): the iteration's stored transitions, `M` rows.
+            adv_all (`torch.Tensor` of shape `(M,)`, float32): advantage per transition (clipped, unitless).
+            keep (`torch.Tensor` of shape `(M,)`, bool): transitions that enter the loss.
+            table (:class:`flowrl.models.PromptEmbeds`): prompt embeddings, row 0 the empty prompt (CFG), rows
+                1.. indexed by ``ro.cond``.
+            generator (`torch.Generator`): the iteration's generator (minibatch order).
+
+        Returns:
+            `dict[str, float]`: means over optimizer steps of ``policy/*`` (loss, grad_norm, ratio, clip
+            fractions, approx_kl, kl), ``policy/ratio_first_max_dev`` (the ratio's largest deviation from 1
+            before the first optimizer step: 0 when the recomputation is exact), per-step ``diag/step_KK/*``
+            and ``cost/trained_transitions``.
+        """
+        t, policy = self.cfg.train, self.policy
+        rows = keep.nonzero().squeeze(1)
+        tv = ro.select(rows)
+        adv = adv_all[rows]  # (M',)
+        stats: dict[str, list[float]] = defaultdict(list)
+        diagnostics = StepDiagnostics(t.step_grad_norms, t.clip_range)  # filled in the first epoch
+        # step weights normalised over the plan's trained steps (the same on every process), then kept rows
+        gain = velocity_gain(ro) if t.step_weighting == "guard" else ro.std
+        step_w = step_weights(t.step_weighting, gain, ro.std, ro.step, ro.trained) if len(rows) else None  # (M,)
+        step_w = None if step_w is None else step_w[rows]  # (M',)
+        velocity = self.model.velocity_fn(table, self.cfg.sampling.guidance_scale)  # CFG against table row 0
+        optimizer_steps = 0
+        self.model.transformer.train()
+        for epoch, j, mb, total_rows in policy.minibatches(len(tv), generator):
+            if len(mb) == 0:  # this process has no transitions left, the others do: a zero gradient
+                policy.step(None, stats)
+                optimizer_steps += 1
+                continue
+            weights = None if step_w is None else step_w[mb]
+            share = len(mb) / total_rows  # this process's part of the global mean (1 with one process)
+            parts: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (value, fraction of the minibatch)
+            for c, idx, frac in policy.micro_batches(mb):  # gradient accumulation over micro-batches
+                w = None if weights is None else weights[c:c + len(idx)]
+                diag = diagnostics if epoch == 0 else None
+                micro = self.micro_batch_loss(velocity, tv.select(idx), adv[idx], w, frac * share, diag, j == 0 and c == 0)
+                for k, x in micro.items():
+                    parts[k].append((x, frac))
+            merged = {k: max(x for x, _ in vals) if k == "policy/ratio_max_dev" else sum(x * f for x, f in vals)
+                      for k, vals in parts.items()}  # the minibatch's statistics
+            if optimizer_steps == 0:  # before any update (absent where this process's first step had no transitions)
+                stats["policy/ratio_first_max_dev"].append(merged["policy/ratio_max_dev"])
+            policy.step(merged["policy/loss"], stats)
+            optimizer_steps += 1
+            for k, x in merged.items():
+                if k != "policy/loss":
+                    stats[k].append(x)
+        self.model.transformer.eval()
+        out = {k: sum(v) / len(v) for k, v in stats.items()}
+        out["policy/optimizer_steps"] = optimizer_steps
+        out.update(diagnostics.metrics())
+        out["cost/trained_transitions"] = len(tv) * t.inner_epochs
+        return out
+
+    def micro_batch_loss(self, velocity, sub, adv: torch.Tensor, weights: torch.Tensor | None, scale: float,
+                         diag: StepDiagnostics | None, first: bool) -> dict[str, float]:
+        """Forward and backward of one micro-batch of :meth:`optimize`: the clipped surrogate (plus the KL term)
+        of the `m` transitions `sub`, back-propagated with weight `scale` (their share of the global minibatch).
+
+        Args:
+            velocity: the policy (:meth:`FlowModel.velocity_fn`); sub (:class:`samplers.Rollout`): `m` transitions.
+            adv (`torch.Tensor` of shape `(m,)`, float32): their advantages; weights `(m,)` or None: step weights.
+            diag: the first epoch's :class:`StepDiagnostics` hook, None in later epochs.
+            first (`bool`): the iteration's first micro-batch (where ``step_grad_norms: params`` is measured).
+
+        Returns:
+            This micro-batch's ``policy/kl`` (with ``train.kl_beta``), ``policy/loss`` and :func:`losses.ppo_loss`'s statistics.
+        """
+        t = self.cfg.train
+        v, log_prob, mean = self.policy_log_prob(velocity, sub)
+        track_v = diag is not None and diag.track_velocity(v)
+        loss, st = ppo_loss(log_prob, sub.log_prob, adv, t.clip_range, weights)
+        out = {}
+        if diag is not None:
+            diag.record(sub, log_prob, first, lambda: self.param_grad_norms(sub, log_prob, adv, weights))
+        if t.kl_beta > 0:
+            kl = self.kl_to_reference(velocity, sub, v, mean)
+            loss = loss + t.kl_beta * kl
+            out["policy/kl"] = kl.item()
+        self.policy.backward(loss, scale)
+        if track_v:
+            diag.record_velocity_grad(sub, v, scale)
+        out["policy/loss"] = loss.item()
+        out.update({k: x.item() for k, x in st.items()})
+        return out
+
+    def policy_log_prob(self, velocity, sub) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The current policy's velocity `(M, C, H, W)` (under ``run.mixed_precision``) at transitions `sub`,
+        and the float32 log-prob `(M,)` and mean `(M, C, H, W)` of their recorded next states at the std that
+        drew them (:func:`samplers.recompute_log_prob`); with ``train.ratio_norm`` the log-prob is GRPO-Guard's
+        (arXiv 2510.22319) std-scaled, unbiased one, ``old + ratio_norm(...)``, so that ``exp(new - old)`` is its ratio."""
+        with self.policy.autocast():
+            v = velocity(sub.state, sub.sigma, sub.cond)
+        log_prob, mean = recompute_log_prob(sub, v)
+        if self.cfg.train.ratio_norm:
+            log_prob = sub.log_prob + ratio_norm(log_prob, sub.log_prob, mean, sub.mean, sub.std)
+        return v, log_prob, mean
+
+    def kl_to_reference(self, velocity, sub, v: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+        """The KL penalty (scalar, before ``train.kl_beta``) of the policy's velocity `v` / step mean `mean` at
+        transitions `sub` to the LoRA-disabled base's (``train.kl_type``: ``velocity`` -> :func:`losses.velocity_kl`,
+        else the Gaussian steps' :func:`losses.kl_to_reference` at the recorded std; ``flow_grpo``: at the std per
+        unit time, Flow-GRPO's code's KL)."""
+        with torch.no_grad(), self.model.reference(), self.policy.autocast():
+            v_ref = velocity(sub.state, sub.sigma, sub.cond)
+        if self.cfg.train.kl_type == "velocity":
+            return velocity_kl(v, v_ref)
+        std = sub.std  # flow_grpo: the SDE's sigma_t, as Flow-GRPO's code (its KL is the exact one times |dt|)
+        if self.cfg.train.kl_type == "flow_grpo":
+            std = std / (sub.sigma - sub.sigma_next).abs().sqrt()
+        return kl_to_reference(mean, recompute_log_prob(sub, v_ref)[1], std)
+
+    def param_grad_norms(self, sub, log_prob: torch.Tensor, adv: torch.Tensor,
+                         weights: torch.Tensor | None) -> dict[int, list[torch.Tensor]]:
+        """Norm of the gradient of each denoising step's mean PPO loss w.r.t. the trained parameters, on the
+        first (micro-)batch of an iteration (``train.step_grad_norms: params``; one extra backward per step present)."""
+        t = self.cfg.train
+        params = [p for p in self.policy.params.values() if p.requires_grad]
+        out = {}
+        for k in sub.step.unique().tolist():
+            m = sub.step == k
+            loss_k, _ = ppo_loss(log_prob[m], sub.log_prob[m], adv[m], t.clip_range,
+                                 None if weights is None else weights[m])
+            grads = torch.autograd.grad(loss_k, params, retain_graph=True, allow_unused=True)
+            sq = sum(g.float().pow(2).sum() for g in grads if g is not None)
+            out[k] = [torch.as_tensor(sq).sqrt().reshape(1).cpu()]
+        return out

@@ -1,0 +1,170 @@
+"""DiffusionNFT (arXiv 2509.16117): online RL on the forward process.
+
+G deterministic samples per prompt, group-relative advantages turned into optimality weights, and the
+negative-aware flow-matching loss on noised copies of the samples: no log-probs and no trajectories.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from samplers import ode_sample
+
+from ..losses import nft_loss, optimality_weights
+from .base import Method, Samples
+
+
+class DiffusionNFT(Method):
+    """``train.method: nft`` (arXiv 2509.16117, Algorithm 1): sample, score, train on the forward process.
+
+    ``sampling.group_size`` deterministic samples (``sampling.num_steps`` steps of Euler, or of DPM-Solver++ 2M
+    with ``train.nft.solver``, the published code's; CFG at ``sampling.guidance_scale``) of each of
+    ``sampling.prompts_per_iteration`` prompts are drawn by the old policy (the current one, or with
+    ``train.nft.old_decay > 0`` its soft-updated copy) and scored; the group-relative advantages (gathered over
+    processes, as in GRPO) become optimality weights ``r = clip(A / A_max) / 2 + 1/2``
+    (:func:`losses.optimality_weights`). Every image of a group with reward variance (with
+    ``train.nft.keep_flat_groups`` every image, a flat group's at ``r = 1/2``, as the published code) is noised
+    ``train.nft.timesteps`` times, ``x_t = (1 - t) x0 + t eps`` with ``t`` drawn uniformly from the sampler's grid
+    times ``>= train.nft.min_time`` (1 = noise), and the velocity at CFG ``train.nft.guidance_scale`` (by default
+    the sampling guidance; 1: the conditional velocity alone, trained off-policy on guided samples) is trained on
+    them with :func:`losses.nft_loss`, under ``run.mixed_precision`` (no ratio needs float32 here). Then
+    ``theta_old <- d theta_old + (1 - d) theta`` (:meth:`old_decay`).
+
+    Args: as :class:`flowrl.methods.base.Method`.
+    """
+
+    name = "nft"
+    OLD_POLICY_FILE = "old_policy.safetensors"  # the soft-updated sampling policy, in each checkpoint
+
+    def __init__(self, cfg, model, policy, rewards):
+        super().__init__(cfg, model, policy, rewards)
+        self.old_policy = policy.copy() if cfg.train.nft.old_decay > 0 else None
+
+    def sampling_weights(self) -> dict[str, torch.Tensor] | None:
+        return self.old_policy
+
+    # ------------------------------------------------------------------------------ the contract
+    def rollout(self, metas: list[dict], generator: torch.Generator) -> Samples:
+        """``G`` ODE samples per prompt by the old policy; ``data``: ``x0`` `(B, *latent_shape)` final latents,
+        ``cond`` `(B,)` prompt rows of ``table`` (row 0 the empty prompt)."""
+        cfg, model = self.cfg, self.model
+        table = model.encode([""] + [m["prompt"] for m in metas])
+        cond = torch.arange(len(metas), device=self.device).repeat_interleave(cfg.sampling.group_size) + 1  # (B,)
+        noise = torch.randn((len(cond), *model.latent_shape), generator=generator).to(self.device)
+        velocity = model.velocity_fn(table, cfg.sampling.guidance_scale)  # guided, against the empty prompt (row 0)
+        kernel = "ode" if cfg.train.nft.solver == "euler" else cfg.train.nft.solver
+        with torch.no_grad(), self.policy.holding(self.old_policy), self.policy.autocast():
+            x0 = ode_sample(self.chunked(velocity), noise, cond, self.sigmas.to(self.device), kernel)
+        nfe = len(cond) * cfg.sampling.num_steps * model.cfg_rows(cfg.sampling.guidance_scale)
+        return Samples(self.decode(x0), (cond - 1).cpu(), nfe, {"x0": x0, "cond": cond, "table": table})
+
+    def advantages(self, samples: Samples, scores, total: torch.Tensor, prompts: int):
+        """Group z-scores over every process's images; this process's share, ``(adv (B,), keep (B,) bool, stats)``
+        (every image kept with ``train.nft.keep_flat_groups``)."""
+        adv, zero, stats = self.group_advantages(scores, total, samples.image_prompt, prompts)
+        mine = self.mine(len(samples.image_prompt))
+        adv, keep = adv[mine], ~zero[mine]
+        if self.cfg.train.nft.keep_flat_groups:  # a flat group's advantages are 0: r = 1/2 pulls theta towards the old policy
+            keep = torch.ones_like(keep)
+        return adv, keep, stats
+
+    def update(self, samples: Samples, adv: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> dict:
+        """Noise the kept samples, compute the old policy's velocity on them and train (:meth:`optimize`).
+
+        Returns:
+            ``policy/loss``, ``policy/grad_norm``, ``policy/optimizer_steps``, ``cost/trained_transitions`` (noised
+            rows x epochs) and ``cost/nfe`` (the old policy's rows of the loss, twice under CFG).
+        """
+        t, model = self.cfg.train, self.model
+        x0, cond, table = samples.data["x0"], samples.data["cond"], samples.data["table"]
+        rows = keep.nonzero().squeeze(1).repeat_interleave(t.nft.timesteps)  # (N,) noised copies of each kept image
+        grid = self.sigmas[:-1]  # the sampler's own times, in (0, 1]; it starts at 1, so the filter keeps one
+        grid = grid[grid >= t.nft.min_time]
+        times = grid[torch.randint(0, len(grid), (len(rows),), generator=generator)].to(self.device)
+        eps = torch.randn((len(rows), *model.latent_shape), generator=generator).to(self.device)
+        x_0, c = x0[rows.to(self.device)], cond[rows.to(self.device)]
+        expand = (-1,) + (1,) * (x_0.ndim - 1)  # times broadcast over any latent shape
+        x_t = (1 - times.view(expand)) * x_0 + times.view(expand) * eps
+        r = optimality_weights(adv[rows], t.adv_clip_max).to(self.device)
+        trained_scale = self.cfg.sampling.guidance_scale if t.nft.guidance_scale is None else t.nft.guidance_scale
+        trained = model.velocity_fn(table, trained_scale)
+        with torch.no_grad(), self.policy.holding(self.old_policy), self.policy.autocast():
+            v_old = self.chunked(trained)(x_t, times, c) if len(rows) else x_t
+        stats = self.optimize(trained, x_t, times, c, x_0, v_old, r, generator)
+        stats["cost/nfe"] = len(rows) * model.cfg_rows(trained_scale)
+        stats["cost/trained_transitions"] = len(rows) * t.inner_epochs
+        return stats
+
+    def end_iteration(self, stats: dict) -> None:
+        """The old policy's soft update (records ``policy/old_decay``)."""
+        if self.old_policy is not None:
+            stats["policy/old_decay"] = self.old_decay()
+            self.policy.move_towards(self.old_policy, stats["policy/old_decay"])
+
+    def save_files(self, folder: Path) -> None:
+        if self.old_policy is not None:
+            from safetensors.torch import save_file
+
+            save_file({n: v.detach().cpu().contiguous() for n, v in self.old_policy.items()}, folder / self.OLD_POLICY_FILE)
+
+    def load_files(self, folder: Path) -> None:
+        if self.old_policy is None:
+            return
+        from safetensors.torch import load_file
+
+        file = folder / self.OLD_POLICY_FILE
+        if not file.is_file():
+            raise ValueError(f"checkpoint {folder} has no {self.OLD_POLICY_FILE}: it was not written with "
+                             "train.nft.old_decay > 0, which this run sets")
+        for n, v in load_file(file).items():
+            self.old_policy[n].copy_(v)
+
+    # ------------------------------------------------------------------------------ the parts
+    def old_decay(self) -> float:
+        """The soft update's decay in [0, 1): ``train.nft.old_decay``, or with ``train.nft.decay_ramp`` ``min(ramp *
+        optimizer steps so far, old_decay)`` (the published code ramps 0.001 per step up to 0.5 for GenEval)."""
+        nft = self.cfg.train.nft
+        if nft.decay_ramp == 0:
+            return nft.old_decay
+        state = next(iter(self.policy.optimizer.state.values()), {})  # AdamW counts its steps (restored on resume)
+        return min(nft.decay_ramp * float(state.get("step", 0)), nft.old_decay)
+
+    def optimize(self, velocity, x_t: torch.Tensor, times: torch.Tensor, cond: torch.Tensor, x_0: torch.Tensor,
+                 v_old: torch.Tensor, r: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
+        """DiffusionNFT's optimizer steps (arXiv 2509.16117, Eq. 8: :func:`losses.nft_loss`) on `N` noised rows:
+        ``train.inner_epochs`` passes of minibatches (:meth:`flowrl.policy.Policy.minibatches`, micro-batched).
+
+        Args:
+            velocity: the policy at the trained guidance (:meth:`FlowModel.velocity_fn`), trained here.
+            x_t, x_0, v_old (`torch.Tensor` of shape `(N, *latent_shape)`): noised rows, their clean samples, and
+                the old policy's velocity at them.
+            times (`torch.Tensor` of shape `(N,)`, float32 in (0, 1]): the rows' noise times; cond `(N,)` long
+                their prompt rows; r `(N,)` float32 in [0, 1] their optimality weights.
+            generator: the iteration's generator (minibatch order).
+
+        Returns:
+            ``policy/loss`` and ``policy/grad_norm`` (means over steps) and ``policy/optimizer_steps``.
+        """
+        t, policy = self.cfg.train, self.policy
+        stats: dict[str, list[float]] = defaultdict(list)
+        steps = 0
+        self.model.transformer.train()
+        for _, _, mb, total_rows in policy.minibatches(len(x_t), generator):
+            steps += 1
+            if len(mb) == 0:  # this process has no rows left, the others do: a zero gradient
+                policy.step(None, stats)
+                continue
+            share = len(mb) / total_rows  # this process's part of the global minibatch
+            parts = []
+            for _, idx, frac in policy.micro_batches(mb):  # gradient accumulation
+                with policy.autocast():
+                    v = velocity(x_t[idx], times[idx], cond[idx])
+                loss = nft_loss(v, v_old[idx], x_t[idx], x_0[idx], times[idx], r[idx], t.nft.beta, t.adv_clip_max)
+                policy.backward(loss, frac * share)
+                parts.append(loss.item() * frac)
+            policy.step(sum(parts), stats)
+        self.model.transformer.eval()
+        return {**{k: sum(v) / len(v) for k, v in stats.items()}, "policy/optimizer_steps": steps}

@@ -1,0 +1,174 @@
+"""The FLUX.1 family (``FluxPipeline``): FLUX.1-dev, FLUX.1-schnell and small ones."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from .base import FlowModel, PromptEmbeds, _config_shift, _pipeline_folder, _scheduler_file, _vae_factor, check_guidance
+
+FLUX_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                     "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                     "ff_context.net.2")
+"""LoRA targets for FLUX.1 transformers, as diffusers' FLUX LoRA training script: both streams' attention and
+feed-forward layers of the dual-stream blocks; the attention suffixes also match the single-stream blocks'
+``attn.to_q / to_k / to_v``."""
+
+
+def _dynamic_shift(cfg: dict, where: str | Path, image_tokens: int) -> float:
+    """The static shift equal to a FLUX-style scheduler config's schedule at ``image_tokens`` packed latent tokens.
+
+    A dynamic-shifting ``FlowMatchEulerDiscreteScheduler`` maps t to ``exp(mu) / (exp(mu) + 1/t - 1)`` (its exponential
+    time shift) with ``mu = calculate_shift(image_tokens, ...)`` (diffusers' FLUX pipeline, linear in the token count
+    between ``base_shift`` at ``base_image_seq_len`` and ``max_shift`` at ``max_image_seq_len``); that equals SD3's static
+    shift ``s t / (1 + (s - 1) t)`` with ``s = exp(mu)``. A config without dynamic shifting gives its own ``shift``.
+
+    Raises:
+        ValueError: naming ``where``, for a linear time shift (no static equivalent) or a shift that is not > 0.
+    """
+    if not cfg.get("use_dynamic_shifting"):
+        return _config_shift(cfg, where)
+    if cfg.get("time_shift_type", "exponential") != "exponential":
+        raise ValueError(f"{where} has time_shift_type {cfg['time_shift_type']!r}; flowrl supports 'exponential' (FLUX's)")
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    mu = calculate_shift(image_tokens, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                         cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+    return math.exp(mu)
+
+
+class FluxModel(FlowModel):
+    """A FLUX.1 text-to-image flow model (``FluxPipeline`` folder: FLUX.1-dev, FLUX.1-schnell or a small one), with
+    :class:`FlowModel`'s interface; the samplers and the trainer see no difference.
+
+    What the adapter does differently, all inside it:
+
+    - Latents stay ``(B, C, H, W)`` (``C`` the VAE's latent channels, 16 for FLUX.1) for the samplers; :meth:`velocity`
+      packs them into FLUX's tokens of 2x2 latent patches, with the pipeline's own ``_pack_latents``,
+      ``_prepare_latent_image_ids`` and ``_unpack_latents``, and unpacks the prediction.
+    - Guidance: a guidance-distilled transformer (``guidance_embeds``, FLUX.1-dev) takes the guidance scale as an
+      input (one forward per sample, :meth:`cfg_rows` 1, the empty prompt unused), as ``FluxPipeline(guidance_scale=)``;
+      one without it (FLUX.1-schnell) gets classifier-free guidance with the empty prompt, as SD3.
+    - Prompts: CLIP-L's pooled output and ``max_sequence_length`` T5 tokens (default 512, as ``FluxPipeline``; at least 1).
+    - Schedule: FLUX's scheduler shifts dynamically, by ``exp(mu)`` with ``mu`` linear in the number of image tokens,
+      which equals SD3's static shift ``exp(mu)`` (:func:`_dynamic_shift`): 3.16 at 1024 px, 1.92 at 512 px; the
+      steps are spaced as ``FluxPipeline`` spaces them (:meth:`sigmas`: ``linspace(1, 1/N, N)`` shifted, then 0), so
+      the adapter's ODE sampling gives the stock pipeline's images (a test checks it).
+    - Resolution: any multiple of 16 px (VAE factor 8 x the 2x2 packing; FLUX's rotary position embedding has no
+      largest size); the default is ``FluxPipeline``'s 128 latents (1024 px).
+
+    Args, Raises: as :class:`FlowModel`; ``ValueError`` also for ``max_sequence_length < 1``.
+    """
+
+    PIPELINE = "FluxPipeline"
+    OPTIONAL = ("image_encoder", "feature_extractor")
+    LORA_TARGETS = FLUX_LORA_TARGETS
+    SIGMA_SPACING = "flux"
+    DEFAULT_SAMPLE_SIZE = 128
+    """Latents per image side when no resolution is given (``FluxPipeline.default_sample_size``)."""
+
+    @staticmethod
+    def _default_length(index: dict) -> int:
+        return 512  # FluxPipeline's default; FLUX.1-schnell was trained with 256
+
+    @staticmethod
+    def check_max_sequence_length(length: int) -> None:
+        """Raise ValueError for a T5 prompt length below 1 (FLUX's T5 tokens condition every block)."""
+        if length < 1:
+            raise ValueError(f"max_sequence_length must be >= 1 for FLUX (its T5 tokens condition every block), got {length}")
+
+    @classmethod
+    def check_resolution(cls, path: str | Path, resolution: int | None) -> int:
+        """As :meth:`FlowModel.check_resolution`: ``resolution``, or ``DEFAULT_SAMPLE_SIZE`` latents x the VAE factor.
+
+        Raises:
+            FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
+            ValueError: for a resolution that is not a positive multiple of the VAE factor x 2.
+        """
+        path = _pipeline_folder(path)
+        factor = _vae_factor(path)
+        if resolution is None:
+            return cls.DEFAULT_SAMPLE_SIZE * factor
+        unit = factor * 2  # 2x2 latent patches per token
+        if resolution < unit or resolution % unit:
+            raise ValueError(f"resolution {resolution} px does not fit the model at {path}: expected a multiple of "
+                             f"{unit} (VAE factor {factor} x FLUX's 2x2 latent packing)")
+        return resolution
+
+    @classmethod
+    def scheduler_shift(cls, path: str | Path, resolution: int | None = None) -> float:
+        """The static shift equal to the folder's scheduler at ``resolution`` px (default: :meth:`check_resolution`'s),
+        read without loading weights (:func:`_dynamic_shift`): 3.16 for FLUX.1 at 1024 px, 1.92 at 512 px.
+
+        Raises:
+            FileNotFoundError: if ``path`` is not a pipeline folder or has no scheduler config.
+            ValueError: for a resolution the model cannot take, or a scheduler as :func:`_dynamic_shift` refuses.
+        """
+        file = _scheduler_file(path)
+        tokens = cls._image_tokens(cls.check_resolution(path, resolution), _vae_factor(Path(path)))
+        return _dynamic_shift(json.loads(file.read_text()), file, tokens)
+
+    @property
+    def shift(self) -> float:
+        """:meth:`scheduler_shift` of the loaded scheduler at the model's :attr:`resolution`."""
+        tokens = self._image_tokens(self.resolution, self.pipe.vae_scale_factor)
+        return _dynamic_shift(dict(self.pipe.scheduler.config), Path(self.path) / "scheduler", tokens)
+
+    @staticmethod
+    def _image_tokens(resolution: int, vae_factor: int) -> int:
+        """Packed image tokens of a square ``resolution`` px image: one per 2x2 latent patch."""
+        return (resolution // (2 * vae_factor)) ** 2
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """``(C, H, W)`` of the unpacked latents: the VAE's latent channels, ``H = W = resolution / vae_scale_factor``."""
+        side = self.resolution // self.pipe.vae_scale_factor
+        return (self.pipe.vae.config.latent_channels, side, side)
+
+    @property
+    def guidance_embeds(self) -> bool:
+        """Whether the transformer is guidance-distilled (takes the guidance scale as an input, FLUX.1-dev)."""
+        return bool(self.transformer.config.guidance_embeds)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> PromptEmbeds:
+        """Encode prompts with ``FluxPipeline.encode_prompt``: T5 tokens ``(P, max_sequence_length, D_t5)`` and CLIP-L's
+        pooled output ``(P, D_clip)``, float32."""
+        embeds, pooled, _ = self.pipe.encode_prompt(prompts, prompts, device=self.device,
+                                                    max_sequence_length=self.max_sequence_length)
+        return PromptEmbeds(embeds.float(), pooled.float())
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None,
+                 guidance_scale: float) -> torch.Tensor:
+        """Velocity ``(N, C, H, W)`` float32 of latents ``x (N, C, H, W)`` at times ``t (N,)`` in [0, 1]: with the
+        guidance scale as the transformer's input if it is guidance-distilled (``uncond`` unused), else with
+        classifier-free guidance as :meth:`FlowModel.velocity`.
+
+        Raises:
+            ValueError: if ``guidance_scale < 1``.
+        """
+        if not self.guidance_embeds:
+            return super().velocity(x, t, cond, uncond, guidance_scale)
+        check_guidance(guidance_scale)
+        return self._forward(x, t, cond, next(self.transformer.parameters()).dtype, guidance_scale).float()
+
+    def cfg_rows(self, guidance_scale: float) -> int:
+        """Transformer rows per sample and velocity: 1 for a guidance-distilled transformer, else as SD3's."""
+        return 1 if self.guidance_embeds else super().cfg_rows(guidance_scale)
+
+    def _forward(self, x, t, cond: PromptEmbeds, dtype, guidance: float = 1.0) -> torch.Tensor:
+        n, c, h, w = x.shape
+        pipe = self.pipe
+        tokens = pipe._pack_latents(x.to(dtype).contiguous(), n, c, h, w)  # (N, h/2 * w/2, 4C); it views its input
+        img_ids = pipe._prepare_latent_image_ids(n, h // 2, w // 2, x.device, dtype)
+        txt_ids = torch.zeros(cond.embeds.shape[1], 3, device=x.device, dtype=dtype)
+        g = torch.full((n,), float(guidance), device=x.device) if self.guidance_embeds else None
+        out = self.transformer(hidden_states=tokens, timestep=t.to(dtype), guidance=g,
+                               pooled_projections=cond.pooled.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),
+                               txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+        factor = pipe.vae_scale_factor
+        return pipe._unpack_latents(out, h * factor, w * factor, factor)
+

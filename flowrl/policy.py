@@ -1,0 +1,198 @@
+"""The trained policy's weights and what updates them: AdamW, gradient clipping, the EMA, held copies of the
+weights, the minibatch schedule shared by every process, and the sum of the gradients over processes.
+
+A method (:mod:`flowrl.methods`) computes a loss per (micro-)batch, back-propagates it through
+:meth:`Policy.backward` and calls :meth:`Policy.step` once per minibatch; the trainer never touches gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+
+def minibatch_sizes(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """Transitions in each minibatch of each process, ``(processes, steps)`` int64.
+
+    Each process splits its own kept transitions (``counts``, ``(processes,)`` int) into minibatches of
+    ``size``; all take as many optimizer steps as the process with the most minibatches, because the
+    gradients are summed over processes at every step, so a process that has run out contributes 0
+    transitions (a zero gradient) to the remaining steps. ``steps`` is 0 when no process kept a transition.
+    Example: counts ``[5, 0, 3]``, size 2 -> ``[[2, 2, 1], [0, 0, 0], [2, 1, 0]]``.
+    """
+    steps = max(-(-int(c) // size) for c in counts)
+    return torch.stack([torch.clamp(int(c) - torch.arange(steps) * size, 0, size) for c in counts])
+
+
+class Policy:
+    """The trainable parameters of ``model.transformer`` (a LoRA, or every weight) with their optimizer.
+
+    Args:
+        model (:class:`flowrl.models.FlowModel`): the adapter whose transformer holds the trainable parameters
+            (``requires_grad`` set by ``add_lora`` / ``full_finetune``).
+        train (:class:`flowrl.config.TrainConfig`): learning rate, betas, weight decay, ``max_grad_norm``,
+            ``ema_decay``, ``minibatch_size``, ``micro_batch_size``, ``inner_epochs``.
+        precision (`str`): ``run.mixed_precision``, ``"no"`` or ``"bf16"`` (the default of :meth:`autocast`).
+        accelerator (`accelerate.Accelerator`): processes and devices.
+    """
+
+    REDUCE_BUCKET = 1 << 26  # gradient elements per all-reduce under several processes (256 MB in float32)
+
+    def __init__(self, model, train, precision: str, accelerator):
+        self.model, self.cfg, self.precision, self.accelerator = model, train, precision, accelerator
+        self.device = accelerator.device
+        self.params = {n: p for n, p in model.transformer.named_parameters() if p.requires_grad}
+        optimizer = torch.optim.AdamW(self.params.values(), lr=train.learning_rate, betas=tuple(train.adam_betas),
+                                      weight_decay=train.weight_decay)
+        self.optimizer = accelerator.prepare(optimizer)
+        self.ema = {n: p.detach().clone() for n, p in self.params.items()} if train.ema_decay > 0 else None
+
+    def autocast(self, precision: str | None = None):
+        """bf16 autocast for ``precision`` (default ``run.mixed_precision``; ``no`` or ``bf16``): ``no`` leaves the
+        surrounding mode."""
+        precision = precision or self.precision
+        if precision == "no":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    # ------------------------------------------------------------------------------ minibatches
+    def minibatches(self, count: int, generator: torch.Generator) -> Iterator[tuple[int, int, torch.Tensor, int]]:
+        """The optimizer steps of ``train.inner_epochs`` passes over this process's `count` rows, each pass in a
+        random order drawn from `generator`.
+
+        Yields:
+            ``(epoch, j, mb, total_rows)``: the pass, the step within it, this process's row indices of the
+            minibatch (`(<= train.minibatch_size,)` long; empty when only other processes have rows left) and
+            the minibatch's size summed over all processes. Every process gets the same steps
+            (:func:`minibatch_sizes`), so it must take each one, empty or not.
+        """
+        size = self.cfg.minibatch_size
+        counts = torch.tensor([count])
+        if self.accelerator.num_processes > 1:
+            counts = self.accelerator.gather(counts.to(self.device)).cpu()
+        sizes = minibatch_sizes(counts, size)  # (processes, minibatches)
+        for epoch in range(self.cfg.inner_epochs):
+            order = torch.randperm(count, generator=generator).to(self.device)
+            for j in range(sizes.shape[1]):
+                yield epoch, j, order[j * size:(j + 1) * size], sizes[:, j].sum().item()
+
+    def micro_batches(self, mb: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, float]]:
+        """`mb` in chunks of ``train.micro_batch_size`` rows (one chunk when 0), for gradient accumulation.
+
+        Yields:
+            ``(start, idx, frac)``: the chunk's offset in `mb`, its row indices and its fraction of `mb`.
+        """
+        micro = self.cfg.micro_batch_size or len(mb)
+        for start in range(0, len(mb), micro):
+            idx = mb[start:start + micro]
+            yield start, idx, len(idx) / len(mb)
+
+    # ----------------------------------------------------------------------------------- update
+    def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
+        """Back-propagate ``loss * scale`` (``scale``: the micro-batch's share of the global minibatch)."""
+        self.accelerator.backward(loss * scale if scale != 1.0 else loss)
+
+    def step(self, loss: float | None, stats: dict[str, list[float]]) -> None:
+        """Sum the gradients over the processes (each process scaled its loss by its share of the global
+        minibatch, so the sum is the global mean's gradient), clip to ``train.max_grad_norm``, step AdamW,
+        update the EMA; append ``policy/grad_norm`` (and ``policy/loss`` unless `loss` is None: a process
+        that took part with no transitions) to `stats`."""
+        params = list(self.params.values())
+        if self.accelerator.num_processes > 1:
+            self._sum_gradients(params)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.move_towards(self.ema, self.cfg.ema_decay)
+        stats["policy/grad_norm"].append(grad_norm.item())
+        if loss is not None:
+            stats["policy/loss"].append(loss)
+
+    def _sum_gradients(self, params: list[torch.Tensor]) -> None:
+        """All-reduce (sum) the gradients in float32 buckets of at most :attr:`REDUCE_BUCKET` elements; a parameter
+        without a gradient on every process keeps none (AdamW skips it, as with one process).
+
+        Why not DDP's reducer (``accelerator.prepare(transformer)``): a process whose share of a minibatch is
+        empty must still join every all-reduce, which DDP ties to a forward and backward through the wrapped
+        module; and DDP would give a parameter unused everywhere a zero gradient, which AdamW (weight decay,
+        momentum) treats unlike no gradient. See docs/distributed.md.
+        """
+        has = self.accelerator.reduce(torch.tensor([float(p.grad is not None) for p in params], device=self.device), "sum")
+        buckets, size = [[]], 0
+        for p in params:
+            if buckets[-1] and size + p.numel() > self.REDUCE_BUCKET:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            size += p.numel()
+        for bucket in buckets:
+            flat = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1).float() for q in bucket])
+            for q in bucket:
+                q.grad = None  # free this bucket's gradients before the summed ones arrive
+            flat = self.accelerator.reduce(flat, "sum")
+            offset = 0
+            for q in bucket:
+                q.grad = flat[offset:offset + q.numel()].view_as(q).to(q.dtype)
+                offset += q.numel()
+        for p, h in zip(params, has.tolist()):
+            if h == 0:
+                p.grad = None
+
+    # ---------------------------------------------------------------------------- held weights
+    @torch.no_grad()
+    def move_towards(self, store: dict[str, torch.Tensor], decay: float) -> None:
+        """``store <- decay store + (1 - decay) theta`` for every trainable tensor (the EMA, DiffusionNFT's old policy)."""
+        for n, p in self.params.items():
+            store[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
+
+    def copy(self) -> dict[str, torch.Tensor]:
+        """A detached copy of the trainable tensors (by name)."""
+        return {n: p.detach().clone() for n, p in self.params.items()}
+
+    @contextlib.contextmanager
+    def holding(self, weights: dict[str, torch.Tensor] | None):
+        """Context in which the trainable parameters hold ``weights`` (same names; no-op for None)."""
+        if weights is None:
+            yield
+            return
+        backup = self.copy()
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(weights[n])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(backup[n])
+
+    def ema_weights(self):
+        """Context in which the trainable parameters hold their EMA (no-op without EMA)."""
+        return self.holding(self.ema)
+
+    # ---------------------------------------------------------------------------------- resume
+    def apply_optimizer_config(self, path: Path) -> None:
+        """Set AdamW's learning rate, betas and weight decay to the config's after a resume (a restored optimizer
+        state carries the checkpoint's), warning which of them the resumed config changes."""
+        t = self.cfg
+        wanted = {"lr": t.learning_rate, "betas": tuple(t.adam_betas), "weight_decay": t.weight_decay}
+        changed = set()
+        for group in self.optimizer.param_groups:
+            for key, value in wanted.items():
+                if (tuple(group[key]) if key == "betas" else group[key]) != value:
+                    changed.add(key)
+                    group[key] = value
+        if changed and self.accelerator.is_main_process:
+            warnings.warn(f"resuming from {path} with the config's {', '.join(sorted(changed))} "
+                          f"(learning rate {t.learning_rate}, betas {tuple(t.adam_betas)}, weight decay {t.weight_decay}), "
+                          "not the checkpoint's", UserWarning, stacklevel=4)
+
+    def checkpoint_mib(self, extra_copies: int = 0) -> float:
+        """MiB of one checkpoint: the weights, AdamW's two moments, the EMA and `extra_copies` more copies."""
+        copies = 3 + (self.ema is not None) + extra_copies
+        return copies * sum(t.numel() * t.element_size() for t in self.params.values()) / 2**20

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -17,36 +20,123 @@ def _plt():
     return plt
 
 
-def save_reward_curve(metrics: list[dict], result: dict | None, path: str | Path) -> None:
-    """Plot ``reward/total/mean`` (and each reward's mean) per iteration, and the held-out GenEval
-    accuracy before, during (``eval/overall``) and after training, side by side.
+SMOOTHING_WINDOW = 10  # iterations in the reward curve's moving average
+
+
+def moving_average(values: Sequence[float | None], window: int) -> np.ndarray:
+    """Trailing moving average: entry ``i`` is the mean of ``values[max(0, i - window + 1) : i + 1]``, so the
+    first ``window - 1`` entries average fewer values. Missing values (None, NaN) are left out of each mean;
+    an entry whose window holds none is NaN.
 
     Args:
-        metrics: the rows of ``metrics.jsonl``, each with ``iteration`` and ``reward/NAME/mean`` (``eval/overall``
-            on evaluation iterations).
-        result: the trainer's result (``before`` and ``after`` with ``overall``, ``iterations``), or None for
-            the reward curve with the evaluations during training only.
-        path: the PNG to write.
+        values: ``N`` numbers, one per iteration (None or NaN where not logged).
+        window: how many values each mean covers, at least 1.
+
+    Returns:
+        float64 array of shape ``(N,)``.
     """
+    if window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
+    v = np.asarray(values, dtype=np.float64)  # (N,), None -> NaN
+    out = np.full(len(v), np.nan)
+    for i in range(len(v)):
+        recent = v[max(0, i - window + 1): i + 1]
+        recent = recent[np.isfinite(recent)]
+        if recent.size:
+            out[i] = recent.mean()
+    return out
+
+
+def save_reward_curve(metrics: list[dict], result: dict | None, path: str | Path) -> None:
+    """Write :func:`reward_curve_figure` of ``metrics`` and ``result`` as a PNG to ``path``."""
     plt = _plt()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
-    its = [m["iteration"] for m in metrics]
-    for key in sorted({k for m in metrics for k in m if k.startswith("reward/") and k.endswith("/mean")}):
-        a.plot(its, [m.get(key) for m in metrics], label=key.split("/")[1])
-    a.set_xlabel("iteration"), a.set_ylabel("training reward (mean)"), a.legend(fontsize=8)
-    xs, ys = [], []
-    if result:
-        xs.append(0), ys.append(result["before"]["overall"])
-    for m in metrics:
-        if "eval/overall" in m:
-            xs.append(m["iteration"]), ys.append(m["eval/overall"])
-    if result:
-        xs.append(result.get("iterations", its[-1] if its else 0)), ys.append(result["after"]["overall"])
-    b.plot(xs, ys, "o-")
-    b.set_xlabel("iteration"), b.set_ylabel("held-out GenEval strict accuracy"), b.set_ylim(0, 1)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig = reward_curve_figure(metrics, result)
+    fig.savefig(path, dpi=100, bbox_inches="tight")  # keeps the legend right of the axes
     plt.close(fig)
+
+
+def reward_curve_figure(metrics: list[dict], result: dict | None):
+    """The training reward per iteration and the held-out evaluations on one iteration axis.
+
+    Training reward (left axis): ``reward/total/mean`` in black and each prompt tag's ``reward/tag/<tag>/mean``
+    in its own colour, labelled by the tag's name (and each reward's ``reward/<name>/mean`` when there are
+    several), as faint per-iteration points under a moving average over :data:`SMOOTHING_WINDOW` iterations
+    (:func:`moving_average`). Held-out evaluation (right axis, strict accuracy in [0, 1]): ``eval/overall``
+    (black diamonds) and ``eval/<tag>`` (circles in the tag's colour) on the iterations that logged them, with
+    ``result``'s ``before`` at iteration 0 and ``after`` at its last iteration.
+
+    Args:
+        metrics: the rows of ``metrics.jsonl``, each with ``iteration`` and ``reward/...`` means (``eval/...``
+            on evaluation iterations).
+        result: the trainer's result (``before`` and ``after``, each with ``overall`` and optionally
+            ``per_tag``; ``iterations``), or None for the evaluations during training only.
+
+    Returns:
+        The matplotlib ``Figure``; its axes are ``[training reward, held-out accuracy]``, the legend on the first.
+    """
+    from matplotlib.lines import Line2D
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    ev = ax.twinx()
+    tags = sorted({k.split("/")[2] for m in metrics for k in m if re.fullmatch(r"reward/tag/[^/]+/mean", k)})
+    colors = {tag: plt.cm.tab10(i % 10) for i, tag in enumerate(tags)}
+    handles = _plot_training_reward(ax, metrics, colors)
+    its = [m["iteration"] for m in metrics]
+    last = result.get("iterations", its[-1] if its else 0) if result else None
+    for tag in tags:
+        xs, ys = _eval_points(metrics, result, last, f"eval/{tag}", lambda r, tag=tag: r.get("per_tag", {}).get(tag))
+        ev.plot(xs, ys, "o:", color=colors[tag], ms=5, lw=0.8, mec="white", mew=0.5)
+    xs, ys = _eval_points(metrics, result, last, "eval/overall", lambda r: r.get("overall"))
+    ev.plot(xs, ys, "D--", color="black", ms=6, lw=1.2)
+    handles += [Line2D([], [], color="0.3", marker=".", ls="", alpha=0.4, label="per iteration"),
+                Line2D([], [], color="0.3", lw=1.5, label=f"mean of last {SMOOTHING_WINDOW} iterations"),
+                Line2D([], [], color="black", marker="D", ls="--", label="held-out accuracy (right axis)"),
+                Line2D([], [], color="0.3", marker="o", ls=":", label="held-out accuracy per tag")]
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("training reward (mean per iteration)")
+    ev.set_ylabel("held-out GenEval strict accuracy")
+    ev.set_ylim(-0.02, 1.02)
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.1, 1), borderaxespad=0)
+    fig.tight_layout()
+    return fig
+
+
+def _plot_training_reward(ax, metrics: list[dict], colors: dict) -> list:
+    """Plot each tag's reward (``colors``: tag -> colour), each reward's when there are several, and the total
+    on ``ax``: faint points per iteration under their :func:`moving_average`. Sets the y range to [0, 1] when
+    every value lies there (the right axis's range). Returns the legend handles, one per curve."""
+    from matplotlib.lines import Line2D
+
+    names = sorted({k.split("/")[1] for m in metrics for k in m if re.fullmatch(r"reward/[^/]+/mean", k)} - {"total"})
+    curves = [(f"reward/tag/{tag}/mean", tag, color, "-", 1.5) for tag, color in colors.items()]
+    curves += [(f"reward/{n}/mean", f"reward: {n}", "0.45", "--", 1.5) for n in names if len(names) > 1]
+    curves += [("reward/total/mean", "all prompts", "black", "-", 2.5)]
+    its = [m["iteration"] for m in metrics]
+    handles, seen = [], []
+    for key, label, color, style, width in curves:
+        raw = [m.get(key) for m in metrics]
+        if all(r is None for r in raw):
+            continue
+        seen += [r for r in raw if r is not None]
+        ax.plot(its, np.asarray(raw, dtype=np.float64), ".", color=color, alpha=0.2, ms=3)
+        ax.plot(its, moving_average(raw, SMOOTHING_WINDOW), style, color=color, lw=width)
+        handles.append(Line2D([], [], color=color, ls=style, lw=width, label=label))
+    if seen and 0 <= min(seen) and max(seen) <= 1:
+        ax.set_ylim(-0.02, 1.02)
+    return handles
+
+
+def _eval_points(metrics: list[dict], result: dict | None, last: int | None, key: str, pick) -> tuple[list, list]:
+    """Iterations and values of ``key`` where ``metrics`` logged it, plus ``pick(result["before"])`` at iteration 0
+    and ``pick(result["after"])`` at ``last`` when ``result`` is given and ``pick`` finds a value; sorted by
+    iteration."""
+    points = [(m["iteration"], m[key]) for m in metrics if key in m]
+    for x, r in (((0, result.get("before", {})), (last, result.get("after", {}))) if result else ()):
+        if pick(r) is not None:
+            points.append((x, pick(r)))
+    points.sort(key=lambda p: p[0])
+    return [x for x, _ in points], [y for _, y in points]
 
 
 def save_grid(before: torch.Tensor, after: torch.Tensor, prompts: list[str], path: str | Path) -> None:
@@ -74,8 +164,6 @@ def save_diagnostics(metrics: list[dict], path: str | Path) -> None:
     mean and std, the clip fractions above and below 1 and the gradient norm per denoising step (heatmaps:
     iteration x step; see ``train.step_grad_norms``),
     and the advantage statistics with the fraction of zero-variance groups per iteration."""
-    import re
-
     plt = _plt()
     steps = sorted({int(m.group(1)) for row in metrics for k in row if (m := re.match(r"diag/step_(\d+)/", k))})
     fig, axes = plt.subplots(1, 6, figsize=(21, 3.2))

@@ -121,3 +121,20 @@ def test_build_usage_errors_come_before_any_work(args, tmp_path):
     with pytest.raises(SystemExit) as err:
         main(["--out", str(tmp_path / "out"), *args])
     assert err.value.code == 2 and not (tmp_path / "out").exists()
+
+
+def test_saved_pipeline_loads_in_float32_in_stock_diffusers(tmp_path):
+    import json
+
+    from diffusers import StableDiffusion3Pipeline
+
+    from conftest import build_random_pipeline
+    from flowrl.tiny.build import _save_pipeline
+
+    half = StableDiffusion3Pipeline.from_pretrained(build_random_pipeline(tmp_path / "src"), text_encoder_3=None,
+                                                    tokenizer_3=None, dtype=torch.float16)
+    _save_pipeline(tmp_path / "out", half.transformer, half.vae, half.text_encoder, half.tokenizer)
+    for name in ("text_encoder", "text_encoder_2"):
+        assert json.loads((tmp_path / "out" / name / "config.json").read_text())["dtype"] == "float32"
+    pipe = StableDiffusion3Pipeline.from_pretrained(tmp_path / "out", text_encoder_3=None, tokenizer_3=None)
+    assert {getattr(pipe, n).dtype for n in ("text_encoder", "text_encoder_2", "transformer", "vae")} == {torch.float32}

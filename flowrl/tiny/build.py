@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from flowrl.tiny.prompts import all_metadata, split, write_jsonl
+from flowrl.data import write_jsonl
+from flowrl.tiny.prompts import all_metadata, split
 from flowrl.tiny.render import render, sample_scene
 from rewards.geneval.world import BACKGROUND, IMAGE_SIZE, TAGS
 
@@ -591,12 +592,18 @@ def _caption_rows(tokenizer, captions: list[str]) -> tuple[torch.Tensor, torch.T
 
 def _save_pipeline(folder: Path, transformer, vae, text_encoder, tokenizer) -> None:
     """Write the ``StableDiffusion3Pipeline`` folder: the tiny text tower and tokenizer in both CLIP slots, no T5,
-    Euler flow-matching scheduler (shift 1). Converts the three models to float16 in place (fp16 on disk)."""
+    Euler flow-matching scheduler (shift 1).
+
+    Converts the models in place. The transformer and VAE are stored in float16, which diffusers loads into
+    float32 when no ``torch_dtype`` is given. The text tower is stored in float32 (its config's ``dtype``):
+    transformers loads a model in its config's dtype, and a float16 text tower then feeds float16
+    embeddings into the float32 transformer of a stock ``StableDiffusion3Pipeline.from_pretrained(folder)``.
+    """
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
     pipe = StableDiffusion3Pipeline(
         transformer=transformer.half(), scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=vae.half(),
-        text_encoder=text_encoder.half(), tokenizer=tokenizer, text_encoder_2=text_encoder, tokenizer_2=tokenizer,
+        text_encoder=text_encoder.float(), tokenizer=tokenizer, text_encoder_2=text_encoder, tokenizer_2=tokenizer,
         text_encoder_3=None, tokenizer_3=None)
     pipe.save_pretrained(folder)
 

@@ -1,0 +1,72 @@
+"""Run-folder figures: the reward curve's smoothing, legend, evaluation points and PNG."""
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from flowrl.plots import SMOOTHING_WINDOW, moving_average, reward_curve_figure, save_reward_curve
+
+TAGS = ("colors", "counting", "single_object")
+
+
+def fake_metrics(iterations: int = 30, eval_every: int = 10) -> list[dict]:
+    """Noisy rising per-tag rewards; ``eval/overall`` and ``eval/<tag>`` every ``eval_every`` iterations."""
+    rng = random.Random(0)
+    rows = []
+    for it in range(1, iterations + 1):
+        tags = {tag: min(1.0, max(0.0, 0.2 + 0.4 * it / iterations + 0.1 * k + rng.gauss(0, 0.15)))
+                for k, tag in enumerate(TAGS)}
+        row = {"iteration": it, "reward/total/mean": sum(tags.values()) / len(tags),
+               "reward/geneval/mean": sum(tags.values()) / len(tags),
+               **{f"reward/tag/{tag}/mean": v for tag, v in tags.items()}}
+        if it % eval_every == 0:
+            row |= {"eval/overall": 0.3 + 0.01 * it, **{f"eval/{tag}": 0.2 + 0.01 * it for tag in TAGS}}
+        rows.append(row)
+    return rows
+
+
+RESULT = {"before": {"overall": 0.25, "per_tag": {tag: 0.2 for tag in TAGS}},
+          "after": {"overall": 0.65, "per_tag": {tag: 0.5 for tag in TAGS}}, "iterations": 30}
+
+
+def test_moving_average_is_the_trailing_mean_over_fewer_values_at_the_start():
+    np.testing.assert_allclose(moving_average([1, 2, 3, 4, 5], 2), [1, 1.5, 2.5, 3.5, 4.5])
+    values = list(range(12))
+    expected = [sum(values[max(0, i - 9): i + 1]) / len(values[max(0, i - 9): i + 1]) for i in range(12)]
+    np.testing.assert_allclose(moving_average(values, 10), expected)  # 0, 0.5, 1, ..., 4.5, 5.5, 6.5
+    np.testing.assert_array_equal(moving_average([3.0, 5.0], 1), [3.0, 5.0])
+    assert moving_average([], 10).shape == (0,)
+
+
+def test_moving_average_leaves_out_missing_values():
+    out = moving_average([1.0, None, float("nan"), 3.0, None], 2)
+    np.testing.assert_allclose(out[[0, 1, 3, 4]], [1.0, 1.0, 3.0, 3.0])
+    assert math.isnan(out[2])  # its window holds no value
+    with pytest.raises(ValueError, match="window"):
+        moving_average([1.0], 0)
+
+
+def test_reward_curve_names_each_tag_and_puts_evaluations_on_the_iteration_axis():
+    metrics = fake_metrics()
+    fig = reward_curve_figure(metrics, RESULT)
+    ax, ev = fig.axes
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert set(TAGS) <= set(labels) and "tag" not in labels and "all prompts" in labels
+    assert "reward: geneval" not in labels  # a single reward is the total
+    smoothed = [line.get_ydata() for line in ax.get_lines() if line.get_linestyle() == "-"]
+    total = moving_average([m["reward/total/mean"] for m in metrics], SMOOTHING_WINDOW)
+    assert any(np.allclose(y, total) for y in smoothed)
+    overall = next(line for line in ev.get_lines() if line.get_marker() == "D")
+    assert list(overall.get_xdata()) == [0, 10, 20, 30, 30]
+    assert list(overall.get_ydata()) == pytest.approx([0.25, 0.4, 0.5, 0.6, 0.65])
+    assert ev.get_ylabel() and ax.get_ylabel()
+
+
+def test_save_reward_curve_writes_a_png_with_and_without_a_result(tmp_path):
+    for name, result in (("with.png", RESULT), ("without.png", None)):
+        save_reward_curve(fake_metrics(), result, tmp_path / name)
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    save_reward_curve([], None, tmp_path / "empty.png")
+    assert (tmp_path / "empty.png").stat().st_size > 0

@@ -13,7 +13,7 @@ Two measurements of a model (optionally with a LoRA) on a GenEval-style prompt f
   loses the scene: ``t = 0`` is the VAE's reconstruction.
 
     python benchmarks/base_headroom.py [--model assets/tiny-sd3] [--lora DIR] [--prompts test] [-k 8]
-        [--times 0 0.4 0.6 0.8] [--out FILE.json]
+        [--times 0 0.4 0.6 0.8] [--num-steps 20] [--max-prompts N] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -23,18 +23,21 @@ import json
 import random
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from flowrl.config import prompt_file
+from flowrl.data import REPO_ROOT, read_prompts
 from flowrl.evaluate import generate_per_prompt
-from flowrl.models import FlowModel, resolve_device
+from flowrl.models import load_model, resolve_device
 from flowrl.tiny.build import encode_latents
-from flowrl.tiny.prompts import read_jsonl
 from flowrl.tiny.render import render, sample_scene
 from rewards.geneval import geneval
 from samplers import flow_sigmas, ode_sample
+
+if TYPE_CHECKING:
+    from flowrl.models import FlowModel
 
 
 @torch.no_grad()
@@ -104,22 +107,24 @@ def denoise_from_scenes(model: FlowModel, metas: list[dict], times: list[float],
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="assets/tiny-sd3")
+    p.add_argument("--model", default=str(REPO_ROOT / "assets" / "tiny-sd3"))
     p.add_argument("--lora", default=None)
     p.add_argument("--prompts", default="test", help="train | test | FILE.jsonl")
     p.add_argument("-k", type=int, default=8, help="samples per prompt for pass@k")
     p.add_argument("--times", type=float, nargs="*", default=[0.0, 0.4, 0.6, 0.8, 1.0])
+    p.add_argument("--num-steps", type=int, default=20, help="Euler ODE steps of every sample")
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
     p.add_argument("--out", default="")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     a = p.parse_args(argv)
-    model = FlowModel(a.model, resolve_device(a.device), torch.float32, 0)
+    model = load_model(a.model, resolve_device(a.device))
     if a.lora:
         model.load_lora(a.lora)
-    metas = read_jsonl(prompt_file(a.prompts))
+    metas = read_prompts(a.prompts)
     metas = metas[:a.max_prompts] if a.max_prompts > 0 else metas
     result = {"model": a.model, "lora": a.lora, "prompts": a.prompts, "k": a.k,
-              "pass_at_k": pass_at_k(model, metas, a.k), "denoise_from_scenes": denoise_from_scenes(model, metas, a.times)}
+              "num_steps": a.num_steps, "pass_at_k": pass_at_k(model, metas, a.k, a.num_steps),
+              "denoise_from_scenes": denoise_from_scenes(model, metas, a.times, a.num_steps)}
     for tag, r in result["pass_at_k"].items():
         print(f"{tag:14s} mean {r['mean']:.3f}  pass@{a.k} {r['pass_at_k']:.3f}  ({r['prompts']} prompts)")
     print("denoised from t:", {t: round(v, 3) for t, v in result["denoise_from_scenes"].items()})

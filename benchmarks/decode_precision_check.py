@@ -35,13 +35,13 @@ def main(argv: list[str] | None = None) -> dict:
         scores, max_diff, times = {"no": [], "bf16": []}, 0.0, {"no": [], "bf16": []}
         for it in range(a.rollouts):
             metas = trainer.sample_prompts(it)
-            ro, _, _ = trainer.rollout(metas, trainer._generator(it))
+            ro, _, _ = trainer.method.flat_or_tree_rollout(metas, trainer._generator(it))
             expanded = [m for m in metas for _ in range(s.group_size)]
             images = {}
             for precision in ("no", "bf16"):
                 s.decode_precision = precision
                 t0 = time.time()
-                images[precision] = trainer._decode(ro.final)
+                images[precision] = trainer.method.decode(ro.final)
                 times[precision].append(time.time() - t0)
                 total = trainer.rewards(images[precision], [m["prompt"] for m in expanded], expanded)
                 scores[precision].append(getattr(total, "total", total))

@@ -11,7 +11,8 @@ that applies:
 - ``composition``: every object is read as one of the prompt's shapes, yet a clause fails (a wrong count,
   colour or position). Fixing it needs a different layout or binding.
 
-    python benchmarks/failure_modes.py [--model assets/tiny-sd3] [--lora DIR] [--prompts test] [-k 8] [--out FILE.json]
+    python benchmarks/failure_modes.py [--model assets/tiny-sd3] [--lora DIR] [--prompts test] [-k 8]
+        [--num-steps 20] [--guidance-scale 4.5] [--max-prompts N] [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -20,16 +21,19 @@ import argparse
 import json
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from flowrl.config import prompt_file
+from flowrl.data import REPO_ROOT, read_prompts
 from flowrl.evaluate import generate_per_prompt
-from flowrl.models import FlowModel, resolve_device
-from flowrl.tiny.prompts import read_jsonl
+from flowrl.models import load_model, resolve_device
 from rewards.geneval import keep_confident
 from rewards.geneval.detector import detect, objects
 from rewards.geneval.rules import evaluate
+
+if TYPE_CHECKING:
+    from flowrl.models import FlowModel
 
 MODES = ("empty", "unread_shape", "composition")
 
@@ -81,30 +85,34 @@ def failure_modes(model: FlowModel, metas: list[dict], k: int, num_steps: int = 
             for tag, c in counts.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="assets/tiny-sd3")
+    parser.add_argument("--model", default=str(REPO_ROOT / "assets" / "tiny-sd3"))
     parser.add_argument("--lora", default=None, help="diffusers-format LoRA folder")
     parser.add_argument("--prompts", default="test", help="train | test | FILE.jsonl")
     parser.add_argument("-k", type=int, default=8, help="ODE samples per prompt")
     parser.add_argument("--num-steps", type=int, default=20)
     parser.add_argument("--guidance-scale", type=float, default=4.5)
+    parser.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0: all)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--out", default=None, help="write the table as JSON here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.k < 1:
         parser.error(f"-k must be at least 1, got {args.k}")
-    model = FlowModel(args.model, device=resolve_device(args.device), max_sequence_length=0)
+    model = load_model(args.model, resolve_device(args.device))
     if args.lora:
         model.load_lora(args.lora)
-    table = failure_modes(model, read_jsonl(prompt_file(args.prompts)), args.k, args.num_steps, args.guidance_scale)
+    metas = read_prompts(args.prompts)
+    metas = metas[:args.max_prompts] if args.max_prompts > 0 else metas
+    table = failure_modes(model, metas, args.k, args.num_steps, args.guidance_scale)
     print(f"| tag | images | correct | {' | '.join(MODES)} |\n|---|---|---|---|---|---|")
     for tag, row in table.items():
         print(f"| {tag} | {row['images']} | " + " | ".join(f"{row[m]:.3f}" for m in ("correct", *MODES)) + " |")
+    result = {"model": args.model, "lora": args.lora, "prompts": args.prompts, "k": args.k, "num_steps": args.num_steps,
+              "guidance_scale": args.guidance_scale, "per_tag": table}
     if args.out:
-        Path(args.out).write_text(json.dumps({"model": args.model, "lora": args.lora, "prompts": args.prompts,
-                                              "k": args.k, "num_steps": args.num_steps,
-                                              "guidance_scale": args.guidance_scale, "per_tag": table}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 if __name__ == "__main__":

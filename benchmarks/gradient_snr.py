@@ -18,7 +18,7 @@ import itertools
 import torch
 
 from flowrl.advantages import group_advantages
-from flowrl.config import finish_preset_result, load_config, parse_preset_args, preset_parser
+from flowrl.config import REPO_ROOT, finish_preset_result, load_config, parse_preset_args, preset_parser
 from flowrl.trainer import Trainer
 from samplers import recompute_log_prob
 
@@ -28,7 +28,7 @@ def policy_gradient(trainer: Trainer, iteration: int) -> torch.Tensor:
     ``iteration`` (its prompts and generator); groups with zero reward variance are left out as in training."""
     t = trainer.cfg.train
     metas = trainer.sample_prompts(iteration)
-    ro, images, table = trainer.rollout(metas, trainer._generator(iteration))
+    ro, images, table = trainer.method.flat_or_tree_rollout(metas, trainer._generator(iteration))
     group = ro.group.cpu()
     with torch.no_grad():
         total = trainer.score(images, group, metas).total
@@ -36,19 +36,19 @@ def policy_gradient(trainer: Trainer, iteration: int) -> torch.Tensor:
     rows = (ro.trained & ~zero.to(ro.trained.device)[ro.leaf]).nonzero().squeeze(1)
     tv, a = ro.select(rows), adv.to(trainer.device)[ro.leaf][rows]
     velocity = trainer.model.velocity_fn(table, trainer.cfg.sampling.guidance_scale)
-    for p in trainer.params.values():
+    for p in trainer.policy.params.values():
         p.grad = None
     for start in range(0, len(tv), 64):
         sub = tv.select(torch.arange(start, min(start + 64, len(tv)), device=rows.device))
-        with trainer._autocast():
+        with trainer.policy.autocast():
             v = velocity(sub.state, sub.sigma, sub.cond)
         log_prob, _ = recompute_log_prob(sub, v)
         (-(a[start:start + 64] * log_prob).sum() / max(len(tv), 1)).backward()
-    return torch.cat([p.grad.flatten().float() for p in trainer.params.values()])
+    return torch.cat([p.grad.flatten().float() for p in trainer.policy.params.values()])
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = preset_parser(__doc__.splitlines()[0])
+    parser = preset_parser(__doc__.splitlines()[0], str(REPO_ROOT / "configs" / "tiny_geneval.yaml"))
     parser.add_argument("--batches", type=int, default=3, help="independent rollouts (>= 2)")
     args = parse_preset_args(parser, argv)
     if args.batches < 2:

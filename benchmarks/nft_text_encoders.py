@@ -48,9 +48,9 @@ class TextEncoderTrainer(Trainer):
         for name in TEXT_ENCODERS:
             encoder = getattr(self.model.pipe, name).float().requires_grad_(True)
             text.update({f"{name}.{n}": p for n, p in encoder.named_parameters()})
-        self.params.update(text)  # all-reduced, clipped, checkpointed, EMA'd and soft-updated with the rest
-        self.optimizer.add_param_group({"params": list(text.values()), "lr": text_lr})
-        for store in (self.ema, self.old_policy):
+        self.policy.params.update(text)  # all-reduced, clipped, checkpointed, EMA'd and soft-updated with the rest
+        self.policy.optimizer.add_param_group({"params": list(text.values()), "lr": text_lr})
+        for store in (self.policy.ema, self.method.sampling_weights()):
             if store is not None:
                 store.update({n: p.detach().clone() for n, p in text.items()})
         encode = type(self.model).encode.__wrapped__  # FlowModel.encode without its torch.no_grad
@@ -58,16 +58,17 @@ class TextEncoderTrainer(Trainer):
         model.encode = lambda prompts: ReencodedTable(lambda p: encode(model, p), list(prompts))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", help="configs/*.yaml, e.g. configs/diffusion_nft_off_policy.yaml")
     parser.add_argument("--text-lr", type=float, required=True, help="AdamW learning rate of the text towers")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.seed=1")
-    args = parser.parse_intermixed_args()
+    args = parser.parse_intermixed_args(argv)
     config = load_config(args.config, args.overrides)
     result = TextEncoderTrainer(config, args.text_lr).train()
     print(f"GenEval strict accuracy: {result['before']['overall']:.3f} -> {result['after']['overall']:.3f} in "
           f"{result['wall_time_s'] / 60:.1f} min; run folder {config.run.output_dir}")
+    return result
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Does one policy update move log-probs in the direction of the advantages?
 
-One rollout of the main job's sampler, random per-image advantages, one call of the trainer's
-``optimize``; then the log-probs of the same transitions are recomputed under the updated policy.
+One rollout of the main job's sampler, random per-image advantages, one call of the GRPO method's
+``optimize`` (its PPO epochs); then the log-probs of the same transitions are recomputed under the updated policy.
 Prints the correlation between the change of log-prob and the advantage (> 0: the update favours
 positive-advantage transitions) and the mean change.
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from flowrl.config import finish_preset_result, load_config, parse_preset_args, preset_parser
+from flowrl.config import REPO_ROOT, finish_preset_result, load_config, parse_preset_args, preset_parser
 from flowrl.trainer import Trainer
 from samplers import recompute_log_prob
 
@@ -22,7 +22,7 @@ def log_probs(trainer, ro, rows, table) -> torch.Tensor:
     velocity = trainer.model.velocity_fn(table, trainer.cfg.sampling.guidance_scale)
     tv = ro.select(rows)
     out = []
-    with torch.no_grad(), trainer._autocast():
+    with torch.no_grad(), trainer.policy.autocast():
         for start in range(0, len(tv), 64):
             sub = tv.select(torch.arange(start, min(start + 64, len(tv))))
             out.append(recompute_log_prob(sub, velocity(sub.state, sub.sigma, sub.cond))[0].float())
@@ -30,14 +30,14 @@ def log_probs(trainer, ro, rows, table) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_preset_args(preset_parser(__doc__.splitlines()[0]), argv)
+    args = parse_preset_args(preset_parser(__doc__.splitlines()[0], str(REPO_ROOT / "configs" / "tiny_geneval.yaml")), argv)
     trainer = Trainer(load_config(args.config, ["run.output_dir=runs/policy_step_check", *args.overrides]))
     gen = torch.Generator().manual_seed(0)
-    ro, images, table = trainer.rollout(trainer.sample_prompts(0), gen)
+    ro, images, table = trainer.method.flat_or_tree_rollout(trainer.sample_prompts(0), gen)
     advantages = torch.randn(len(images), generator=gen)[ro.leaf.cpu()].to(trainer.device)  # (M,)
     rows = ro.trained.nonzero().squeeze(1)
     before = log_probs(trainer, ro, rows, table)
-    stats = trainer.optimize(ro, advantages, ro.trained.clone(), table, gen)
+    stats = trainer.method.optimize(ro, advantages, ro.trained.clone(), table, gen)
     change = log_probs(trainer, ro, rows, table) - before
     a = advantages[rows].float().cpu()
     result = {"corr_change_advantage": torch.corrcoef(torch.stack([change.cpu(), a]))[0, 1].item(),

@@ -22,13 +22,13 @@ from flowrl.config import REPO_ROOT, load_config
 from flowrl.trainer import Trainer
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("presets", nargs="+", help="preset names in configs/ with a tree, e.g. branch_grpo")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", help="also write the results to this JSON file")
     parser.add_argument("--overrides", nargs="*", default=[], help="key=value overrides for every preset")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     results = []
     for name in args.presets:
         with tempfile.TemporaryDirectory() as out:
@@ -42,6 +42,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+    return results
 
 
 if __name__ == "__main__":

@@ -1,0 +1,143 @@
+"""Every script under benchmarks/ runs from its command line at a tiny size, and the folder holds what the docs cite.
+
+The scripts run as ``python benchmarks/NAME.py ARGS`` would (``runpy`` with ``__name__ == "__main__"`` and
+``sys.argv`` set, in this process so torch is imported once; one of them in a fresh interpreter), on the
+seeded random tiny pipeline of ``conftest.py`` with 2-4 denoising steps, and the tests read what they print
+or write. They use the scripts' command-line options only, so they stay valid while the code under them moves.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_overrides
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "benchmarks"
+SCRIPTS = ("base_headroom", "decode_precision_check", "failure_modes", "gradient_snr", "nft_text_encoders",
+           "policy_step_check", "step_influence", "tree_speedup")
+"""The scripts this file runs; a new script under benchmarks/ needs a test here (checked below)."""
+
+
+def run_script(name: str, args: list, monkeypatch) -> None:
+    """Run ``benchmarks/NAME.py ARGS`` as its command line does, in this process."""
+    script = BENCH / f"{name}.py"
+    monkeypatch.setattr(sys, "argv", [str(script), *map(str, args)])
+    runpy.run_path(str(script), run_name="__main__")
+
+
+@pytest.fixture
+def preset(tmp_path, random_pipeline, prompt_files) -> list[str]:
+    """``[CONFIG, key=value ...]``: a preset with a reward that varies on random images (JPEG size), and the tiny
+    overrides without ``run.output_dir`` (each test names its own)."""
+    config = tmp_path / "jpeg.yaml"
+    config.write_text("rewards:\n  jpeg_compressibility:\n    weight: 1.0\n")
+    over = tiny_overrides(random_pipeline, *prompt_files, tmp_path / "unused", **{
+        "run.mixed_precision": "no", "sampling.group_size": 4, "sampling.num_steps": 4})
+    return [str(config), *[o for o in over if not o.startswith("run.output_dir=")]]
+
+
+def test_every_script_has_a_test_here():
+    assert sorted(p.stem for p in BENCH.glob("*.py")) == sorted(SCRIPTS)
+    assert not list(BENCH.rglob("*.sh")), "shell scripts under benchmarks/ are not run by any test"
+
+
+def test_benchmarks_hold_no_run_folders_and_every_cited_file_exists():
+    files = [p for p in BENCH.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    assert not [p for p in files if p.name in ("metrics.jsonl", "config.yaml") or p.suffix == ".safetensors"]
+    assert sum(p.stat().st_size for p in files) < 2_500_000
+    for script in BENCH.glob("*.py"):  # nothing reads an untracked folder such as .gpu/ or .build-cache/
+        assert not re.search(r"[\"'/]\.(gpu|build-cache)\b", script.read_text()), script.name
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    text = "\n".join(p.read_text() for p in docs if p.is_file())
+    cited = set(re.findall(r"benchmarks/[\w./-]+\.(?:py|json|jsonl|yaml|png)\b", text))
+    assert not sorted(c for c in cited if not (REPO / c).is_file()), "cited in README.md or docs/ but missing"
+    uncited = sorted(str(p.relative_to(REPO)) for p in (BENCH / "results").glob("*") if p.is_file()
+                     and str(p.relative_to(REPO)) not in cited)
+    assert not uncited, "result files no page of docs/ or README.md cites"
+
+
+def test_failure_modes_in_a_fresh_interpreter(tmp_path, random_pipeline, prompt_files):
+    """The script as the docs run it, in its own process and from another folder than the repository."""
+    out = tmp_path / "modes.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "failure_modes.py"), "--model", str(random_pipeline), "--prompts",
+         str(prompt_files[1]), "--max-prompts", "3", "-k", "2", "--num-steps", "2", "--device", "cpu", "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| tag | images | correct | empty | unread_shape | composition |" in proc.stdout
+    per_tag = json.loads(out.read_text())["per_tag"]
+    assert sum(row["images"] for row in per_tag.values()) == 3 * 2
+    for row in per_tag.values():
+        assert sum(row[m] for m in ("correct", "empty", "unread_shape", "composition")) == pytest.approx(1.0)
+
+
+def test_base_headroom(tmp_path, random_pipeline, prompt_files, monkeypatch, capsys):
+    out = tmp_path / "headroom.json"
+    run_script("base_headroom", ["--model", random_pipeline, "--prompts", prompt_files[1], "--max-prompts", 2, "-k", 2,
+                                 "--num-steps", 2, "--times", 0, 1, "--device", "cpu", "--out", out], monkeypatch)
+    result = json.loads(out.read_text())
+    assert sum(tag["prompts"] for tag in result["pass_at_k"].values()) == 2
+    assert all(0 <= tag["mean"] <= tag["pass_at_k"] <= 1 for tag in result["pass_at_k"].values())
+    assert set(result["denoise_from_scenes"]) == {"0.0", "1.0"} and "denoised from t:" in capsys.readouterr().out
+
+
+def test_decode_precision_check(random_pipeline, prompt_files, monkeypatch, capsys):
+    over = [o for o in tiny_overrides(random_pipeline, *prompt_files, Path("unused"), **{
+        "sampling.prompts_per_iteration": 1, "sampling.num_steps": 2}) if not o.startswith("run.output_dir=")]
+    run_script("decode_precision_check", ["--rollouts", 1, *over], monkeypatch)
+    result = json.loads(capsys.readouterr().out)
+    assert result["images"] == 2 and 0 <= result["identical_reward_frac"] <= 1
+    assert result["decode_s_float32"] > 0 and result["decode_s_bf16"] > 0 and result["max_pixel_diff"] >= 0
+
+
+def test_gradient_snr(tmp_path, preset, monkeypatch):
+    out = tmp_path / "snr.json"
+    run_script("gradient_snr", [*preset, f"run.output_dir={tmp_path / 'run'}", "--batches", 2, "--out", out], monkeypatch)
+    result = json.loads(out.read_text())
+    assert len(result["pairwise_cosine"]) == 1 and -1 <= result["pairwise_cosine"][0] <= 1
+    assert result["images_per_batch"] == 2 * 4 and all(n > 0 for n in result["grad_norms"])
+
+
+def test_step_influence(tmp_path, preset, monkeypatch):
+    out = tmp_path / "influence.json"
+    run_script("step_influence", [*preset, "sampling.num_steps=3", f"run.output_dir={tmp_path / 'run'}",
+                                  "--iterations", 1, "--out", out], monkeypatch)
+    result = json.loads(out.read_text())
+    assert [row["step"] for row in result["per_step"]] == [0, 1]  # 3 steps; the last one is deterministic
+    assert all(row["within_group_var"] >= 0 for row in result["per_step"]) and result["full_sde"]["within_group_var"] > 0
+
+
+def test_policy_step_check(tmp_path, preset, monkeypatch):
+    out = tmp_path / "step.json"
+    run_script("policy_step_check", [*preset, f"run.output_dir={tmp_path / 'run'}", "train.minibatch_size=1000",
+                                     "--out", out], monkeypatch)
+    result = json.loads(out.read_text())
+    assert result["optimizer_steps"] == 1 and -1 <= result["corr_change_advantage"] <= 1
+    assert 0 <= result["clipfrac"] <= 1
+
+
+def test_tree_speedup(tmp_path, random_pipeline, prompt_files, monkeypatch, capsys):
+    out = tmp_path / "tree.json"
+    over = [o for o in tiny_overrides(random_pipeline, *prompt_files, tmp_path / "unused", **{
+        "sampling.prompts_per_iteration": 1, "sampling.num_steps": 3, "sampling.group_size": 4,
+        "sampling.tree.split_steps": "[0,1]"}) if not o.startswith("run.output_dir=")]
+    run_script("tree_speedup", ["branch_grpo", "--repeats", 1, "--out", out, "--overrides", *over], monkeypatch)
+    (row,) = json.loads(out.read_text())
+    assert row["preset"] == "branch_grpo" and row["leaves"] == 4 and row["batched_s"] > 0 and row["node_by_node_s"] > 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == row
+
+
+def test_nft_text_encoders(tmp_path, preset, monkeypatch, capsys):
+    run = tmp_path / "run"
+    run_script("nft_text_encoders", [preset[0], "--text-lr", 1e-2, *preset[1:], "train.method=nft",
+                                     "run.iterations=1", f"run.output_dir={run}"], monkeypatch)
+    assert "GenEval strict accuracy:" in capsys.readouterr().out
+    assert (run / "metrics.jsonl").is_file() and (run / "eval.json").is_file()

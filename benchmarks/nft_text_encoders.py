@@ -48,7 +48,8 @@ class TextEncoderTrainer(Trainer):
         for name in TEXT_ENCODERS:
             encoder = getattr(self.model.pipe, name).float().requires_grad_(True)
             text.update({f"{name}.{n}": p for n, p in encoder.named_parameters()})
-        self.policy.params.update(text)  # all-reduced, clipped, checkpointed, EMA'd and soft-updated with the rest
+        self.policy.params.update(text)  # clipped, checkpointed, EMA'd and soft-updated with the rest (one process only:
+        # the towers are outside the DDP-wrapped transformer, so several processes would not sum their gradients)
         self.policy.optimizer.add_param_group({"params": list(text.values()), "lr": text_lr})
         for store in (self.policy.ema, self.method.sampling_weights()):
             if store is not None:

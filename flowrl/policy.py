@@ -3,6 +3,8 @@ weights, the minibatch schedule shared by every process, and the sum of the grad
 
 A method (:mod:`flowrl.methods`) computes a loss per (micro-)batch, back-propagates it through
 :meth:`Policy.backward` and calls :meth:`Policy.step` once per minibatch; the trainer never touches gradients.
+Under several processes the transformer is wrapped by accelerate (``accelerator.prepare_model``: DDP), whose
+backward averages the gradients over processes; micro-batches accumulate under ``accelerator.no_sync``.
 """
 
 from __future__ import annotations
@@ -40,8 +42,6 @@ class Policy:
         accelerator (`accelerate.Accelerator`): processes and devices.
     """
 
-    REDUCE_BUCKET = 1 << 26  # gradient elements per all-reduce under several processes (256 MB in float32)
-
     def __init__(self, model, train, precision: str, accelerator):
         self.model, self.cfg, self.precision, self.accelerator = model, train, precision, accelerator
         self.device = accelerator.device
@@ -50,6 +50,10 @@ class Policy:
                                       weight_decay=train.weight_decay)
         self.optimizer = accelerator.prepare(optimizer)
         self.ema = {n: p.detach().clone() for n, p in self.params.items()} if train.ema_decay > 0 else None
+        self.wrapped = None  # DDP over the processes; None with one process
+        if accelerator.num_processes > 1:
+            self.wrapped = model.wrapped = accelerator.prepare_model(model.transformer, device_placement=False)
+            self._null = None  # the empty prompt's embedding, for the zero-gradient pass of a process without rows
 
     def autocast(self, precision: str | None = None):
         """bf16 autocast for ``precision`` (default ``run.mixed_precision``; ``no`` or ``bf16``): ``no`` leaves the
@@ -81,7 +85,9 @@ class Policy:
                 yield epoch, j, order[j * size:(j + 1) * size], sizes[:, j].sum().item()
 
     def micro_batches(self, mb: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, float]]:
-        """`mb` in chunks of ``train.micro_batch_size`` rows (one chunk when 0), for gradient accumulation.
+        """`mb` in chunks of ``train.micro_batch_size`` rows (one chunk when 0), for gradient accumulation: the
+        consumer's forward and backward of every chunk but the last run under ``accelerator.no_sync`` (the
+        gradients are summed over processes once per minibatch, in the last chunk's backward).
 
         Yields:
             ``(start, idx, frac)``: the chunk's offset in `mb`, its row indices and its fraction of `mb`.
@@ -89,21 +95,27 @@ class Policy:
         micro = self.cfg.micro_batch_size or len(mb)
         for start in range(0, len(mb), micro):
             idx = mb[start:start + micro]
-            yield start, idx, len(idx) / len(mb)
+            last = start + micro >= len(mb)
+            with contextlib.nullcontext() if self.wrapped is None or last else self.accelerator.no_sync(self.wrapped):
+                yield start, idx, len(idx) / len(mb)
 
     # ----------------------------------------------------------------------------------- update
     def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
-        """Back-propagate ``loss * scale`` (``scale``: the micro-batch's share of the global minibatch)."""
+        """Back-propagate ``loss * scale`` (``scale``: the micro-batch's share of the global minibatch). Under
+        several processes DDP averages the gradients, so the loss is scaled by the process count too: the result
+        is the sum of every process's share, the gradient of the mean over the global minibatch."""
+        if self.wrapped is not None:
+            scale = scale * self.accelerator.num_processes
         self.accelerator.backward(loss * scale if scale != 1.0 else loss)
 
     def step(self, loss: float | None, stats: dict[str, list[float]]) -> None:
-        """Sum the gradients over the processes (each process scaled its loss by its share of the global
-        minibatch, so the sum is the global mean's gradient), clip to ``train.max_grad_norm``, step AdamW,
-        update the EMA; append ``policy/grad_norm`` (and ``policy/loss`` unless `loss` is None: a process
-        that took part with no transitions) to `stats`."""
+        """Clip the gradients (summed over processes by the wrapped model's backward) to ``train.max_grad_norm``,
+        step AdamW, update the EMA; append ``policy/grad_norm`` (and ``policy/loss``) to `stats`. ``loss`` None: this
+        process has no rows in this minibatch while others do; under several processes it then joins the
+        gradient sum with a zero-gradient pass (:meth:`_zero_backward`)."""
         params = list(self.params.values())
-        if self.accelerator.num_processes > 1:
-            self._sum_gradients(params)
+        if loss is None and self.wrapped is not None:
+            self._zero_backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -113,35 +125,15 @@ class Policy:
         if loss is not None:
             stats["policy/loss"].append(loss)
 
-    def _sum_gradients(self, params: list[torch.Tensor]) -> None:
-        """All-reduce (sum) the gradients in float32 buckets of at most :attr:`REDUCE_BUCKET` elements; a parameter
-        without a gradient on every process keeps none (AdamW skips it, as with one process).
-
-        Why not DDP's reducer (``accelerator.prepare(transformer)``): a process whose share of a minibatch is
-        empty must still join every all-reduce, which DDP ties to a forward and backward through the wrapped
-        module; and DDP would give a parameter unused everywhere a zero gradient, which AdamW (weight decay,
-        momentum) treats unlike no gradient. See docs/distributed.md.
-        """
-        has = self.accelerator.reduce(torch.tensor([float(p.grad is not None) for p in params], device=self.device), "sum")
-        buckets, size = [[]], 0
-        for p in params:
-            if buckets[-1] and size + p.numel() > self.REDUCE_BUCKET:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p)
-            size += p.numel()
-        for bucket in buckets:
-            flat = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).reshape(-1).float() for q in bucket])
-            for q in bucket:
-                q.grad = None  # free this bucket's gradients before the summed ones arrive
-            flat = self.accelerator.reduce(flat, "sum")
-            offset = 0
-            for q in bucket:
-                q.grad = flat[offset:offset + q.numel()].view_as(q).to(q.dtype)
-                offset += q.numel()
-        for p, h in zip(params, has.tolist()):
-            if h == 0:
-                p.grad = None
+    def _zero_backward(self) -> None:
+        """One forward of a single empty-prompt sample through the wrapped model and the backward of 0 times it: a
+        zero gradient that joins the other processes' gradient sum (DDP ties the sum to a backward)."""
+        model = self.model
+        if self._null is None:
+            self._null = model.encode([""])
+        x = torch.zeros(1, *model.latent_shape, device=self.device)
+        v = model.velocity(x, torch.ones(1, device=self.device), self._null, None, 1.0)
+        self.accelerator.backward(v.sum() * 0.0)
 
     # ---------------------------------------------------------------------------- held weights
     @torch.no_grad()

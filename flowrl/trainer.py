@@ -59,14 +59,17 @@ class Trainer:
     """
 
     def __init__(self, config: Config):
-        from accelerate import Accelerator
+        from accelerate import Accelerator, DistributedDataParallelKwargs
 
         self.cfg = cfg = config
         if cfg.run.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("config key 'run.device' is 'cuda' but no CUDA device is available; use auto or cpu")
         self.out = Path(cfg.run.output_dir)
         self._refuse_existing_run()  # before any expensive work
-        self.accelerator = acc = Accelerator(cpu=cfg.run.device == "cpu")  # precision is run.mixed_precision (autocast)
+        # precision is run.mixed_precision (our autocast); DDP: a family may leave parameters unused in a forward,
+        # and every forward without gradients (rollouts, evaluation) bypasses the wrapper, so buffers are not synced
+        ddp = DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)
+        self.accelerator = acc = Accelerator(cpu=cfg.run.device == "cpu", kwargs_handlers=[ddp])
         self._check_accelerate_precision()
         self.device = acc.device
         adapter = self._resolve_model()
@@ -242,6 +245,10 @@ class Trainer:
             raise ConfigError("accelerate's mixed precision is fp16 (accelerate launch --mixed_precision fp16 or "
                               "ACCELERATE_MIXED_PRECISION=fp16), which flowrl does not support (no loss scaling): launch "
                               "with --mixed_precision no and set run.mixed_precision=bf16 or no")
+        if precision == "bf16" and self.accelerator.num_processes > 1:  # its autocast would wrap the DDP model's forward
+            raise ConfigError("accelerate's mixed precision is bf16 (accelerate launch --mixed_precision bf16), which "
+                              "would put the float32 log-probs under autocast: launch with --mixed_precision no and set "
+                              "run.mixed_precision=bf16 for flowrl's own bf16 autocast")
         if precision == "bf16" and self.cfg.run.mixed_precision != "bf16":
             warnings.warn(f"accelerate's mixed precision bf16 (accelerate launch --mixed_precision bf16) is not used: "
                           f"flowrl's precision is run.mixed_precision, here {self.cfg.run.mixed_precision!r}; set "

@@ -52,11 +52,9 @@ def split_gradient(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 def main() -> None:
     from flowrl.config import load_config
     from flowrl.evaluate import sharded
-    from flowrl.policy import Policy
     from flowrl.trainer import Trainer
 
     config, out, *overrides = sys.argv[1:]
-    Policy.REDUCE_BUCKET = 1000  # several all-reduce buckets even for the tiny LoRA
     trainer = Trainer(load_config(config, overrides))
     rank = trainer.accelerator.process_index
     split_grads, whole_grads = ([], []) if trainer.cfg.train.method == "nft" else split_gradient(trainer)  # at the initial weights
@@ -69,7 +67,8 @@ def main() -> None:
                     trainer.accelerator)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump({"before": result["before"], "after": result["after"], "sharded": order.squeeze(1).tolist(),
-                   "sharded_calls": calls, "num_processes": trainer.accelerator.num_processes}, f)
+                   "sharded_calls": calls, "num_processes": trainer.accelerator.num_processes,
+                   "wrapped": type(trainer.policy.wrapped).__name__}, f)
     trainer.accelerator.wait_for_everyone()  # then tear the process group down together, as flowrl train does
     trainer.accelerator.end_training()
 

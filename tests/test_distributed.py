@@ -1,5 +1,6 @@
-"""Two processes on CPU (torchrun, gloo): no deadlock when the processes keep different numbers of
-transitions, identical weights on every process, and a split evaluation equal to the single-process one."""
+"""Two processes on CPU (torchrun, gloo): the transformer wrapped by accelerate (DDP), no deadlock when the processes
+keep different numbers of transitions, identical weights on every process, the gradient of the union of their
+transitions, and a split evaluation equal to the single-process one."""
 
 import json
 import os
@@ -77,6 +78,7 @@ def test_split_evaluation_equals_the_single_process_one(two_process_run):
     tmp, overrides = two_process_run
     r0, r1 = (json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["num_processes"] == 2 and r0["before"] == r1["before"] and r0["after"] == r1["after"]
+    assert r0["wrapped"] == "DistributedDataParallel"  # gradients summed by accelerate's wrapped model
     assert r0["sharded"] == r1["sharded"] == [0.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0]
     assert r0["sharded_calls"] == [[0, 2, 4, 6]] and r1["sharded_calls"] == [[1, 3, 5]]
     sys.path.insert(0, str(HERE))

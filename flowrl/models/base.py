@@ -256,6 +256,7 @@ class FlowModel:
         self.pipe.vae.to(memory_format=torch.channels_last)  # its convolutions run faster so, on CPU as on GPU
         self.device, self.dtype, self.path = torch.device(device), dtype, path
         self.decode_chunk = 32  # latents per VAE decode call (:meth:`decode`)
+        self.wrapped = None  # the transformer wrapped for several processes (DDP), set by flowrl.policy.Policy
         make_batch_invariant(self.transformer, self._probe)  # the ratio is exactly 1 before the first optimizer step
 
     @classmethod
@@ -403,6 +404,12 @@ class FlowModel:
         cond = self.encode([""])
         x = torch.zeros(1, *self.latent_shape, device=self.device)
         self._forward(x, torch.ones(1, device=self.device), cond, next(self.transformer.parameters()).dtype)
+
+    def network(self) -> torch.nn.Module:
+        """The module a forward calls: :attr:`wrapped` (accelerate's DDP wrapper, whose backward sums the gradients
+        over processes) for a forward with gradients when there is one, else the transformer itself (sampling,
+        evaluation, the reference policy: no gradients to sum, no collective call to match across processes)."""
+        return self.wrapped if self.wrapped is not None and torch.is_grad_enabled() else self.transformer
 
     def _forward(self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, dtype: torch.dtype) -> torch.Tensor:
         """One transformer call: latents ``x (N, *latent_shape)`` at times ``t (N,)`` in [0, 1] (1 = noise), prompt

@@ -166,7 +166,7 @@ class FluxModel(FlowModel):
         img_ids = pipe._prepare_latent_image_ids(n, h // 2, w // 2, x.device, dtype)
         txt_ids = torch.zeros(cond.embeds.shape[1], 3, device=x.device, dtype=dtype)
         g = torch.full((n,), float(guidance), device=x.device) if self.guidance_embeds else None
-        out = self.transformer(hidden_states=tokens, timestep=t.to(dtype), guidance=g,
+        out = self.network()(hidden_states=tokens, timestep=t.to(dtype), guidance=g,
                                pooled_projections=cond.pooled.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),
                                txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
         factor = pipe.vae_scale_factor

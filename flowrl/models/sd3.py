@@ -78,7 +78,7 @@ class SD3Model(FlowModel):
         return PromptEmbeds(embeds.float(), pooled.float())
 
     def _forward(self, x, t, cond: PromptEmbeds, dtype) -> torch.Tensor:
-        return self.transformer(hidden_states=x.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),
+        return self.network()(hidden_states=x.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),
                                 pooled_projections=cond.pooled.to(dtype), timestep=t * 1000,
                                 return_dict=False)[0]
 

@@ -30,6 +30,32 @@ def minibatch_sizes(counts: torch.Tensor, size: int) -> torch.Tensor:
     return torch.stack([torch.clamp(int(c) - torch.arange(steps) * size, 0, size) for c in counts])
 
 
+def check_accelerate_precision(accelerator, run_precision: str) -> None:
+    """Check accelerate's mixed precision (``accelerate launch --mixed_precision``) against flowrl's own,
+    ``run.mixed_precision`` (autocast): fp16 is refused (no loss scaling here), bf16 refused under several
+    processes (accelerate would autocast the wrapped model's forward, log-probs included) and warned about
+    with one process when ``run.mixed_precision`` is not ``bf16``.
+
+    Raises:
+        ConfigError: for fp16, or bf16 under several processes, naming the setting to use.
+    """
+    from .config import ConfigError
+
+    precision = accelerator.mixed_precision
+    if precision == "fp16":  # on a GPU its loss scaling would run before our clipping
+        raise ConfigError("accelerate's mixed precision is fp16 (accelerate launch --mixed_precision fp16 or "
+                          "ACCELERATE_MIXED_PRECISION=fp16), which flowrl does not support (no loss scaling): launch "
+                          "with --mixed_precision no and set run.mixed_precision=bf16 or no")
+    if precision == "bf16" and accelerator.num_processes > 1:  # its autocast would wrap the DDP model's forward
+        raise ConfigError("accelerate's mixed precision is bf16 (accelerate launch --mixed_precision bf16), which "
+                          "would put the float32 log-probs under autocast: launch with --mixed_precision no and set "
+                          "run.mixed_precision=bf16 for flowrl's own bf16 autocast")
+    if precision == "bf16" and run_precision != "bf16":
+        warnings.warn(f"accelerate's mixed precision bf16 (accelerate launch --mixed_precision bf16) is not used: "
+                      f"flowrl's precision is run.mixed_precision, here {run_precision!r}; set "
+                      "run.mixed_precision=bf16 for bf16 autocast", UserWarning, stacklevel=3)
+
+
 class Policy:
     """The trainable parameters of ``model.transformer`` (a LoRA, or every weight) with their optimizer.
 

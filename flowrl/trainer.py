@@ -21,13 +21,12 @@ from tqdm import tqdm
 from rewards import WeightedSum, build_reward
 
 from .checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint, truncate_metrics
-from .config import Config, ConfigError, resolve_path, save_config
+from .config import Config, ConfigError, resolve_model, resolve_path, save_config
 from .data import read_prompts
 from .evaluate import evaluate, evaluate_reward, generate
 from .methods import build_method
-from .models import model_class
 from .plots import save_diagnostics, save_grid, save_reward_curve
-from .policy import Policy
+from .policy import Policy, check_accelerate_precision
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,9 +69,9 @@ class Trainer:
         # and every forward without gradients (rollouts, evaluation) bypasses the wrapper, so buffers are not synced
         ddp = DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)
         self.accelerator = acc = Accelerator(cpu=cfg.run.device == "cpu", kwargs_handlers=[ddp])
-        self._check_accelerate_precision()
+        check_accelerate_precision(acc, cfg.run.mixed_precision)
         self.device = acc.device
-        adapter = self._resolve_model()
+        adapter = resolve_model(cfg)
         self.train_metas = self._read_prompts("train_prompts", cfg.train_prompts)
         self.eval_metas = self._read_prompts("eval.prompts", cfg.eval.prompts)
         self.rewards = WeightedSum({name: (build_reward(name, **r.options), r.weight) for name, r in cfg.rewards.items()})
@@ -237,49 +236,7 @@ class Trainer:
         first = [m for tag in by_tag for m in by_tag[tag][:2]]
         return [first[i % len(first)] for i in range(12)]
 
-    # ----------------------------------------------------------------------------------- set-up checks
-    def _check_accelerate_precision(self) -> None:
-        """Refuse accelerate's fp16 (no loss scaling here) and warn that its bf16 is not flowrl's precision."""
-        precision = self.accelerator.mixed_precision
-        if precision == "fp16":  # on a GPU its loss scaling would run before our clipping
-            raise ConfigError("accelerate's mixed precision is fp16 (accelerate launch --mixed_precision fp16 or "
-                              "ACCELERATE_MIXED_PRECISION=fp16), which flowrl does not support (no loss scaling): launch "
-                              "with --mixed_precision no and set run.mixed_precision=bf16 or no")
-        if precision == "bf16" and self.accelerator.num_processes > 1:  # its autocast would wrap the DDP model's forward
-            raise ConfigError("accelerate's mixed precision is bf16 (accelerate launch --mixed_precision bf16), which "
-                              "would put the float32 log-probs under autocast: launch with --mixed_precision no and set "
-                              "run.mixed_precision=bf16 for flowrl's own bf16 autocast")
-        if precision == "bf16" and self.cfg.run.mixed_precision != "bf16":
-            warnings.warn(f"accelerate's mixed precision bf16 (accelerate launch --mixed_precision bf16) is not used: "
-                          f"flowrl's precision is run.mixed_precision, here {self.cfg.run.mixed_precision!r}; set "
-                          "run.mixed_precision=bf16 for bf16 autocast", UserWarning, stacklevel=3)
-
-    def _resolve_model(self):
-        """The adapter class of ``model.path``, with the model's shift and prompt length filled into the config
-        where unset, every value checked before any weight loads (ConfigError naming the key)."""
-        cfg = self.cfg
-        path = resolve_path(cfg.model.path)
-        try:
-            adapter = model_class(path)  # the family, from model_index.json
-        except ValueError as e:
-            raise ConfigError(f"config key 'model.path': {e}") from None
-        try:
-            adapter.check_resolution(path, cfg.model.resolution)
-        except ValueError as e:
-            raise ConfigError(f"config key 'model.resolution': {e}") from None
-        if cfg.sampling.shift is None:  # the model's own schedule; the saved config.yaml records the value
-            try:
-                cfg.sampling.shift = adapter.scheduler_shift(path, cfg.model.resolution)
-            except (ValueError, FileNotFoundError) as e:
-                raise ConfigError(f"config key 'sampling.shift': {e}") from None
-        if cfg.model.max_sequence_length is None:  # SD3: 256 with a T5 encoder, 0 without (the tiny model); FLUX 512
-            cfg.model.max_sequence_length = adapter.default_max_sequence_length(path)
-        try:
-            adapter.check_max_sequence_length(cfg.model.max_sequence_length)
-        except ValueError as e:
-            raise ConfigError(f"config key 'model.max_sequence_length': {e}") from None
-        return adapter
-
+    # ----------------------------------------------------------------------------------- set-up
     @staticmethod
     def _read_prompts(key: str, name: str) -> list[dict]:
         """The prompt records of config key `key` (a shipped set's name or a JSONL file: :func:`flowrl.data.read_prompts`).

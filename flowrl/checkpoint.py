@@ -1,8 +1,13 @@
 """Checkpoints: trainable weights, EMA and optimizer state in safetensors, plus the LoRA in diffusers
-format and a JSON of the iteration and RNG state. No pickles: ``torch.load`` is never called."""
+format and a JSON of the iteration and RNG state. No pickles: ``torch.load`` is never called.
+
+Every checkpoint is verified: ``state.json``, written last, records the size and SHA-256 of every other file
+(``"files"``), and :func:`verify_checkpoint` checks them before anything is read, so a truncated or replaced
+file makes the checkpoint unusable rather than half-loaded (see ``docs/reliability.md``)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -36,6 +41,69 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
 
 
 CHECKPOINT_FILES = ("trainable.safetensors", "optimizer.safetensors", "state.json")  # every checkpoint has these
+STATE_KEYS = ("iteration", "optimizer", "rng", "extra", "files")  # every state.json has these
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that fails verification or does not fit the model; the message names the folder and why."""
+
+
+def _digest(path: Path) -> dict:
+    """``{"size": bytes, "sha256": hex}`` of one file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return {"size": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def _manifest(folder: Path) -> dict[str, dict]:
+    """The :func:`_digest` of every file under ``folder`` but ``state.json``, by path relative to it."""
+    return {p.relative_to(folder).as_posix(): _digest(p) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.relative_to(folder).as_posix() != "state.json"}
+
+
+def verify_checkpoint(path: str | Path) -> dict:
+    """Verify a checkpoint folder against its ``state.json``: readable, with every key of :data:`STATE_KEYS`, and
+    every file it lists present with the recorded size and SHA-256. Reads every file once; loads nothing.
+
+    Args:
+        path (`str` or `Path`): a folder written by :func:`save_checkpoint`.
+
+    Returns:
+        `dict`: the parsed ``state.json``.
+
+    Raises:
+        CheckpointError: naming the folder and the first problem found (a missing or unreadable file, a missing
+            key, a size or checksum that differs).
+    """
+    path = Path(path)
+    for name in CHECKPOINT_FILES:
+        if not (path / name).is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: no {name}")
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} has an unreadable state.json ({type(e).__name__})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path}: state.json is not a JSON object")
+    missing = [key for key in STATE_KEYS if key not in state]
+    if missing:
+        reason = "no file checksums (written by an older flowrl)" if missing == ["files"] else f"no key {missing[0]!r}"
+        raise CheckpointError(f"checkpoint {path}: state.json has {reason}")
+    files = state["files"]
+    if not isinstance(files, dict) or not {"trainable.safetensors", "optimizer.safetensors"} <= files.keys():
+        raise CheckpointError(f"checkpoint {path}: state.json's 'files' does not list the weights")
+    for name, want in files.items():
+        want, file = want if isinstance(want, dict) else {}, path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: no {name}")
+        if file.stat().st_size != want.get("size"):
+            raise CheckpointError(f"checkpoint {path}: {name} has {file.stat().st_size} bytes, {want.get('size')} "
+                                  "were written (truncated or replaced)")
+        if _digest(file)["sha256"] != want.get("sha256"):
+            raise CheckpointError(f"checkpoint {path}: {name} does not match its SHA-256 (damaged or replaced)")
+    return state
 
 
 def _fsync(path: Path) -> None:
@@ -64,7 +132,8 @@ def save_checkpoint(directory: str | Path, iteration: int, params: dict[str, tor
                     extra: dict | None = None, write_extra_files: Callable[[Path], None] | None = None) -> Path:
     """Write ``directory/checkpoint-{iteration:06d}`` atomically.
 
-    Everything is written to a temp folder and flushed to disk, and ``state.json`` is written last; the
+    Everything is written to a temp folder and flushed to disk, and ``state.json`` is written last, recording
+    the size and SHA-256 of every other file (:func:`verify_checkpoint` checks them); the
     folder is then renamed into place. A crash at any point leaves the previous checkpoints intact and at
     most a ``.tmp-*`` folder (ignored by :func:`latest_checkpoint`). Re-saving an existing iteration moves
     the old folder aside first and deletes it only after the new one is in place.
@@ -105,6 +174,7 @@ def save_checkpoint(directory: str | Path, iteration: int, params: dict[str, tor
     }
     if write_extra_files is not None:
         write_extra_files(tmp)
+    state["files"] = _manifest(tmp)
     (tmp / "state.json").write_text(json.dumps(state))  # last: its presence marks a complete checkpoint
     _fsync_tree(tmp)
     old = directory / f".old-checkpoint-{iteration:06d}"
@@ -128,32 +198,42 @@ def _checkpoint_folders(directory: str | Path) -> list[Path]:
     return sorted(folders, key=_iteration, reverse=True)
 
 
-def _is_complete(path: Path) -> bool:
-    """All of :data:`CHECKPOINT_FILES` present and ``state.json`` readable JSON."""
-    if not all((path / name).is_file() for name in CHECKPOINT_FILES):
-        return False
-    try:
-        json.loads((path / "state.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return True
+def choose_checkpoint(directory: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest ``checkpoint-*`` folder under ``directory`` that passes :func:`verify_checkpoint`, and the newer
+    ones it skipped, each with the reason.
+
+    Args:
+        directory (`str` or `Path`): the run's checkpoint folder (may be missing).
+
+    Returns:
+        `tuple`: ``(folder or None, [(skipped folder, reason), ...])``, the skipped ones newest first.
+    """
+    skipped = []
+    for path in _checkpoint_folders(directory):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as e:
+            skipped.append((path, str(e)))
+            continue
+        return path, skipped
+    return None, skipped
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest complete ``checkpoint-*`` folder under ``directory`` (all of :data:`CHECKPOINT_FILES`
-    present and ``state.json`` readable JSON), or None. An incomplete or damaged newest folder is skipped
-    in favour of the one before it."""
-    return next((path for path in _checkpoint_folders(directory) if _is_complete(path)), None)
+    """The newest verified ``checkpoint-*`` folder under ``directory`` (:func:`choose_checkpoint`), or None. An
+    incomplete or damaged newer folder is skipped in favour of the one before it."""
+    return choose_checkpoint(directory)[0]
 
 
 def prune_checkpoints(directory: str | Path, keep: int, just_saved: str | Path | None = None) -> list[Path]:
-    """Delete the oldest checkpoints so that the newest `keep` complete ones remain (as transformers'
+    """Delete the oldest checkpoints so that the newest `keep` verified ones remain (as transformers'
     ``save_total_limit``). Only folders older than the oldest kept one are deleted, so an incomplete or
-    damaged newer folder is never the reason a complete one goes, and `just_saved` is always kept.
+    damaged newer folder is never the reason a verified one goes, and `just_saved` is always kept. Verifies
+    the newest folders only until `keep` pass.
 
     Args:
         directory (`str` or `Path`): the run's checkpoint folder.
-        keep (`int`, `>= 1`): complete checkpoints to keep (complete as :func:`latest_checkpoint` judges).
+        keep (`int`, `>= 1`): verified checkpoints to keep (as :func:`verify_checkpoint` judges).
         just_saved (`str` or `Path`, optional): the folder :func:`save_checkpoint` just returned.
 
     Returns:
@@ -165,10 +245,18 @@ def prune_checkpoints(directory: str | Path, keep: int, just_saved: str | Path |
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     folders = _checkpoint_folders(directory)  # newest first
-    complete = [p for p in folders if _is_complete(p)]
-    if len(complete) <= keep:
+    verified = []
+    for path in folders:
+        try:
+            verify_checkpoint(path)
+        except CheckpointError:
+            continue
+        verified.append(path)
+        if len(verified) == keep:
+            break
+    if len(verified) < keep:
         return []
-    oldest_kept = _iteration(complete[keep - 1])
+    oldest_kept = _iteration(verified[-1])
     saved = Path(just_saved).name if just_saved is not None else None
     doomed = [p for p in reversed(folders) if _iteration(p) < oldest_kept and p.name != saved]
     for path in doomed:
@@ -191,25 +279,23 @@ def load_checkpoint(path: str | Path, params: dict[str, torch.Tensor], optimizer
         The JSON state (``iteration``, ``extra``); the Python, numpy and torch RNG states are restored.
 
     Raises:
-        FileNotFoundError: if the folder lacks a file; KeyError naming a trainable tensor that is missing;
-        ValueError naming a trainable tensor whose shape differs (e.g. another LoRA rank). Nothing is
-        overwritten when one of these is raised.
+        CheckpointError (a ValueError): a folder that fails :func:`verify_checkpoint`, a trainable tensor that is
+        missing or whose shape differs (e.g. another LoRA rank), each named. Nothing is overwritten when one of
+        these is raised.
     """
     path = Path(path)
-    for name in CHECKPOINT_FILES:
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"checkpoint {path} is incomplete: no {name}")
+    state = verify_checkpoint(path)
     saved = load_file(path / "trainable.safetensors")
     for name, tensor in params.items():  # all checked before any is overwritten
         if name not in saved:
-            raise KeyError(f"checkpoint {path} has no trainable tensor {name!r}: was it made with another model.lora_rank?")
+            raise CheckpointError(f"checkpoint {path} has no trainable tensor {name!r}: was it made with another "
+                                  "model.lora_rank or model?")
         if saved[name].shape != tensor.shape:  # LoRA names do not depend on the rank; copy_ would broadcast (1, n) silently
-            raise ValueError(f"checkpoint {path} has trainable tensor {name!r} of shape {tuple(saved[name].shape)}, the "
-                             f"model's is {tuple(tensor.shape)}: was it made with another model.lora_rank?")
+            raise CheckpointError(f"checkpoint {path} has trainable tensor {name!r} of shape {tuple(saved[name].shape)}, "
+                                  f"the model's is {tuple(tensor.shape)}: was it made with another model.lora_rank?")
     with torch.no_grad():
         for name, tensor in params.items():
             tensor.copy_(saved[name])
-    state = json.loads((path / "state.json").read_text())
     optimizer.load_state_dict(_unflatten_optimizer(load_file(path / "optimizer.safetensors"), state["optimizer"]))
     if ema is not None:
         if (path / "ema.safetensors").is_file():

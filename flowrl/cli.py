@@ -8,13 +8,29 @@ import os
 import sys
 from pathlib import Path
 
-from .config import ConfigError, load_config, resolve_path
-from .data import prompt_file
+from .config import load_config, resolve_path
+from .data import prompt_file, read_jsonl
+from .files import RunFolderInUse, atomic_output, check_model_folder, probe_output, write_text_atomic
 
 
-USER_ERRORS = (ConfigError, FileNotFoundError, FileExistsError, ValueError, KeyError, TypeError)
-"""Exceptions that mean bad input (config key, file, reward, preset): reported in one line, exit status 2
-(with the full traceback when the environment sets ``FLOWRL_TRACEBACK=1``, to tell a bug from bad input)."""
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError, IsADirectoryError,
+               RunFolderInUse)
+"""Exceptions that mean bad input (config key, file, checkpoint, output, a busy run folder), with the rewards' own
+(:func:`user_errors`): reported in one line, exit status 2 (with the full traceback when the environment sets
+``FLOWRL_TRACEBACK=1``, to tell a bug from bad input). ``ValueError`` covers :class:`flowrl.config.ConfigError`,
+:class:`flowrl.checkpoint.CheckpointError` and :class:`flowrl.files.OutputError`. Any other exception (a
+``KeyError`` or ``TypeError`` included) is a bug in flowrl and keeps its traceback."""
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """:data:`USER_ERRORS` with :class:`rewards.RewardError` (a reward raised) and :class:`rewards.RewardTypeError`
+    (a reward spec, option or score of the wrong type); imported only when needed (``rewards`` imports torch)."""
+    from rewards import RewardError, RewardTypeError
+
+    return USER_ERRORS + (RewardError, RewardTypeError)
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+"""What ``flowrl sample --out`` may end with (the image formats PIL writes)."""
 
 
 def _model(args):
@@ -22,11 +38,13 @@ def _model(args):
 
     Raises:
         ValueError: for ``--device cuda`` without a CUDA device (before anything loads), a folder that is not a
-            pipeline, a resolution the model cannot take, or a LoRA folder without weights.
+            pipeline or holds damaged or pickled weights, a resolution the model cannot take, or a LoRA folder
+            without weights.
     """
     from .models import model_class, resolve_device
 
     device, path = resolve_device(args.device), resolve_path(args.model)
+    check_model_folder(path)  # readable JSON, whole safetensors weights (no pickles), each file named
     adapter = model_class(path)  # SD3 family or FLUX, from model_index.json
     if args.max_sequence_length is not None:
         try:
@@ -69,10 +87,9 @@ def cmd_eval(args) -> dict:
     import torch
 
     from .evaluate import evaluate
-    from .data import read_jsonl
 
     metas = read_jsonl(prompt_file(args.prompts))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # before the work, not after it
+    probe_output(args.out, "--out", (".json",))  # before the work, not after it
     accelerator = None
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # accelerate launch / torchrun: split the images over the processes
         from accelerate import Accelerator
@@ -83,7 +100,7 @@ def cmd_eval(args) -> dict:
         result = evaluate(model, metas, args.images_per_tag, args.num_steps, args.guidance_scale, args.shift,
                           args.seed, accelerator=accelerator)
     if accelerator is None or accelerator.is_main_process:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_text_atomic(args.out, json.dumps(result, indent=1))
         print(json.dumps({"overall": result["overall"], "per_tag": result["per_tag"]}, indent=1))
     if accelerator is not None:
         _end(accelerator)
@@ -97,12 +114,13 @@ def cmd_sample(args) -> None:
 
     from .evaluate import generate
 
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # before the work, not after it
+    probe_output(args.out, "--out", IMAGE_SUFFIXES)  # before the work, not after it
     model = _model(args)
     with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         images = generate(model, [args.prompt] * args.n, [args.seed + i for i in range(args.n)], args.num_steps,
                           args.guidance_scale, args.shift)
-    save_image(images, args.out, nrow=min(args.n, 8), padding=1)
+    with atomic_output(args.out) as tmp:
+        save_image(images, tmp, nrow=min(args.n, 8), padding=1)
     print(f"wrote {args.n} images to {args.out}")
 
 
@@ -116,6 +134,8 @@ def cmd_bench(args) -> dict:
     unknown = set(args.presets) - set(available)
     if unknown:
         raise ValueError(f"unknown bench preset(s) {sorted(unknown)}; default {list(PRESETS)}, available {available}")
+    probe_output(Path(args.out).with_suffix(".md"), "--out")  # and its .json: before the work
+    probe_output(args.out, "--out")
     results = run_bench(args.presets, args.iterations, args.warmup, args.budget_s, args.overrides, args.out,
                         args.preset_overrides)
     print(Path(args.out).with_suffix(".md").read_text())
@@ -131,6 +151,8 @@ def cmd_overopt(args) -> dict:
     unknown = set(args.presets) - known
     if unknown:
         raise ValueError(f"unknown preset(s) {sorted(unknown)}; choose from configs/: {sorted(known)}")
+    probe_output(Path(args.out).with_suffix(".md"), "--out")  # and its .json: before the work
+    probe_output(args.out, "--out")
     results = run_overopt(args.presets, args.iterations, args.eval_every, overrides=args.overrides, out=args.out)
     print(Path(args.out).with_suffix(".md").read_text())
     return results
@@ -141,12 +163,29 @@ def _at_least(low: float, kind: type = int, strict: bool = False):
     with ``strict``), so that a bad value fails before the model loads."""
     def parse(text: str):
         value = kind(text)  # a ValueError here is argparse's "invalid int value: 'x'"
-        if value < low or (strict and value == low):
+        if not value >= low or (strict and value == low):  # NaN fails too
             raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low}, got {text}")
         return value
 
     parse.__name__ = kind.__name__
     return parse
+
+
+def _finite(text: str) -> float:
+    """An argparse ``type``: a finite float (``nan`` and ``inf`` refused, naming the option)."""
+    import math
+
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def _non_empty(text: str) -> str:
+    """An argparse ``type``: a string with something besides spaces in it."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 def _device(text: str) -> str:
@@ -169,7 +208,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="T5 tokens (default: SD3 256 with a T5 encoder, 0 without one as the tiny model; FLUX 512)")
     p.add_argument("--resolution", type=_at_least(1), default=None, help="image side in px (default: the model's)")
     p.add_argument("--num-steps", type=_at_least(1), default=20, help="Euler ODE steps")
-    p.add_argument("--guidance-scale", type=float, default=4.5)
+    p.add_argument("--guidance-scale", type=_finite, default=4.5)
     p.add_argument("--shift", type=_at_least(0, float, strict=True), default=None,
                    help="sigma-schedule shift (default: the model scheduler's)")
     p.add_argument("--seed", type=int, default=1234)
@@ -190,7 +229,7 @@ def _add_eval(sub) -> None:
     e = sub.add_parser("eval", help="GenEval-style strict accuracy of a model (+ LoRA)")
     _model_args(e)
     e.add_argument("--prompts", default="test", help="train | test | FILE.jsonl")
-    e.add_argument("--images-per-tag", type=int, default=64, help="images per tag (0: each prompt once)")
+    e.add_argument("--images-per-tag", type=_at_least(0), default=64, help="images per tag (0: each prompt once)")
     e.add_argument("--out", required=True, help="FILE.json")
     e.set_defaults(fn=cmd_eval)
 
@@ -200,9 +239,9 @@ def _add_sample(sub) -> None:
     :func:`cmd_sample`."""
     s = sub.add_parser("sample", help="a grid of images for one prompt")
     _model_args(s)
-    s.add_argument("--prompt", required=True)
+    s.add_argument("--prompt", type=_non_empty, required=True)
     s.add_argument("-n", type=_at_least(1), default=8, help="images")
-    s.add_argument("--out", default="grid.png")
+    s.add_argument("--out", default="grid.png", help=f"image file ({', '.join(IMAGE_SUFFIXES)})")
     s.set_defaults(fn=cmd_sample)
 
 
@@ -247,18 +286,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(error: BaseException) -> str:
+    """``error``'s message on one line (a multi-line message, e.g. a parser's, joined with spaces)."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def _run(args: argparse.Namespace) -> None:
-    """Run ``args.fn(args)``; a :data:`USER_ERRORS` exception prints ``flowrl COMMAND: error: ...`` on stderr and
-    exits with status 2 (``SystemExit``) instead of a traceback, unless ``FLOWRL_TRACEBACK=1`` is set."""
+    """Run ``args.fn(args)``; a :func:`user_errors` exception prints ``flowrl COMMAND: error: ...`` (one line) on
+    stderr and exits with status 2 (``SystemExit``) instead of a traceback, unless ``FLOWRL_TRACEBACK=1`` is set.
+    Any other exception propagates with its traceback (a bug, not bad input)."""
     if "" not in sys.path and os.getcwd() not in sys.path:  # user rewards 'pkg.module:fn' from the working folder,
         sys.path.insert(0, os.getcwd())  # as with `python -m flowrl.cli` (the console script puts its bin/ first)
     try:
         args.fn(args)
-    except USER_ERRORS as e:
-        if os.environ.get("FLOWRL_TRACEBACK") == "1":
+    except Exception as e:
+        if os.environ.get("FLOWRL_TRACEBACK") == "1" or not isinstance(e, user_errors()):
             raise
-        message = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) would quote it
-        print(f"flowrl {args.command}: error: {message}", file=sys.stderr)
+        print(f"flowrl {args.command}: error: {_one_line(e)}", file=sys.stderr)
         sys.exit(2)
 
 

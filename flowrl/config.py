@@ -127,7 +127,7 @@ class SamplingConfig:
 
     num_steps: int = 10  # denoising steps of a training rollout
     guidance_scale: float = 4.5  # classifier-free guidance w (1 = off)
-    kernel: str = "flow_sde"  # samplers.KERNELS stochastic kernel: flow_sde | dance_sde | cps
+    kernel: str = "flow_sde"  # samplers.KERNELS stochastic kernel: flow_sde | dance_sde | cps | ddim (DDPO's DDIM, eta)
     noise_level: float = 0.7  # Flow-GRPO's a (or DanceGRPO's eta)
     shift: float | None = None  # timestep shift of the sigma schedule (None: the model scheduler's, 3 for SD3.5, 1 tiny)
     group_size: int = 8  # G images per prompt
@@ -172,10 +172,11 @@ class SamplingConfig:
                self.window.size)
         _check(self.group_size >= 2, "sampling.group_size", ">= 2 (group-relative advantages)", self.group_size)
         _check(self.guidance_scale >= 1.0, "sampling.guidance_scale", ">= 1", self.guidance_scale)
-        _check(self.kernel in ("flow_sde", "dance_sde", "cps"), "sampling.kernel", "flow_sde|dance_sde|cps", self.kernel)
+        _check(self.kernel in ("flow_sde", "dance_sde", "cps", "ddim"), "sampling.kernel", "flow_sde|dance_sde|cps|ddim",
+               self.kernel)
         _check(self.noise_level > 0, "sampling.noise_level", "> 0", self.noise_level)
-        _check(self.kernel != "cps" or self.noise_level <= 1, "sampling.noise_level", "in (0, 1] for kernel 'cps' (eta)",
-               self.noise_level)
+        _check(self.kernel not in ("cps", "ddim") or self.noise_level <= 1, "sampling.noise_level",
+               f"in (0, 1] for kernel {self.kernel!r} (eta)", self.noise_level)
         _check(not (self.kernel == "cps" and self.train_last_step), "sampling.train_last_step",
                "false with kernel 'cps' (its last step lands on t = 0 with std 0: no log-prob)", self.train_last_step)
         _check(self.shift is None or self.shift > 0, "sampling.shift", "> 0 or null", self.shift)
@@ -405,8 +406,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
 
 
 def save_config(config: Config, path: str | Path) -> None:
-    """Write the resolved config as YAML (reloadable with :func:`load_config`)."""
-    Path(path).write_text(OmegaConf.to_yaml(OmegaConf.structured(config)))
+    """Write the resolved config as YAML (reloadable with :func:`load_config`), through a temporary file and a
+    rename."""
+    from .files import write_text_atomic
+
+    write_text_atomic(path, OmegaConf.to_yaml(OmegaConf.structured(config)))
 
 
 def resolve_path(path: str | Path) -> Path:
@@ -420,13 +424,16 @@ def resolve_model(cfg: Config):
     into `cfg` where unset (the saved config.yaml records them), every value checked before any weight loads.
 
     Raises:
-        ConfigError: naming ``model.path``, ``model.resolution``, ``sampling.shift`` or ``model.max_sequence_length``.
+        ConfigError: naming ``model.path`` (with the damaged file: broken JSON, truncated or pickled weights),
+            ``model.resolution``, ``sampling.shift`` or ``model.max_sequence_length``.
         FileNotFoundError: a model path that is not a pipeline folder.
     """
+    from .files import check_model_folder
     from .models import model_class
 
     path = resolve_path(cfg.model.path)
     try:
+        check_model_folder(path)  # readable JSON, whole safetensors weights (no pickles), before anything loads
         adapter = model_class(path)  # the family, from model_index.json
     except ValueError as e:
         raise ConfigError(f"config key 'model.path': {e}") from None
@@ -439,6 +446,7 @@ def resolve_model(cfg: Config):
             cfg.sampling.shift = adapter.scheduler_shift(path, cfg.model.resolution)
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(f"config key 'sampling.shift': {e}") from None
+    adapter.check_config(cfg)  # what the family cannot run (the DDPM family: DiffusionNFT, Flash re-spacing)
     if cfg.model.max_sequence_length is None:  # SD3: 256 with a T5 encoder, 0 without (the tiny model); FLUX 512
         cfg.model.max_sequence_length = adapter.default_max_sequence_length(path)
     try:

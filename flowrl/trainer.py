@@ -10,25 +10,31 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import time
 import warnings
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from rewards import WeightedSum, build_reward
+from rewards import RewardTypeError, WeightedSum, build_reward
 
-from .checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint, truncate_metrics
+from .checkpoint import (CheckpointError, choose_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint,
+                         truncate_metrics)
 from .config import Config, ConfigError, resolve_model, resolve_path, save_config
 from .data import read_prompts
 from .evaluate import evaluate, evaluate_reward, generate
+from .files import RunLock, atomic_output, check_folder_writable, check_not_in_use, write_text_atomic
 from .methods import build_method
 from .plots import save_diagnostics, save_grid, save_reward_curve
 from .policy import Policy, check_accelerate_precision
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RUN_FILES = ("config.yaml", "eval_before.json", "grid_before.safetensors", "metrics.jsonl", "checkpoints", "eval.json")
+"""What a run writes into its folder; any of them present means the folder holds a run."""
 
 
 def tag_means(rewards: torch.Tensor, tags: list[str]) -> dict[str, float]:
@@ -51,10 +57,16 @@ class Trainer:
     Attributes: ``model`` (the adapter), ``policy`` (:class:`flowrl.policy.Policy`), ``method`` (the
     :mod:`flowrl.methods` object), ``rewards``, ``train_metas`` / ``eval_metas`` (prompt records).
 
+    The run folder has one writer: :meth:`train` holds its lock (:class:`flowrl.files.RunLock`, on the main
+    process) from before anything is written until it returns.
+
     Raises (at construction, before any sampling):
         ConfigError / FileNotFoundError: bad config values, model folder or prompt files.
         FileExistsError: ``run.output_dir`` holds a run and ``run.resume`` is off.
-        ValueError: a reward that fails its smoke call (wrong shape, NaN or inf), named.
+        RunFolderInUse: another process is training in ``run.output_dir``.
+        OutputError: ``run.output_dir`` cannot be written.
+        ValueError: a reward that fails its smoke call (wrong shape, NaN or inf), named; RewardError: one that
+            raises.
     """
 
     def __init__(self, config: Config):
@@ -64,7 +76,10 @@ class Trainer:
         if cfg.run.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("config key 'run.device' is 'cuda' but no CUDA device is available; use auto or cpu")
         self.out = Path(cfg.run.output_dir)
-        self._refuse_existing_run()  # before any expensive work
+        self.lock = RunLock(self.out)
+        check_not_in_use(self.out)  # before any expensive work (nothing is created yet: train() takes the lock)
+        self._refuse_existing_run()
+        check_folder_writable(self.out, "config key 'run.output_dir'")
         # precision is run.mixed_precision (our autocast); DDP: a family may leave parameters unused in a forward,
         # and every forward without gradients (rollouts, evaluation) bypasses the wrapper, so buffers are not synced
         ddp = DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)
@@ -74,7 +89,7 @@ class Trainer:
         adapter = resolve_model(cfg)
         self.train_metas = self._read_prompts("train_prompts", cfg.train_prompts)
         self.eval_metas = self._read_prompts("eval.prompts", cfg.eval.prompts)
-        self.rewards = WeightedSum({name: (build_reward(name, **r.options), r.weight) for name, r in cfg.rewards.items()})
+        self.rewards = WeightedSum({name: (self._build_reward(name), r.weight) for name, r in cfg.rewards.items()})
         self.model = adapter(resolve_path(cfg.model.path), self.device, DTYPES[cfg.model.dtype],
                              cfg.model.max_sequence_length, cfg.model.resolution)
         torch.manual_seed(cfg.run.seed)  # the LoRA init: runs with one seed start from the same weights
@@ -97,9 +112,21 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ loop
     def train(self) -> dict:
-        """Run (or resume) the job. Returns ``{"before": eval, "after": eval, "wall_time_s": float, "iterations"}``."""
+        """Run (or resume) the job, holding the run folder's lock throughout.
+
+        Returns:
+            `dict`: ``{"before": eval, "after": eval, "wall_time_s": float, "iterations": int}``.
+
+        Raises:
+            RunFolderInUse: another process holds the run folder. FileExistsError: it holds a run and
+            ``run.resume`` is off. CheckpointError: ``run.resume`` finds run files but no verified checkpoint.
+        """
+        with self._run_folder():
+            return self._train()
+
+    def _train(self) -> dict:
+        """:meth:`train`'s body, run under the lock."""
         cfg, acc = self.cfg, self.accelerator
-        self.out.mkdir(parents=True, exist_ok=True)
         start, elapsed = self._maybe_resume()
         if acc.is_main_process:  # a resumed run keeps its first config and records the resumed one beside it
             save_config(cfg, self.out / ("config.yaml" if start == 0 else f"config-resume-{start:06d}.yaml"))
@@ -109,10 +136,11 @@ class Trainer:
             if acc.is_main_process:
                 from safetensors.torch import save_file
 
-                (self.out / "eval_before.json").write_text(json.dumps(before, indent=1))
-                save_file({"images": self.grid_images().contiguous()}, self.out / "grid_before.safetensors")
+                write_text_atomic(self.out / "eval_before.json", json.dumps(before, indent=1))
+                with atomic_output(self.out / "grid_before.safetensors") as tmp:
+                    save_file({"images": self.grid_images().contiguous()}, tmp)
         else:
-            before = json.loads((self.out / "eval_before.json").read_text())
+            before = json.loads((self.out / "eval_before.json").read_text())  # checked readable by _choose_checkpoint
         bar = tqdm(range(start, cfg.run.iterations), initial=start, total=cfg.run.iterations, desc="flowrl train",
                    disable=not acc.is_main_process)
         for it in bar:
@@ -128,7 +156,7 @@ class Trainer:
         after = self.run_eval()
         result = {"before": before, "after": after, "wall_time_s": time.time() - t_start, "iterations": cfg.run.iterations}
         if acc.is_main_process:
-            (self.out / "eval.json").write_text(json.dumps(result, indent=1))
+            write_text_atomic(self.out / "eval.json", json.dumps(result, indent=1))
         self._artifacts()
         return result
 
@@ -237,6 +265,19 @@ class Trainer:
         return [first[i % len(first)] for i in range(12)]
 
     # ----------------------------------------------------------------------------------- set-up
+    def _build_reward(self, name: str):
+        """The reward of config key ``rewards.NAME`` (:func:`rewards.build_reward` with its options).
+
+        Raises:
+            ConfigError: naming ``rewards.NAME``, for an unknown reward, a missing module or a bad option.
+        """
+        try:
+            return build_reward(name, **self.cfg.rewards[name].options)
+        except (ValueError, TypeError) as e:
+            if isinstance(e, TypeError) and not isinstance(e, RewardTypeError):
+                raise  # a bug inside the reward's factory: not disguised as bad input
+            raise ConfigError(f"config key 'rewards.{name}': {e}") from None
+
     @staticmethod
     def _read_prompts(key: str, name: str) -> list[dict]:
         """The prompt records of config key `key` (a shipped set's name or a JSONL file: :func:`flowrl.data.read_prompts`).
@@ -272,33 +313,96 @@ class Trainer:
         if self.cfg.run.keep_checkpoints:
             prune_checkpoints(self.out / "checkpoints", self.cfg.run.keep_checkpoints, just_saved=saved)
 
+    def _run_files(self) -> list[str]:
+        """The :data:`RUN_FILES` present in the run folder (an empty ``checkpoints/`` does not count)."""
+        present = [name for name in RUN_FILES if (self.out / name).exists()]
+        if "checkpoints" in present and not any((self.out / "checkpoints").iterdir()):
+            present.remove("checkpoints")
+        return present
+
     def _refuse_existing_run(self) -> None:
-        """Raise FileExistsError if ``run.output_dir`` already holds a run and ``run.resume`` is off."""
-        if not self.cfg.run.resume and (self.out / "metrics.jsonl").exists():
-            raise FileExistsError(f"run folder {self.out} already holds a run: pass run.resume=true to continue it, "
-                                  "or choose another run.output_dir")
+        """Raise FileExistsError if ``run.output_dir`` already holds a run (any of :data:`RUN_FILES`) and
+        ``run.resume`` is off."""
+        if not self.cfg.run.resume and (found := self._run_files()):
+            raise FileExistsError(f"run folder {self.out} already holds a run ({found[0]}): pass run.resume=true to "
+                                  "continue it, or choose another run.output_dir")
+
+    @contextmanager
+    def _run_folder(self):
+        """Hold the run folder's lock (main process) from before anything is written; the existing-run check is
+        repeated under it. Every process gets the main process's verdict, so none is left waiting."""
+        def take() -> None:
+            self.lock.acquire()
+            self._refuse_existing_run()  # again, under the lock: the folder may have filled since __init__
+
+        try:
+            self._on_main(take)
+            self.out.mkdir(parents=True, exist_ok=True)
+            yield
+        finally:
+            self.lock.release()
+
+    def _on_main(self, fn):
+        """``fn()`` on the main process only; every process returns its result or raises its exception (sent
+        from the main process under several processes)."""
+        acc, result, error = self.accelerator, None, None
+        if acc.is_main_process:
+            try:
+                result = fn()
+            except Exception as e:  # re-raised below, on every process
+                error = e
+        if acc.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            box = broadcast_object_list([result, error], from_process=0)
+            result, error = box
+        if error is not None:
+            raise error
+        return result
+
+    def _choose_checkpoint(self) -> Path | None:
+        """The newest verified checkpoint to resume from (main process), said in one line with the reason for
+        each newer one skipped; None (with a warning) for a folder that holds nothing a restart would lose.
+
+        Raises:
+            CheckpointError: naming the folder, when it holds checkpoints or metrics rows but no verified
+                checkpoint, or a checkpoint but no readable ``eval_before.json``; nothing is deleted.
+        """
+        path, skipped = choose_checkpoint(self.out / "checkpoints")
+        why = "; ".join(reason for _, reason in skipped)
+        metrics_file = self.out / "metrics.jsonl"
+        if path is None:
+            if skipped or (metrics_file.exists() and metrics_file.read_text().strip()):
+                raise CheckpointError(f"run.resume=true but run folder {self.out} holds no verified checkpoint "
+                                      f"({why or 'metrics.jsonl has rows, checkpoints/ has none'}); nothing was "
+                                      "deleted: move the folder aside to start over, or choose another run.output_dir")
+            warnings.warn(f"run.resume=true but {self.out / 'checkpoints'} holds no complete checkpoint: "
+                          "starting the run from iteration 0", UserWarning, stacklevel=5)
+            metrics_file.unlink(missing_ok=True)  # empty: nothing is lost
+            return None
+        try:
+            json.loads((self.out / "eval_before.json").read_text())
+        except (OSError, ValueError):
+            raise CheckpointError(f"run folder {self.out} has no readable eval_before.json, which resuming from "
+                                  f"{path.name} needs; nothing was deleted") from None
+        note = f"flowrl train: resuming {self.out} from {path.name}"
+        print(note + (f"; skipped newer: {why}" if skipped else ""), file=sys.stderr, flush=True)
+        return path
 
     def _maybe_resume(self) -> tuple[int, float]:
-        """Restore the newest complete checkpoint when ``run.resume``; returns ``(iteration, elapsed_s)``.
-        ``metrics.jsonl`` is cut back to the checkpoint's iteration; with no checkpoint the run starts over."""
-        metrics_file = self.out / "metrics.jsonl"
+        """Restore the newest verified checkpoint when ``run.resume`` (:meth:`_choose_checkpoint`); returns
+        ``(iteration, elapsed_s)``. Only once it is restored is ``metrics.jsonl`` cut back to its iteration."""
         if not self.cfg.run.resume:
-            self._refuse_existing_run()  # again: the folder may have filled since __init__
             return 0, 0.0
-        main = self.accelerator.is_main_process
-        path = latest_checkpoint(self.out / "checkpoints")
+        path = self._on_main(self._choose_checkpoint)
         if path is None:
-            if main:
-                warnings.warn(f"run.resume=true but {self.out / 'checkpoints'} holds no complete checkpoint: "
-                              "starting the run from iteration 0", UserWarning, stacklevel=3)
-                metrics_file.unlink(missing_ok=True)  # nothing checkpointed: start over
             return 0, 0.0
         state = load_checkpoint(path, self.policy.params, self.policy.optimizer, self.policy.ema)
         self.policy.apply_optimizer_config(path)
-        if main:
-            truncate_metrics(metrics_file, state["iteration"])
         self.method.load_state_dict(state["extra"])
         self.method.load_files(path)
+        if self.accelerator.is_main_process:
+            truncate_metrics(self.out / "metrics.jsonl", state["iteration"])
         return state["iteration"], state["extra"].get("elapsed_s", 0.0)
 
     def _artifacts(self) -> None:

@@ -24,6 +24,8 @@ __all__ = [
     "REWARDS",
     "CombinedScores",
     "Reward",
+    "RewardError",
+    "RewardTypeError",
     "WeightedSum",
     "build_reward",
     "check_inputs",
@@ -61,6 +63,16 @@ class Reward(Protocol):
     def __call__(
         self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
     ) -> torch.Tensor: ...
+
+
+class RewardError(RuntimeError):
+    """A reward raised an exception of its own while scoring; the message is ``reward NAME raised TYPE: message``
+    and the original exception is chained (``__cause__``)."""
+
+
+class RewardTypeError(TypeError):
+    """A reward spec, option or returned score of the wrong type (bad input, not a bug); the message names the
+    reward and what was expected."""
 
 
 RewardFactory = Callable[..., Reward]
@@ -134,15 +146,15 @@ def build_reward(spec: str, **kwargs: Any) -> Reward:
     Raises:
         ValueError: unknown name (the message lists the registered names), or a dotted path whose
             module or attribute is missing (the message names it).
-        TypeError: `spec` is not a string, an option the factory does not accept (the message lists
-            the accepted ones), or the named or built object is not callable.
+        RewardTypeError (a TypeError): `spec` is not a string, an option the factory does not accept (the
+            message lists the accepted ones), or the named or built object is not callable.
     """
     if not isinstance(spec, str):
-        raise TypeError(f"reward spec must be a registered name or 'package.module:function', got {spec!r}")
+        raise RewardTypeError(f"reward spec must be a registered name or 'package.module:function', got {spec!r}")
     if ":" in spec:
         target = _import_dotted(spec)
         if not callable(target):
-            raise TypeError(f"reward spec {spec!r} names a {type(target).__name__}, not a callable")
+            raise RewardTypeError(f"reward spec {spec!r} names a {type(target).__name__}, not a callable")
         if not kwargs:
             return target
     elif spec in REWARDS:
@@ -159,12 +171,12 @@ def build_reward(spec: str, **kwargs: Any) -> Reward:
     except TypeError as err:
         params = inspect.signature(target).parameters
         accepted = ", ".join(p for p in params if params[p].kind is not inspect.Parameter.VAR_KEYWORD)
-        raise TypeError(f"reward {spec!r}: {err}; accepted options: {accepted or '(none)'}") from None
+        raise RewardTypeError(f"reward {spec!r}: {err}; accepted options: {accepted or '(none)'}") from None
     except ValueError:  # some builtins have no signature; let the call itself complain
         pass
     reward = target(**kwargs)
     if not callable(reward):
-        raise TypeError(f"reward factory {spec!r} returned a {type(reward).__name__}, not a callable")
+        raise RewardTypeError(f"reward factory {spec!r} returned a {type(reward).__name__}, not a callable")
     return reward
 
 
@@ -236,7 +248,7 @@ def check_scores(name: str, scores: Any, batch_size: int) -> torch.Tensor:
         `torch.Tensor` of shape `(B,)`, float32, on CPU, detached.
 
     Raises:
-        TypeError: `scores` cannot be read as numbers.
+        RewardTypeError (a TypeError): `scores` cannot be read as numbers.
         ValueError: the shape is not `(B,)`, or some value is NaN or infinite (the message counts
             them and gives their indices).
     """
@@ -247,7 +259,7 @@ def check_scores(name: str, scores: Any, batch_size: int) -> torch.Tensor:
             out = torch.as_tensor(np.asarray(scores, dtype=np.float32))
     except (TypeError, ValueError, RuntimeError) as err:
         kind = type(scores).__name__
-        raise TypeError(f"reward {name!r} returned {kind} that is not numeric: {err}") from None
+        raise RewardTypeError(f"reward {name!r} returned {kind} that is not numeric: {err}") from None
     if out.shape != (batch_size,):
         raise ValueError(
             f"reward {name!r} returned scores of shape {tuple(out.shape)}; expected ({batch_size},), "
@@ -298,7 +310,7 @@ class WeightedSum:
         self.rewards: dict[str, tuple[Callable, float]] = {}
         for key, (reward, weight) in rewards.items():
             if not callable(reward):
-                raise TypeError(f"reward {key!r} is a {type(reward).__name__}, not a callable")
+                raise RewardTypeError(f"reward {key!r} is a {type(reward).__name__}, not a callable")
             if isinstance(weight, (bool, np.bool_)) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
                 raise ValueError(f"reward {key!r} has weight {weight!r}; weights must be finite numbers")
             self.rewards[key] = (reward, float(weight))
@@ -324,7 +336,12 @@ class WeightedSum:
         total = torch.zeros(batch, dtype=torch.float32)
         per_reward = {}
         for key, (reward, weight) in self.rewards.items():
-            scores = check_scores(key, reward(images, prompts, metadata), batch)
+            try:
+                raw = reward(images, prompts, metadata)
+            except Exception as err:  # the reward's own failure (a bug in it, a server down): named, chained
+                message = " ".join(str(err).split()) or "(no message)"
+                raise RewardError(f"reward {key} raised {type(err).__name__}: {message}") from err
+            scores = check_scores(key, raw, batch)
             per_reward[key] = scores
             total += weight * scores
         return CombinedScores(total, per_reward)

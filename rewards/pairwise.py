@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .base import build_reward, check_inputs, check_scores, is_integer, register_reward, reward_name
+from .base import RewardTypeError, build_reward, check_inputs, check_scores, is_integer, register_reward, reward_name
 
 __all__ = ["PrefWinRate", "VLMJudge", "bradley_terry_judge", "parse_choice", "pref_winrate", "win_rates"]
 
@@ -316,7 +316,7 @@ def pref_winrate(judge: str = "bt", reward: str = "clipscore", reward_options: d
     """
     if judge == "bt":
         if vlm_options:
-            raise TypeError(f"pref_winrate: options {sorted(vlm_options)} are not accepted with judge='bt' "
+            raise RewardTypeError(f"pref_winrate: options {sorted(vlm_options)} are not accepted with judge='bt' "
                             "(accepted: reward, reward_options, temperature, both_orders, soft)")
         if temperature is not None and not soft:
             raise ValueError(f"pref_winrate: temperature={temperature} has no effect with soft=false (a hard win only "
@@ -325,6 +325,6 @@ def pref_winrate(judge: str = "bt", reward: str = "clipscore", reward_options: d
         return PrefWinRate(bt, both_orders, soft)
     if judge == "vlm":
         if temperature is not None:
-            raise TypeError("pref_winrate: temperature is an option of judge='bt' only (the VLM judge samples at 0)")
+            raise RewardTypeError("pref_winrate: temperature is an option of judge='bt' only (the VLM judge samples at 0)")
         return PrefWinRate(VLMJudge(**vlm_options), both_orders, soft)
     raise ValueError(f"pref_winrate judge must be 'bt' or 'vlm', got {judge!r}")

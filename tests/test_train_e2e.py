@@ -158,9 +158,11 @@ def test_existing_run_folder_needs_resume(tmp_path, random_pipeline, prompt_file
 
 
 def test_resume_without_a_checkpoint_says_it_starts_over(tmp_path, random_pipeline, prompt_files):
+    """Nothing to lose (no checkpoint, no metrics row): resume starts over. With rows or damaged checkpoints it
+    refuses instead (tests/test_bad_inputs.py)."""
     cfg = _config(tmp_path, random_pipeline, prompt_files, **{"run.resume": "true"})
     (tmp_path / "run").mkdir()
-    (tmp_path / "run/metrics.jsonl").write_text('{"iteration": 1}\n')  # a run killed before its first checkpoint
+    (tmp_path / "run/metrics.jsonl").write_text("")  # a run killed before its first iteration ended
     trainer = Trainer(cfg)
     with pytest.warns(UserWarning, match="holds no complete checkpoint: starting the run from iteration 0"):
         assert trainer._maybe_resume() == (0, 0.0)

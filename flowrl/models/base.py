@@ -222,6 +222,8 @@ class FlowModel:
     """Module-name suffixes of the transformer layers a LoRA adapts."""
     SIGMA_SPACING = "sd3"
     """How the stock pipeline spaces its steps (:func:`samplers.flow_sigmas`' ``spacing``)."""
+    NETWORK = "transformer"
+    """The pipeline component that is trained, held as :attr:`transformer` (``"unet"`` for the UNet families)."""
 
     def __init__(self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  max_sequence_length: int | None = None, resolution: int | None = None):
@@ -243,9 +245,10 @@ class FlowModel:
         kwargs = {name: None for name in self.OPTIONAL if _absent(index, name)}  # optional parts the folder leaves out
         diffusers_logging.disable_progress_bar()
         transformers_logging.disable_progress_bar()
-        self.pipe = getattr(diffusers, self.PIPELINE).from_pretrained(path, dtype=dtype, **kwargs).to(device)
+        self.pipe = getattr(diffusers, self.PIPELINE).from_pretrained(path, dtype=dtype, use_safetensors=True,
+                                                                     **kwargs).to(device)
         self.pipe.set_progress_bar_config(disable=True)
-        self.transformer = self.pipe.transformer
+        self.transformer = getattr(self.pipe, self.NETWORK)  # the trained network (a transformer, or a UNet)
         train_dtype = torch.float32 if torch.device(device).type == "cpu" else dtype
         if self.transformer.dtype != train_dtype:
             self.transformer.to(train_dtype)
@@ -296,6 +299,11 @@ class FlowModel:
             ValueError: naming the folder, for a resolution the model cannot draw.
         """
         raise NotImplementedError
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Refuse run settings (a :class:`flowrl.config.Config`) this family cannot sample or train, before weights
+        load; the flow families run every method. Raises :class:`flowrl.config.ConfigError` naming the key."""
 
     @classmethod
     def scheduler_shift(cls, path: str | Path, resolution: int | None = None) -> float:
@@ -483,9 +491,22 @@ class FlowModel:
 
         Raises:
             FileNotFoundError: if the folder has no ``pytorch_lora_weights.safetensors``.
+            ValueError: naming the file, if it is damaged (truncated, a pickle under that name) or holds no LoRA
+                weights for this transformer.
         """
-        if not (Path(directory) / "pytorch_lora_weights.safetensors").is_file():
+        from .. import files
+
+        file = Path(directory) / "pytorch_lora_weights.safetensors"
+        if not file.is_file():
             raise FileNotFoundError(f"LoRA folder {directory} has no pytorch_lora_weights.safetensors")
-        self.pipe.load_lora_weights(str(directory))
+        files.check_safetensors(file)
+        before = {n for n, _ in self.transformer.named_parameters() if "lora_" in n}
+        try:
+            self.pipe.load_lora_weights(str(directory), use_safetensors=True)
+        except (ValueError, KeyError, RuntimeError) as e:  # diffusers' and peft's "not a LoRA of this model"
+            message = " ".join(str(e).split())[:300]
+            raise ValueError(f"{file} is not a LoRA of this model ({type(e).__name__}: {message})") from None
+        if {n for n, _ in self.transformer.named_parameters() if "lora_" in n} == before:
+            raise ValueError(f"{file} holds no LoRA weights for this model's transformer")
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from samplers import start_latents
+
 from .config import REPO_ROOT, load_config
 from .evaluate import machine
 
@@ -104,6 +106,7 @@ def bench_tree(trainer, repeats: int = 3) -> dict[str, float]:
     ode = trainer.method.ode_velocity(velocity)  # built once, outside the timed calls
     noise = torch.randn((len(metas), *trainer.model.latent_shape),
                         generator=torch.Generator().manual_seed(0)).to(trainer.device)  # drawn on CPU, as the trainer's
+    noise = start_latents(noise, trainer.method.sigmas[0])  # the state at the first time (noise itself at sigma 1)
     times = {}
     for batched in (True, False):
         runs = []

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from samplers import ode_sample
+from samplers import ode_sample, start_latents
 
 from .models import FlowModel
 
@@ -69,6 +69,7 @@ def generate(model: FlowModel, prompts: list[str], seeds: list[int], num_steps: 
         cond = torch.tensor([row[p] for p in chunk], device=model.device)
         noise = torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s))
                              for s in seeds[start:start + batch_size]]).to(model.device)  # (b, C, H, W)
+        noise = start_latents(noise, sigmas[0])  # the state at the first time (noise itself at sigma 1)
         with torch.no_grad():
             latents = ode_sample(model.velocity_fn(table, guidance_scale), noise, cond, sigmas)
             images.append(model.decode(latents).cpu())

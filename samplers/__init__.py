@@ -1,4 +1,5 @@
-"""flowrl samplers: transition kernels, schedules and rollouts for rectified-flow models.
+"""flowrl samplers: transition kernels, schedules and rollouts for rectified-flow models (and, through the change of
+variables of :mod:`samplers.ddim`, for variance-preserving DDPM models).
 
 Importable on its own (torch only): it never imports ``flowrl``, ``rewards`` or diffusers models.
 """
@@ -7,6 +8,7 @@ from .kernels import (
     KERNELS,
     MULTISTEP_KERNELS,
     STOCHASTIC_KERNELS,
+    UNIT_ETA_KERNELS,
     StepOutput,
     cps_step,
     dance_sde_step,
@@ -27,6 +29,8 @@ from .rollout import (
     sample,
     velocity_gain,
 )
+from .ddim import (PREDICTION_TYPES, ddim_std, ddim_step, flow_ddim_step, flow_sigma, flow_velocity, start_latents,
+                   vp_alpha, vp_predictions, vp_scale)
 from .schedule import flow_sigmas, respace_tail
 from .probes import ProbeRollout, sample_probes
 from .tree import leaf_incidence, sample_shared_noise, sample_tree
@@ -35,7 +39,9 @@ from .windows import WINDOW_SCHEDULES, SlidingWindow, mix_plan
 __all__ = [
     "KERNELS",
     "MULTISTEP_KERNELS",
+    "PREDICTION_TYPES",
     "STOCHASTIC_KERNELS",
+    "UNIT_ETA_KERNELS",
     "WINDOW_SCHEDULES",
     "ProbeRollout",
     "Rollout",
@@ -46,6 +52,11 @@ __all__ = [
     "VelocityFn",
     "cps_step",
     "dance_sde_step",
+    "ddim_std",
+    "ddim_step",
+    "flow_ddim_step",
+    "flow_sigma",
+    "flow_velocity",
     "dpm_solver_2m_step",
     "flow_sde_step",
     "flow_sigmas",
@@ -62,5 +73,9 @@ __all__ = [
     "sample_probes",
     "sample_shared_noise",
     "sample_tree",
+    "start_latents",
     "velocity_gain",
+    "vp_alpha",
+    "vp_predictions",
+    "vp_scale",
 ]

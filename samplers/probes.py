@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import KERNELS, STOCHASTIC_KERNELS, ode_step
+from .kernels import KERNELS, STOCHASTIC_KERNELS, UNIT_ETA_KERNELS, ode_step
 from .rollout import Rollout, StepPlan, TransitionBuffer, VelocityFn, _check_sample_inputs
 
 __all__ = ["ProbeRollout", "sample_probes"]
@@ -81,9 +81,9 @@ def _check_probe_inputs(noise, cond, group, sigmas, plan: StepPlan, probe_steps:
         raise ValueError(f"probe steps must lie in [0, {n - 1}) (a probe needs a step left to complete); got {probe_steps}")
     if children and child_kernel not in STOCHASTIC_KERNELS:
         raise ValueError(f"child_kernel={child_kernel!r} must be stochastic, one of {sorted(STOCHASTIC_KERNELS)}")
-    if children and not (child_noise_level > 0 and (child_kernel != "cps" or child_noise_level <= 1)):
-        raise ValueError(f"child_noise_level={child_noise_level} must be > 0 (and <= 1 for 'cps'): the children are "
-                         "trained transitions and a zero noise level gives them std 0 and no log-prob")
+    if children and not (child_noise_level > 0 and (child_kernel not in UNIT_ETA_KERNELS or child_noise_level <= 1)):
+        raise ValueError(f"child_noise_level={child_noise_level} must be > 0 (and <= 1 for 'cps', 'ddim'): the children "
+                         "are trained transitions and a zero noise level gives them std 0 and no log-prob")
     if not granularities or min(granularities) < 1:
         raise ValueError(f"granularities must be >= 1; got {granularities}")
 

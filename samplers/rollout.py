@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from .kernels import KERNELS, MULTISTEP_KERNELS, STOCHASTIC_KERNELS
+from .kernels import KERNELS, MULTISTEP_KERNELS, STOCHASTIC_KERNELS, UNIT_ETA_KERNELS
 
 __all__ = [
     "Rollout",
@@ -107,7 +107,7 @@ class StepPlan:
     Attributes:
         kernels (`list[str]`): one name from :data:`samplers.KERNELS` per step.
         noise_levels (`list[float]`): per step, the kernel's noise level (Flow-GRPO's ``a`` or Dance's
-            ``eta``); must be `> 0` for stochastic kernels (and `<= 1` for ``"cps"``), ignored for ``"ode"``.
+            ``eta``); must be `> 0` for stochastic kernels (and `<= 1` for ``"cps"`` and ``"ddim"``), ignored for ``"ode"``.
         trained (`list[bool]`): per step, whether its transitions enter the policy loss. Only stochastic
             kernels can be trained (a deterministic step has no log-prob).
 
@@ -139,8 +139,8 @@ class StepPlan:
             stochastic = kernel in STOCHASTIC_KERNELS
             if stochastic and not level > 0:
                 raise ValueError(f"StepPlan.noise_levels[{k}]={level} must be > 0 for stochastic kernel {kernel!r}")
-            if kernel == "cps" and level > 1:
-                raise ValueError(f"StepPlan.noise_levels[{k}]={level}: the cps kernel's eta must be in (0, 1]")
+            if kernel in UNIT_ETA_KERNELS and level > 1:
+                raise ValueError(f"StepPlan.noise_levels[{k}]={level}: the {kernel} kernel's eta must be in (0, 1]")
             if trained and not stochastic:
                 raise ValueError(f"StepPlan.trained[{k}] is True but kernel {kernel!r} is deterministic; set it False")
 
@@ -369,9 +369,9 @@ def _check_sample_inputs(noise, cond, group, sigmas, plan: StepPlan) -> None:
     if not (bool((values[1:] < values[:-1]).all()) and values[0] <= 1 and values[-1] >= 0):
         raise ValueError(f"sigmas must decrease strictly within [0, 1]; got {values.tolist()}")
     for k, (kernel, trained) in enumerate(zip(plan.kernels, plan.trained)):
-        if kernel == "cps" and trained and float(values[k + 1]) == 0:
-            raise ValueError(f"StepPlan.trained[{k}] is True but the cps step onto t'=0 has std 0 and no log-prob "
-                             "(train_last / sampling.train_last_step must be False with kernel 'cps')")
+        if kernel in UNIT_ETA_KERNELS and trained and float(values[k + 1]) == 0:
+            raise ValueError(f"StepPlan.trained[{k}] is True but the {kernel} step onto t'=0 has std 0 and no log-prob "
+                             f"(train_last / sampling.train_last_step must be False with kernel '{kernel}')")
 
 
 class TransitionBuffer:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import STOCHASTIC_KERNELS
+from .kernels import STOCHASTIC_KERNELS, UNIT_ETA_KERNELS
 from .rollout import (Rollout, StepPlan, TransitionBuffer, VelocityFn, _check_sample_inputs, _step_policy, plan_step,
                       sample)
 
@@ -32,9 +32,9 @@ def _check_branch(plan: StepPlan, branch: list[int], sigmas: torch.Tensor) -> No
             raise ValueError(f"branch[{k}]={b} must be >= 1")
         if b > 1 and kernel not in STOCHASTIC_KERNELS:
             raise ValueError(f"branch[{k}]={b} splits at a deterministic step ({kernel!r}); children would be equal")
-        if b > 1 and kernel == "cps" and float(sigmas[k + 1]) == 0:
-            raise ValueError(f"branch[{k}]={b} splits at the cps step onto t'=0, whose std is 0; children would be "
-                             "equal")
+        if b > 1 and kernel in UNIT_ETA_KERNELS and float(sigmas[k + 1]) == 0:
+            raise ValueError(f"branch[{k}]={b} splits at the {kernel} step onto t'=0, whose std is 0; children would "
+                             "be equal")
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ import math
 import torch
 
 from samplers import (SlidingWindow, StepPlan, leaf_incidence, mix_plan, sample, sample_probes,
-                      sample_shared_noise, sample_tree)
+                      sample_shared_noise, sample_tree, start_latents)
 
 from ..advantages import (depthwise_advantages, group_advantages, process_advantages, sum_by_node, tree_node_rewards,
                           turning_point_rewards, width_prune)
@@ -135,6 +135,7 @@ class GroupRollouts(Method):
         roots = torch.arange(len(metas), device=self.device)  # (P,) one group per prompt
         if self.branch is not None or s.shared_noise:  # one initial noise per group
             noise = torch.randn((len(metas), *self.model.latent_shape), generator=generator).to(self.device)
+            noise = start_latents(noise, self.sigmas[0])  # the state at the first time (noise itself at sigma 1)
         if self.branch is not None:  # the tree makes the group
             ro = self.tree_rollout(velocity, noise, generator, ode)
             return ro, self.decode(ro.final), table  # decoded as a flat rollout's are, outside the autocast
@@ -147,6 +148,7 @@ class GroupRollouts(Method):
             else:
                 prompt_index = roots.repeat_interleave(s.group_size)  # (B,)
                 noise = torch.randn((len(prompt_index), *self.model.latent_shape), generator=generator)
+                noise = start_latents(noise, self.sigmas[0])  # the state at the first time (noise itself at sigma 1)
                 ro = sample(velocity, noise.to(self.device), prompt_index + 1, prompt_index, sigmas, plan, generator=generator,
                             ode_velocity_fn=ode)
         return ro, self.decode(ro.final), table
@@ -229,6 +231,7 @@ class GroupRollouts(Method):
             noise = torch.randn((len(metas), *shape), generator=generator).repeat_interleave(trunks, 0)
         else:
             noise = torch.randn((len(roots), *shape), generator=generator)
+        noise = start_latents(noise, self.sigmas[0])  # the state at the first time (noise itself at sigma 1)
         steps = list(p.steps) or list(range(s.num_steps - 1))
         plan = StepPlan.window(s.num_steps, steps, s.kernel, s.noise_level) if p.method == "tp_grpo" else StepPlan.ode(s.num_steps)
         velocity = self.chunked(self.model.velocity_fn(table, s.guidance_scale), s.batch_size)

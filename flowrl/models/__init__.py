@@ -2,7 +2,8 @@
 
 :func:`load_model` reads a pipeline folder's ``model_index.json`` and loads it with the adapter of that
 pipeline class (:data:`ADAPTERS`): ``StableDiffusion3Pipeline`` -> :class:`SD3Model` (SD3, SD3.5, the shipped
-tiny model), ``FluxPipeline`` -> :class:`FluxModel` (FLUX.1). A new family is a new file with a
+tiny model), ``FluxPipeline`` -> :class:`FluxModel` (FLUX.1), ``StableDiffusionPipeline`` -> :class:`SD15Model`
+(SD 1.x / 2.x UNets, sampled as flow models through :mod:`samplers.ddim`). A new family is a new file with a
 :class:`FlowModel` subclass, added to :data:`ADAPTERS`.
 """
 
@@ -15,12 +16,14 @@ import torch
 from .base import FlowModel, PromptEmbeds, _model_index, check_guidance, make_batch_invariant, resolve_device
 from .flux import FLUX_LORA_TARGETS, FluxModel
 from .sd3 import SD3_LORA_TARGETS, SD3Model
+from .sd15 import SD15_LORA_TARGETS, SD15Model
 
-ADAPTERS: tuple[type[FlowModel], ...] = (SD3Model, FluxModel)
+ADAPTERS: tuple[type[FlowModel], ...] = (SD3Model, FluxModel, SD15Model)
 """Every adapter, looked up by its ``PIPELINE`` (the ``_class_name`` of a folder's ``model_index.json``)."""
 
-__all__ = ["ADAPTERS", "FLUX_LORA_TARGETS", "FlowModel", "FluxModel", "PromptEmbeds", "SD3Model", "SD3_LORA_TARGETS",
-           "check_guidance", "load_model", "make_batch_invariant", "model_class", "resolve_device"]
+__all__ = ["ADAPTERS", "FLUX_LORA_TARGETS", "FlowModel", "FluxModel", "PromptEmbeds", "SD15Model", "SD15_LORA_TARGETS",
+           "SD3Model", "SD3_LORA_TARGETS", "check_guidance", "load_model", "make_batch_invariant", "model_class",
+           "resolve_device"]
 
 
 def model_class(path: str | Path) -> type[FlowModel]:

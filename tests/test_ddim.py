@@ -1,0 +1,115 @@
+"""The DDIM kernel (samplers/ddim.py) against diffusers' DDIMScheduler.step and DDPO's Gaussian, and the flow change of
+variables: DDIM(eta=0) is the flow Euler step, DDIM(eta) in flow variables is the VP step divided by s(a')."""
+
+import math
+
+import pytest
+import torch
+
+from samplers import (KERNELS, StepPlan, ddim_step, flow_ddim_step, flow_sigma, flow_velocity, ode_step, start_latents,
+                      vp_alpha, vp_predictions, vp_scale)
+
+SD15_SCHEDULER = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
+                      set_alpha_to_one=False, steps_offset=1)  # Stable Diffusion 1.5's scheduler config
+
+
+def _scheduler(prediction_type: str, num_steps: int = 10):
+    from diffusers import DDIMScheduler
+
+    scheduler = DDIMScheduler(**SD15_SCHEDULER, prediction_type=prediction_type)
+    scheduler.set_timesteps(num_steps)
+    return scheduler
+
+
+def _alphas(scheduler, timestep: int) -> tuple[float, float]:
+    """``a`` and ``a'`` as DDIMScheduler.step reads them."""
+    prev = timestep - scheduler.config.num_train_timesteps // scheduler.num_inference_steps
+    a_prev = scheduler.alphas_cumprod[prev] if prev >= 0 else scheduler.final_alpha_cumprod
+    return float(scheduler.alphas_cumprod[timestep]), float(a_prev)
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
+@pytest.mark.parametrize("eta", [0.0, 0.3, 1.0])
+def test_ddim_step_equals_diffusers(prediction_type, eta):
+    scheduler = _scheduler(prediction_type)
+    g = torch.Generator().manual_seed(0)
+    for timestep in scheduler.timesteps.tolist():  # every step, the last onto final_alpha_cumprod included
+        x, out, z = (torch.randn(2, 4, 8, 8, generator=g) for _ in range(3))
+        stock = scheduler.step(out, timestep, x, eta=eta, variance_noise=z).prev_sample
+        a, a_prev = _alphas(scheduler, timestep)
+        ours = ddim_step(x, out, a, a_prev, eta, prediction_type, noise=z)
+        torch.testing.assert_close(ours.prev_sample, stock, rtol=0, atol=1e-5)
+        if eta == 0:
+            assert ours.log_prob is None
+            continue
+        # DDPO's log-prob: the Gaussian log-density of x' under (mean, std), mean over the latent dims
+        density = torch.distributions.Normal(ours.mean.double(), ours.std.double().reshape(-1, 1, 1, 1))
+        expected = density.log_prob(ours.prev_sample.double()).mean(dim=(1, 2, 3))
+        torch.testing.assert_close(ours.log_prob.double(), expected, rtol=0, atol=1e-5)
+        rescored = ddim_step(x, out, a, a_prev, eta, prediction_type, prev_sample=stock)
+        torch.testing.assert_close(rescored.log_prob, ours.log_prob, rtol=0, atol=1e-5)
+
+
+def test_flow_change_of_variables_round_trips():
+    a = torch.linspace(0.004, 0.999, 50, dtype=torch.float64)
+    sigma = flow_sigma(a)
+    assert bool((sigma[1:] < sigma[:-1]).all())  # decreasing in a
+    torch.testing.assert_close(vp_alpha(sigma), a)
+    torch.testing.assert_close(vp_scale(sigma), a.sqrt() + (1 - a).sqrt())
+    x0, eps = torch.randn(2, 3, 4, 4, dtype=torch.float64).unbind(0)
+    for k in (0, 20, 49):  # x / s = (1 - sigma) x0 + sigma eps: the rectified-flow interpolation
+        x = a[k].sqrt() * x0 + (1 - a[k]).sqrt() * eps
+        torch.testing.assert_close(x / vp_scale(sigma[k]), (1 - sigma[k]) * x0 + sigma[k] * eps)
+    assert torch.equal(start_latents(eps.float(), 1.0), eps.float())  # identity on flow schedules
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
+def test_deterministic_ddim_is_the_flow_euler_step(prediction_type):
+    """DDIM(eta=0) of a VP model == the flow Euler step on x / s(a) with the velocity of its prediction."""
+    scheduler = _scheduler(prediction_type, num_steps=5)
+    g = torch.Generator().manual_seed(1)
+    worst = 0.0
+    for timestep in scheduler.timesteps.tolist():
+        a, a_prev = _alphas(scheduler, timestep)
+        sigma, sigma_next = (float(flow_sigma(torch.tensor(v, dtype=torch.float64))) for v in (a, a_prev))
+        x, out = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+        vp = ddim_step(x, out, a, a_prev, 0.0, prediction_type).prev_sample
+        x_flow = x / vp_scale(torch.tensor(sigma))
+        v = flow_velocity(x_flow, out, sigma, prediction_type)
+        euler = ode_step(x_flow, v, sigma, sigma_next).prev_sample
+        worst = max(worst, float((euler * vp_scale(torch.tensor(sigma_next)) - vp).abs().max()))
+        x0_hat, eps_hat = vp_predictions(x, out, a, prediction_type)
+        torch.testing.assert_close(v, eps_hat - x0_hat, rtol=0, atol=1e-4)
+    assert worst < 1e-5, worst
+
+
+@pytest.mark.parametrize("eta", [0.3, 1.0])
+def test_flow_ddim_kernel_is_the_vp_step_divided_by_s(eta):
+    scheduler = _scheduler("epsilon", num_steps=4)
+    g = torch.Generator().manual_seed(2)
+    for timestep in scheduler.timesteps.tolist():
+        a, a_prev = _alphas(scheduler, timestep)
+        sigma, sigma_next = (float(flow_sigma(torch.tensor(v, dtype=torch.float64))) for v in (a, a_prev))
+        x, out, z = (torch.randn(3, 4, 8, 8, generator=g) for _ in range(3))
+        vp = ddim_step(x, out, a, a_prev, eta, noise=z)
+        s, s_next = (vp_scale(torch.tensor(value)) for value in (sigma, sigma_next))
+        x_flow = x / s
+        flow = KERNELS["ddim"](x_flow, flow_velocity(x_flow, out, sigma, "epsilon"), sigma, sigma_next, eta, None,
+                               noise=z)
+        torch.testing.assert_close(flow.mean * s_next, vp.mean, rtol=0, atol=1e-5)
+        torch.testing.assert_close(flow.std * s_next, vp.std, rtol=0, atol=1e-6)
+        torch.testing.assert_close(flow.prev_sample * s_next, vp.prev_sample, rtol=0, atol=1e-5)
+        # the log-prob moves by the Jacobian log s' per dimension: ratios are the same in both variables
+        torch.testing.assert_close(flow.log_prob - vp.log_prob, torch.full((3,), math.log(float(s_next))),
+                                   rtol=0, atol=1e-4)
+
+
+def test_flow_ddim_kernel_on_a_flow_schedule_is_finite_and_plans_check_eta():
+    x, v = torch.randn(2, 4, 4, 4), torch.randn(2, 4, 4, 4)
+    out = flow_ddim_step(x, v, 1.0, 0.8, 1.0, None, generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(out.log_prob).all() and torch.allclose(out.std, torch.full((2,), 0.8))
+    last = flow_ddim_step(x, v, 0.2, 0.0, 1.0, None, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(last.std, torch.zeros(2)) and torch.equal(last.log_prob, torch.zeros(2))
+    torch.testing.assert_close(last.prev_sample, x - 0.2 * v)  # onto t' = 0: x0_hat
+    with pytest.raises(ValueError, match="ddim kernel's eta must be in"):
+        StepPlan(["ddim"], [1.5], [True])

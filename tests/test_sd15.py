@@ -1,0 +1,155 @@
+"""The Stable Diffusion 1.x adapter (`flowrl.models.SD15Model`) on tiny random StableDiffusionPipelines: a UNet seen as
+a flow model (samplers/ddim.py) samples as the stock DDIM pipeline does, trains through the same trainer with the
+PPO ratio exactly 1 before the first step, and saves a LoRA the stock pipeline loads."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, tiny_overrides
+from flowrl.config import ConfigError, load_config
+from flowrl.models import SD15Model, load_model, model_class
+from flowrl.trainer import Trainer
+
+PROMPTS = ["a photo of a red star", "a photo of two circles"]
+SD15_SCHEDULER = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
+                      set_alpha_to_one=False, steps_offset=1)  # Stable Diffusion 1.5's, with DDIM
+
+
+def build_random_sd15_pipeline(folder: Path, prediction_type: str = "epsilon") -> Path:
+    """Save a random-weight StableDiffusionPipeline to ``folder``: a 2-block UNet (8, 16 channels, cross-attention 32),
+    a VAE with factor 4, a 1-layer CLIP text encoder with the tiny CLIP tokenizer, SD 1.5's DDIM scheduler."""
+    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    torch.manual_seed(0)
+    tok = CLIPTokenizer.from_pretrained(REPO / "assets" / "tiny-sd3" / "tokenizer")
+    clip = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=tok.model_max_length, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id))
+    unet = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+                                block_out_channels=(8, 16), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+                                attention_head_dim=4, norm_num_groups=8)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
+                        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 16, 16), layers_per_block=1,
+                        latent_channels=4, norm_num_groups=8, sample_size=32)
+    scheduler = DDIMScheduler(**SD15_SCHEDULER, prediction_type=prediction_type)
+    pipe = StableDiffusionPipeline(vae=vae, text_encoder=clip, tokenizer=tok, unet=unet, scheduler=scheduler,
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sd15(tmp_path_factory) -> Path:
+    return build_random_sd15_pipeline(tmp_path_factory.mktemp("random-sd15"))
+
+
+@pytest.fixture(scope="module")
+def sd15_v(tmp_path_factory) -> Path:
+    return build_random_sd15_pipeline(tmp_path_factory.mktemp("random-sd15-v"), "v_prediction")
+
+
+def _stock_images(folder: Path, model: SD15Model, num_steps: int, guidance_scale: float, lora=None) -> torch.Tensor:
+    """The stock StableDiffusionPipeline's images (its DDIM, eta 0) from the noise of `flowrl.evaluate.generate`."""
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(folder, safety_checker=None, feature_extractor=None)
+    if lora is not None:
+        pipe.load_lora_weights(str(lora))
+    noise = torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
+    with torch.no_grad():
+        return pipe(PROMPTS, latents=noise, num_inference_steps=num_steps, guidance_scale=guidance_scale, eta=0.0,
+                    height=model.resolution, width=model.resolution, output_type="pt").images
+
+
+@pytest.mark.parametrize("folder", ["sd15", "sd15_v"])
+@pytest.mark.parametrize("num_steps,guidance_scale", [(4, 4.5), (7, 1.0)])
+def test_deterministic_sampling_equals_the_stock_pipeline(folder, num_steps, guidance_scale, request):
+    from flowrl.evaluate import generate
+
+    path = request.getfixturevalue(folder)
+    model = load_model(path)
+    assert isinstance(model, SD15Model) and model.transformer is model.pipe.unet and model.resolution == 32
+    ours = generate(model, PROMPTS, [0, 1], num_steps=num_steps, guidance_scale=guidance_scale)
+    stock = _stock_images(path, model, num_steps, guidance_scale)
+    assert ours.shape == stock.shape == (2, 3, 32, 32)
+    torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
+
+
+def test_the_grid_is_the_stock_ddim_grid(sd15):
+    from diffusers import DDIMScheduler
+
+    from samplers import flow_sigma
+
+    model = load_model(sd15)
+    scheduler = DDIMScheduler.from_pretrained(sd15, subfolder="scheduler")
+    scheduler.set_timesteps(4)
+    assert scheduler.timesteps.tolist() == [751, 501, 251, 1]  # leading spacing, steps_offset 1
+    sigmas = model.sigmas(4)
+    expected = flow_sigma(torch.cat([scheduler.alphas_cumprod[scheduler.timesteps], scheduler.alphas_cumprod[:1]]))
+    torch.testing.assert_close(sigmas, expected, rtol=0, atol=1e-7)
+    assert model.timesteps(sigmas[:-1]).tolist() == [751.0, 501.0, 251.0, 1.0]  # exact on the grid
+    assert 251 < float(model.timesteps(sigmas[2:3] * 1.01)) < 501
+    with pytest.raises(ValueError, match="no shift"):
+        model.sigmas(4, shift=3.0)
+
+
+def test_ddpo_style_training_keeps_the_ratio_exactly_one_and_the_lora_loads_in_stock(tmp_path, sd15, prompt_files):
+    """configs/flow_grpo.yaml on the tiny SD 1.5 pipeline with DDPO's kernel (DDIM, eta 1), 2 iterations."""
+    train, test = prompt_files
+    over = tiny_overrides(sd15, train, test, tmp_path / "run", **{
+        "run.mixed_precision": "no", "sampling.kernel": "ddim", "sampling.noise_level": 1.0,
+        "sampling.train_last_step": True, "rewards.geneval": "null", "rewards.jpeg_compressibility.weight": 1.0})
+    cfg = load_config(REPO / "configs" / "flow_grpo.yaml", over)
+    trainer = Trainer(cfg)
+    assert isinstance(trainer.model, SD15Model) and cfg.sampling.shift == 1.0
+    before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
+    trainer.train()
+    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
+    # the saved LoRA, loaded by the stock pipeline, samples what the trained adapter samples
+    from flowrl.evaluate import generate
+
+    ours = generate(trainer.model, PROMPTS, [0, 1], num_steps=3, guidance_scale=4.5)
+    stock = _stock_images(sd15, trainer.model, 3, 4.5, lora=tmp_path / "run" / "lora")
+    base = _stock_images(sd15, trainer.model, 3, 4.5)
+    assert (stock - base).abs().max() > 1e-4  # the LoRA changed the model
+    torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
+
+
+def test_other_rollout_shapes_run_on_sd15(tmp_path, sd15, prompt_files):
+    """A MixGRPO window (Flow-GRPO SDE inside, DDIM = Euler outside) runs unchanged on the mapped UNet."""
+    train, test = prompt_files
+    over = tiny_overrides(sd15, train, test, tmp_path / "run", **{
+        "run.mixed_precision": "no", "run.iterations": 1, "sampling.num_steps": 4, "sampling.window.size": 2,
+        "rewards.geneval": "null", "rewards.jpeg_compressibility.weight": 1.0})
+    Trainer(load_config(REPO / "configs" / "mix_grpo.yaml", over)).train()
+    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["policy/ratio_first_max_dev"] == 0.0 and metrics[0]["cost/trained_transitions"] > 0
+
+
+def test_unsupported_settings_are_one_clear_config_error(tmp_path, sd15, prompt_files):
+    assert model_class(sd15) is SD15Model
+    train, test = prompt_files
+    cases = {"configs/diffusion_nft.yaml": ({}, "config key 'train.method': 'nft' (DiffusionNFT) needs a flow-matching"),
+             "configs/mix_grpo_flash.yaml": ({"sampling.num_steps": 5}, "config key 'sampling.window.flash_ratio'"),
+             "configs/flow_grpo.yaml": ({"sampling.shift": 3.0}, "config key 'sampling.shift'")}
+    for preset, (extra, message) in cases.items():
+        over = tiny_overrides(sd15, train, test, tmp_path / "run", **extra)
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
+            Trainer(load_config(REPO / preset, over))
+        assert "\n" not in str(error.value)
+    clipping = tmp_path / "clipping"
+    shutil.copytree(sd15, clipping, dirs_exist_ok=True)
+    config = json.loads((clipping / "scheduler" / "scheduler_config.json").read_text())
+    (clipping / "scheduler" / "scheduler_config.json").write_text(json.dumps({**config, "clip_sample": True}))
+    with pytest.raises(ConfigError, match="'model.path': .*sets clip_sample: true; flowrl's DDIM kernels do not clip"):
+        Trainer(load_config(None, tiny_overrides(clipping, train, test, tmp_path / "run2")))

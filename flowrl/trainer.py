@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
 import warnings
 from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,19 +20,17 @@ from tqdm import tqdm
 
 from rewards import RewardTypeError, WeightedSum, build_reward
 
-from .checkpoint import (CheckpointError, choose_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint,
-                         truncate_metrics)
+from .checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
 from .config import Config, ConfigError, resolve_model, resolve_path, save_config
 from .data import read_prompts
 from .evaluate import evaluate, evaluate_reward, generate
-from .files import RunLock, atomic_output, check_folder_writable, check_not_in_use, write_text_atomic
+from .files import atomic_output, write_text_atomic
 from .methods import build_method
 from .plots import save_diagnostics, save_grid, save_reward_curve
 from .policy import Policy, check_accelerate_precision
+from .run import RunFolder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-RUN_FILES = ("config.yaml", "eval_before.json", "grid_before.safetensors", "metrics.jsonl", "checkpoints", "eval.json")
-"""What a run writes into its folder; any of them present means the folder holds a run."""
 
 
 def tag_means(rewards: torch.Tensor, tags: list[str]) -> dict[str, float]:
@@ -57,8 +53,8 @@ class Trainer:
     Attributes: ``model`` (the adapter), ``policy`` (:class:`flowrl.policy.Policy`), ``method`` (the
     :mod:`flowrl.methods` object), ``rewards``, ``train_metas`` / ``eval_metas`` (prompt records).
 
-    The run folder has one writer: :meth:`train` holds its lock (:class:`flowrl.files.RunLock`, on the main
-    process) from before anything is written until it returns.
+    The run folder (:class:`flowrl.run.RunFolder`) has one writer: :meth:`train` holds its lock (main process)
+    from before anything is written until it returns.
 
     Raises (at construction, before any sampling):
         ConfigError / FileNotFoundError: bad config values, model folder or prompt files.
@@ -76,14 +72,11 @@ class Trainer:
         if cfg.run.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("config key 'run.device' is 'cuda' but no CUDA device is available; use auto or cpu")
         self.out = Path(cfg.run.output_dir)
-        self.lock = RunLock(self.out)
-        check_not_in_use(self.out)  # before any expensive work (nothing is created yet: train() takes the lock)
-        self._refuse_existing_run()
-        check_folder_writable(self.out, "config key 'run.output_dir'")
         # precision is run.mixed_precision (our autocast); DDP: a family may leave parameters unused in a forward,
         # and every forward without gradients (rollouts, evaluation) bypasses the wrapper, so buffers are not synced
         ddp = DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)
         self.accelerator = acc = Accelerator(cpu=cfg.run.device == "cpu", kwargs_handlers=[ddp])
+        self.run = RunFolder(self.out, acc, cfg.run.resume)  # not in use, no other run, writable: before any work
         check_accelerate_precision(acc, cfg.run.mixed_precision)
         self.device = acc.device
         adapter = resolve_model(cfg)
@@ -121,7 +114,7 @@ class Trainer:
             RunFolderInUse: another process holds the run folder. FileExistsError: it holds a run and
             ``run.resume`` is off. CheckpointError: ``run.resume`` finds run files but no verified checkpoint.
         """
-        with self._run_folder():
+        with self.run.hold():
             return self._train()
 
     def _train(self) -> dict:
@@ -140,7 +133,7 @@ class Trainer:
                 with atomic_output(self.out / "grid_before.safetensors") as tmp:
                     save_file({"images": self.grid_images().contiguous()}, tmp)
         else:
-            before = json.loads((self.out / "eval_before.json").read_text())  # checked readable by _choose_checkpoint
+            before = json.loads((self.out / "eval_before.json").read_text())  # checked readable by RunFolder.checkpoint_to_resume
         bar = tqdm(range(start, cfg.run.iterations), initial=start, total=cfg.run.iterations, desc="flowrl train",
                    disable=not acc.is_main_process)
         for it in bar:
@@ -149,7 +142,7 @@ class Trainer:
             if cfg.eval.every and (it + 1) % cfg.eval.every == 0 and it + 1 < cfg.run.iterations:
                 result = self.run_eval()
                 metrics.update({"eval/overall": result["overall"], **{f"eval/{k}": v for k, v in result["per_tag"].items()}})
-            self._log(metrics)
+            self.run.log(metrics)
             bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}")
             if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations:
                 self._save(it + 1, time.time() - t_start)
@@ -291,11 +284,6 @@ class Trainer:
             raise ConfigError(f"config key '{key}': {e}") from None
 
     # ----------------------------------------------------------------------------------- bookkeeping
-    def _log(self, metrics: dict) -> None:
-        if self.accelerator.is_main_process:
-            with open(self.out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(metrics) + "\n")
-
     def _save(self, iteration: int, elapsed: float) -> None:
         """Checkpoint ``iteration``: the policy, its optimizer and EMA, the method's state and files, the LoRA."""
         if not self.accelerator.is_main_process:
@@ -313,96 +301,17 @@ class Trainer:
         if self.cfg.run.keep_checkpoints:
             prune_checkpoints(self.out / "checkpoints", self.cfg.run.keep_checkpoints, just_saved=saved)
 
-    def _run_files(self) -> list[str]:
-        """The :data:`RUN_FILES` present in the run folder (an empty ``checkpoints/`` does not count)."""
-        present = [name for name in RUN_FILES if (self.out / name).exists()]
-        if "checkpoints" in present and not any((self.out / "checkpoints").iterdir()):
-            present.remove("checkpoints")
-        return present
-
-    def _refuse_existing_run(self) -> None:
-        """Raise FileExistsError if ``run.output_dir`` already holds a run (any of :data:`RUN_FILES`) and
-        ``run.resume`` is off."""
-        if not self.cfg.run.resume and (found := self._run_files()):
-            raise FileExistsError(f"run folder {self.out} already holds a run ({found[0]}): pass run.resume=true to "
-                                  "continue it, or choose another run.output_dir")
-
-    @contextmanager
-    def _run_folder(self):
-        """Hold the run folder's lock (main process) from before anything is written; the existing-run check is
-        repeated under it. Every process gets the main process's verdict, so none is left waiting."""
-        def take() -> None:
-            self.lock.acquire()
-            self._refuse_existing_run()  # again, under the lock: the folder may have filled since __init__
-
-        try:
-            self._on_main(take)
-            self.out.mkdir(parents=True, exist_ok=True)
-            yield
-        finally:
-            self.lock.release()
-
-    def _on_main(self, fn):
-        """``fn()`` on the main process only; every process returns its result or raises its exception (sent
-        from the main process under several processes)."""
-        acc, result, error = self.accelerator, None, None
-        if acc.is_main_process:
-            try:
-                result = fn()
-            except Exception as e:  # re-raised below, on every process
-                error = e
-        if acc.num_processes > 1:
-            from accelerate.utils import broadcast_object_list
-
-            box = broadcast_object_list([result, error], from_process=0)
-            result, error = box
-        if error is not None:
-            raise error
-        return result
-
-    def _choose_checkpoint(self) -> Path | None:
-        """The newest verified checkpoint to resume from (main process), said in one line with the reason for
-        each newer one skipped; None (with a warning) for a folder that holds nothing a restart would lose.
-
-        Raises:
-            CheckpointError: naming the folder, when it holds checkpoints or metrics rows but no verified
-                checkpoint, or a checkpoint but no readable ``eval_before.json``; nothing is deleted.
-        """
-        path, skipped = choose_checkpoint(self.out / "checkpoints")
-        why = "; ".join(reason for _, reason in skipped)
-        metrics_file = self.out / "metrics.jsonl"
-        if path is None:
-            if skipped or (metrics_file.exists() and metrics_file.read_text().strip()):
-                raise CheckpointError(f"run.resume=true but run folder {self.out} holds no verified checkpoint "
-                                      f"({why or 'metrics.jsonl has rows, checkpoints/ has none'}); nothing was "
-                                      "deleted: move the folder aside to start over, or choose another run.output_dir")
-            warnings.warn(f"run.resume=true but {self.out / 'checkpoints'} holds no complete checkpoint: "
-                          "starting the run from iteration 0", UserWarning, stacklevel=5)
-            metrics_file.unlink(missing_ok=True)  # empty: nothing is lost
-            return None
-        try:
-            json.loads((self.out / "eval_before.json").read_text())
-        except (OSError, ValueError):
-            raise CheckpointError(f"run folder {self.out} has no readable eval_before.json, which resuming from "
-                                  f"{path.name} needs; nothing was deleted") from None
-        note = f"flowrl train: resuming {self.out} from {path.name}"
-        print(note + (f"; skipped newer: {why}" if skipped else ""), file=sys.stderr, flush=True)
-        return path
-
     def _maybe_resume(self) -> tuple[int, float]:
-        """Restore the newest verified checkpoint when ``run.resume`` (:meth:`_choose_checkpoint`); returns
+        """Restore the newest verified checkpoint when ``run.resume`` (:meth:`flowrl.run.RunFolder.checkpoint_to_resume`); returns
         ``(iteration, elapsed_s)``. Only once it is restored is ``metrics.jsonl`` cut back to its iteration."""
-        if not self.cfg.run.resume:
-            return 0, 0.0
-        path = self._on_main(self._choose_checkpoint)
+        path = self.run.checkpoint_to_resume()
         if path is None:
             return 0, 0.0
         state = load_checkpoint(path, self.policy.params, self.policy.optimizer, self.policy.ema)
         self.policy.apply_optimizer_config(path)
         self.method.load_state_dict(state["extra"])
         self.method.load_files(path)
-        if self.accelerator.is_main_process:
-            truncate_metrics(self.out / "metrics.jsonl", state["iteration"])
+        self.run.resumed(state["iteration"])
         return state["iteration"], state["extra"].get("elapsed_s", 0.0)
 
     def _artifacts(self) -> None:

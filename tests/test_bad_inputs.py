@@ -225,10 +225,10 @@ def test_the_lock_is_taken_in_train_after_the_constructor_checks(tmp_path, rando
     """Two trainers built for one folder: the one that trains first holds it; the other is refused in train()."""
     config, overrides = _tiny_config(tmp_path, random_pipeline, prompt_files, **{"run.iterations": 1})
     first, second = (Trainer(load_config(config, overrides)) for _ in range(2))
-    with first._run_folder():
+    with first.run.hold():
         with pytest.raises(RunFolderInUse, match=f"in use by process {os.getpid()}"):
             second.train()
-    assert not first.lock.held
+    assert not first.run.lock.held
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".flowrl.lock"]
 
 

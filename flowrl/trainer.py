@@ -100,7 +100,8 @@ class Trainer:
             warnings.warn(f"full fine-tuning (model.lora_rank=0) with run.keep_checkpoints unset keeps all {count} "
                           f"checkpoints of about {mib:.0f} MiB each; set run.keep_checkpoints to keep only the newest",
                           UserWarning, stacklevel=2)
-        metas, side = self.train_metas[:2], self.model.resolution  # a smoke call of the rewards, at the rollouts' size
+        # a smoke call of the rewards at the rollouts' size, both images in one group so a pairwise judge judges them
+        metas, side = [{**m, "group": 0} for m in self.train_metas[:2]], self.model.resolution
         self.rewards(torch.full((len(metas), 3, side, side), 0.5), [m["prompt"] for m in metas], metas)
 
     # ------------------------------------------------------------------------------------------ loop

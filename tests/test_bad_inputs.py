@@ -398,3 +398,16 @@ def test_output_error_is_a_user_error():
     assert issubclass(OutputError, cli.user_errors()) and issubclass(RunFolderInUse, cli.user_errors())
     assert issubclass(CheckpointError, cli.user_errors())
     assert not issubclass(KeyError, cli.user_errors()) and not issubclass(TypeError, cli.user_errors())
+
+
+def test_an_unreachable_reward_server_is_one_line_before_any_work(tmp_path, random_pipeline, prompt_files, capsys):
+    """A VLM judge whose server does not answer (a closed loopback port) stops `flowrl train` at the rewards' smoke
+    call, before any sampling, with the reward, the server and the prompt named on one line."""
+    (tmp_path / "c.yaml").write_text("rewards:\n  pref_winrate:\n    weight: 1.0\n    options:\n      judge: vlm\n"
+                                     "      base_url: http://127.0.0.1:1/v1\n      model: m\n      max_retries: 0\n"
+                                     "      timeout: 5\n")
+    overrides = tiny_overrides(random_pipeline, *prompt_files, tmp_path / "run", **{"run.mixed_precision": "no"})
+    line = _fails(capsys, "train", tmp_path / "c.yaml", *overrides)
+    assert line.startswith("flowrl train: error: reward pref_winrate raised RuntimeError: vlm_judge: request to "
+                           "http://127.0.0.1:1/v1 for prompt "), line
+    assert not (tmp_path / "run").exists()  # nothing written

@@ -56,12 +56,13 @@ def save_reward_curve(metrics: list[dict], result: dict | None, path: str | Path
 
 
 def reward_curve_figure(metrics: list[dict], result: dict | None):
-    """The training reward per iteration and the held-out evaluations on one iteration axis.
+    """The training reward per iteration and the evaluations (``eval.prompts``: held-out or the trained prompts) on one
+    iteration axis.
 
     Training reward (left axis): ``reward/total/mean`` in black and each prompt tag's ``reward/tag/<tag>/mean``
     in its own colour, labelled by the tag's name (and each reward's ``reward/<name>/mean`` when there are
     several), as faint per-iteration points under a moving average over :data:`SMOOTHING_WINDOW` iterations
-    (:func:`moving_average`). Held-out evaluation (right axis, strict accuracy in [0, 1]): ``eval/overall``
+    (:func:`moving_average`). Evaluation (right axis, strict accuracy in [0, 1]): ``eval/overall``
     (black diamonds) and ``eval/<tag>`` (circles in the tag's colour) on the iterations that logged them, with
     ``result``'s ``before`` at iteration 0 and ``after`` at its last iteration.
 
@@ -72,7 +73,7 @@ def reward_curve_figure(metrics: list[dict], result: dict | None):
             ``per_tag``; ``iterations``), or None for the evaluations during training only.
 
     Returns:
-        The matplotlib ``Figure``; its axes are ``[training reward, held-out accuracy]``, the legend on the first.
+        The matplotlib ``Figure``; its axes are ``[training reward, evaluation accuracy]``, the legend on the first.
     """
     from matplotlib.lines import Line2D
 
@@ -91,11 +92,11 @@ def reward_curve_figure(metrics: list[dict], result: dict | None):
     ev.plot(xs, ys, "D--", color="black", ms=6, lw=1.2)
     handles += [Line2D([], [], color="0.3", marker=".", ls="", alpha=0.4, label="per iteration"),
                 Line2D([], [], color="0.3", lw=1.5, label=f"mean of last {SMOOTHING_WINDOW} iterations"),
-                Line2D([], [], color="black", marker="D", ls="--", label="held-out accuracy (right axis)"),
-                Line2D([], [], color="0.3", marker="o", ls=":", label="held-out accuracy per tag")]
+                Line2D([], [], color="black", marker="D", ls="--", label="evaluation accuracy (right axis)"),
+                Line2D([], [], color="0.3", marker="o", ls=":", label="evaluation accuracy per tag")]
     ax.set_xlabel("iteration")
     ax.set_ylabel("training reward (mean per iteration)")
-    ev.set_ylabel("held-out GenEval strict accuracy")
+    ev.set_ylabel("GenEval strict accuracy on eval.prompts")
     ev.set_ylim(-0.02, 1.02)
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.1, 1), borderaxespad=0)
     fig.tight_layout()

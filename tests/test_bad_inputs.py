@@ -411,3 +411,48 @@ def test_an_unreachable_reward_server_is_one_line_before_any_work(tmp_path, rand
     assert line.startswith("flowrl train: error: reward pref_winrate raised RuntimeError: vlm_judge: request to "
                            "http://127.0.0.1:1/v1 for prompt "), line
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+_SAVER = """
+import sys, time
+import torch
+from flowrl.checkpoint import save_checkpoint
+
+folder, iteration = sys.argv[1], int(sys.argv[2])
+w = torch.nn.Parameter(torch.arange(4.0) + iteration)
+opt = torch.optim.AdamW([w])
+
+def slow(tmp):  # the LoRA files are being written when the process is killed
+    (tmp / "lora").mkdir()
+    (tmp / "lora" / "pytorch_lora_weights.safetensors").write_bytes(b"partial")
+    print("writing", flush=True)
+    time.sleep(60)
+
+save_checkpoint(folder, iteration, {"w": w}, opt, write_extra_files=slow if sys.argv[3:] == ["slow"] else None)
+"""
+
+
+def test_a_process_killed_while_writing_a_checkpoint_loses_nothing_checkpointed(tmp_path):
+    """SIGKILL in the middle of writing checkpoint 3: checkpoints 1 and 2 stay intact and verified, resume takes 2,
+    and saving iteration 3 again (as the resumed run does) replaces the torn attempt."""
+    def save(iteration: int, wait: bool = False) -> None:
+        p = subprocess.Popen([sys.executable, "-c", _SAVER, str(tmp_path / "checkpoints"), str(iteration),
+                              *(["slow"] if wait else [])],
+                             stdout=subprocess.PIPE, text=True, cwd=REPO)
+        if wait:
+            assert p.stdout.readline().strip() == "writing"
+            p.kill()  # SIGKILL: no clean-up runs
+        assert p.wait(timeout=120) == (-9 if wait else 0)
+
+    save(1), save(2)
+    before = {p: p.read_bytes() for p in (tmp_path / "checkpoints").rglob("*") if p.is_file()}
+    save(3, wait=True)
+    assert {p: p.read_bytes() for p in before} == before  # the two checkpoints are untouched
+    assert any(p.name.startswith(".tmp") for p in (tmp_path / "checkpoints").iterdir())  # the torn attempt
+    path, skipped = choose_checkpoint(tmp_path / "checkpoints")
+    assert path.name == "checkpoint-000002" and skipped == []
+    w = torch.nn.Parameter(torch.zeros(4))
+    assert load_checkpoint(path, {"w": w}, torch.optim.AdamW([w]))["iteration"] == 2
+    assert torch.equal(w.detach(), torch.arange(4.0) + 2)
+    save(3)
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "checkpoint-000003"

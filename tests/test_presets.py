@@ -11,7 +11,7 @@ from flowrl.config import ConfigError, load_config
 from flowrl.trainer import Trainer
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
-GPU_RECIPES = {"sd35m_pickscore.yaml", "flux_dance_grpo.yaml"}  # real models' paths; flux_dance_grpo runs in test_flux
+GPU_RECIPES = {"sd35m_pickscore.yaml", "flux_dance_grpo.yaml", "sd15_ddpo.yaml"}  # real models' paths; run shrunk in test_flux, test_sd15
 TINY = [c for c in CONFIGS if c.name not in GPU_RECIPES]
 
 

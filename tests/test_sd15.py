@@ -153,3 +153,19 @@ def test_unsupported_settings_are_one_clear_config_error(tmp_path, sd15, prompt_
     (clipping / "scheduler" / "scheduler_config.json").write_text(json.dumps({**config, "clip_sample": True}))
     with pytest.raises(ConfigError, match="'model.path': .*sets clip_sample: true; flowrl's DDIM kernels do not clip"):
         Trainer(load_config(None, tiny_overrides(clipping, train, test, tmp_path / "run2")))
+
+
+def test_the_ddpo_recipe_shrunk_onto_a_tiny_pipeline_trains(tmp_path, sd15, prompt_files):
+    """configs/sd15_ddpo.yaml (DDPO's settings) with only its sizes and paths shrunk: DDIM at eta 1, every step
+    trained, group statistics, two iterations with the ratio exactly 1 before each first step."""
+    train, test = prompt_files
+    over = tiny_overrides(sd15, train, test, tmp_path / "run", **{
+        "run.mixed_precision": "no", "model.dtype": "float32", "model.resolution": "null", "train.micro_batch_size": "null",
+        "sampling.batch_size": 8})
+    cfg = load_config(REPO / "configs" / "sd15_ddpo.yaml", over)
+    assert (cfg.sampling.kernel, cfg.sampling.noise_level, cfg.sampling.train_last_step) == ("ddim", 1.0, True)
+    trainer = Trainer(cfg)
+    trainer.train()
+    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)
+    assert all(m["cost/trained_transitions"] == 2 * 2 * 3 for m in metrics)  # 2 prompts x 2 images x all 3 steps

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from .files import write_text_atomic
+
 
 def _flatten_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
     tensors, meta = {}, {"param_groups": state["param_groups"], "scalars": {}}
@@ -209,14 +211,27 @@ def choose_checkpoint(directory: str | Path) -> tuple[Path | None, list[tuple[Pa
         `tuple`: ``(folder or None, [(skipped folder, reason), ...])``, the skipped ones newest first.
     """
     skipped = []
-    for path in _checkpoint_folders(directory):
+    for path, problem in _verified(_checkpoint_folders(directory)):
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
+
+
+def _verified(folders: list[Path], trusted: str | None = None):
+    """Yield ``(folder, None)`` for each of `folders` (in order) that passes :func:`verify_checkpoint`, else
+    ``(folder, reason)``; the folder named `trusted` (one :func:`save_checkpoint` has just written) counts as
+    verified without reading its files again."""
+    for path in folders:
+        if path.name == trusted:
+            yield path, None
+            continue
         try:
             verify_checkpoint(path)
         except CheckpointError as e:
-            skipped.append((path, str(e)))
+            yield path, str(e)
             continue
-        return path, skipped
-    return None, skipped
+        yield path, None
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
@@ -228,7 +243,8 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
 def prune_checkpoints(directory: str | Path, keep: int, just_saved: str | Path | None = None) -> list[Path]:
     """Delete the oldest checkpoints so that the newest `keep` verified ones remain (as transformers'
     ``save_total_limit``). Only folders older than the oldest kept one are deleted, so an incomplete or
-    damaged newer folder is never the reason a verified one goes, and `just_saved` is always kept. Verifies
+    damaged newer folder is never the reason a verified one goes, and `just_saved` is always kept (and counts as
+    verified without its files being read again: it was just written). Verifies
     the newest folders only until `keep` pass.
 
     Args:
@@ -245,19 +261,16 @@ def prune_checkpoints(directory: str | Path, keep: int, just_saved: str | Path |
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     folders = _checkpoint_folders(directory)  # newest first
+    saved = Path(just_saved).name if just_saved is not None else None
     verified = []
-    for path in folders:
-        try:
-            verify_checkpoint(path)
-        except CheckpointError:
-            continue
-        verified.append(path)
-        if len(verified) == keep:
-            break
+    for path, problem in _verified(folders, trusted=saved):
+        if problem is None:
+            verified.append(path)
+            if len(verified) == keep:
+                break
     if len(verified) < keep:
         return []
     oldest_kept = _iteration(verified[-1])
-    saved = Path(just_saved).name if just_saved is not None else None
     doomed = [p for p in reversed(folders) if _iteration(p) < oldest_kept and p.name != saved]
     for path in doomed:
         shutil.rmtree(path)
@@ -323,6 +336,4 @@ def truncate_metrics(path: str | Path, iteration: int) -> None:
                 kept.append(line)
         except (ValueError, KeyError):  # a line torn by a crash while it was written
             continue
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(line + "\n" for line in kept))

@@ -60,11 +60,10 @@ class RunLock:
         except OSError as e:
             raise OutputError(f"run folder {self.folder} cannot be written: {e.strerror or e}") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            _lock_or_refuse(fd, self.folder)
+        except RunFolderInUse:
             os.close(fd)
-            raise RunFolderInUse(f"run folder {self.folder} is in use by process {holder}") from None
+            raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
@@ -103,13 +102,20 @@ def check_not_in_use(folder: str | Path) -> None:
     except OSError:
         return  # unreadable: RunLock.acquire names the problem when the run starts
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _lock_or_refuse(fd, Path(folder))
         fcntl.flock(fd, fcntl.LOCK_UN)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        raise RunFolderInUse(f"run folder {Path(folder)} is in use by process {holder}") from None
     finally:
         os.close(fd)
+
+
+def _lock_or_refuse(fd: int, folder: Path) -> None:
+    """Take the exclusive lock on the open lock file `fd` without waiting, or raise RunFolderInUse naming `folder`
+    and the process id its holder wrote into the file."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        raise RunFolderInUse(f"run folder {folder} is in use by process {holder}") from None
 
 
 # --------------------------------------------------------------------------------------------- outputs

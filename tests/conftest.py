@@ -91,6 +91,18 @@ def prompt_files(tmp_path_factory) -> tuple[Path, Path]:
     return folder / "train.jsonl", folder / "test.jsonl"
 
 
+def shape_overrides(cfg) -> dict:
+    """Step and group counts that keep a preset's own rollout shape (its tree, window or probe steps) at the tiny size
+    of :func:`tiny_overrides`; `cfg` is the preset's loaded :class:`flowrl.config.Config`."""
+    if cfg.sampling.tree.split_steps:
+        return {"sampling.num_steps": 6, "sampling.group_size": 8}
+    if cfg.sampling.window.size:
+        return {"sampling.num_steps": 5}
+    if cfg.sampling.probe.method:
+        return {"sampling.num_steps": 8}
+    return {}
+
+
 def tiny_overrides(model: Path, train: Path, test: Path, out: Path, **extra) -> list[str]:
     """Overrides that make a run take seconds."""
     base = {

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, build_random_flux_pipeline, tiny_overrides
+from conftest import REPO, build_random_flux_pipeline, shape_overrides, tiny_overrides
 from flowrl.config import ConfigError, load_config
 from flowrl.models import FluxModel, SD3Model, load_model, model_class
 from flowrl.trainer import Trainer
@@ -133,13 +133,7 @@ def test_rollout_shapes_and_nft_run_on_flux(preset, tmp_path, random_flux_pipeli
     FLUX (the presets' own shapes, shrunk as in test_presets)."""
     cfg = load_config(REPO / "configs" / f"{preset}.yaml")
     extra = {"run.mixed_precision": "no", "model.resolution": 32, "model.max_sequence_length": 8,
-             "sampling.guidance_scale": 3.5, "rewards.jpeg_compressibility.weight": 1.0}
-    if cfg.sampling.tree.split_steps:
-        extra.update({"sampling.num_steps": 6, "sampling.group_size": 8})
-    elif cfg.sampling.window.size:
-        extra.update({"sampling.num_steps": 5})
-    elif cfg.sampling.probe.method:
-        extra.update({"sampling.num_steps": 8})
+             "sampling.guidance_scale": 3.5, "rewards.jpeg_compressibility.weight": 1.0, **shape_overrides(cfg)}
     train, test = prompt_files
     over = tiny_overrides(random_flux_pipeline, train, test, tmp_path / "run", **extra)
     result = Trainer(load_config(REPO / "configs" / f"{preset}.yaml", over)).train()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import tiny_overrides  # noqa: E402
+from conftest import shape_overrides, tiny_overrides  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "data" / "golden_metrics.json"
 PRESETS = ("flow_grpo", "mix_grpo", "branch_grpo", "tempflow_grpo", "diffusion_nft")
@@ -29,14 +29,8 @@ def run_preset(name: str, model: Path, train: Path, test: Path, out: Path) -> di
     from flowrl.config import load_config
     from flowrl.trainer import Trainer
 
-    extra = {"run.mixed_precision": "no", "rewards.jpeg_compressibility.weight": 1.0}
-    cfg = load_config(REPO / "configs" / f"{name}.yaml")
-    if cfg.sampling.tree.split_steps:
-        extra.update({"sampling.num_steps": 6, "sampling.group_size": 8})
-    elif cfg.sampling.window.size:
-        extra.update({"sampling.num_steps": 5})
-    elif cfg.sampling.probe.method:
-        extra.update({"sampling.num_steps": 8})
+    extra = {"run.mixed_precision": "no", "rewards.jpeg_compressibility.weight": 1.0,
+             **shape_overrides(load_config(REPO / "configs" / f"{name}.yaml"))}
     trainer = Trainer(load_config(REPO / "configs" / f"{name}.yaml", tiny_overrides(model, train, test, out, **extra)))
     result = trainer.train()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

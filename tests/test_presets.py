@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_overrides
+from conftest import shape_overrides, tiny_overrides
 from flowrl.config import ConfigError, load_config
 from flowrl.trainer import Trainer
 
@@ -23,13 +23,8 @@ def test_preset_loads(path):
 
 @pytest.mark.parametrize("path", TINY, ids=lambda p: p.stem)
 def test_preset_runs(path, tmp_path, random_pipeline, prompt_files):
-    extra = {"run.mixed_precision": "no", "rewards.jpeg_compressibility.weight": 1.0}  # varies on random images
-    if load_config(path).sampling.tree.split_steps:  # keep the preset's tree
-        extra.update({"sampling.num_steps": 6, "sampling.group_size": 8})
-    elif load_config(path).sampling.window.size:
-        extra.update({"sampling.num_steps": 5})
-    elif load_config(path).sampling.probe.method:  # keep the preset's probe steps
-        extra.update({"sampling.num_steps": 8})
+    extra = {"run.mixed_precision": "no", "rewards.jpeg_compressibility.weight": 1.0,  # varies on random images
+             **shape_overrides(load_config(path))}  # keep the preset's tree, window or probe steps
     train, test = prompt_files
     result = Trainer(load_config(path, tiny_overrides(random_pipeline, train, test, tmp_path / "run", **extra))).train()
     assert result["after"]["n_images"] > 0

@@ -9,7 +9,7 @@ use the rest. A family (one file beside this one) subclasses :class:`FlowModel` 
 ``OPTIONAL``                          components a folder may leave out (``null`` in ``model_index.json``)
 ``LORA_TARGETS``                      module-name suffixes a LoRA adapts
 ``SIGMA_SPACING``                     how the stock pipeline spaces its steps (:func:`samplers.flow_sigmas`)
-``check_resolution`` (classmethod)    the image side a folder can draw, checked before weights load
+``_resolution_grid`` (classmethod)    default side, unit and largest side in px a folder can draw (read from configs)
 ``scheduler_shift`` / ``shift``       the sigma-schedule shift read from the scheduler config (static by default)
 ``_default_length`` (staticmethod)    the prompt length the stock pipeline uses (``max_sequence_length``)
 ``latent_shape``                      ``(C, H, W)`` of one sample's latents at :attr:`resolution`
@@ -296,8 +296,23 @@ class FlowModel:
 
         Raises:
             FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
-            ValueError: naming the folder, for a resolution the model cannot draw.
+            ValueError: naming the folder, for a resolution that is not a multiple of the family's unit from the
+                unit up to its largest side (:meth:`_resolution_grid`).
         """
+        path = _pipeline_folder(path)
+        default, unit, largest, why = cls._resolution_grid(path)
+        if resolution is None:
+            return default
+        if resolution < unit or resolution % unit or (largest is not None and resolution > largest):
+            span = "" if largest is None else f" from {unit} to {largest}"
+            raise ValueError(f"resolution {resolution} px does not fit the model at {path}: expected a multiple of "
+                             f"{unit} ({why}){span}")
+        return resolution
+
+    @classmethod
+    def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
+        """The pixel sides the pipeline folder ``path`` can draw, from its configs: ``(default, unit, largest or None,
+        what makes the unit)``; any multiple of ``unit`` from ``unit`` to ``largest`` fits."""
         raise NotImplementedError
 
     @classmethod

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .base import FlowModel, PromptEmbeds, _config_shift, _pipeline_folder, _scheduler_file, _vae_factor, check_guidance
+from .base import FlowModel, PromptEmbeds, _config_shift, _scheduler_file, _vae_factor, check_guidance
 
 FLUX_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
                      "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
@@ -81,22 +81,11 @@ class FluxModel(FlowModel):
             raise ValueError(f"max_sequence_length must be >= 1 for FLUX (its T5 tokens condition every block), got {length}")
 
     @classmethod
-    def check_resolution(cls, path: str | Path, resolution: int | None) -> int:
-        """As :meth:`FlowModel.check_resolution`: ``resolution``, or ``DEFAULT_SAMPLE_SIZE`` latents x the VAE factor.
-
-        Raises:
-            FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
-            ValueError: for a resolution that is not a positive multiple of the VAE factor x 2.
-        """
-        path = _pipeline_folder(path)
+    def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
+        """Default ``DEFAULT_SAMPLE_SIZE`` latents; any multiple of the VAE factor x 2 (FLUX's rotary position
+        embedding has no largest size)."""
         factor = _vae_factor(path)
-        if resolution is None:
-            return cls.DEFAULT_SAMPLE_SIZE * factor
-        unit = factor * 2  # 2x2 latent patches per token
-        if resolution < unit or resolution % unit:
-            raise ValueError(f"resolution {resolution} px does not fit the model at {path}: expected a multiple of "
-                             f"{unit} (VAE factor {factor} x FLUX's 2x2 latent packing)")
-        return resolution
+        return cls.DEFAULT_SAMPLE_SIZE * factor, factor * 2, None, f"VAE factor {factor} x FLUX's 2x2 latent packing"
 
     @classmethod
     def scheduler_shift(cls, path: str | Path, resolution: int | None = None) -> float:

@@ -29,7 +29,7 @@ import torch
 
 from samplers import flow_sigma, flow_velocity, vp_scale
 
-from .base import FlowModel, PromptEmbeds, _pipeline_folder, _scheduler_file, _vae_factor
+from .base import FlowModel, PromptEmbeds, _scheduler_file, _vae_factor
 
 SD15_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 """The UNet's attention projections (self- and cross-attention), as DDPO and diffusers' SD LoRA training adapt."""
@@ -94,24 +94,13 @@ class SD15Model(FlowModel):
             raise ValueError(f"SD 1.x encodes prompts with CLIP at the tokenizer's length; leave it unset (got {length})")
 
     @classmethod
-    def check_resolution(cls, path: str | Path, resolution: int | None) -> int:
-        """The image side in pixels for the pipeline folder ``path`` (no weights loaded): ``resolution`` if the UNet
-        can draw it (a multiple of the VAE factor x ``2^(blocks - 1)``), else ``sample_size`` latents.
-
-        Raises:
-            FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
-            ValueError: naming the folder, for a resolution the UNet cannot draw.
-        """
-        path = _pipeline_folder(path)
+    def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
+        """Default ``sample_size`` latents; any multiple of the VAE factor x the UNet's downsampling
+        ``2^(blocks - 1)``."""
         cfg = json.loads((path / "unet" / "config.json").read_text())
         factor = _vae_factor(path)
-        if resolution is None:
-            return cfg["sample_size"] * factor
         unit = factor * 2 ** (len(cfg["block_out_channels"]) - 1)
-        if resolution < unit or resolution % unit:
-            raise ValueError(f"resolution {resolution} px does not fit the model at {path}: expected a multiple of "
-                             f"{unit} (VAE factor {factor} x UNet downsampling {unit // factor})")
-        return resolution
+        return cfg["sample_size"] * factor, unit, None, f"VAE factor {factor} x UNet downsampling {unit // factor}"
 
     @classmethod
     def scheduler_shift(cls, path: str | Path, resolution: int | None = None) -> float:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .base import FlowModel, PromptEmbeds, _absent, _pipeline_folder, _vae_factor
+from .base import FlowModel, PromptEmbeds, _absent, _vae_factor
 
 SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
@@ -39,25 +39,14 @@ class SD3Model(FlowModel):
         return 0 if _absent(index, "text_encoder_3") else 256
 
     @classmethod
-    def check_resolution(cls, path: str | Path, resolution: int | None) -> int:
-        """The image side in pixels for the pipeline folder ``path``, read from its VAE and transformer configs
-        (no weights loaded): ``resolution`` if the model can draw it, else the default.
-
-        Raises:
-            FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
-            ValueError: as for the constructor's ``resolution``.
-        """
-        path = _pipeline_folder(path)
+    def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
+        """Default ``sample_size`` latents; a multiple of the VAE factor x the patch size, up to the position
+        embedding's size (``pos_embed_max_size``)."""
         cfg = json.loads((path / "transformer" / "config.json").read_text())
-        factor = _vae_factor(path)
-        if resolution is None:
-            return cfg["sample_size"] * factor
-        unit = factor * cfg.get("patch_size", 2)
+        factor, patch = _vae_factor(path), cfg.get("patch_size", 2)
+        unit = factor * patch
         largest = (cfg.get("pos_embed_max_size") or cfg["sample_size"]) * unit
-        if resolution < unit or resolution % unit or resolution > largest:
-            raise ValueError(f"resolution {resolution} px does not fit the model at {path}: expected a multiple of "
-                             f"{unit} (VAE factor {factor} x patch size {cfg.get('patch_size', 2)}) from {unit} to {largest}")
-        return resolution
+        return cfg["sample_size"] * factor, unit, largest, f"VAE factor {factor} x patch size {patch}"
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:

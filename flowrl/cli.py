@@ -1,4 +1,5 @@
-"""``flowrl`` command line: ``train``, ``eval``, ``sample``, ``bench`` and ``overopt``."""
+"""``flowrl`` command line: ``train``, ``eval``, ``sample``, ``generate``, ``score``, ``serve-reward``, ``rewards``,
+``bench`` and ``overopt``."""
 
 from __future__ import annotations
 
@@ -53,7 +54,15 @@ def _model(args):
             raise ValueError(f"--max-sequence-length: {e}") from None
     if args.shift is None:  # the model's own schedule (SD3.5: 3, the tiny model: 1, FLUX.1 at 1024 px: 3.16)
         args.shift = adapter.scheduler_shift(path, args.resolution)
-    model = adapter(path, device, max_sequence_length=args.max_sequence_length, resolution=args.resolution)
+    video = {}
+    if getattr(args, "num_frames", None) is not None:  # video families only (Wan: 4k+1 frames), checked before loading
+        if not adapter.VIDEO:
+            raise ValueError(f"--num-frames: {path} holds a {adapter.PIPELINE}, which draws images")
+        try:
+            video["num_frames"] = adapter.check_num_frames(path, args.num_frames)
+        except ValueError as e:
+            raise ValueError(f"--num-frames: {e}") from None
+    model = adapter(path, device, max_sequence_length=args.max_sequence_length, resolution=args.resolution, **video)
     if args.lora:
         model.load_lora(args.lora)
     return model
@@ -83,25 +92,124 @@ def _end(accelerator) -> None:
 
 
 def cmd_eval(args) -> dict:
-    """``flowrl eval``: GenEval strict accuracy of a model (and LoRA) on a prompt set, written as JSON."""
+    """``flowrl eval``: GenEval strict accuracy of a model (and LoRA) on a prompt set, or with ``--reward`` the mean,
+    std and per-tag means of each named reward (:func:`_eval_rewards`), written as JSON."""
+    if args.reward is not None:
+        return _eval_rewards(args)
     import torch
 
     from .evaluate import evaluate
 
+    if args.option:
+        raise ValueError("--option sets a reward's option; give the reward with --reward NAME")
+    if args.images_per_prompt is not None:
+        raise ValueError("--images-per-prompt is for --reward; the GenEval accuracy counts --images-per-tag")
+    if args.format != "auto":
+        raise ValueError("--format is for --reward; the GenEval accuracy reads GenEval metadata (.jsonl)")
     metas = read_jsonl(prompt_file(args.prompts))
     probe_output(args.out, "--out", (".json",))  # before the work, not after it
-    accelerator = None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # accelerate launch / torchrun: split the images over the processes
-        from accelerate import Accelerator
-
-        accelerator = Accelerator(cpu=args.device == "cpu")
+    accelerator = _eval_accelerator(args)
     model = _model(args)
+    images_per_tag = 64 if args.images_per_tag is None else args.images_per_tag
     with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=args.bf16):
-        result = evaluate(model, metas, args.images_per_tag, args.num_steps, args.guidance_scale, args.shift,
+        result = evaluate(model, metas, images_per_tag, args.num_steps, args.guidance_scale, args.shift,
                           args.seed, accelerator=accelerator)
     if accelerator is None or accelerator.is_main_process:
         write_text_atomic(args.out, json.dumps(result, indent=1))
         print(json.dumps({"overall": result["overall"], "per_tag": result["per_tag"]}, indent=1))
+    if accelerator is not None:
+        _end(accelerator)
+    return result
+
+
+def _eval_accelerator(args):
+    """An ``accelerate.Accelerator`` under ``accelerate launch`` / torchrun (``WORLD_SIZE > 1``: the images are split
+    over the processes), else None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from accelerate import Accelerator
+
+        return Accelerator(cpu=args.device == "cpu")
+    return None
+
+
+def _reward_specs(text: str) -> list[str]:
+    """The rewards of ``--reward NAME[,NAME...]``, in order.
+
+    Raises:
+        ValueError: an empty name or one given twice.
+    """
+    specs = [s.strip() for s in text.split(",")]
+    if not all(specs):
+        raise ValueError(f"--reward {text!r}: expected NAME or NAME,NAME,... with no empty name")
+    twice = sorted({s for s in specs if specs.count(s) > 1})
+    if twice:
+        raise ValueError(f"--reward {text!r} names {', '.join(twice)} twice")
+    return specs
+
+
+def _reward_options(specs: list[str], pairs: list[str] | None) -> dict[str, dict]:
+    """Each reward's options from ``--option NAME.key=value`` pairs (``key=value`` when there is one reward); the
+    name is everything before the key's last dot, so a dotted-path reward ``pkg.mod:fn`` takes ``pkg.mod:fn.key=v``.
+
+    Raises:
+        ValueError: a pair without ``=``, without a reward name among several rewards, or naming a reward that
+            ``--reward`` does not list.
+    """
+    grouped: dict[str, list[str]] = {spec: [] for spec in specs}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--option {pair!r} must look like NAME.key=value (e.g. clipscore.model_path=/ckpt/clip)")
+        name, dot, option = key.strip().rpartition(".")
+        if not dot and len(specs) > 1:
+            raise ValueError(f"--option {pair!r}: with several rewards, name the reward: NAME.key=value "
+                             f"(--reward lists {', '.join(specs)})")
+        name = name if dot else specs[0]
+        if name not in grouped:
+            raise ValueError(f"--option {pair!r} is for reward {name!r}, which --reward does not list "
+                             f"({', '.join(specs)})")
+        grouped[name].append(f"{option}={value}")
+    return {spec: _options(opts) for spec, opts in grouped.items()}
+
+
+def _eval_rewards(args) -> dict:
+    """``flowrl eval --reward``: ``--images-per-prompt`` ODE samples of every prompt of a prompt file (any
+    :func:`flowrl.prompt_sets.read_prompt_set` format), scored by each reward (weight 1, unsummed); writes and
+    returns ``{"rewards": {name: {"mean", "std", "per_tag", "n_images", "options"}}, ...}``
+    (:func:`flowrl.evaluate.evaluate_reward`)."""
+    import torch
+
+    from rewards import WeightedSum, build_reward
+
+    from .evaluate import evaluate_reward
+    from .prompt_sets import read_prompt_set
+
+    if args.images_per_tag is not None:
+        raise ValueError("--images-per-tag is for the GenEval accuracy (no --reward); with --reward give "
+                         "--images-per-prompt")
+    specs = _reward_specs(args.reward)
+    options = _reward_options(specs, args.option)
+    metas = read_prompt_set(args.prompts, args.format)
+    probe_output(args.out, "--out", (".json",))  # before the work, not after it
+    reward = WeightedSum({spec: (build_reward(spec, **options[spec]), 1.0) for spec in specs})
+    accelerator = _eval_accelerator(args)
+    model = _model(args)
+    k = 1 if args.images_per_prompt is None else args.images_per_prompt
+    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+        scored = evaluate_reward(model, metas, reward, k, args.num_steps, args.guidance_scale, args.shift, args.seed,
+                                 accelerator=accelerator)
+    result = {"rewards": {spec: {**scored["rewards"][spec], "options": options[spec]} for spec in specs},
+              "prompts": str(args.prompts), "n_prompts": len(metas), "images_per_prompt": k,
+              "n_images": scored["n_images"], "model": str(args.model), "lora": args.lora, "seed": args.seed,
+              "num_steps": args.num_steps, "guidance_scale": args.guidance_scale, "shift": args.shift,
+              "bf16": scored["bf16"], "machine": scored["machine"]}
+    if accelerator is None or accelerator.is_main_process:
+        write_text_atomic(args.out, json.dumps(result, indent=1, default=str))  # an option YAML read as a date
+        for spec, stats in result["rewards"].items():
+            tags = "".join(f"\n  {tag}: {mean:.4f}" for tag, mean in stats["per_tag"].items())
+            print(f"{spec}: mean {stats['mean']:.4f} (std {stats['std']:.4f}) over {stats['n_images']} images"
+                  + (f"; per tag:{tags}" if tags else ""))
+        print(f"wrote {args.out}")
     if accelerator is not None:
         _end(accelerator)
     return result
@@ -119,9 +227,130 @@ def cmd_sample(args) -> None:
     with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=args.bf16):
         images = generate(model, [args.prompt] * args.n, [args.seed + i for i in range(args.n)], args.num_steps,
                           args.guidance_scale, args.shift)
+    if images.ndim == 5:  # videos (n, F, 3, H, W): the contact sheet at --out, the tiled mp4 beside it
+        from .video import save_videos
+
+        with atomic_output(args.out) as tmp, atomic_output(Path(args.out).with_suffix(".mp4")) as tmp_mp4:
+            save_videos(images, tmp, mp4=tmp_mp4)
+        print(f"wrote {args.n} videos to {Path(args.out).with_suffix('.mp4')} and their frames to {args.out}")
+        return
     with atomic_output(args.out) as tmp:
         save_image(images, tmp, nrow=min(args.n, 8), padding=1)
     print(f"wrote {args.n} images to {args.out}")
+
+
+def cmd_generate(args) -> int:
+    """``flowrl generate``: ``-n`` images per prompt of a prompt file (GenEval jsonl, DrawBench csv, PartiPrompts tsv,
+    HPDv2 json, txt) in GenEval's folder layout or flat (:func:`flowrl.image_folders.generate_folder`)."""
+    import torch
+
+    from .image_folders import generate_folder
+    from .prompt_sets import read_prompt_set
+
+    metas = read_prompt_set(args.prompts, args.format)
+    out = Path(args.out)
+    if out.is_file() or (out.is_dir() and any(out.iterdir())):
+        raise FileExistsError(f"--out {out} exists and is not an empty folder; a benchmark folder must hold only "
+                              "this run's images (GenEval's script reads every numbered subfolder)")
+    accelerator = None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # accelerate launch / torchrun: split the prompts over the processes
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=args.device == "cpu")
+        accelerator.wait_for_everyone()  # every process checked --out before any writes into it
+    model = _model(args)
+    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+        written = generate_folder(model, metas, out, args.n, args.layout, args.seed, args.num_steps,
+                                  args.guidance_scale, args.shift, args.batch_size, accelerator)
+    if accelerator is not None:
+        _end(accelerator)
+    if accelerator is None or accelerator.is_main_process:
+        print(f"wrote {len(metas) * args.n} images ({len(metas)} prompts x {args.n}) to {out} in the {args.layout} layout")
+    return written
+
+
+def _options(pairs: list[str] | None) -> dict:
+    """``--option key=value`` pairs as a dict; each value read as YAML (``80`` an int, ``true`` a bool, ``[1, 5]`` a
+    list, anything else a string)."""
+    import yaml
+
+    options = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--option {pair!r} must look like key=value (e.g. --option model_path=/ckpt/PickScore_v1)")
+        try:
+            options[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError:
+            options[key.strip()] = value
+    return options
+
+
+def cmd_score(args) -> dict:
+    """``flowrl score``: score a folder of images with a named reward; per-image rows to ``--out``, mean printed
+    (:func:`flowrl.image_folders.score_records`)."""
+    from rewards import build_reward
+
+    from .image_folders import read_image_folder, score_records, summarize, write_scores
+    from .prompt_sets import read_prompt_set
+
+    prompts = read_prompt_set(args.prompts, args.format) if args.prompts else None
+    records = read_image_folder(args.paths, prompts)
+    if args.out:
+        probe_output(args.out, "--out", (".jsonl", ".csv"))  # before the work, not after it
+    if prompts is None and all(r["prompt"] == "" for r in records):
+        print(f"flowrl score: note: no prompts for the {len(records)} images (score them with --prompts FILE for a "
+              "prompt-dependent reward)", file=sys.stderr)
+    reward = build_reward(args.reward, **_options(args.option))
+    scores = score_records(reward, records, args.batch_size)
+    summary = {"reward": args.reward, "options": _options(args.option), **summarize(records, scores)}
+    if args.out:
+        write_scores(records, scores, args.out)
+    tags = "".join(f"\n  {tag}: {mean:.4f}" for tag, mean in summary["per_tag"].items())
+    print(f"{args.reward}: mean {summary['mean']:.4f} (std {summary['std']:.4f}) over {summary['n_images']} images"
+          + (f"; per tag:{tags}" if tags else "") + (f"\nwrote {args.out}" if args.out else ""))
+    return summary
+
+
+def cmd_serve_reward(args) -> None:
+    """``flowrl serve-reward NAME``: serve a reward over HTTP until Ctrl-C (:func:`rewards.serve`)."""
+    from rewards import serve
+
+    serve(args.name, host=args.host, port=args.port, batch_size=args.batch_size, **_options(args.option))
+
+
+def cmd_rewards(args) -> list[dict]:
+    """``flowrl rewards``: every registered reward and installed ``flowrl.rewards`` entry point, one line each:
+    name, modality (``image``, ``video`` or both) and the weights it needs, as the factory declares them
+    (:func:`rewards.register_reward`'s ``modality`` and ``weights``; ``-`` where a plug-in declares none).
+
+    Returns:
+        ``[{"name", "modality", "weights", "source", "summary"}, ...]``: registered names sorted, then entry points;
+        ``summary`` is the first line of the factory's docstring.
+    """
+    import inspect
+
+    from rewards import REWARDS
+    from rewards.base import _entry_point, _entry_points
+
+    def row(name: str, factory, source: str) -> dict:
+        return {"name": name, "modality": getattr(factory, "modality", "-"),
+                "weights": getattr(factory, "weights", "-"),
+                "source": source, "summary": (inspect.getdoc(factory) or "").split("\n")[0]}
+
+    rows = [row(name, factory, "built-in") for name, factory in sorted(REWARDS.items())]
+    for ep in sorted(_entry_points(), key=lambda ep: ep.name):
+        if ep.name in REWARDS or any(r["name"] == ep.name for r in rows):
+            continue
+        try:
+            rows.append(row(ep.name, _entry_point(ep.name), f"entry point {ep.value}"))
+        except (ValueError, TypeError) as e:  # a plug-in that does not load is listed, with why
+            rows.append({**row(ep.name, None, f"entry point {ep.value}"), "weights": f"(not loadable: {_one_line(e)})"})
+    header = {"name": "NAME", "modality": "MODALITY", "weights": "WEIGHTS IT NEEDS"}
+    name_w, mod_w = (max(len(r[k]) for r in [header, *rows]) for k in ("name", "modality"))
+    for r in [header, *rows]:
+        print(f"{r['name']:<{name_w}}  {r['modality']:<{mod_w}}  {r['weights']}")
+    return rows
 
 
 def cmd_bench(args) -> dict:
@@ -207,6 +436,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sequence-length", type=_at_least(0), default=None,
                    help="T5 tokens (default: SD3 256 with a T5 encoder, 0 without one as the tiny model; FLUX 512)")
     p.add_argument("--resolution", type=_at_least(1), default=None, help="image side in px (default: the model's)")
+    p.add_argument("--num-frames", type=_at_least(1), default=None,
+                   help="frames per video, video models only (Wan: 4k+1; default: the model's, 81 for Wan)")
     p.add_argument("--num-steps", type=_at_least(1), default=20, help="Euler ODE steps")
     p.add_argument("--guidance-scale", type=_finite, default=4.5)
     p.add_argument("--shift", type=_at_least(0, float, strict=True), default=None,
@@ -226,10 +457,23 @@ def _add_train(sub) -> None:
 
 def _add_eval(sub) -> None:
     """The ``eval`` sub-command: the model options, the prompt set and the JSON output, run by :func:`cmd_eval`."""
-    e = sub.add_parser("eval", help="GenEval-style strict accuracy of a model (+ LoRA)")
+    from .prompt_sets import FORMATS
+
+    e = sub.add_parser("eval", help="GenEval-style strict accuracy of a model (+ LoRA), or reward means (--reward)")
     _model_args(e)
-    e.add_argument("--prompts", default="test", help="train | test | FILE.jsonl")
-    e.add_argument("--images-per-tag", type=_at_least(0), default=64, help="images per tag (0: each prompt once)")
+    e.add_argument("--prompts", default="test",
+                   help="train | test | FILE.jsonl (GenEval metadata); with --reward, any flowrl generate --prompts "
+                        "file")
+    e.add_argument("--format", choices=FORMATS, default="auto", help="--prompts file format, with --reward")
+    e.add_argument("--reward", type=_non_empty, default=None,
+                   help="NAME[,NAME...]: registered rewards or package.module:function (default: GenEval accuracy)")
+    e.add_argument("--option", action="append", metavar="NAME.KEY=VALUE",
+                   help="a reward option, e.g. clipscore.model_path=assets/tiny-clip (KEY=VALUE with one reward; "
+                        "repeat for more)")
+    e.add_argument("--images-per-tag", type=_at_least(0), default=None,
+                   help="GenEval accuracy: images per tag (default 64; 0: each prompt once)")
+    e.add_argument("--images-per-prompt", type=_at_least(1), default=None,
+                   help="with --reward: samples per prompt (default 1)")
     e.add_argument("--out", required=True, help="FILE.json")
     e.set_defaults(fn=cmd_eval)
 
@@ -243,6 +487,58 @@ def _add_sample(sub) -> None:
     s.add_argument("-n", type=_at_least(1), default=8, help="images")
     s.add_argument("--out", default="grid.png", help=f"image file ({', '.join(IMAGE_SUFFIXES)})")
     s.set_defaults(fn=cmd_sample)
+
+
+def _add_generate(sub) -> None:
+    """The ``generate`` sub-command: the model options, a benchmark prompt file, ``-n``, the layout and the output
+    folder, run by :func:`cmd_generate`."""
+    from .image_folders import LAYOUTS
+    from .prompt_sets import FORMATS
+
+    g = sub.add_parser("generate", help="images of a benchmark prompt file (GenEval, DrawBench, ...) in a folder")
+    _model_args(g)
+    g.add_argument("--prompts", required=True,
+                   help="GenEval evaluation_metadata.jsonl, DrawBench .csv, PartiPrompts .tsv, HPDv2 .json, .txt")
+    g.add_argument("--format", choices=FORMATS, default="auto", help="prompt file format (auto: from the suffix)")
+    g.add_argument("--out", required=True, help="a new (or empty) folder")
+    g.add_argument("--layout", choices=LAYOUTS, default="geneval",
+                   help="geneval: <i>/metadata.jsonl + <i>/samples/<j>.png; flat: <n>.png + prompts.jsonl")
+    g.add_argument("-n", type=_at_least(1), default=4, help="images per prompt (GenEval: 4)")
+    g.add_argument("--batch-size", type=_at_least(1), default=16, help="images generated at once")
+    g.set_defaults(fn=cmd_generate)
+
+
+def _add_score(sub) -> None:
+    """The ``score`` sub-command: image folders or files, a reward and its options, prompts and the output,
+    run by :func:`cmd_score`."""
+    from .prompt_sets import FORMATS
+
+    s = sub.add_parser("score", help="score a folder of images with a named reward")
+    s.add_argument("paths", nargs="+", help="a folder written by flowrl generate, a folder of images, or image files")
+    s.add_argument("--reward", type=_non_empty, required=True, help="a registered name or package.module:function")
+    s.add_argument("--option", action="append", metavar="KEY=VALUE", help="a reward option (repeat for more)")
+    s.add_argument("--prompts", default=None, help="prompts of loose images (any flowrl generate --prompts format)")
+    s.add_argument("--format", choices=FORMATS, default="auto", help="--prompts file format")
+    s.add_argument("--batch-size", type=_at_least(1), default=16, help="images per reward call")
+    s.add_argument("--out", default=None, help="per-image scores, FILE.jsonl or FILE.csv")
+    s.set_defaults(fn=cmd_score)
+
+
+def _add_serve_reward(sub) -> None:
+    """The ``serve-reward`` sub-command: a reward, its options, host, port and batch size, run by
+    :func:`cmd_serve_reward`."""
+    r = sub.add_parser("serve-reward", help="serve a reward over HTTP for the 'remote' reward of another process")
+    r.add_argument("name", type=_non_empty, help="a registered reward or package.module:function")
+    r.add_argument("--option", action="append", metavar="KEY=VALUE", help="a reward option (repeat for more)")
+    r.add_argument("--host", default="127.0.0.1", help="address to bind (no authentication: keep it local)")
+    r.add_argument("--port", type=_at_least(0), default=8000, help="port (0: a free one, printed)")
+    r.add_argument("--batch-size", type=_at_least(1), default=None, help="images per reward call (default: a request)")
+    r.set_defaults(fn=cmd_serve_reward)
+
+
+def _add_rewards(sub) -> None:
+    """The ``rewards`` sub-command, run by :func:`cmd_rewards`."""
+    sub.add_parser("rewards", help="list the registered rewards").set_defaults(fn=cmd_rewards)
 
 
 def _add_bench(sub) -> None:
@@ -277,11 +573,13 @@ def _add_overopt(sub) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The ``flowrl`` parser: one sub-command each for train, eval, sample, bench and overopt (in that order,
-    as ``--help`` lists them); each sets ``fn``, the ``cmd_*`` function that runs it."""
+    """The ``flowrl`` parser: one sub-command each for train, eval, sample, generate, score, serve-reward, rewards,
+    bench and overopt (in that order, as ``--help`` lists them); each sets ``fn``, the ``cmd_*`` function that runs
+    it."""
     parser = argparse.ArgumentParser(prog="flowrl", description="Online RL for text-to-image flow models")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_eval, _add_sample, _add_bench, _add_overopt):
+    for add in (_add_train, _add_eval, _add_sample, _add_generate, _add_score, _add_serve_reward, _add_rewards,
+                _add_bench, _add_overopt):
         add(sub)
     return parser
 

@@ -43,6 +43,9 @@ class ModelConfig:
     lora_alpha: float = 16.0
     dtype: str = "float32"  # frozen parts: float32 | bfloat16 | float16
     resolution: Optional[int] = None  # image side in px for rollouts and evaluation (null: the model's default)
+    num_frames: Optional[int] = None  # video models: frames per video, 4k+1 for Wan (null: the model's default, 81)
+    expert: Optional[str] = None  # two-expert Wan 2.2: the trained one, high | low (null for every other model)
+    negative_prompt: str = ""  # video models: the CFG negative prompt ("" as the stock WanPipeline)
 
     def __post_init__(self):
         _check(self.lora_rank >= 0, "model.lora_rank", ">= 0", self.lora_rank)
@@ -52,6 +55,8 @@ class ModelConfig:
         _check(self.max_sequence_length is None or self.max_sequence_length >= 0, "model.max_sequence_length",
                ">= 0 or null", self.max_sequence_length)
         _check(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", "float32|bfloat16|float16", self.dtype)
+        _check(self.num_frames is None or self.num_frames >= 1, "model.num_frames", ">= 1 or null", self.num_frames)
+        _check(self.expert in (None, "high", "low"), "model.expert", "high|low or null", self.expert)
 
 
 @dataclass
@@ -127,7 +132,7 @@ class SamplingConfig:
 
     num_steps: int = 10  # denoising steps of a training rollout
     guidance_scale: float = 4.5  # classifier-free guidance w (1 = off)
-    kernel: str = "flow_sde"  # samplers.KERNELS stochastic kernel: flow_sde | dance_sde | cps | ddim (DDPO's DDIM, eta)
+    kernel: str = "flow_sde"  # samplers.KERNELS stochastic kernel: flow_sde | dance_sde | cps | ddim (DDPO's DDIM, eta) | ddpm
     noise_level: float = 0.7  # Flow-GRPO's a (or DanceGRPO's eta)
     shift: float | None = None  # timestep shift of the sigma schedule (None: the model scheduler's, 3 for SD3.5, 1 tiny)
     group_size: int = 8  # G images per prompt
@@ -172,10 +177,10 @@ class SamplingConfig:
                self.window.size)
         _check(self.group_size >= 2, "sampling.group_size", ">= 2 (group-relative advantages)", self.group_size)
         _check(self.guidance_scale >= 1.0, "sampling.guidance_scale", ">= 1", self.guidance_scale)
-        _check(self.kernel in ("flow_sde", "dance_sde", "cps", "ddim"), "sampling.kernel", "flow_sde|dance_sde|cps|ddim",
-               self.kernel)
+        _check(self.kernel in ("flow_sde", "dance_sde", "cps", "ddim", "ddpm"), "sampling.kernel",
+               "flow_sde|dance_sde|cps|ddim|ddpm", self.kernel)
         _check(self.noise_level > 0, "sampling.noise_level", "> 0", self.noise_level)
-        _check(self.kernel not in ("cps", "ddim") or self.noise_level <= 1, "sampling.noise_level",
+        _check(self.kernel not in ("cps", "ddim", "ddpm") or self.noise_level <= 1, "sampling.noise_level",
                f"in (0, 1] for kernel {self.kernel!r} (eta)", self.noise_level)
         _check(not (self.kernel == "cps" and self.train_last_step), "sampling.train_last_step",
                "false with kernel 'cps' (its last step lands on t = 0 with std 0: no log-prob)", self.train_last_step)
@@ -301,9 +306,20 @@ class RunConfig:
     resume: bool = False  # continue from the newest checkpoint in output_dir
     device: str = "auto"  # auto | cpu | cuda
     mixed_precision: str = "bf16"  # no | bf16 (autocast; fp16 would need loss scaling, which flowrl does not do)
+    log_with: list[str] = field(default_factory=list)  # trackers besides metrics.jsonl: tensorboard | wandb | trackio
+    project: str = "flowrl"  # the trackers' project name
+    log_images_every: int = 0  # every N iterations, log a few rollout images to the trackers (0 = only the grids)
 
     def __post_init__(self):
+        from .trackers import check_trackers
+
         self.mixed_precision = _precision(self.mixed_precision)
+        try:
+            check_trackers(list(self.log_with))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        _check(self.log_images_every >= 0, "run.log_images_every", ">= 0 (0 = only the before/after grids)",
+               self.log_images_every)
         _check(self.iterations >= 1, "run.iterations", ">= 1", self.iterations)
         _check(self.save_every >= 1, "run.save_every", ">= 1 (the last iteration is always saved)", self.save_every)
         _check(self.keep_checkpoints is None or self.keep_checkpoints >= 1, "run.keep_checkpoints", ">= 1 or null (keep all)",
@@ -446,6 +462,10 @@ def resolve_model(cfg: Config):
             cfg.sampling.shift = adapter.scheduler_shift(path, cfg.model.resolution)
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(f"config key 'sampling.shift': {e}") from None
+    for key in ("num_frames", "expert", "negative_prompt"):  # video settings: refused by the image families
+        if not adapter.VIDEO and getattr(cfg.model, key) not in (None, ""):
+            raise ConfigError(f"config key 'model.{key}': {path} holds a {adapter.PIPELINE}, which draws images; "
+                              f"leave it unset (got {getattr(cfg.model, key)!r})")
     adapter.check_config(cfg)  # what the family cannot run (the DDPM family: DiffusionNFT, Flash re-spacing)
     if cfg.model.max_sequence_length is None:  # SD3: 256 with a T5 encoder, 0 without (the tiny model); FLUX 512
         cfg.model.max_sequence_length = adapter.default_max_sequence_length(path)

@@ -1,5 +1,8 @@
 """Prompt files: one JSON object per line, each with a ``prompt`` and, for GenEval-style rewards and evaluation,
-its metadata (``tag``, ``include``, ``exclude``; see :mod:`rewards.geneval`).
+its metadata (``tag``, ``include``, ``exclude``; see :mod:`rewards.geneval`). An image-editing prompt
+(:class:`flowrl.models.FluxKontextModel`) names its source image in ``image``: a path relative to the prompt file
+(or absolute), which :func:`read_jsonl` checks and makes absolute, so the model and the rewards (which receive every
+record as metadata) find it.
 
 The training path reads prompts only through here; the tiny world's generator of prompt sets
 (:mod:`flowrl.tiny.prompts`) is a separate command that writes such files.
@@ -36,11 +39,13 @@ def write_jsonl(metas: list[dict], path: str | Path) -> None:
 
 def read_jsonl(path: str | Path) -> list[dict]:
     """Read a prompt file: one JSON object with a string ``prompt`` per non-empty line (any GenEval metadata file).
+    A record's optional ``image`` (an editing model's source image) is a path relative to the file, returned absolute.
 
     Raises:
         FileNotFoundError: naming the path.
         ValueError: naming the file and line of a line that is not JSON, or not an object with a string
-            ``prompt``; naming the file when it holds no prompt at all.
+            ``prompt``, or whose ``image`` is not a string naming an existing file; naming the file when it holds no
+            prompt at all.
     """
     path = Path(path)
     if not path.is_file():
@@ -54,6 +59,12 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 raise ValueError(f"{path}:{i}: not a JSON line ({e.msg}); expected a JSON object with a 'prompt' key") from None
             if not isinstance(meta, dict) or not isinstance(meta.get("prompt"), str):
                 raise ValueError(f"{path}:{i}: expected a JSON object with a 'prompt' key")
+            if "image" in meta:
+                image = path.parent / str(meta["image"])  # an absolute path stays as it is
+                if not isinstance(meta["image"], str) or not image.is_file():
+                    raise ValueError(f"{path}:{i}: 'image' {meta['image']!r} is not an image file (expected a path "
+                                     "relative to the prompt file)")
+                meta["image"] = str(image.resolve())
             metas.append(meta)
     if not metas:
         raise ValueError(f"prompt file {path} holds no prompts; expected one JSON object with a 'prompt' key per line")

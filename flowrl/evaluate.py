@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import platform
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from samplers import ode_sample, start_latents
 
@@ -41,7 +43,7 @@ def machine() -> str:
 
 
 def generate(model: FlowModel, prompts: list[str], seeds: list[int], num_steps: int, guidance_scale: float,
-             shift: float | None = None, batch_size: int = 64) -> torch.Tensor:
+             shift: float | None = None, batch_size: int = 64, metas: list[dict] | None = None) -> torch.Tensor:
     """Deterministic ODE (Euler) sampling: image i from ``torch.Generator().manual_seed(seeds[i])``.
 
     Args:
@@ -50,23 +52,30 @@ def generate(model: FlowModel, prompts: list[str], seeds: list[int], num_steps: 
         num_steps: Euler steps; guidance_scale: CFG w; shift: sigma-schedule shift, ``None``: the model
             scheduler's (:attr:`FlowModel.shift`; 3.0 for SD3.5, 1.0 for the tiny model).
         batch_size: images per forward.
+        metas: the B prompt records of ``prompts`` (:mod:`flowrl.data`), for a family conditioned on more than the
+            text (:meth:`FlowModel.prompt_table`: FLUX.1 Kontext's source ``image``); None: the prompts alone.
 
     Returns:
-        float32 images ``(B, 3, H, W)`` in [0, 1], on CPU.
+        float32 images ``(B, 3, H, W)`` (a video model's videos ``(B, F, 3, H, W)``) in [0, 1], on CPU.
 
     Raises:
-        ValueError: if ``prompts`` is empty or ``seeds`` has another length.
+        ValueError: if ``prompts`` is empty, or ``seeds`` or ``metas`` has another length.
     """
-    if not prompts or len(seeds) != len(prompts):
-        raise ValueError(f"generate needs at least one prompt and one seed per prompt; got {len(prompts)} prompts, "
-                         f"{len(seeds)} seeds")
+    if not prompts or len(seeds) != len(prompts) or (metas is not None and len(metas) != len(prompts)):
+        raise ValueError(f"generate needs at least one prompt and one seed (and record, if any) per prompt; got "
+                         f"{len(prompts)} prompts, {len(seeds)} seeds, {'no' if metas is None else len(metas)} records")
     sigmas = model.sigmas(num_steps, shift).to(model.device)  # the stock pipeline's spacing (SD3 or FLUX)
     images = []
-    for start in range(0, len(prompts), batch_size):
+    starts = range(0, len(prompts), batch_size)  # a bar for a long evaluation (several batches), on local rank 0
+    for start in tqdm(starts, desc="generate", unit="batch", leave=False,
+                      disable=len(starts) < 2 or os.environ.get("LOCAL_RANK", "0") != "0"):
         chunk = prompts[start:start + batch_size]
-        table = model.encode([""] + list(dict.fromkeys(chunk)))
-        row = {p: i + 1 for i, p in enumerate(dict.fromkeys(chunk))}
-        cond = torch.tensor([row[p] for p in chunk], device=model.device)
+        records = [{"prompt": p} for p in chunk] if metas is None else metas[start:start + batch_size]
+        keys = [json.dumps(m, sort_keys=True, default=str) for m in records]
+        unique = dict(zip(keys, records))  # each distinct record (prompt and conditioning) is encoded once
+        table = model.prompt_table(list(unique.values()))
+        row = {k: i + 1 for i, k in enumerate(unique)}
+        cond = torch.tensor([row[k] for k in keys], device=model.device)
         noise = torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s))
                              for s in seeds[start:start + batch_size]]).to(model.device)  # (b, C, H, W)
         noise = start_latents(noise, sigmas[0])  # the state at the first time (noise itself at sigma 1)
@@ -146,7 +155,7 @@ def expand_per_tag(metas: list[dict], images_per_tag: int) -> list[dict]:
 
 def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_steps: int = 20,
              guidance_scale: float = 4.5, shift: float | None = None, seed: int = 1234, batch_size: int = 64,
-             return_images: bool = False, accelerator=None) -> dict:
+             return_images: bool = False, accelerator=None, judge=None) -> dict:
     """GenEval strict accuracy (arXiv 2310.11513): per-tag mean of correct images, overall mean of tags.
 
     Args:
@@ -159,6 +168,8 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
         return_images: also return the images and their judgements.
         accelerator: an ``accelerate.Accelerator``; with several processes each draws and judges every
             P-th image (image i keeps seed ``seed + i``) and every process returns the gathered result.
+        judge: the :class:`rewards.geneval.GenEval` that reads the images (its ``judge`` method); None: the
+            tiny world's detector. Real images need the real backend (``geneval(segmenter_path=..., clip_path=...)``).
 
     Returns:
         ``{"overall", "per_tag", "dense_overall", "dense_per_tag", "n_images", "num_steps",
@@ -178,17 +189,18 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
     metas = expand_per_tag(metas, images_per_tag)
     prompts = [m["prompt"] for m in metas]
     images = None
+    reader = judge if judge is not None else geneval()
 
-    def judge(idx: list[int]) -> torch.Tensor:  # (len(idx), 2): strict, dense
+    def draw_and_judge(idx: list[int]) -> torch.Tensor:  # (len(idx), 2): strict, dense
         nonlocal images
         images = generate(model, [prompts[i] for i in idx], [seed + i for i in idx], num_steps, guidance_scale, shift,
-                          batch_size)
-        strict, dense = geneval().judge(images, [prompts[i] for i in idx], [metas[i] for i in idx])  # one detection pass
+                          batch_size, [metas[i] for i in idx])
+        strict, dense = reader.judge(images, [prompts[i] for i in idx], [metas[i] for i in idx])  # one detection pass
         return torch.stack([strict.float(), dense.float()], dim=1)
 
     kind = model.device.type
     bf16 = torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.bfloat16
-    strict, dense = sharded(judge, len(metas), accelerator).unbind(1)
+    strict, dense = sharded(draw_and_judge, len(metas), accelerator).unbind(1)
     per_tag, dense_tag = defaultdict(list), defaultdict(list)
     for m, s, d in zip(metas, strict.tolist(), dense.tolist()):
         per_tag[m.get("tag", "all")].append(s)
@@ -213,28 +225,55 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
 def evaluate_reward(model: FlowModel, metas: list[dict], reward, images_per_prompt: int = 1, num_steps: int = 20,
                     guidance_scale: float = 4.5, shift: float | None = None, seed: int = 1234, batch_size: int = 64,
                     accelerator=None) -> dict:
-    """Mean reward of ODE samples, for prompt sets without GenEval metadata (e.g. PickScore prompts).
+    """Reward statistics of ODE samples of a prompt set (``flowrl eval --reward``; the trainer's evaluation of prompt
+    sets without GenEval metadata, e.g. PickScore prompts).
 
     Args:
+        model: the pipeline adapter (its LoRA, if any, is active; bf16 autocast if the caller enters it).
+        metas: P prompt records (with ``prompt``, optionally ``tag``), e.g. from
+            :func:`flowrl.prompt_sets.read_prompt_set`.
         reward: a callable ``(images, prompts, metadata) -> CombinedScores`` (``rewards.WeightedSum``).
+        images_per_prompt: K samples of each prompt; image ``i = p * K + j`` (sample j of prompt p) is drawn from
+            seed ``seed + i``, as ``flowrl generate -n K --seed S`` draws it.
+        num_steps, guidance_scale, shift, batch_size: as in :func:`evaluate`.
         accelerator: as in :func:`evaluate` (images split over the processes, result gathered).
 
     Returns:
-        ``{"overall": mean total reward, "per_reward": {name: mean}, "n_images", "num_steps", "guidance_scale"}``.
+        ``{"overall": mean weighted total, "per_reward": {name: mean}, "per_tag": {tag: mean total},
+        "rewards": {name: {"n_images", "mean", "std", "per_tag": {tag: mean}}}, "n_images", "num_steps",
+        "guidance_scale", "bf16", "machine"}``: means over the ``P * K`` images in the reward's own units, ``std``
+        the sample standard deviation (0 for one image), tags from the records' ``tag`` (none without).
+
+    Example (what ``flowrl eval --reward clipscore --option model_path=assets/tiny-clip`` computes)::
+
+        from flowrl.models import load_model
+        from flowrl.prompt_sets import read_prompt_set
+        from rewards import WeightedSum, build_reward
+
+        reward = WeightedSum({"clipscore": (build_reward("clipscore", model_path="assets/tiny-clip"), 1.0)})
+        result = evaluate_reward(load_model("assets/tiny-sd3"), read_prompt_set("prompts.jsonl"), reward)
+        result["rewards"]["clipscore"]["mean"]
     """
+    from .image_folders import summarize
+
     metas = [m for m in metas for _ in range(images_per_prompt)]
     prompts = [m["prompt"] for m in metas]
     names = []
 
     def score(idx: list[int]) -> torch.Tensor:  # (len(idx), 1 + rewards): total, then each reward
         images = generate(model, [prompts[i] for i in idx], [seed + i for i in idx], num_steps, guidance_scale, shift,
-                          batch_size)
+                          batch_size, [metas[i] for i in idx])
         scores = reward(images, [prompts[i] for i in idx], [metas[i] for i in idx])
         names[:] = list(scores.per_reward)
         return torch.stack([scores.total.float(), *(v.float() for v in scores.per_reward.values())], dim=1)
 
-    table = sharded(score, len(metas), accelerator)
+    kind = model.device.type
+    bf16 = torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.bfloat16
+    table = sharded(score, len(metas), accelerator)  # (P * K, 1 + rewards)
     if not names:  # this process drew no image (fewer images than processes)
         names = list(getattr(reward, "rewards", {}))
-    return {"overall": table[:, 0].mean().item(), "per_reward": {k: table[:, 1 + j].mean().item() for j, k in enumerate(names)},
-            "per_tag": {}, "n_images": len(metas), "num_steps": num_steps, "guidance_scale": guidance_scale}
+    records = [{"metadata": m} for m in metas]
+    stats = {k: summarize(records, table[:, 1 + j].tolist()) for j, k in enumerate(names)}
+    return {"overall": table[:, 0].mean().item(), "per_reward": {k: v["mean"] for k, v in stats.items()},
+            "per_tag": summarize(records, table[:, 0].tolist())["per_tag"], "rewards": stats, "n_images": len(metas),
+            "num_steps": num_steps, "guidance_scale": guidance_scale, "bf16": bf16, "machine": machine()}

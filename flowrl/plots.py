@@ -141,15 +141,19 @@ def _eval_points(metrics: list[dict], result: dict | None, last: int | None, key
 
 
 def save_grid(before: torch.Tensor, after: torch.Tensor, prompts: list[str], path: str | Path) -> None:
-    """Two rows (before, after) of float images ``(N, 3, H, W)`` in [0, 1] on CPU, with the N ``prompts`` as
-    column titles, written as a PNG to ``path``."""
+    """Two rows (before, after) of float images ``(N, 3, H, W)`` (or videos ``(N, F, 3, H, W)``, each shown as 4 evenly
+    spaced frames side by side) in [0, 1] on CPU, with the N ``prompts`` as column titles, written as a PNG to
+    ``path``."""
+    from .video import frame_strip
+
     plt = _plt()
     n = len(prompts)
     fig, axes = plt.subplots(2, n, figsize=(1.6 * n, 4.2), squeeze=False)
     for j in range(n):
         for i, (row, name) in enumerate(((before, "before"), (after, "after"))):
             ax = axes[i][j]
-            ax.imshow(row[j].permute(1, 2, 0).clamp(0, 1).numpy(), interpolation="nearest")
+            cell = row[j] if row[j].ndim == 3 else frame_strip(row[j], 4)  # a video (F, 3, H, W): 4 of its frames
+            ax.imshow(cell.permute(1, 2, 0).clamp(0, 1).numpy(), interpolation="nearest")
             ax.set_xticks([]), ax.set_yticks([])
             if i == 0:
                 ax.set_title("\n".join(textwrap.wrap(prompts[j].removeprefix("a photo of "), 16)), fontsize=7)

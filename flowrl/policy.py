@@ -30,6 +30,27 @@ def minibatch_sizes(counts: torch.Tensor, size: int) -> torch.Tensor:
     return torch.stack([torch.clamp(int(c) - torch.arange(steps) * size, 0, size) for c in counts])
 
 
+def check_accelerate_engine(accelerator) -> None:
+    """Refuse an accelerate launch that shards the model (FSDP, DeepSpeed, Megatron-LM): flowrl trains
+    data-parallel, every process holding the whole model (DDP, ``configs/accelerate/ddp.yaml``).
+
+    Sharding needs every process to make the same forward calls in the same order (the rollouts, trees,
+    evaluation splits and reference-policy calls of flowrl do not promise that yet), and the trainable
+    parameters gathered for checkpoints and LoRA files; until then it is refused here, before any weights load.
+    accelerate 1.15 itself runs FSDP only on accelerator devices: with ``--cpu`` it falls back to DDP.
+
+    Raises:
+        ConfigError: naming the launch setting, for an FSDP, DeepSpeed or Megatron-LM launch.
+    """
+    from .config import ConfigError
+
+    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
+    if kind.upper() in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+        raise ConfigError(f"accelerate launch uses {kind} (accelerate config / --use_fsdp / --use_deepspeed): flowrl "
+                          "trains data-parallel (DDP) only, every process holding the whole model; launch with "
+                          "configs/accelerate/ddp.yaml or plain --multi_gpu")
+
+
 def check_accelerate_precision(accelerator, run_precision: str) -> None:
     """Check accelerate's mixed precision (``accelerate launch --mixed_precision``) against flowrl's own,
     ``run.mixed_precision`` (autocast): fp16 is refused (no loss scaling here), bf16 refused under several

@@ -8,6 +8,7 @@ handling are :class:`flowrl.policy.Policy`'s; the model family is the adapter's 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -27,8 +28,9 @@ from .evaluate import evaluate, evaluate_reward, generate
 from .files import atomic_output, write_text_atomic
 from .methods import build_method
 from .plots import save_diagnostics, save_grid, save_reward_curve
-from .policy import Policy, check_accelerate_precision
+from .policy import Policy, check_accelerate_engine, check_accelerate_precision
 from .run import RunFolder
+from .trackers import Trackers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,6 +69,7 @@ class Trainer:
 
     def __init__(self, config: Config):
         from accelerate import Accelerator, DistributedDataParallelKwargs
+        from accelerate.utils import ProjectConfiguration
 
         self.cfg = cfg = config
         if cfg.run.device == "cuda" and not torch.cuda.is_available():
@@ -75,16 +78,22 @@ class Trainer:
         # precision is run.mixed_precision (our autocast); DDP: a family may leave parameters unused in a forward,
         # and every forward without gradients (rollouts, evaluation) bypasses the wrapper, so buffers are not synced
         ddp = DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)
-        self.accelerator = acc = Accelerator(cpu=cfg.run.device == "cpu", kwargs_handlers=[ddp])
+        self.accelerator = acc = Accelerator(cpu=cfg.run.device == "cpu", kwargs_handlers=[ddp],
+                                             log_with=list(cfg.run.log_with) or None,
+                                             project_config=ProjectConfiguration(str(self.out), str(self.out / "tensorboard")))
+        self.trackers = Trackers(acc, cfg.run.log_with)
         self.run = RunFolder(self.out, acc, cfg.run.resume)  # not in use, no other run, writable: before any work
+        check_accelerate_engine(acc)
         check_accelerate_precision(acc, cfg.run.mixed_precision)
         self.device = acc.device
         adapter = resolve_model(cfg)
         self.train_metas = self._read_prompts("train_prompts", cfg.train_prompts)
         self.eval_metas = self._read_prompts("eval.prompts", cfg.eval.prompts)
         self.rewards = WeightedSum({name: (self._build_reward(name), r.weight) for name, r in cfg.rewards.items()})
+        video = dict(num_frames=cfg.model.num_frames, expert=cfg.model.expert,
+                     negative_prompt=cfg.model.negative_prompt) if adapter.VIDEO else {}  # checked by resolve_model
         self.model = adapter(resolve_path(cfg.model.path), self.device, DTYPES[cfg.model.dtype],
-                             cfg.model.max_sequence_length, cfg.model.resolution)
+                             cfg.model.max_sequence_length, cfg.model.resolution, **video)
         torch.manual_seed(cfg.run.seed)  # the LoRA init: runs with one seed start from the same weights
         if cfg.model.lora_rank > 0:
             self.model.add_lora(cfg.model.lora_rank, cfg.model.lora_alpha)
@@ -102,7 +111,8 @@ class Trainer:
                           UserWarning, stacklevel=2)
         # a smoke call of the rewards at the rollouts' size, both images in one group so a pairwise judge judges them
         metas, side = [{**m, "group": 0} for m in self.train_metas[:2]], self.model.resolution
-        self.rewards(torch.full((len(metas), 3, side, side), 0.5), [m["prompt"] for m in metas], metas)
+        shape = self.model.decoded_shape if self.model.VIDEO else (3, side, side)  # a video: (F, 3, H, W)
+        self.rewards(torch.full((len(metas), *shape), 0.5), [m["prompt"] for m in metas], metas)
 
     # ------------------------------------------------------------------------------------------ loop
     def train(self) -> dict:
@@ -124,6 +134,7 @@ class Trainer:
         start, elapsed = self._maybe_resume()
         if acc.is_main_process:  # a resumed run keeps its first config and records the resumed one beside it
             save_config(cfg, self.out / ("config.yaml" if start == 0 else f"config-resume-{start:06d}.yaml"))
+        self.trackers.start(cfg.run.project, self.out.resolve().name, dataclasses.asdict(cfg), self.out)
         t_start = time.time() - elapsed
         if start == 0:
             before = self.run_eval()  # every process takes part (the images are split) and gets the result
@@ -131,8 +142,10 @@ class Trainer:
                 from safetensors.torch import save_file
 
                 write_text_atomic(self.out / "eval_before.json", json.dumps(before, indent=1))
+                grid = self.grid_images()
                 with atomic_output(self.out / "grid_before.safetensors") as tmp:
-                    save_file({"images": self.grid_images().contiguous()}, tmp)
+                    save_file({"images": grid.contiguous()}, tmp)
+                self.trackers.log_images("grid/before", grid, 0)
         else:
             before = json.loads((self.out / "eval_before.json").read_text())  # checked readable by RunFolder.checkpoint_to_resume
         bar = tqdm(range(start, cfg.run.iterations), initial=start, total=cfg.run.iterations, desc="flowrl train",
@@ -144,6 +157,7 @@ class Trainer:
                 result = self.run_eval()
                 metrics.update({"eval/overall": result["overall"], **{f"eval/{k}": v for k, v in result["per_tag"].items()}})
             self.run.log(metrics)
+            self.trackers.log(metrics, it + 1)
             bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}")
             if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations:
                 self._save(it + 1, time.time() - t_start)
@@ -151,7 +165,10 @@ class Trainer:
         result = {"before": before, "after": after, "wall_time_s": time.time() - t_start, "iterations": cfg.run.iterations}
         if acc.is_main_process:
             write_text_atomic(self.out / "eval.json", json.dumps(result, indent=1))
+        self.trackers.log({"eval/overall": after["overall"], **{f"eval/{k}": v for k, v in after["per_tag"].items()}},
+                          cfg.run.iterations)
         self._artifacts()
+        self.trackers.finish()
         return result
 
     def step(self, it: int) -> dict[str, float]:
@@ -176,6 +193,9 @@ class Trainer:
         t0 = time.time()
         samples = method.rollout(metas, gen)
         t1 = time.time()
+        every = self.cfg.run.log_images_every
+        if every and (it + 1) % every == 0:
+            self.trackers.log_images("rollout", samples.images[:8], it + 1)
         judged = self._judge_calls()
         scores = self.score(samples.images, samples.image_prompt, metas)
         judged = self._judge_calls() - judged
@@ -239,16 +259,25 @@ class Trainer:
         with self.policy.ema_weights(), self.policy.autocast():
             if all("include" in m for m in self.eval_metas):
                 return evaluate(self.model, self.eval_metas, e.images_per_tag, e.num_steps, e.guidance_scale, shift,
-                                e.seed, batch, accelerator=self.accelerator)
+                                e.seed, batch, accelerator=self.accelerator, judge=self._geneval_reader())
             return evaluate_reward(self.model, self.eval_metas, self.rewards, 1, e.num_steps, e.guidance_scale, shift,
                                    e.seed, batch, accelerator=self.accelerator)
+
+    def _geneval_reader(self):
+        """The configured ``geneval`` / ``geneval_strict`` reward when it reads real images (its real backend), so
+        the evaluation judges with the same segmenter; None (the tiny world's detector) otherwise."""
+        for reward, _ in self.rewards.rewards.values():
+            if getattr(reward, "detector", None) is not None and hasattr(reward, "judge"):
+                return reward
+        return None
 
     def grid_images(self) -> torch.Tensor:
         """Images `(12, 3, H, W)` of two fixed test prompts per tag, fixed seeds (the before/after grid)."""
         e = self.cfg.eval
         with self.policy.ema_weights(), self.policy.autocast():
-            return generate(self.model, [m["prompt"] for m in self._grid_metas()], [e.seed + i for i in range(12)],
-                            e.num_steps, e.guidance_scale, self.cfg.sampling.shift)
+            metas = self._grid_metas()
+            return generate(self.model, [m["prompt"] for m in metas], [e.seed + i for i in range(12)],
+                            e.num_steps, e.guidance_scale, self.cfg.sampling.shift, metas=metas)
 
     def _grid_metas(self) -> list[dict]:
         """12 entries: the first two eval prompts of each tag, cycled when there are fewer (new seeds)."""
@@ -325,8 +354,9 @@ class Trainer:
         result = json.loads((self.out / "eval.json").read_text())
         save_reward_curve(metrics, result, self.out / "reward_curve.png")
         save_diagnostics(metrics, self.out / "diagnostics.png")
-        before = load_file(self.out / "grid_before.safetensors")["images"]
-        save_grid(before, self.grid_images(), [m["prompt"] for m in self._grid_metas()], self.out / "grid.png")
+        before, after = load_file(self.out / "grid_before.safetensors")["images"], self.grid_images()
+        self.trackers.log_images("grid/after", after, self.cfg.run.iterations)
+        save_grid(before, after, [m["prompt"] for m in self._grid_metas()], self.out / "grid.png")
         with self.policy.ema_weights():
             if self.cfg.model.lora_rank > 0:
                 self.model.save_lora(self.out / "lora")

@@ -6,7 +6,8 @@ better. See `rewards.base.Reward` for the full contract.
 
 Importable on its own: this package never imports `flowrl` or `samplers`. Build a registered reward
 with `build_reward("clipscore", model_path=...)`, or a user's own with
-`build_reward("my_pkg.my_module:my_reward")`.
+`build_reward("my_pkg.my_module:my_reward")`, or one an installed package declares under the `flowrl.rewards`
+entry-point group by its name. `serve` and the `remote` reward run a reward in another process over HTTP.
 """
 
 from .base import (
@@ -16,6 +17,7 @@ from .base import (
     RewardError,
     RewardTypeError,
     WeightedSum,
+    accepts_video,
     build_reward,
     check_inputs,
     check_scores,
@@ -23,14 +25,36 @@ from .base import (
     reward_name,
 )
 from .clipscore import ClipScore, clipscore
+from .pickscore import PickScore, pickscore
+from .hps import HPSv2, hpsv2
+from .aesthetic import AestheticScore, aesthetic
 from .jpeg import jpeg_compressibility, jpeg_incompressibility, jpeg_size_kb
+from .imagereward import ImageReward, imagereward
+from .ocr import OcrReward, ocr
 
 from .geneval import geneval, geneval_strict
 from .pairwise import PrefWinRate, VLMJudge, bradley_terry_judge, pref_winrate, win_rates
+from .server import RemoteReward, RewardServer, remote, serve
+from .vlm import VLMScore, unifiedreward
+from .video import ClipTemporal, Frames, Motion, clip_temporal, frames, motion
+from .videoalign import VideoAlign, videoalign
+from .motion_world import MotionWorld, motion_world, motion_world_direction, motion_world_strict
 
 __all__ = [
     "REWARDS",
+    "RemoteReward",
+    "RewardServer",
+    "VLMScore",
+    "remote",
+    "serve",
+    "unifiedreward",
     "ClipScore",
+    "PickScore",
+    "pickscore",
+    "HPSv2",
+    "hpsv2",
+    "AestheticScore",
+    "aesthetic",
     "PrefWinRate",
     "VLMJudge",
     "CombinedScores",
@@ -38,7 +62,20 @@ __all__ = [
     "RewardError",
     "RewardTypeError",
     "WeightedSum",
+    "ClipTemporal",
+    "Frames",
+    "Motion",
+    "VideoAlign",
+    "accepts_video",
     "bradley_terry_judge",
+    "clip_temporal",
+    "frames",
+    "motion",
+    "videoalign",
+    "MotionWorld",
+    "motion_world",
+    "motion_world_direction",
+    "motion_world_strict",
     "build_reward",
     "check_inputs",
     "check_scores",
@@ -48,6 +85,10 @@ __all__ = [
     "jpeg_compressibility",
     "jpeg_incompressibility",
     "jpeg_size_kb",
+    "ImageReward",
+    "OcrReward",
+    "imagereward",
+    "ocr",
     "register_reward",
     "pref_winrate",
     "reward_name",

@@ -30,6 +30,7 @@ __all__ = [
     "build_reward",
     "check_inputs",
     "check_scores",
+    "accepts_video",
     "is_integer",
     "register_reward",
     "reward_name",
@@ -56,6 +57,10 @@ class Reward(Protocol):
     Attributes:
         name (`str`): a short identifier used in error messages. Plain functions may omit it; their
             `__name__` is used (see `reward_name`).
+        accepts_video (`bool`, *optional*): True for a reward that scores videos: `images` is then a
+            `(B, F, 3, H, W)` tensor in `[0, 1]` (`F` frames) and the scores are one per video. Absent
+            means False (see `accepts_video`); an image reward scores videos through
+            `rewards.video.frames`.
     """
 
     name: str
@@ -83,28 +88,52 @@ REWARDS: dict[str, RewardFactory] = {}
 """Registered reward factories by name; filled by `register_reward` when `rewards` is imported."""
 
 
-def register_reward(name: str) -> Callable[[RewardFactory], RewardFactory]:
+MODALITIES = ("image", "video", "image, video")
+"""What a reward scores, as `register_reward(modality=...)` declares it: `(B, 3, H, W)` images, `(B, F, 3, H, W)`
+videos (`accepts_video`), or either (a remote reward scores what its server's reward scores)."""
+
+
+def register_reward(
+    name: str, *, modality: str | None = None, weights: str | None = None
+) -> Callable[[RewardFactory], RewardFactory]:
     """Decorator adding a reward factory to `REWARDS` under `name`.
 
     Args:
         name (`str`): the name configs use to ask for this reward.
+        modality (`str`, *optional*): one of `MODALITIES`; set as the factory's `modality` attribute.
+        weights (`str`, *optional*): the published weights the reward loads, in a few words (`"none"` for a
+            model-free reward); set as the factory's `weights` attribute. `flowrl rewards` lists both; a
+            user's factory (dotted path or entry point) may carry the same two attributes.
 
     Returns:
-        A decorator that registers the factory and returns it unchanged.
+        A decorator that registers the factory (with those attributes) and returns it.
 
     Raises:
-        ValueError: if `name` is empty, contains `:`, or is already registered to another factory.
+        ValueError: if `name` is empty, contains `:`, or is already registered to another factory, or
+            `modality` is not one of `MODALITIES`.
     """
     if not name or ":" in name:
         raise ValueError(f"reward name must be non-empty and contain no ':' (got {name!r})")
+    if modality is not None and modality not in MODALITIES:
+        raise ValueError(f"reward {name!r}: modality must be one of {', '.join(map(repr, MODALITIES))}, "
+                         f"got {modality!r}")
 
     def decorator(factory: RewardFactory) -> RewardFactory:
         if REWARDS.get(name, factory) is not factory:
             raise ValueError(f"reward name {name!r} is already registered to {REWARDS[name]!r}")
         REWARDS[name] = factory
+        if modality is not None:
+            factory.modality = modality
+        if weights is not None:
+            factory.weights = weights
         return factory
 
     return decorator
+
+
+def accepts_video(reward: Callable) -> bool:
+    """Whether `reward` scores `(B, F, 3, H, W)` videos: its `accepts_video` attribute, False when absent."""
+    return bool(getattr(reward, "accepts_video", False))
 
 
 def reward_name(reward: Callable) -> str:
@@ -131,21 +160,57 @@ def _import_dotted(spec: str) -> Any:
     return obj
 
 
+ENTRY_POINT_GROUP = "flowrl.rewards"
+"""The entry-point group of rewards installed by other packages: ``[project.entry-points."flowrl.rewards"]``
+``my_reward = "my_pkg.rewards:my_reward"`` in their pyproject.toml makes `build_reward("my_reward")` work."""
+
+
+def _entry_points() -> list:
+    """The installed entry points of :data:`ENTRY_POINT_GROUP` (`importlib.metadata.EntryPoint` objects)."""
+    from importlib import metadata
+
+    return list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+
+
+def _entry_point(name: str) -> Any:
+    """The object the ``flowrl.rewards`` entry point `name` names, loaded; None if no package declares it.
+
+    Raises:
+        ValueError: several installed packages declare `name`, or the entry point fails to load (named).
+    """
+    found = [ep for ep in _entry_points() if ep.name == name]
+    if not found:
+        return None
+    if len({ep.value for ep in found}) > 1:
+        raise ValueError(f"reward {name!r} is declared by several '{ENTRY_POINT_GROUP}' entry points: "
+                         f"{sorted({ep.value for ep in found})}; uninstall one or use 'package.module:function'")
+    try:
+        target = found[0].load()
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"reward {name!r}: entry point {found[0].value!r} ({ENTRY_POINT_GROUP}) does not load: "
+                         f"{type(err).__name__}: {err}") from err
+    if not callable(target):
+        raise RewardTypeError(f"reward {name!r}: entry point {found[0].value!r} names a {type(target).__name__}, "
+                              "not a callable")
+    return target
+
+
 def build_reward(spec: str, **kwargs: Any) -> Reward:
-    """Build a reward from a registered name or a user's dotted path.
+    """Build a reward from a registered name, an installed entry point or a user's dotted path.
 
     Args:
-        spec (`str`): a name in `REWARDS` (e.g. `"clipscore"`), or `"package.module:attr"`. A dotted
-            path names the reward callable itself when no `kwargs` are given, and a factory called
-            with `kwargs` otherwise.
+        spec (`str`): a name in `REWARDS` (e.g. `"clipscore"`), the name of an entry point of the
+            ``flowrl.rewards`` group (:data:`ENTRY_POINT_GROUP`; registered names win), or
+            `"package.module:attr"`. A dotted path or an entry point names the reward callable itself
+            when no `kwargs` are given, and a factory called with `kwargs` otherwise.
         **kwargs: options passed to the factory (e.g. `model_path="/ckpt/PickScore_v1"`).
 
     Returns:
         The reward callable.
 
     Raises:
-        ValueError: unknown name (the message lists the registered names), or a dotted path whose
-            module or attribute is missing (the message names it).
+        ValueError: unknown name (the message lists the registered names and entry points), a dotted
+            path whose module or attribute is missing, or an entry point that does not load (named).
         RewardTypeError (a TypeError): `spec` is not a string, an option the factory does not accept (the
             message lists the accepted ones), or the named or built object is not callable.
     """
@@ -159,11 +224,15 @@ def build_reward(spec: str, **kwargs: Any) -> Reward:
             return target
     elif spec in REWARDS:
         target = REWARDS[spec]
+    elif (target := _entry_point(spec)) is not None:
+        if not kwargs:  # like a dotted path: the entry point names the reward itself, or a factory of options
+            return target
     else:
         known = ", ".join(sorted(REWARDS)) or "(none)"
+        plugins = ", ".join(sorted(ep.name for ep in _entry_points())) or "(none)"
         raise ValueError(
-            f"unknown reward {spec!r}; registered rewards: {known}; "
-            "or give your own as 'package.module:function'"
+            f"unknown reward {spec!r}; registered rewards: {known}; installed '{ENTRY_POINT_GROUP}' entry points: "
+            f"{plugins}; or give your own as 'package.module:function'"
         )
 
     try:
@@ -195,25 +264,32 @@ def is_integer(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
-def check_inputs(images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping]) -> None:
+def check_inputs(
+    images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping], video: bool = False
+) -> None:
     """Check the reward inputs agree with the contract of `Reward`.
 
     Args:
-        images (`torch.Tensor` of shape `(B, 3, H, W)`, floating point, values in `[0, 1]`, any device).
+        images (`torch.Tensor` of shape `(B, 3, H, W)`, or `(B, F, 3, H, W)` with `video=True`, floating
+            point, values in `[0, 1]`, any device).
         prompts (`Sequence[str]` of length `B`).
         metadata (`Sequence[Mapping]` of length `B`).
+        video (`bool`, default False): expect videos of `F >= 1` frames instead of images.
 
     Raises:
         TypeError: `images` is not a floating-point tensor, a prompt is not a `str`, or a metadata
             entry is not a mapping (the message gives its index).
-        ValueError: `images` is not `(B, 3, H, W)`, has values outside `[0, 1]` or non-finite values,
-            or `prompts` or `metadata` does not have length `B`.
+        ValueError: `images` is not `(B, 3, H, W)` (or `(B, F, 3, H, W)` with `video=True`), has values
+            outside `[0, 1]` or non-finite values, or `prompts` or `metadata` does not have length `B`.
     """
     if not isinstance(images, torch.Tensor) or not images.is_floating_point():
         got = f"{images.dtype} tensor" if isinstance(images, torch.Tensor) else type(images).__name__
         raise TypeError(f"images must be a floating-point torch.Tensor, got {got}")
-    if images.ndim != 4 or images.shape[1] != 3:
-        raise ValueError(f"images must have shape (B, 3, H, W), got {tuple(images.shape)}")
+    if video and (images.ndim != 5 or images.shape[2] != 3 or images.shape[1] < 1):
+        raise ValueError(f"videos must have shape (B, F, 3, H, W) with F >= 1, got {tuple(images.shape)}")
+    if not video and (images.ndim != 4 or images.shape[1] != 3):
+        hint = "; videos go to rewards that accept them, or wrap an image reward in 'frames'" if images.ndim == 5 else ""
+        raise ValueError(f"images must have shape (B, 3, H, W), got {tuple(images.shape)}{hint}")
     batch = images.shape[0]
     if len(prompts) != batch or len(metadata) != batch:
         raise ValueError(
@@ -321,17 +397,25 @@ class WeightedSum:
         """Score a batch with every reward.
 
         Args:
-            images, prompts, metadata: as in `Reward` (`(B, 3, H, W)` in `[0, 1]`, `B` prompts,
-                `B` dicts).
+            images, prompts, metadata: as in `Reward` (`(B, 3, H, W)` images or `(B, F, 3, H, W)`
+                videos in `[0, 1]`, `B` prompts, `B` dicts).
 
         Returns:
             `CombinedScores(total, per_reward)`, all `(B,)` float32 on CPU.
 
         Raises:
-            TypeError / ValueError: malformed inputs (see `check_inputs`) or a reward returning a
-                malformed score (see `check_scores`; the message names the reward).
+            TypeError / ValueError: malformed inputs (see `check_inputs`), videos given to a reward
+                without `accepts_video` (the message names it), or a reward returning a malformed
+                score (see `check_scores`; the message names the reward).
         """
-        check_inputs(images, prompts, metadata)
+        video = isinstance(images, torch.Tensor) and images.ndim == 5
+        check_inputs(images, prompts, metadata, video=video)
+        for key, (reward, _) in self.rewards.items() if video else ():
+            if not accepts_video(reward):
+                raise ValueError(
+                    f"reward {key!r} scores images, not (B, F, 3, H, W) videos; score its frames with "
+                    f"rewards.frames (config: reward 'frames' with option reward: {key})"
+                )
         batch = images.shape[0]
         total = torch.zeros(batch, dtype=torch.float32)
         per_reward = {}

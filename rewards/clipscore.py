@@ -10,6 +10,7 @@ light.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from .base import check_inputs, is_integer, register_reward
 
-__all__ = ["ClipScore", "clipscore"]
+__all__ = ["ClipScore", "clip_preprocess", "clipscore"]
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -31,18 +32,96 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return dtype
 
 
-def _check_folder(path: str | os.PathLike, what: str, need_config: bool) -> Path:
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def _cached_snapshot(repo_id: str) -> Path | None:
+    """The local Hugging Face cache's snapshot folder of hub model `repo_id`, or None (never downloads)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (OSError, ValueError):  # LocalEntryNotFoundError, HFValidationError
+        return None
+
+
+def _check_folder(path: str | os.PathLike, what: str, need_config: bool, reward: str = "clipscore") -> Path:
+    """A local folder, or the cached snapshot of a hub id such as `openai/clip-vit-large-patch14`.
+
+    Raises:
+        FileNotFoundError: `path` is neither (or has no `config.json` when `need_config`); the
+            message starts with `reward` and names `what`.
+    """
     folder = Path(path)
     if not folder.is_dir():
-        raise FileNotFoundError(
-            f"clipscore: {what} '{path}' is not a local folder; download it first "
-            "(e.g. `hf download <repo> --local-dir <folder>`) and pass the folder"
-        )
+        cached = _cached_snapshot(str(path)) if _HUB_ID.fullmatch(str(path)) and not folder.exists() else None
+        if cached is None:
+            raise FileNotFoundError(
+                f"{reward}: {what} '{path}' is not a local folder or a hub id in the local Hugging Face cache; "
+                "download it first (e.g. `hf download <repo>` or `hf download <repo> --local-dir <folder>`)"
+            )
+        folder = cached
     if need_config and not (folder / "config.json").is_file():
         raise FileNotFoundError(
-            f"clipscore: {what} '{path}' has no config.json; save the model with CLIPModel.save_pretrained"
+            f"{reward}: {what} '{path}' has no config.json; save the model with CLIPModel.save_pretrained"
         )
     return folder
+
+
+def _load_clip(
+    model_path: str | os.PathLike, processor_path: str | os.PathLike | None, reward: str
+) -> tuple[torch.nn.Module, Any, Any]:
+    """Load `(CLIPModel, tokenizer, image processor)` from local folders or cached hub ids.
+
+    Raises:
+        FileNotFoundError: see `_check_folder`.
+        OSError: no CLIP tokenizer and image processor in `processor_path`.
+    """
+    from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
+
+    processor_path = model_path if processor_path is None else processor_path
+    model_dir = _check_folder(model_path, "model_path", need_config=True, reward=reward)
+    processor_dir = _check_folder(processor_path, "processor_path", need_config=False, reward=reward)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(processor_dir, local_files_only=True)
+        image_processor = AutoImageProcessor.from_pretrained(processor_dir, local_files_only=True)
+    except (OSError, ValueError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise OSError(
+            f"{reward}: cannot load a CLIP tokenizer and image processor from '{processor_path}' "
+            f"({first_line})"
+        ) from err
+    return CLIPModel.from_pretrained(model_dir, local_files_only=True), tokenizer, image_processor
+
+
+def clip_preprocess(
+    images: torch.Tensor, size: int, mean: torch.Tensor, std: torch.Tensor
+) -> torch.Tensor:
+    """Resize the shorter side to `size` (bicubic, antialiased), centre crop `size x size`, normalise.
+
+    The tensor counterpart of transformers' `CLIPImageProcessor` (shortest edge and crop both `size`),
+    with no PIL round trip.
+
+    Args:
+        images (`torch.Tensor` of shape `(B, 3, H, W)`, floating point, in `[0, 1]`, any device).
+        size (`int`): the output side `S` in pixels.
+        mean, std (`torch.Tensor` of shape `(1, 3, 1, 1)`, float32, on the device wanted): per-channel
+            normalisation.
+
+    Returns:
+        `torch.Tensor` of shape `(B, 3, S, S)`, float32, on the device of `mean`.
+    """
+    pixels = images.to(device=mean.device, dtype=torch.float32)  # (B, 3, H, W)
+    height, width = pixels.shape[-2:]
+    if min(height, width) != size:
+        scale = size / min(height, width)
+        new_size = (max(size, int(height * scale)), max(size, int(width * scale)))
+        pixels = F.interpolate(pixels, size=new_size, mode="bicubic", antialias=True, align_corners=False)
+        pixels = pixels.clamp(0, 1)  # bicubic overshoots; PIL clips to uint8 here
+    top = (pixels.shape[-2] - size) // 2
+    left = (pixels.shape[-1] - size) // 2
+    pixels = pixels[..., top : top + size, left : left + size]  # (B, 3, S, S)
+    return (pixels - mean) / std
 
 
 def _pooled(output: Any) -> torch.Tensor:
@@ -92,7 +171,7 @@ class ClipScore:
         if len(image_mean) != 3 or len(image_std) != 3:
             raise ValueError(f"image_mean and image_std need 3 values, got {image_mean!r} and {image_std!r}")
         if batch_size is not None and (not is_integer(batch_size) or batch_size < 1):
-            raise ValueError(f"clipscore: batch_size must be an integer >= 1 or null, got {batch_size!r}")
+            raise ValueError(f"{self.name}: batch_size must be an integer >= 1 or null, got {batch_size!r}")
         self.batch_size = batch_size
         self.device = torch.device(device)
         self.dtype = _as_dtype(dtype)
@@ -113,18 +192,7 @@ class ClipScore:
             `torch.Tensor` of shape `(B, 3, S, S)`, `self.dtype`, on `self.device`, where `S` is
             `model.config.vision_config.image_size`; normalised with `image_mean` / `image_std`.
         """
-        size = self.image_size
-        pixels = images.to(device=self.device, dtype=torch.float32)  # (B, 3, H, W)
-        height, width = pixels.shape[-2:]
-        if min(height, width) != size:
-            scale = size / min(height, width)
-            new_size = (max(size, int(height * scale)), max(size, int(width * scale)))
-            pixels = F.interpolate(pixels, size=new_size, mode="bicubic", antialias=True, align_corners=False)
-            pixels = pixels.clamp(0, 1)  # bicubic overshoots; PIL clips to uint8 here
-        top = (pixels.shape[-2] - size) // 2
-        left = (pixels.shape[-1] - size) // 2
-        pixels = pixels[..., top : top + size, left : left + size]  # (B, 3, S, S)
-        return ((pixels - self.image_mean) / self.image_std).to(self.dtype)
+        return clip_preprocess(images, self.image_size, self.image_mean, self.image_std).to(self.dtype)
 
     @torch.no_grad()
     def __call__(
@@ -146,7 +214,7 @@ class ClipScore:
         return (self.model.logit_scale.float().exp() * cosine).cpu()
 
 
-@register_reward("clipscore")
+@register_reward("clipscore", modality="image", weights="a transformers CLIPModel folder (assets/tiny-clip ships)")
 def clipscore(
     model_path: str | os.PathLike,
     processor_path: str | os.PathLike | None = None,
@@ -154,16 +222,17 @@ def clipscore(
     dtype: torch.dtype | str = torch.float32,
     batch_size: int | None = None,
 ) -> ClipScore:
-    """Load a `ClipScore` reward from local folders (nothing is downloaded).
+    """Load a `ClipScore` reward from local folders or cached hub ids (nothing is downloaded).
 
-    For PickScore: `clipscore("/ckpt/PickScore_v1", "/ckpt/CLIP-ViT-H-14-laion2B-s32B-b79K")`, the
-    two hub repositories `yuvalkirstain/PickScore_v1` and `laion/CLIP-ViT-H-14-laion2B-s32B-b79K`
-    downloaded beforehand. For CLIPScore: the folder of e.g. `openai/clip-vit-large-patch14`.
+    For CLIPScore: the folder (or cached hub id) of e.g. `openai/clip-vit-large-patch14`. For
+    PickScore prefer the `pickscore` reward (same model, its hub ids as defaults, optional scale).
 
     Args:
-        model_path (`str` or path): folder of a transformers `CLIPModel` (`config.json` + weights).
-        processor_path (`str` or path, *optional*): folder with the CLIP tokenizer and image
-            processor config (`preprocessor_config.json`); defaults to `model_path`.
+        model_path (`str` or path): folder of a transformers `CLIPModel` (`config.json` + weights),
+            or a hub id already in the local Hugging Face cache.
+        processor_path (`str` or path, *optional*): folder (or cached hub id) with the CLIP
+            tokenizer and image processor config (`preprocessor_config.json`); defaults to
+            `model_path`.
         device (`str` or `torch.device`, default `"cpu"`): where the model runs.
         dtype (`torch.dtype` or `str`, default float32): weight dtype, e.g. `"bfloat16"` on GPU.
         batch_size (`int >= 1`, *optional*): images per forward; default the whole batch.
@@ -173,23 +242,10 @@ def clipscore(
         `logit_scale.exp() * cos(image, text)` in `[-100, 100]` for CLIP and PickScore.
 
     Raises:
-        FileNotFoundError: a path is not a local folder, or `model_path` has no `config.json`.
+        FileNotFoundError: a path is neither a local folder nor a cached hub id, or `model_path` has
+            no `config.json`.
         OSError: the tokenizer or image processor cannot be loaded from `processor_path`.
         ValueError: `dtype` is not a floating torch dtype, or `batch_size` is not an integer >= 1.
     """
-    from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
-
-    processor_path = model_path if processor_path is None else processor_path
-    model_dir = _check_folder(model_path, "model_path", need_config=True)
-    processor_dir = _check_folder(processor_path, "processor_path", need_config=False)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(processor_dir, local_files_only=True)
-        image_processor = AutoImageProcessor.from_pretrained(processor_dir, local_files_only=True)
-    except (OSError, ValueError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise OSError(
-            f"clipscore: cannot load a CLIP tokenizer and image processor from '{processor_path}' "
-            f"({first_line})"
-        ) from err
-    model = CLIPModel.from_pretrained(model_dir, local_files_only=True)
+    model, tokenizer, image_processor = _load_clip(model_path, processor_path, "clipscore")
     return ClipScore(model, tokenizer, image_processor.image_mean, image_processor.image_std, device, dtype, batch_size)

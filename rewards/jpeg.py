@@ -60,7 +60,7 @@ class _JpegSize:
         return self.sign * jpeg_size_kb(images, self.quality)
 
 
-@register_reward("jpeg_compressibility")
+@register_reward("jpeg_compressibility", modality="image", weights="none")
 def jpeg_compressibility(quality: int = 95) -> _JpegSize:
     """Reward favouring images that compress well: `-(JPEG size in kB)`.
 
@@ -77,7 +77,7 @@ def jpeg_compressibility(quality: int = 95) -> _JpegSize:
     return _JpegSize("jpeg_compressibility", sign=-1.0, quality=quality)
 
 
-@register_reward("jpeg_incompressibility")
+@register_reward("jpeg_incompressibility", modality="image", weights="none")
 def jpeg_incompressibility(quality: int = 95) -> _JpegSize:
     """Reward favouring detailed images that compress badly: `+(JPEG size in kB)`.
 

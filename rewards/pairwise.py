@@ -296,7 +296,10 @@ class PrefWinRate:
         return rates
 
 
-@register_reward("pref_winrate")
+@register_reward(
+    "pref_winrate", modality="image",
+    weights="its judge's: a pointwise reward's (bt), or a VLM server (vlm)",
+)
 def pref_winrate(judge: str = "bt", reward: str = "clipscore", reward_options: dict | None = None,
                  temperature: float | None = None, both_orders: bool = True, soft: bool = False, **vlm_options) -> PrefWinRate:
     """Pref-GRPO win-rate reward.

@@ -29,8 +29,8 @@ from .rollout import (
     sample,
     velocity_gain,
 )
-from .ddim import (PREDICTION_TYPES, ddim_std, ddim_step, flow_ddim_step, flow_sigma, flow_velocity, start_latents,
-                   vp_alpha, vp_predictions, vp_scale)
+from .ddim import (PREDICTION_TYPES, ddim_std, ddim_step, ddpm_step, flow_ddim_step, flow_ddpm_step, flow_sigma,
+                   flow_velocity, start_latents, vp_alpha, vp_predictions, vp_scale)
 from .schedule import flow_sigmas, respace_tail
 from .probes import ProbeRollout, sample_probes
 from .tree import leaf_incidence, sample_shared_noise, sample_tree
@@ -54,7 +54,9 @@ __all__ = [
     "dance_sde_step",
     "ddim_std",
     "ddim_step",
+    "ddpm_step",
     "flow_ddim_step",
+    "flow_ddpm_step",
     "flow_sigma",
     "flow_velocity",
     "dpm_solver_2m_step",

@@ -36,6 +36,18 @@ commutes with the change: ``v`` is affine in ``eps_hat`` (or the v-prediction) a
 A log-prob in flow variables is the VP one plus ``log s(a')`` per dimension (the Jacobian of ``x' -> x' / s``),
 a constant of the step: PPO ratios, and the KL ``(mean - mean_ref)^2 / (2 std^2)``, are the same in both.
 
+**The DDPM (ancestral) step** (Ho et al., arXiv 2006.11239, Eqs. 6-7): the posterior ``q(x' | x, x0_hat)`` with
+``alpha_t = a / a'``, ``beta_t = 1 - alpha_t``::
+
+    mean = sqrt(a') beta_t / (1 - a) x0_hat + sqrt(alpha_t) (1 - a') / (1 - a) x
+    std  = sqrt((1 - a') / (1 - a) beta_t)
+
+which is ``diffusers.DDPMScheduler.step`` with ``variance_type="fixed_small"`` (:func:`ddpm_step`; tested equal). Its
+std is DDIM's at ``eta = 1``, and with ``eps_hat`` derived from the same ``x0_hat`` its mean is DDIM's too (expand
+``sqrt(1 - a' - std^2) = (1 - a') sqrt(alpha_t) / sqrt(1 - a)``): DDPO's "eta 1 is DDPM" holds exactly, the two
+differ only in rounding and in the grid's end (``DDPMScheduler`` steps last onto ``a' = 1``). In flow variables it is
+kernel ``"ddpm"`` (:func:`flow_ddpm_step`).
+
 Two ends differ from a flow schedule and are handled by the caller: the stock pipeline starts from unit noise as
 the state at its first timestep (``x_flow = noise / s(a_0)``, :func:`start_latents`; the identity at
 ``sigma = 1``), and it decodes the state at ``a_final`` (``final_alpha_cumprod``: ``sigma_N > 0`` unless the
@@ -50,8 +62,8 @@ import torch
 
 from .kernels import StepOutput, _draw, _per_sample
 
-__all__ = ["PREDICTION_TYPES", "ddim_std", "ddim_step", "flow_ddim_step", "flow_sigma", "flow_velocity",
-           "start_latents", "vp_alpha", "vp_predictions", "vp_scale"]
+__all__ = ["PREDICTION_TYPES", "ddim_std", "ddim_step", "ddpm_step", "flow_ddim_step", "flow_ddpm_step", "flow_sigma",
+           "flow_velocity", "start_latents", "vp_alpha", "vp_predictions", "vp_scale"]
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 """What a VP model's network predicts (diffusers' ``prediction_type``)."""
@@ -297,3 +309,108 @@ def flow_ddim_step(
     std = ddim_std(a, a_next, _per_sample(noise_level, x, "noise_level"))  # (B, 1, 1, 1) VP units
     mean = _ddim_mean(x0_hat, eps_hat, a_next, std) / s_next  # (B, C, H, W)
     return _draw(x, mean, std / s_next, generator, prev_sample, noise)
+
+
+def _ddpm_posterior(x0_hat, sample, alpha_prod, alpha_prod_prev):
+    """DDPM's posterior ``(mean, std)`` of ``x'`` given the VP state ``sample`` and ``x0_hat`` (arXiv 2006.11239,
+    Eqs. 6-7; diffusers' ``DDPMScheduler.step``, ``variance_type="fixed_small"``); ``a``, ``a'`` broadcastable
+    float32."""
+    alpha_t = alpha_prod / alpha_prod_prev  # (B, 1, 1, 1) one step's alpha
+    beta_t = 1 - alpha_t
+    mean = ((alpha_prod_prev.sqrt() * beta_t / (1 - alpha_prod)) * x0_hat
+            + (alpha_t.sqrt() * (1 - alpha_prod_prev) / (1 - alpha_prod)) * sample)  # (B, C, H, W)
+    std = ((1 - alpha_prod_prev) / (1 - alpha_prod) * beta_t).clamp(min=0).sqrt()  # (B, 1, 1, 1)
+    return mean, std
+
+
+def ddpm_step(
+    sample: torch.Tensor,
+    model_output: torch.Tensor,
+    alpha_prod,
+    alpha_prod_prev,
+    prediction_type: str = "epsilon",
+    *,
+    generator: torch.Generator | None = None,
+    prev_sample: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+) -> StepOutput:
+    """One DDPM (ancestral) step of a VP model and its Gaussian log-prob (Ho et al., arXiv 2006.11239, Eqs. 6-7), in
+    the model's own variables::
+
+        x0_hat = vp_predictions(x, model_output, a, prediction_type)[0];   alpha_t = a / a',  beta_t = 1 - alpha_t
+        mean   = sqrt(a') beta_t / (1 - a) x0_hat + sqrt(alpha_t) (1 - a') / (1 - a) x
+        std    = sqrt((1 - a') / (1 - a) beta_t)
+        x'     = mean + std z;   log_prob = mean over (C, H, W) of log N(x'; mean, std^2)
+
+    Equal to ``DDPMScheduler.step(model_output, t, x, generator=g)`` with ``variance_type="fixed_small"`` and
+    ``clip_sample=False`` (``a = alphas_cumprod[t]``, ``a'`` that of ``t - T // N``, or 1 after the last timestep,
+    where ``std = 0`` and no noise is drawn, as diffusers adds none at ``t = 0``); diffusers' source:
+    ``diffusers/schedulers/scheduling_ddpm.py``. No hidden state.
+
+    Args:
+        sample (`torch.Tensor` of shape `(B, C, H, W)`): the VP state ``x`` at ``a``.
+        model_output (`torch.Tensor` of shape `(B, C, H, W)`): the network's prediction; gradients flow through it.
+        alpha_prod, alpha_prod_prev (float, 0-d or `(B,)` tensor): ``a`` in `(0, 1)` and ``a'`` in `(a, 1]`.
+        prediction_type (`str`): one of :data:`PREDICTION_TYPES`.
+        generator, prev_sample, noise: as in :func:`ddim_step`.
+
+    Returns:
+        :class:`samplers.StepOutput`: `prev_sample`, `mean` `(B, C, H, W)`, `std` `(B,)` (0 onto ``a' = 1``),
+        `log_prob` `(B,)` (0 where the std is 0), float32.
+
+    Raises:
+        ValueError: for an unknown `prediction_type`, or both `prev_sample` and `noise`.
+    """
+    x = sample.float()
+    a, a_prev = _per_sample(alpha_prod, x, "alpha_prod"), _per_sample(alpha_prod_prev, x, "alpha_prod_prev")
+    x0_hat, _ = vp_predictions(x, model_output, alpha_prod, prediction_type)  # (B, C, H, W)
+    mean, std = _ddpm_posterior(x0_hat, x, a, a_prev)
+    return _draw(x, mean, std, generator, prev_sample, noise)
+
+
+def flow_ddpm_step(
+    sample: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma,
+    sigma_next,
+    noise_level,
+    sigma_max=None,
+    *,
+    generator: torch.Generator | None = None,
+    prev_sample: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+) -> StepOutput:
+    """The DDPM ancestral step (:func:`ddpm_step`) in flow variables: kernel ``"ddpm"`` of :data:`samplers.KERNELS`.
+
+    With ``x0_hat = x - t v``, ``a = vp_alpha(t)``, ``a' = vp_alpha(t')``, ``s = vp_scale(t)``, ``s' = vp_scale(t')``
+    (module docstring), DDPM's posterior of the VP state ``s x``, divided by ``s'``::
+
+        mean = [sqrt(a') beta_t / (1 - a) x0_hat + sqrt(alpha_t) (1 - a') / (1 - a) s x] / s'
+        std  = noise_level sqrt((1 - a') / (1 - a) beta_t) / s'
+        x'   = mean + std z;   log_prob = mean over (C, H, W) of log N(x'; mean, std^2)
+
+    ``noise_level = 1`` is ``DDPMScheduler.step`` (fixed_small) and, up to rounding, the ``"ddim"`` kernel at
+    ``eta = 1``; below 1 it scales the std only (a colder ancestral step whose marginals are no longer the model's:
+    for less noise with consistent marginals use ``"ddim"`` with ``eta < 1``). At ``t = 1`` (``a = 0``) the step is
+    finite (``mean = sqrt(a') x0_hat / s'``), so it also runs on flow schedules; onto ``t' = 0`` it is ``x0_hat`` with
+    std 0 and log-prob 0 (do not train that step).
+
+    Args:
+        sample, velocity, sigma, sigma_next, generator, prev_sample, noise: as in :func:`samplers.flow_sde_step`.
+        noise_level (float, 0-d or `(B,)` tensor): the std's factor in `(0, 1]`; 1 is DDPM's posterior.
+        sigma_max: ignored.
+
+    Returns:
+        :class:`samplers.StepOutput` with `prev_sample`, `mean` `(B, C, H, W)`, `std` `(B,)`, `log_prob` `(B,)`,
+        all float32.
+
+    Raises:
+        ValueError: if both `prev_sample` and `noise` are given, a shape does not match, or the std is negative (a
+            negative `noise_level`).
+    """
+    x, v = sample.float(), velocity.float()
+    t, t_next = _per_sample(sigma, x, "sigma"), _per_sample(sigma_next, x, "sigma_next")  # (B, 1, 1, 1) each
+    s_next = vp_scale(t_next)  # (B, 1, 1, 1)
+    mean, std = _ddpm_posterior(x - t * v, x * vp_scale(t), vp_alpha(t), vp_alpha(t_next))  # VP units
+    std = std * _per_sample(noise_level, x, "noise_level")  # (B, 1, 1, 1)
+    return _draw(x, mean / s_next, std / s_next, generator, prev_sample, noise)

@@ -392,7 +392,7 @@ def dpm_solver_2m_step(
     return StepOutput(prev_sample=ratio * sample - (1 - t_next) * decay * d)
 
 
-from .ddim import flow_ddim_step  # noqa: E402  (ddim.py builds on _draw and _per_sample above)
+from .ddim import flow_ddim_step, flow_ddpm_step  # noqa: E402  (ddim.py builds on _draw and _per_sample above)
 
 KERNELS = {
     "ode": ode_step,
@@ -400,14 +400,15 @@ KERNELS = {
     "dance_sde": dance_sde_step,
     "cps": cps_step,
     "ddim": flow_ddim_step,
+    "ddpm": flow_ddpm_step,
 }
 """Kernel name -> kernel function, all with the signature of :func:`flow_sde_step`."""
 
 MULTISTEP_KERNELS = {"dpm_solver_2m": dpm_solver_2m_step}
 """Deterministic kernels that also read the previous step's data prediction (the sampler passes it)."""
 
-STOCHASTIC_KERNELS = frozenset({"flow_sde", "dance_sde", "cps", "ddim"})
+STOCHASTIC_KERNELS = frozenset({"flow_sde", "dance_sde", "cps", "ddim", "ddpm"})
 """Names in :data:`KERNELS` whose step is a Gaussian with a log-prob (the only trainable ones)."""
 
-UNIT_ETA_KERNELS = frozenset({"cps", "ddim"})
+UNIT_ETA_KERNELS = frozenset({"cps", "ddim", "ddpm"})
 """Stochastic kernels whose noise level is an ``eta`` in `(0, 1]` and whose step onto ``t' = 0`` has std 0."""

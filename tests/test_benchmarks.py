@@ -21,7 +21,7 @@ from conftest import tiny_overrides
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks"
-SCRIPTS = ("base_headroom", "decode_precision_check", "failure_modes", "gradient_snr", "nft_text_encoders",
+SCRIPTS = ("base_headroom", "decode_precision_check", "failure_modes", "gpu_scale", "gradient_snr", "nft_text_encoders",
            "policy_step_check", "step_influence", "tree_speedup")
 """The scripts this file runs; a new script under benchmarks/ needs a test here (checked below)."""
 
@@ -141,3 +141,18 @@ def test_nft_text_encoders(tmp_path, preset, monkeypatch, capsys):
                                      "run.iterations=1", f"run.output_dir={run}"], monkeypatch)
     assert "GenEval strict accuracy:" in capsys.readouterr().out
     assert (run / "metrics.jsonl").is_file() and (run / "eval.json").is_file()
+
+
+def test_gpu_scale_at_a_tiny_size_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """The GPU benchmark's whole path on a few-MB SD3: the stock pipeline and flowrl's rollout on the same
+    transformer, one update, its counted FLOPs (MFU needs a GPU's peak, so it is left empty on a CPU)."""
+    out = tmp_path / "gpu_scale.json"
+    run_script("gpu_scale", ["--family", "tiny", "--resolution", 64, "--steps", 3, "--device", "cpu", "--repeats", 1,
+                             "--presets", "flow_grpo,mix_grpo_flash", "--folder", tmp_path, "--out", out], monkeypatch)
+    result = json.loads(out.read_text())
+    assert [r["preset"] for r in result["rows"]] == ["flow_grpo", "mix_grpo_flash"]
+    for row in result["rows"]:
+        assert row["stock_s"] > 0 and row["rollout_s"] > 0 and row["trained_transitions"] > 0
+        assert row["train_tflops"] > 0 and row["mfu"] is None and row["peak_gib_train"] is None
+    assert result["meta"]["device"] == "cpu" and 0 < result["meta"]["transformer_params_b"] < 0.01
+    assert "| flow_grpo | 8 |" in capsys.readouterr().out

@@ -1,13 +1,14 @@
-"""The DDIM kernel (samplers/ddim.py) against diffusers' DDIMScheduler.step and DDPO's Gaussian, and the flow change of
-variables: DDIM(eta=0) is the flow Euler step, DDIM(eta) in flow variables is the VP step divided by s(a')."""
+"""The DDIM and DDPM kernels (samplers/ddim.py) against diffusers' DDIMScheduler.step / DDPMScheduler.step and DDPO's
+Gaussian, and the flow change of variables: DDIM(eta=0) is the flow Euler step, DDIM(eta) and DDPM in flow variables are
+the VP steps divided by s(a')."""
 
 import math
 
 import pytest
 import torch
 
-from samplers import (KERNELS, StepPlan, ddim_step, flow_ddim_step, flow_sigma, flow_velocity, ode_step, start_latents,
-                      vp_alpha, vp_predictions, vp_scale)
+from samplers import (KERNELS, StepPlan, ddim_step, ddpm_step, flow_ddim_step, flow_ddpm_step, flow_sigma,
+                      flow_velocity, ode_step, start_latents, vp_alpha, vp_predictions, vp_scale)
 
 SD15_SCHEDULER = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
                       set_alpha_to_one=False, steps_offset=1)  # Stable Diffusion 1.5's scheduler config
@@ -42,6 +43,12 @@ def test_ddim_step_equals_diffusers(prediction_type, eta):
         if eta == 0:
             assert ours.log_prob is None
             continue
+        # the mean (the step with zero noise) and the std (eta sqrt(variance)) separately
+        mean = scheduler.step(out, timestep, x, eta=eta, variance_noise=torch.zeros_like(z)).prev_sample
+        torch.testing.assert_close(ours.mean, mean, rtol=0, atol=1e-5)
+        prev = timestep - scheduler.config.num_train_timesteps // scheduler.num_inference_steps
+        std = eta * float(scheduler._get_variance(timestep, prev)) ** 0.5
+        torch.testing.assert_close(ours.std, torch.full((2,), std), rtol=1e-5, atol=1e-7)
         # DDPO's log-prob: the Gaussian log-density of x' under (mean, std), mean over the latent dims
         density = torch.distributions.Normal(ours.mean.double(), ours.std.double().reshape(-1, 1, 1, 1))
         expected = density.log_prob(ours.prev_sample.double()).mean(dim=(1, 2, 3))
@@ -83,25 +90,87 @@ def test_deterministic_ddim_is_the_flow_euler_step(prediction_type):
     assert worst < 1e-5, worst
 
 
-@pytest.mark.parametrize("eta", [0.3, 1.0])
-def test_flow_ddim_kernel_is_the_vp_step_divided_by_s(eta):
-    scheduler = _scheduler("epsilon", num_steps=4)
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
+@pytest.mark.parametrize("kernel,eta", [("ddim", 0.3), ("ddim", 1.0), ("ddpm", 1.0), ("ddpm", 0.5)])
+def test_flow_kernels_are_the_vp_steps_divided_by_s(kernel, eta, prediction_type):
+    scheduler = _scheduler(prediction_type, num_steps=4)
     g = torch.Generator().manual_seed(2)
     for timestep in scheduler.timesteps.tolist():
         a, a_prev = _alphas(scheduler, timestep)
         sigma, sigma_next = (float(flow_sigma(torch.tensor(v, dtype=torch.float64))) for v in (a, a_prev))
         x, out, z = (torch.randn(3, 4, 8, 8, generator=g) for _ in range(3))
-        vp = ddim_step(x, out, a, a_prev, eta, noise=z)
+        if kernel == "ddim":
+            vp = ddim_step(x, out, a, a_prev, eta, prediction_type, noise=z)
+        else:  # noise_level scales DDPM's std, nothing else
+            vp = ddpm_step(x, out, a, a_prev, prediction_type)
+            drawn = vp.mean + eta * vp.std.reshape(-1, 1, 1, 1) * z
+            vp = ddpm_step(x, out, a, a_prev, prediction_type, prev_sample=drawn)
+            vp.std = vp.std * eta
         s, s_next = (vp_scale(torch.tensor(value)) for value in (sigma, sigma_next))
         x_flow = x / s
-        flow = KERNELS["ddim"](x_flow, flow_velocity(x_flow, out, sigma, "epsilon"), sigma, sigma_next, eta, None,
+        flow = KERNELS[kernel](x_flow, flow_velocity(x_flow, out, sigma, prediction_type), sigma, sigma_next, eta, None,
                                noise=z)
-        torch.testing.assert_close(flow.mean * s_next, vp.mean, rtol=0, atol=1e-5)
+        torch.testing.assert_close(flow.mean * s_next, vp.mean, rtol=0, atol=1e-4)
         torch.testing.assert_close(flow.std * s_next, vp.std, rtol=0, atol=1e-6)
-        torch.testing.assert_close(flow.prev_sample * s_next, vp.prev_sample, rtol=0, atol=1e-5)
+        torch.testing.assert_close(flow.prev_sample * s_next, vp.prev_sample, rtol=0, atol=1e-4)
         # the log-prob moves by the Jacobian log s' per dimension: ratios are the same in both variables
-        torch.testing.assert_close(flow.log_prob - vp.log_prob, torch.full((3,), math.log(float(s_next))),
-                                   rtol=0, atol=1e-4)
+        density = torch.distributions.Normal(vp.mean.double(), vp.std.double().reshape(-1, 1, 1, 1))
+        vp_log_prob = density.log_prob(vp.prev_sample.double()).mean(dim=(1, 2, 3))
+        torch.testing.assert_close(flow.log_prob.double() - vp_log_prob, torch.full((3,), math.log(float(s_next)),
+                                   dtype=torch.float64), rtol=0, atol=1e-4)
+
+
+def _ddpm_scheduler(prediction_type: str, num_steps: int):
+    from diffusers import DDPMScheduler
+
+    scheduler = DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
+                              steps_offset=1, variance_type="fixed_small", prediction_type=prediction_type)
+    scheduler.set_timesteps(num_steps)
+    return scheduler
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction", "sample"])
+def test_ddpm_step_equals_diffusers(prediction_type):
+    """Mean, std and the drawn sample of DDPMScheduler.step (fixed_small), DDPO's Gaussian log-prob, and DDPM = DDIM
+    at eta 1 (same a, a')."""
+    scheduler = _ddpm_scheduler(prediction_type, num_steps=10)
+    g = torch.Generator().manual_seed(3)
+    for timestep in scheduler.timesteps.tolist():  # the last one steps onto a' = 1
+        x, out = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+        prev = scheduler.previous_timestep(timestep)
+        a = float(scheduler.alphas_cumprod[timestep])
+        a_prev = float(scheduler.alphas_cumprod[prev]) if prev >= 0 else 1.0
+        stock = scheduler.step(out, timestep, x, generator=torch.Generator().manual_seed(timestep)).prev_sample
+        z = torch.randn(x.shape, generator=torch.Generator().manual_seed(timestep))  # what step drew (randn_tensor)
+        ours = ddpm_step(x, out, a, a_prev, prediction_type, noise=z)
+        torch.testing.assert_close(ours.prev_sample, stock, rtol=0, atol=1e-5)
+        std = float(scheduler._get_variance(timestep)) ** 0.5 if prev >= 0 else 0.0  # diffusers: 1e-10 at a' = 1
+        torch.testing.assert_close(ours.std, torch.full((2,), std), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(ours.mean, stock - std * z, rtol=0, atol=1e-5)
+        ddim = ddim_step(x, out, a, a_prev, 1.0, prediction_type, noise=z)
+        torch.testing.assert_close(ddim.mean, ours.mean, rtol=0, atol=1e-4)
+        torch.testing.assert_close(ddim.std, ours.std, rtol=1e-5, atol=1e-7)
+        if prev < 0:
+            assert torch.equal(ours.log_prob, torch.zeros(2))  # onto a' = 1: no noise, no log-prob
+            continue
+        density = torch.distributions.Normal(ours.mean.double(), ours.std.double().reshape(-1, 1, 1, 1))
+        expected = density.log_prob(ours.prev_sample.double()).mean(dim=(1, 2, 3))
+        torch.testing.assert_close(ours.log_prob.double(), expected, rtol=0, atol=1e-5)
+        rescored = ddpm_step(x, out, a, a_prev, prediction_type, prev_sample=stock)
+        torch.testing.assert_close(rescored.log_prob, ours.log_prob, rtol=0, atol=1e-5)
+
+
+def test_flow_ddpm_kernel_on_a_flow_schedule_is_finite():
+    x, v = torch.randn(2, 4, 4, 4), torch.randn(2, 4, 4, 4)
+    first = flow_ddpm_step(x, v, 1.0, 0.8, 1.0, None, generator=torch.Generator().manual_seed(0))
+    a_next = float(vp_alpha(torch.tensor(0.8)))
+    torch.testing.assert_close(first.mean, (a_next**0.5 * (x - v)) * float(vp_scale(torch.tensor(0.8))) ** -1)
+    assert torch.isfinite(first.log_prob).all() and torch.allclose(first.std, torch.full((2,), 0.8))
+    last = flow_ddpm_step(x, v, 0.2, 0.0, 1.0, None, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(last.std, torch.zeros(2)) and torch.equal(last.log_prob, torch.zeros(2))
+    torch.testing.assert_close(last.prev_sample, x - 0.2 * v)  # onto t' = 0: x0_hat
+    with pytest.raises(ValueError, match="ddpm kernel's eta must be in"):
+        StepPlan(["ddpm"], [1.5], [True])
 
 
 def test_flow_ddim_kernel_on_a_flow_schedule_is_finite_and_plans_check_eta():

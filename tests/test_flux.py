@@ -40,8 +40,8 @@ def test_adapter_is_picked_from_model_index(random_flux_pipeline, random_pipelin
     assert model_class(random_flux_pipeline) is FluxModel and model_class(random_pipeline) is SD3Model
     with pytest.raises(ValueError, match="not StableDiffusion3Pipeline: load it with flowrl.models.load_model"):
         SD3Model(random_flux_pipeline)
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
-    with pytest.raises(ValueError, match="model_index.json names pipeline 'StableDiffusionXLPipeline'"):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "KandinskyV22Pipeline"}))
+    with pytest.raises(ValueError, match="model_index.json names pipeline 'KandinskyV22Pipeline'"):
         model_class(tmp_path)
 
 
@@ -90,7 +90,7 @@ def test_dance_grpo_flux_recipe_trains_and_the_lora_loads_in_stock_diffusers(tmp
     train, test = prompt_files
     over = tiny_overrides(random_flux_pipeline, train, test, tmp_path / "run", **{
         "run.mixed_precision": "no", "model.dtype": "float32", "model.resolution": 32, "model.max_sequence_length": 8,
-        "model.lora_rank": 2, "rewards.clipscore": "null", "rewards.jpeg_compressibility.weight": 1.0,
+        "model.lora_rank": 2, "rewards.hpsv2": "null", "rewards.jpeg_compressibility.weight": 1.0,
         "sampling.group_size": 4, "sampling.batch_size": 8})
     cfg = load_config(REPO / "configs" / "flux_dance_grpo.yaml", over)
     assert cfg.sampling.kernel == "dance_sde" and cfg.sampling.guidance_scale == 3.5 and cfg.sampling.shift == 3.0

@@ -11,7 +11,11 @@ from flowrl.config import ConfigError, load_config
 from flowrl.trainer import Trainer
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
-GPU_RECIPES = {"sd35m_pickscore.yaml", "flux_dance_grpo.yaml", "sd15_ddpo.yaml"}  # real models' paths; run shrunk in test_flux, test_sd15
+GPU_RECIPES = {"sd35m_pickscore.yaml", "flux_dance_grpo.yaml", "sd15_ddpo.yaml", "sdxl_dance_grpo.yaml"}  # real models' paths; run shrunk in test_flux, test_sd15, test_sdxl
+GPU_RECIPES |= {"sd35m_hpsv2.yaml", "sd35m_ocr.yaml", "sd35m_geneval.yaml"}  # run shrunk in test_reward_recipes
+GPU_RECIPES |= {"hunyuan_dance_grpo.yaml"}  # run shrunk in test_hunyuan_video
+GPU_RECIPES |= {"flux_kontext_grpo.yaml", "qwen_image_flow_grpo.yaml", "wan_flow_grpo.yaml"}  # in their families' tests
+GPU_RECIPES |= {"tiny_video.yaml"}  # the tiny video world's own model: run in test_tiny_video
 TINY = [c for c in CONFIGS if c.name not in GPU_RECIPES]
 
 

@@ -51,7 +51,7 @@ class DiffusionNFT(Method):
         """``G`` ODE samples per prompt by the old policy; ``data``: ``x0`` `(B, *latent_shape)` final latents,
         ``cond`` `(B,)` prompt rows of ``table`` (row 0 the empty prompt)."""
         cfg, model = self.cfg, self.model
-        table = model.encode([""] + [m["prompt"] for m in metas])
+        table = model.prompt_table(metas)
         cond = torch.arange(len(metas), device=self.device).repeat_interleave(cfg.sampling.group_size) + 1  # (B,)
         noise = torch.randn((len(cond), *model.latent_shape), generator=generator).to(self.device)
         velocity = model.velocity_fn(table, cfg.sampling.guidance_scale)  # guided, against the empty prompt (row 0)

@@ -41,7 +41,7 @@ class GroupRollouts(Method):
         iteration's, for the advantages' random step subset)."""
         probes = None
         if self.cfg.sampling.probe.method:
-            table = self.model.encode([""] + [m["prompt"] for m in metas])
+            table = self.model.prompt_table(metas)
             probes, images, image_prompt = self.probe_rollout(metas, table, generator)
             ro = probes.rollout
         else:
@@ -129,7 +129,7 @@ class GroupRollouts(Method):
             and row 1 + p the p-th prompt; leaves are grouped by prompt (B = P * G).
         """
         s = self.cfg.sampling
-        table = self.model.encode([""] + [m["prompt"] for m in metas])
+        table = self.model.prompt_table(metas)
         velocity = self.chunked(self.model.velocity_fn(table, s.guidance_scale), s.batch_size)
         ode = self.ode_velocity(velocity)
         roots = torch.arange(len(metas), device=self.device)  # (P,) one group per prompt

@@ -3,8 +3,13 @@
 :func:`load_model` reads a pipeline folder's ``model_index.json`` and loads it with the adapter of that
 pipeline class (:data:`ADAPTERS`): ``StableDiffusion3Pipeline`` -> :class:`SD3Model` (SD3, SD3.5, the shipped
 tiny model), ``FluxPipeline`` -> :class:`FluxModel` (FLUX.1), ``StableDiffusionPipeline`` -> :class:`SD15Model`
-(SD 1.x / 2.x UNets, sampled as flow models through :mod:`samplers.ddim`). A new family is a new file with a
-:class:`FlowModel` subclass, added to :data:`ADAPTERS`.
+(SD 1.x / 2.x UNets, sampled as flow models through :mod:`samplers.ddim`), ``StableDiffusionXLPipeline`` ->
+:class:`SDXLModel` (SDXL: SD 1.x's machinery plus two text encoders, pooled embeddings and added time ids).
+``WanPipeline`` -> :class:`WanModel` (Wan 2.1 / 2.2 text-to-video, latents ``(C, F, H, W)``). A new family is a new
+file with a :class:`FlowModel` subclass, added to :data:`ADAPTERS`. ``QwenImagePipeline`` -> :class:`QwenImageModel`
+(Qwen-Image), ``FluxKontextPipeline`` -> :class:`FluxKontextModel` (FLUX.1 Kontext image editing: a source image per
+prompt, read by :meth:`FlowModel.prompt_table`). ``HunyuanVideoPipeline`` -> :class:`HunyuanVideoModel` (HunyuanVideo
+text-to-video: embedded guidance, latents ``(C, F, H, W)``).
 """
 
 from __future__ import annotations
@@ -15,15 +20,23 @@ import torch
 
 from .base import FlowModel, PromptEmbeds, _model_index, check_guidance, make_batch_invariant, resolve_device
 from .flux import FLUX_LORA_TARGETS, FluxModel
+from .flux_kontext import KONTEXT_LORA_TARGETS, FluxKontextModel
+from .hunyuan_video import HUNYUAN_VIDEO_LORA_TARGETS, HunyuanVideoModel
+from .qwen_image import QWEN_IMAGE_LORA_TARGETS, QwenImageModel
 from .sd3 import SD3_LORA_TARGETS, SD3Model
 from .sd15 import SD15_LORA_TARGETS, SD15Model
+from .sdxl import SDXL_LORA_TARGETS, SDXLModel
+from .wan import WAN_LORA_TARGETS, WanModel
 
-ADAPTERS: tuple[type[FlowModel], ...] = (SD3Model, FluxModel, SD15Model)
+ADAPTERS: tuple[type[FlowModel], ...] = (SD3Model, FluxModel, SD15Model, SDXLModel, WanModel, QwenImageModel,
+                                         FluxKontextModel, HunyuanVideoModel)
 """Every adapter, looked up by its ``PIPELINE`` (the ``_class_name`` of a folder's ``model_index.json``)."""
 
 __all__ = ["ADAPTERS", "FLUX_LORA_TARGETS", "FlowModel", "FluxModel", "PromptEmbeds", "SD15Model", "SD15_LORA_TARGETS",
+           "SDXLModel", "SDXL_LORA_TARGETS",
            "SD3Model", "SD3_LORA_TARGETS", "check_guidance", "load_model", "make_batch_invariant", "model_class",
-           "resolve_device"]
+           "resolve_device", "WAN_LORA_TARGETS", "WanModel", "QWEN_IMAGE_LORA_TARGETS", "QwenImageModel",
+           "KONTEXT_LORA_TARGETS", "FluxKontextModel", "HUNYUAN_VIDEO_LORA_TARGETS", "HunyuanVideoModel"]
 
 
 def model_class(path: str | Path) -> type[FlowModel]:
@@ -44,11 +57,13 @@ def model_class(path: str | Path) -> type[FlowModel]:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               max_sequence_length: int | None = None, resolution: int | None = None) -> FlowModel:
+               max_sequence_length: int | None = None, resolution: int | None = None, **options) -> FlowModel:
     """Load the pipeline folder ``path`` with the adapter its ``model_index.json`` names (:func:`model_class`); the
-    arguments are :class:`FlowModel`'s.
+    arguments are :class:`FlowModel`'s; ``options`` go to the family's constructor (a video family's ``num_frames``,
+    ``expert``, ``negative_prompt``: :class:`WanModel`).
 
     Raises:
-        FileNotFoundError, ValueError: as :func:`model_class` and the adapter's constructor.
+        FileNotFoundError, ValueError: as :func:`model_class` and the adapter's constructor; TypeError for an option
+            the family does not take.
     """
-    return model_class(path)(path, device, dtype, max_sequence_length, resolution)
+    return model_class(path)(path, device, dtype, max_sequence_length, resolution, **options)

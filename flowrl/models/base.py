@@ -224,6 +224,11 @@ class FlowModel:
     """How the stock pipeline spaces its steps (:func:`samplers.flow_sigmas`' ``spacing``)."""
     NETWORK = "transformer"
     """The pipeline component that is trained, held as :attr:`transformer` (``"unet"`` for the UNet families)."""
+    VIDEO = False
+    """Whether the family draws videos (latents ``(C, F, H, W)`` decoded to ``(B, F, 3, H, W)``); only a video family
+    takes ``model.num_frames`` and ``model.expert`` (its constructor's ``num_frames`` and ``expert``)."""
+    VAE_CHANNELS_LAST = True
+    """Whether the VAE runs in channels-last memory format (False for a VAE of 3-D convolutions, Qwen-Image's)."""
 
     def __init__(self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  max_sequence_length: int | None = None, resolution: int | None = None):
@@ -256,7 +261,8 @@ class FlowModel:
         for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
             if (module := getattr(self.pipe, name, None)) is not None:
                 module.requires_grad_(False).eval()
-        self.pipe.vae.to(memory_format=torch.channels_last)  # its convolutions run faster so, on CPU as on GPU
+        if self.VAE_CHANNELS_LAST:
+            self.pipe.vae.to(memory_format=torch.channels_last)  # its convolutions run faster so, on CPU as on GPU
         self.device, self.dtype, self.path = torch.device(device), dtype, path
         self.decode_chunk = 32  # latents per VAE decode call (:meth:`decode`)
         self.wrapped = None  # the transformer wrapped for several processes (DDP), set by flowrl.policy.Policy
@@ -361,6 +367,19 @@ class FlowModel:
     def encode(self, prompts: list[str]) -> PromptEmbeds:
         """Encode ``P`` prompts with the pipeline's own ``encode_prompt``: :class:`PromptEmbeds`, float32."""
         raise NotImplementedError
+
+    def prompt_table(self, metas: list[dict]) -> PromptEmbeds:
+        """The prompt table the samplers index (:meth:`velocity_fn`) for ``P`` prompt records (dicts with a ``prompt``):
+        ``P + 1`` rows, row 0 the empty prompt (the CFG negative), row ``1 + p`` the record ``metas[p]``.
+
+        The hook for conditioning beyond the text: a family whose prompts carry more (an image-editing model's source
+        image, :class:`flowrl.models.FluxKontextModel`) reads it from the records here; every other family encodes the
+        prompts alone (this default).
+
+        Raises:
+            KeyError: for a record without ``prompt`` (the prompt files are checked when read, :mod:`flowrl.data`).
+        """
+        return self.encode([""] + [m["prompt"] for m in metas])
 
     def add_lora(self, rank: int, alpha: float, targets: tuple[str, ...] | None = None) -> list[torch.nn.Parameter]:
         """Add a peft LoRA adapter (Gaussian init of A, zero B) to the transformer.

@@ -205,11 +205,23 @@ class SD15Model(FlowModel):
     def _forward(self, x, t, cond: PromptEmbeds, dtype) -> torch.Tensor:
         """The UNet on the VP state ``s(t) x`` at the timestep of ``t``; its prediction as a flow velocity
         ``(N, C, H, W)`` float32. Times above the largest training time are evaluated at it."""
-        t = t.float().clamp(float(self._table[0]), float(self._table[-1]))  # (N,)
+        t = self._clamp(t)  # (N,)
+        return flow_velocity(x, self._predict(x, t, cond, dtype), t, self.prediction_type)
+
+    def _clamp(self, t: torch.Tensor) -> torch.Tensor:
+        """Flow times ``t`` `(N,)` as float32 within the training grid ``[sigma(a_0), sigma(a_{T-1})]``."""
+        return t.float().clamp(float(self._table[0]), float(self._table[-1]))
+
+    def _predict(self, x, t, cond: PromptEmbeds, dtype) -> torch.Tensor:
+        """The UNet's own output (epsilon or v, ``(N, C, H, W)`` in ``dtype``) on the VP state ``s(t) x`` at the
+        timestep of the (clamped) flow times ``t`` `(N,)`, conditioned by :meth:`_conditions`."""
         scale = vp_scale(t).reshape(-1, *([1] * (x.ndim - 1)))  # (N, 1, 1, 1)
-        out = self.network()(sample=(x.float() * scale).to(dtype), timestep=self.timesteps(t),
-                             encoder_hidden_states=cond.embeds.to(dtype), return_dict=False)[0]
-        return flow_velocity(x, out, t, self.prediction_type)
+        return self.network()(sample=(x.float() * scale).to(dtype), timestep=self.timesteps(t), return_dict=False,
+                              **self._conditions(cond, dtype))[0]
+
+    def _conditions(self, cond: PromptEmbeds, dtype) -> dict:
+        """The UNet's prompt inputs: ``encoder_hidden_states`` ``(N, 77, D)`` in ``dtype``."""
+        return {"encoder_hidden_states": cond.embeds.to(dtype)}
 
     def _probe(self) -> None:
         """One forward of the UNet on one sample at the largest training time (for :func:`make_batch_invariant`)."""
@@ -219,7 +231,8 @@ class SD15Model(FlowModel):
 
     def save_lora(self, directory: str | Path) -> None:
         """Write the UNet LoRA in diffusers' format (``pytorch_lora_weights.safetensors``, keys ``unet.*``), loadable by
-        the stock ``StableDiffusionPipeline.load_lora_weights(directory)``."""
+        the stock pipeline's ``load_lora_weights(directory)`` (``StableDiffusionPipeline``,
+        ``StableDiffusionXLPipeline``)."""
         from peft.utils import get_peft_model_state_dict
 
         state = get_peft_model_state_dict(self.transformer)

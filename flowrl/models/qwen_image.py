@@ -1,0 +1,206 @@
+"""The Qwen-Image family (``QwenImagePipeline``): Qwen-Image (arXiv 2508.02324) and small ones.
+
+Reference implementation: diffusers ``pipelines/qwenimage/pipeline_qwenimage.py`` (``QwenImagePipeline``) and
+``models/transformers/transformer_qwenimage.py`` (``QwenImageTransformer2DModel``); the adapter calls them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from samplers import flow_sigmas
+
+from .base import FlowModel, PromptEmbeds, _scheduler_file, check_guidance
+from .flux import _dynamic_shift
+
+QWEN_IMAGE_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                           "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2",
+                           "txt_mlp.net.0.proj", "txt_mlp.net.2")
+"""Flow-GRPO's LoRA targets for Qwen-Image transformers (its ``scripts/train_qwenimage_edit_plus.py``): both streams'
+attention projections and feed-forward layers of every dual-stream block."""
+
+
+@dataclass
+class QwenPromptEmbeds(PromptEmbeds):
+    """Qwen2.5-VL prompt embeddings: ``embeds (P, T, D)`` float32, padded to the longest prompt of the batch, ``mask
+    (P, T)`` long (1 for a token, 0 for padding) and ``pooled``, an empty ``(P, 0)`` (Qwen-Image has no pooled
+    embedding)."""
+
+    mask: torch.Tensor = None
+
+    def __getitem__(self, index: torch.Tensor) -> QwenPromptEmbeds:
+        """The rows `index` (`(N,)` long) of the three tensors."""
+        return QwenPromptEmbeds(self.embeds[index], self.pooled[index], self.mask[index])
+
+
+def _vae_factor(path: Path) -> int:
+    """The Qwen-Image VAE's spatial factor of the pipeline folder ``path``, as ``QwenImagePipeline.vae_scale_factor``
+    (``2 ** len(temperal_downsample)``)."""
+    return 2 ** len(json.loads((path / "vae" / "config.json").read_text())["temperal_downsample"])
+
+
+def _stretch_to_terminal(sigmas: torch.Tensor, terminal: float) -> torch.Tensor:
+    """diffusers' ``FlowMatchEulerDiscreteScheduler.stretch_shift_to_terminal``: the schedule ``sigmas (N,)`` (without
+    the final 0) scaled in ``1 - sigma`` so that its last value is ``terminal``: ``1 - (1 - s) (1 - terminal) / (1 -
+    s_N)``."""
+    one_minus = 1 - sigmas
+    return 1 - one_minus / (one_minus[-1] / (1 - terminal))
+
+
+class QwenImageModel(FlowModel):
+    """A Qwen-Image text-to-image flow model (``QwenImagePipeline`` folder), with :class:`FlowModel`'s interface; the
+    samplers and the trainer see no difference.
+
+    What the adapter does differently, all inside it:
+
+    - Prompts: ``QwenImagePipeline.encode_prompt`` (Qwen2.5-VL's last hidden states of the prompt in the pipeline's
+      chat template, the template's first ``prompt_template_encode_start_idx`` tokens dropped), at most
+      ``max_sequence_length`` tokens (default 512, as the stock pipeline; 1 to 1024), padded to the batch's longest
+      prompt with a padding mask the transformer receives (:class:`QwenPromptEmbeds`).
+    - Latents stay ``(B, C, H, W)`` (``C`` = the VAE's ``z_dim``, 16) for the samplers; :meth:`_forward` packs them into
+      2x2-patch tokens with the pipeline's own ``_pack_latents`` and unpacks the prediction (``img_shapes`` gives the
+      transformer the token grid for its rotary embedding).
+    - Guidance: "true CFG" against the empty prompt as ``QwenImagePipeline(true_cfg_scale=w, negative_prompt="")``:
+      ``v = v_u + w (v_c - v_u)``, then rescaled per token to the norm of ``v_c`` (:meth:`velocity`).
+    - Schedule: the scheduler shifts dynamically, by ``exp(mu)`` with ``mu`` linear in the number of image tokens as
+      the stock pipeline computes it (:func:`flowrl.models.flux._dynamic_shift`: 2.46 at 1328 px, 1.82 at 512 px with
+      Qwen-Image's config), and then stretches the schedule so that its last step before 0 lands on ``shift_terminal``
+      (0.02 for Qwen-Image) (:meth:`sigmas`); the steps are spaced as the pipeline spaces them (``linspace(1, 1/N,
+      N)``), so the adapter's ODE sampling gives the stock pipeline's images (a test checks it).
+    - Decoding: the 3-D-convolution VAE (one frame), its latents de-normalised with the VAE config's ``latents_mean``
+      and ``latents_std`` (:meth:`decode`).
+    - Resolution: any multiple of 2 x the VAE factor (16 px for Qwen-Image); default 128 latents (1024 px, the
+      pipeline's ``default_sample_size``; Flow-GRPO trains at 512).
+
+    Args, Raises: as :class:`FlowModel`; ``ValueError`` also for ``max_sequence_length`` outside 1..1024.
+    """
+
+    PIPELINE = "QwenImagePipeline"
+    LORA_TARGETS = QWEN_IMAGE_LORA_TARGETS
+    SIGMA_SPACING = "flux"
+    VAE_CHANNELS_LAST = False  # 3-D convolutions
+    DEFAULT_SAMPLE_SIZE = 128
+    """Latents per image side when no resolution is given (``QwenImagePipeline.default_sample_size``)."""
+
+    @staticmethod
+    def _default_length(index: dict) -> int:
+        return 512  # QwenImagePipeline's max_sequence_length
+
+    @staticmethod
+    def check_max_sequence_length(length: int) -> None:
+        """Raise ValueError for a prompt length outside 1..1024 (``QwenImagePipeline.check_inputs``' limit)."""
+        if not 1 <= length <= 1024:
+            raise ValueError(f"max_sequence_length must be in 1..1024 for Qwen-Image (QwenImagePipeline's limit), got "
+                             f"{length}")
+
+    @classmethod
+    def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
+        """Default ``DEFAULT_SAMPLE_SIZE`` latents; any multiple of the VAE factor x 2 (the rotary embedding has no
+        practical largest size)."""
+        factor = _vae_factor(path)
+        return cls.DEFAULT_SAMPLE_SIZE * factor, factor * 2, None, f"VAE factor {factor} x the 2x2 latent packing"
+
+    @classmethod
+    def scheduler_shift(cls, path: str | Path, resolution: int | None = None) -> float:
+        """The static shift equal to the folder's dynamic shift at ``resolution`` px (default:
+        :meth:`check_resolution`'s), read without loading weights (:func:`flowrl.models.flux._dynamic_shift`, with
+        the number of packed image tokens the stock pipeline passes to ``calculate_shift``).
+
+        Raises:
+            FileNotFoundError: if ``path`` is not a pipeline folder or has no scheduler config.
+            ValueError: for a resolution the model cannot take, or a scheduler ``_dynamic_shift`` refuses.
+        """
+        file = _scheduler_file(path)
+        side = cls.check_resolution(path, resolution) // (2 * _vae_factor(Path(path)))
+        return _dynamic_shift(json.loads(file.read_text()), file, side * side)
+
+    @property
+    def shift(self) -> float:
+        """:meth:`scheduler_shift` of the loaded scheduler at the model's :attr:`resolution`."""
+        side = self.resolution // (2 * self.pipe.vae_scale_factor)
+        return _dynamic_shift(dict(self.pipe.scheduler.config), Path(self.path) / "scheduler", side * side)
+
+    def sigmas(self, num_steps: int, shift: float | None = None) -> torch.Tensor:
+        """The stock pipeline's sigma schedule ``(num_steps + 1,)`` float32 (CPU) from 1 to 0: ``linspace(1, 1/N, N)``
+        shifted by ``shift`` (None: :attr:`shift`), stretched to end at the scheduler's ``shift_terminal`` when it has
+        one (:func:`_stretch_to_terminal`), then 0.
+
+        Raises:
+            ValueError: as :func:`samplers.flow_sigmas`.
+        """
+        sigmas = flow_sigmas(num_steps, self.shift if shift is None else shift, spacing=self.SIGMA_SPACING)  # (N + 1,)
+        terminal = self.pipe.scheduler.config.get("shift_terminal")
+        if not terminal:
+            return sigmas
+        return torch.cat([_stretch_to_terminal(sigmas[:-1].double(), terminal).float(), sigmas[-1:]])
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """``(C, H, W)`` of the unpacked latents: the VAE's ``z_dim``, ``H = W = resolution / vae_scale_factor``."""
+        side = self.resolution // self.pipe.vae_scale_factor
+        return (self.pipe.vae.config.z_dim, side, side)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> QwenPromptEmbeds:
+        """Encode prompts with ``QwenImagePipeline.encode_prompt``: ``embeds (P, T, D)`` float32 with ``T`` the longest
+        prompt's tokens (at most ``max_sequence_length``), its padding ``mask (P, T)``."""
+        embeds, mask = self.pipe.encode_prompt(prompts, device=self.device,
+                                               max_sequence_length=self.max_sequence_length)
+        if mask is None:  # the pipeline drops an all-ones mask
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        return QwenPromptEmbeds(embeds.float(), embeds.new_zeros(len(prompts), 0, dtype=torch.float32), mask)
+
+    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: QwenPromptEmbeds, uncond: QwenPromptEmbeds | None,
+                 guidance_scale: float) -> torch.Tensor:
+        """Velocity ``(N, C, H, W)`` float32 of latents ``x (N, C, H, W)`` at times ``t (N,)`` in [0, 1], with
+        Qwen-Image's true CFG when ``guidance_scale > 1``: ``v = v_u + w (v_c - v_u)``, rescaled per 2x2 token to
+        ``|v_c|`` (the norm over the token's ``4 C`` packed channels), as ``QwenImagePipeline``; one batched forward of
+        both rows.
+
+        Raises:
+            ValueError: if ``guidance_scale < 1``.
+        """
+        check_guidance(guidance_scale)
+        dtype = next(self.transformer.parameters()).dtype
+        if uncond is None or guidance_scale == 1.0:
+            return self._forward(x, t, cond, dtype).float()
+        both = QwenPromptEmbeds(torch.cat([uncond.embeds, cond.embeds]), torch.cat([uncond.pooled, cond.pooled]),
+                                torch.cat([uncond.mask, cond.mask]))
+        v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
+        combined = v_u + guidance_scale * (v_c - v_u)
+        return combined * (_token_norm(v_c) / _token_norm(combined))
+
+    def _forward(self, x, t, cond: QwenPromptEmbeds, dtype) -> torch.Tensor:
+        n, c, h, w = x.shape
+        pipe = self.pipe
+        tokens = pipe._pack_latents(x.to(dtype).contiguous(), n, c, h, w)  # (N, h/2 * w/2, 4C)
+        out = self.network()(hidden_states=tokens, timestep=t.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),
+                               encoder_hidden_states_mask=cond.mask, img_shapes=[[(1, h // 2, w // 2)]] * n,
+                               return_dict=False)[0]  # (N, h/2 * w/2, 4C)
+        factor = pipe.vae_scale_factor
+        return pipe._unpack_latents(out, h * factor, w * factor, factor)[:, :, 0]  # (N, C, 1, h, w) -> (N, C, h, w)
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Decode latents ``(B, C, H, W)`` to images float32 ``(B, 3, H*f, W*f)`` in [0, 1] as ``QwenImagePipeline``
+        does (``z * latents_std + latents_mean``, one frame through the 3-D VAE), in chunks of :attr:`decode_chunk`."""
+        vae = self.pipe.vae
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(latents.device, vae.dtype)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(latents.device, vae.dtype)
+        images = []
+        for chunk in latents.split(self.decode_chunk):
+            z = chunk.to(vae.dtype).unsqueeze(2) / inv_std + mean  # (b, C, 1, H, W), the pipeline's arithmetic
+            images.append(vae.decode(z, return_dict=False)[0][:, :, 0].float())
+        return (torch.cat(images) / 2 + 0.5).clamp(0, 1)
+
+
+def _token_norm(v: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of each 2x2 latent patch of ``v (N, C, H, W)`` over its ``4 C`` values (a packed token's channels),
+    broadcast back to ``(N, C, H, W)``."""
+    n, c, h, w = v.shape
+    patches = v.view(n, c, h // 2, 2, w // 2, 2)
+    return patches.square().sum(dim=(1, 3, 5), keepdim=True).sqrt().expand_as(patches).reshape(n, c, h, w)

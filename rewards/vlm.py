@@ -1,0 +1,214 @@
+r"""Pointwise VLM judges: a vision-language model behind an OpenAI-compatible server scores each image.
+
+``unifiedreward`` asks UnifiedReward (Wang et al., "Unified Reward Model for Multimodal Understanding and
+Generation", arXiv 2503.05236; models ``CodeGoat24/UnifiedReward-7b-v1.5`` and siblings, served by vLLM or
+SGLang) its pointwise image-generation question, which asks for a score from 1 to 5 after ``Final Score:``,
+and reads that score back. The question, the image-then-text message order, the sampling at temperature 0 and
+the division by 5 are those of flow_grpo's UnifiedReward SGLang client (the flow_grpo repository,
+github.com/yifan123/flow_grpo), which reads ``Final Score:\s*([1-5](?:\.\d+)?)`` and scores ``score / 5``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from .base import check_inputs, is_integer, register_reward
+from .pairwise import _data_url
+
+__all__ = ["UNIFIEDREWARD_QUESTION", "VLMScore", "parse_score", "unifiedreward"]
+
+UNIFIEDREWARD_QUESTION = (
+    "<image>\nYou are given a text caption and a generated image based on that caption. Your task is to evaluate "
+    "this image based on two key criteria:\n1. Alignment with the Caption: Assess how well this image aligns with "
+    "the provided caption. Consider the accuracy of depicted objects, their relationships, and attributes as "
+    "described in the caption.\n2. Overall Image Quality: Examine the visual quality of this image, including "
+    "clarity, detail preservation, color accuracy, and overall aesthetic appeal.\nBased on the above criteria, "
+    "assign a score from 1 to 5 after 'Final Score:'.\nYour task is provided as follows:\nText Caption: [{prompt}]"
+)
+"""UnifiedReward's pointwise question for a generated image (the template the model was trained on);
+``{prompt}`` is replaced by the image's prompt."""
+
+_NUMBER = r"[-+]?\d+(?:\.\d+)?"
+NORMALIZE = ("max", "minmax", "none")
+"""How :class:`VLMScore` maps a score ``s`` on the scale ``[low, high]``: ``"max"``: ``s / high`` (flow_grpo's
+``score / 5``, in ``[low / high, 1]``), ``"minmax"``: ``(s - low) / (high - low)`` in ``[0, 1]``, ``"none"``: ``s``."""
+
+
+def parse_score(text: str, low: float = 1.0, high: float = 5.0) -> float | None:
+    """The final numeric score in a judge's reply, or ``None`` when there is none in ``[low, high]``.
+
+    Looks, in order, at the text after the last ``Final Score`` (any case; ``Final Score: 4``, ``final score is
+    **3.5**``, ``Final Score: 4/5``), inside the last ``<answer>...</answer>`` tag (reasoning judges such as
+    UnifiedReward-Think), after the last ``score``, and finally at a reply that is a bare number. The first
+    number found there is the score (``4/5`` reads 4, ``4 out of 5`` reads 4); one outside ``[low, high]``
+    counts as none.
+
+    Args:
+        text (`str`): the reply. low, high (`float`): the score range the question asked for.
+
+    Returns:
+        `float` in ``[low, high]``, or ``None``.
+    """
+    candidates = []
+    final = re.split(r"final\s*score", text, flags=re.IGNORECASE)
+    if len(final) > 1:
+        candidates.append(final[-1])
+    tagged = re.findall(r"<answer>(.*?)</answer>", text, flags=re.IGNORECASE | re.DOTALL)
+    if tagged:
+        candidates.append(tagged[-1])
+    scored = re.split(r"score", text, flags=re.IGNORECASE)
+    if len(scored) > 1:
+        candidates.append(scored[-1])
+    if re.fullmatch(rf"\s*\**\s*{_NUMBER}\s*\**\s*\.?\s*", text):
+        candidates.append(text)
+    for tail in candidates:
+        match = re.search(_NUMBER, tail)
+        if match:
+            value = float(match.group())
+            return value if low <= value <= high else None
+    return None
+
+
+class VLMScore:
+    """A pointwise reward served by an OpenAI-compatible chat-completions server (vLLM, SGLang, ...).
+
+    Each image is one request: the image as a PNG data URL, then the question with ``{prompt}`` filled in
+    (UnifiedReward's order); ``concurrency`` requests are in flight at once; the ``openai`` client applies
+    ``timeout`` (seconds per request) and retries a failed request ``max_retries`` times with backoff. The
+    reply is read with :func:`parse_score` and normalised by ``normalize`` (see :data:`NORMALIZE`).
+
+    Args:
+        base_url (`str`): the server, e.g. ``http://127.0.0.1:8000/v1``.
+        model (`str`): the served model name (``--served-model-name`` of vLLM / SGLang).
+        api_key (`str`): sent as a bearer token (local servers ignore it).
+        timeout (`float`, `> 0`): seconds per request. max_retries (`int`, `>= 0`): retries per request.
+        concurrency (`int`, `>= 1`): requests in flight. max_tokens (`int`, `>= 1`): reply length limit.
+        question (`str`): the instruction, with the placeholder ``{prompt}`` only.
+        score_range (`(low, high)`): the scale the question asks for; a parsed score outside it is unparsed.
+        normalize (`str`): one of :data:`NORMALIZE`.
+        unparsed (`str`): what a reply without a score gives: ``"raise"`` (a `ValueError` quoting the reply) or
+            ``"lowest"`` (the lowest score, as flow_grpo's scorer gives 0; counted in :attr:`unparsed_count`).
+
+    Attributes:
+        unparsed_count (`int`): replies without a score so far (with ``unparsed="lowest"``).
+
+    Raises:
+        ValueError: an option out of range (named), or a `question` with a placeholder other than ``{prompt}``.
+        ImportError: the ``openai`` package is missing (``pip install 'flowrl[vlm]'``).
+    """
+
+    name = "vlm_score"
+
+    def __init__(self, base_url: str, model: str, api_key: str = "EMPTY", timeout: float = 60.0, max_retries: int = 3,
+                 concurrency: int = 8, max_tokens: int = 512, question: str = UNIFIEDREWARD_QUESTION,
+                 score_range: Sequence[float] = (1.0, 5.0), normalize: str = "max", unparsed: str = "raise"):
+        for key, value, least in (("concurrency", concurrency, 1), ("max_tokens", max_tokens, 1),
+                                  ("max_retries", max_retries, 0)):
+            if not is_integer(value) or value < least:
+                raise ValueError(f"{self.name}: {key} must be an integer >= {least}, got {value!r}")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+            raise ValueError(f"{self.name}: timeout must be a number of seconds > 0, got {timeout!r}")
+        if normalize not in NORMALIZE:
+            raise ValueError(f"{self.name}: normalize must be one of {', '.join(NORMALIZE)}, got {normalize!r}")
+        if unparsed not in ("raise", "lowest"):
+            raise ValueError(f"{self.name}: unparsed must be 'raise' or 'lowest', got {unparsed!r}")
+        try:
+            low, high = (float(v) for v in score_range)
+        except (TypeError, ValueError):
+            raise ValueError(f"{self.name}: score_range must be two numbers [low, high], got {score_range!r}") from None
+        if not low < high or (normalize == "max" and not high > 0):
+            raise ValueError(f"{self.name}: score_range must have low < high (and high > 0 with normalize='max'), "
+                             f"got {score_range!r}")
+        try:
+            question.format(prompt="")
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(f"{self.name}: question may hold only the placeholder {{prompt}} (write other braces "
+                             f"as {{{{ }}}}); {type(err).__name__}: {err}") from None
+        try:
+            from openai import OpenAI
+        except ImportError as err:
+            raise ImportError(f"{self.name} needs the openai client: pip install 'flowrl[vlm]' ({err})") from err
+        self.client = OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries)
+        self.base_url, self.model, self.concurrency, self.max_tokens = base_url, model, concurrency, max_tokens
+        self.question, self.low, self.high = question, low, high
+        self.normalize, self.unparsed = normalize, unparsed
+        self.unparsed_count = 0
+
+    def _scale(self, score: float) -> float:
+        if self.normalize == "max":
+            return score / self.high
+        if self.normalize == "minmax":
+            return (score - self.low) / (self.high - self.low)
+        return score
+
+    def _one(self, image: torch.Tensor, prompt: str) -> float:
+        content = [{"type": "image_url", "image_url": {"url": _data_url(image)}},
+                   {"type": "text", "text": self.question.format(prompt=prompt)}]
+        try:
+            reply = self.client.chat.completions.create(model=self.model, max_tokens=self.max_tokens, temperature=0.0,
+                                                        messages=[{"role": "user", "content": content}])
+            text = reply.choices[0].message.content or ""
+        except Exception as e:  # the openai client has already retried
+            raise RuntimeError(f"{self.name}: request to {self.base_url} for prompt {prompt!r} failed: "
+                               f"{type(e).__name__}: {' '.join(str(e).split())}") from e
+        score = parse_score(text, self.low, self.high)
+        if score is None:
+            if self.unparsed == "raise":
+                shown = " ".join(text.split())[:200]
+                raise ValueError(f"{self.name}: the reply of {self.base_url} for prompt {prompt!r} holds no score in "
+                                 f"[{self.low:g}, {self.high:g}]: {shown!r} (set unparsed: lowest to score such "
+                                 "replies lowest)")
+            self.unparsed_count += 1
+            score = self.low
+        return self._scale(score)
+
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> torch.Tensor:
+        """Scores `(B,)` float32 on CPU: the parsed score, normalised (``"max"``: in ``[low / high, 1]``,
+        ``"minmax"``: in ``[0, 1]``, ``"none"``: in ``[low, high]``).
+
+        Args:
+            images (`(B, 3, H, W)` float in [0, 1]), prompts (`B` strings), metadata (`B` dicts, unused).
+
+        Raises:
+            RuntimeError: naming the server and the prompt, when a request still fails after its retries.
+            ValueError: a reply without a score (with ``unparsed="raise"``), quoting it; malformed inputs.
+        """
+        check_inputs(images, prompts, metadata)
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            scores = list(pool.map(self._one, images, prompts))
+        return torch.tensor(scores, dtype=torch.float32)
+
+
+@register_reward(
+    "unifiedreward", modality="image",
+    weights="a UnifiedReward VLM behind an OpenAI-compatible server (vLLM, SGLang)",
+)
+def unifiedreward(base_url: str = "http://127.0.0.1:8000/v1", model: str = "UnifiedReward-7b-v1.5",
+                  api_key: str = "EMPTY", timeout: float = 60.0, max_retries: int = 3, concurrency: int = 8,
+                  max_tokens: int = 512, question: str = UNIFIEDREWARD_QUESTION,
+                  score_range: Sequence[float] = (1.0, 5.0), normalize: str = "max",
+                  unparsed: str = "raise") -> VLMScore:
+    """UnifiedReward pointwise image score (arXiv 2503.05236) from a model served behind an OpenAI-compatible API.
+
+    Serve the weights (e.g. ``CodeGoat24/UnifiedReward-7b-v1.5``, a Qwen2.5-VL fine-tune) with vLLM or SGLang,
+    e.g. ``vllm serve CodeGoat24/UnifiedReward-7b-v1.5 --served-model-name UnifiedReward-7b-v1.5 --port 8000``,
+    then point ``base_url`` at it. Options are those of :class:`VLMScore`.
+
+    Returns:
+        A `Reward` whose scores are `(B,)` float32 on CPU: the judge's 1-5 score divided by 5 (in ``[0.2, 1]``,
+        flow_grpo's scale) by default; ``normalize="minmax"`` gives ``(s - 1) / 4`` in ``[0, 1]``, ``"none"`` the
+        raw 1-5 score.
+
+    Raises:
+        ValueError: an option out of range; on call, a reply without a score (unless ``unparsed="lowest"``).
+        RuntimeError (on call): naming the server URL and the prompt, when the server is down or keeps failing.
+    """
+    reward = VLMScore(base_url, model, api_key, timeout, max_retries, concurrency, max_tokens, question, score_range,
+                      normalize, unparsed)
+    reward.name = "unifiedreward"
+    return reward

@@ -1,0 +1,76 @@
+"""Trackers (run.log_with): TensorBoard event files and an offline wandb run hold the metrics.jsonl scalars and the
+images, read back; a tracker that is not installed or not known is one config error before anything loads."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_overrides
+from flowrl.config import ConfigError, load_config
+from flowrl.trackers import check_trackers, flat_config
+from flowrl.trainer import Trainer
+
+
+def _events(folder: Path):
+    """The main writer's events in `folder` (the hyper-parameters go to a sub-folder of their own)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    return acc
+
+
+def test_tensorboard_and_offline_wandb_receive_the_metrics_and_images(tmp_path, random_pipeline, prompt_files,
+                                                                       monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    cfg = load_config(None, tiny_overrides(random_pipeline, *prompt_files, out, **{
+        "run.log_with": "[tensorboard,wandb]", "run.log_images_every": 1, "run.project": "tiny"}))
+    Trainer(cfg).train()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    events = _events(out / "tensorboard" / "tiny")
+    scalars = events.Scalars("reward/total/mean")
+    assert [s.step for s in scalars] == [1, 2]
+    assert [s.value for s in scalars] == pytest.approx([r["reward/total/mean"] for r in rows])
+    assert [s.step for s in events.Scalars("eval/overall")] == [2]
+    images = events.Tags()["images"]
+    assert {"grid/before", "grid/after"} <= {t.split("/image/")[0] for t in images}
+    assert any(t.startswith("rollout") for t in images)
+    # the offline wandb run: a local run folder with its data file, ready for `wandb sync`
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    logged = {p.name.rsplit("_", 2)[0] for p in (runs[0] / "files" / "media" / "images").rglob("*.png")}
+    assert logged >= {"rollout", "before", "after"}, logged
+
+
+def test_unknown_or_missing_trackers_are_one_config_error(monkeypatch):
+    with pytest.raises(ConfigError, match=r"run.log_with.*tensorboard\|wandb\|trackio.*'mlflow'"):
+        load_config(None, ["run.log_with=[mlflow]"])
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trackio" else real(name, *a))
+    with pytest.raises(ValueError, match=r"run.log_with.*'trackio'.*pip install trackio"):
+        check_trackers(["trackio"])
+    with pytest.raises(ValueError, match="twice"):
+        check_trackers(["tensorboard", "tensorboard"])
+
+
+def test_flat_config_gives_scalar_hyperparameters():
+    assert flat_config({"a": {"b": 1, "c": [1, 2]}, "d": None, "e": "x"}) == {"a.b": 1, "a.c": "[1, 2]", "d": "None",
+                                                                           "e": "x"}
+
+
+@pytest.mark.parametrize("kind", ["FSDP", "DEEPSPEED"])
+def test_a_sharded_accelerate_launch_is_refused_in_one_line(kind):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from flowrl.policy import check_accelerate_engine
+
+    with pytest.raises(ConfigError, match=f"uses {kind}.*data-parallel.*configs/accelerate/ddp.yaml"):
+        check_accelerate_engine(SimpleNamespace(distributed_type=DistributedType[kind]))
+    check_accelerate_engine(SimpleNamespace(distributed_type=DistributedType.MULTI_GPU))  # DDP passes

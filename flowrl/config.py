@@ -435,47 +435,6 @@ def resolve_path(path: str | Path) -> Path:
     return path if path.exists() or path.is_absolute() else REPO_ROOT / path
 
 
-def resolve_model(cfg: Config):
-    """The adapter class (:mod:`flowrl.models`) of ``model.path``, with the model's shift and prompt length filled
-    into `cfg` where unset (the saved config.yaml records them), every value checked before any weight loads.
-
-    Raises:
-        ConfigError: naming ``model.path`` (with the damaged file: broken JSON, truncated or pickled weights),
-            ``model.resolution``, ``sampling.shift`` or ``model.max_sequence_length``.
-        FileNotFoundError: a model path that is not a pipeline folder.
-    """
-    from .files import check_model_folder
-    from .models import model_class
-
-    path = resolve_path(cfg.model.path)
-    try:
-        check_model_folder(path)  # readable JSON, whole safetensors weights (no pickles), before anything loads
-        adapter = model_class(path)  # the family, from model_index.json
-    except ValueError as e:
-        raise ConfigError(f"config key 'model.path': {e}") from None
-    try:
-        adapter.check_resolution(path, cfg.model.resolution)
-    except ValueError as e:
-        raise ConfigError(f"config key 'model.resolution': {e}") from None
-    if cfg.sampling.shift is None:  # the model's own schedule; the saved config.yaml records the value
-        try:
-            cfg.sampling.shift = adapter.scheduler_shift(path, cfg.model.resolution)
-        except (ValueError, FileNotFoundError) as e:
-            raise ConfigError(f"config key 'sampling.shift': {e}") from None
-    for key in ("num_frames", "expert", "negative_prompt"):  # video settings: refused by the image families
-        if not adapter.VIDEO and getattr(cfg.model, key) not in (None, ""):
-            raise ConfigError(f"config key 'model.{key}': {path} holds a {adapter.PIPELINE}, which draws images; "
-                              f"leave it unset (got {getattr(cfg.model, key)!r})")
-    adapter.check_config(cfg)  # what the family cannot run (the DDPM family: DiffusionNFT, Flash re-spacing)
-    if cfg.model.max_sequence_length is None:  # SD3: 256 with a T5 encoder, 0 without (the tiny model); FLUX 512
-        cfg.model.max_sequence_length = adapter.default_max_sequence_length(path)
-    try:
-        adapter.check_max_sequence_length(cfg.model.max_sequence_length)
-    except ValueError as e:
-        raise ConfigError(f"config key 'model.max_sequence_length': {e}") from None
-    return adapter
-
-
 def preset_parser(description: str, default: str = "configs/tiny_geneval.yaml"):
     """An ``argparse.ArgumentParser`` for scripts that take ``[CONFIG.yaml] [key=value ...]`` plus options.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import json
 import os
 import platform
@@ -254,7 +255,6 @@ def evaluate_reward(model: FlowModel, metas: list[dict], reward, images_per_prom
         result = evaluate_reward(load_model("assets/tiny-sd3"), read_prompt_set("prompts.jsonl"), reward)
         result["rewards"]["clipscore"]["mean"]
     """
-    from .image_folders import summarize
 
     metas = [m for m in metas for _ in range(images_per_prompt)]
     prompts = [m["prompt"] for m in metas]
@@ -277,3 +277,16 @@ def evaluate_reward(model: FlowModel, metas: list[dict], reward, images_per_prom
     return {"overall": table[:, 0].mean().item(), "per_reward": {k: v["mean"] for k, v in stats.items()},
             "per_tag": summarize(records, table[:, 0].tolist())["per_tag"], "rewards": stats, "n_images": len(metas),
             "num_steps": num_steps, "guidance_scale": guidance_scale, "bf16": bf16, "machine": machine()}
+
+
+def summarize(records: list[dict], scores: list[float]) -> dict:
+    """``{"n_images", "mean", "std", "per_tag": {tag: mean}}`` of the scores (tags from each record's metadata;
+    ``std`` is the sample standard deviation, 0 for one image)."""
+    values = torch.tensor(scores, dtype=torch.float64)
+    by_tag = defaultdict(list)
+    for record, score in zip(records, scores):
+        if "tag" in record["metadata"]:
+            by_tag[str(record["metadata"]["tag"])].append(score)
+    return {"n_images": len(scores), "mean": values.mean().item() if scores else math.nan,
+            "std": values.std().item() if len(scores) > 1 else 0.0,
+            "per_tag": {t: sum(v) / len(v) for t, v in sorted(by_tag.items())}}

@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import re
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .evaluate import generate, summarize
 from .files import atomic_output, write_text_atomic
 
-__all__ = ["LAYOUTS", "generate_folder", "load_image", "read_image_folder", "score_records", "summarize", "write_scores"]
+__all__ = ["LAYOUTS", "generate_folder", "load_image", "read_image_folder", "score_records", "summarize", "write_scores"]  # summarize: from evaluate
 
 LAYOUTS = ("geneval", "flat")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -71,7 +70,6 @@ def generate_folder(model, metas: list[dict], out: str | Path, k: int = 4, layou
     Raises:
         ValueError: ``k < 1``, no prompt, an unknown `layout`, or a prompt record without a string ``prompt``.
     """
-    from .evaluate import generate
 
     if k < 1 or not metas:
         raise ValueError(f"generate_folder needs k >= 1 and at least one prompt; got k={k}, {len(metas)} prompts")
@@ -252,19 +250,6 @@ def score_records(reward, records: list[dict], batch_size: int = 16,
     if batch:
         flush()
     return scores
-
-
-def summarize(records: list[dict], scores: list[float]) -> dict:
-    """``{"n_images", "mean", "std", "per_tag": {tag: mean}}`` of the scores (tags from each record's metadata;
-    ``std`` is the sample standard deviation, 0 for one image)."""
-    values = torch.tensor(scores, dtype=torch.float64)
-    by_tag = defaultdict(list)
-    for record, score in zip(records, scores):
-        if "tag" in record["metadata"]:
-            by_tag[str(record["metadata"]["tag"])].append(score)
-    return {"n_images": len(scores), "mean": values.mean().item() if scores else math.nan,
-            "std": values.std().item() if len(scores) > 1 else 0.0,
-            "per_tag": {t: sum(v) / len(v) for t, v in sorted(by_tag.items())}}
 
 
 def write_scores(records: list[dict], scores: list[float], out: str | Path) -> None:

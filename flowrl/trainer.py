@@ -22,11 +22,12 @@ from tqdm import tqdm
 from rewards import RewardTypeError, WeightedSum, build_reward
 
 from .checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
-from .config import Config, ConfigError, resolve_model, resolve_path, save_config
+from .config import Config, ConfigError, resolve_path, save_config
 from .data import read_prompts
 from .evaluate import evaluate, evaluate_reward, generate
 from .files import atomic_output, write_text_atomic
 from .methods import build_method
+from .models import resolve_model
 from .plots import save_diagnostics, save_grid, save_reward_curve
 from .policy import Policy, check_accelerate_engine, check_accelerate_precision
 from .run import RunFolder

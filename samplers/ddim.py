@@ -53,14 +53,14 @@ the state at its first timestep (``x_flow = noise / s(a_0)``, :func:`start_laten
 ``sigma = 1``), and it decodes the state at ``a_final`` (``final_alpha_cumprod``: ``sigma_N > 0`` unless the
 scheduler sets alpha to one), i.e. ``x = s(a_N) x_flow`` (the adapter's decode).
 
-Imports torch only (and :mod:`samplers.kernels`).
+Imports torch only (and :mod:`samplers.gaussian`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .kernels import StepOutput, _draw, _per_sample
+from .gaussian import StepOutput, _draw, _per_sample
 
 __all__ = ["PREDICTION_TYPES", "ddim_std", "ddim_step", "ddpm_step", "flow_ddim_step", "flow_ddpm_step", "flow_sigma",
            "flow_velocity", "start_latents", "vp_alpha", "vp_predictions", "vp_scale"]

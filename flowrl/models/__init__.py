@@ -32,7 +32,7 @@ ADAPTERS: tuple[type[FlowModel], ...] = (SD3Model, FluxModel, SD15Model, SDXLMod
                                          FluxKontextModel, HunyuanVideoModel)
 """Every adapter, looked up by its ``PIPELINE`` (the ``_class_name`` of a folder's ``model_index.json``)."""
 
-__all__ = ["ADAPTERS", "FLUX_LORA_TARGETS", "FlowModel", "FluxModel", "PromptEmbeds", "SD15Model", "SD15_LORA_TARGETS",
+__all__ = ["ADAPTERS", "resolve_model", "FLUX_LORA_TARGETS", "FlowModel", "FluxModel", "PromptEmbeds", "SD15Model", "SD15_LORA_TARGETS",
            "SDXLModel", "SDXL_LORA_TARGETS",
            "SD3Model", "SD3_LORA_TARGETS", "check_guidance", "load_model", "make_batch_invariant", "model_class",
            "resolve_device", "WAN_LORA_TARGETS", "WanModel", "QWEN_IMAGE_LORA_TARGETS", "QwenImageModel",
@@ -67,3 +67,44 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
             the family does not take.
     """
     return model_class(path)(path, device, dtype, max_sequence_length, resolution, **options)
+
+
+def resolve_model(cfg):
+    """The adapter class of ``model.path`` (a :class:`flowrl.config.Config`'s), with the model's shift and prompt length filled
+    into `cfg` where unset (the saved config.yaml records them), every value checked before any weight loads.
+
+    Raises:
+        ConfigError: naming ``model.path`` (with the damaged file: broken JSON, truncated or pickled weights),
+            ``model.resolution``, ``sampling.shift`` or ``model.max_sequence_length``.
+        FileNotFoundError: a model path that is not a pipeline folder.
+    """
+    from ..config import ConfigError, resolve_path
+    from ..files import check_model_folder
+
+    path = resolve_path(cfg.model.path)
+    try:
+        check_model_folder(path)  # readable JSON, whole safetensors weights (no pickles), before anything loads
+        adapter = model_class(path)  # the family, from model_index.json
+    except ValueError as e:
+        raise ConfigError(f"config key 'model.path': {e}") from None
+    try:
+        adapter.check_resolution(path, cfg.model.resolution)
+    except ValueError as e:
+        raise ConfigError(f"config key 'model.resolution': {e}") from None
+    if cfg.sampling.shift is None:  # the model's own schedule; the saved config.yaml records the value
+        try:
+            cfg.sampling.shift = adapter.scheduler_shift(path, cfg.model.resolution)
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"config key 'sampling.shift': {e}") from None
+    for key in ("num_frames", "expert", "negative_prompt"):  # video settings: refused by the image families
+        if not adapter.VIDEO and getattr(cfg.model, key) not in (None, ""):
+            raise ConfigError(f"config key 'model.{key}': {path} holds a {adapter.PIPELINE}, which draws images; "
+                              f"leave it unset (got {getattr(cfg.model, key)!r})")
+    adapter.check_config(cfg)  # what the family cannot run (the DDPM family: DiffusionNFT, Flash re-spacing)
+    if cfg.model.max_sequence_length is None:  # SD3: 256 with a T5 encoder, 0 without (the tiny model); FLUX 512
+        cfg.model.max_sequence_length = adapter.default_max_sequence_length(path)
+    try:
+        adapter.check_max_sequence_length(cfg.model.max_sequence_length)
+    except ValueError as e:
+        raise ConfigError(f"config key 'model.max_sequence_length': {e}") from None
+    return adapter

@@ -24,21 +24,35 @@ from .files import write_text_atomic
 
 
 def _flatten_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """An optimizer ``state_dict`` as safetensors tensors and JSON: each entry of a parameter's state under the name
+    ``"<param id>.<key>"``, and an entry of a nested dict under ``"<param id>.<key>.<sub key>"`` (bitsandbytes' 8-bit
+    optimizers nest their uint8 moments, float32 block maxima and quantization maps under one key); tensors keep their
+    dtype, other values go to the JSON ``"scalars"``."""
     tensors, meta = {}, {"param_groups": state["param_groups"], "scalars": {}}
+
+    def put(name: str, value) -> None:
+        if isinstance(value, dict):
+            for key, sub in value.items():
+                put(f"{name}.{key}", sub)
+        elif torch.is_tensor(value):
+            tensors[name] = value.contiguous()
+        else:
+            meta["scalars"][name] = value
+
     for pid, pstate in state["state"].items():
-        for key, value in pstate.items():
-            if torch.is_tensor(value):
-                tensors[f"{pid}.{key}"] = value.contiguous()
-            else:
-                meta["scalars"][f"{pid}.{key}"] = value
+        put(str(pid), pstate)
     return tensors, meta
 
 
 def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    """The ``state_dict`` :func:`_flatten_optimizer` flattened (nested dicts rebuilt from the dotted names)."""
     state: dict[int, dict] = {}
     for name, value in list(tensors.items()) + list(meta["scalars"].items()):
-        pid, key = name.split(".", 1)
-        state.setdefault(int(pid), {})[key] = value
+        pid, *path = name.split(".")
+        node = state.setdefault(int(pid), {})
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
     return {"state": state, "param_groups": meta["param_groups"]}
 
 

@@ -46,6 +46,9 @@ class ModelConfig:
     num_frames: Optional[int] = None  # video models: frames per video, 4k+1 for Wan (null: the model's default, 81)
     expert: Optional[str] = None  # two-expert Wan 2.2: the trained one, high | low (null for every other model)
     negative_prompt: str = ""  # video models: the CFG negative prompt ("" as the stock WanPipeline)
+    prompt_cache: Optional[str] = None  # a folder of encoded prompts (safetensors); null: encode every time
+    text_encoders: str = "keep"  # keep (on the device) | cpu (moved to the device only to encode) | drop_after_cache
+    vae_placement: str = "keep"  # keep (on the device) | cpu (moved to the device only to decode or encode)
 
     def __post_init__(self):
         _check(self.lora_rank >= 0, "model.lora_rank", ">= 0", self.lora_rank)
@@ -57,6 +60,15 @@ class ModelConfig:
         _check(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", "float32|bfloat16|float16", self.dtype)
         _check(self.num_frames is None or self.num_frames >= 1, "model.num_frames", ">= 1 or null", self.num_frames)
         _check(self.expert in (None, "high", "low"), "model.expert", "high|low or null", self.expert)
+        _check(self.text_encoders in ("keep", "cpu", "drop_after_cache"), "model.text_encoders",
+               "keep|cpu|drop_after_cache", self.text_encoders)
+        _check(self.text_encoders != "drop_after_cache" or bool(self.prompt_cache), "model.text_encoders",
+               "keep or cpu unless model.prompt_cache is set (drop_after_cache encodes every prompt into it first)",
+               self.text_encoders)
+        _check(self.text_encoders != "drop_after_cache" or self.lora_rank > 0, "model.text_encoders",
+               "keep or cpu with full fine-tuning (model.lora_rank=0 saves the whole pipeline, text encoders included)",
+               self.text_encoders)
+        _check(self.vae_placement in ("keep", "cpu"), "model.vae_placement", "keep|cpu", self.vae_placement)
 
 
 @dataclass
@@ -247,6 +259,7 @@ class TrainConfig:
     best_of_n: int = 0  # train only the best and worst best_of_n / 2 samples of each group (0 = all)
     step_grad_norms: str = "velocity"  # per-step gradient-norm diagnostic: none | velocity (free) | params (1 backward per step)
     gradient_checkpointing: bool = False  # recompute the transformer's activations in backward: less memory, ~1 more forward
+    optimizer: str = "adamw"  # adamw (torch) | adamw_8bit (bitsandbytes' 8-bit AdamW: CUDA only, extra 'bnb')
 
     def __post_init__(self):
         _check(self.method in ("grpo", "nft"), "train.method", "grpo|nft", self.method)
@@ -274,6 +287,7 @@ class TrainConfig:
         _check(self.step_grad_norms in ("none", "velocity", "params"), "train.step_grad_norms", "none|velocity|params",
                self.step_grad_norms)
         _check(0 < self.timestep_fraction <= 1, "train.timestep_fraction", "in (0, 1]", self.timestep_fraction)
+        _check(self.optimizer in ("adamw", "adamw_8bit"), "train.optimizer", "adamw|adamw_8bit", self.optimizer)
 
 
 @dataclass

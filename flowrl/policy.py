@@ -77,13 +77,51 @@ def check_accelerate_precision(accelerator, run_precision: str) -> None:
                       "run.mixed_precision=bf16 for bf16 autocast", UserWarning, stacklevel=3)
 
 
+def check_optimizer(name: str, device: torch.device | str) -> None:
+    """Check ``train.optimizer`` against the run's device before any weights load: ``adamw`` (torch's AdamW) runs
+    anywhere; ``adamw_8bit`` is bitsandbytes' 8-bit AdamW (``bnb.optim.AdamW8bit``, Dettmers et al., arXiv 2110.02861;
+    bitsandbytes ``bitsandbytes/optim/adamw.py``), whose two moments take one byte per trained weight instead of four
+    (block-wise quantized, 256 weights per block; tensors under 4096 weights keep float32 moments), on a CUDA device
+    only.
+
+    Raises:
+        ConfigError: naming ``train.optimizer``, for ``adamw_8bit`` on a device that is not CUDA or without the
+            bitsandbytes package.
+    """
+    from .config import ConfigError
+
+    if name != "adamw_8bit":
+        return
+    if torch.device(device).type != "cuda":
+        raise ConfigError(f"config key 'train.optimizer' is 'adamw_8bit' (bitsandbytes' 8-bit AdamW), which flowrl "
+                          f"runs on a CUDA GPU only, but this run is on {torch.device(device).type}: use "
+                          "train.optimizer=adamw")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ConfigError("config key 'train.optimizer' is 'adamw_8bit' but bitsandbytes is not installed: "
+                          "pip install 'flowrl[bnb]' (or bitsandbytes), or use train.optimizer=adamw") from None
+
+
+def build_optimizer(params, train) -> torch.optim.Optimizer:
+    """``train.optimizer`` over ``params`` with ``train``'s learning rate, betas and weight decay (eps 1e-8 in both):
+    ``torch.optim.AdamW`` for ``adamw``, ``bitsandbytes.optim.AdamW8bit`` for ``adamw_8bit`` (checked first by
+    :func:`check_optimizer`)."""
+    kwargs = dict(lr=train.learning_rate, betas=tuple(train.adam_betas), weight_decay=train.weight_decay)
+    if train.optimizer == "adamw_8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
+
+
 class Policy:
     """The trainable parameters of ``model.transformer`` (a LoRA, or every weight) with their optimizer.
 
     Args:
         model (:class:`flowrl.models.FlowModel`): the adapter whose transformer holds the trainable parameters
             (``requires_grad`` set by ``add_lora`` / ``full_finetune``).
-        train (:class:`flowrl.config.TrainConfig`): learning rate, betas, weight decay, ``max_grad_norm``,
+        train (:class:`flowrl.config.TrainConfig`): ``optimizer``, learning rate, betas, weight decay, ``max_grad_norm``,
             ``ema_decay``, ``minibatch_size``, ``micro_batch_size``, ``inner_epochs``.
         precision (`str`): ``run.mixed_precision``, ``"no"`` or ``"bf16"`` (the default of :meth:`autocast`).
         accelerator (`accelerate.Accelerator`): processes and devices.
@@ -93,9 +131,7 @@ class Policy:
         self.model, self.cfg, self.precision, self.accelerator = model, train, precision, accelerator
         self.device = accelerator.device
         self.params = {n: p for n, p in model.transformer.named_parameters() if p.requires_grad}
-        optimizer = torch.optim.AdamW(self.params.values(), lr=train.learning_rate, betas=tuple(train.adam_betas),
-                                      weight_decay=train.weight_decay)
-        self.optimizer = accelerator.prepare(optimizer)
+        self.optimizer = accelerator.prepare(build_optimizer(self.params.values(), train))
         self.ema = {n: p.detach().clone() for n, p in self.params.items()} if train.ema_decay > 0 else None
         self.wrapped = None  # DDP over the processes; None with one process
         if accelerator.num_processes > 1:
@@ -232,6 +268,7 @@ class Policy:
                           "not the checkpoint's", UserWarning, stacklevel=4)
 
     def checkpoint_mib(self, extra_copies: int = 0) -> float:
-        """MiB of one checkpoint: the weights, AdamW's two moments, the EMA and `extra_copies` more copies."""
-        copies = 3 + (self.ema is not None) + extra_copies
+        """MiB of one checkpoint: the weights, AdamW's two moments (a byte each under ``adamw_8bit``, float32 weights),
+        the EMA and `extra_copies` more copies."""
+        copies = 1 + (0.5 if self.cfg.optimizer == "adamw_8bit" else 2) + (self.ema is not None) + extra_copies
         return copies * sum(t.numel() * t.element_size() for t in self.params.values()) / 2**20

@@ -29,7 +29,7 @@ from .files import atomic_output, write_text_atomic
 from .methods import build_method
 from .models import resolve_model
 from .plots import save_diagnostics, save_grid, save_reward_curve
-from .policy import Policy, check_accelerate_engine, check_accelerate_precision
+from .policy import Policy, check_accelerate_engine, check_accelerate_precision, check_optimizer
 from .run import RunFolder
 from .trackers import Trackers
 
@@ -86,6 +86,7 @@ class Trainer:
         self.run = RunFolder(self.out, acc, cfg.run.resume)  # not in use, no other run, writable: before any work
         check_accelerate_engine(acc)
         check_accelerate_precision(acc, cfg.run.mixed_precision)
+        check_optimizer(cfg.train.optimizer, acc.device)
         self.device = acc.device
         adapter = resolve_model(cfg)
         self.train_metas = self._read_prompts("train_prompts", cfg.train_prompts)
@@ -102,6 +103,11 @@ class Trainer:
             self.model.full_finetune()
         if cfg.train.gradient_checkpointing:  # only forwards with gradients (training) are checkpointed
             self.model.transformer.enable_gradient_checkpointing()
+        m = cfg.model  # the frozen parts: prompt cache, text encoders and VAE placement
+        if m.prompt_cache or m.text_encoders != "keep" or m.vae_placement != "keep":
+            prompts = [x["prompt"] for x in self.train_metas + self.eval_metas] + [m.negative_prompt]
+            with acc.main_process_first():  # the main process encodes into the shared cache, the others read it
+                self.model.place_frozen(m.prompt_cache, m.text_encoders, m.vae_placement, prompts)
         self.policy = Policy(self.model, cfg.train, cfg.run.mixed_precision, acc)
         self.method = build_method(cfg, self.model, self.policy, self.rewards)
         if cfg.model.lora_rank == 0 and cfg.run.keep_checkpoints is None:

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` (end-to-end runs of a minute or more) run in CI (``CI=true``, as ``.ci/run``) or when
+    asked for (``-m slow``); the default run skips them, so that it stays within a few minutes on 2 cores."""
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes") or config.getoption("markexpr"):
+        return
+    skip = pytest.mark.skip(reason="slow: runs with CI=true (as .ci/run does) or -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 ASSETS = REPO / "assets"
 
 

@@ -240,3 +240,36 @@ def test_train_with_a_remote_reward(tmp_path, random_pipeline, prompt_files):
                                        "run.iterations": 1, "run.mixed_precision": "no"})]])
     assert len(calls) >= 2  # the smoke call and the rollouts' batch
     assert any((tmp_path / "run").rglob("*.safetensors"))
+
+
+@pytest.mark.slow
+def test_a_reward_server_dying_mid_run_loses_nothing_checkpointed(tmp_path, random_pipeline, prompt_files):
+    """The server goes down right after checkpoint 1: iteration 2 stops with one error naming the URL, checkpoint 1
+    verifies, and the run resumes from it against a server started again."""
+    from flowrl.checkpoint import verify_checkpoint
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
+    server = RewardServer(build_reward("jpeg_compressibility"), port=0).start()
+    overrides = tiny_overrides(random_pipeline, *prompt_files, tmp_path / "run", **{
+        "run.iterations": 2, "run.mixed_precision": "no"})
+    trainer = Trainer(load_config(_remote_config(tmp_path / "remote.yaml", server.url), overrides))
+    save = trainer._save
+
+    def save_then_lose_the_server(iteration, elapsed):
+        save(iteration, elapsed)
+        server.close()
+
+    trainer._save = save_then_lose_the_server
+    with pytest.raises(RuntimeError, match=rf"reward remote raised ConnectionError: .*{server.url} is unreachable"):
+        trainer.train()
+    checkpoint = tmp_path / "run" / "checkpoints" / "checkpoint-000001"
+    verify_checkpoint(checkpoint)  # raises if torn
+    assert not (tmp_path / "run" / "checkpoints" / "checkpoint-000002").exists()
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
+    with RewardServer(build_reward("jpeg_compressibility"), port=0) as again:
+        resumed = Trainer(load_config(_remote_config(tmp_path / "remote2.yaml", again.url),
+                                      [*overrides, "run.resume=true"]))
+        assert resumed.train()["iterations"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2]

@@ -229,6 +229,10 @@ class FlowModel:
     takes ``model.num_frames`` and ``model.expert`` (its constructor's ``num_frames`` and ``expert``)."""
     VAE_CHANNELS_LAST = True
     """Whether the VAE runs in channels-last memory format (False for a VAE of 3-D convolutions, Qwen-Image's)."""
+    PROMPT_PADDING = "fixed"
+    """How :meth:`encode` pads a batch's tokens: ``"fixed"`` (to a length that does not depend on the batch) or
+    ``"longest"`` (to the batch's longest prompt, marked by a ``mask`` field: Qwen-Image); the prompt cache
+    (:mod:`flowrl.models.memory`) stores a ``"longest"`` row without its padding."""
 
     def __init__(self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  max_sequence_length: int | None = None, resolution: int | None = None):
@@ -380,6 +384,24 @@ class FlowModel:
             KeyError: for a record without ``prompt`` (the prompt files are checked when read, :mod:`flowrl.data`).
         """
         return self.encode([""] + [m["prompt"] for m in metas])
+
+    def place_frozen(self, prompt_cache: str | Path | None = None, text_encoders: str = "keep", vae: str = "keep",
+                     prompts: list[str] = ()):
+        """Place the frozen parts (``model.prompt_cache``, ``model.text_encoders``, ``model.vae_placement``): cache
+        encoded prompts in the folder ``prompt_cache`` and keep the text encoders on the device (``keep``), on the CPU
+        but while they encode (``cpu``) or free them once ``prompts`` are cached (``drop_after_cache``); keep the VAE on
+        the device or on the CPU but while it decodes. See :mod:`flowrl.models.memory`.
+
+        Returns:
+            The :class:`flowrl.models.memory.PromptCache` now behind :meth:`encode`, or None.
+
+        Raises:
+            ValueError: for an unknown placement, or ``drop_after_cache`` without ``prompt_cache``.
+        """
+        from .memory import place_text_encoders, place_vae
+
+        place_vae(self, vae)
+        return place_text_encoders(self, prompt_cache, text_encoders, prompts)
 
     def add_lora(self, rank: int, alpha: float, targets: tuple[str, ...] | None = None) -> list[torch.nn.Parameter]:
         """Add a peft LoRA adapter (Gaussian init of A, zero B) to the transformer.

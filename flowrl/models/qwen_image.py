@@ -83,6 +83,7 @@ class QwenImageModel(FlowModel):
     LORA_TARGETS = QWEN_IMAGE_LORA_TARGETS
     SIGMA_SPACING = "flux"
     VAE_CHANNELS_LAST = False  # 3-D convolutions
+    PROMPT_PADDING = "longest"  # encode pads a batch to its longest prompt (the prompt cache stores rows unpadded)
     DEFAULT_SAMPLE_SIZE = 128
     """Latents per image side when no resolution is given (``QwenImagePipeline.default_sample_size``)."""
 

@@ -31,7 +31,6 @@ from torch import nn
 
 from .base import check_inputs, is_integer, register_reward
 from .clipscore import _as_dtype
-from .convert import load_state_dict
 
 __all__ = [
     "IMAGEREWARD_MEAN",
@@ -363,6 +362,8 @@ def imagereward(
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise OSError(f"imagereward: cannot load a BERT tokenizer from '{tokenizer_path}' ({first_line})") from err
     tokenizer.add_tokens(["[DEC]", "[ENC]"], special_tokens=True)  # as BLIP's init_tokenizer (ids 30522, 30523)
+    from .convert import load_state_dict  # not at the top: `python -m rewards.convert` runs without a double import
+
     weights = convert_imagereward_state_dict(load_state_dict(path, reward="imagereward"))  # fails before building
     model = ImageRewardModel(imagereward_config())
     load_converted(model, weights, source=f"checkpoint '{checkpoint}'")

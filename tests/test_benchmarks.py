@@ -21,8 +21,8 @@ from conftest import tiny_overrides
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks"
-SCRIPTS = ("base_headroom", "decode_precision_check", "failure_modes", "gpu_scale", "gradient_snr", "nft_text_encoders",
-           "policy_step_check", "step_influence", "tree_speedup")
+SCRIPTS = ("base_headroom", "ddpo_tiny", "decode_precision_check", "failure_modes", "gpu_scale", "gradient_snr",
+           "nft_text_encoders", "policy_step_check", "step_influence", "tree_speedup")
 """The scripts this file runs; a new script under benchmarks/ needs a test here (checked below)."""
 
 
@@ -156,3 +156,32 @@ def test_gpu_scale_at_a_tiny_size_on_the_cpu(tmp_path, monkeypatch, capsys):
         assert row["train_tflops"] > 0 and row["mfu"] is None and row["peak_gib_train"] is None
     assert result["meta"]["device"] == "cpu" and 0 < result["meta"]["transformer_params_b"] < 0.01
     assert "| flow_grpo | 8 |" in capsys.readouterr().out
+
+
+def test_ddpo_tiny(tmp_path, monkeypatch, capsys):
+    """The CPU DDPO run at a tiny size: its seeded pipeline is the shared builder's, and the curve it reports is the
+    run's logged JPEG reward in kB (minus the reward), start and end the means of the first and last iterations."""
+    from safetensors.torch import load_file
+
+    from flowrl.tiny.sd15 import build_random_sd15_pipeline
+
+    work, out, plot = tmp_path / "work", tmp_path / "ddpo.json", tmp_path / "ddpo.png"
+    run_script("ddpo_tiny", ["--seeds", 0, 1, "--iterations", 2, "--model-seed", 3, "--workdir", work, "--out", out,
+                             "--plot", plot, "sampling.num_steps=3", "sampling.group_size=2", "model.resolution=32",
+                             "eval.num_steps=2", "train.minibatch_size=6"], monkeypatch)
+    result = json.loads(out.read_text())
+    assert [row["seed"] for row in result["rows"]] == [0, 1] and plot.stat().st_size > 0
+    for row in result["rows"]:
+        lines = (work / f"seed-{row['seed']}" / "metrics.jsonl").read_text().splitlines()
+        metrics = [json.loads(line) for line in lines]
+        assert row["jpeg_kb"] == [-m["reward/jpeg_compressibility/mean"] for m in metrics] and len(metrics) == 2
+        assert row["start_kb"] == pytest.approx(sum(row["jpeg_kb"]) / 2) == row["end_kb"]
+        assert all(m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)
+        assert all(m["cost/trained_transitions"] == 2 * 2 * 3 for m in metrics)  # 2 prompts x 2 images x 3 steps
+        assert 0 < row["eval_before_kb"] < 10 and 0 < row["eval_after_kb"] < 10
+    assert result["rows"][0]["jpeg_kb"] != result["rows"][1]["jpeg_kb"]  # run.seed differs
+    built = load_file(work / "pipeline-3" / "unet" / "diffusion_pytorch_model.safetensors")
+    again = build_random_sd15_pipeline(tmp_path / "again", seed=3, sample_size=16)
+    reference = load_file(again / "unet" / "diffusion_pytorch_model.safetensors")
+    assert built.keys() == reference.keys() and all(built[k].equal(reference[k]) for k in built)
+    assert capsys.readouterr().out.count(" kB (first/last 2 iterations), evaluation ") == 2

@@ -12,37 +12,10 @@ import torch
 from conftest import REPO, tiny_overrides
 from flowrl.config import ConfigError, load_config
 from flowrl.models import SD15Model, load_model, model_class
+from flowrl.tiny.sd15 import build_random_sd15_pipeline
 from flowrl.trainer import Trainer
 
 PROMPTS = ["a photo of a red star", "a photo of two circles"]
-SD15_SCHEDULER = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
-                      set_alpha_to_one=False, steps_offset=1)  # Stable Diffusion 1.5's, with DDIM
-
-
-def build_random_sd15_pipeline(folder: Path, prediction_type: str = "epsilon") -> Path:
-    """Save a random-weight StableDiffusionPipeline to ``folder``: a 2-block UNet (8, 16 channels, cross-attention 32),
-    a VAE with factor 4, a 1-layer CLIP text encoder with the tiny CLIP tokenizer, SD 1.5's DDIM scheduler."""
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-
-    torch.manual_seed(0)
-    tok = CLIPTokenizer.from_pretrained(REPO / "assets" / "tiny-sd3" / "tokenizer")
-    clip = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        max_position_embeddings=tok.model_max_length, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id))
-    unet = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
-                                block_out_channels=(8, 16), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
-                                attention_head_dim=4, norm_num_groups=8)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
-                        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 16, 16), layers_per_block=1,
-                        latent_channels=4, norm_num_groups=8, sample_size=32)
-    scheduler = DDIMScheduler(**SD15_SCHEDULER, prediction_type=prediction_type)
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=clip, tokenizer=tok, unet=unet, scheduler=scheduler,
-                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-    pipe.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +142,42 @@ def test_the_ddpo_recipe_shrunk_onto_a_tiny_pipeline_trains(tmp_path, sd15, prom
     metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)
     assert all(m["cost/trained_transitions"] == 2 * 2 * 3 for m in metrics)  # 2 prompts x 2 images x all 3 steps
+
+
+def test_the_ddpo_recipe_resumes_exactly(tmp_path, sd15, prompt_files):
+    """configs/sd15_ddpo.yaml shrunk: 2 iterations straight and 1 iteration + a resume for the second end on the same
+    weights and log the same second iteration (rollout noise, prompts and optimizer state restored)."""
+    from safetensors.torch import load_file
+
+    train, test = prompt_files
+    extra = {"run.mixed_precision": "no", "model.dtype": "float32", "model.resolution": "null",
+             "train.micro_batch_size": "null", "sampling.batch_size": 8}
+    runs = {}
+    for name, passes in (("full", [[]]), ("part", [["run.iterations=1"], ["run.resume=true"]])):
+        over = tiny_overrides(sd15, train, test, tmp_path / name, **extra)
+        for more in passes:
+            Trainer(load_config(REPO / "configs" / "sd15_ddpo.yaml", over + more)).train()
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        runs[name] = (load_file(tmp_path / name / "checkpoints/checkpoint-000002/trainable.safetensors"),
+                      json.loads(lines[-1]))
+    (a, last_a), (b, last_b) = runs["full"], runs["part"]
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    first = load_file(tmp_path / "part/checkpoints/checkpoint-000001/trainable.safetensors")
+    assert any(not torch.equal(first[k], b[k]) for k in b)  # the resumed iteration trained
+    assert last_a["iteration"] == last_b["iteration"] == 2
+    assert last_a["reward/total/mean"] == last_b["reward/total/mean"]
+
+
+def test_the_random_pipeline_is_seeded(tmp_path, sd15):
+    """`flowrl.tiny.sd15.build_random_sd15_pipeline`: the same seed gives the same weights, another seed others."""
+    from safetensors.torch import load_file
+
+    unet = "unet/diffusion_pytorch_model.safetensors"
+    again, other = (load_file(build_random_sd15_pipeline(tmp_path / str(s), seed=s) / unet) for s in (0, 1))
+    reference = load_file(sd15 / unet)
+    assert all(torch.equal(reference[k], again[k]) for k in reference)
+    assert not all(torch.equal(reference[k], other[k]) for k in reference)
+    with pytest.raises(ValueError, match="sample_size must be a positive even number"):
+        build_random_sd15_pipeline(tmp_path / "odd", sample_size=7)

@@ -45,6 +45,7 @@ def test_step_influence_has_one_row_per_stochastic_step(preset, tmp_path):
     assert result["full_sde"]["within_group_var"] > 0  # independent noise: the images of a group differ
 
 
+@pytest.mark.slow
 def test_base_headroom_pass_at_k_bounds_the_mean_and_reconstruction_is_scored(tmp_path):
     headroom = _script("base_headroom")
     out = tmp_path / "h.json"

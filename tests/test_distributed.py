@@ -18,6 +18,7 @@ from flowrl.methods import DiffusionNFT
 from flowrl.trainer import Trainer
 
 HERE = Path(__file__).parent
+pytestmark = pytest.mark.slow  # torchrun launches of two processes: run in CI (CI=true) or with -m slow
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,8 @@ def _close(a, b, path: str) -> None:
         assert a == b, f"{path}: {a!r} recorded, {b!r} now"
 
 
-@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("name", [pytest.param(p, marks=pytest.mark.slow) if p in ("tempflow_grpo", "branch_grpo") else p
+                                  for p in PRESETS])
 def test_loop_reproduces_recorded_run(name, tmp_path, random_pipeline, prompt_files):
     golden = json.loads(GOLDEN.read_text())[name]
     now = run_preset(name, random_pipeline, *prompt_files, tmp_path / "run")

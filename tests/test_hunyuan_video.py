@@ -211,7 +211,8 @@ def test_ode_sampling_equals_the_stock_pipeline(hunyuan):
 
 
 # ------------------------------------------------------------------------------------------------- training
-@pytest.mark.parametrize("preset", ["flow_grpo", "mix_grpo", "branch_grpo", "tempflow_grpo", "diffusion_nft"])
+@pytest.mark.parametrize("preset", ["flow_grpo", "diffusion_nft", *(pytest.param(p, marks=pytest.mark.slow)
+                                                                 for p in ("mix_grpo", "branch_grpo", "tempflow_grpo"))])
 def test_presets_train_on_video_latents(preset, tmp_path, hunyuan, video_prompts):
     """Every rollout shape on HunyuanVideo latents: full SDE, a MixGRPO window, a BranchGRPO tree, TempFlow probes; the
     PPO ratio is exactly 1 before the first optimizer step; DiffusionNFT changes the LoRA."""

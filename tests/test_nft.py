@@ -60,6 +60,7 @@ def _nft_config(tmp_path, random_pipeline, prompt_files, out, **extra):
     return load_config("configs/diffusion_nft.yaml", tiny_overrides(random_pipeline, train, test, tmp_path / out, **extra))
 
 
+@pytest.mark.slow
 def test_nft_run_trains_and_resumes_exactly(tmp_path, random_pipeline, prompt_files):
     """Two iterations straight through equal one iteration, a kill, and a resume: the trained weights and
     the soft-updated sampling policy of the checkpoint are the same."""

@@ -17,6 +17,7 @@ GPU_RECIPES |= {"hunyuan_dance_grpo.yaml"}  # run shrunk in test_hunyuan_video
 GPU_RECIPES |= {"flux_kontext_grpo.yaml", "qwen_image_flow_grpo.yaml", "wan_flow_grpo.yaml"}  # in their families' tests
 GPU_RECIPES |= {"tiny_video.yaml"}  # the tiny video world's own model: run in test_tiny_video
 TINY = [c for c in CONFIGS if c.name not in GPU_RECIPES]
+SLOW_PRESETS = {"g2rpo", "branch_grpo", "branch_grpo_mix", "branch_grpo_mix_flash"}  # trees: run in CI (CI=true)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -25,7 +26,8 @@ def test_preset_loads(path):
     assert cfg.run.output_dir.endswith(path.stem)
 
 
-@pytest.mark.parametrize("path", TINY, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [pytest.param(c, marks=pytest.mark.slow) if c.stem in SLOW_PRESETS else c for c in TINY],
+                         ids=lambda p: p.stem)
 def test_preset_runs(path, tmp_path, random_pipeline, prompt_files):
     extra = {"run.mixed_precision": "no", "rewards.jpeg_compressibility.weight": 1.0,  # varies on random images
              **shape_overrides(load_config(path))}  # keep the preset's tree, window or probe steps

@@ -197,7 +197,8 @@ def test_two_experts_sample_as_the_stock_pipeline_and_train_the_chosen_one(wan22
 
 
 # ------------------------------------------------------------------------------------------------- training
-@pytest.mark.parametrize("preset", ["flow_grpo", "mix_grpo", "branch_grpo", "tempflow_grpo", "diffusion_nft"])
+@pytest.mark.parametrize("preset", ["flow_grpo", "diffusion_nft", *(pytest.param(p, marks=pytest.mark.slow)
+                                                                 for p in ("mix_grpo", "branch_grpo", "tempflow_grpo"))])
 def test_presets_train_on_video_latents(preset, tmp_path, wan, video_prompts):
     """Every rollout shape on 5-D latents: full SDE, a MixGRPO window, a BranchGRPO tree, TempFlow probes; the PPO
     ratio is exactly 1 before the first optimizer step; DiffusionNFT changes the LoRA."""

@@ -150,6 +150,32 @@ def test_deterministic_sampling_equals_the_stock_pipeline(qwen, num_steps, guida
         assert (generate(model, PROMPTS, [0, 1], num_steps=num_steps, guidance_scale=1.0) - ours).abs().max() > 1e-3
 
 
+def test_a_qwen_image_run_resumes_exactly(tmp_path, qwen, prompt_files):
+    """flow_grpo on Qwen-Image: 2 iterations straight and 1 iteration + a resume for the second end on the same weights
+    and log the same second iteration (rollout noise, prompts and optimizer state restored)."""
+    from safetensors.torch import load_file
+
+    train, test = prompt_files
+    runs = {}
+    for name, passes in (("full", [[]]), ("part", [["run.iterations=1"], ["run.resume=true"]])):
+        over = tiny_overrides(qwen, train, test, tmp_path / name, **{
+            "run.mixed_precision": "no", "model.resolution": SIDE, "model.max_sequence_length": 64,
+            "rewards.geneval": "null", "rewards.jpeg_compressibility.weight": 1.0})
+        for more in passes:
+            Trainer(load_config(REPO / "configs" / "flow_grpo.yaml", over + more)).train()
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        runs[name] = (load_file(tmp_path / name / "checkpoints/checkpoint-000002/trainable.safetensors"),
+                      json.loads(lines[-1]))
+    (a, last_a), (b, last_b) = runs["full"], runs["part"]
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    first = load_file(tmp_path / "part/checkpoints/checkpoint-000001/trainable.safetensors")
+    assert any(not torch.equal(first[k], b[k]) for k in b)  # the resumed iteration trained
+    assert last_a["iteration"] == last_b["iteration"] == 2
+    assert last_a["reward/total/mean"] == last_b["reward/total/mean"]
+
+
 def test_qwen_image_recipe_trains_and_the_lora_loads_in_stock(tmp_path, qwen, prompt_files):
     """configs/qwen_image_flow_grpo.yaml, shrunk onto the tiny random Qwen-Image pipeline (its 2-step random window
     kept; the PickScore reward swapped for JPEG compressibility, which needs no download)."""

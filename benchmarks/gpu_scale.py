@@ -3,7 +3,7 @@
 For each family (random weights with the published transformer config, depth reducible with ``--layers``) and each
 method preset, at one resolution, this measures:
 
-- ``stock_s``: the stock pipeline (``StableDiffusion3Pipeline`` / ``FluxPipeline``, the same transformer object,
+- ``stock_s``: the stock pipeline (``StableDiffusion3Pipeline`` / ``FluxPipeline`` / ``WanPipeline``, the same transformer,
   its LoRA on) generating the rollout's images for the same steps, guidance and batch: the physical floor of a
   rollout (its denoising loop is the transformer calls and nothing else);
 - ``rollout_s``: flowrl's rollout of the preset (SDE steps with their log-probs, ODE steps, trees), same batch;
@@ -14,12 +14,14 @@ method preset, at one resolution, this measures:
 - ``peak_gib_{stock,rollout,train}``: ``torch.cuda.max_memory_allocated`` of each phase (GPU only).
 
 The text encoders and the VAE are random one-layer models with the real embedding widths (CLIP-L 768, CLIP-G 1280,
-T5-XXL 4096 and 256 T5 tokens for SD3.5, 512 for FLUX), so the transformer sees the real sequence lengths; the
+T5-XXL 4096 and 256 T5 tokens for SD3.5, 512 for FLUX; UMT5 4096 and 512 tokens for Wan, with a Wan VAE
+compressing 8x in space and 4x in time), so the transformer sees the real sequence lengths; the
 encoders' and the VAE's own cost is not the subject here. Run on a lent GPU (30 minutes in all, see
 docs/distributed.md "Measuring on a GPU")::
 
     python benchmarks/gpu_scale.py --family sd35m --resolution 512 --steps 10 --out runs/gpu_scale_sd35m.json
     python benchmarks/gpu_scale.py --family flux_dev --layers 4 --resolution 512 --steps 6 --out runs/gpu_scale_flux.json
+    python benchmarks/gpu_scale.py --family wan13b --resolution 480 --frames 33 --steps 10 --out runs/gpu_scale_wan.json
 
 and at a tiny size on a CPU (what tests/test_benchmarks.py runs)::
 
@@ -57,6 +59,18 @@ TRANSFORMERS = {
     "flux_dev": ("flux", dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
                               num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
                               guidance_embeds=True, axes_dims_rope=(16, 56, 56))),
+    # Wan-AI/Wan2.1-T2V-1.3B-Diffusers: 30 blocks of width 1536 (12 heads of 128), UMT5-XXL text (4096)
+    "wan13b": ("wan", dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
+                           out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+                           qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)),
+    # Wan-AI/Wan2.1-T2V-14B-Diffusers: 40 blocks of width 5120 (40 heads of 128)
+    "wan14b": ("wan", dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+                           out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+                           qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)),
+    # a few-MB Wan for the CPU test of this script
+    "tiny_wan": ("wan", dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
+                             out_channels=16, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
+                             qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=32)),
     # a few-MB SD3 for the CPU test of this script
     "tiny": ("sd3", dict(sample_size=8, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=16,
                          num_attention_heads=2, joint_attention_dim=64, caption_projection_dim=32,
@@ -68,9 +82,12 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S
 
 
 def brightness(images, prompts, metadata):
-    """The benchmark's reward: mean pixel value per image, `(B, 3, H, W)` in [0, 1] -> `(B,)` (cheap, never zero
-    variance on random weights)."""
-    return images.float().mean(dim=(1, 2, 3)).cpu()
+    """The benchmark's reward: mean pixel value per image or video, `(B, 3, H, W)` or `(B, F, 3, H, W)` in [0, 1]
+    -> `(B,)` (cheap, never zero variance on random weights)."""
+    return images.float().flatten(1).mean(dim=1).cpu()
+
+
+brightness.accepts_video = True
 
 
 def _text_encoders(family: str, hidden: tuple[int, ...], t5_dim: int | None):
@@ -96,14 +113,15 @@ def build_pipeline(name: str, folder: Path, layers: int | None = None, dtype=tor
     """Save a random-weight pipeline of `name` (:data:`TRANSFORMERS`) to `folder`, its transformer in `dtype`.
 
     Args:
-        name: ``sd35m`` | ``sd35l`` | ``flux_dev`` | ``tiny``.
+        name: ``sd35m`` | ``sd35l`` | ``flux_dev`` | ``wan13b`` | ``wan14b`` | ``tiny`` | ``tiny_wan``.
         layers: keep this many transformer blocks (FLUX: double and single blocks each); None = all.
 
     Returns:
         `folder`.
     """
-    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
-                           SD3Transformer2DModel, StableDiffusion3Pipeline)
+    from diffusers import (AutoencoderKL, AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, FluxPipeline,
+                           FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline, WanPipeline,
+                           WanTransformer3DModel)
 
     family, config = TRANSFORMERS[name]
     config = dict(config)
@@ -120,12 +138,22 @@ def build_pipeline(name: str, folder: Path, layers: int | None = None, dtype=tor
                         scaling_factor=1.5305 if family == "sd3" else 0.3611,
                         shift_factor=0.0609 if family == "sd3" else 0.1159)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init of billions of weights: on GPU
-        if family == "sd3":
-            dit = SD3Transformer2DModel(**config)
-        else:
-            dit = FluxTransformer2DModel(**config)
+        dit = {"sd3": SD3Transformer2DModel, "flux": FluxTransformer2DModel, "wan": WanTransformer3DModel}[family](**config)
     dit.to("cpu", dtype)
-    if family == "sd3":
+    if family == "wan":  # UMT5 of the real width (one layer), a Wan VAE compressing 8x in space and 4x in time
+        from transformers import UMT5Config, UMT5EncoderModel
+
+        from flowrl.tiny.build_video import build_tokenizer as t5_tokenizer
+
+        tok = t5_tokenizer()
+        umt5 = UMT5EncoderModel(UMT5Config(vocab_size=len(tok), d_model=config["text_dim"], d_kv=16, d_ff=64,
+                                           num_layers=1, num_heads=4, relative_attention_num_buckets=8, pad_token_id=0,
+                                           eos_token_id=1))
+        wan_vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                   temperal_downsample=[False, True, True])
+        pipe = WanPipeline(tokenizer=tok, text_encoder=umt5, vae=wan_vae, transformer=dit,
+                           scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    elif family == "sd3":
         small = name == "tiny"
         tok, (clip_l, clip_g), t5 = _text_encoders(family, (32, 32) if small else (768, 1280), None if small else 4096)
         pipe = StableDiffusion3Pipeline(transformer=dit, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae,
@@ -183,6 +211,10 @@ def measure(folder: Path, preset: str, args, prompts_file: Path, device: torch.d
         f"train.minibatch_size={args.minibatch}", f"train.gradient_checkpointing={args.gradient_checkpointing}",
         "tag_balanced=false",
     ]
+    video = TRANSFORMERS[args.family][0] == "wan"
+    if video:
+        overrides += [f"model.num_frames={args.frames}", "model.max_sequence_length=32" if args.family == "tiny_wan" else
+                      "model.max_sequence_length=512"]
     if preset in ("mix_grpo_flash",):
         overrides.append(f"sampling.window.size={min(4, args.steps - 1)}")
     if preset in ("branch_grpo_mix",):
@@ -200,9 +232,10 @@ def measure(folder: Path, preset: str, args, prompts_file: Path, device: torch.d
 
     def stock() -> None:
         prompts = [m["prompt"] for m in metas for _ in range(cfg.sampling.group_size)]
+        frames = {"num_frames": args.frames} if video else {}
         model.pipe(prompt=prompts, num_inference_steps=cfg.sampling.num_steps, guidance_scale=cfg.sampling.guidance_scale,
                    height=args.resolution, width=args.resolution, output_type="pt",
-                   generator=torch.Generator(device).manual_seed(0))
+                   generator=torch.Generator(device).manual_seed(0), **frames)
 
     row: dict = {"preset": preset, "images": images_per_rollout, "steps": cfg.sampling.num_steps}
     with torch.no_grad(), trainer.policy.autocast():
@@ -263,6 +296,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--family", choices=sorted(TRANSFORMERS), default="sd35m")
     ap.add_argument("--layers", type=int, default=None, help="keep this many blocks (default: all)")
     ap.add_argument("--resolution", type=int, default=512)
+    ap.add_argument("--frames", type=int, default=33, help="video families: frames per video (4k+1)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--prompts", type=int, default=2, help="prompts per rollout")
     ap.add_argument("--group-size", type=int, default=4)

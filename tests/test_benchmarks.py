@@ -185,3 +185,13 @@ def test_ddpo_tiny(tmp_path, monkeypatch, capsys):
     reference = load_file(again / "unet" / "diffusion_pytorch_model.safetensors")
     assert built.keys() == reference.keys() and all(built[k].equal(reference[k]) for k in built)
     assert capsys.readouterr().out.count(" kB (first/last 2 iterations), evaluation ") == 2
+
+
+def test_gpu_scale_on_a_tiny_wan(tmp_path, monkeypatch):
+    """The video path of the GPU benchmark: a random Wan pipeline (UMT5, Wan VAE, Wan transformer), frames passed to
+    the stock WanPipeline and to flowrl's rollout alike."""
+    out = tmp_path / "gpu_scale_wan.json"
+    run_script("gpu_scale", ["--family", "tiny_wan", "--resolution", 32, "--frames", 5, "--steps", 3, "--device", "cpu",
+                             "--repeats", 1, "--presets", "flow_grpo", "--folder", tmp_path, "--out", out], monkeypatch)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["stock_s"] > 0 and row["rollout_s"] > 0 and row["trained_transitions"] > 0 and row["train_tflops"] > 0

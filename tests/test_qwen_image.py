@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, shape_overrides, tiny_overrides
+from conftest import REPO, assert_resume_is_exact, shape_overrides, tiny_overrides
 from flowrl.config import ConfigError, load_config
 from flowrl.models import QwenImageModel, load_model, model_class
 from flowrl.trainer import Trainer
@@ -153,27 +153,10 @@ def test_deterministic_sampling_equals_the_stock_pipeline(qwen, num_steps, guida
 def test_a_qwen_image_run_resumes_exactly(tmp_path, qwen, prompt_files):
     """flow_grpo on Qwen-Image: 2 iterations straight and 1 iteration + a resume for the second end on the same weights
     and log the same second iteration (rollout noise, prompts and optimizer state restored)."""
-    from safetensors.torch import load_file
-
-    train, test = prompt_files
-    runs = {}
-    for name, passes in (("full", [[]]), ("part", [["run.iterations=1"], ["run.resume=true"]])):
-        over = tiny_overrides(qwen, train, test, tmp_path / name, **{
-            "run.mixed_precision": "no", "model.resolution": SIDE, "model.max_sequence_length": 64,
-            "rewards.geneval": "null", "rewards.jpeg_compressibility.weight": 1.0})
-        for more in passes:
-            Trainer(load_config(REPO / "configs" / "flow_grpo.yaml", over + more)).train()
-        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        runs[name] = (load_file(tmp_path / name / "checkpoints/checkpoint-000002/trainable.safetensors"),
-                      json.loads(lines[-1]))
-    (a, last_a), (b, last_b) = runs["full"], runs["part"]
-    assert a.keys() == b.keys() and len(a) > 0
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
-    first = load_file(tmp_path / "part/checkpoints/checkpoint-000001/trainable.safetensors")
-    assert any(not torch.equal(first[k], b[k]) for k in b)  # the resumed iteration trained
-    assert last_a["iteration"] == last_b["iteration"] == 2
-    assert last_a["reward/total/mean"] == last_b["reward/total/mean"]
+    extra = {"run.mixed_precision": "no", "model.resolution": SIDE, "model.max_sequence_length": 64,
+             "rewards.geneval": "null", "rewards.jpeg_compressibility.weight": 1.0}
+    assert_resume_is_exact(REPO / "configs" / "flow_grpo.yaml",
+                           lambda out: tiny_overrides(qwen, *prompt_files, out, **extra), tmp_path)
 
 
 def test_qwen_image_recipe_trains_and_the_lora_loads_in_stock(tmp_path, qwen, prompt_files):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, tiny_overrides
+from conftest import REPO, assert_resume_is_exact, tiny_overrides
 from flowrl.config import ConfigError, load_config
 from flowrl.models import SD15Model, load_model, model_class
 from flowrl.tiny.sd15 import build_random_sd15_pipeline
@@ -147,27 +147,10 @@ def test_the_ddpo_recipe_shrunk_onto_a_tiny_pipeline_trains(tmp_path, sd15, prom
 def test_the_ddpo_recipe_resumes_exactly(tmp_path, sd15, prompt_files):
     """configs/sd15_ddpo.yaml shrunk: 2 iterations straight and 1 iteration + a resume for the second end on the same
     weights and log the same second iteration (rollout noise, prompts and optimizer state restored)."""
-    from safetensors.torch import load_file
-
-    train, test = prompt_files
     extra = {"run.mixed_precision": "no", "model.dtype": "float32", "model.resolution": "null",
              "train.micro_batch_size": "null", "sampling.batch_size": 8}
-    runs = {}
-    for name, passes in (("full", [[]]), ("part", [["run.iterations=1"], ["run.resume=true"]])):
-        over = tiny_overrides(sd15, train, test, tmp_path / name, **extra)
-        for more in passes:
-            Trainer(load_config(REPO / "configs" / "sd15_ddpo.yaml", over + more)).train()
-        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        runs[name] = (load_file(tmp_path / name / "checkpoints/checkpoint-000002/trainable.safetensors"),
-                      json.loads(lines[-1]))
-    (a, last_a), (b, last_b) = runs["full"], runs["part"]
-    assert a.keys() == b.keys() and len(a) > 0
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
-    first = load_file(tmp_path / "part/checkpoints/checkpoint-000001/trainable.safetensors")
-    assert any(not torch.equal(first[k], b[k]) for k in b)  # the resumed iteration trained
-    assert last_a["iteration"] == last_b["iteration"] == 2
-    assert last_a["reward/total/mean"] == last_b["reward/total/mean"]
+    assert_resume_is_exact(REPO / "configs" / "sd15_ddpo.yaml",
+                           lambda out: tiny_overrides(sd15, *prompt_files, out, **extra), tmp_path)
 
 
 def test_the_random_pipeline_is_seeded(tmp_path, sd15):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, shape_overrides, tiny_overrides
+from conftest import REPO, assert_resume_is_exact, shape_overrides, tiny_overrides
 from flowrl.config import ConfigError, load_config
 from flowrl.models import WanModel, load_model, model_class
 from flowrl.trainer import Trainer
@@ -219,23 +219,8 @@ def test_presets_train_on_video_latents(preset, tmp_path, wan, video_prompts):
 def test_a_video_run_resumes_exactly(tmp_path, wan, video_prompts):
     """flow_grpo on video latents: 2 iterations straight and 1 iteration + a resume for the second end on the same
     weights and log the same second iteration (rollout noise, prompts and optimizer state restored)."""
-    from safetensors.torch import load_file
-
-    runs = {}
-    for name, passes in (("full", [[]]), ("part", [["run.iterations=1"], ["run.resume=true"]])):
-        over = _video_overrides(wan, video_prompts, tmp_path / name)
-        for more in passes:
-            Trainer(load_config(REPO / "configs" / "flow_grpo.yaml", over + more)).train()
-        runs[name] = (load_file(tmp_path / name / "checkpoints/checkpoint-000002/trainable.safetensors"),
-                      _metrics(tmp_path / name)[-1])
-    (a, last_a), (b, last_b) = runs["full"], runs["part"]
-    assert a.keys() == b.keys() and len(a) > 0
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
-    first = load_file(tmp_path / "part/checkpoints/checkpoint-000001/trainable.safetensors")
-    assert any(not torch.equal(first[k], b[k]) for k in b)  # the resumed iteration trained
-    assert last_a["iteration"] == last_b["iteration"] == 2
-    assert last_a["reward/total/mean"] == last_b["reward/total/mean"]
+    assert_resume_is_exact(REPO / "configs" / "flow_grpo.yaml",
+                           lambda out: _video_overrides(wan, video_prompts, out), tmp_path)
 
 
 def test_wan_flow_grpo_recipe_trains_and_the_lora_loads_in_stock_diffusers(tmp_path, wan, video_prompts):

@@ -20,9 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import check_inputs, register_reward
+from .base import check_batch_size, check_inputs, register_reward
 from .clipscore import _as_dtype, _check_folder, _pooled, clip_preprocess
-from .hps import _check_batch_size
 
 __all__ = ["AestheticScore", "aesthetic", "aesthetic_mlp"]
 
@@ -97,7 +96,7 @@ class AestheticScore:
             raise ValueError(
                 f"aesthetic: the head takes {head_dim}-d embeddings but the CLIP model gives {embed_dim}-d"
             )
-        self.batch_size = _check_batch_size(batch_size, "aesthetic")
+        self.batch_size = check_batch_size(batch_size, "aesthetic")
         self.device = torch.device(device)
         self.dtype = _as_dtype(dtype)
         self.clip = clip.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
@@ -162,7 +161,7 @@ def aesthetic(
             size differs from CLIP's embedding size, or bad `dtype` / `batch_size`.
         OSError: no image processor config in `clip_path`.
     """
-    _check_batch_size(batch_size, "aesthetic")
+    check_batch_size(batch_size, "aesthetic")
     _as_dtype(dtype)
     from .convert import load_state_dict  # not at the top: `python -m rewards.convert` runs without a double import
 

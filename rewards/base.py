@@ -28,12 +28,14 @@ __all__ = [
     "RewardTypeError",
     "WeightedSum",
     "build_reward",
+    "check_batch_size",
     "check_inputs",
     "check_scores",
     "accepts_video",
     "is_integer",
     "register_reward",
     "reward_name",
+    "score_in_chunks",
 ]
 
 
@@ -134,6 +136,37 @@ def register_reward(
 def accepts_video(reward: Callable) -> bool:
     """Whether `reward` scores `(B, F, 3, H, W)` videos: its `accepts_video` attribute, False when absent."""
     return bool(getattr(reward, "accepts_video", False))
+
+
+def check_batch_size(batch_size: Any, reward: str) -> int | None:
+    """A reward's ``batch_size`` option (images per model forward): an integer >= 1, or None for all at once.
+
+    Returns:
+        `batch_size`, unchanged.
+
+    Raises:
+        ValueError: naming `reward`, for anything else.
+    """
+    if batch_size is not None and (not is_integer(batch_size) or batch_size < 1):
+        raise ValueError(f"{reward}: batch_size must be an integer >= 1 or null, got {batch_size!r}")
+    return batch_size
+
+
+def score_in_chunks(score: Callable[[torch.Tensor, Sequence[str]], torch.Tensor], images: torch.Tensor,
+                    prompts: Sequence[str], batch_size: int | None) -> torch.Tensor:
+    """``score(images, prompts)`` over consecutive chunks of `batch_size` images (None: one call), concatenated.
+
+    Args:
+        score: scores a chunk, `(b, ...)` images and `b` prompts -> `(b,)`.
+        images (`torch.Tensor` of shape `(B, ...)`), prompts (`Sequence[str]` of length `B`).
+        batch_size (`int` or None): images per call.
+
+    Returns:
+        `torch.Tensor` of shape `(B,)` (`(0,)` float32 for an empty batch).
+    """
+    size = batch_size or max(1, len(prompts))
+    chunks = [score(images[i : i + size], prompts[i : i + size]) for i in range(0, len(prompts), size)]
+    return torch.cat(chunks) if chunks else torch.zeros(0)
 
 
 def reward_name(reward: Callable) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import check_inputs, is_integer, register_reward
+from .base import check_batch_size, check_inputs, register_reward, score_in_chunks
 
 __all__ = ["ClipScore", "clip_preprocess", "clipscore"]
 
@@ -170,9 +170,7 @@ class ClipScore:
     ):
         if len(image_mean) != 3 or len(image_std) != 3:
             raise ValueError(f"image_mean and image_std need 3 values, got {image_mean!r} and {image_std!r}")
-        if batch_size is not None and (not is_integer(batch_size) or batch_size < 1):
-            raise ValueError(f"{self.name}: batch_size must be an integer >= 1 or null, got {batch_size!r}")
-        self.batch_size = batch_size
+        self.batch_size = check_batch_size(batch_size, self.name)
         self.device = torch.device(device)
         self.dtype = _as_dtype(dtype)
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
@@ -199,9 +197,7 @@ class ClipScore:
         self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
     ) -> torch.Tensor:
         check_inputs(images, prompts, metadata)
-        size = self.batch_size or max(1, len(prompts))
-        return torch.cat([self._score(images[i : i + size], prompts[i : i + size]) for i in range(0, len(prompts), size)]
-                         or [torch.zeros(0)])
+        return score_in_chunks(self._score, images, prompts, self.batch_size)
 
     def _score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """One chunk: `(b, 3, H, W)` images and `b` prompts -> `(b,)` float32 CPU scores."""

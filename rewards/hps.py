@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from .base import check_inputs, is_integer, register_reward
+from .base import check_batch_size, check_inputs, register_reward, score_in_chunks
 from .clipscore import _as_dtype
 
 __all__ = ["HPS_FILES", "HPS_REPO", "HPSv2", "hps_preprocess", "hpsv2"]
@@ -104,7 +104,7 @@ class HPSv2:
     ):
         import open_clip
 
-        self.batch_size = _check_batch_size(batch_size)
+        self.batch_size = check_batch_size(batch_size, "hpsv2")
         self.device = torch.device(device)
         self.dtype = _as_dtype(dtype)
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
@@ -124,9 +124,7 @@ class HPSv2:
         self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
     ) -> torch.Tensor:
         check_inputs(images, prompts, metadata)
-        size = self.batch_size or max(1, len(prompts))
-        chunks = [self._score(images[i : i + size], prompts[i : i + size]) for i in range(0, len(prompts), size)]
-        return torch.cat(chunks) if chunks else torch.zeros(0)
+        return score_in_chunks(self._score, images, prompts, self.batch_size)
 
     def _score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """One chunk: `(b, 3, H, W)` images and `b` prompts -> `(b,)` float32 CPU cosines."""
@@ -134,12 +132,6 @@ class HPSv2:
         image = self.model.encode_image(self.preprocess(images))  # (b, D)
         text = self.model.encode_text(tokens)  # (b, D)
         return (F.normalize(image.float(), dim=-1) * F.normalize(text.float(), dim=-1)).sum(-1).cpu()
-
-
-def _check_batch_size(batch_size: Any, reward: str = "hpsv2") -> int | None:
-    if batch_size is not None and (not is_integer(batch_size) or batch_size < 1):
-        raise ValueError(f"{reward}: batch_size must be an integer >= 1 or null, got {batch_size!r}")
-    return batch_size
 
 
 def _checkpoint_file(model_path: str | os.PathLike | None, version: str) -> Path:
@@ -214,7 +206,7 @@ def hpsv2(
     """
     if version not in HPS_FILES:
         raise ValueError(f"hpsv2: version must be one of {sorted(HPS_FILES)}, got {version!r}")
-    _check_batch_size(batch_size)
+    check_batch_size(batch_size, "hpsv2")
     _as_dtype(dtype)
     import open_clip
 

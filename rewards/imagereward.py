@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import check_inputs, is_integer, register_reward
+from .base import check_batch_size, check_inputs, register_reward, score_in_chunks
 from .clipscore import _as_dtype
 
 __all__ = [
@@ -253,8 +253,7 @@ class ImageReward:
 
     def __init__(self, model: ImageRewardModel, tokenizer: Any, device: str | torch.device = "cpu",
                  dtype: torch.dtype | str = torch.float32, batch_size: int | None = None):
-        if batch_size is not None and (not is_integer(batch_size) or batch_size < 1):
-            raise ValueError(f"imagereward: batch_size must be an integer >= 1 or null, got {batch_size!r}")
+        check_batch_size(batch_size, "imagereward")
         vocab = model.config.text_config.vocab_size
         if len(tokenizer) > vocab:
             raise ValueError(f"imagereward: the tokenizer has {len(tokenizer)} tokens, the model only {vocab}; "
@@ -295,9 +294,7 @@ class ImageReward:
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> torch.Tensor:
         check_inputs(images, prompts, metadata)
-        size = self.batch_size or max(1, len(prompts))
-        chunks = [self._score(images[i : i + size], prompts[i : i + size]) for i in range(0, len(prompts), size)]
-        return torch.cat(chunks or [torch.zeros(0)])
+        return score_in_chunks(self._score, images, prompts, self.batch_size)
 
     def _score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """One chunk: `(b, 3, H, W)` images and `b` prompts -> `(b,)` float32 CPU scores."""

@@ -28,6 +28,7 @@ from .base import (
     RewardTypeError,
     accepts_video,
     build_reward,
+    check_batch_size,
     check_inputs,
     check_scores,
     is_integer,
@@ -39,11 +40,6 @@ from .clipscore import ClipScore, _as_dtype, _pooled
 __all__ = ["ClipTemporal", "Frames", "Motion", "clip_temporal", "frame_indices", "frames", "motion"]
 
 AGGREGATES = ("mean", "min", "sample")
-
-
-def _check_batch_size(name: str, batch_size: Any) -> None:
-    if batch_size is not None and (not is_integer(batch_size) or batch_size < 1):
-        raise ValueError(f"{name}: batch_size must be an integer >= 1 or null, got {batch_size!r}")
 
 
 def _chunks(count: int, size: int | None) -> list[slice]:
@@ -221,7 +217,7 @@ class ClipTemporal:
     ):
         if len(image_mean) != 3 or len(image_std) != 3:
             raise ValueError(f"image_mean and image_std need 3 values, got {image_mean!r} and {image_std!r}")
-        _check_batch_size(self.name, batch_size)
+        check_batch_size(batch_size, self.name)
         self.batch_size = batch_size
         self.device = torch.device(device)
         self.dtype = _as_dtype(dtype)
@@ -373,7 +369,7 @@ class Motion:
             raise ValueError(f"motion: num_flow_updates must be an integer >= 1, got {num_flow_updates!r}")
         if direction not in DIRECTIONS:
             raise ValueError(f"motion: direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
-        _check_batch_size(self.name, batch_size)
+        check_batch_size(batch_size, self.name)
         self.size = None if size is None else (int(size[0]), int(size[1]))
         self.num_flow_updates, self.normalize, self.direction = int(num_flow_updates), bool(normalize), direction
         self.device, self.batch_size = torch.device(device), batch_size

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from .base import check_inputs, is_integer, register_reward
+from .base import check_batch_size, check_inputs, is_integer, register_reward
 from .clipscore import _as_dtype
-from .video import _check_batch_size, _check_folder, _chunks, frame_indices
+from .video import _check_folder, _chunks, frame_indices
 
 __all__ = ["DIMENSIONS", "VideoAlign", "videoalign"]
 
@@ -110,7 +110,7 @@ class VideoAlign:
         for option, value in (("num_frames", num_frames), ("max_pixels", max_pixels)):
             if value is not None and (not is_integer(value) or value < 1):
                 raise ValueError(f"videoalign: {option} must be an integer >= 1 or null, got {value!r}")
-        _check_batch_size(self.name, batch_size)
+        check_batch_size(batch_size, self.name)
         self.reward_token, self.prompt_template = reward_token, prompt_template
         self.processor, self.num_frames, self.max_pixels, self.batch_size = processor, num_frames, max_pixels, batch_size
         self.device, self.dtype = torch.device(device), _as_dtype(dtype)

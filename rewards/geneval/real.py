@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..base import is_integer
+from ..base import check_batch_size, is_integer
 from . import COUNTING_THRESHOLD, THRESHOLD
 from .rules import Detection
 
@@ -568,8 +568,7 @@ def load_real_detector(
 
     if segmenter_size is not None and (not is_integer(segmenter_size) or segmenter_size < 32):
         raise ValueError(f"geneval: segmenter_size must be an integer >= 32 or null, got {segmenter_size!r}")
-    if batch_size is not None and (not is_integer(batch_size) or batch_size < 1):
-        raise ValueError(f"geneval: batch_size must be an integer >= 1 or null, got {batch_size!r}")
+    check_batch_size(batch_size, "geneval")
     seg_dir = _config(segmenter_path, "segmenter_path", "mask2former", "facebook/mask2former-swin-small-coco-instance")
     clip_dir = _config(clip_path, "clip_path", "clip", "openai/clip-vit-large-patch14")
     try:

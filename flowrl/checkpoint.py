@@ -144,7 +144,7 @@ def _fsync_tree(folder: Path) -> None:
 
 
 def save_checkpoint(directory: str | Path, iteration: int, params: dict[str, torch.Tensor],
-                    optimizer: torch.optim.Optimizer, ema: dict[str, torch.Tensor] | None = None,
+                    optimizer: torch.optim.Optimizer | dict, ema: dict[str, torch.Tensor] | None = None,
                     extra: dict | None = None, write_extra_files: Callable[[Path], None] | None = None) -> Path:
     """Write ``directory/checkpoint-{iteration:06d}`` atomically.
 
@@ -158,7 +158,8 @@ def save_checkpoint(directory: str | Path, iteration: int, params: dict[str, tor
         directory (`str` or `Path`): the run's checkpoint folder (created if missing).
         iteration (`int`): iterations completed, `>= 0`; names the folder.
         params (`dict[str, torch.Tensor]`): trainable tensors by name (saved as float32 safetensors).
-        optimizer (`torch.optim.Optimizer`): its state is flattened to tensors (safetensors) and JSON.
+        optimizer (`torch.optim.Optimizer` or `dict`): the optimizer, or its ``state_dict()`` (whole tensors: what
+            :meth:`flowrl.policy.Policy.save` gathers under FSDP2); flattened to tensors (safetensors) and JSON.
         ema (`dict[str, torch.Tensor]`, optional): EMA shadow tensors by name.
         extra (`dict`, optional): JSON-serialisable state (e.g. schedule state) stored beside the RNG states.
         write_extra_files (callable, optional): called with the temp folder to add files (e.g. the LoRA in
@@ -176,7 +177,7 @@ def save_checkpoint(directory: str | Path, iteration: int, params: dict[str, tor
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file({k: v.detach().float().contiguous().cpu() for k, v in params.items()}, tmp / "trainable.safetensors")
-    tensors, meta = _flatten_optimizer(optimizer.state_dict())
+    tensors, meta = _flatten_optimizer(optimizer if isinstance(optimizer, dict) else optimizer.state_dict())
     save_file({k: v.cpu() for k, v in tensors.items()}, tmp / "optimizer.safetensors")
     if ema is not None:
         save_file({k: v.detach().cpu().contiguous() for k, v in ema.items()}, tmp / "ema.safetensors")
@@ -298,7 +299,7 @@ def load_checkpoint(path: str | Path, params: dict[str, torch.Tensor], optimizer
     Args:
         path (`str` or `Path`): a folder written by :func:`save_checkpoint`.
         params (`dict[str, torch.Tensor]`): the trainable tensors, overwritten in place.
-        optimizer (`torch.optim.Optimizer`): its state is replaced.
+        optimizer (`torch.optim.Optimizer`, or an object with its ``load_state_dict``): its state is replaced.
         ema (`dict[str, torch.Tensor]`, optional): EMA tensors, overwritten in place (from the saved EMA, or
             from the restored `params` when the checkpoint has none).
 

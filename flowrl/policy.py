@@ -3,8 +3,10 @@ weights, the minibatch schedule shared by every process, and the sum of the grad
 
 A method (:mod:`flowrl.methods`) computes a loss per (micro-)batch, back-propagates it through
 :meth:`Policy.backward` and calls :meth:`Policy.step` once per minibatch; the trainer never touches gradients.
-Under several processes the transformer is wrapped by accelerate (``accelerator.prepare_model``: DDP), whose
-backward averages the gradients over processes; micro-batches accumulate under ``accelerator.no_sync``.
+Under several processes the transformer is wrapped by accelerate: DDP (``accelerator.prepare_model``), or FSDP2
+(``accelerator.prepare``, :mod:`flowrl.sharding`: weights, gradients and optimizer state sharded, the weights kept
+gathered between optimizer steps); either way its backward averages the gradients over processes and micro-batches
+accumulate under ``accelerator.no_sync``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .sharding import full, full_optimizer_state, is_fsdp2, keep_gathered, regather, shard_like, shard_optimizer_state
 
 
 def minibatch_sizes(counts: torch.Tensor, size: int) -> torch.Tensor:
@@ -30,25 +35,46 @@ def minibatch_sizes(counts: torch.Tensor, size: int) -> torch.Tensor:
     return torch.stack([torch.clamp(int(c) - torch.arange(steps) * size, 0, size) for c in counts])
 
 
-def check_accelerate_engine(accelerator) -> None:
-    """Refuse an accelerate launch that shards the model (FSDP, DeepSpeed, Megatron-LM): flowrl trains
-    data-parallel, every process holding the whole model (DDP, ``configs/accelerate/ddp.yaml``).
+def check_accelerate_engine(accelerator, step_grad_norms: str = "none") -> None:
+    """Check accelerate's engine before any weights load: DDP (``configs/accelerate/ddp.yaml``) and FSDP2 with the
+    weights kept gathered between optimizer steps (``configs/accelerate/fsdp2.yaml``, :mod:`flowrl.sharding`) run;
+    FSDP1, FSDP2 resharding after each forward, DeepSpeed and Megatron-LM are refused.
 
-    Sharding needs every process to make the same forward calls in the same order (the rollouts, trees,
-    evaluation splits and reference-policy calls of flowrl do not promise that yet), and the trainable
-    parameters gathered for checkpoints and LoRA files; until then it is refused here, before any weights load.
-    accelerate 1.15 itself runs FSDP only on accelerator devices: with ``--cpu`` it falls back to DDP.
+    FSDP2 resharding after a forward would all-gather in every forward, a collective call every process must make
+    in the same order, and flowrl's processes make different numbers of forwards (their own transitions, their share
+    of the evaluation, the main process's grids). DeepSpeed's engine owns the backward and the optimizer step (its
+    ZeRO-2 is what FSDP2 without resharding gives here). accelerate 1.15 runs FSDP only on accelerator devices: with
+    ``--cpu`` it falls back to DDP.
+
+    Args:
+        step_grad_norms: ``train.step_grad_norms``; ``params`` (a backward per denoising step through the sharded
+            weights) is refused under FSDP2.
 
     Raises:
-        ConfigError: naming the launch setting, for an FSDP, DeepSpeed or Megatron-LM launch.
+        ConfigError: naming the launch setting (or ``train.step_grad_norms``) and what to use instead.
     """
     from .config import ConfigError
 
-    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type))
-    if kind.upper() in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
-        raise ConfigError(f"accelerate launch uses {kind} (accelerate config / --use_fsdp / --use_deepspeed): flowrl "
-                          "trains data-parallel (DDP) only, every process holding the whole model; launch with "
-                          "configs/accelerate/ddp.yaml or plain --multi_gpu")
+    kind = str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)).upper()
+    if kind == "FSDP":
+        plugin = accelerator.state.fsdp_plugin
+        if getattr(plugin, "fsdp_version", 1) != 2:
+            raise ConfigError("accelerate launch uses FSDP version 1 (fsdp_config.fsdp_version): flowrl runs FSDP2; "
+                              "launch with configs/accelerate/fsdp2.yaml (fsdp_version: 2, "
+                              "fsdp_reshard_after_forward: false)")
+        if plugin.reshard_after_forward is not False:
+            raise ConfigError(f"accelerate's FSDP2 reshards after each forward (fsdp_config.fsdp_reshard_after_forward"
+                              f" = {plugin.reshard_after_forward!r}), which needs every process to make the same "
+                              "forwards in the same order, and flowrl's processes do not: set "
+                              "fsdp_reshard_after_forward: false (configs/accelerate/fsdp2.yaml)")
+        if step_grad_norms == "params":
+            raise ConfigError("config key 'train.step_grad_norms' is 'params', which back-propagates through the "
+                              "FSDP2-sharded weights once per denoising step: use velocity or none under FSDP2")
+    elif kind in ("DEEPSPEED", "MEGATRON_LM"):
+        raise ConfigError(f"accelerate launch uses {kind} (accelerate config / --use_deepspeed): flowrl runs DDP "
+                          "(configs/accelerate/ddp.yaml) or FSDP2 (configs/accelerate/fsdp2.yaml, the ZeRO-2 "
+                          "sharding of gradients and optimizer state); DeepSpeed's engine would own the backward and "
+                          "the optimizer step")
 
 
 def check_accelerate_precision(accelerator, run_precision: str) -> None:
@@ -130,13 +156,24 @@ class Policy:
     def __init__(self, model, train, precision: str, accelerator):
         self.model, self.cfg, self.precision, self.accelerator = model, train, precision, accelerator
         self.device = accelerator.device
+        self.sharded = is_fsdp2(accelerator)
+        params = [p for p in model.transformer.parameters() if p.requires_grad]
+        self.wrapped = None  # DDP or FSDP2 over the processes; None with one process
+        self._null = None  # the empty prompt's embedding, for the zero-gradient pass of a process without rows
+        if self.sharded:  # FSDP2 shards the transformer in place and points the optimizer at the shards
+            transformer, self.optimizer = accelerator.prepare(model.transformer, build_optimizer(params, train))
+            if transformer is not model.transformer:
+                raise RuntimeError("accelerate's FSDP2 preparation returned another module than the transformer")
+            self.wrapped = model.wrapped = transformer
+        else:
+            self.optimizer = accelerator.prepare(build_optimizer(params, train))
+        # the optimizer's parameters (FSDP2: this process's shards), by name
         self.params = {n: p for n, p in model.transformer.named_parameters() if p.requires_grad}
-        self.optimizer = accelerator.prepare(build_optimizer(self.params.values(), train))
-        self.ema = {n: p.detach().clone() for n, p in self.params.items()} if train.ema_decay > 0 else None
-        self.wrapped = None  # DDP over the processes; None with one process
-        if accelerator.num_processes > 1:
+        if self.sharded:
+            keep_gathered(model.transformer)
+        elif accelerator.num_processes > 1:
             self.wrapped = model.wrapped = accelerator.prepare_model(model.transformer, device_placement=False)
-            self._null = None  # the empty prompt's embedding, for the zero-gradient pass of a process without rows
+        self.ema = self.copy() if train.ema_decay > 0 else None
 
     def autocast(self, precision: str | None = None):
         """bf16 autocast for ``precision`` (default ``run.mixed_precision``; ``no`` or ``bf16``): ``no`` leaves the
@@ -199,9 +236,11 @@ class Policy:
         params = list(self.params.values())
         if loss is None and self.wrapped is not None:
             self._zero_backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm)
+        grad_norm = full(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.sharded:  # the shards moved: gather the weights the forwards use
+            regather(self.model.transformer)
         if self.ema is not None:
             self.move_towards(self.ema, self.cfg.ema_decay)
         stats["policy/grad_norm"].append(grad_norm.item())
@@ -219,38 +258,72 @@ class Policy:
         self.accelerator.backward(v.sum() * 0.0)
 
     # ---------------------------------------------------------------------------- held weights
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The trainable tensors the forwards use, whole, by name: :attr:`params` itself, or under FSDP2 the gathered
+        weights (equal to the shards after every optimizer step; no communication)."""
+        if not self.sharded:
+            return self.params
+        return {n: p for n, p in self.model.transformer.named_parameters() if n in self.params}
+
     @torch.no_grad()
     def move_towards(self, store: dict[str, torch.Tensor], decay: float) -> None:
         """``store <- decay store + (1 - decay) theta`` for every trainable tensor (the EMA, DiffusionNFT's old policy)."""
-        for n, p in self.params.items():
+        for n, p in self.weights().items():
             store[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
 
     def copy(self) -> dict[str, torch.Tensor]:
-        """A detached copy of the trainable tensors (by name)."""
-        return {n: p.detach().clone() for n, p in self.params.items()}
+        """A detached copy of the trainable tensors, whole (by name)."""
+        return {n: p.detach().clone() for n, p in self.weights().items()}
 
     @contextlib.contextmanager
     def holding(self, weights: dict[str, torch.Tensor] | None):
-        """Context in which the trainable parameters hold ``weights`` (same names; no-op for None)."""
+        """Context in which the forwards use ``weights`` (same names, whole; no-op for None). Under FSDP2 only the
+        gathered weights change, not the shards: no communication, so one process may hold weights alone."""
         if weights is None:
             yield
             return
         backup = self.copy()
         with torch.no_grad():
-            for n, p in self.params.items():
+            for n, p in self.weights().items():
                 p.copy_(weights[n])
         try:
             yield
         finally:
             with torch.no_grad():
-                for n, p in self.params.items():
+                for n, p in self.weights().items():
                     p.copy_(backup[n])
 
     def ema_weights(self):
         """Context in which the trainable parameters hold their EMA (no-op without EMA)."""
         return self.holding(self.ema)
 
-    # ---------------------------------------------------------------------------------- resume
+    # ----------------------------------------------------------------------------- checkpoints
+    def save(self, directory: Path, iteration: int, extra: dict, write_extra_files) -> Path | None:
+        """Checkpoint the trainable weights (whole), the optimizer state (whole: gathered from the shards under FSDP2)
+        and the EMA with :func:`flowrl.checkpoint.save_checkpoint`, written by the main process. Every process calls
+        it (the gathering is collective); returns the folder on the main process, None on the others."""
+        optimizer = full_optimizer_state(self.optimizer.state_dict()) if self.sharded else self.optimizer
+        if not self.accelerator.is_main_process:
+            return None
+        return save_checkpoint(directory, iteration, self.weights(), optimizer, self.ema, extra=extra,
+                               write_extra_files=write_extra_files)
+
+    def load(self, path: Path) -> dict:
+        """Restore a checkpoint of :meth:`save` (:func:`flowrl.checkpoint.load_checkpoint`) on every process, then the
+        config's optimizer settings (:meth:`apply_optimizer_config`); under FSDP2 each process keeps its shard of the
+        whole tensors it read. Returns the checkpoint's JSON state.
+
+        Raises:
+            CheckpointError: as :func:`flowrl.checkpoint.load_checkpoint`.
+        """
+        state = load_checkpoint(path, self.weights(), _ShardingLoader(self) if self.sharded else self.optimizer, self.ema)
+        if self.sharded:
+            with torch.no_grad():
+                for n, w in self.weights().items():
+                    self.params[n].copy_(shard_like(w.detach(), self.params[n]))
+        self.apply_optimizer_config(path)
+        return state
+
     def apply_optimizer_config(self, path: Path) -> None:
         """Set AdamW's learning rate, betas and weight decay to the config's after a resume (a restored optimizer
         state carries the checkpoint's), warning which of them the resumed config changes."""
@@ -272,3 +345,15 @@ class Policy:
         the EMA and `extra_copies` more copies."""
         copies = 1 + (0.5 if self.cfg.optimizer == "adamw_8bit" else 2) + (self.ema is not None) + extra_copies
         return copies * sum(t.numel() * t.element_size() for t in self.params.values()) / 2**20
+
+
+class _ShardingLoader:
+    """Loads a whole-tensor optimizer ``state_dict`` into the FSDP2 policy's optimizer, each state tensor sharded like
+    its parameter (:func:`flowrl.sharding.shard_optimizer_state`)."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+
+    def load_state_dict(self, state: dict) -> None:
+        params = list(self.policy.params.values())
+        self.policy.optimizer.load_state_dict(shard_optimizer_state(state, params))

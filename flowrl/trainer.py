@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from rewards import RewardTypeError, WeightedSum, build_reward
 
-from .checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint
+from .checkpoint import prune_checkpoints
 from .config import Config, ConfigError, resolve_path, save_config
 from .data import read_prompts
 from .evaluate import evaluate, evaluate_reward, generate
@@ -84,7 +84,7 @@ class Trainer:
                                              project_config=ProjectConfiguration(str(self.out), str(self.out / "tensorboard")))
         self.trackers = Trackers(acc, cfg.run.log_with)
         self.run = RunFolder(self.out, acc, cfg.run.resume)  # not in use, no other run, writable: before any work
-        check_accelerate_engine(acc)
+        check_accelerate_engine(acc, cfg.train.step_grad_norms)
         check_accelerate_precision(acc, cfg.run.mixed_precision)
         check_optimizer(cfg.train.optimizer, acc.device)
         self.device = acc.device
@@ -323,19 +323,15 @@ class Trainer:
     # ----------------------------------------------------------------------------------- bookkeeping
     def _save(self, iteration: int, elapsed: float) -> None:
         """Checkpoint ``iteration``: the policy, its optimizer and EMA, the method's state and files, the LoRA."""
-        if not self.accelerator.is_main_process:
-            return
-
         def write_extra(folder: Path) -> None:  # inside the checkpoint before it is sealed
             if self.cfg.model.lora_rank > 0:
-                with self.policy.ema_weights():
-                    self.model.save_lora(folder / "lora")
+                self.model.save_lora(folder / "lora", self.policy.ema or self.policy.weights())
             self.method.save_files(folder)
 
-        p = self.policy
-        saved = save_checkpoint(self.out / "checkpoints", iteration, p.params, p.optimizer, p.ema,
-                                extra={"elapsed_s": elapsed, **self.method.state_dict()}, write_extra_files=write_extra)
-        if self.cfg.run.keep_checkpoints:
+        # every process: under FSDP2 the optimizer state is gathered from the shards; the main process writes
+        saved = self.policy.save(self.out / "checkpoints", iteration, {"elapsed_s": elapsed, **self.method.state_dict()},
+                                 write_extra)
+        if saved is not None and self.cfg.run.keep_checkpoints:
             prune_checkpoints(self.out / "checkpoints", self.cfg.run.keep_checkpoints, just_saved=saved)
 
     def _maybe_resume(self) -> tuple[int, float]:
@@ -344,8 +340,7 @@ class Trainer:
         path = self.run.checkpoint_to_resume()
         if path is None:
             return 0, 0.0
-        state = load_checkpoint(path, self.policy.params, self.policy.optimizer, self.policy.ema)
-        self.policy.apply_optimizer_config(path)
+        state = self.policy.load(path)
         self.method.load_state_dict(state["extra"])
         self.method.load_files(path)
         self.run.resumed(state["iteration"])
@@ -364,8 +359,8 @@ class Trainer:
         before, after = load_file(self.out / "grid_before.safetensors")["images"], self.grid_images()
         self.trackers.log_images("grid/after", after, self.cfg.run.iterations)
         save_grid(before, after, [m["prompt"] for m in self._grid_metas()], self.out / "grid.png")
-        with self.policy.ema_weights():
-            if self.cfg.model.lora_rank > 0:
-                self.model.save_lora(self.out / "lora")
-            else:
-                self.model.save_pipeline(self.out / "pipeline")
+        if self.cfg.model.lora_rank > 0:
+            self.model.save_lora(self.out / "lora", self.policy.ema or self.policy.weights())
+        else:
+            with self.policy.ema_weights():
+                self.model.save_pipeline(self.out / "pipeline", plain_copy=self.policy.sharded)

@@ -1,7 +1,8 @@
 """Worker of tests/test_distributed.py, launched by torchrun: ``python distributed_worker.py CONFIG OUT [key=value ...]``.
 
 Trains with the given config, then writes this process's trainable parameters and evaluation results to
-``OUT/rank{r}.safetensors`` and ``OUT/rank{r}.json``.
+``OUT/rank{r}.safetensors`` and ``OUT/rank{r}.json``. With ``FLOWRL_TEST_FSDP2=1`` accelerate's FSDP2 path runs on
+the CPU (:func:`force_cpu_fsdp2`).
 """
 
 import json
@@ -10,6 +11,47 @@ import sys
 
 import torch
 from safetensors.torch import save_file
+
+from flowrl.sharding import full
+
+
+def force_cpu_fsdp2() -> None:
+    """Make every ``accelerate.Accelerator`` built from now on shard with FSDP2 on the CPU processes.
+
+    accelerate 1.15 turns an FSDP launch into FSDP only on accelerator devices (``MULTI_GPU`` and kin); on CPU processes
+    it stays ``MULTI_CPU`` (DDP). PyTorch's ``fully_shard`` itself runs on gloo, so after accelerate has set the
+    processes up, its shared state is switched to FSDP with the plugin that ``accelerate launch --config_file
+    configs/accelerate/fsdp2.yaml`` gives (the launcher's environment, :func:`fsdp2_launch_env`): from there on
+    ``Accelerator.prepare``, ``no_sync`` and ``backward`` take their FSDP2 paths, as on GPUs.
+    """
+    import accelerate
+    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    class CPUFSDP2Accelerator(accelerate.Accelerator):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            os.environ.update(fsdp2_launch_env())
+            plugin = FullyShardedDataParallelPlugin()  # read from the launcher's FSDP_* variables
+            for state in (PartialState(), AcceleratorState()):  # AcceleratorState() re-reads PartialState's fields
+                state.distributed_type = DistributedType.FSDP
+            AcceleratorState().fsdp_plugin = plugin
+
+    accelerate.Accelerator = CPUFSDP2Accelerator
+
+
+def fsdp2_launch_env() -> dict[str, str]:
+    """The ``FSDP_*`` environment ``accelerate launch --config_file configs/accelerate/fsdp2.yaml`` gives its processes."""
+    from pathlib import Path
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    config = Path(__file__).parent.parent / "configs/accelerate/fsdp2.yaml"
+    args = launch_command_parser().parse_args(["--config_file", str(config), "train.py"])
+    _validate_launch_command(args)
+    return {k: v for k, v in prepare_multi_gpu_env(args).items() if "FSDP" in k}
 
 
 def rank_reward(images, prompts, metadata):
@@ -35,7 +77,7 @@ def split_gradient(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     every_third = torch.arange(len(ro)) % 3 == 0
     grads = []
     step = trainer.policy.optimizer.step
-    trainer.policy.optimizer.step = lambda *a, **k: grads.append([p.grad.clone() for p in trainer.policy.params.values()])
+    trainer.policy.optimizer.step = lambda *a, **k: grads.append([full(p.grad).clone() for p in trainer.policy.params.values()])
     size = trainer.cfg.train.minibatch_size
     trainer.cfg.train.minibatch_size = len(ro)  # one optimizer step
     try:
@@ -54,12 +96,14 @@ def main() -> None:
     from flowrl.evaluate import sharded
     from flowrl.trainer import Trainer
 
+    if os.environ.get("FLOWRL_TEST_FSDP2") == "1":
+        force_cpu_fsdp2()
     config, out, *overrides = sys.argv[1:]
     trainer = Trainer(load_config(config, overrides))
     rank = trainer.accelerator.process_index
     split_grads, whole_grads = ([], []) if trainer.cfg.train.method == "nft" else split_gradient(trainer)  # at the initial weights
     result = trainer.train()
-    save_file({n: p.detach().contiguous() for n, p in trainer.policy.params.items()}, f"{out}/rank{rank}.safetensors")
+    save_file({n: p.detach().contiguous() for n, p in trainer.policy.weights().items()}, f"{out}/rank{rank}.safetensors")
     save_file({**{f"split.{i}": g for i, g in enumerate(split_grads)}, **{f"whole.{i}": g for i, g in enumerate(whole_grads)}},
               f"{out}/grads{rank}.safetensors")
     calls = []  # items 0..6 over 2 processes: 4 and 3 items, gathered back in item order

@@ -30,7 +30,24 @@ def two_process_run(tmp_path_factory, random_pipeline, prompt_files):
         # step weights normalised over both processes' minibatch; each minibatch accumulated in parts of 3
         "train.step_weighting": "noise_aware", "train.micro_batch_size": 3})
     _launch(tmp, overrides)
+    (tmp / "overrides.json").write_text(json.dumps(overrides))
     return tmp, overrides
+
+
+def _fixture_overrides(folder: Path) -> list[str]:
+    """The overrides :func:`two_process_run` trained ``folder`` with."""
+    return json.loads((folder / "overrides.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory, two_process_run):
+    """The DDP run's config and data under FSDP2 (accelerate's FSDP2 path forced onto the CPU processes)."""
+    ddp, overrides = two_process_run
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    (tmp / "c.yaml").write_text((ddp / "c.yaml").read_text())
+    overrides = [o for o in overrides if not o.startswith("run.output_dir=")] + [f"run.output_dir={tmp / 'run'}"]
+    _launch(tmp, overrides, fsdp2=True)
+    return tmp, ddp
 
 
 def _env() -> dict[str, str]:
@@ -38,9 +55,11 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
 
 
-def _launch(tmp: Path, overrides: list[str]) -> None:
-    """Train ``tmp/c.yaml`` with ``overrides`` in two torchrun processes (see distributed_worker.py)."""
-    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+def _launch(tmp: Path, overrides: list[str], fsdp2: bool = False) -> None:
+    """Train ``tmp/c.yaml`` with ``overrides`` in two torchrun processes (see distributed_worker.py), under FSDP2 when
+    ``fsdp2``, else DDP."""
+    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+           "FLOWRL_TEST_FSDP2": "1" if fsdp2 else "0"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         str(HERE / "distributed_worker.py"), str(tmp / "c.yaml"), str(tmp), *overrides],
                        capture_output=True, text=True, env=env, timeout=600)
@@ -133,3 +152,80 @@ def test_flowrl_eval_under_torchrun_equals_one_process(tmp_path, random_pipeline
     r2, r1 = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("two", "one"))
     assert r2["n_images"] == r1["n_images"] == 12
     assert r2["per_tag"] == r1["per_tag"] and r2["dense_per_tag"] == r1["dense_per_tag"]
+
+
+def test_fsdp2_trains_the_weights_ddp_trains(fsdp2_run):
+    """Under FSDP2 (weights, gradients and AdamW state sharded over the two processes) the run takes the same
+    optimizer steps as under DDP: identical weights on both processes, equal to DDP's within float tolerance
+    (reduce-scatter and all-reduce add in other orders), the same evaluations, and a checkpoint of whole tensors."""
+    tmp, ddp = fsdp2_run
+    w0, w1 = load_file(tmp / "rank0.safetensors"), load_file(tmp / "rank1.safetensors")
+    ref = load_file(ddp / "rank0.safetensors")
+    assert w0.keys() == w1.keys() == ref.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert any(w0[k].abs().sum() > 0 for k in w0 if "lora_B" in k)
+    for k in w0:
+        torch.testing.assert_close(w0[k], ref[k], rtol=1e-4, atol=1e-6)
+    r0 = json.loads((tmp / "rank0.json").read_text())
+    assert r0["wrapped"].startswith("FSDP")  # fully_shard's class around the transformer
+    assert r0["before"] == json.loads((ddp / "rank0.json").read_text())["before"]
+    saved = load_file(tmp / "run/checkpoints/checkpoint-000003/trainable.safetensors")
+    assert saved.keys() == w0.keys() and all(torch.equal(saved[k], w0[k]) for k in w0)
+    moments = load_file(tmp / "run/checkpoints/checkpoint-000003/optimizer.safetensors")
+    assert {tuple(v.shape) for k, v in moments.items() if k.endswith("exp_avg")} == {tuple(v.shape) for v in w0.values()}
+
+
+def test_fsdp2_split_transitions_give_the_gradient_of_their_union(fsdp2_run, two_process_run):
+    """The sharded gradients, made whole, equal DDP's for the same split of one rollout's transitions."""
+    tmp, ddp = fsdp2_run
+    f0, f1, d0 = (load_file(p) for p in (tmp / "grads0.safetensors", tmp / "grads1.safetensors", ddp / "grads0.safetensors"))
+    assert f0.keys() == d0.keys() and len(f0) > 0
+    for k in f0:
+        assert torch.equal(f0[k], f1[k])
+        torch.testing.assert_close(f0[k], d0[k], rtol=1e-4, atol=1e-5 * d0[k].abs().max().item())
+
+
+def test_fsdp2_resume_continues_the_run(fsdp2_run, tmp_path):
+    """A two-process FSDP2 run resumed from its second checkpoint (whole weights and AdamW moments read back into
+    each process's shards) trains the third iteration to the weights of the run that never stopped."""
+    import shutil
+
+    tmp, ddp = fsdp2_run
+    shutil.copytree(tmp / "run", tmp_path / "run")
+    shutil.rmtree(tmp_path / "run/checkpoints/checkpoint-000003")
+    (tmp_path / "c.yaml").write_text((tmp / "c.yaml").read_text())
+    overrides = [o for o in _fixture_overrides(ddp) if not o.startswith("run.output_dir=")]
+    _launch(tmp_path, [*overrides, f"run.output_dir={tmp_path / 'run'}", "run.resume=true"], fsdp2=True)
+    straight, resumed = load_file(tmp / "rank0.safetensors"), load_file(tmp_path / "rank0.safetensors")
+    assert any(not torch.equal(straight[k], load_file(tmp / "run/checkpoints/checkpoint-000002/trainable.safetensors")[k])
+               for k in straight)  # the third iteration moved the weights
+    for k in straight:
+        torch.testing.assert_close(resumed[k], straight[k], rtol=1e-5, atol=1e-7)
+
+
+def test_fsdp2_full_fine_tuning_matches_ddp_and_exports_the_pipeline(tmp_path, two_process_run):
+    """Full fine-tuning (every transformer weight trained) under FSDP2 and under DDP from the same start: the same
+    weights within float tolerance, and FSDP2's exported pipeline holds the trained weights, whole."""
+    ddp_tmp, _ = two_process_run
+    overrides = [o for o in _fixture_overrides(ddp_tmp) if not o.startswith(("run.output_dir=", "run.iterations="))]
+    overrides += ["model.lora_rank=0", "run.iterations=2", "train.learning_rate=1e-4"]
+    runs = {}
+    for name, fsdp2 in (("ddp", False), ("fsdp2", True)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "c.yaml").write_text((ddp_tmp / "c.yaml").read_text())
+        _launch(tmp_path / name, [*overrides, f"run.output_dir={tmp_path / name / 'run'}"], fsdp2=fsdp2)
+        runs[name] = load_file(tmp_path / name / "rank0.safetensors")
+    assert runs["ddp"].keys() == runs["fsdp2"].keys() and len(runs["ddp"]) > 10
+    from diffusers import SD3Transformer2DModel
+
+    base = dict(SD3Transformer2DModel.from_pretrained(_fixture_pipeline(overrides), subfolder="transformer").named_parameters())
+    assert any(not torch.equal(runs["fsdp2"][k], base[k].detach()) for k in runs["fsdp2"])  # trained
+    for k in runs["ddp"]:
+        torch.testing.assert_close(runs["fsdp2"][k], runs["ddp"][k], rtol=1e-4, atol=1e-6)
+    exported = dict(SD3Transformer2DModel.from_pretrained(tmp_path / "fsdp2/run/pipeline", subfolder="transformer")
+                    .named_parameters())
+    assert all(torch.equal(exported[k].detach(), runs["fsdp2"][k]) for k in runs["fsdp2"])
+
+
+def _fixture_pipeline(overrides: list[str]) -> str:
+    """The ``model.path`` among ``overrides``."""
+    return next(o.split("=", 1)[1] for o in overrides if o.startswith("model.path="))

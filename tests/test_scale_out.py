@@ -63,14 +63,32 @@ def test_flat_config_gives_scalar_hyperparameters():
                                                                            "e": "x"}
 
 
-@pytest.mark.parametrize("kind", ["FSDP", "DEEPSPEED"])
-def test_a_sharded_accelerate_launch_is_refused_in_one_line(kind):
+def _launch(kind: str, **plugin):
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
 
+    return SimpleNamespace(distributed_type=DistributedType[kind], state=SimpleNamespace(fsdp_plugin=SimpleNamespace(**plugin)))
+
+
+def test_the_shipped_fsdp2_launch_passes_and_other_sharded_launches_are_refused_in_one_line(monkeypatch):
+    from accelerate import FullyShardedDataParallelPlugin
+
+    from distributed_worker import fsdp2_launch_env
     from flowrl.policy import check_accelerate_engine
 
-    with pytest.raises(ConfigError, match=f"uses {kind}.*data-parallel.*configs/accelerate/ddp.yaml"):
-        check_accelerate_engine(SimpleNamespace(distributed_type=DistributedType[kind]))
-    check_accelerate_engine(SimpleNamespace(distributed_type=DistributedType.MULTI_GPU))  # DDP passes
+    for key, value in fsdp2_launch_env().items():  # what `accelerate launch --config_file configs/accelerate/fsdp2.yaml` sets
+        monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is False
+    check_accelerate_engine(_launch("FSDP", fsdp_version=2, reshard_after_forward=plugin.reshard_after_forward))
+    check_accelerate_engine(_launch("MULTI_GPU"))  # DDP
+    with pytest.raises(ConfigError, match="FSDP version 1.*fsdp_version.*configs/accelerate/fsdp2.yaml"):
+        check_accelerate_engine(_launch("FSDP", fsdp_version=1, reshard_after_forward=False))
+    with pytest.raises(ConfigError, match="reshards after each forward.*fsdp_reshard_after_forward = True.*false"):
+        check_accelerate_engine(_launch("FSDP", fsdp_version=2, reshard_after_forward=True))
+    with pytest.raises(ConfigError, match="train.step_grad_norms.*params.*velocity or none"):
+        check_accelerate_engine(_launch("FSDP", fsdp_version=2, reshard_after_forward=False), "params")
+    for kind in ("DEEPSPEED", "MEGATRON_LM"):
+        with pytest.raises(ConfigError, match=f"uses {kind}.*ddp.yaml.*fsdp2.yaml"):
+            check_accelerate_engine(_launch(kind))

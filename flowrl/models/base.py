@@ -518,29 +518,48 @@ class FlowModel:
             images.append(vae.decode(z, return_dict=False)[0].float())
         return (torch.cat(images) / 2 + 0.5).clamp(0, 1)
 
-    def save_lora(self, directory: str | Path) -> None:
-        """Write the LoRA in diffusers' format (``pytorch_lora_weights.safetensors``), loadable by the stock
-        pipeline's ``load_lora_weights(directory)`` (``StableDiffusion3Pipeline``, ``FluxPipeline``)."""
+    def lora_state(self, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The LoRA tensors in peft's naming (adapter name stripped), from ``weights`` (trainable tensors by the
+        transformer's parameter names, e.g. :meth:`flowrl.policy.Policy.weights` or its EMA) or, for None, the
+        transformer's own state dict (under FSDP2 that would be its shards: pass ``weights`` there)."""
         from peft.utils import get_peft_model_state_dict
 
-        state = get_peft_model_state_dict(self.transformer)
+        if weights is not None:
+            weights = {n: w.detach().cpu() for n, w in weights.items()}
+        return get_peft_model_state_dict(self.transformer, state_dict=weights)
+
+    def save_lora(self, directory: str | Path, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the LoRA in diffusers' format (``pytorch_lora_weights.safetensors``), loadable by the stock
+        pipeline's ``load_lora_weights(directory)`` (``StableDiffusion3Pipeline``, ``FluxPipeline``); ``weights``: as
+        :meth:`lora_state`."""
+        state = self.lora_state(weights)
         metadata = self.transformer.peft_config["default"].to_dict()  # carries lora_alpha: without it alpha = rank
         type(self.pipe).save_lora_weights(directory, transformer_lora_layers=state,
                                           transformer_lora_adapter_metadata=metadata)
 
-    def save_pipeline(self, directory: str | Path) -> None:
+    def save_pipeline(self, directory: str | Path, plain_copy: bool = False) -> None:
         """Write the whole pipeline, with the transformer as it is now (float32 on CPU), as a diffusers
         folder of safetensors: what full fine-tuning (``model.lora_rank=0``) leaves, loadable by
         ``flowrl eval --model directory`` and ``StableDiffusion3Pipeline.from_pretrained(directory)``.
-        For SD3.5-Medium that is the text encoders and the VAE too, several GB."""
+        For SD3.5-Medium that is the text encoders and the VAE too, several GB.
+
+        ``plain_copy``: write a plain CPU copy of the transformer built from its config, parameters and buffers
+        (under FSDP2, whose gathered weights are the trained ones while the module's own state dict holds shards)."""
         from diffusers.utils import logging as diffusers_logging
 
+        attr, module = self.NETWORK, self.transformer
+        if plain_copy:
+            state = {n: t.detach().cpu().clone() for n, t in [*module.named_parameters(), *module.named_buffers()]}
+            copy = type(module).from_config(module.config)
+            copy.load_state_dict(state)
+            setattr(self.pipe, attr, copy)
         verbosity = diffusers_logging.get_verbosity()
         diffusers_logging.set_verbosity_error()  # not the warning for each absent optional part (T5)
         try:
             self.pipe.save_pretrained(directory, safe_serialization=True)
         finally:
             diffusers_logging.set_verbosity(verbosity)
+            setattr(self.pipe, attr, module)
 
     def load_lora(self, directory: str | Path) -> None:
         """Load a diffusers-format LoRA folder into the transformer (as the default adapter).

@@ -229,12 +229,10 @@ class SD15Model(FlowModel):
         x = torch.zeros(1, *self.latent_shape, device=self.device)
         self._forward(x, self._table[-1:].to(self.device), cond, next(self.transformer.parameters()).dtype)
 
-    def save_lora(self, directory: str | Path) -> None:
+    def save_lora(self, directory: str | Path, weights: dict[str, torch.Tensor] | None = None) -> None:
         """Write the UNet LoRA in diffusers' format (``pytorch_lora_weights.safetensors``, keys ``unet.*``), loadable by
         the stock pipeline's ``load_lora_weights(directory)`` (``StableDiffusionPipeline``,
-        ``StableDiffusionXLPipeline``)."""
-        from peft.utils import get_peft_model_state_dict
-
-        state = get_peft_model_state_dict(self.transformer)
+        ``StableDiffusionXLPipeline``); ``weights``: as :meth:`FlowModel.lora_state`."""
+        state = self.lora_state(weights)
         metadata = self.transformer.peft_config["default"].to_dict()  # carries lora_alpha
         type(self.pipe).save_lora_weights(directory, unet_lora_layers=state, unet_lora_adapter_metadata=metadata)

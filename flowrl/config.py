@@ -49,6 +49,8 @@ class ModelConfig:
     prompt_cache: Optional[str] = None  # a folder of encoded prompts (safetensors); null: encode every time
     text_encoders: str = "keep"  # keep (on the device) | cpu (moved to the device only to encode) | drop_after_cache
     vae_placement: str = "keep"  # keep (on the device) | cpu (moved to the device only to decode or encode)
+    options: dict[str, Any] = field(default_factory=dict)  # the family's own settings (its adapter's OPTIONS), e.g.
+    # HunyuanVideo {true_cfg_scale: 6.0}, SDXL {guidance_rescale: 0.7}
 
     def __post_init__(self):
         _check(self.lora_rank >= 0, "model.lora_rank", ">= 0", self.lora_rank)

@@ -186,6 +186,16 @@ def test_folder_checks_name_the_setting(hunyuan, tmp_path, video_prompts):
                               ("model.negative_prompt", "blurry", "embedded guidance .* uses no negative prompt")):
         with pytest.raises(ConfigError, match=f"'{key}'.*{match}"):
             Trainer(load_config(None, _video_overrides(hunyuan, video_prompts, tmp_path / "r", **{key: value})))
+    for options, match in (({"model.options.true_cfg_scale": 0.5}, r"'model.options.true_cfg_scale'.*>= 1"),
+                           ({"model.options.guidance_rescale": 0.7}, r"'model.options.guidance_rescale'.*"
+                                                                     r"HunyuanVideoModel.*its options: true_cfg_scale")):
+        with pytest.raises(ConfigError, match=match):
+            Trainer(load_config(None, _video_overrides(hunyuan, video_prompts, tmp_path / "r", **options)))
+    # true CFG from the config: the negative prompt is then taken
+    trainer = Trainer(load_config(None, _video_overrides(hunyuan, video_prompts, tmp_path / "t", **{
+        "model.options.true_cfg_scale": 3.0, "model.negative_prompt": "blurry"})))
+    assert trainer.model.true_cfg_scale == 3.0 and trainer.model.negative_prompt == "blurry"
+    assert trainer.model.cfg_rows(trainer.cfg.sampling.guidance_scale) == 2
 
 
 def test_ode_sampling_equals_the_stock_pipeline(hunyuan):

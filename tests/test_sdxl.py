@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, tiny_overrides
-from flowrl.config import load_config
+from flowrl.config import ConfigError, load_config
 from flowrl.models import SDXLModel, load_model, model_class
 from flowrl.trainer import Trainer
 
@@ -192,3 +192,12 @@ def test_folders_it_cannot_follow_are_one_clear_error(tmp_path, sdxl):
         with pytest.raises(ValueError, match=message) as error:
             load_model(folder)
         assert "\n" not in str(error.value)
+
+
+def test_guidance_rescale_is_a_config_option(tmp_path, sdxl, prompt_files):
+    """``model.options.guidance_rescale`` reaches the SDXL adapter; outside [0, 1] it is one ConfigError."""
+    over = tiny_overrides(sdxl, *prompt_files, tmp_path / "run", **{"model.options.guidance_rescale": 0.7})
+    assert Trainer(load_config(None, over)).model.guidance_rescale == 0.7
+    bad = tiny_overrides(sdxl, *prompt_files, tmp_path / "bad", **{"model.options.guidance_rescale": 2.0})
+    with pytest.raises(ConfigError, match=r"'model.options'.*guidance_rescale must be in \[0, 1\]"):
+        Trainer(load_config(None, bad))

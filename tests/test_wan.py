@@ -176,7 +176,12 @@ def test_two_experts_sample_as_the_stock_pipeline_and_train_the_chosen_one(wan22
     trainer = Trainer(load_config(REPO / "configs" / "flow_grpo.yaml", over))
     high = {n: p.detach().clone() for n, p in trainer.model.frozen.named_parameters()}
     trainer.train()
-    assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in _metrics(tmp_path / "run"))
+    metrics = _metrics(tmp_path / "run")
+    assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
+    # only step 3 is trained: steps 0-2 run the frozen expert, step 4 is the untrained last step
+    assert trainer.method.plan.trained == [False, False, False, True, False]
+    groups = 1 - metrics[0]["advantage/zero_variance_frac"]
+    assert metrics[0]["cost/trained_transitions"] == round(2 * 2 * groups) > 0  # 2 prompts x 2 videos x 1 step
     assert all(torch.equal(p, high[n]) for n, p in trainer.model.frozen.named_parameters())  # the frozen expert
     x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
     t, emb = torch.tensor([0.3, 0.2]), trainer.model.encode(PROMPTS)  # low-noise times: the trained expert

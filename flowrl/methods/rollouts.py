@@ -94,6 +94,7 @@ class GroupRollouts(Method):
                 self.plan_sigmas, self.plan = mix_plan(self.sigmas, sorted(set(t.sde_steps) | set(t.split_steps)),
                                                        s.kernel, s.noise_level, t.flash_ratio or None, s.shift)
             self.branch = [t.branch if k in t.split_steps else 1 for k in range(self.plan.num_steps)]
+        self.plan = self.only_trainable(self.plan_sigmas, self.plan)
         w = s.window
         self.window = None if w.size == 0 else SlidingWindow(
             s.num_steps, w.size, w.schedule, w.stride, w.interval, w.min_interval, w.roll_back, seed=self.cfg.run.seed)
@@ -104,7 +105,17 @@ class GroupRollouts(Method):
         if self.window is None:
             return self.plan_sigmas, self.plan
         s = self.cfg.sampling
-        return mix_plan(self.sigmas, self.window.steps, s.kernel, s.noise_level, s.window.flash_ratio or None, s.shift)
+        sigmas, plan = mix_plan(self.sigmas, self.window.steps, s.kernel, s.noise_level, s.window.flash_ratio or None,
+                                s.shift)
+        return sigmas, self.only_trainable(sigmas, plan)
+
+    def only_trainable(self, sigmas: torch.Tensor, plan: StepPlan) -> StepPlan:
+        """``plan`` on the grid ``sigmas`` (``(N + 1,)``) with its steps that run a frozen network untrained
+        (:meth:`FlowModel.trainable_times`: a two-expert Wan 2.2's other expert); ``plan`` itself for every other model."""
+        mask = self.model.trainable_times(sigmas[:-1])
+        if mask is None:
+            return plan
+        return StepPlan(plan.kernels, plan.noise_levels, [t and bool(m) for t, m in zip(plan.trained, mask.tolist())])
 
     def ode_velocity(self, velocity):
         """`velocity` under ``sampling.ode_precision`` for the rollout's deterministic steps (ODE prefixes

@@ -100,6 +100,11 @@ def resolve_model(cfg):
         if not adapter.VIDEO and getattr(cfg.model, key) not in (None, ""):
             raise ConfigError(f"config key 'model.{key}': {path} holds a {adapter.PIPELINE}, which draws images; "
                               f"leave it unset (got {getattr(cfg.model, key)!r})")
+    for key in cfg.model.options:  # the family's own constructor settings
+        if key not in adapter.OPTIONS:
+            takes = ", ".join(adapter.OPTIONS) or "none"
+            raise ConfigError(f"config key 'model.options.{key}': {adapter.__name__} ({path}) takes no option {key!r}; "
+                              f"its options: {takes}")
     adapter.check_config(cfg)  # what the family cannot run (the DDPM family: DiffusionNFT, Flash re-spacing)
     if cfg.model.max_sequence_length is None:  # SD3: 256 with a T5 encoder, 0 without (the tiny model); FLUX 512
         cfg.model.max_sequence_length = adapter.default_max_sequence_length(path)

@@ -224,6 +224,9 @@ class FlowModel:
     """How the stock pipeline spaces its steps (:func:`samplers.flow_sigmas`' ``spacing``)."""
     NETWORK = "transformer"
     """The pipeline component that is trained, held as :attr:`transformer` (``"unet"`` for the UNet families)."""
+    OPTIONS: tuple[str, ...] = ()
+    """Keyword arguments of the family's constructor that ``model.options`` may set (e.g. HunyuanVideo's
+    ``true_cfg_scale``, SDXL's ``guidance_rescale``)."""
     VIDEO = False
     """Whether the family draws videos (latents ``(C, F, H, W)`` decoded to ``(B, F, 3, H, W)``); only a video family
     takes ``model.num_frames`` and ``model.expert`` (its constructor's ``num_frames`` and ``expert``)."""
@@ -479,6 +482,12 @@ class FlowModel:
         """One transformer call: latents ``x (N, *latent_shape)`` at times ``t (N,)`` in [0, 1] (1 = noise), prompt
         embeddings ``cond`` (``N`` rows), inputs cast to ``dtype``; returns the prediction ``(N, *latent_shape)``."""
         raise NotImplementedError
+
+    def trainable_times(self, sigmas: torch.Tensor) -> torch.Tensor | None:
+        """Whether a step starting at each time in ``sigmas`` (``(N,)`` float in [0, 1], 1 = noise) runs the trained
+        network, ``(N,)`` bool; None when every step does (one network: every family but a two-expert Wan 2.2). A
+        step that does not cannot move the trained weights, so the rollout does not train it."""
+        return None
 
     def cfg_rows(self, guidance_scale: float) -> int:
         """Transformer rows one velocity evaluation costs per sample (the ``cost/nfe`` unit): 2 under CFG

@@ -107,6 +107,8 @@ class HunyuanVideoModel(FlowModel):
     STOCK_UNIT = 16
     """``HunyuanVideoPipeline.check_inputs`` wants height and width divisible by 16."""
 
+    OPTIONS = ("true_cfg_scale",)
+
     def __init__(self, path, device="cpu", dtype=torch.float32, max_sequence_length=None, resolution=None,
                  num_frames: int | None = None, expert: str | None = None, negative_prompt: str = "",
                  true_cfg_scale: float = 1.0):
@@ -185,10 +187,14 @@ class HunyuanVideoModel(FlowModel):
         if cfg.model.expert is not None:
             raise ConfigError(f"config key 'model.expert': {path} is a HunyuanVideo model (one transformer); leave it "
                               f"unset (got {cfg.model.expert!r})")
-        if cfg.model.negative_prompt:
+        true_cfg = cfg.model.options.get("true_cfg_scale", 1.0)
+        if not isinstance(true_cfg, (int, float)) or not true_cfg >= 1:
+            raise ConfigError(f"config key 'model.options.true_cfg_scale': a number >= 1 (1 = off, the embedded "
+                              f"guidance alone), got {true_cfg!r}")
+        if cfg.model.negative_prompt and true_cfg == 1:
             raise ConfigError(f"config key 'model.negative_prompt': HunyuanVideo ({path}) samples with embedded "
-                              f"guidance (sampling.guidance_scale), which uses no negative prompt; leave it empty "
-                              f"(true CFG: HunyuanVideoModel(..., true_cfg_scale=, negative_prompt=))")
+                              f"guidance (sampling.guidance_scale), which uses no negative prompt; leave it empty, or "
+                              f"turn true CFG on with model.options.true_cfg_scale > 1")
 
     # ------------------------------------------------------------------------------ the model
     @property

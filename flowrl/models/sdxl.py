@@ -41,11 +41,14 @@ class SDXLModel(SD15Model):
     ``pooled (P, D_pooled)`` (the second encoder's projection). Resolution: a multiple of the VAE factor x the UNet's
     downsampling (32 px for SDXL); default ``sample_size`` latents (1024 px for SDXL base).
 
-    Attributes:
+    Args:
         guidance_rescale (`float`): the stock pipeline's ``guidance_rescale`` in `[0, 1]`, 0 (off) by default: the
-            guided prediction's per-sample std is pulled towards the conditional one's (arXiv 2305.08891, Sec. 3.4).
+            guided prediction's per-sample std is pulled towards the conditional one's (arXiv 2305.08891, Sec. 3.4);
+            config key ``model.options.guidance_rescale``, kept as the attribute of the same name.
+        others: as :class:`~flowrl.models.sd15.SD15Model`.
 
-    Args, Raises: as :class:`~flowrl.models.sd15.SD15Model`; also ValueError, naming the folder, for a UNet whose
+    Raises: as :class:`~flowrl.models.sd15.SD15Model`; also ValueError for ``guidance_rescale`` outside [0, 1], and,
+    naming the folder, for a UNet whose
     added-embedding width is not ``6 x addition_time_embed_dim + projection_dim`` of the second text encoder, or a VAE
     with ``latents_mean`` / ``latents_std`` (an EDM-style SDXL derivative, not SDXL).
     """
@@ -55,9 +58,13 @@ class SDXLModel(SD15Model):
     OPTIONAL = ("image_encoder", "feature_extractor")
     """Components a folder may leave out (``null`` in ``model_index.json``)."""
     LORA_TARGETS = SDXL_LORA_TARGETS
+    OPTIONS = ("guidance_rescale",)
 
-    def __init__(self, path, device="cpu", dtype=torch.float32, max_sequence_length=None, resolution=None):
-        self.guidance_rescale = 0.0
+    def __init__(self, path, device="cpu", dtype=torch.float32, max_sequence_length=None, resolution=None,
+                 guidance_rescale: float = 0.0):
+        if not 0 <= guidance_rescale <= 1:
+            raise ValueError(f"guidance_rescale must be in [0, 1] (0 = off), got {guidance_rescale}")
+        self.guidance_rescale = float(guidance_rescale)
         super().__init__(path, device, dtype, max_sequence_length, resolution)
         vae = self.pipe.vae
         if any(getattr(vae.config, key, None) is not None for key in ("latents_mean", "latents_std")):

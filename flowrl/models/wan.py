@@ -74,9 +74,9 @@ class WanModel(FlowModel):
       ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)`` (a test checks it within 1e-4).
     - Wan 2.2 two experts: both sample (each at its times, the same guidance scale, as the stock default
       ``guidance_scale_2 = guidance_scale``); ``expert`` (``model.expert``, required for such a folder and refused for
-      others) picks the trained one. Transitions at the frozen expert's times train with a zero gradient (their
-      velocity does not depend on the trained weights; the PPO ratio stays 1), so a GRPO plan spends its backward
-      passes best on the expert's own steps. A LoRA of ``low`` loads in the stock pipeline with
+      others) picks the trained one. The rollout trains only the steps at the trained expert's times
+      (:meth:`trainable_times`): the frozen expert's steps are sampled but neither stored for the loss nor
+      back-propagated (their velocity does not depend on the trained weights). A LoRA of ``low`` loads in the stock pipeline with
       ``load_lora_weights(folder, load_into_transformer_2=True)``. Wan 2.2 TI2V-5B (``expand_timesteps``) gets its
       timestep per latent token, as the stock pipeline gives it.
     - Decode: to videos ``(B, F, 3, H, W)`` float32 in [0, 1], :attr:`decode_chunk` videos per VAE call; the Wan VAE
@@ -269,6 +269,13 @@ class WanModel(FlowModel):
             timestep = timestep[:, None].expand(-1, tokens)  # (N, tokens)
         return net(hidden_states=x.to(dtype), timestep=timestep, encoder_hidden_states=cond.embeds.to(dtype),
                    return_dict=False)[0]
+
+    def trainable_times(self, sigmas: torch.Tensor) -> torch.Tensor | None:
+        """Two experts: the times on the trained expert's side of the boundary, as :meth:`_forward` switches."""
+        if self.frozen is None:
+            return None
+        high = sigmas.float().cpu() * 1000 >= self.boundary
+        return high if self.expert == "high" else ~high
 
     def _forward(self, x, t, cond: PromptEmbeds, dtype) -> torch.Tensor:
         if self.frozen is None:

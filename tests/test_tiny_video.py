@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import ndimage
+from safetensors.torch import load_file
 
 from conftest import REPO
 from flowrl.data import read_prompts
@@ -138,6 +139,15 @@ def test_builder_makes_a_pipeline_stock_diffusers_and_flowrl_load(tmp_path):
     assert frames.shape == (1, NUM_FRAMES, 3, VIDEO_SIZE, VIDEO_SIZE)
     model = load_model(tmp_path / "tiny-wan", max_sequence_length=MAX_TOKENS, resolution=VIDEO_SIZE, num_frames=NUM_FRAMES)
     assert isinstance(model, WanModel) and model.latent_shape == (16, 3, 8, 8)
+    # --vae-from: the earlier build's VAE, weights and latent statistics as they were; the same seed trains it again
+    build(tmp_path / "again", seed=0, n_clips=8, dit_steps=1, dit_batch=2, vae_from=tmp_path / "tiny-wan")
+    build(tmp_path / "fresh", seed=0, n_clips=8, vae_steps=1, dit_steps=1, dit_batch=2, vae_batch=1)
+    vae = "tiny-wan/vae/diffusion_pytorch_model.safetensors"
+    first, again, fresh = (load_file(f / vae) for f in (tmp_path, tmp_path / "again", tmp_path / "fresh"))
+    assert all(torch.equal(first[k], again[k]) and torch.equal(first[k], fresh[k]) for k in first)
+    assert json.loads((tmp_path / "again/tiny-wan/build.json").read_text())["vae_from"] == str(tmp_path / "tiny-wan")
+    with pytest.raises(FileNotFoundError, match="--vae-from .*no vae/config.json"):
+        build(tmp_path / "bad", seed=0, n_clips=8, dit_steps=1, vae_from=tmp_path)
 
 
 def test_shipped_pipeline_is_small_and_recorded():

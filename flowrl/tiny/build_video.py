@@ -207,9 +207,17 @@ def train_transformer(transformer, text_encoder, latents: torch.Tensor, input_id
 
 def build(out: str | Path, seed: int = 0, n_clips: int = 2000, vae_steps: int = 200, dit_steps: int = 1000,
           dit_batch: int = 64, dit_lr: float = 1e-3, text_lr: float = 1e-3, dit_layers: int = 4,
-          dit_width: int = 64, vae_batch: int = 8) -> dict:
-    """Regenerate the prompt files and ``out/tiny-wan`` (module docstring); returns the stage wall times in seconds."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+          dit_width: int = 64, vae_batch: int = 8, vae_from: str | Path | None = None) -> dict:
+    """Regenerate the prompt files and ``out/tiny-wan`` (module docstring); returns the stage wall times in seconds.
+
+    ``vae_from``: take the trained VAE of an earlier build (a ``tiny-wan`` folder) instead of training one, to try
+    transformer settings without the VAE stage; the seeded VAE stage gives the same weights again on the same
+    machine and thread count.
+
+    Raises:
+        FileNotFoundError: when ``vae_from`` holds no ``vae`` folder.
+    """
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
 
     out, times = Path(out), {}
     t0 = time.time()
@@ -223,7 +231,12 @@ def build(out: str | Path, seed: int = 0, n_clips: int = 2000, vae_steps: int = 
     times["render_s"] = time.time() - t0
 
     t0 = time.time()
-    vae = train_vae(tiny_vae(seed), videos, vae_steps, seed, batch=vae_batch)
+    if vae_from is not None:
+        if not (Path(vae_from) / "vae" / "config.json").is_file():
+            raise FileNotFoundError(f"--vae-from {vae_from}: no vae/config.json (expected a tiny-wan folder)")
+        vae = AutoencoderKLWan.from_pretrained(vae_from, subfolder="vae").eval()
+    else:
+        vae = train_vae(tiny_vae(seed), videos, vae_steps, seed, batch=vae_batch)
     times["vae_s"] = time.time() - t0
 
     t0 = time.time()
@@ -245,7 +258,8 @@ def build(out: str | Path, seed: int = 0, n_clips: int = 2000, vae_steps: int = 
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0))
     pipe.save_pretrained(out / "tiny-wan")
-    record = {"seed": seed, "n_clips": n_clips, "vae_steps": vae_steps, "vae_batch": vae_batch, "dit_steps": dit_steps,
+    record = {"seed": seed, "n_clips": n_clips, "vae_steps": vae_steps, "vae_batch": vae_batch,
+              "vae_from": None if vae_from is None else str(vae_from), "dit_steps": dit_steps,
               "dit_batch": dit_batch, "dit_lr": dit_lr, "text_lr": text_lr, "dit_layers": dit_layers,
               "dit_width": dit_width, "times_s": times,
               "command": "python -m flowrl.tiny.build_video " + " ".join(sys.argv[1:])}
@@ -266,6 +280,7 @@ def main(argv=None) -> None:
     p.add_argument("--text-lr", type=float, default=1e-3, help="peak learning rate of the text encoder (0: frozen)")
     p.add_argument("--dit-layers", type=int, default=4)
     p.add_argument("--dit-width", type=int, default=64, help="hidden size (a multiple of 32)")
+    p.add_argument("--vae-from", default=None, help="reuse the VAE of an earlier build's tiny-wan folder")
     a = p.parse_args(argv)
     for key in ("n_clips", "vae_steps", "vae_batch", "dit_steps", "dit_batch"):
         if getattr(a, key) < 1:
@@ -276,7 +291,7 @@ def main(argv=None) -> None:
         p.error(str(e))
     random.seed(a.seed)
     print(build(a.out, a.seed, a.n_clips, a.vae_steps, a.dit_steps, a.dit_batch, a.dit_lr, a.text_lr, a.dit_layers,
-                a.dit_width, a.vae_batch))
+                a.dit_width, a.vae_batch, a.vae_from))
 
 
 if __name__ == "__main__":

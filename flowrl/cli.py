@@ -77,8 +77,12 @@ def cmd_train(args) -> dict:
     result = trainer.train()
     b, a = result["before"], result["after"]
     if trainer.accelerator.is_main_process:
-        print(f"GenEval strict accuracy on {config.eval.prompts} prompts: {b['overall']:.3f} -> {a['overall']:.3f} "
-              f"in {result['wall_time_s'] / 60:.1f} min; run folder {config.run.output_dir}")
+        # GenEval prompts: strict accuracy; other prompts: the weighted reward mean (evaluate_reward), per reward too
+        what = "GenEval strict accuracy" if "per_reward" not in b else "mean weighted reward"
+        line = f"{what} on {config.eval.prompts} prompts: {b['overall']:.3f} -> {a['overall']:.3f}"
+        if "per_reward" in b and len(b["per_reward"]) > 1:
+            line += " (" + ", ".join(f"{k} {b['per_reward'][k]:.3f} -> {a['per_reward'][k]:.3f}" for k in b["per_reward"]) + ")"
+        print(f"{line} in {result['wall_time_s'] / 60:.1f} min; run folder {config.run.output_dir}")
     _end(trainer.accelerator)
     return result
 

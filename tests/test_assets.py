@@ -14,8 +14,9 @@ pytestmark = pytest.mark.skipif(not (ASSETS / "tiny-sd3" / "model_index.json").i
 
 def test_assets_stay_small():
     size = sum(p.stat().st_size for p in ASSETS.rglob("*") if p.is_file())
-    # 50.5 MiB: the float32 text tower (12.9 MiB) is stored twice, as text_encoder and text_encoder_2
-    assert size < 56 * 2**20, f"assets take {size / 2**20:.1f} MiB"
+    # the image world ~50.5 MiB (the float32 text tower, 12.9 MiB, is stored twice, as text_encoder and
+    # text_encoder_2) and the video world's tiny Wan ~5.8 MiB (test_tiny_video: at most 25 MiB)
+    assert size < 60 * 2**20, f"assets take {size / 2**20:.1f} MiB"
 
 
 def test_test_prompts_hold_only_unseen_combinations():

@@ -158,3 +158,20 @@ def test_shipped_pipeline_is_small_and_recorded():
     assert record["command"].startswith("python -m flowrl.tiny.build_video") and "seed" in record
     index = json.loads((folder / "model_index.json").read_text())
     assert index["_class_name"] == "WanPipeline"
+
+
+def test_main_job_runs_from_the_cli_on_the_shipped_model(tmp_path, capsys):
+    """`flowrl train configs/tiny_video.yaml`, shrunk (2 iterations, 2 steps, 4 videos each): the held-out evaluation
+    reports each configured reward, and the command's summary line names them (not GenEval's accuracy)."""
+    from flowrl.cli import main
+
+    main(["train", str(REPO / "configs/tiny_video.yaml"), f"model.path={REPO / 'assets/tiny-wan'}",
+          f"run.output_dir={tmp_path / 'run'}", "run.iterations=2", "sampling.num_steps=2",
+          "sampling.group_size=2", "sampling.prompts_per_iteration=2", "sampling.batch_size=4", "eval.num_steps=2",
+          "train.minibatch_size=16"])
+    result = json.loads((tmp_path / "run/eval.json").read_text())
+    for when in ("before", "after"):
+        assert set(result[when]["per_reward"]) == {"motion_world", "motion_world_direction", "motion_world_strict"}
+        assert result[when]["rewards"]["motion_world_direction"]["n_images"] == 80
+    out = capsys.readouterr().out
+    assert "mean weighted reward on" in out and "motion_world_direction" in out and "GenEval" not in out

@@ -207,12 +207,14 @@ def train_transformer(transformer, text_encoder, latents: torch.Tensor, input_id
 
 def build(out: str | Path, seed: int = 0, n_clips: int = 2000, vae_steps: int = 200, dit_steps: int = 1000,
           dit_batch: int = 64, dit_lr: float = 1e-3, text_lr: float = 1e-3, dit_layers: int = 4,
-          dit_width: int = 64, vae_batch: int = 8, vae_from: str | Path | None = None) -> dict:
+          dit_width: int = 64, vae_batch: int = 8, vae_from: str | Path | None = None,
+          vae_clips: int | None = None) -> dict:
     """Regenerate the prompt files and ``out/tiny-wan`` (module docstring); returns the stage wall times in seconds.
 
     ``vae_from``: take the trained VAE of an earlier build (a ``tiny-wan`` folder) instead of training one, to try
     transformer settings without the VAE stage; the seeded VAE stage gives the same weights again on the same
-    machine and thread count.
+    machine and thread count. ``vae_clips``: the VAE trains on the first ``vae_clips`` clips only (None: all); the
+    render is seeded, so they are the clips a build with ``n_clips = vae_clips`` renders.
 
     Raises:
         FileNotFoundError: when ``vae_from`` holds no ``vae`` folder.
@@ -236,7 +238,7 @@ def build(out: str | Path, seed: int = 0, n_clips: int = 2000, vae_steps: int = 
             raise FileNotFoundError(f"--vae-from {vae_from}: no vae/config.json (expected a tiny-wan folder)")
         vae = AutoencoderKLWan.from_pretrained(vae_from, subfolder="vae").eval()
     else:
-        vae = train_vae(tiny_vae(seed), videos, vae_steps, seed, batch=vae_batch)
+        vae = train_vae(tiny_vae(seed), videos[:vae_clips], vae_steps, seed, batch=vae_batch)
     times["vae_s"] = time.time() - t0
 
     t0 = time.time()
@@ -259,7 +261,7 @@ def build(out: str | Path, seed: int = 0, n_clips: int = 2000, vae_steps: int = 
                        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0))
     pipe.save_pretrained(out / "tiny-wan")
     record = {"seed": seed, "n_clips": n_clips, "vae_steps": vae_steps, "vae_batch": vae_batch,
-              "vae_from": None if vae_from is None else str(vae_from), "dit_steps": dit_steps,
+              "vae_from": None if vae_from is None else str(vae_from), "vae_clips": vae_clips, "dit_steps": dit_steps,
               "dit_batch": dit_batch, "dit_lr": dit_lr, "text_lr": text_lr, "dit_layers": dit_layers,
               "dit_width": dit_width, "times_s": times,
               "command": "python -m flowrl.tiny.build_video " + " ".join(sys.argv[1:])}
@@ -281,9 +283,10 @@ def main(argv=None) -> None:
     p.add_argument("--dit-layers", type=int, default=4)
     p.add_argument("--dit-width", type=int, default=64, help="hidden size (a multiple of 32)")
     p.add_argument("--vae-from", default=None, help="reuse the VAE of an earlier build's tiny-wan folder")
+    p.add_argument("--vae-clips", type=int, default=None, help="train the VAE on the first N clips only (default: all)")
     a = p.parse_args(argv)
-    for key in ("n_clips", "vae_steps", "vae_batch", "dit_steps", "dit_batch"):
-        if getattr(a, key) < 1:
+    for key in ("n_clips", "vae_steps", "vae_batch", "dit_steps", "dit_batch", "vae_clips"):
+        if getattr(a, key) is not None and getattr(a, key) < 1:
             p.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(a, key)}")
     try:
         tiny_transformer(0, a.dit_layers, a.dit_width)
@@ -291,7 +294,7 @@ def main(argv=None) -> None:
         p.error(str(e))
     random.seed(a.seed)
     print(build(a.out, a.seed, a.n_clips, a.vae_steps, a.dit_steps, a.dit_batch, a.dit_lr, a.text_lr, a.dit_layers,
-                a.dit_width, a.vae_batch, a.vae_from))
+                a.dit_width, a.vae_batch, a.vae_from, a.vae_clips))
 
 
 if __name__ == "__main__":

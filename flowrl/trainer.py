@@ -28,6 +28,7 @@ from .evaluate import evaluate, evaluate_reward, generate
 from .files import atomic_output, write_text_atomic
 from .methods import build_method
 from .models import resolve_model
+from .models.memory import place_frozen
 from .plots import save_diagnostics, save_grid, save_reward_curve
 from .policy import Policy, check_accelerate_engine, check_accelerate_precision, check_optimizer
 from .run import RunFolder
@@ -112,7 +113,7 @@ class Trainer:
         if m.prompt_cache or m.text_encoders != "keep" or m.vae_placement != "keep":
             prompts = [x["prompt"] for x in self.train_metas + self.eval_metas] + [m.negative_prompt]
             with acc.main_process_first():  # the main process encodes into the shared cache, the others read it
-                self.model.place_frozen(m.prompt_cache, m.text_encoders, m.vae_placement, prompts)
+                place_frozen(self.model, m.prompt_cache, m.text_encoders, m.vae_placement, prompts)
         self.policy = Policy(self.model, cfg.train, cfg.run.mixed_precision, acc)
         self.method = build_method(cfg, self.model, self.policy, self.rewards)
         if cfg.model.lora_rank == 0 and cfg.run.keep_checkpoints is None:

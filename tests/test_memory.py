@@ -19,6 +19,7 @@ from conftest import tiny_overrides  # noqa: E402
 
 from flowrl.checkpoint import _flatten_optimizer, _unflatten_optimizer, load_checkpoint, save_checkpoint  # noqa: E402
 from flowrl.config import ConfigError, load_config  # noqa: E402
+from flowrl.models.memory import place_frozen  # noqa: E402
 from flowrl.policy import build_optimizer, check_optimizer  # noqa: E402
 
 
@@ -134,7 +135,7 @@ def test_cached_tables_equal_fresh_ones_and_hits_skip_the_encoder(family, tmp_pa
     fresh = fresh_model.prompt_table(metas)
     part = fresh_model.prompt_table(metas[2:4])  # another batch: the rows of a table do not depend on it
     model = load_model(folder, "cpu")
-    cache = model.place_frozen(tmp_path / "cache")
+    cache = place_frozen(model, tmp_path / "cache")
     calls = _count_calls(model)
     cold = model.prompt_table(metas)  # 7 misses: encoded (padded to 16 prompts) and written
     assert calls[0] > 0 and cache.misses == 7 and len(list(cache.folder.glob("*.safetensors"))) == 7
@@ -254,7 +255,7 @@ def test_drop_after_cache_frees_the_encoders_and_refuses_a_new_prompt(tmp_path, 
 
     model = load_model(random_pipeline, "cpu")
     fresh = model.encode(["", "a red cube", "a blue ball"])
-    model.place_frozen(tmp_path / "cache", "drop_after_cache", prompts=["a red cube", "a blue ball"])
+    place_frozen(model, tmp_path / "cache", "drop_after_cache", prompts=["a red cube", "a blue ball"])
     assert model.pipe.text_encoder is None and model.pipe.text_encoder_2 is None
     table = model.encode(["", "a red cube", "a blue ball"])
     assert torch.equal(table.embeds, fresh.embeds) and torch.equal(table.pooled, fresh.pooled)
@@ -291,7 +292,7 @@ def test_offloaded_parts_move_to_the_device_only_for_their_call(tmp_path, random
     assert moves == ["cuda", "cpu"]  # nothing moves on a CPU run
     # on the CPU the wrapped decode and encode give what the plain ones give
     model, plain = load_model(random_pipeline, "cpu"), load_model(random_pipeline, "cpu")
-    model.place_frozen(None, "cpu", "cpu")
+    place_frozen(model, None, "cpu", "cpu")
     z = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
     assert torch.equal(model.decode(z), plain.decode(z))
     assert torch.equal(model.encode(["a cube", ""]).embeds, plain.encode(["a cube", ""]).embeds)

@@ -388,24 +388,6 @@ class FlowModel:
         """
         return self.encode([""] + [m["prompt"] for m in metas])
 
-    def place_frozen(self, prompt_cache: str | Path | None = None, text_encoders: str = "keep", vae: str = "keep",
-                     prompts: list[str] = ()):
-        """Place the frozen parts (``model.prompt_cache``, ``model.text_encoders``, ``model.vae_placement``): cache
-        encoded prompts in the folder ``prompt_cache`` and keep the text encoders on the device (``keep``), on the CPU
-        but while they encode (``cpu``) or free them once ``prompts`` are cached (``drop_after_cache``); keep the VAE on
-        the device or on the CPU but while it decodes. See :mod:`flowrl.models.memory`.
-
-        Returns:
-            The :class:`flowrl.models.memory.PromptCache` now behind :meth:`encode`, or None.
-
-        Raises:
-            ValueError: for an unknown placement, or ``drop_after_cache`` without ``prompt_cache``.
-        """
-        from .memory import place_text_encoders, place_vae
-
-        place_vae(self, vae)
-        return place_text_encoders(self, prompt_cache, text_encoders, prompts)
-
     def add_lora(self, rank: int, alpha: float, targets: tuple[str, ...] | None = None) -> list[torch.nn.Parameter]:
         """Add a peft LoRA adapter (Gaussian init of A, zero B) to the transformer.
 

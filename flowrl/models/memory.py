@@ -307,3 +307,20 @@ def place_vae(model: FlowModel, placement: str = "keep") -> None:
 
         moved.__doc__ = method.__doc__
         setattr(model, name, moved)
+
+
+def place_frozen(model: FlowModel, prompt_cache: str | Path | None = None, text_encoders: str = "keep",
+                 vae: str = "keep", prompts: list[str] = ()) -> PromptCache | None:
+    """Place the frozen parts of ``model`` (``model.prompt_cache``, ``model.text_encoders``, ``model.vae_placement``):
+    cache encoded prompts in the folder ``prompt_cache`` and keep the text encoders on the device (``keep``), on the
+    CPU but while they encode (``cpu``) or free them once ``prompts`` are cached (``drop_after_cache``); keep the VAE
+    on the device or on the CPU but while it decodes (:func:`place_vae`).
+
+    Returns:
+        The :class:`PromptCache` now behind ``model.encode``, or None.
+
+    Raises:
+        ValueError: for an unknown placement, or ``drop_after_cache`` without ``prompt_cache``.
+    """
+    place_vae(model, vae)
+    return place_text_encoders(model, prompt_cache, text_encoders, prompts)

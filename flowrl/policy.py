@@ -35,7 +35,7 @@ def minibatch_sizes(counts: torch.Tensor, size: int) -> torch.Tensor:
     return torch.stack([torch.clamp(int(c) - torch.arange(steps) * size, 0, size) for c in counts])
 
 
-def check_accelerate_engine(accelerator, step_grad_norms: str = "none") -> None:
+def check_accelerate_engine(accelerator, step_grad_norms: str = "none", optimizer: str = "adamw") -> None:
     """Check accelerate's engine before any weights load: DDP (``configs/accelerate/ddp.yaml``) and FSDP2 with the
     weights kept gathered between optimizer steps (``configs/accelerate/fsdp2.yaml``, :mod:`flowrl.sharding`) run;
     FSDP1, FSDP2 resharding after each forward, DeepSpeed and Megatron-LM are refused.
@@ -49,6 +49,8 @@ def check_accelerate_engine(accelerator, step_grad_norms: str = "none") -> None:
     Args:
         step_grad_norms: ``train.step_grad_norms``; ``params`` (a backward per denoising step through the sharded
             weights) is refused under FSDP2.
+        optimizer: ``train.optimizer``; ``adamw_8bit`` (bitsandbytes over ``DTensor`` shards, untested) is refused
+            under FSDP2.
 
     Raises:
         ConfigError: naming the launch setting (or ``train.step_grad_norms``) and what to use instead.
@@ -70,6 +72,9 @@ def check_accelerate_engine(accelerator, step_grad_norms: str = "none") -> None:
         if step_grad_norms == "params":
             raise ConfigError("config key 'train.step_grad_norms' is 'params', which back-propagates through the "
                               "FSDP2-sharded weights once per denoising step: use velocity or none under FSDP2")
+        if optimizer == "adamw_8bit":
+            raise ConfigError("config key 'train.optimizer' is 'adamw_8bit', whose bitsandbytes steps over FSDP2's "
+                              "DTensor shards are untested: use adamw under FSDP2 (its moments are sharded already)")
     elif kind in ("DEEPSPEED", "MEGATRON_LM"):
         raise ConfigError(f"accelerate launch uses {kind} (accelerate config / --use_deepspeed): flowrl runs DDP "
                           "(configs/accelerate/ddp.yaml) or FSDP2 (configs/accelerate/fsdp2.yaml, the ZeRO-2 "

@@ -89,6 +89,8 @@ def test_the_shipped_fsdp2_launch_passes_and_other_sharded_launches_are_refused_
         check_accelerate_engine(_launch("FSDP", fsdp_version=2, reshard_after_forward=True))
     with pytest.raises(ConfigError, match="train.step_grad_norms.*params.*velocity or none"):
         check_accelerate_engine(_launch("FSDP", fsdp_version=2, reshard_after_forward=False), "params")
+    with pytest.raises(ConfigError, match="train.optimizer.*adamw_8bit.*use adamw under FSDP2"):
+        check_accelerate_engine(_launch("FSDP", fsdp_version=2, reshard_after_forward=False), "none", "adamw_8bit")
     for kind in ("DEEPSPEED", "MEGATRON_LM"):
         with pytest.raises(ConfigError, match=f"uses {kind}.*ddp.yaml.*fsdp2.yaml"):
             check_accelerate_engine(_launch(kind))

@@ -78,10 +78,11 @@ def cmd_train(args) -> dict:
     b, a = result["before"], result["after"]
     if trainer.accelerator.is_main_process:
         # GenEval prompts: strict accuracy; other prompts: the weighted reward mean (evaluate_reward), per reward too
-        what = "GenEval strict accuracy" if "per_reward" not in b else "mean weighted reward"
+        rewards = b.get("per_reward", {})
+        what = "mean weighted reward" if "per_reward" in b else "GenEval strict accuracy"
         line = f"{what} on {config.eval.prompts} prompts: {b['overall']:.3f} -> {a['overall']:.3f}"
-        if "per_reward" in b and len(b["per_reward"]) > 1:
-            line += " (" + ", ".join(f"{k} {b['per_reward'][k]:.3f} -> {a['per_reward'][k]:.3f}" for k in b["per_reward"]) + ")"
+        if len(rewards) > 1:
+            line += " (" + ", ".join(f"{k} {v:.3f} -> {a['per_reward'][k]:.3f}" for k, v in rewards.items()) + ")"
         print(f"{line} in {result['wall_time_s'] / 60:.1f} min; run folder {config.run.output_dir}")
     _end(trainer.accelerator)
     return result

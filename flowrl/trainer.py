@@ -95,13 +95,8 @@ class Trainer:
         self.rewards = WeightedSum({name: (self._build_reward(name), r.weight) for name, r in cfg.rewards.items()})
         video = dict(num_frames=cfg.model.num_frames, expert=cfg.model.expert,
                      negative_prompt=cfg.model.negative_prompt) if adapter.VIDEO else {}  # checked by resolve_model
-        try:
-            self.model = adapter(resolve_path(cfg.model.path), self.device, DTYPES[cfg.model.dtype],
-                                 cfg.model.max_sequence_length, cfg.model.resolution, **video, **cfg.model.options)
-        except ValueError as e:
-            if not cfg.model.options or not any(k in str(e) for k in cfg.model.options):
-                raise
-            raise ConfigError(f"config key 'model.options': {e}") from None
+        self.model = adapter(resolve_path(cfg.model.path), self.device, DTYPES[cfg.model.dtype],
+                             cfg.model.max_sequence_length, cfg.model.resolution, **video, **cfg.model.options)
         torch.manual_seed(cfg.run.seed)  # the LoRA init: runs with one seed start from the same weights
         if cfg.model.lora_rank > 0:
             self.model.add_lora(cfg.model.lora_rank, cfg.model.lora_alpha)

@@ -60,11 +60,36 @@ class SDXLModel(SD15Model):
     LORA_TARGETS = SDXL_LORA_TARGETS
     OPTIONS = ("guidance_rescale",)
 
+    @staticmethod
+    def check_guidance_rescale(value) -> float:
+        """``guidance_rescale`` as a float in [0, 1].
+
+        Raises:
+            ValueError: for anything else.
+        """
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ValueError(f"guidance_rescale must be in [0, 1] (0 = off), got {value!r}")
+        return float(value)
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """:meth:`SD15Model.check_config`, and ``model.options.guidance_rescale`` (:meth:`check_guidance_rescale`).
+
+        Raises:
+            flowrl.config.ConfigError: naming the key.
+        """
+        from flowrl.config import ConfigError
+
+        super().check_config(cfg)
+        if "guidance_rescale" in cfg.model.options:
+            try:
+                cls.check_guidance_rescale(cfg.model.options["guidance_rescale"])
+            except ValueError as e:
+                raise ConfigError(f"config key 'model.options': {e}") from None
+
     def __init__(self, path, device="cpu", dtype=torch.float32, max_sequence_length=None, resolution=None,
                  guidance_rescale: float = 0.0):
-        if not 0 <= guidance_rescale <= 1:
-            raise ValueError(f"guidance_rescale must be in [0, 1] (0 = off), got {guidance_rescale}")
-        self.guidance_rescale = float(guidance_rescale)
+        self.guidance_rescale = self.check_guidance_rescale(guidance_rescale)
         super().__init__(path, device, dtype, max_sequence_length, resolution)
         vae = self.pipe.vae
         if any(getattr(vae.config, key, None) is not None for key in ("latents_mean", "latents_std")):

@@ -76,8 +76,8 @@ class WanModel(FlowModel):
       ``guidance_scale_2 = guidance_scale``); ``expert`` (``model.expert``, required for such a folder and refused for
       others) picks the trained one. The rollout trains only the steps at the trained expert's times
       (:meth:`trainable_times`): the frozen expert's steps are sampled but neither stored for the loss nor
-      back-propagated (their velocity does not depend on the trained weights). A LoRA of ``low`` loads in the stock pipeline with
-      ``load_lora_weights(folder, load_into_transformer_2=True)``. Wan 2.2 TI2V-5B (``expand_timesteps``) gets its
+      back-propagated (their velocity does not depend on the trained weights). A LoRA of ``low`` loads in the stock
+      pipeline with ``load_lora_weights(folder, load_into_transformer_2=True)``. Wan 2.2 TI2V-5B (``expand_timesteps``) gets its
       timestep per latent token, as the stock pipeline gives it.
     - Decode: to videos ``(B, F, 3, H, W)`` float32 in [0, 1], :attr:`decode_chunk` videos per VAE call; the Wan VAE
       decodes one latent frame at a time with its causal cache, so frames are chunked by the VAE itself.

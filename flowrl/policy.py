@@ -3,10 +3,12 @@ weights, the minibatch schedule shared by every process, and the sum of the grad
 
 A method (:mod:`flowrl.methods`) computes a loss per (micro-)batch, back-propagates it through
 :meth:`Policy.backward` and calls :meth:`Policy.step` once per minibatch; the trainer never touches gradients.
-Under several processes the transformer is wrapped by accelerate: DDP (``accelerator.prepare_model``), or FSDP2
+Under several processes the transformer is wrapped by accelerate: DDP (``accelerator.prepare_model``), FSDP2
 (``accelerator.prepare``, :mod:`flowrl.sharding`: weights, gradients and optimizer state sharded, the weights kept
-gathered between optimizer steps); either way its backward averages the gradients over processes and micro-batches
-accumulate under ``accelerator.no_sync``.
+gathered between optimizer steps), or a DeepSpeed ZeRO-1/2 engine (``accelerator.prepare``, :mod:`flowrl.zero`:
+optimizer state, and under stage 2 gradients, partitioned; the engine's ``backward`` and ``step`` called here). Each
+averages the gradients over processes; micro-batches accumulate under ``accelerator.no_sync`` (DDP, FSDP2) or in the
+engine until its step.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .sharding import full, full_optimizer_state, is_fsdp2, keep_gathered, regather, shard_like, shard_optimizer_state
+from .zero import ZeroLoader, check_deepspeed_config, configure, is_deepspeed
+from .zero import full_optimizer_state as zero_optimizer_state
 
 
 def minibatch_sizes(counts: torch.Tensor, size: int) -> torch.Tensor:
@@ -35,25 +39,28 @@ def minibatch_sizes(counts: torch.Tensor, size: int) -> torch.Tensor:
     return torch.stack([torch.clamp(int(c) - torch.arange(steps) * size, 0, size) for c in counts])
 
 
-def check_accelerate_engine(accelerator, step_grad_norms: str = "none", optimizer: str = "adamw") -> None:
-    """Check accelerate's engine before any weights load: DDP (``configs/accelerate/ddp.yaml``) and FSDP2 with the
-    weights kept gathered between optimizer steps (``configs/accelerate/fsdp2.yaml``, :mod:`flowrl.sharding`) run;
-    FSDP1, FSDP2 resharding after each forward, DeepSpeed and Megatron-LM are refused.
+def check_accelerate_engine(accelerator, step_grad_norms: str = "none", optimizer: str = "adamw",
+                            max_grad_norm: float = 1.0) -> None:
+    """Check accelerate's engine before any weights load: DDP (``configs/accelerate/ddp.yaml``), FSDP2 with the
+    weights kept gathered between optimizer steps (``configs/accelerate/fsdp2.yaml``, :mod:`flowrl.sharding`) and
+    DeepSpeed ZeRO stage 1 or 2 (``configs/accelerate/deepspeed_zero2.yaml``, :mod:`flowrl.zero`) run; FSDP1, FSDP2
+    resharding after each forward, ZeRO stage 3 and Megatron-LM are refused.
 
-    FSDP2 resharding after a forward would all-gather in every forward, a collective call every process must make
-    in the same order, and flowrl's processes make different numbers of forwards (their own transitions, their share
-    of the evaluation, the main process's grids). DeepSpeed's engine owns the backward and the optimizer step (its
-    ZeRO-2 is what FSDP2 without resharding gives here). accelerate 1.15 runs FSDP only on accelerator devices: with
-    ``--cpu`` it falls back to DDP.
+    FSDP2 resharding after a forward (and ZeRO-3) would all-gather in every forward, a collective call every process
+    must make in the same order, and flowrl's processes make different numbers of forwards (their own transitions,
+    their share of the evaluation, the main process's grids). accelerate 1.15 runs FSDP and DeepSpeed only on
+    accelerator devices: with ``--cpu`` it falls back to DDP.
 
     Args:
         step_grad_norms: ``train.step_grad_norms``; ``params`` (a backward per denoising step through the sharded
-            weights) is refused under FSDP2.
-        optimizer: ``train.optimizer``; ``adamw_8bit`` (bitsandbytes over ``DTensor`` shards, untested) is refused
-            under FSDP2.
+            weights) is refused under FSDP2 and DeepSpeed.
+        optimizer: ``train.optimizer``; ``adamw_8bit`` (bitsandbytes over ``DTensor`` shards or ZeRO partitions,
+            untested) is refused under FSDP2 and DeepSpeed.
+        max_grad_norm: ``train.max_grad_norm``, checked against DeepSpeed's ``gradient_clipping``.
 
     Raises:
-        ConfigError: naming the launch setting (or ``train.step_grad_norms``) and what to use instead.
+        ConfigError: naming the launch setting (or ``train.step_grad_norms``, ``train.optimizer``, the DeepSpeed
+            config key) and what to use instead.
     """
     from .config import ConfigError
 
@@ -75,11 +82,20 @@ def check_accelerate_engine(accelerator, step_grad_norms: str = "none", optimize
         if optimizer == "adamw_8bit":
             raise ConfigError("config key 'train.optimizer' is 'adamw_8bit', whose bitsandbytes steps over FSDP2's "
                               "DTensor shards are untested: use adamw under FSDP2 (its moments are sharded already)")
-    elif kind in ("DEEPSPEED", "MEGATRON_LM"):
-        raise ConfigError(f"accelerate launch uses {kind} (accelerate config / --use_deepspeed): flowrl runs DDP "
-                          "(configs/accelerate/ddp.yaml) or FSDP2 (configs/accelerate/fsdp2.yaml, the ZeRO-2 "
-                          "sharding of gradients and optimizer state); DeepSpeed's engine would own the backward and "
-                          "the optimizer step")
+    elif kind == "DEEPSPEED":
+        check_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, max_grad_norm)
+        if step_grad_norms == "params":
+            raise ConfigError("config key 'train.step_grad_norms' is 'params', which back-propagates through the "
+                              "DeepSpeed engine's weights outside its backward once per denoising step: use velocity "
+                              "or none under DeepSpeed")
+        if optimizer == "adamw_8bit":
+            raise ConfigError("config key 'train.optimizer' is 'adamw_8bit', whose bitsandbytes steps over DeepSpeed's "
+                              "ZeRO partitions are untested: use adamw under DeepSpeed (its moments are partitioned "
+                              "already)")
+    elif kind == "MEGATRON_LM":
+        raise ConfigError("accelerate launch uses MEGATRON_LM (accelerate config / --use_megatron_lm): flowrl runs DDP "
+                          "(configs/accelerate/ddp.yaml), FSDP2 (configs/accelerate/fsdp2.yaml) or DeepSpeed ZeRO-1/2 "
+                          "(configs/accelerate/deepspeed_zero2.yaml)")
 
 
 def check_accelerate_precision(accelerator, run_precision: str) -> None:
@@ -163,9 +179,18 @@ class Policy:
         self.device = accelerator.device
         self.sharded = is_fsdp2(accelerator)
         params = [p for p in model.transformer.parameters() if p.requires_grad]
-        self.wrapped = None  # DDP or FSDP2 over the processes; None with one process
+        self.wrapped = None  # DDP, FSDP2 or DeepSpeed over the processes; None with one process
+        self.engine = None  # the DeepSpeed engine (flowrl.zero), which steps the optimizer
         self._null = None  # the empty prompt's embedding, for the zero-gradient pass of a process without rows
-        if self.sharded:  # FSDP2 shards the transformer in place and points the optimizer at the shards
+        self._backwards = self._needed = 0  # backwards made / to make in this optimizer step (ZeRO-2 pads to it)
+        if is_deepspeed(accelerator):  # ZeRO partitions AdamW's state (and gradients) over the processes
+            configure(accelerator.state.deepspeed_plugin.deepspeed_config, train.max_grad_norm,
+                      accelerator.num_processes)
+            self.engine, self.optimizer = accelerator.prepare(model.transformer, build_optimizer(params, train))
+            if self.engine.module is not model.transformer:
+                raise RuntimeError("accelerate's DeepSpeed preparation wraps another module than the transformer")
+            self.wrapped = model.wrapped = self.engine
+        elif self.sharded:  # FSDP2 shards the transformer in place and points the optimizer at the shards
             transformer, self.optimizer = accelerator.prepare(model.transformer, build_optimizer(params, train))
             if transformer is not model.transformer:
                 raise RuntimeError("accelerate's FSDP2 preparation returned another module than the transformer")
@@ -176,7 +201,7 @@ class Policy:
         self.params = {n: p for n, p in model.transformer.named_parameters() if p.requires_grad}
         if self.sharded:
             keep_gathered(model.transformer)
-        elif accelerator.num_processes > 1:
+        elif accelerator.num_processes > 1 and self.engine is None:
             self.wrapped = model.wrapped = accelerator.prepare_model(model.transformer, device_placement=False)
         self.ema = self.copy() if train.ema_decay > 0 else None
 
@@ -199,7 +224,7 @@ class Policy:
             the minibatch's size summed over all processes. Every process gets the same steps
             (:func:`minibatch_sizes`), so it must take each one, empty or not.
         """
-        size = self.cfg.minibatch_size
+        size, micro = self.cfg.minibatch_size, self.cfg.micro_batch_size
         counts = torch.tensor([count])
         if self.accelerator.num_processes > 1:
             counts = self.accelerator.gather(counts.to(self.device)).cpu()
@@ -207,6 +232,9 @@ class Policy:
         for epoch in range(self.cfg.inner_epochs):
             order = torch.randperm(count, generator=generator).to(self.device)
             for j in range(sizes.shape[1]):
+                # the most micro-batches any process makes in this step (at least the zero-gradient pass)
+                self._needed = max(1, max(-(-int(n) // micro) for n in sizes[:, j])) if micro else 1
+                self._backwards = 0
                 yield epoch, j, order[j * size:(j + 1) * size], sizes[:, j].sum().item()
 
     def micro_batches(self, mb: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, float]]:
@@ -221,7 +249,8 @@ class Policy:
         for start in range(0, len(mb), micro):
             idx = mb[start:start + micro]
             last = start + micro >= len(mb)
-            with contextlib.nullcontext() if self.wrapped is None or last else self.accelerator.no_sync(self.wrapped):
+            sync = self.wrapped is None or self.engine is not None or last  # the engine accumulates until its step
+            with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.wrapped):
                 yield start, idx, len(idx) / len(mb)
 
     # ----------------------------------------------------------------------------------- update
@@ -231,7 +260,12 @@ class Policy:
         is the sum of every process's share, the gradient of the mean over the global minibatch."""
         if self.wrapped is not None:
             scale = scale * self.accelerator.num_processes
-        self.accelerator.backward(loss * scale if scale != 1.0 else loss)
+        loss = loss * scale if scale != 1.0 else loss
+        self._backwards += 1
+        if self.engine is not None:
+            self.engine.backward(loss)
+        else:
+            self.accelerator.backward(loss)
 
     def step(self, loss: float | None, stats: dict[str, list[float]]) -> None:
         """Clip the gradients (summed over processes by the wrapped model's backward) to ``train.max_grad_norm``,
@@ -241,9 +275,16 @@ class Policy:
         params = list(self.params.values())
         if loss is None and self.wrapped is not None:
             self._zero_backward()
-        grad_norm = full(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.engine is not None:
+            if self.engine.zero_optimization_partition_gradients():  # ZeRO-2 reduces in every backward
+                while self._backwards < self._needed:
+                    self._zero_backward()
+            self.engine.step()  # reduce (stage 1), clip at train.max_grad_norm, AdamW, zero the gradients
+            grad_norm = torch.as_tensor(float(self.engine.get_global_grad_norm()))
+        else:
+            grad_norm = full(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         if self.sharded:  # the shards moved: gather the weights the forwards use
             regather(self.model.transformer)
         if self.ema is not None:
@@ -260,25 +301,39 @@ class Policy:
             self._null = model.encode([""])
         x = torch.zeros(1, *model.latent_shape, device=self.device)
         v = model.velocity(x, torch.ones(1, device=self.device), self._null, None, 1.0)
-        self.accelerator.backward(v.sum() * 0.0)
+        self.backward(v.sum() * 0.0)
 
     # ---------------------------------------------------------------------------- held weights
     def weights(self) -> dict[str, torch.Tensor]:
-        """The trainable tensors the forwards use, whole, by name: :attr:`params` itself, or under FSDP2 the gathered
-        weights (equal to the shards after every optimizer step; no communication)."""
+        """The trainable tensors, whole, by name, to save or read (not to write: the forwards may not see it):
+        :attr:`params` itself, under FSDP2 the gathered weights (equal to the shards after every optimizer step), under
+        DeepSpeed copies (its weights are views into one flat buffer, which safetensors refuses to save). No
+        communication."""
+        if self.engine is not None:
+            return {n: p.detach().clone() for n, p in self._live().items()}
+        return self._live()
+
+    def _live(self) -> dict[str, torch.Tensor]:
+        """The trainable tensors the forwards use, whole, by name (FSDP2: the gathered weights, not the shards)."""
         if not self.sharded:
             return self.params
         return {n: p for n, p in self.model.transformer.named_parameters() if n in self.params}
 
+    @property
+    def plain_export(self) -> bool:
+        """Whether a pipeline export needs a plain copy of the transformer (FSDP2's ``DTensor`` shards, DeepSpeed's
+        flat-buffer views): :meth:`flowrl.models.FlowModel.save_pipeline`'s ``plain_copy``."""
+        return self.sharded or self.engine is not None
+
     @torch.no_grad()
     def move_towards(self, store: dict[str, torch.Tensor], decay: float) -> None:
         """``store <- decay store + (1 - decay) theta`` for every trainable tensor (the EMA, DiffusionNFT's old policy)."""
-        for n, p in self.weights().items():
+        for n, p in self._live().items():
             store[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
 
     def copy(self) -> dict[str, torch.Tensor]:
         """A detached copy of the trainable tensors, whole (by name)."""
-        return {n: p.detach().clone() for n, p in self.weights().items()}
+        return {n: p.detach().clone() for n, p in self._live().items()}
 
     @contextlib.contextmanager
     def holding(self, weights: dict[str, torch.Tensor] | None):
@@ -289,13 +344,13 @@ class Policy:
             return
         backup = self.copy()
         with torch.no_grad():
-            for n, p in self.weights().items():
+            for n, p in self._live().items():
                 p.copy_(weights[n])
         try:
             yield
         finally:
             with torch.no_grad():
-                for n, p in self.weights().items():
+                for n, p in self._live().items():
                     p.copy_(backup[n])
 
     def ema_weights(self):
@@ -304,10 +359,16 @@ class Policy:
 
     # ----------------------------------------------------------------------------- checkpoints
     def save(self, directory: Path, iteration: int, extra: dict, write_extra_files) -> Path | None:
-        """Checkpoint the trainable weights (whole), the optimizer state (whole: gathered from the shards under FSDP2)
-        and the EMA with :func:`flowrl.checkpoint.save_checkpoint`, written by the main process. Every process calls
-        it (the gathering is collective); returns the folder on the main process, None on the others."""
-        optimizer = full_optimizer_state(self.optimizer.state_dict()) if self.sharded else self.optimizer
+        """Checkpoint the trainable weights (whole), the optimizer state (whole: gathered from the shards under FSDP2,
+        from the ZeRO partitions under DeepSpeed, in torch AdamW's layout either way) and the EMA with
+        :func:`flowrl.checkpoint.save_checkpoint`, written by the main process. Every process calls it (the gathering
+        is collective); returns the folder on the main process, None on the others."""
+        if self.engine is not None:
+            optimizer = zero_optimizer_state(self.engine, list(self.params.values()))
+        elif self.sharded:
+            optimizer = full_optimizer_state(self.optimizer.state_dict())
+        else:
+            optimizer = self.optimizer
         if not self.accelerator.is_main_process:
             return None
         return save_checkpoint(directory, iteration, self.weights(), optimizer, self.ema, extra=extra,
@@ -316,15 +377,20 @@ class Policy:
     def load(self, path: Path) -> dict:
         """Restore a checkpoint of :meth:`save` (:func:`flowrl.checkpoint.load_checkpoint`) on every process, then the
         config's optimizer settings (:meth:`apply_optimizer_config`); under FSDP2 each process keeps its shard of the
-        whole tensors it read. Returns the checkpoint's JSON state.
+        whole tensors it read, under DeepSpeed its partition of the master weights and moments. Returns the
+        checkpoint's JSON state.
 
         Raises:
             CheckpointError: as :func:`flowrl.checkpoint.load_checkpoint`.
         """
-        state = load_checkpoint(path, self.weights(), _ShardingLoader(self) if self.sharded else self.optimizer, self.ema)
+        if self.engine is not None:
+            loader = ZeroLoader(self.engine, list(self.params.values()))  # after the weights: the master copies them
+        else:
+            loader = _ShardingLoader(self) if self.sharded else self.optimizer
+        state = load_checkpoint(path, self._live(), loader, self.ema)
         if self.sharded:
             with torch.no_grad():
-                for n, w in self.weights().items():
+                for n, w in self._live().items():
                     self.params[n].copy_(shard_like(w.detach(), self.params[n]))
         self.apply_optimizer_config(path)
         return state

@@ -85,7 +85,7 @@ class Trainer:
                                              project_config=ProjectConfiguration(str(self.out), str(self.out / "tensorboard")))
         self.trackers = Trackers(acc, cfg.run.log_with)
         self.run = RunFolder(self.out, acc, cfg.run.resume)  # not in use, no other run, writable: before any work
-        check_accelerate_engine(acc, cfg.train.step_grad_norms, cfg.train.optimizer)
+        check_accelerate_engine(acc, cfg.train.step_grad_norms, cfg.train.optimizer, cfg.train.max_grad_norm)
         check_accelerate_precision(acc, cfg.run.mixed_precision)
         check_optimizer(cfg.train.optimizer, acc.device)
         self.device = acc.device
@@ -364,4 +364,4 @@ class Trainer:
             self.model.save_lora(self.out / "lora", self.policy.ema or self.policy.weights())
         else:
             with self.policy.ema_weights():
-                self.model.save_pipeline(self.out / "pipeline", plain_copy=self.policy.sharded)
+                self.model.save_pipeline(self.out / "pipeline", plain_copy=self.policy.plain_export)

@@ -41,6 +41,53 @@ def force_cpu_fsdp2() -> None:
     accelerate.Accelerator = CPUFSDP2Accelerator
 
 
+def force_cpu_deepspeed(stage: int, offload_optimizer: str = "none") -> None:
+    """Make every ``accelerate.Accelerator`` built from now on run DeepSpeed ZeRO ``stage`` on the CPU processes.
+
+    accelerate 1.15 counts one process per DeepSpeed launch on a machine without an accelerator (its backend stays
+    unset, so ``num_processes`` is 1 while DeepSpeed's own group has every process). DeepSpeed itself runs on the CPU
+    (its CPU accelerator, gloo). So the processes are set up as accelerate's ``MULTI_CPU`` (gloo), then its shared state
+    is switched to DeepSpeed with the plugin that ``accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml``
+    gives (the launcher's environment, :func:`deepspeed_launch_env`, with the ZeRO stage and optimizer offload device
+    replaced): from there on ``Accelerator.prepare`` builds a DeepSpeed engine, as on GPUs.
+    """
+    import accelerate
+    from accelerate import DeepSpeedPlugin
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    class CPUDeepSpeedAccelerator(accelerate.Accelerator):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            os.environ.update(deepspeed_launch_env())
+            os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = str(stage)
+            os.environ["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"] = offload_optimizer
+            plugin = DeepSpeedPlugin()  # read from the launcher's ACCELERATE_DEEPSPEED_* variables
+            for state in (PartialState(), AcceleratorState()):
+                state.distributed_type = DistributedType.DEEPSPEED
+            AcceleratorState().deepspeed_plugins = plugin
+            plugin.select(_from_accelerator_state=True)
+            self.deepspeed_engine_wrapped = None  # what Accelerator.__init__ sets under DeepSpeed
+
+    accelerate.Accelerator = CPUDeepSpeedAccelerator
+
+
+def deepspeed_launch_env() -> dict[str, str]:
+    """The ``ACCELERATE_*`` DeepSpeed environment ``accelerate launch --config_file
+    configs/accelerate/deepspeed_zero2.yaml`` gives its processes."""
+    from pathlib import Path
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    config = Path(__file__).parent.parent / "configs/accelerate/deepspeed_zero2.yaml"
+    args = launch_command_parser().parse_args(["--config_file", str(config), "train.py"])
+    args, defaults, _ = _validate_launch_command(args)
+    args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)  # as launch_command sets it
+    _, env = prepare_deepspeed_cmd_env(args)
+    return {k: v for k, v in env.items() if "DEEPSPEED" in k or k == "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"}
+
+
 def fsdp2_launch_env() -> dict[str, str]:
     """The ``FSDP_*`` environment ``accelerate launch --config_file configs/accelerate/fsdp2.yaml`` gives its processes."""
     from pathlib import Path
@@ -98,10 +145,13 @@ def main() -> None:
 
     if os.environ.get("FLOWRL_TEST_FSDP2") == "1":
         force_cpu_fsdp2()
+    if os.environ.get("FLOWRL_TEST_ZERO"):  # "stage" or "stage:offload device"
+        stage, _, offload = os.environ["FLOWRL_TEST_ZERO"].partition(":")
+        force_cpu_deepspeed(int(stage), offload or "none")
     config, out, *overrides = sys.argv[1:]
     trainer = Trainer(load_config(config, overrides))
     rank = trainer.accelerator.process_index
-    split_grads, whole_grads = ([], []) if trainer.cfg.train.method == "nft" else split_gradient(trainer)  # at the initial weights
+    split_grads, whole_grads = ([], []) if trainer.cfg.train.method == "nft" or trainer.policy.engine else split_gradient(trainer)  # at the initial weights
     result = trainer.train()
     save_file({n: p.detach().contiguous() for n, p in trainer.policy.weights().items()}, f"{out}/rank{rank}.safetensors")
     save_file({**{f"split.{i}": g for i, g in enumerate(split_grads)}, **{f"whole.{i}": g for i, g in enumerate(whole_grads)}},
@@ -112,7 +162,8 @@ def main() -> None:
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump({"before": result["before"], "after": result["after"], "sharded": order.squeeze(1).tolist(),
                    "sharded_calls": calls, "num_processes": trainer.accelerator.num_processes,
-                   "wrapped": type(trainer.policy.wrapped).__name__}, f)
+                   "wrapped": type(trainer.policy.wrapped).__name__,
+                   "optimizer_offload": bool(getattr(getattr(trainer.policy.engine, "optimizer", None), "cpu_offload", False))}, f)
     trainer.accelerator.wait_for_everyone()  # then tear the process group down together, as flowrl train does
     trainer.accelerator.end_training()
 

@@ -55,11 +55,11 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
 
 
-def _launch(tmp: Path, overrides: list[str], fsdp2: bool = False) -> None:
+def _launch(tmp: Path, overrides: list[str], fsdp2: bool = False, zero: str = "") -> None:
     """Train ``tmp/c.yaml`` with ``overrides`` in two torchrun processes (see distributed_worker.py), under FSDP2 when
-    ``fsdp2``, else DDP."""
+    ``fsdp2``, DeepSpeed ZeRO when ``zero`` (``"stage"`` or ``"stage:offload device"``), else DDP."""
     env = {**_env(), "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-           "FLOWRL_TEST_FSDP2": "1" if fsdp2 else "0"}
+           "FLOWRL_TEST_FSDP2": "1" if fsdp2 else "0", "FLOWRL_TEST_ZERO": zero}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         str(HERE / "distributed_worker.py"), str(tmp / "c.yaml"), str(tmp), *overrides],
                        capture_output=True, text=True, env=env, timeout=600)
@@ -224,6 +224,98 @@ def test_fsdp2_full_fine_tuning_matches_ddp_and_exports_the_pipeline(tmp_path, t
     exported = dict(SD3Transformer2DModel.from_pretrained(tmp_path / "fsdp2/run/pipeline", subfolder="transformer")
                     .named_parameters())
     assert all(torch.equal(exported[k].detach(), runs["fsdp2"][k]) for k in runs["fsdp2"])
+
+
+@pytest.fixture(scope="module")
+def zero2_run(tmp_path_factory, two_process_run):
+    """The DDP run's config and data under DeepSpeed ZeRO-2 (forced onto the CPU processes)."""
+    ddp, overrides = two_process_run
+    tmp = tmp_path_factory.mktemp("zero2")
+    (tmp / "c.yaml").write_text((ddp / "c.yaml").read_text())
+    overrides = [o for o in overrides if not o.startswith("run.output_dir=")] + [f"run.output_dir={tmp / 'run'}"]
+    _launch(tmp, overrides, zero="2")
+    return tmp, ddp, overrides
+
+
+def _assert_trains_like_ddp(tmp: Path, ddp: Path) -> dict[str, torch.Tensor]:
+    """Identical weights on both processes of the run in ``tmp``, trained, equal to the DDP run's within float
+    tolerance, with its evaluation before training; returns them."""
+    w0, w1 = load_file(tmp / "rank0.safetensors"), load_file(tmp / "rank1.safetensors")
+    ref = load_file(ddp / "rank0.safetensors")
+    assert w0.keys() == w1.keys() == ref.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert any(w0[k].abs().sum() > 0 for k in w0 if "lora_B" in k)
+    for k in w0:
+        torch.testing.assert_close(w0[k], ref[k], rtol=1e-4, atol=1e-6)
+    assert json.loads((tmp / "rank0.json").read_text())["before"] == json.loads((ddp / "rank0.json").read_text())["before"]
+    return w0
+
+
+def test_deepspeed_zero2_trains_the_weights_ddp_trains(zero2_run):
+    """Under DeepSpeed ZeRO-2 (AdamW state and gradients partitioned; flowrl calls the engine's backward and step) the
+    run takes DDP's optimizer steps: the same weights within float tolerance on both processes, and a checkpoint of
+    whole tensors in torch AdamW's layout, whose moments are DDP's."""
+    tmp, ddp, _ = zero2_run
+    w0 = _assert_trains_like_ddp(tmp, ddp)
+    assert json.loads((tmp / "rank0.json").read_text())["wrapped"] == "DeepSpeedEngine"
+    saved = load_file(tmp / "run/checkpoints/checkpoint-000003/trainable.safetensors")
+    assert saved.keys() == w0.keys() and all(torch.equal(saved[k], w0[k]) for k in w0)
+    moments = load_file(tmp / "run/checkpoints/checkpoint-000003/optimizer.safetensors")
+    reference = load_file(ddp / "run/checkpoints/checkpoint-000003/optimizer.safetensors")
+    assert moments.keys() == reference.keys() and any(k.endswith("exp_avg_sq") for k in moments)
+    for k in moments:
+        torch.testing.assert_close(moments[k], reference[k], rtol=1e-3, atol=1e-9)
+    rows = [json.loads(line) for line in (tmp / "run/metrics.jsonl").read_text().splitlines()]
+    ref_rows = [json.loads(line) for line in (ddp / "run/metrics.jsonl").read_text().splitlines()]
+    for r, d in zip(rows, ref_rows):  # DeepSpeed's clipping norm is DDP's clip_grad_norm_ norm
+        assert r["policy/optimizer_steps"] == d["policy/optimizer_steps"]
+        assert abs(r["policy/grad_norm"] - d["policy/grad_norm"]) <= 1e-4 * d["policy/grad_norm"]
+
+
+def test_deepspeed_zero2_resume_with_optimizer_offload_continues_the_run(zero2_run, tmp_path):
+    """A ZeRO-2 run resumed from its second checkpoint with the optimizer offloaded to the CPU (whole weights, moments
+    and step count written into each process's partitions of the master weights and AdamW state, held by the CPU
+    optimizer) trains the third iteration to the weights of the run that never stopped."""
+    import shutil
+
+    tmp, _, overrides = zero2_run
+    shutil.copytree(tmp / "run", tmp_path / "run")
+    shutil.rmtree(tmp_path / "run/checkpoints/checkpoint-000003")
+    (tmp_path / "c.yaml").write_text((tmp / "c.yaml").read_text())
+    overrides = [o for o in overrides if not o.startswith("run.output_dir=")]
+    _launch(tmp_path, [*overrides, f"run.output_dir={tmp_path / 'run'}", "run.resume=true"], zero="2:cpu")
+    assert json.loads((tmp_path / "rank0.json").read_text())["optimizer_offload"]
+    assert not json.loads((tmp / "rank0.json").read_text())["optimizer_offload"]
+    straight, resumed = load_file(tmp / "rank0.safetensors"), load_file(tmp_path / "rank0.safetensors")
+    assert any(not torch.equal(straight[k], load_file(tmp / "run/checkpoints/checkpoint-000002/trainable.safetensors")[k])
+               for k in straight)  # the third iteration moved the weights
+    for k in straight:
+        torch.testing.assert_close(resumed[k], straight[k], rtol=1e-5, atol=1e-7)
+
+
+def test_deepspeed_full_fine_tuning_matches_ddp_and_exports_the_pipeline(tmp_path, two_process_run):
+    """Full fine-tuning under ZeRO-1 and ZeRO-2, one transition per micro-batch: process 0 makes two backwards per
+    optimizer step, process 1 (no transitions) a zero-gradient pass, and under ZeRO-2, whose every backward reduces,
+    one more to match. Both end on DDP's weights within float tolerance, and the exported pipeline holds them."""
+    ddp_tmp, _ = two_process_run
+    overrides = [o for o in _fixture_overrides(ddp_tmp) if not o.startswith(("run.output_dir=", "run.iterations="))]
+    overrides += ["model.lora_rank=0", "run.iterations=2", "train.learning_rate=1e-4", "train.micro_batch_size=1"]
+    runs = {}
+    for name, zero in (("ddp", ""), ("zero1", "1"), ("zero2", "2")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "c.yaml").write_text((ddp_tmp / "c.yaml").read_text())
+        _launch(tmp_path / name, [*overrides, f"run.output_dir={tmp_path / name / 'run'}"], zero=zero)
+        runs[name] = load_file(tmp_path / name / "rank0.safetensors")
+    from diffusers import SD3Transformer2DModel
+
+    base = dict(SD3Transformer2DModel.from_pretrained(_fixture_pipeline(overrides), subfolder="transformer").named_parameters())
+    for name in ("zero1", "zero2"):
+        assert runs["ddp"].keys() == runs[name].keys() and len(runs["ddp"]) > 10
+        assert any(not torch.equal(runs[name][k], base[k].detach()) for k in runs[name])  # trained
+        for k in runs["ddp"]:
+            torch.testing.assert_close(runs[name][k], runs["ddp"][k], rtol=1e-4, atol=1e-6)
+    exported = dict(SD3Transformer2DModel.from_pretrained(tmp_path / "zero2/run/pipeline", subfolder="transformer")
+                    .named_parameters())
+    assert all(torch.equal(exported[k].detach(), runs["zero2"][k]) for k in runs["zero2"])
 
 
 def _fixture_pipeline(overrides: list[str]) -> str:

@@ -63,12 +63,13 @@ def test_flat_config_gives_scalar_hyperparameters():
                                                                            "e": "x"}
 
 
-def _launch(kind: str, **plugin):
+def _launch(kind: str, deepspeed_config: dict | None = None, **plugin):
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
 
-    return SimpleNamespace(distributed_type=DistributedType[kind], state=SimpleNamespace(fsdp_plugin=SimpleNamespace(**plugin)))
+    return SimpleNamespace(distributed_type=DistributedType[kind], state=SimpleNamespace(
+        fsdp_plugin=SimpleNamespace(**plugin), deepspeed_plugin=SimpleNamespace(deepspeed_config=deepspeed_config)))
 
 
 def test_the_shipped_fsdp2_launch_passes_and_other_sharded_launches_are_refused_in_one_line(monkeypatch):
@@ -91,6 +92,49 @@ def test_the_shipped_fsdp2_launch_passes_and_other_sharded_launches_are_refused_
         check_accelerate_engine(_launch("FSDP", fsdp_version=2, reshard_after_forward=False), "params")
     with pytest.raises(ConfigError, match="train.optimizer.*adamw_8bit.*use adamw under FSDP2"):
         check_accelerate_engine(_launch("FSDP", fsdp_version=2, reshard_after_forward=False), "none", "adamw_8bit")
-    for kind in ("DEEPSPEED", "MEGATRON_LM"):
-        with pytest.raises(ConfigError, match=f"uses {kind}.*ddp.yaml.*fsdp2.yaml"):
-            check_accelerate_engine(_launch(kind))
+    with pytest.raises(ConfigError, match="uses MEGATRON_LM.*ddp.yaml.*fsdp2.yaml.*deepspeed_zero2.yaml"):
+        check_accelerate_engine(_launch("MEGATRON_LM"))
+
+
+def test_the_shipped_deepspeed_launch_passes_and_what_flowrl_cannot_run_is_refused_in_one_line(monkeypatch):
+    import copy
+
+    from accelerate import DeepSpeedPlugin
+
+    from distributed_worker import deepspeed_launch_env
+    from flowrl.policy import check_accelerate_engine
+    from flowrl.zero import configure
+
+    for key, value in deepspeed_launch_env().items():  # what `accelerate launch --config_file .../deepspeed_zero2.yaml` sets
+        monkeypatch.setenv(key, value)
+    shipped = DeepSpeedPlugin().deepspeed_config
+    assert shipped["zero_optimization"]["stage"] == 2
+    check_accelerate_engine(_launch("DEEPSPEED", shipped), max_grad_norm=0.5)
+    filled = copy.deepcopy(shipped)
+    configure(filled, 0.5, 8)
+    assert filled["gradient_clipping"] == 0.5 and filled["managed_gradient_accumulation"] is False
+    check_accelerate_engine(_launch("DEEPSPEED", filled), max_grad_norm=0.5)  # a filled config passes again
+
+    def changed(**keys):
+        config = copy.deepcopy(shipped)
+        for dotted, value in keys.items():
+            *parents, last = dotted.split("__")
+            node = config
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[last] = value
+        return _launch("DEEPSPEED", config)
+
+    cases = [(changed(zero_optimization__stage=3), "zero_optimization.stage is 3.*stage 1 or 2.*FSDP2"),
+             (changed(zero_optimization__stage=0), "stage is 0.*ddp.yaml"),
+             (changed(zero_optimization__offload_param__device="cpu"), "offload_param.device.*none"),
+             (changed(bf16__enabled=True), "enables bf16.*run.mixed_precision=bf16"),
+             (changed(optimizer={"type": "AdamW"}), "'optimizer' block.*train.learning_rate"),
+             (changed(gradient_clipping=2.0), "gradient_clipping is 2.0.*'train.max_grad_norm' is 0.5")]
+    for launch, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            check_accelerate_engine(launch, max_grad_norm=0.5)
+    with pytest.raises(ConfigError, match="train.step_grad_norms.*params.*DeepSpeed"):
+        check_accelerate_engine(_launch("DEEPSPEED", shipped), "params", max_grad_norm=0.5)
+    with pytest.raises(ConfigError, match="train.optimizer.*adamw_8bit.*ZeRO partitions"):
+        check_accelerate_engine(_launch("DEEPSPEED", shipped), "none", "adamw_8bit", max_grad_norm=0.5)

@@ -83,6 +83,11 @@ def check_accelerate_engine(accelerator, step_grad_norms: str = "none", optimize
             raise ConfigError("config key 'train.optimizer' is 'adamw_8bit', whose bitsandbytes steps over FSDP2's "
                               "DTensor shards are untested: use adamw under FSDP2 (its moments are sharded already)")
     elif kind == "DEEPSPEED":
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if world != accelerator.num_processes:
+            raise ConfigError(f"accelerate launch uses DEEPSPEED on {world} processes but accelerate counts "
+                              f"{accelerator.num_processes} (accelerate runs DeepSpeed on GPUs only): on CPUs launch "
+                              "with configs/accelerate/ddp.yaml or --cpu")
         check_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, max_grad_norm)
         if step_grad_norms == "params":
             raise ConfigError("config key 'train.step_grad_norms' is 'params', which back-propagates through the "

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import tiny_overrides
 from flowrl.config import ConfigError, load_config
@@ -68,7 +69,7 @@ def _launch(kind: str, deepspeed_config: dict | None = None, **plugin):
 
     from accelerate.utils import DistributedType
 
-    return SimpleNamespace(distributed_type=DistributedType[kind], state=SimpleNamespace(
+    return SimpleNamespace(distributed_type=DistributedType[kind], num_processes=1, state=SimpleNamespace(
         fsdp_plugin=SimpleNamespace(**plugin), deepspeed_plugin=SimpleNamespace(deepspeed_config=deepspeed_config)))
 
 
@@ -138,3 +139,8 @@ def test_the_shipped_deepspeed_launch_passes_and_what_flowrl_cannot_run_is_refus
         check_accelerate_engine(_launch("DEEPSPEED", shipped), "params", max_grad_norm=0.5)
     with pytest.raises(ConfigError, match="train.optimizer.*adamw_8bit.*ZeRO partitions"):
         check_accelerate_engine(_launch("DEEPSPEED", shipped), "none", "adamw_8bit", max_grad_norm=0.5)
+    # accelerate 1.15 on a machine without GPUs: DeepSpeed's group has every process, accelerate counts one
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
+    with pytest.raises(ConfigError, match="DEEPSPEED on 2 processes but accelerate counts 1.*ddp.yaml"):
+        check_accelerate_engine(_launch("DEEPSPEED", shipped), max_grad_norm=0.5)

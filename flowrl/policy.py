@@ -261,8 +261,9 @@ class Policy:
     # ----------------------------------------------------------------------------------- update
     def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
         """Back-propagate ``loss * scale`` (``scale``: the micro-batch's share of the global minibatch). Under
-        several processes DDP averages the gradients, so the loss is scaled by the process count too: the result
-        is the sum of every process's share, the gradient of the mean over the global minibatch."""
+        several processes DDP, FSDP2 and ZeRO average the gradients, so the loss is scaled by the process count too:
+        the result is the sum of every process's share, the gradient of the mean over the global minibatch. Under
+        DeepSpeed through the engine's ``backward`` (which accumulates until :meth:`step`)."""
         if self.wrapped is not None:
             scale = scale * self.accelerator.num_processes
         loss = loss * scale if scale != 1.0 else loss
@@ -276,7 +277,9 @@ class Policy:
         """Clip the gradients (summed over processes by the wrapped model's backward) to ``train.max_grad_norm``,
         step AdamW, update the EMA; append ``policy/grad_norm`` (and ``policy/loss``) to `stats`. ``loss`` None: this
         process has no rows in this minibatch while others do; under several processes it then joins the
-        gradient sum with a zero-gradient pass (:meth:`_zero_backward`)."""
+        gradient sum with a zero-gradient pass (:meth:`_zero_backward`). Under DeepSpeed the engine's ``step`` clips
+        and steps; under ZeRO-2 a process first adds zero-gradient passes until it made as many backwards as the
+        process with the most micro-batches in this step (each backward reduces, a collective call)."""
         params = list(self.params.values())
         if loss is None and self.wrapped is not None:
             self._zero_backward()
@@ -324,6 +327,10 @@ class Policy:
             return self.params
         return {n: p for n, p in self.model.transformer.named_parameters() if n in self.params}
 
+    def exported(self) -> dict[str, torch.Tensor]:
+        """The weights a LoRA export holds: the EMA when there is one (``train.ema_decay > 0``), else :meth:`weights`."""
+        return self.ema or self.weights()
+
     @property
     def plain_export(self) -> bool:
         """Whether a pipeline export needs a plain copy of the transformer (FSDP2's ``DTensor`` shards, DeepSpeed's
@@ -368,13 +375,14 @@ class Policy:
         from the ZeRO partitions under DeepSpeed, in torch AdamW's layout either way) and the EMA with
         :func:`flowrl.checkpoint.save_checkpoint`, written by the main process. Every process calls it (the gathering
         is collective); returns the folder on the main process, None on the others."""
+        main = self.accelerator.is_main_process  # the other processes drop each gathered tensor at once
         if self.engine is not None:
-            optimizer = zero_optimizer_state(self.engine, list(self.params.values()))
+            optimizer = zero_optimizer_state(self.engine, list(self.params.values()), keep=main)
         elif self.sharded:
-            optimizer = full_optimizer_state(self.optimizer.state_dict())
+            optimizer = full_optimizer_state(self.optimizer.state_dict(), keep=main)
         else:
             optimizer = self.optimizer
-        if not self.accelerator.is_main_process:
+        if not main:
             return None
         return save_checkpoint(directory, iteration, self.weights(), optimizer, self.ema, extra=extra,
                                write_extra_files=write_extra_files)

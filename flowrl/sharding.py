@@ -79,15 +79,20 @@ def shard_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
                              src_data_rank=None)
 
 
-def full_optimizer_state(state: dict) -> dict:
+def full_optimizer_state(state: dict, keep: bool = True) -> dict | None:
     """An optimizer ``state_dict`` with every sharded tensor of its per-parameter state made whole (:func:`full`;
-    collective under FSDP2), on the CPU."""
+    collective under FSDP2), on the CPU. ``keep`` False (the processes that do not write the checkpoint): take part in
+    each all-gather, drop the whole tensor at once and return None, so that only one process holds the whole state."""
     def whole(value):
         if isinstance(value, dict):
             return {k: whole(v) for k, v in value.items()}
-        return full(value).detach().cpu() if torch.is_tensor(value) else value
+        if not torch.is_tensor(value):
+            return value
+        value = full(value)
+        return value.detach().cpu() if keep else None
 
-    return {"state": {pid: whole(s) for pid, s in state["state"].items()}, "param_groups": state["param_groups"]}
+    out = {"state": {pid: whole(s) for pid, s in state["state"].items()}, "param_groups": state["param_groups"]}
+    return out if keep else None
 
 
 def shard_optimizer_state(state: dict, params: list[torch.Tensor]) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import sys
 import time
 import warnings
 from collections import defaultdict
@@ -190,7 +191,8 @@ class Trainer:
             `dict[str, float]`: ``iteration`` (it + 1), ``reward/*`` means (per reward and per tag),
             ``advantage/*``, ``cost/nfe`` (transformer rows, CFG counted twice), ``cost/reward_calls`` (images
             scored), ``cost/judge_calls`` (with a pairwise reward), ``cost/trained_transitions``,
-            ``time/{sample,score,train}_s`` (wall seconds) and the method's ``policy/*``.
+            ``time/{sample,score,train}_s`` (wall seconds), ``memory/*_peak_gib`` (:meth:`_peak_memory`) and the
+            method's ``policy/*``.
 
         Raises:
             ValueError: if a reward returns the wrong shape, NaN or inf (the reward is named).
@@ -221,7 +223,33 @@ class Trainer:
             metrics["cost/judge_calls"] = judged
         metrics.update({**adv_stats, "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2, **stats})
         metrics["cost/nfe"] = samples.nfe + stats.get("cost/nfe", 0)
+        metrics.update(self._peak_memory())
         return metrics
+
+    def _peak_memory(self) -> dict[str, float]:
+        """``memory/gpu_peak_gib``: the most GPU memory tensors took during the iteration (CUDA only, from
+        ``torch.cuda.max_memory_allocated``, reset here), and ``memory/host_peak_gib``: the most resident host memory
+        of the process since it started (``ru_maxrss``; absent where the ``resource`` module is missing). Each is the
+        maximum over the processes (a gather: every process calls it)."""
+        names, values = [], []
+        try:
+            import resource
+
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+            names.append("memory/host_peak_gib")
+            values.append(rss / 2**30 if sys.platform == "darwin" else rss / 2**20)
+        except ImportError:  # Windows
+            pass
+        if self.device.type == "cuda":
+            names.append("memory/gpu_peak_gib")
+            values.append(torch.cuda.max_memory_allocated(self.device) / 2**30)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if not names:
+            return {}
+        peak = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.accelerator.num_processes > 1:
+            peak = self.accelerator.gather(peak[None]).amax(0)
+        return dict(zip(names, peak.tolist()))
 
     # ----------------------------------------------------------------------------------------- parts
     def sample_prompts(self, iteration: int) -> list[dict]:
@@ -326,7 +354,7 @@ class Trainer:
         """Checkpoint ``iteration``: the policy, its optimizer and EMA, the method's state and files, the LoRA."""
         def write_extra(folder: Path) -> None:  # inside the checkpoint before it is sealed
             if self.cfg.model.lora_rank > 0:
-                self.model.save_lora(folder / "lora", self.policy.ema or self.policy.weights())
+                self.model.save_lora(folder / "lora", self.policy.exported())
             self.method.save_files(folder)
 
         # every process: under FSDP2 the optimizer state is gathered from the shards; the main process writes
@@ -361,7 +389,7 @@ class Trainer:
         self.trackers.log_images("grid/after", after, self.cfg.run.iterations)
         save_grid(before, after, [m["prompt"] for m in self._grid_metas()], self.out / "grid.png")
         if self.cfg.model.lora_rank > 0:
-            self.model.save_lora(self.out / "lora", self.policy.ema or self.policy.weights())
+            self.model.save_lora(self.out / "lora", self.policy.exported())
         else:
             with self.policy.ema_weights():
                 self.model.save_pipeline(self.out / "pipeline", plain_copy=self.policy.plain_export)

@@ -106,25 +106,22 @@ def configure(config: dict, max_grad_norm: float, num_processes: int) -> None:
     config["zero_force_ds_cpu_optimizer"] = False
 
 
-def engine_optimizer(engine):
-    """The ZeRO optimizer of a DeepSpeed ``engine`` (``DeepSpeedZeroOptimizer``)."""
-    return engine.optimizer
-
-
-def full_optimizer_state(engine, params: list[torch.Tensor]) -> dict:
+def full_optimizer_state(engine, params: list[torch.Tensor], keep: bool = True) -> dict | None:
     """AdamW's state as torch's ``AdamW.state_dict()`` of one process over ``params`` would hold it, with whole tensors
     on the CPU, gathered from the ZeRO partitions (collective: every process calls it for the same ``params``).
 
     Args:
         engine: the DeepSpeed engine; params (`list[torch.Tensor]`): the trained parameters in optimizer order.
+        keep (`bool`): False on the processes that do not write the checkpoint: each whole tensor is dropped once
+            gathered, so that only one process holds the whole state.
 
     Returns:
         `dict`: ``{"state": {i: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}`` (empty ``state``
-        before the first optimizer step).
+        before the first optimizer step); None when not ``keep``.
     """
     from deepspeed.utils import safe_get_full_optimizer_state
 
-    zero = engine_optimizer(engine)
+    zero = engine.optimizer  # DeepSpeedZeroOptimizer
     inner = zero.optimizer  # torch AdamW over this process's float32 partitions
     group = {k: v for k, v in inner.param_groups[0].items() if k != "params"}
     groups = [{**group, "params": list(range(len(params)))}]
@@ -136,8 +133,9 @@ def full_optimizer_state(engine, params: list[torch.Tensor]) -> dict:
     for i, p in enumerate(params):
         state[i] = {"step": step.detach().clone().cpu() if torch.is_tensor(step) else torch.tensor(float(step))}
         for key in ("exp_avg", "exp_avg_sq"):
-            state[i][key] = safe_get_full_optimizer_state(p, key).detach().cpu()
-    return {"state": state, "param_groups": groups}
+            value = safe_get_full_optimizer_state(p, key)  # an all-reduce of the partitions
+            state[i][key] = value.detach().cpu() if keep else None
+    return {"state": state, "param_groups": groups} if keep else None
 
 
 class ZeroLoader:
@@ -157,7 +155,7 @@ class ZeroLoader:
         own partition."""
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-        zero = engine_optimizer(self.engine)
+        zero = self.engine.optimizer
         inner = zero.optimizer
         saved = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
         for group in inner.param_groups:

@@ -7,12 +7,13 @@ the CPU (:func:`force_cpu_fsdp2`).
 
 import json
 import os
+import resource
 import sys
 
 import torch
 from safetensors.torch import save_file
 
-from flowrl.sharding import full
+from flowrl.sharding import fsdp_units, full
 
 
 def force_cpu_fsdp2() -> None:
@@ -33,6 +34,8 @@ def force_cpu_fsdp2() -> None:
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             os.environ.update(fsdp2_launch_env())
+            if os.environ.get("FLOWRL_TEST_FSDP_WRAP"):  # another fsdp_auto_wrap_policy than the shipped file's
+                os.environ["FSDP_AUTO_WRAP_POLICY"] = os.environ["FLOWRL_TEST_FSDP_WRAP"]
             plugin = FullyShardedDataParallelPlugin()  # read from the launcher's FSDP_* variables
             for state in (PartialState(), AcceleratorState()):  # AcceleratorState() re-reads PartialState's fields
                 state.distributed_type = DistributedType.FSDP
@@ -151,7 +154,16 @@ def main() -> None:
     config, out, *overrides = sys.argv[1:]
     trainer = Trainer(load_config(config, overrides))
     rank = trainer.accelerator.process_index
-    split_grads, whole_grads = ([], []) if trainer.cfg.train.method == "nft" or trainer.policy.engine else split_gradient(trainer)  # at the initial weights
+    split_grads, whole_grads = ([], []) if (trainer.cfg.train.method == "nft" or trainer.policy.engine
+                                  or os.environ.get("FLOWRL_TEST_NO_SPLIT")) else split_gradient(trainer)  # at the initial weights
+    optimize, peaks = trainer.method.optimize, []
+
+    def measured(*args, **kwargs):  # the peak resident memory up to the end of each policy update
+        out = optimize(*args, **kwargs)
+        peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        return out
+
+    trainer.method.optimize = measured
     result = trainer.train()
     save_file({n: p.detach().contiguous() for n, p in trainer.policy.weights().items()}, f"{out}/rank{rank}.safetensors")
     save_file({**{f"split.{i}": g for i, g in enumerate(split_grads)}, **{f"whole.{i}": g for i, g in enumerate(whole_grads)}},
@@ -163,7 +175,10 @@ def main() -> None:
         json.dump({"before": result["before"], "after": result["after"], "sharded": order.squeeze(1).tolist(),
                    "sharded_calls": calls, "num_processes": trainer.accelerator.num_processes,
                    "wrapped": type(trainer.policy.wrapped).__name__,
-                   "optimizer_offload": bool(getattr(getattr(trainer.policy.engine, "optimizer", None), "cpu_offload", False))}, f)
+                   "optimizer_offload": bool(getattr(getattr(trainer.policy.engine, "optimizer", None), "cpu_offload", False)),
+                   "fsdp_units": len(fsdp_units(trainer.model.transformer)) if trainer.policy.sharded else 0,
+                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                   "peak_rss_after_update_mib": peaks}, f)
     trainer.accelerator.wait_for_everyone()  # then tear the process group down together, as flowrl train does
     trainer.accelerator.end_training()
 

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run_preset(name: str, model: Path, train: Path, test: Path, out: Path) -> dict:
-    """Two iterations of preset `name` in float32; returns its metrics rows (``time/*`` dropped), the evaluations
+    """Two iterations of preset `name` in float32; returns its metrics rows (``time/*`` and ``memory/*`` dropped), the evaluations
     and the sum and sum of squares of the final trainable weights."""
     from flowrl.config import load_config
     from flowrl.trainer import Trainer
@@ -34,7 +34,7 @@ def run_preset(name: str, model: Path, train: Path, test: Path, out: Path) -> di
     trainer = Trainer(load_config(REPO / "configs" / f"{name}.yaml", tiny_overrides(model, train, test, out, **extra)))
     result = trainer.train()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rows = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    rows = [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))} for r in rows]
     params = trainer.policy.params if hasattr(trainer, "params") else trainer.policy.params
     weights = {"sum": sum(p.detach().double().sum().item() for p in params.values()),
                "sq": sum(p.detach().double().pow(2).sum().item() for p in params.values())}

@@ -300,14 +300,14 @@ def test_offloaded_parts_move_to_the_device_only_for_their_call(tmp_path, random
 
 
 def _run(tmp_path, model, prompt_files, name, **extra):
-    """Two float32 iterations of the default (Flow-GRPO) config; metrics rows without ``time/*``, final weights."""
+    """Two float32 iterations of the default (Flow-GRPO) config; metrics rows without ``time/*`` and ``memory/*``, final weights."""
     from flowrl.trainer import Trainer
 
     extra = {"run.mixed_precision": "no", "rewards.jpeg_compressibility.weight": 1.0, **extra}
     trainer = Trainer(load_config(None, tiny_overrides(model, *prompt_files, tmp_path / name, **extra)))
     trainer.train()
     rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    rows = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    rows = [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))} for r in rows]
     return trainer, rows, {n: p.detach().clone() for n, p in trainer.policy.params.items()}
 
 

@@ -48,6 +48,9 @@ def test_run_folder_has_every_artefact(finished_run):
         assert (out / name).is_file(), name
     metrics = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in metrics] == [1, 2]
+    # the process's peak resident memory so far: this test process holds the tiny pipeline and torch, >= 100 MiB
+    assert 0.1 < metrics[0]["memory/host_peak_gib"] <= metrics[1]["memory/host_peak_gib"] < 64
+    assert "memory/gpu_peak_gib" not in metrics[0]  # a CPU run
     tags = {json.loads(l)["tag"] for l in Path(cfg.train_prompts).read_text().splitlines()}
     for m in metrics:  # every logged tag is a training tag; the overall mean lies between the tag means
         logged = {k.split("/")[2] for k in m if k.startswith("reward/tag/")}

@@ -109,16 +109,26 @@ class HunyuanVideoModel(FlowModel):
 
     OPTIONS = ("true_cfg_scale",)
 
+    @staticmethod
+    def check_true_cfg_scale(value) -> float:
+        """``true_cfg_scale`` as a float ``>= 1`` (1 = off).
+
+        Raises:
+            ValueError: for anything else.
+        """
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
+            raise ValueError(f"true_cfg_scale must be a number >= 1 (1 = off, the embedded guidance alone), got {value!r}")
+        return float(value)
+
     def __init__(self, path, device="cpu", dtype=torch.float32, max_sequence_length=None, resolution=None,
                  num_frames: int | None = None, expert: str | None = None, negative_prompt: str = "",
                  true_cfg_scale: float = 1.0):
         if expert is not None:
             raise ValueError(f"{Path(path)} is a HunyuanVideo model (one transformer): leave the expert unset, got "
                              f"{expert!r}")
-        if not true_cfg_scale >= 1:
-            raise ValueError(f"true_cfg_scale must be >= 1 (1 = off, the embedded guidance alone), got {true_cfg_scale}")
+        self.true_cfg_scale = self.check_true_cfg_scale(true_cfg_scale)
         self.num_frames = self.check_num_frames(path, num_frames)
-        self.expert, self.negative_prompt, self.true_cfg_scale = None, negative_prompt, float(true_cfg_scale)
+        self.expert, self.negative_prompt = None, negative_prompt
         self._negative: tuple[str, HunyuanPromptEmbeds] | None = None  # (prompt, its encoding), made on first use
         super().__init__(path, device, dtype, max_sequence_length, resolution)
         if self.pipe.tokenizer.padding_side != "right":
@@ -187,10 +197,10 @@ class HunyuanVideoModel(FlowModel):
         if cfg.model.expert is not None:
             raise ConfigError(f"config key 'model.expert': {path} is a HunyuanVideo model (one transformer); leave it "
                               f"unset (got {cfg.model.expert!r})")
-        true_cfg = cfg.model.options.get("true_cfg_scale", 1.0)
-        if not isinstance(true_cfg, (int, float)) or not true_cfg >= 1:
-            raise ConfigError(f"config key 'model.options.true_cfg_scale': a number >= 1 (1 = off, the embedded "
-                              f"guidance alone), got {true_cfg!r}")
+        try:
+            true_cfg = cls.check_true_cfg_scale(cfg.model.options.get("true_cfg_scale", 1.0))
+        except ValueError as e:
+            raise ConfigError(f"config key 'model.options.true_cfg_scale': {e}") from None
         if cfg.model.negative_prompt and true_cfg == 1:
             raise ConfigError(f"config key 'model.negative_prompt': HunyuanVideo ({path}) samples with embedded "
                               f"guidance (sampling.guidance_scale), which uses no negative prompt; leave it empty, or "

@@ -5,7 +5,7 @@ transformer (``fsdp_auto_wrap_policy: NO_WRAP``) against a unit per transformer 
 With one unit the whole gradient exists at the end of the backward before it is reduce-scattered into this process's
 shard (``4N`` bytes for ``N`` float32 weights); with a unit per block each block's gradient is reduce-scattered right
 after that block's backward, so only about one block's gradient is whole at a time. The transformer is SD3.5-Medium's
-published config cut to ``--layers`` blocks, random weights (``benchmarks/gpu_scale.py``'s builder), trained whole
+published config (``--family``) cut to ``--layers`` blocks, random weights (``benchmarks/gpu_scale.py``'s builder), trained whole
 (``model.lora_rank=0``) for one iteration; the processes run ``tests/distributed_worker.py`` (accelerate's FSDP2 path
 forced onto CPU processes, as the tests do). Peak memory is each process's ``ru_maxrss`` (resident set, the whole
 process: libraries, pipeline, rollout included), so the difference between the two runs is what the units change.
@@ -74,17 +74,19 @@ def trained_weights(pipeline: Path) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=3, help="SD3.5-Medium blocks kept (24 in the published config)")
+    ap.add_argument("--family", choices=("sd35m", "sd35l", "tiny"), default="sd35m",
+                    help="an SD3 transformer config of benchmarks/gpu_scale.py (tiny: the few-MB one of its CPU test)")
+    ap.add_argument("--layers", type=int, default=3, help="blocks kept (SD3.5-Medium has 24)")
     ap.add_argument("--resolution", type=int, default=128, help="image side in pixels")
     ap.add_argument("--out", type=Path, default=None, help="JSON file for the results")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        pipeline = build_pipeline("sd35m", Path(tmp) / "pipeline", layers=args.layers, dtype=torch.float32)
+        pipeline = build_pipeline(args.family, Path(tmp) / "pipeline", layers=args.layers, dtype=torch.float32)
         n, in_blocks = trained_weights(pipeline)
         rows = [run(pipeline, Path(tmp) / wrap, wrap, args.resolution) for wrap in ("NO_WRAP", "TRANSFORMER_BASED_WRAP")]
-    result = {"machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}", "transformer": "sd35m",
-              "layers": args.layers, "trained_params": n, "gradient_mib": round(4 * n / 2**20),
-              "blocks_gradient_mib": round(4 * in_blocks / 2**20), "runs": rows}
+    result = {"machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}", "transformer": args.family,
+              "layers": args.layers, "trained_params": n, "block_params": in_blocks,
+              "gradient_mib": round(4 * n / 2**20), "blocks_gradient_mib": round(4 * in_blocks / 2**20), "runs": rows}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,8 +21,9 @@ from conftest import tiny_overrides
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks"
-SCRIPTS = ("base_headroom", "ddpo_tiny", "decode_precision_check", "failure_modes", "gpu_scale", "gradient_snr",
-           "nft_text_encoders", "policy_step_check", "step_influence", "tree_speedup", "video_vae_headroom")
+SCRIPTS = ("base_headroom", "ddpo_tiny", "decode_precision_check", "failure_modes", "fsdp2_units_memory", "gpu_scale",
+           "gradient_snr", "nft_text_encoders", "policy_step_check", "step_influence", "tree_speedup",
+           "video_vae_headroom")
 """The scripts this file runs; a new script under benchmarks/ needs a test here (checked below)."""
 
 
@@ -205,3 +206,19 @@ def test_video_vae_headroom(tmp_path, monkeypatch):
     result = json.loads(out.read_text())
     assert result["clips"] == 80 and result["rendered"] == {"dense": 1.0, "motion": 1.0, "strict": 1.0}
     assert 0 < result["vae_round_trip"]["motion"] <= 1 and result["vae_round_trip"]["dense"] < 1
+
+
+@pytest.mark.slow  # two two-process launches
+def test_fsdp2_units_memory_on_a_tiny_sd3(tmp_path, monkeypatch):
+    """Both FSDP2 runs of the memory benchmark on the few-MB SD3: the root and accelerate's tail unit (the final norm)
+    against those and one unit per block, each process's peak resident memory read back."""
+    out = tmp_path / "units.json"
+    run_script("fsdp2_units_memory", ["--family", "tiny", "--layers", 2, "--resolution", 64, "--out", out], monkeypatch)
+    result = json.loads(out.read_text())
+    assert 0 < result["block_params"] < result["trained_params"]
+    one, per_block = result["runs"]
+    assert (one["wrap"], per_block["wrap"]) == ("NO_WRAP", "TRANSFORMER_BASED_WRAP")
+    assert (one["fsdp_units"], per_block["fsdp_units"]) == (2, 4)
+    for run in result["runs"]:
+        assert len(run["peak_rss_mib"]) == 2 and all(100 < x for x in run["peak_rss_mib"])
+        assert all(100 < x <= y for x, y in zip(run["peak_rss_after_update_mib"], run["peak_rss_mib"]))

@@ -88,6 +88,19 @@ def cmd_train(args) -> dict:
     return result
 
 
+def cmd_memory(args) -> dict:
+    """``flowrl memory CONFIG [key=value ...] --processes N``: print the run's trained weight count and the memory its
+    trained weights, gradients and AdamW state take per process under each engine (:func:`flowrl.plan.memory_plan`);
+    reads no weights. Returns the plan (bytes)."""
+    from .plan import format_plan, memory_plan
+
+    plan = memory_plan(load_config(args.config, args.overrides), args.processes)
+    print(format_plan(plan))
+    if args.json:
+        write_text_atomic(args.json, json.dumps(plan, indent=1))
+    return plan
+
+
 def _end(accelerator) -> None:
     """End a command that ran under ``accelerator``: every process waits for the others, then the process group
     (torchrun / ``accelerate launch``) is destroyed before the interpreter exits, as torch asks; a single process
@@ -458,6 +471,13 @@ def _add_train(sub) -> None:
     t.add_argument("config", help="configs/*.yaml")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.iterations=10")
     t.set_defaults(fn=cmd_train)
+    m = sub.add_parser("memory", help="memory per process of a run's trained weights under each engine, from the "
+                                      "model folder (reads no weights)")
+    m.add_argument("config", help="configs/*.yaml")
+    m.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.path=/ckpt/flux model.lora_rank=0")
+    m.add_argument("--processes", type=_at_least(1), default=8, help="processes (GPUs) of the run")
+    m.add_argument("--json", default=None, help="also write the plan (bytes) to this JSON file")
+    m.set_defaults(fn=cmd_memory)
 
 
 def _add_eval(sub) -> None:
@@ -578,8 +598,8 @@ def _add_overopt(sub) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The ``flowrl`` parser: one sub-command each for train, eval, sample, generate, score, serve-reward, rewards,
-    bench and overopt (in that order, as ``--help`` lists them); each sets ``fn``, the ``cmd_*`` function that runs
+    """The ``flowrl`` parser: one sub-command each for train (and memory), eval, sample, generate, score, serve-reward,
+    rewards, bench and overopt (in that order, as ``--help`` lists them); each sets ``fn``, the ``cmd_*`` function that runs
     it."""
     parser = argparse.ArgumentParser(prog="flowrl", description="Online RL for text-to-image flow models")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -276,6 +276,8 @@ def test_deepspeed_zero2_trains_the_weights_ddp_trains(zero2_run):
     assert moments.keys() == reference.keys() and any(k.endswith("exp_avg_sq") for k in moments)
     for k in moments:
         torch.testing.assert_close(moments[k], reference[k], rtol=1e-3, atol=1e-9)
+    meta = [json.loads((run / "run/checkpoints/checkpoint-000003/state.json").read_text())["optimizer"] for run in (tmp, ddp)]
+    assert meta[0] == meta[1]  # the same param_groups and layout: either run's checkpoint resumes under the other
     rows = [json.loads(line) for line in (tmp / "run/metrics.jsonl").read_text().splitlines()]
     ref_rows = [json.loads(line) for line in (ddp / "run/metrics.jsonl").read_text().splitlines()]
     for r, d in zip(rows, ref_rows):  # DeepSpeed's clipping norm is DDP's clip_grad_norm_ norm

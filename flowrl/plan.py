@@ -3,8 +3,9 @@ folder before any weights load (``flowrl memory``): the most common failure of a
 memory, and the arithmetic of ``docs/distributed.md`` needs the trained weight count, which this reads off the folder.
 
 The trained network is built on the meta device from its ``config.json`` (no weights read; with the run's LoRA added
-through peft, as :meth:`flowrl.models.FlowModel.add_lora` adds it), so the count is exact; the frozen parts' sizes are
-their safetensors files' sizes. Activations are not estimated (they depend on the resolution, frames, micro-batch and
+through peft, as :meth:`flowrl.models.FlowModel.add_lora` adds it), so the count is exact; the frozen parts' weight
+counts come from their safetensors headers, placed as ``model.text_encoders`` and ``model.vae_placement`` place them,
+in ``model.dtype``. Activations are not estimated (they depend on the resolution, frames, micro-batch and
 gradient checkpointing; ``memory/gpu_peak_gib`` in ``metrics.jsonl`` measures the whole).
 """
 
@@ -61,15 +62,47 @@ def trained_counts(path: str | Path, network: str, lora_rank: int, lora_alpha: f
     return total, trained, max(blocks, default=0)
 
 
-def frozen_file_bytes(path: str | Path, network: str) -> dict[str, int]:
-    """Bytes of each component's safetensors files under the pipeline folder ``path`` (the weights as stored: the
-    run casts them to ``model.dtype``), the trained network's included under its name."""
-    sizes = {}
+def component_elements(path: str | Path) -> dict[str, int]:
+    """Weights stored in each component folder of the pipeline folder ``path`` (from its safetensors headers; no
+    weights read), by folder name, for the folders that hold safetensors files."""
+    from safetensors import safe_open
+
+    counts = {}
     for sub in sorted(Path(path).iterdir()):
         files = sorted(sub.glob("*.safetensors")) if sub.is_dir() else []
-        if files:
-            sizes[sub.name] = sum(f.stat().st_size for f in files)
-    return sizes
+        if not files:
+            continue
+        counts[sub.name] = 0
+        for file in files:
+            with safe_open(file, "pt") as f:
+                for key in f.keys():
+                    counts[sub.name] += int(torch.Size(f.get_slice(key).get_shape()).numel())
+    return counts
+
+
+def frozen_gpu_bytes(elements: dict[str, int], network: str, network_params: int, lora: bool, dtype_bytes: int,
+                     text_encoders: str, vae_placement: str) -> dict[str, int]:
+    """Bytes of the frozen parts on each process's accelerator between uses, in ``model.dtype`` (``dtype_bytes`` per
+    weight; ``elements``: :func:`component_elements`): the trained network's base under LoRA (under full fine-tuning
+    its ``network_params`` float32 weights are the engine table's, its saved buffers, e.g. SD3's positional table,
+    float32 here), the text encoders unless ``model.text_encoders`` is ``cpu`` or ``drop_after_cache``, the VAE unless
+    ``model.vae_placement`` is ``cpu``, and every other component (Wan 2.2's frozen expert)."""
+    out = {}
+    for name, n in elements.items():
+        if name == network:
+            if lora:
+                out[name] = n * dtype_bytes
+            elif n > network_params:
+                out[f"{name} buffers"] = (n - network_params) * 4
+        elif name.startswith("text_encoder"):
+            if text_encoders == "keep":
+                out[name] = n * dtype_bytes
+        elif name == "vae":
+            if vae_placement == "keep":
+                out[name] = n * dtype_bytes
+        else:
+            out[name] = n * dtype_bytes
+    return out
 
 
 def engine_bytes(trained: int, block: int, processes: int) -> dict[str, dict[str, float]]:
@@ -96,7 +129,8 @@ def memory_plan(cfg, processes: int = 1) -> dict:
 
     Returns:
         `dict`: ``model`` (path, family, network), ``network_params``, ``trained_params``, ``largest_block``,
-        ``frozen_bytes`` (:func:`frozen_file_bytes`) and ``engines`` (:func:`engine_bytes`, in bytes).
+        ``frozen_gpu_bytes`` (:func:`frozen_gpu_bytes`) and ``engines`` (:func:`engine_bytes`, in bytes; each row's
+        ``total_gpu`` adds the frozen parts).
 
     Raises:
         ConfigError: as :func:`flowrl.models.resolve_model` (a bad ``model.path`` and the like), or ``processes < 1``.
@@ -111,29 +145,37 @@ def memory_plan(cfg, processes: int = 1) -> dict:
     network = adapter.NETWORK
     if adapter.VIDEO and getattr(adapter, "check_expert", None) and cfg.model.expert == "low":
         network = "transformer_2"  # Wan 2.2's low-noise expert (flowrl.models.wan)
-    total, trained, block = trained_counts(path, network, cfg.model.lora_rank, cfg.model.lora_alpha, adapter.LORA_TARGETS)
-    return {"model": {"path": str(path), "family": adapter.__name__, "network": network},
+    m = cfg.model
+    total, trained, block = trained_counts(path, network, m.lora_rank, m.lora_alpha, adapter.LORA_TARGETS)
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[m.dtype]
+    frozen = frozen_gpu_bytes(component_elements(path), network, total, m.lora_rank > 0, dtype_bytes, m.text_encoders,
+                              m.vae_placement)
+    engines = engine_bytes(trained, block, processes)
+    for row in engines.values():
+        row["total_gpu"] = row["gpu"] + sum(frozen.values())
+    return {"model": {"path": str(path), "family": adapter.__name__, "network": network, "dtype": m.dtype},
             "processes": processes, "network_params": total, "trained_params": trained, "largest_block": block,
-            "frozen_bytes": frozen_file_bytes(path, network), "engines": engine_bytes(trained, block, processes)}
+            "frozen_gpu_bytes": frozen, "engines": engines}
 
 
 def format_plan(plan: dict) -> str:
     """``plan`` (:func:`memory_plan`) as the lines ``flowrl memory`` prints: the counts, the files, and a Markdown
     table of GiB per process."""
     gib = 2.0 ** 30
-    unit, scale = ("GiB", gib) if max(r["gpu"] for r in plan["engines"].values()) >= gib else ("MiB", 2.0 ** 20)
+    unit, scale = ("GiB", gib) if max(r["total_gpu"] for r in plan["engines"].values()) >= gib else ("MiB", 2.0 ** 20)
     m = plan["model"]
     what = ("full fine-tuning" if plan["trained_params"] == plan["network_params"]
             else f"LoRA: {plan['trained_params'] / 1e6:.1f}M trained")
+    frozen = plan["frozen_gpu_bytes"]
     lines = [f"{m['path']}: {m['family']}, {m['network']} of {plan['network_params'] / 1e9:.3f}B weights ({what}); "
              f"largest trained block {plan['largest_block'] / 1e6:.1f}M",
-             "files (as stored; the run casts the frozen parts to model.dtype): "
-             + ", ".join(f"{k} {v / gib:.2f} GiB" if v >= gib else f"{k} {v / 2**20:.1f} MiB"
-                         for k, v in plan["frozen_bytes"].items()),
-             f"trained weights, gradients and AdamW state per process over {plan['processes']} processes, float32, "
-             f"before activations and the frozen parts ({unit}):",
-             "| engine | weights | gradients | optimizer | on the GPU | host |", "|---|---|---|---|---|---|"]
+             f"frozen parts on each GPU in {m['dtype']}: "
+             + (", ".join(f"{k} {v / gib:.2f} GiB" if v >= gib else f"{k} {v / 2**20:.1f} MiB" for k, v in frozen.items())
+                or "none"),
+             f"per process over {plan['processes']} processes, before activations ({unit}): the trained float32 weights, "
+             "their gradients, AdamW's state (ZeRO: with the master copy), their sum, and with the frozen parts:",
+             "| engine | weights | gradients | optimizer | trained | with frozen | host |", "|---|---|---|---|---|---|---|"]
     for name, row in plan["engines"].items():
         lines.append(f"| {name} | " + " | ".join(f"{row[k] / scale:.2f}" for k in
-                                                   ("weights", "gradients", "optimizer", "gpu", "host")) + " |")
+                                                   ("weights", "gradients", "optimizer", "gpu", "total_gpu", "host")) + " |")
     return "\n".join(lines)

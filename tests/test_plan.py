@@ -26,11 +26,24 @@ def test_counts_equal_the_loaded_model(rank):
     assert (plan["trained_params"] < network) == (rank > 0)
     blocks = [sum(p.numel() for p in block.parameters() if p.requires_grad) for block in model.transformer.transformer_blocks]
     assert plan["largest_block"] == max(blocks) > 0
-    files = {sub: sum(f.stat().st_size for f in (TINY / sub).glob("*.safetensors"))
-             for sub in ("text_encoder", "text_encoder_2", "transformer", "vae")}
-    assert plan["frozen_bytes"] == files
+    frozen = {"text_encoder": model.pipe.text_encoder, "text_encoder_2": model.pipe.text_encoder_2, "vae": model.pipe.vae}
+    expected = {k: 4 * sum(t.numel() for t in m.state_dict().values()) for k, m in frozen.items()}
+    if rank:  # LoRA: the base transformer is frozen, in model.dtype (float32 here), with its saved buffers
+        expected["transformer"] = 4 * sum(t.numel() for n, t in model.transformer.state_dict().items() if "lora_" not in n)
+    else:  # full fine-tuning: its buffers (SD3's positional table) are frozen, its weights the engine table's
+        expected["transformer buffers"] = 4 * sum(b.numel() for b in model.transformer.buffers())
+    assert plan["frozen_gpu_bytes"] == expected
+    for row in plan["engines"].values():
+        assert row["total_gpu"] == row["gpu"] + sum(plan["frozen_gpu_bytes"].values())
     assert Path(plan["model"]["path"]).resolve() == TINY
     assert (plan["model"]["family"], plan["model"]["network"]) == ("SD3Model", "transformer")
+
+
+def test_frozen_parts_follow_their_placement_and_dtype():
+    plan = memory_plan(load_config(REPO / "configs/quickstart.yaml", [
+        "model.dtype=bfloat16", "model.text_encoders=cpu", "model.vae_placement=cpu"]), processes=2)
+    model = load_model(TINY)
+    assert plan["frozen_gpu_bytes"] == {"transformer": 2 * sum(t.numel() for t in model.transformer.state_dict().values())}
 
 
 def test_engine_table_is_the_docs_arithmetic():

@@ -127,7 +127,7 @@ def full_optimizer_state(engine, params: list[torch.Tensor], keep: bool = True) 
     groups = [{**group, "params": list(range(len(params)))}]
     flat = [s for s in inner.state.values() if s]
     if not flat:
-        return {"state": {}, "param_groups": groups}
+        return {"state": {}, "param_groups": groups} if keep else None
     step = flat[0]["step"]
     state = {}
     for i, p in enumerate(params):

@@ -599,8 +599,8 @@ def _add_overopt(sub) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     """The ``flowrl`` parser: one sub-command each for train (and memory), eval, sample, generate, score, serve-reward,
-    rewards, bench and overopt (in that order, as ``--help`` lists them); each sets ``fn``, the ``cmd_*`` function that runs
-    it."""
+    rewards, bench and overopt (in that order, as ``--help`` lists them); each sets ``fn``, the ``cmd_*`` function that
+    runs it."""
     parser = argparse.ArgumentParser(prog="flowrl", description="Online RL for text-to-image flow models")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_eval, _add_sample, _add_generate, _add_score, _add_serve_reward, _add_rewards,

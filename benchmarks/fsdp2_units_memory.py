@@ -5,9 +5,9 @@ transformer (``fsdp_auto_wrap_policy: NO_WRAP``) against a unit per transformer 
 With one unit the whole gradient exists at the end of the backward before it is reduce-scattered into this process's
 shard (``4N`` bytes for ``N`` float32 weights); with a unit per block each block's gradient is reduce-scattered right
 after that block's backward, so only about one block's gradient is whole at a time. The transformer is SD3.5-Medium's
-published config (``--family``) cut to ``--layers`` blocks, random weights (``benchmarks/gpu_scale.py``'s builder), trained whole
-(``model.lora_rank=0``) for one iteration; the processes run ``tests/distributed_worker.py`` (accelerate's FSDP2 path
-forced onto CPU processes, as the tests do). Peak memory is each process's ``ru_maxrss`` (resident set, the whole
+published config (``--family``) cut to ``--layers`` blocks, random weights (``benchmarks/gpu_scale.py``'s builder),
+trained whole (``model.lora_rank=0``) for one iteration; the processes run ``tests/distributed_worker.py``
+(accelerate's FSDP2 path forced onto CPU processes, as the tests do). Peak memory is each process's ``ru_maxrss`` (resident set, the whole
 process: libraries, pipeline, rollout included), so the difference between the two runs is what the units change.
 
     python benchmarks/fsdp2_units_memory.py --layers 3 --out runs/fsdp2_units_memory.json
@@ -41,7 +41,8 @@ def run(pipeline: Path, folder: Path, wrap: str, resolution: int) -> dict:
     resident memory (MiB), the FSDP unit count and the wall time."""
     folder.mkdir(parents=True)
     (folder / "c.yaml").write_text(REWARD)
-    overrides = [f"model.path={pipeline}", "train_prompts=train", "eval.prompts=test", f"run.output_dir={folder / 'run'}",
+    overrides = [f"model.path={pipeline}", "train_prompts=train", "eval.prompts=test",
+                 f"run.output_dir={folder / 'run'}",
                  "run.iterations=1", "run.save_every=100", "run.device=cpu", "run.mixed_precision=no",
                  "sampling.num_steps=2", "sampling.group_size=2", "sampling.prompts_per_iteration=1",
                  "eval.images_per_tag=1", "eval.num_steps=1", "train.minibatch_size=4", "model.lora_rank=0",
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         pipeline = build_pipeline(args.family, Path(tmp) / "pipeline", layers=args.layers, dtype=torch.float32)
         n, in_blocks = trained_weights(pipeline)
-        rows = [run(pipeline, Path(tmp) / wrap, wrap, args.resolution) for wrap in ("NO_WRAP", "TRANSFORMER_BASED_WRAP")]
+        rows = [run(pipeline, Path(tmp) / wrap, wrap, args.resolution)
+                for wrap in ("NO_WRAP", "TRANSFORMER_BASED_WRAP")]
     result = {"machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}", "transformer": args.family,
               "layers": args.layers, "trained_params": n, "block_params": in_blocks,
               "gradient_mib": round(4 * n / 2**20), "blocks_gradient_mib": round(4 * in_blocks / 2**20), "runs": rows}

@@ -170,10 +170,10 @@ def format_plan(plan: dict) -> str:
     lines = [f"{m['path']}: {m['family']}, {m['network']} of {plan['network_params'] / 1e9:.3f}B weights ({what}); "
              f"largest trained block {plan['largest_block'] / 1e6:.1f}M",
              f"frozen parts on each GPU in {m['dtype']}: "
-             + (", ".join(f"{k} {v / gib:.2f} GiB" if v >= gib else f"{k} {v / 2**20:.1f} MiB" for k, v in frozen.items())
-                or "none"),
-             f"per process over {plan['processes']} processes, before activations ({unit}): the trained float32 weights, "
-             "their gradients, AdamW's state (ZeRO: with the master copy), their sum, and with the frozen parts:",
+             + (", ".join(f"{k} {v / gib:.2f} GiB" if v >= gib else f"{k} {v / 2**20:.1f} MiB"
+                          for k, v in frozen.items()) or "none"),
+             f"per process over {plan['processes']} processes, before activations ({unit}): the trained float32 "
+             "weights, their gradients, AdamW's state (ZeRO: with the master copy), their sum, and with the frozen parts:",
              "| engine | weights | gradients | optimizer | trained | with frozen | host |", "|---|---|---|---|---|---|---|"]
     for name, row in plan["engines"].items():
         lines.append(f"| {name} | " + " | ".join(f"{row[k] / scale:.2f}" for k in

@@ -117,7 +117,8 @@ class HunyuanVideoModel(FlowModel):
             ValueError: for anything else.
         """
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
-            raise ValueError(f"true_cfg_scale must be a number >= 1 (1 = off, the embedded guidance alone), got {value!r}")
+            raise ValueError(f"true_cfg_scale must be a number >= 1 (1 = off, the embedded guidance alone), "
+                             f"got {value!r}")
         return float(value)
 
     def __init__(self, path, device="cpu", dtype=torch.float32, max_sequence_length=None, resolution=None,

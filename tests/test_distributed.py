@@ -217,25 +217,33 @@ def test_fsdp2_resume_continues_the_run(fsdp2_run, tmp_path):
 def test_fsdp2_full_fine_tuning_matches_ddp_and_exports_the_pipeline(tmp_path, two_process_run):
     """Full fine-tuning (every transformer weight trained) under FSDP2 and under DDP from the same start: the same
     weights within float tolerance, and FSDP2's exported pipeline holds the trained weights, whole."""
-    ddp_tmp, _ = two_process_run
-    overrides = [o for o in _fixture_overrides(ddp_tmp) if not o.startswith(("run.output_dir=", "run.iterations="))]
-    overrides += ["model.lora_rank=0", "run.iterations=2", "train.learning_rate=1e-4"]
-    runs = {}
-    for name, fsdp2 in (("ddp", False), ("fsdp2", True)):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "c.yaml").write_text((ddp_tmp / "c.yaml").read_text())
-        _launch(tmp_path / name, [*overrides, f"run.output_dir={tmp_path / name / 'run'}"], fsdp2=fsdp2)
-        runs[name] = load_file(tmp_path / name / "rank0.safetensors")
-    assert runs["ddp"].keys() == runs["fsdp2"].keys() and len(runs["ddp"]) > 10
+    _assert_full_fine_tuning_matches_ddp(tmp_path, two_process_run[0], {"fsdp2": {"fsdp2": True}}, [], "fsdp2")
+
+
+def _assert_full_fine_tuning_matches_ddp(tmp_path: Path, ddp_tmp: Path, engines: dict[str, dict], extra: list[str],
+                                         exported_by: str) -> None:
+    """Train the DDP fixture's config with every transformer weight (2 iterations, ``extra`` overrides) under DDP and
+    under each of ``engines`` (name -> :func:`_launch` keywords): each engine's weights are trained and equal DDP's
+    within float tolerance, and the pipeline ``exported_by`` wrote holds them, whole."""
     from diffusers import SD3Transformer2DModel
 
+    overrides = [o for o in _fixture_overrides(ddp_tmp) if not o.startswith(("run.output_dir=", "run.iterations="))]
+    overrides += ["model.lora_rank=0", "run.iterations=2", "train.learning_rate=1e-4", *extra]
+    runs = {}
+    for name, launch in {"ddp": {}, **engines}.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "c.yaml").write_text((ddp_tmp / "c.yaml").read_text())
+        _launch(tmp_path / name, [*overrides, f"run.output_dir={tmp_path / name / 'run'}"], **launch)
+        runs[name] = load_file(tmp_path / name / "rank0.safetensors")
     base = dict(SD3Transformer2DModel.from_pretrained(_fixture_pipeline(overrides), subfolder="transformer").named_parameters())
-    assert any(not torch.equal(runs["fsdp2"][k], base[k].detach()) for k in runs["fsdp2"])  # trained
-    for k in runs["ddp"]:
-        torch.testing.assert_close(runs["fsdp2"][k], runs["ddp"][k], rtol=1e-4, atol=1e-6)
-    exported = dict(SD3Transformer2DModel.from_pretrained(tmp_path / "fsdp2/run/pipeline", subfolder="transformer")
+    for name in engines:
+        assert runs["ddp"].keys() == runs[name].keys() and len(runs["ddp"]) > 10
+        assert any(not torch.equal(runs[name][k], base[k].detach()) for k in runs[name])  # trained
+        for k in runs["ddp"]:
+            torch.testing.assert_close(runs[name][k], runs["ddp"][k], rtol=1e-4, atol=1e-6)
+    exported = dict(SD3Transformer2DModel.from_pretrained(tmp_path / exported_by / "run/pipeline", subfolder="transformer")
                     .named_parameters())
-    assert all(torch.equal(exported[k].detach(), runs["fsdp2"][k]) for k in runs["fsdp2"])
+    assert all(torch.equal(exported[k].detach(), runs[exported_by][k]) for k in runs[exported_by])
 
 
 @pytest.fixture(scope="module")
@@ -310,26 +318,8 @@ def test_deepspeed_full_fine_tuning_matches_ddp_and_exports_the_pipeline(tmp_pat
     """Full fine-tuning under ZeRO-1 and ZeRO-2, one transition per micro-batch: process 0 makes two backwards per
     optimizer step, process 1 (no transitions) a zero-gradient pass, and under ZeRO-2, whose every backward reduces,
     one more to match. Both end on DDP's weights within float tolerance, and the exported pipeline holds them."""
-    ddp_tmp, _ = two_process_run
-    overrides = [o for o in _fixture_overrides(ddp_tmp) if not o.startswith(("run.output_dir=", "run.iterations="))]
-    overrides += ["model.lora_rank=0", "run.iterations=2", "train.learning_rate=1e-4", "train.micro_batch_size=1"]
-    runs = {}
-    for name, zero in (("ddp", ""), ("zero1", "1"), ("zero2", "2")):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "c.yaml").write_text((ddp_tmp / "c.yaml").read_text())
-        _launch(tmp_path / name, [*overrides, f"run.output_dir={tmp_path / name / 'run'}"], zero=zero)
-        runs[name] = load_file(tmp_path / name / "rank0.safetensors")
-    from diffusers import SD3Transformer2DModel
-
-    base = dict(SD3Transformer2DModel.from_pretrained(_fixture_pipeline(overrides), subfolder="transformer").named_parameters())
-    for name in ("zero1", "zero2"):
-        assert runs["ddp"].keys() == runs[name].keys() and len(runs["ddp"]) > 10
-        assert any(not torch.equal(runs[name][k], base[k].detach()) for k in runs[name])  # trained
-        for k in runs["ddp"]:
-            torch.testing.assert_close(runs[name][k], runs["ddp"][k], rtol=1e-4, atol=1e-6)
-    exported = dict(SD3Transformer2DModel.from_pretrained(tmp_path / "zero2/run/pipeline", subfolder="transformer")
-                    .named_parameters())
-    assert all(torch.equal(exported[k].detach(), runs["zero2"][k]) for k in runs["zero2"])
+    _assert_full_fine_tuning_matches_ddp(tmp_path, two_process_run[0], {"zero1": {"zero": "1"}, "zero2": {"zero": "2"}},
+                                         ["train.micro_batch_size=1"], "zero2")
 
 
 def _fixture_pipeline(overrides: list[str]) -> str:

@@ -76,12 +76,7 @@ def check_accelerate_engine(accelerator, step_grad_norms: str = "none", optimize
                               f" = {plugin.reshard_after_forward!r}), which needs every process to make the same "
                               "forwards in the same order, and flowrl's processes do not: set "
                               "fsdp_reshard_after_forward: false (configs/accelerate/fsdp2.yaml)")
-        if step_grad_norms == "params":
-            raise ConfigError("config key 'train.step_grad_norms' is 'params', which back-propagates through the "
-                              "FSDP2-sharded weights once per denoising step: use velocity or none under FSDP2")
-        if optimizer == "adamw_8bit":
-            raise ConfigError("config key 'train.optimizer' is 'adamw_8bit', whose bitsandbytes steps over FSDP2's "
-                              "DTensor shards are untested: use adamw under FSDP2 (its moments are sharded already)")
+        engine, shards = "FSDP2", "DTensor shards"
     elif kind == "DEEPSPEED":
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         if world != accelerator.num_processes:
@@ -89,18 +84,19 @@ def check_accelerate_engine(accelerator, step_grad_norms: str = "none", optimize
                               f"{accelerator.num_processes} (accelerate runs DeepSpeed on GPUs only): on CPUs launch "
                               "with configs/accelerate/ddp.yaml or --cpu")
         check_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, max_grad_norm)
-        if step_grad_norms == "params":
-            raise ConfigError("config key 'train.step_grad_norms' is 'params', which back-propagates through the "
-                              "DeepSpeed engine's weights outside its backward once per denoising step: use velocity "
-                              "or none under DeepSpeed")
-        if optimizer == "adamw_8bit":
-            raise ConfigError("config key 'train.optimizer' is 'adamw_8bit', whose bitsandbytes steps over DeepSpeed's "
-                              "ZeRO partitions are untested: use adamw under DeepSpeed (its moments are partitioned "
-                              "already)")
+        engine, shards = "DeepSpeed", "ZeRO partitions"
     elif kind == "MEGATRON_LM":
         raise ConfigError("accelerate launch uses MEGATRON_LM (accelerate config / --use_megatron_lm): flowrl runs DDP "
                           "(configs/accelerate/ddp.yaml), FSDP2 (configs/accelerate/fsdp2.yaml) or DeepSpeed ZeRO-1/2 "
                           "(configs/accelerate/deepspeed_zero2.yaml)")
+    else:
+        return
+    if step_grad_norms == "params":  # a backward per denoising step outside the engine's one per micro-batch
+        raise ConfigError(f"config key 'train.step_grad_norms' is 'params', which back-propagates through the {engine} "
+                          f"weights once per denoising step: use velocity or none under {engine}")
+    if optimizer == "adamw_8bit":
+        raise ConfigError(f"config key 'train.optimizer' is 'adamw_8bit', whose bitsandbytes steps over {engine}'s "
+                          f"{shards} are untested: use adamw under {engine} (its moments are sharded already)")
 
 
 def check_accelerate_precision(accelerator, run_precision: str) -> None:

@@ -142,9 +142,7 @@ def memory_plan(cfg, processes: int = 1) -> dict:
         raise ConfigError(f"--processes must be >= 1, got {processes}")
     adapter = resolve_model(cfg)
     path = resolve_path(cfg.model.path)
-    network = adapter.NETWORK
-    if adapter.VIDEO and getattr(adapter, "check_expert", None) and cfg.model.expert == "low":
-        network = "transformer_2"  # Wan 2.2's low-noise expert (flowrl.models.wan)
+    network = adapter.network_name(cfg.model.expert)
     m = cfg.model
     total, trained, block = trained_counts(path, network, m.lora_rank, m.lora_alpha, adapter.LORA_TARGETS)
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[m.dtype]
@@ -173,9 +171,11 @@ def format_plan(plan: dict) -> str:
              + (", ".join(f"{k} {v / gib:.2f} GiB" if v >= gib else f"{k} {v / 2**20:.1f} MiB"
                           for k, v in frozen.items()) or "none"),
              f"per process over {plan['processes']} processes, before activations ({unit}): the trained float32 "
-             "weights, their gradients, AdamW's state (ZeRO: with the master copy), their sum, and with the frozen parts:",
-             "| engine | weights | gradients | optimizer | trained | with frozen | host |", "|---|---|---|---|---|---|---|"]
+             "weights, their gradients, AdamW's state (ZeRO: with the master copy), their sum, and with the frozen "
+             "parts:",
+             "| engine | weights | gradients | optimizer | trained | with frozen | host |",
+             "|---|---|---|---|---|---|---|"]
+    columns = ("weights", "gradients", "optimizer", "gpu", "total_gpu", "host")
     for name, row in plan["engines"].items():
-        lines.append(f"| {name} | " + " | ".join(f"{row[k] / scale:.2f}" for k in
-                                                   ("weights", "gradients", "optimizer", "gpu", "total_gpu", "host")) + " |")
+        lines.append(f"| {name} | " + " | ".join(f"{row[k] / scale:.2f}" for k in columns) + " |")
     return "\n".join(lines)

@@ -224,6 +224,11 @@ class FlowModel:
     """How the stock pipeline spaces its steps (:func:`samplers.flow_sigmas`' ``spacing``)."""
     NETWORK = "transformer"
     """The pipeline component that is trained, held as :attr:`transformer` (``"unet"`` for the UNet families)."""
+
+    @classmethod
+    def network_name(cls, expert: str | None = None) -> str:
+        """The pipeline component trained for ``model.expert`` (:attr:`NETWORK`; Wan 2.2 overrides it per expert)."""
+        return cls.NETWORK
     OPTIONS: tuple[str, ...] = ()
     """Keyword arguments of the family's constructor that ``model.options`` may set (e.g. HunyuanVideo's
     ``true_cfg_scale``, SDXL's ``guidance_rescale``)."""

@@ -113,8 +113,7 @@ class WanModel(FlowModel):
                  num_frames: int | None = None, expert: str | None = None, negative_prompt: str = ""):
         self.num_frames = self.check_num_frames(path, num_frames)
         self.expert = self.check_expert(path, expert)
-        if self.expert == "low":
-            self.NETWORK = "transformer_2"  # the trained network; base loading holds it as self.transformer
+        self.NETWORK = self.network_name(self.expert)  # the trained network; base loading holds it as self.transformer
         self.negative_prompt = negative_prompt
         self._negative: PromptEmbeds | None = None
         self.frozen = None  # the other expert of a two-expert folder, frozen (set after loading)
@@ -174,6 +173,12 @@ class WanModel(FlowModel):
             raise ValueError(f"num_frames {frames} does not fit the model at {path}: expected {t}k+1 frames (the VAE "
                              f"compresses time {t}x), from 1 to {largest}, e.g. {(max(frames, 1) - 1) // t * t + 1}")
         return frames
+
+    @classmethod
+    def network_name(cls, expert: str | None = None) -> str:
+        """``transformer_2`` for the low-noise expert of a Wan 2.2 folder (``model.expert=low``), else
+        ``transformer``."""
+        return "transformer_2" if expert == "low" else cls.NETWORK
 
     @classmethod
     def check_expert(cls, path: str | Path, expert: str | None) -> str | None:

@@ -75,17 +75,25 @@ def force_cpu_deepspeed(stage: int, offload_optimizer: str = "none") -> None:
     accelerate.Accelerator = CPUDeepSpeedAccelerator
 
 
-def deepspeed_launch_env() -> dict[str, str]:
-    """The ``ACCELERATE_*`` DeepSpeed environment ``accelerate launch --config_file
-    configs/accelerate/deepspeed_zero2.yaml`` gives its processes."""
+def _launch_args(name: str):
+    """``accelerate launch --config_file configs/accelerate/NAME`` parsed and validated as accelerate's launcher does
+    it: ``(args, the config file's defaults)``."""
     from pathlib import Path
 
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    config = Path(__file__).parent.parent / "configs/accelerate" / name
+    args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(config),
+                                                                                     "train.py"]))
+    return args, defaults
+
+
+def deepspeed_launch_env() -> dict[str, str]:
+    """The ``ACCELERATE_*`` DeepSpeed environment ``accelerate launch --config_file
+    configs/accelerate/deepspeed_zero2.yaml`` gives its processes."""
     from accelerate.utils.launch import prepare_deepspeed_cmd_env
 
-    config = Path(__file__).parent.parent / "configs/accelerate/deepspeed_zero2.yaml"
-    args = launch_command_parser().parse_args(["--config_file", str(config), "train.py"])
-    args, defaults, _ = _validate_launch_command(args)
+    args, defaults = _launch_args("deepspeed_zero2.yaml")
     args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)  # as launch_command sets it
     _, env = prepare_deepspeed_cmd_env(args)
     return {k: v for k, v in env.items() if "DEEPSPEED" in k or k == "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"}
@@ -93,14 +101,9 @@ def deepspeed_launch_env() -> dict[str, str]:
 
 def fsdp2_launch_env() -> dict[str, str]:
     """The ``FSDP_*`` environment ``accelerate launch --config_file configs/accelerate/fsdp2.yaml`` gives its processes."""
-    from pathlib import Path
-
-    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    config = Path(__file__).parent.parent / "configs/accelerate/fsdp2.yaml"
-    args = launch_command_parser().parse_args(["--config_file", str(config), "train.py"])
-    _validate_launch_command(args)
+    args, _ = _launch_args("fsdp2.yaml")
     return {k: v for k, v in prepare_multi_gpu_env(args).items() if "FSDP" in k}
 
 

@@ -83,6 +83,9 @@ def cmd_train(args) -> dict:
         line = f"{what} on {config.eval.prompts} prompts: {b['overall']:.3f} -> {a['overall']:.3f}"
         if len(rewards) > 1:
             line += " (" + ", ".join(f"{k} {v:.3f} -> {a['per_reward'][k]:.3f}" for k, v in rewards.items()) + ")"
+        if "held_out" in b:
+            line += (f"; held-out {config.eval.held_out} prompts: {b['held_out']['overall']:.3f} -> "
+                     f"{a['held_out']['overall']:.3f}")
         print(f"{line} in {result['wall_time_s'] / 60:.1f} min; run folder {config.run.output_dir}")
     _end(trainer.accelerator)
     return result
@@ -114,9 +117,8 @@ def cmd_eval(args) -> dict:
     std and per-tag means of each named reward (:func:`_eval_rewards`), written as JSON."""
     if args.reward is not None:
         return _eval_rewards(args)
-    import torch
-
     from .evaluate import evaluate
+    from .precision import autocast
 
     if args.option:
         raise ValueError("--option sets a reward's option; give the reward with --reward NAME")
@@ -129,7 +131,7 @@ def cmd_eval(args) -> dict:
     accelerator = _eval_accelerator(args)
     model = _model(args)
     images_per_tag = 64 if args.images_per_tag is None else args.images_per_tag
-    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+    with autocast(model.device, args.bf16, "--bf16"):
         result = evaluate(model, metas, images_per_tag, args.num_steps, args.guidance_scale, args.shift,
                           args.seed, accelerator=accelerator)
     if accelerator is None or accelerator.is_main_process:
@@ -195,11 +197,10 @@ def _eval_rewards(args) -> dict:
     :func:`flowrl.prompt_sets.read_prompt_set` format), scored by each reward (weight 1, unsummed); writes and
     returns ``{"rewards": {name: {"mean", "std", "per_tag", "n_images", "options"}}, ...}``
     (:func:`flowrl.evaluate.evaluate_reward`)."""
-    import torch
-
     from rewards import WeightedSum, build_reward
 
     from .evaluate import evaluate_reward
+    from .precision import autocast
     from .prompt_sets import read_prompt_set
 
     if args.images_per_tag is not None:
@@ -213,7 +214,7 @@ def _eval_rewards(args) -> dict:
     accelerator = _eval_accelerator(args)
     model = _model(args)
     k = 1 if args.images_per_prompt is None else args.images_per_prompt
-    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+    with autocast(model.device, args.bf16, "--bf16"):
         scored = evaluate_reward(model, metas, reward, k, args.num_steps, args.guidance_scale, args.shift, args.seed,
                                  accelerator=accelerator)
     result = {"rewards": {spec: {**scored["rewards"][spec], "options": options[spec]} for spec in specs},
@@ -235,14 +236,14 @@ def _eval_rewards(args) -> dict:
 
 def cmd_sample(args) -> None:
     """``flowrl sample``: ``-n`` images of one prompt (ODE, fixed seeds) saved as one grid PNG."""
-    import torch
     from torchvision.utils import save_image
 
     from .evaluate import generate
+    from .precision import autocast
 
     probe_output(args.out, "--out", IMAGE_SUFFIXES)  # before the work, not after it
     model = _model(args)
-    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+    with autocast(model.device, args.bf16, "--bf16"):
         images = generate(model, [args.prompt] * args.n, [args.seed + i for i in range(args.n)], args.num_steps,
                           args.guidance_scale, args.shift)
     if images.ndim == 5:  # videos (n, F, 3, H, W): the contact sheet at --out, the tiled mp4 beside it
@@ -260,9 +261,8 @@ def cmd_sample(args) -> None:
 def cmd_generate(args) -> int:
     """``flowrl generate``: ``-n`` images per prompt of a prompt file (GenEval jsonl, DrawBench csv, PartiPrompts tsv,
     HPDv2 json, txt) in GenEval's folder layout or flat (:func:`flowrl.image_folders.generate_folder`)."""
-    import torch
-
     from .image_folders import generate_folder
+    from .precision import autocast
     from .prompt_sets import read_prompt_set
 
     metas = read_prompt_set(args.prompts, args.format)
@@ -277,7 +277,7 @@ def cmd_generate(args) -> int:
         accelerator = Accelerator(cpu=args.device == "cpu")
         accelerator.wait_for_everyone()  # every process checked --out before any writes into it
     model = _model(args)
-    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=args.bf16):
+    with autocast(model.device, args.bf16, "--bf16"):
         written = generate_folder(model, metas, out, args.n, args.layout, args.seed, args.num_steps,
                                   args.guidance_scale, args.shift, args.batch_size, accelerator)
     if accelerator is not None:
@@ -462,7 +462,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="sigma-schedule shift (default: the model scheduler's)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", type=_device, default="auto", help="auto | cpu | cuda[:N]")
-    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bf16 autocast")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 autocast (--no-bf16: float32; default: bf16 where the device computes it natively, "
+                        "float32 elsewhere)")
 
 
 def _add_train(sub) -> None:

@@ -16,6 +16,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .precision import PRECISIONS
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -153,8 +155,8 @@ class SamplingConfig:
     prompts_per_iteration: int = 8  # per process (accelerate launch: each process draws its own prompts)
     shared_noise: bool = False  # one initial noise per group
     batch_size: int = 64  # images per sampler forward
-    decode_precision: str = "bf16"  # "bf16" | "no" (float32): VAE decode of the rollout images (reward input only)
-    ode_precision: str = "bf16"  # "bf16" | "no" (float32): the rollout's deterministic steps, which record no log-prob
+    decode_precision: str = "auto"  # auto | bf16 | no (float32): VAE decode of the rollout images (reward input only)
+    ode_precision: str = "auto"  # auto | bf16 | no (float32): the rollout's deterministic steps, which record no log-prob
     train_last_step: bool = False
     window: WindowConfig = field(default_factory=WindowConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
@@ -164,8 +166,9 @@ class SamplingConfig:
         self.decode_precision, self.ode_precision = _precision(self.decode_precision), _precision(self.ode_precision)
         # first: the window, tree and probe checks below are stated in terms of num_steps
         _check(self.num_steps >= 2, "sampling.num_steps", ">= 2", self.num_steps)
-        _check(self.decode_precision in ("no", "bf16"), "sampling.decode_precision", "no|bf16", self.decode_precision)
-        _check(self.ode_precision in ("no", "bf16"), "sampling.ode_precision", "no|bf16", self.ode_precision)
+        _check(self.decode_precision in PRECISIONS, "sampling.decode_precision", "|".join(PRECISIONS),
+               self.decode_precision)
+        _check(self.ode_precision in PRECISIONS, "sampling.ode_precision", "|".join(PRECISIONS), self.ode_precision)
         if self.probe.method:
             _check(all(0 <= k < self.num_steps - 1 for k in self.probe.steps), "sampling.probe.steps",
                    f"steps in [0, {self.num_steps - 1})", self.probe.steps)
@@ -302,10 +305,15 @@ class EvalConfig:
     num_steps: int = 20  # ODE steps
     guidance_scale: float = 4.5
     seed: int = 1234
+    # a second prompt set evaluated before and after training only (e.g. the held-out test prompts when eval.prompts
+    # are the trained ones), reported beside eval.prompts' result; null: none
+    held_out: Optional[str] = None
+    held_out_images_per_tag: int = 32
 
     def __post_init__(self):
         _check(self.every >= 0, "eval.every", ">= 0 (0 = only before and after training)", self.every)
         _check(self.images_per_tag >= 1, "eval.images_per_tag", ">= 1", self.images_per_tag)
+        _check(self.held_out_images_per_tag >= 1, "eval.held_out_images_per_tag", ">= 1", self.held_out_images_per_tag)
         _check(self.num_steps >= 1, "eval.num_steps", ">= 1", self.num_steps)
         _check(self.guidance_scale >= 1.0, "eval.guidance_scale", ">= 1", self.guidance_scale)
 
@@ -321,7 +329,9 @@ class RunConfig:
     keep_checkpoints: Optional[int] = None  # keep only the newest N checkpoints (null: keep all)
     resume: bool = False  # continue from the newest checkpoint in output_dir
     device: str = "auto"  # auto | cpu | cuda
-    mixed_precision: str = "bf16"  # no | bf16 (autocast; fp16 would need loss scaling, which flowrl does not do)
+    # auto (bf16 where the device computes it natively, else float32: flowrl.precision) | bf16 (autocast) | no
+    # (float32); fp16 would need loss scaling, which flowrl does not do
+    mixed_precision: str = "auto"
     log_with: list[str] = field(default_factory=list)  # trackers besides metrics.jsonl: tensorboard | wandb | trackio
     project: str = "flowrl"  # the trackers' project name
     log_images_every: int = 0  # every N iterations, log a few rollout images to the trackers (0 = only the grids)
@@ -340,8 +350,8 @@ class RunConfig:
         _check(self.save_every >= 1, "run.save_every", ">= 1 (the last iteration is always saved)", self.save_every)
         _check(self.keep_checkpoints is None or self.keep_checkpoints >= 1, "run.keep_checkpoints", ">= 1 or null (keep all)",
                self.keep_checkpoints)
-        _check(self.mixed_precision in ("no", "bf16"), "run.mixed_precision",
-               "no|bf16 (fp16 needs loss scaling, which flowrl does not do)", self.mixed_precision)
+        _check(self.mixed_precision in PRECISIONS, "run.mixed_precision",
+               "auto|bf16|no (fp16 needs loss scaling, which flowrl does not do)", self.mixed_precision)
         _check(self.device in ("auto", "cpu", "cuda"), "run.device", "auto|cpu|cuda", self.device)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import load_checkpoint, save_checkpoint
+from .precision import resolve_precision
 from .sharding import full, full_optimizer_state, is_fsdp2, keep_gathered, regather, shard_like, shard_optimizer_state
 from .zero import ZeroLoader, check_deepspeed_config, configure, is_deepspeed
 from .zero import full_optimizer_state as zero_optimizer_state
@@ -207,9 +208,12 @@ class Policy:
         self.ema = self.copy() if train.ema_decay > 0 else None
 
     def autocast(self, precision: str | None = None):
-        """bf16 autocast for ``precision`` (default ``run.mixed_precision``; ``no`` or ``bf16``): ``no`` leaves the
-        surrounding mode."""
+        """bf16 autocast for ``precision`` (default ``run.mixed_precision``; ``auto``, ``bf16`` or ``no``:
+        ``auto`` resolved on the policy's device by
+        :func:`flowrl.precision.resolve_precision`): ``no`` leaves the surrounding mode."""
         precision = precision or self.precision
+        if precision == "auto":  # a Policy built outside the Trainer, which resolves its settings once
+            precision = resolve_precision(precision, self.device, "run.mixed_precision")
         if precision == "no":
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)

@@ -32,6 +32,7 @@ from .models import resolve_model
 from .models.memory import place_frozen
 from .plots import save_diagnostics, save_grid, save_reward_curve
 from .policy import Policy, check_accelerate_engine, check_accelerate_precision, check_optimizer
+from .precision import describe_device, resolve_precision
 from .run import RunFolder
 from .trackers import Trackers
 
@@ -50,6 +51,31 @@ def tag_means(rewards: torch.Tensor, tags: list[str]) -> dict[str, float]:
     rewards = rewards.float().cpu()
     return {f"reward/tag/{tag}/mean": rewards[torch.tensor([t == tag for t in tags])].mean().item()
             for tag in sorted(set(tags))}
+
+
+def resolve_precisions(cfg: Config, device: torch.device) -> Config:
+    """A copy of `cfg` whose precision settings (``run.mixed_precision``, ``sampling.decode_precision``,
+    ``sampling.ode_precision``) are ``bf16`` or ``no`` on `device` (:func:`flowrl.precision.resolve_precision`:
+    ``auto`` is bf16 where `device` computes it natively; an explicit bf16 where it does not is kept, with a warning).
+    `cfg` itself is not changed."""
+    run = dataclasses.replace(cfg.run, mixed_precision=resolve_precision(cfg.run.mixed_precision, device,
+                                                                         "run.mixed_precision"))
+    s = cfg.sampling
+    sampling = dataclasses.replace(s, decode_precision=resolve_precision(s.decode_precision, device,
+                                                                         "sampling.decode_precision"),
+                                   ode_precision=resolve_precision(s.ode_precision, device, "sampling.ode_precision"))
+    return dataclasses.replace(cfg, run=run, sampling=sampling)
+
+
+def precision_summary(cfg: Config, device: torch.device) -> str:
+    """One line on the run's resolved precisions and why, e.g. ``"precision float32 (run.mixed_precision, decode and
+    ODE steps) on this CPU (no native bf16)"``."""
+    names = {"run.mixed_precision": cfg.run.mixed_precision, "sampling.decode_precision": cfg.sampling.decode_precision,
+             "sampling.ode_precision": cfg.sampling.ode_precision}
+    label = {"bf16": "bf16 autocast", "no": "float32"}
+    groups = {v: [k for k, x in names.items() if x == v] for v in dict.fromkeys(names.values())}
+    parts = [f"{label[v]} ({', '.join(keys)})" for v, keys in groups.items()]
+    return f"precision {'; '.join(parts)} on {describe_device(device)}, log-probs float32"
 
 
 class Trainer:
@@ -87,12 +113,16 @@ class Trainer:
         self.trackers = Trackers(acc, cfg.run.log_with)
         self.run = RunFolder(self.out, acc, cfg.run.resume)  # not in use, no other run, writable: before any work
         check_accelerate_engine(acc, cfg.train.step_grad_norms, cfg.train.optimizer, cfg.train.max_grad_norm)
+        self.device = acc.device
+        self.cfg = cfg = resolve_precisions(cfg, self.device)  # auto -> bf16 or no; config.yaml records the choice
         check_accelerate_precision(acc, cfg.run.mixed_precision)
         check_optimizer(cfg.train.optimizer, acc.device)
-        self.device = acc.device
+        if acc.is_main_process:
+            print(f"flowrl train: {precision_summary(cfg, self.device)}; run folder {self.out}", file=sys.stderr)
         adapter = resolve_model(cfg)
         self.train_metas = self._read_prompts("train_prompts", cfg.train_prompts)
         self.eval_metas = self._read_prompts("eval.prompts", cfg.eval.prompts)
+        self.held_out_metas = self._read_prompts("eval.held_out", cfg.eval.held_out) if cfg.eval.held_out else []
         self.rewards = WeightedSum({name: (self._build_reward(name), r.weight) for name, r in cfg.rewards.items()})
         video = dict(num_frames=cfg.model.num_frames, expert=cfg.model.expert,
                      negative_prompt=cfg.model.negative_prompt) if adapter.VIDEO else {}  # checked by resolve_model
@@ -107,7 +137,8 @@ class Trainer:
             self.model.transformer.enable_gradient_checkpointing()
         m = cfg.model  # the frozen parts: prompt cache, text encoders and VAE placement
         if m.prompt_cache or m.text_encoders != "keep" or m.vae_placement != "keep":
-            prompts = [x["prompt"] for x in self.train_metas + self.eval_metas] + [m.negative_prompt]
+            prompts = [x["prompt"] for x in self.train_metas + self.eval_metas + self.held_out_metas]
+            prompts.append(m.negative_prompt)
             with acc.main_process_first():  # the main process encodes into the shared cache, the others read it
                 place_frozen(self.model, m.prompt_cache, m.text_encoders, m.vae_placement, prompts)
         self.policy = Policy(self.model, cfg.train, cfg.run.mixed_precision, acc)
@@ -146,7 +177,7 @@ class Trainer:
         self.trackers.start(cfg.run.project, self.out.resolve().name, dataclasses.asdict(cfg), self.out)
         t_start = time.time() - elapsed
         if start == 0:
-            before = self.run_eval()  # every process takes part (the images are split) and gets the result
+            before = self._eval_with_held_out()  # every process takes part (the images are split) and gets the result
             if acc.is_main_process:
                 from safetensors.torch import save_file
 
@@ -170,7 +201,7 @@ class Trainer:
             bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}")
             if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations:
                 self._save(it + 1, time.time() - t_start)
-        after = self.run_eval()
+        after = self._eval_with_held_out()
         result = {"before": before, "after": after, "wall_time_s": time.time() - t_start, "iterations": cfg.run.iterations}
         if acc.is_main_process:
             write_text_atomic(self.out / "eval.json", json.dumps(result, indent=1))
@@ -283,21 +314,32 @@ class Trainer:
         """Cumulative judgements of the pairwise rewards (:attr:`rewards.PrefWinRate.judge_calls`), 0 if none."""
         return sum(getattr(r, "judge_calls", 0) for r, _ in self.rewards.rewards.values())
 
-    def run_eval(self) -> dict:
-        """Held-out evaluation with ODE sampling (EMA weights if configured): GenEval strict accuracy where the
-        prompts carry GenEval metadata, else the mean of the configured rewards.
+    def run_eval(self, metas: list[dict] | None = None, images_per_tag: int | None = None) -> dict:
+        """Evaluation with ODE sampling (EMA weights if configured) of ``eval.prompts`` (or `metas`, with
+        `images_per_tag` instead of ``eval.images_per_tag``): GenEval strict accuracy where the prompts carry GenEval
+        metadata, else the mean of the configured rewards.
 
         Returns:
             `dict`: ``{"overall": float in [0, 1], "per_tag": {tag: float}, "n_images": int, ...}`` (see
             :func:`flowrl.evaluate.evaluate`; :func:`flowrl.evaluate.evaluate_reward` for reward means).
         """
         e, shift, batch = self.cfg.eval, self.cfg.sampling.shift, self.cfg.sampling.batch_size
+        metas, images_per_tag = metas or self.eval_metas, images_per_tag or e.images_per_tag
         with self.policy.ema_weights(), self.policy.autocast():
-            if all("include" in m for m in self.eval_metas):
-                return evaluate(self.model, self.eval_metas, e.images_per_tag, e.num_steps, e.guidance_scale, shift,
+            if all("include" in m for m in metas):
+                return evaluate(self.model, metas, images_per_tag, e.num_steps, e.guidance_scale, shift,
                                 e.seed, batch, accelerator=self.accelerator, judge=self._geneval_reader())
-            return evaluate_reward(self.model, self.eval_metas, self.rewards, 1, e.num_steps, e.guidance_scale, shift,
+            return evaluate_reward(self.model, metas, self.rewards, 1, e.num_steps, e.guidance_scale, shift,
                                    e.seed, batch, accelerator=self.accelerator)
+
+    def _eval_with_held_out(self) -> dict:
+        """:meth:`run_eval`, with ``"held_out"``: the same evaluation of ``eval.held_out`` (``eval.held_out_images_per_tag``)
+        when that is set."""
+        result = self.run_eval()
+        if self.held_out_metas:
+            result["held_out"] = self.run_eval(self.held_out_metas, self.cfg.eval.held_out_images_per_tag)
+            result["held_out"]["prompts"] = self.cfg.eval.held_out
+        return result
 
     def _geneval_reader(self):
         """The configured ``geneval`` / ``geneval_strict`` reward when it reads real images (its real backend), so

@@ -123,6 +123,20 @@ def test_build_usage_errors_come_before_any_work(args, tmp_path):
     assert err.value.code == 2 and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("module, folder", [("build", "tiny-sd3"), ("build_video", "tiny-wan")])
+def test_a_finished_build_is_not_overwritten_unless_asked(module, folder, tmp_path, capsys):
+    import importlib
+
+    main = importlib.import_module(f"flowrl.tiny.{module}").main
+    (tmp_path / folder).mkdir()
+    (tmp_path / folder / "model_index.json").write_text("{}")
+    with pytest.raises(SystemExit) as err:
+        main(["--out", str(tmp_path), "--seed", "0"])
+    assert err.value.code == 2 and "pass --overwrite to replace it" in capsys.readouterr().err
+    assert (tmp_path / folder / "model_index.json").read_text() == "{}"  # untouched, nothing else written
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder]
+
+
 def test_saved_pipeline_loads_in_float32_in_stock_diffusers(tmp_path):
     import json
 

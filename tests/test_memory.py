@@ -137,7 +137,7 @@ def test_cached_tables_equal_fresh_ones_and_hits_skip_the_encoder(family, tmp_pa
     model = load_model(folder, "cpu")
     cache = place_frozen(model, tmp_path / "cache")
     calls = _count_calls(model)
-    cold = model.prompt_table(metas)  # 7 misses: encoded (padded to 16 prompts) and written
+    cold = model.prompt_table(metas)  # 7 misses: encoded and written
     assert calls[0] > 0 and cache.misses == 7 and len(list(cache.folder.glob("*.safetensors"))) == 7
     calls[0] = 0
     warm, sub = model.prompt_table(metas), model.prompt_table(metas[2:4])

@@ -303,8 +303,7 @@ def test_a_single_prompt_file_trains_and_fills_the_grid(tmp_path, random_pipelin
 
 
 def test_bf16_decode_gives_float32_images_close_to_the_float32_decode(tmp_path, random_pipeline, prompt_files):
-    trainer = Trainer(_config(tmp_path, random_pipeline, prompt_files))
-    assert trainer.cfg.sampling.decode_precision == "bf16"  # the default
+    trainer = Trainer(_config(tmp_path, random_pipeline, prompt_files, **{"sampling.decode_precision": "bf16"}))
     latents = torch.randn((3, *trainer.model.latent_shape), generator=torch.Generator().manual_seed(0))
     half = trainer.method.decode(latents)
     trainer.cfg.sampling.decode_precision = "no"
@@ -374,3 +373,20 @@ def test_resolution_sets_the_rollout_size_and_is_checked_first(tmp_path, random_
     ro, images, _ = trainer.method.flat_or_tree_rollout(trainer.sample_prompts(0), torch.Generator().manual_seed(0))
     assert images.shape[1:] == (3, 32, 32) and ro.state.shape[1:] == (4, 8, 8)
     assert trainer.run_eval()["n_images"] > 0
+
+
+def test_held_out_prompts_are_evaluated_before_and_after_and_printed(tmp_path, random_pipeline, prompt_files, capsys):
+    from flowrl.cli import main
+
+    train, test = prompt_files
+    (tmp_path / "c.yaml").write_text("rewards:\n  jpeg_compressibility:\n    weight: 1.0\n")
+    main(["train", str(tmp_path / "c.yaml"), *tiny_overrides(random_pipeline, train, train, tmp_path / "run", **{
+        "run.iterations": 1, "eval.held_out": str(test), "eval.held_out_images_per_tag": 2})])
+    result = json.loads((tmp_path / "run/eval.json").read_text())
+    tags = {json.loads(line)["tag"] for line in test.read_text().splitlines()}
+    for when in ("before", "after"):
+        held_out = result[when]["held_out"]
+        assert held_out["prompts"] == str(test) and held_out["n_images"] == 2 * len(tags)
+        assert "held_out" not in json.loads((tmp_path / "run/eval_before.json").read_text())["held_out"]
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"held-out {test} prompts: {result['before']['held_out']['overall']:.3f} -> " in line

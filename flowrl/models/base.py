@@ -60,7 +60,7 @@ def check_guidance(guidance_scale: float) -> None:
         raise ValueError(f"guidance_scale must be >= 1 (1 = no guidance), got {guidance_scale}")
 
 
-def make_batch_invariant(module: torch.nn.Module, probe: Callable[[], object]) -> int:
+def make_batch_invariant(module: torch.nn.Module, probe: Callable[[], object] | None) -> int:
     """Make the per-sample layers of `module` give each sample the same bits at any batch size.
 
     Matrix-product libraries pick a different kernel, with a different summation order, for a product
@@ -80,9 +80,11 @@ def make_batch_invariant(module: torch.nn.Module, probe: Callable[[], object]) -
 
     Args:
         module (`torch.nn.Module`): e.g. an `SD3Transformer2DModel`, with or without peft LoRA layers.
-        probe (callable): runs one forward of `module` (any batch size); it is called once, under
+        probe (callable or None): runs one forward of `module` (any batch size); it is called once, under
             `torch.no_grad()`, to see which `torch.nn.Linear` and `torch.nn.Conv2d` layers receive
-            inputs of the per-sample rank (2-D for a linear layer, 4-D for a convolution).
+            inputs of the per-sample rank (2-D for a linear layer, 4-D for a convolution). None hooks every such
+            layer (an input of another rank passes through untouched): for modules whose forward is not one call,
+            such as the text encoders behind a family's ``encode``.
 
     Returns:
         `int`: the number of layers newly padded (a layer already padded is skipped, so calling it again
@@ -96,10 +98,13 @@ def make_batch_invariant(module: torch.nn.Module, probe: Callable[[], object]) -
         if args and torch.is_tensor(args[0]) and args[0].ndim == rules[layer][0]:
             seen.add(layer)
 
-    handles = [m.register_forward_pre_hook(record) for m in rules]
+    if probe is None:
+        seen.update(rules)
+    handles = [m.register_forward_pre_hook(record) for m in rules] if probe is not None else []
     try:
-        with torch.no_grad():
-            probe()
+        if probe is not None:
+            with torch.no_grad():
+                probe()
     finally:
         for handle in handles:
             handle.remove()
@@ -279,6 +284,9 @@ class FlowModel:
         self.decode_chunk = 32  # latents per VAE decode call (:meth:`decode`)
         self.wrapped = None  # the transformer wrapped for several processes (DDP), set by flowrl.policy.Policy
         make_batch_invariant(self.transformer, self._probe)  # the ratio is exactly 1 before the first optimizer step
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):  # a prompt's row whatever its batch: the
+            if isinstance(module := getattr(self.pipe, name, None), torch.nn.Module):  # prompt cache equals encode
+                make_batch_invariant(module, None)
 
     @classmethod
     def default_max_sequence_length(cls, path: str | Path) -> int:

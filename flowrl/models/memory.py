@@ -30,15 +30,12 @@ from pathlib import Path
 
 import torch
 
-from .base import MIN_ROWS, FlowModel, PromptEmbeds
+from .base import FlowModel, PromptEmbeds
 
-CACHE_VERSION = 1
-"""Bumped when the file layout changes (part of :func:`encoder_identity`)."""
-MIN_BATCH = MIN_ROWS[torch.nn.Linear][1]
-"""Prompts per encoder call when encoding cache misses: fewer misses are padded with the empty prompt. A batch of one
-prompt runs the pooled projections (2-D inputs, one row per prompt) on another matrix-product kernel than a batch of
-several, whose last bits differ (measured on the tiny SD3's CLIP); :func:`flowrl.models.base.make_batch_invariant`
-pads the transformer's such layers to the same 16 rows."""
+CACHE_VERSION = 2
+"""Bumped when the file layout or the encoding changes (part of :func:`encoder_identity`); 2: the text encoders'
+per-prompt layers are padded to 16 rows (:func:`flowrl.models.base.make_batch_invariant`), so a prompt's row has
+the same bits whatever batch it is encoded in, on every CPU kind."""
 
 
 def text_encoder_names(pipe) -> list[str]:
@@ -116,9 +113,9 @@ class PromptCache:
 
     Calling it with ``P`` prompts returns what the family's ``encode`` returns for them, :class:`PromptEmbeds` (or the
     family's subclass: every tensor field is stored), float32 rows on the model's device, bit for bit: a miss is
-    encoded (with other misses, in a batch of at least :data:`MIN_BATCH` prompts) and written; a hit is read. The
-    counters ``hits``, ``misses`` (prompts) and ``encoder_calls`` (calls of the family's ``encode``) are for tests and
-    logs.
+    encoded (with the other misses; a row does not depend on its batch: :data:`CACHE_VERSION`) and written; a hit is
+    read. The counters ``hits``, ``misses`` (prompts) and ``encoder_calls`` (calls of the family's ``encode``) are for
+    tests and logs.
 
     Raises:
         ValueError: for an unknown ``text_encoders``, or ``drop_after_cache`` without a directory.
@@ -155,7 +152,7 @@ class PromptCache:
         self.misses += len(missing)
         if missing:
             self.folder.mkdir(parents=True, exist_ok=True)
-            fresh = self._run(missing + [""] * max(0, MIN_BATCH - len(missing)))
+            fresh = self._run(missing)
             for i, p in enumerate(missing):
                 rows[p] = self._store(p, fresh, i)
         return self._assemble([rows[p] for p in prompts])

@@ -624,7 +624,9 @@ def _read_build(init: str | Path | None) -> dict | None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="assets")
+    p.add_argument("--out", default="assets", help="folder of the built assets (tiny-sd3 inside it)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a finished build in --out (the shipped model, with the default --out)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n-scenes", type=int, default=20000)
     p.add_argument("--clip-steps", type=int, default=600)
@@ -647,6 +649,9 @@ def main(argv=None) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the transformer trains (auto: cuda when available)")
     a = p.parse_args(argv)
+    if (Path(a.out) / "tiny-sd3" / "model_index.json").is_file() and not (a.overwrite or a.resume):
+        p.error(f"--out {a.out} holds a finished build ({Path(a.out) / 'tiny-sd3'}, the shipped model with the default "
+                "--out): pass --overwrite to replace it (or --resume to continue it), or --out another folder")
     if a.fresh_transformer and a.init is None:
         p.error("--fresh-transformer keeps the VAE and text tower of an --init pipeline folder; pass --init")
     if a.init is not None and not a.fresh_transformer and (a.dit_layers, a.dit_width) != (5, 128):

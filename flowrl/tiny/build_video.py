@@ -271,7 +271,9 @@ def build(out: str | Path, seed: int = 0, n_clips: int = 2000, vae_steps: int = 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="assets")
+    p.add_argument("--out", default="assets", help="folder of the built assets (tiny-wan inside it)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a finished build in --out (the shipped model, with the default --out)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n-clips", type=int, default=2000, help="rendered pre-training clips")
     p.add_argument("--vae-steps", type=int, default=200)
@@ -285,6 +287,9 @@ def main(argv=None) -> None:
     p.add_argument("--vae-from", default=None, help="reuse the VAE of an earlier build's tiny-wan folder")
     p.add_argument("--vae-clips", type=int, default=None, help="train the VAE on the first N clips only (default: all)")
     a = p.parse_args(argv)
+    if (Path(a.out) / "tiny-wan" / "model_index.json").is_file() and not a.overwrite:
+        p.error(f"--out {a.out} holds a finished build ({Path(a.out) / 'tiny-wan'}, the shipped model with the default "
+                "--out): pass --overwrite to replace it, or --out another folder")
     for key in ("n_clips", "vae_steps", "vae_batch", "dit_steps", "dit_batch", "vae_clips"):
         if getattr(a, key) is not None and getattr(a, key) < 1:
             p.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(a, key)}")

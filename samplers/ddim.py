@@ -189,8 +189,10 @@ def flow_velocity(sample: torch.Tensor, model_output: torch.Tensor, sigma, predi
         return (out - x) / (1 - t)
     if prediction_type == "sample":
         return (x - out) / t
-    if prediction_type == "v_prediction":
-        x0_hat, eps_hat = vp_predictions(x * vp_scale(t), out, vp_alpha(t).reshape(-1), prediction_type)
+    if prediction_type == "v_prediction":  # vp_predictions' formulas with sqrt(a) = (1 - t) s, sqrt(1 - a) = t s
+        s = vp_scale(t)  # (B, 1, 1, 1); sqrt(1 - a) from t itself, not from 1 - vp_alpha(t) (cancels near t = 0)
+        vp_x, root_a, root_1ma = x * s, (1 - t) * s, t * s
+        x0_hat, eps_hat = root_a * vp_x - root_1ma * out, root_a * out + root_1ma * vp_x
         return eps_hat - x0_hat
     raise ValueError(f"prediction_type must be one of {PREDICTION_TYPES}; got {prediction_type!r}")
 
@@ -282,10 +284,12 @@ def flow_ddim_step(
     ``s' = vp_scale(t')`` (module docstring)::
 
         std  = eta sqrt((1 - a') / (1 - a)) sqrt(1 - a / a') / s'
+             = eta (t' / t) sqrt((t - t')(t + t' - 2 t t')) / (1 - t')
         mean = (1 - t') x0_hat + sqrt(t'^2 - std^2) eps_hat        (= DDIM's mean / s')
         x'   = mean + std z;   log_prob = mean over (C, H, W) of log N(x'; mean, std^2)
 
-    i.e. :func:`ddim_step` on ``x = s x_flow`` with every output divided by ``s'``. At ``t = 1`` (``a = 0``, a flow
+    i.e. :func:`ddim_step` on ``x = s x_flow`` with every output divided by ``s'``, computed from the flow times
+    directly (float32 ``1 - vp_alpha(t')`` would lose most digits near ``t' = 0``). At ``t = 1`` (``a = 0``, a flow
     model's first step) everything stays finite (``std = eta sqrt(1 - a') / s' = eta t'``): no guard is needed, and
     the kernel applies to flow and VP models alike. ``eta = 1`` with ``t' > 0`` keeps ``std <= t'``.
 
@@ -305,10 +309,19 @@ def flow_ddim_step(
     x, v = sample.float(), velocity.float()
     t, t_next = _per_sample(sigma, x, "sigma"), _per_sample(sigma_next, x, "sigma_next")  # (B, 1, 1, 1) each
     x0_hat, eps_hat = x - t * v, x + (1 - t) * v  # (B, C, H, W) each
-    a, a_next, s_next = vp_alpha(t), vp_alpha(t_next), vp_scale(t_next)  # (B, 1, 1, 1) each
-    std = ddim_std(a, a_next, _per_sample(noise_level, x, "noise_level"))  # (B, 1, 1, 1) VP units
-    mean = _ddim_mean(x0_hat, eps_hat, a_next, std) / s_next  # (B, C, H, W)
-    return _draw(x, mean, std / s_next, generator, prev_sample, noise)
+    std = _per_sample(noise_level, x, "noise_level") * _flow_posterior_std(t, t_next)  # (B, 1, 1, 1) flow units
+    mean = (1 - t_next) * x0_hat + (t_next**2 - std**2).clamp(min=0).sqrt() * eps_hat  # (B, C, H, W)
+    return _draw(x, mean, std, generator, prev_sample, noise)
+
+
+def _flow_posterior_std(t: torch.Tensor, t_next: torch.Tensor) -> torch.Tensor:
+    """DDPM's posterior std ``sqrt((1 - a') / (1 - a) (1 - a / a'))`` divided by ``s' = vp_scale(t')``, in flow times
+    and without forming ``a``: with ``D = (1 - t)^2 + t^2``, ``1 - a = t^2 / D`` and ``1 - a / a' = (t - t')(t + t' -
+    2 t t') / ((1 - t')^2 D)``, so the std is ``(t' / t) sqrt((t - t')(t + t' - 2 t t')) / (1 - t')``. Computing
+    ``1 - a'`` from ``a' = vp_alpha(t')`` in float32 instead loses most digits near ``t' = 0`` (0.56% of the std at
+    ``t' = 0.001``). ``t``, ``t_next`` broadcastable float32 with ``1 >= t > t' >= 0``; 0 at ``t' = 0``, ``t'`` at
+    ``t = 1``."""
+    return t_next / t * ((t - t_next) * (t + t_next - 2 * t * t_next)).clamp(min=0).sqrt() / (1 - t_next)
 
 
 def _ddpm_posterior(x0_hat, sample, alpha_prod, alpha_prod_prev):
@@ -410,7 +423,10 @@ def flow_ddpm_step(
     """
     x, v = sample.float(), velocity.float()
     t, t_next = _per_sample(sigma, x, "sigma"), _per_sample(sigma_next, x, "sigma_next")  # (B, 1, 1, 1) each
-    s_next = vp_scale(t_next)  # (B, 1, 1, 1)
-    mean, std = _ddpm_posterior(x - t * v, x * vp_scale(t), vp_alpha(t), vp_alpha(t_next))  # VP units
-    std = std * _per_sample(noise_level, x, "noise_level")  # (B, 1, 1, 1)
-    return _draw(x, mean / s_next, std / s_next, generator, prev_sample, noise)
+    # DDPM's posterior mean of the VP state s x, over s', in flow times (:func:`_flow_posterior_std`'s identities):
+    # sqrt(a') beta_t / (1 - a) / s' = (t - t')(t + t' - 2 t t') / ((1 - t') t^2),  sqrt(alpha_t) (1 - a') / (1 - a)
+    # s / s' = (1 - t) t'^2 / ((1 - t') t^2)
+    scale = 1 / ((1 - t_next) * t**2)  # (B, 1, 1, 1)
+    mean = ((t - t_next) * (t + t_next - 2 * t * t_next) * scale) * (x - t * v) + ((1 - t) * t_next**2 * scale) * x
+    std = _per_sample(noise_level, x, "noise_level") * _flow_posterior_std(t, t_next)  # (B, 1, 1, 1)
+    return _draw(x, mean, std, generator, prev_sample, noise)

@@ -182,3 +182,45 @@ def test_flow_ddim_kernel_on_a_flow_schedule_is_finite_and_plans_check_eta():
     torch.testing.assert_close(last.prev_sample, x - 0.2 * v)  # onto t' = 0: x0_hat
     with pytest.raises(ValueError, match="ddim kernel's eta must be in"):
         StepPlan(["ddim"], [1.5], [True])
+
+
+def _vp_reference(kernel: str, x, v, t: float, t_next: float, eta: float):
+    """The flow kernel's mean and std evaluated in float64 from the VP formulas (``a = vp_alpha(t)`` ...): the
+    definitions, without the float32 cancellation of ``1 - a'`` near ``t' = 0``."""
+    x, v = x.double(), v.double()
+    t64, n64 = torch.tensor(t, dtype=torch.float64), torch.tensor(t_next, dtype=torch.float64)
+    a, a_next, s, s_next = vp_alpha(t64), vp_alpha(n64), vp_scale(t64), vp_scale(n64)
+    x0, eps = x - t64 * v, x + (1 - t64) * v
+    posterior = ((1 - a_next) / (1 - a) * (1 - a / a_next)).sqrt()  # DDPM's std in VP units
+    if kernel == "ddim":
+        std = eta * posterior
+        mean = a_next.sqrt() * x0 + (1 - a_next - std**2).sqrt() * eps
+    else:
+        alpha_t = a / a_next
+        mean = a_next.sqrt() * (1 - alpha_t) / (1 - a) * x0 + alpha_t.sqrt() * (1 - a_next) / (1 - a) * (s * x)
+        std = eta * posterior
+    return mean / s_next, std / s_next
+
+
+@pytest.mark.parametrize("kernel,eta", [("ddim", 0.5), ("ddim", 1.0), ("ddpm", 1.0), ("ddpm", 0.5)])
+@pytest.mark.parametrize("t,t_next", [(0.101, 0.001), (0.5, 0.25), (1.0, 0.9), (0.02, 0.0001)])
+def test_flow_kernels_near_zero_noise_match_a_float64_evaluation(kernel, eta, t, t_next):
+    """The step onto the last non-zero sigma of a shift-1 schedule (``t' = 0.001``): std, mean and log-prob within
+    float32 rounding of the float64 values (``1 - vp_alpha(t')`` in float32 was 0.56% off in the std)."""
+    g = torch.Generator().manual_seed(0)
+    x, v, z = (torch.randn(2, 4, 8, 8, generator=g) for _ in range(3))
+    out = KERNELS[kernel](x, v, t, t_next, eta, None, noise=z)
+    mean, std = _vp_reference(kernel, x, v, t, t_next, eta)
+    assert abs(float(out.std[0]) / float(std) - 1) < 1e-6, (float(out.std[0]), float(std))
+    torch.testing.assert_close(out.mean.double(), mean, rtol=0, atol=2e-6)
+    density = torch.distributions.Normal(mean, std)
+    log_prob = density.log_prob(out.prev_sample.double()).mean(dim=(1, 2, 3))
+    torch.testing.assert_close(out.log_prob.double(), log_prob, rtol=0, atol=1e-4 * max(1.0, log_prob.abs().max()))
+
+
+@pytest.mark.parametrize("t,t_next", [(0.101, 0.001), (0.5, 0.25), (1.0, 0.9)])
+def test_flow_ddim_at_eta_zero_is_the_euler_step(t, t_next):
+    g = torch.Generator().manual_seed(1)
+    x, v = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 4, 8, 8, generator=g)
+    out = flow_ddim_step(x, v, t, t_next, 0.0, noise=torch.zeros_like(x))
+    torch.testing.assert_close(out.prev_sample, ode_step(x, v, t, t_next).prev_sample, rtol=0, atol=1e-6)

@@ -175,7 +175,7 @@ def test_qwen_image_recipe_trains_and_the_lora_loads_in_stock(tmp_path, qwen, pr
     cfg = load_config(REPO / "configs" / "qwen_image_flow_grpo.yaml", over)
     assert cfg.sampling.window.size == 2 and cfg.sampling.noise_level == 1.2 and cfg.sampling.guidance_scale == 4.0
     trainer = Trainer(cfg)
-    assert isinstance(trainer.model, QwenImageModel) and cfg.sampling.shift == pytest.approx(trainer.model.shift)
+    assert isinstance(trainer.model, QwenImageModel) and trainer.cfg.sampling.shift == pytest.approx(trainer.model.shift)
     before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     trainer.train()
     metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]

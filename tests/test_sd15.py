@@ -81,7 +81,7 @@ def test_ddpo_style_training_keeps_the_ratio_exactly_one_and_the_lora_loads_in_s
         "sampling.train_last_step": True, "rewards.geneval": "null", "rewards.jpeg_compressibility.weight": 1.0})
     cfg = load_config(REPO / "configs" / "flow_grpo.yaml", over)
     trainer = Trainer(cfg)
-    assert isinstance(trainer.model, SD15Model) and cfg.sampling.shift == 1.0
+    assert isinstance(trainer.model, SD15Model) and trainer.cfg.sampling.shift == 1.0
     before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     trainer.train()
     metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]

@@ -131,7 +131,7 @@ def test_ddpm_training_keeps_the_ratio_one_resumes_exactly_and_the_lora_loads_in
     full = tiny_overrides(sdxl, train, test, tmp_path / "full", **extra)
     cfg = load_config(REPO / "configs" / "flow_grpo.yaml", full)
     trainer = Trainer(cfg)
-    assert isinstance(trainer.model, SDXLModel) and cfg.sampling.shift == 1.0
+    assert isinstance(trainer.model, SDXLModel) and trainer.cfg.sampling.shift == 1.0
     before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     trainer.train()
     metrics = [json.loads(line) for line in (tmp_path / "full/metrics.jsonl").read_text().splitlines()]

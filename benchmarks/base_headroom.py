@@ -29,12 +29,12 @@ import numpy as np
 import torch
 
 from flowrl.data import REPO_ROOT, read_prompts
-from flowrl.evaluate import generate_per_prompt
+from flowrl.evaluation import generate_per_prompt
 from flowrl.models import load_model, resolve_device
 from flowrl.tiny.build import encode_latents
 from flowrl.tiny.render import render, sample_scene
-from rewards.geneval import geneval
-from samplers import flow_sigmas, ode_sample
+from flowrl.rewards.geneval import geneval
+from flowrl.samplers import flow_sigmas, ode_sample
 
 if TYPE_CHECKING:
     from flowrl.models import FlowModel

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from flowrl.config import REPO_ROOT, finish_preset_result, load_config, parse_preset_args, preset_parser
 from flowrl.data import write_jsonl
-from flowrl.evaluate import machine
+from flowrl.evaluation import machine
 from flowrl.tiny.sd15 import build_random_sd15_pipeline
 from flowrl.trainer import Trainer
 

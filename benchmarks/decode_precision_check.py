@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> dict:
         scores, max_diff, times = {"no": [], "bf16": []}, 0.0, {"no": [], "bf16": []}
         for it in range(a.rollouts):
             metas = trainer.sample_prompts(it)
-            ro, _, _ = trainer.method.flat_or_tree_rollout(metas, trainer._generator(it))
+            ro = trainer.method.rollout(metas, trainer._generator(it)).rollout
             expanded = [m for m in metas for _ in range(s.group_size)]
             images = {}
             for precision in ("no", "bf16"):

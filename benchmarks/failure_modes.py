@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from flowrl.data import REPO_ROOT, read_prompts
-from flowrl.evaluate import generate_per_prompt
+from flowrl.evaluation import generate_per_prompt
 from flowrl.models import load_model, resolve_device
-from rewards.geneval import keep_confident
-from rewards.geneval.detector import detect, objects
-from rewards.geneval.rules import evaluate
+from flowrl.rewards.geneval import keep_confident
+from flowrl.rewards.geneval.detector import detect, objects
+from flowrl.rewards.geneval.rules import evaluate
 
 if TYPE_CHECKING:
     from flowrl.models import FlowModel

@@ -256,8 +256,7 @@ def measure(folder: Path, preset: str, args, prompts_file: Path, device: torch.d
     row["peak_gib_rollout"] = _peak_gib(device)
     row["rollout_over_stock"] = row["rollout_s"] / row["stock_s"]
     scores = trainer.score(samples.images, samples.image_prompt, metas)
-    total = scores.total.to(trainer.device).cpu()
-    adv, keep, _ = method.advantages(samples, scores, total, len(metas))
+    adv, keep, _ = method.advantages(samples, trainer.gather_rewards(scores, samples.image_prompt, len(metas)), gen(99))
     method.update(samples, adv, keep, gen(100))  # warm-up (and the optimizer's state)
     _sync(device); _reset_peak(device); t0 = time.perf_counter()
     stats = method.update(samples, adv, keep, gen(101))

@@ -20,7 +20,7 @@ import torch
 from flowrl.advantages import group_advantages
 from flowrl.config import REPO_ROOT, finish_preset_result, load_config, parse_preset_args, preset_parser
 from flowrl.trainer import Trainer
-from samplers import recompute_log_prob
+from flowrl.samplers import recompute_log_prob
 
 
 def policy_gradient(trainer: Trainer, iteration: int) -> torch.Tensor:
@@ -28,7 +28,8 @@ def policy_gradient(trainer: Trainer, iteration: int) -> torch.Tensor:
     ``iteration`` (its prompts and generator); groups with zero reward variance are left out as in training."""
     t = trainer.cfg.train
     metas = trainer.sample_prompts(iteration)
-    ro, images, table = trainer.method.flat_or_tree_rollout(metas, trainer._generator(iteration))
+    samples = trainer.method.rollout(metas, trainer._generator(iteration))
+    ro, images, table = samples.rollout, samples.images, samples.table
     group = ro.group.cpu()
     with torch.no_grad():
         total = trainer.score(images, group, metas).total

@@ -32,6 +32,9 @@ class ReencodedTable:
     """A prompt table that encodes its prompts again at every indexing (in the caller's grad, autocast and
     weights), standing in for :class:`flowrl.models.PromptEmbeds`."""
 
+    NEGATIVE_ROW = PromptEmbeds.NEGATIVE_ROW
+    rows = staticmethod(PromptEmbeds.rows)
+
     def __init__(self, encode, prompts: list[str]):
         self.encode, self.prompts = encode, prompts
 

@@ -14,7 +14,7 @@ import torch
 
 from flowrl.config import REPO_ROOT, finish_preset_result, load_config, parse_preset_args, preset_parser
 from flowrl.trainer import Trainer
-from samplers import recompute_log_prob
+from flowrl.samplers import recompute_log_prob
 
 
 def log_probs(trainer, ro, rows, table) -> torch.Tensor:
@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_preset_args(preset_parser(__doc__.splitlines()[0], str(REPO_ROOT / "configs" / "tiny_geneval.yaml")), argv)
     trainer = Trainer(load_config(args.config, ["run.output_dir=runs/policy_step_check", *args.overrides]))
     gen = torch.Generator().manual_seed(0)
-    ro, images, table = trainer.method.flat_or_tree_rollout(trainer.sample_prompts(0), gen)
+    samples = trainer.method.rollout(trainer.sample_prompts(0), gen)
+    ro, images, table = samples.rollout, samples.images, samples.table
     advantages = torch.randn(len(images), generator=gen)[ro.leaf.cpu()].to(trainer.device)  # (M,)
     rows = ro.trained.nonzero().squeeze(1)
     before = log_probs(trainer, ro, rows, table)

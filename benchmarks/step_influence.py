@@ -29,7 +29,8 @@ def within_group_variance(trainer: Trainer, iterations: int) -> tuple[float, flo
     means, within = [], []
     for it in range(iterations):
         metas = trainer.sample_prompts(it)
-        ro, images, _ = trainer.method.flat_or_tree_rollout(metas, trainer._generator(it))
+        samples = trainer.method.rollout(metas, trainer._generator(it))
+        ro, images = samples.rollout, samples.images
         group = ro.group.cpu()
         with torch.no_grad():
             scores = trainer.score(images, group, metas).total
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     common = ["run.output_dir=runs/step_influence", *args.overrides]
     one_step = Trainer(load_config(args.config, [*common, "sampling.shared_noise=true", "sampling.window.size=1",
                                                  "sampling.window.schedule=fixed"]))
-    window, sigmas = one_step.method.window, one_step.method.sigmas  # MixGRPO's one-step window, placed by hand
+    window, sigmas = one_step.method.shape.window, one_step.method.sigmas  # MixGRPO's one-step window, placed by hand
     rows = []
     for k in range(window.last + 1):
         window.start = k

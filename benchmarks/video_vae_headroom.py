@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from flowrl.tiny.video import render_dataset, split  # noqa: E402
-from rewards.motion_world import MotionWorld  # noqa: E402
+from flowrl.rewards.motion_world import MotionWorld  # noqa: E402
 
 
 def scores(videos: torch.Tensor, metas: list[dict]) -> dict[str, float]:

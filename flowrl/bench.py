@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from samplers import start_latents
+from .samplers import start_latents
 
 from .config import REPO_ROOT, load_config
-from .evaluate import machine
+from .evaluation import machine
 
 PRESETS = ("flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "mix_grpo_flash", "branch_grpo", "branch_grpo_mix",
            "tempflow_grpo", "g2rpo", "tp_grpo")
@@ -103,7 +103,8 @@ def bench_tree(trainer, repeats: int = 3) -> dict[str, float]:
     metas = trainer.sample_prompts(0)
     table = trainer.model.prompt_table(metas)
     velocity = trainer.model.velocity_fn(table, s.guidance_scale)
-    ode = trainer.method.ode_velocity(velocity)  # built once, outside the timed calls
+    shape = trainer.method.shape  # a TreeShape
+    ode = shape.ode_velocity(velocity)  # built once, outside the timed calls
     noise = torch.randn((len(metas), *trainer.model.latent_shape),
                         generator=torch.Generator().manual_seed(0)).to(trainer.device)  # drawn on CPU, as the trainer's
     noise = start_latents(noise, trainer.method.sigmas[0])  # the state at the first time (noise itself at sigma 1)
@@ -112,7 +113,7 @@ def bench_tree(trainer, repeats: int = 3) -> dict[str, float]:
         runs = []
         for _ in range(repeats):
             t0 = time.time()
-            trainer.method.tree_rollout(velocity, noise, torch.Generator().manual_seed(1), ode, batched=batched)
+            shape.tree(velocity, table, noise, torch.Generator().manual_seed(1), ode, batched=batched)
             runs.append(time.time() - t0)
         times["batched_s" if batched else "node_by_node_s"] = statistics.median(runs)
     times["speedup"] = times["node_by_node_s"] / times["batched_s"]
@@ -155,7 +156,7 @@ def run_bench(presets=PRESETS, iterations: int = 3, warmup: int = 1, budget_s: f
             for i in range(warmup):
                 trainer.step(i)
             row = _median_iteration(trainer, warmup, iterations)
-            if getattr(trainer.method, "branch", None) is not None:
+            if trainer.cfg.train.method == "grpo" and trainer.cfg.sampling.shape == "tree":
                 row["tree"] = bench_tree(trainer)
             if budget_s > 0:  # training time only: the half-way evaluation is not counted
                 it, trained = warmup + iterations, 0.0

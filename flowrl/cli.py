@@ -26,7 +26,7 @@ USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, PermissionError, 
 def user_errors() -> tuple[type[BaseException], ...]:
     """:data:`USER_ERRORS` with :class:`rewards.RewardError` (a reward raised) and :class:`rewards.RewardTypeError`
     (a reward spec, option or score of the wrong type); imported only when needed (``rewards`` imports torch)."""
-    from rewards import RewardError, RewardTypeError
+    from .rewards import RewardError, RewardTypeError
 
     return USER_ERRORS + (RewardError, RewardTypeError)
 
@@ -91,6 +91,16 @@ def cmd_train(args) -> dict:
     return result
 
 
+def cmd_config(args) -> list[dict]:
+    """``flowrl config [CONFIG] [key=value ...]``: every config key with its type, value (the preset's, or the
+    default), default and help (:func:`flowrl.config.describe`); ``--json`` writes them as JSON instead."""
+    from .config import describe, format_description
+
+    rows = describe(load_config(args.config, args.overrides) if args.config else None)
+    print(json.dumps(rows, indent=1, default=str) if args.json else format_description(rows))
+    return rows
+
+
 def cmd_memory(args) -> dict:
     """``flowrl memory CONFIG [key=value ...] --processes N``: print the run's trained weight count and the memory its
     trained weights, gradients and AdamW state take per process under each engine (:func:`flowrl.plan.memory_plan`);
@@ -117,7 +127,7 @@ def cmd_eval(args) -> dict:
     std and per-tag means of each named reward (:func:`_eval_rewards`), written as JSON."""
     if args.reward is not None:
         return _eval_rewards(args)
-    from .evaluate import evaluate
+    from .evaluation import evaluate
     from .precision import autocast
 
     if args.option:
@@ -196,10 +206,10 @@ def _eval_rewards(args) -> dict:
     """``flowrl eval --reward``: ``--images-per-prompt`` ODE samples of every prompt of a prompt file (any
     :func:`flowrl.prompt_sets.read_prompt_set` format), scored by each reward (weight 1, unsummed); writes and
     returns ``{"rewards": {name: {"mean", "std", "per_tag", "n_images", "options"}}, ...}``
-    (:func:`flowrl.evaluate.evaluate_reward`)."""
-    from rewards import WeightedSum, build_reward
+    (:func:`flowrl.evaluation.evaluate_reward`)."""
+    from .rewards import WeightedSum, build_reward
 
-    from .evaluate import evaluate_reward
+    from .evaluation import evaluate_reward
     from .precision import autocast
     from .prompt_sets import read_prompt_set
 
@@ -238,7 +248,7 @@ def cmd_sample(args) -> None:
     """``flowrl sample``: ``-n`` images of one prompt (ODE, fixed seeds) saved as one grid PNG."""
     from torchvision.utils import save_image
 
-    from .evaluate import generate
+    from .evaluation import generate
     from .precision import autocast
 
     probe_output(args.out, "--out", IMAGE_SUFFIXES)  # before the work, not after it
@@ -307,7 +317,7 @@ def _options(pairs: list[str] | None) -> dict:
 def cmd_score(args) -> dict:
     """``flowrl score``: score a folder of images with a named reward; per-image rows to ``--out``, mean printed
     (:func:`flowrl.image_folders.score_records`)."""
-    from rewards import build_reward
+    from .rewards import build_reward
 
     from .image_folders import read_image_folder, score_records, summarize, write_scores
     from .prompt_sets import read_prompt_set
@@ -332,7 +342,7 @@ def cmd_score(args) -> dict:
 
 def cmd_serve_reward(args) -> None:
     """``flowrl serve-reward NAME``: serve a reward over HTTP until Ctrl-C (:func:`rewards.serve`)."""
-    from rewards import serve
+    from .rewards import serve
 
     serve(args.name, host=args.host, port=args.port, batch_size=args.batch_size, **_options(args.option))
 
@@ -348,8 +358,8 @@ def cmd_rewards(args) -> list[dict]:
     """
     import inspect
 
-    from rewards import REWARDS
-    from rewards.base import _entry_point, _entry_points
+    from .rewards import REWARDS
+    from .rewards.base import _entry_point, _entry_points
 
     def row(name: str, factory, source: str) -> dict:
         return {"name": name, "modality": getattr(factory, "modality", "-"),
@@ -449,7 +459,8 @@ def _device(text: str) -> str:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     """The options ``eval`` and ``sample`` share: model, LoRA, sampling and device."""
-    p.add_argument("--model", default="assets/tiny-sd3", help="StableDiffusion3Pipeline or FluxPipeline folder")
+    p.add_argument("--model", default="assets/tiny-sd3",
+                   help="a diffusers pipeline folder of any family flowrl has an adapter for (docs/models.md)")
     p.add_argument("--lora", default=None, help="diffusers-format LoRA folder (e.g. RUN/lora)")
     p.add_argument("--max-sequence-length", type=_at_least(0), default=None,
                    help="T5 tokens (default: SD3 256 with a T5 encoder, 0 without one as the tiny model; FLUX 512)")
@@ -457,10 +468,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-frames", type=_at_least(1), default=None,
                    help="frames per video, video models only (Wan: 4k+1; default: the model's, 81 for Wan)")
     p.add_argument("--num-steps", type=_at_least(1), default=20, help="Euler ODE steps")
-    p.add_argument("--guidance-scale", type=_finite, default=4.5)
+    p.add_argument("--guidance-scale", type=_finite, default=4.5, help="classifier-free guidance scale (1 = off)")
     p.add_argument("--shift", type=_at_least(0, float, strict=True), default=None,
                    help="sigma-schedule shift (default: the model scheduler's)")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=1234, help="seed of the first image's noise (then seed + 1, ...)")
     p.add_argument("--device", type=_device, default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 autocast (--no-bf16: float32; default: bf16 where the device computes it natively, "
@@ -469,10 +480,18 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_train(sub) -> None:
     """The ``train`` sub-command: ``CONFIG`` and ``key=value`` overrides, run by :func:`cmd_train`."""
-    t = sub.add_parser("train", help="run a training job (GRPO or DiffusionNFT) from a YAML preset")
+    t = sub.add_parser("train", help="run a training job (GRPO or DiffusionNFT) from a YAML preset",
+                       epilog="Every config key with its type, default and help: flowrl config [CONFIG]")
     t.add_argument("config", help="configs/*.yaml")
-    t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.iterations=10")
+    t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.iterations=10 (flowrl config lists "
+                                                "the keys)")
     t.set_defaults(fn=cmd_train)
+    c = sub.add_parser("config", help="every config key with its type, value, default and help (of a preset, or the "
+                                      "defaults)")
+    c.add_argument("config", nargs="?", default=None, help="configs/*.yaml (default: the built-in defaults)")
+    c.add_argument("overrides", nargs="*", help="key=value overrides")
+    c.add_argument("--json", action="store_true", help="print JSON rows instead of text")
+    c.set_defaults(fn=cmd_config)
     m = sub.add_parser("memory", help="memory per process of a run's trained weights under each engine, from the "
                                       "model folder (reads no weights)")
     m.add_argument("config", help="configs/*.yaml")
@@ -510,7 +529,7 @@ def _add_sample(sub) -> None:
     :func:`cmd_sample`."""
     s = sub.add_parser("sample", help="a grid of images for one prompt")
     _model_args(s)
-    s.add_argument("--prompt", type=_non_empty, required=True)
+    s.add_argument("--prompt", type=_non_empty, required=True, help="the text prompt")
     s.add_argument("-n", type=_at_least(1), default=8, help="images")
     s.add_argument("--out", default="grid.png", help=f"image file ({', '.join(IMAGE_SUFFIXES)})")
     s.set_defaults(fn=cmd_sample)
@@ -574,11 +593,12 @@ def _add_bench(sub) -> None:
     from .bench import PRESETS
 
     b = sub.add_parser("bench", help="time every sampler preset on the tiny world (one table)")
-    b.add_argument("--presets", nargs="+", default=list(PRESETS))
+    b.add_argument("--presets", nargs="+", default=list(PRESETS), help="presets of configs/ to time")
     b.add_argument("--iterations", type=int, default=3, help="timed iterations per preset (median)")
-    b.add_argument("--warmup", type=int, default=1)
-    b.add_argument("--budget-s", type=float, default=0.0, help="also train each preset this long (s) and report the eval accuracy at half and full budget")
-    b.add_argument("--out", default="runs/bench.json")
+    b.add_argument("--warmup", type=int, default=1, help="untimed iterations before them")
+    b.add_argument("--budget-s", type=float, default=0.0,
+                   help="also train each preset this long (s) and report the eval accuracy at half and full budget")
+    b.add_argument("--out", default="runs/bench.json", help="the results as JSON, and a Markdown table beside it")
     b.add_argument("--preset-overrides", default=None,
                    help="YAML of per-preset key=value lists ('all' for every preset), e.g. benchmarks/scale_mixgrpo.yaml")
     b.add_argument("overrides", nargs="*", help="key=value overrides for every preset")
@@ -591,20 +611,41 @@ def _add_overopt(sub) -> None:
     from .overopt import PRESETS
 
     o = sub.add_parser("overopt", help="over-optimisation study: train on the clipscore proxy, track GenEval gold")
-    o.add_argument("--presets", nargs="+", default=list(PRESETS))
-    o.add_argument("--iterations", type=int, default=30)
-    o.add_argument("--eval-every", type=int, default=10)
-    o.add_argument("--out", default="runs/overopt.json")
+    o.add_argument("--presets", nargs="+", default=list(PRESETS), help="presets of configs/ to train")
+    o.add_argument("--iterations", type=int, default=30, help="training iterations per preset")
+    o.add_argument("--eval-every", type=int, default=10, help="iterations between gold and proxy evaluations")
+    o.add_argument("--out", default="runs/overopt.json", help="the results as JSON, and a Markdown table beside it")
     o.add_argument("overrides", nargs="*", help="key=value overrides for every preset")
     o.set_defaults(fn=cmd_overopt)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each option's default, except where there is none to show (None, False, a positional list)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or action.nargs in ("*", "+") and not action.option_strings:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """flowrl's argument parser: ``--help`` shows each option's default, and a usage error is one line
+    ``flowrl COMMAND: error: ...`` (exit status 2), as every other bad input, without argparse's usage block."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _parser() -> argparse.ArgumentParser:
     """The ``flowrl`` parser: one sub-command each for train (and memory), eval, sample, generate, score, serve-reward,
     rewards, bench and overopt (in that order, as ``--help`` lists them); each sets ``fn``, the ``cmd_*`` function that
     runs it."""
-    parser = argparse.ArgumentParser(prog="flowrl", description="Online RL for text-to-image flow models")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="flowrl", description="Online RL for text-to-image and text-to-video flow models")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for add in (_add_train, _add_eval, _add_sample, _add_generate, _add_score, _add_serve_reward, _add_rewards,
                 _add_bench, _add_overopt):
         add(sub)
@@ -627,7 +668,8 @@ def _run(args: argparse.Namespace) -> None:
     except Exception as e:
         if os.environ.get("FLOWRL_TRACEBACK") == "1" or not isinstance(e, user_errors()):
             raise
-        print(f"flowrl {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # under accelerate launch / torchrun every process fails alike
+            print(f"flowrl {args.command}: error: {_one_line(e)}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .evaluate import generate, summarize
+from .evaluation import generate, summarize
 from .files import atomic_output, write_text_atomic
 
 __all__ = ["LAYOUTS", "generate_folder", "load_image", "read_image_folder", "score_records", "summarize", "write_scores"]  # summarize: from evaluate
@@ -51,7 +51,7 @@ def _save_png(image: torch.Tensor, path: Path) -> None:
 def generate_folder(model, metas: list[dict], out: str | Path, k: int = 4, layout: str = "geneval", seed: int = 1234,
                     num_steps: int = 20, guidance_scale: float = 4.5, shift: float | None = None,
                     batch_size: int = 16, accelerator=None, progress: Callable[[int], None] | None = None) -> int:
-    """Generate ``k`` images per prompt (deterministic ODE samples, :func:`flowrl.evaluate.generate`) into ``out``.
+    """Generate ``k`` images per prompt (deterministic ODE samples, :func:`flowrl.evaluation.generate`) into ``out``.
 
     Args:
         model: the pipeline adapter (its LoRA, if any, is active; bf16 autocast if the caller enters it).
@@ -225,7 +225,7 @@ def score_records(reward, records: list[dict], batch_size: int = 16,
     Raises:
         rewards.RewardError: the reward raised (named, chained); ValueError: a malformed score or image.
     """
-    from rewards import WeightedSum, reward_name
+    from .rewards import WeightedSum, reward_name
 
     combined = reward if isinstance(reward, WeightedSum) else WeightedSum({reward_name(reward): (reward, 1.0)})
     scores: list[float] = []

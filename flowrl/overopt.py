@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .config import REPO_ROOT, load_config
-from .evaluate import evaluate, machine
+from .evaluation import evaluate, machine
 
 PRESETS = ("flow_grpo", "grpo_guard", "dance_grpo", "grpo_guard_dance")
 
@@ -59,7 +59,7 @@ def run_overopt(presets=PRESETS, iterations: int = 30, eval_every: int = 10, pro
     Raises:
         ValueError: ``eval_every`` < 1 or ``iterations`` < 1.
     """
-    from rewards import build_reward
+    from .rewards import build_reward
 
     from .trainer import Trainer
 

@@ -90,14 +90,17 @@ def reward_curve_figure(metrics: list[dict], result: dict | None):
         ev.plot(xs, ys, "o:", color=colors[tag], ms=5, lw=0.8, mec="white", mew=0.5)
     xs, ys = _eval_points(metrics, result, last, "eval/overall", lambda r: r.get("overall"))
     ev.plot(xs, ys, "D--", color="black", ms=6, lw=1.2)
+    accuracy = not any("per_reward" in (result or {}).get(k, {}) for k in ("before", "after"))  # GenEval prompts
+    what = "evaluation accuracy" if accuracy else "evaluation reward"
     handles += [Line2D([], [], color="0.3", marker=".", ls="", alpha=0.4, label="per iteration"),
                 Line2D([], [], color="0.3", lw=1.5, label=f"mean of last {SMOOTHING_WINDOW} iterations"),
-                Line2D([], [], color="black", marker="D", ls="--", label="evaluation accuracy (right axis)"),
-                Line2D([], [], color="0.3", marker="o", ls=":", label="evaluation accuracy per tag")]
+                Line2D([], [], color="black", marker="D", ls="--", label=f"{what} (right axis)"),
+                Line2D([], [], color="0.3", marker="o", ls=":", label=f"{what} per tag")]
     ax.set_xlabel("iteration")
     ax.set_ylabel("training reward (mean per iteration)")
-    ev.set_ylabel("GenEval strict accuracy on eval.prompts")
-    ev.set_ylim(-0.02, 1.02)
+    ev.set_ylabel("GenEval strict accuracy on eval.prompts" if accuracy else "mean weighted reward on eval.prompts")
+    if accuracy:
+        ev.set_ylim(-0.02, 1.02)
     ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.1, 1), borderaxespad=0)
     fig.tight_layout()
     return fig
@@ -111,7 +114,9 @@ def _plot_training_reward(ax, metrics: list[dict], colors: dict) -> list:
 
     names = sorted({k.split("/")[1] for m in metrics for k in m if re.fullmatch(r"reward/[^/]+/mean", k)} - {"total"})
     curves = [(f"reward/tag/{tag}/mean", tag, color, "-", 1.5) for tag, color in colors.items()]
-    curves += [(f"reward/{n}/mean", f"reward: {n}", "0.45", "--", 1.5) for n in names if len(names) > 1]
+    styles = ("--", "-.", ":", (0, (5, 1, 1, 1)))  # each reward its own dash and grey, told apart in the legend
+    curves += [(f"reward/{n}/mean", f"reward: {n}", str(0.25 + 0.4 * i / max(1, len(names) - 1)), styles[i % 4], 1.5)
+               for i, n in enumerate(names) if len(names) > 1]
     curves += [("reward/total/mean", "all prompts", "black", "-", 2.5)]
     its = [m["iteration"] for m in metrics]
     handles, seen = [], []
@@ -165,22 +170,32 @@ def save_grid(before: torch.Tensor, after: torch.Tensor, prompts: list[str], pat
 
 
 def save_diagnostics(metrics: list[dict], path: str | Path) -> None:
-    """Per-step policy diagnostics over training (GRPO-Guard, arXiv 2510.22319, Fig. 2 style): the ratio's
-    mean and std, the clip fractions above and below 1 and the gradient norm per denoising step (heatmaps:
-    iteration x step; see ``train.step_grad_norms``),
-    and the advantage statistics with the fraction of zero-variance groups per iteration."""
+    """Policy diagnostics over training. With per-step statistics (the GRPO family, GRPO-Guard arXiv 2510.22319, Fig. 2
+    style): the ratio's mean and std, the clip fractions above and below 1 and the gradient norm per denoising step
+    (heatmaps: iteration x step; see ``train.step_grad_norms``). Without them (DiffusionNFT and other forward-process
+    methods): the loss, the gradient norm and the method's other ``policy/*`` scalars per iteration. Then the
+    advantage statistics with the fraction of zero-variance groups."""
     plt = _plt()
     steps = sorted({int(m.group(1)) for row in metrics for k in row if (m := re.match(r"diag/step_(\d+)/", k))})
-    fig, axes = plt.subplots(1, 6, figsize=(21, 3.2))
     its = [row["iteration"] for row in metrics]
-    for ax, name in zip(axes[:5], ("ratio_mean", "ratio_std", "clip_high", "clip_low", "grad_norm")):
-        grid = [[row.get(f"diag/step_{k:02d}/{name}", float("nan")) for row in metrics] for k in steps]
-        if steps and its:
-            im = ax.imshow(grid, aspect="auto", origin="lower", interpolation="nearest",
-                           extent=(its[0] - 0.5, its[-1] + 0.5, steps[0] - 0.5, steps[-1] + 0.5))
-            fig.colorbar(im, ax=ax)
-        ax.set_title(name.replace("_", " ")), ax.set_xlabel("iteration"), ax.set_ylabel("denoising step")
-    ax = axes[5]
+    if steps:
+        panels = ("ratio_mean", "ratio_std", "clip_high", "clip_low", "grad_norm")
+    else:  # no per-step statistics: the run-level policy scalars, each in its own panel
+        keys = sorted({k for row in metrics for k in row if k.startswith("policy/")} - {"policy/optimizer_steps"})
+        panels = tuple(keys) or ("policy/loss",)
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(3.5 * (len(panels) + 1), 3.2))
+    for ax, name in zip(axes[:-1], panels):
+        if steps:
+            grid = [[row.get(f"diag/step_{k:02d}/{name}", float("nan")) for row in metrics] for k in steps]
+            if its:
+                im = ax.imshow(grid, aspect="auto", origin="lower", interpolation="nearest",
+                               extent=(its[0] - 0.5, its[-1] + 0.5, steps[0] - 0.5, steps[-1] + 0.5))
+                fig.colorbar(im, ax=ax)
+            ax.set_title(name.replace("_", " ")), ax.set_xlabel("iteration"), ax.set_ylabel("denoising step")
+        else:
+            ax.plot(its, [row.get(name, float("nan")) for row in metrics], ".-", ms=3)
+            ax.set_title(name.split("/", 1)[1].replace("_", " ")), ax.set_xlabel("iteration")
+    ax = axes[-1]
     for key in ("advantage/abs_mean", "advantage/zero_variance_frac"):
         ax.plot(its, [row.get(key, float("nan")) for row in metrics], label=key.split("/")[1])
     ax.set_xlabel("iteration"), ax.legend(fontsize=8)

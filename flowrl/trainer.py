@@ -20,14 +20,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from rewards import RewardTypeError, WeightedSum, build_reward
+from .rewards import RewardTypeError, WeightedSum, build_reward
 
 from .checkpoint import prune_checkpoints
-from .config import Config, ConfigError, resolve_path, save_config
+from .config import Config, ConfigError, RewardConfig, config_key, resolve_path, save_config
 from .data import read_prompts
-from .evaluate import evaluate, evaluate_reward, generate
+from .evaluation import evaluate, evaluate_reward, expand_per_tag, generate
 from .files import atomic_output, write_text_atomic
-from .methods import build_method
+from .methods import Rewards, build_method
 from .models import resolve_model
 from .models.memory import place_frozen
 from .plots import save_diagnostics, save_grid, save_reward_curve
@@ -51,6 +51,33 @@ def tag_means(rewards: torch.Tensor, tags: list[str]) -> dict[str, float]:
     rewards = rewards.float().cpu()
     return {f"reward/tag/{tag}/mean": rewards[torch.tensor([t == tag for t in tags])].mean().item()
             for tag in sorted(set(tags))}
+
+
+def _given_rewards(rewards: dict | list | None) -> dict[str, tuple]:
+    """The reward callables given to :class:`Trainer` as ``{name: (callable, weight)}``: a dict of callables or of
+    ``(callable, weight)`` pairs, or a list of callables named by :func:`flowrl.rewards.reward_name` (weight 1).
+
+    Raises:
+        TypeError: naming the entry, for something that is not a callable or a ``(callable, weight)`` pair.
+        ValueError: two rewards of one name in a list.
+    """
+    from .rewards import reward_name
+
+    if not rewards:
+        return {}
+    if isinstance(rewards, (list, tuple)):
+        names = [reward_name(r) for r in rewards]
+        if len(set(names)) < len(names):
+            raise ValueError(f"Trainer(rewards=[...]) names two rewards alike ({names}); pass a dict name -> reward")
+        rewards = dict(zip(names, rewards))
+    given = {}
+    for name, entry in dict(rewards).items():
+        fn, weight = entry if isinstance(entry, tuple) and len(entry) == 2 else (entry, 1.0)
+        if not callable(fn):
+            raise TypeError(f"Trainer(rewards=...): reward {name!r} is a {type(fn).__name__}, not a callable "
+                            "reward(images, prompts, metadata) -> scores or a (callable, weight) pair")
+        given[str(name)] = (fn, weight)
+    return given
 
 
 def resolve_precisions(cfg: Config, device: torch.device) -> Config:
@@ -81,6 +108,13 @@ def precision_summary(cfg: Config, device: torch.device) -> str:
 class Trainer:
     """Runs one configured job end to end, writing everything to ``config.run.output_dir``.
 
+    Args:
+        config (:class:`flowrl.config.Config`): the run (:func:`flowrl.load_config`; ``flowrl config`` lists its keys).
+        rewards (optional): reward callables ``reward(images, prompts, metadata) -> scores`` to train on instead of
+            the config's ``rewards`` section, as trl's trainers take ``reward_funcs``: a dict ``name -> callable`` or
+            ``name -> (callable, weight)``, or a list of callables (named by their ``name`` or ``__name__``,
+            weight 1). ``config.yaml`` records their names and weights; a resume passes them again.
+
     Attributes: ``model`` (the adapter), ``policy`` (:class:`flowrl.policy.Policy`), ``method`` (the
     :mod:`flowrl.methods` object), ``rewards``, ``train_metas`` / ``eval_metas`` (prompt records).
 
@@ -88,6 +122,7 @@ class Trainer:
     from before anything is written until it returns.
 
     Raises (at construction, before any sampling):
+        TypeError: `config` is not a Config, or a given reward is not callable.
         ConfigError / FileNotFoundError: bad config values, model folder or prompt files.
         FileExistsError: ``run.output_dir`` holds a run and ``run.resume`` is off.
         RunFolderInUse: another process is training in ``run.output_dir``.
@@ -96,10 +131,15 @@ class Trainer:
             raises.
     """
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, rewards: dict | list | None = None):
         from accelerate import Accelerator, DistributedDataParallelKwargs
         from accelerate.utils import ProjectConfiguration
 
+        if not isinstance(config, Config):
+            raise TypeError(f"Trainer takes a flowrl.Config (flowrl.load_config(...)), got {type(config).__name__}")
+        given = _given_rewards(rewards)  # name -> (callable, weight); checked before any work
+        if given:  # they replace the config's rewards section (recorded by name in config.yaml)
+            config = dataclasses.replace(config, rewards={n: RewardConfig(weight=w) for n, (_, w) in given.items()})
         self.cfg = cfg = config
         if cfg.run.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("config key 'run.device' is 'cuda' but no CUDA device is available; use auto or cpu")
@@ -117,13 +157,11 @@ class Trainer:
         self.cfg = cfg = resolve_precisions(cfg, self.device)  # auto -> bf16 or no; config.yaml records the choice
         check_accelerate_precision(acc, cfg.run.mixed_precision)
         check_optimizer(cfg.train.optimizer, acc.device)
-        if acc.is_main_process:
-            print(f"flowrl train: {precision_summary(cfg, self.device)}; run folder {self.out}", file=sys.stderr)
         adapter = resolve_model(cfg)
         self.train_metas = self._read_prompts("train_prompts", cfg.train_prompts)
         self.eval_metas = self._read_prompts("eval.prompts", cfg.eval.prompts)
         self.held_out_metas = self._read_prompts("eval.held_out", cfg.eval.held_out) if cfg.eval.held_out else []
-        self.rewards = WeightedSum({name: (self._build_reward(name), r.weight) for name, r in cfg.rewards.items()})
+        self.rewards = WeightedSum(given or {name: (self._build_reward(name), r.weight) for name, r in cfg.rewards.items()})
         video = dict(num_frames=cfg.model.num_frames, expert=cfg.model.expert,
                      negative_prompt=cfg.model.negative_prompt) if adapter.VIDEO else {}  # checked by resolve_model
         self.model = adapter(resolve_path(cfg.model.path), self.device, DTYPES[cfg.model.dtype],
@@ -176,7 +214,11 @@ class Trainer:
             save_config(cfg, self.out / ("config.yaml" if start == 0 else f"config-resume-{start:06d}.yaml"))
         self.trackers.start(cfg.run.project, self.out.resolve().name, dataclasses.asdict(cfg), self.out)
         t_start = time.time() - elapsed
+        if acc.is_main_process:
+            print(f"flowrl train: {precision_summary(cfg, self.device)}; run folder {self.out}", file=sys.stderr)
         if start == 0:
+            if acc.is_main_process:
+                print(f"flowrl train: evaluating the base model ({self._eval_plan()})", file=sys.stderr)
             before = self._eval_with_held_out()  # every process takes part (the images are split) and gets the result
             if acc.is_main_process:
                 from safetensors.torch import save_file
@@ -201,6 +243,8 @@ class Trainer:
             bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}")
             if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations:
                 self._save(it + 1, time.time() - t_start)
+        if acc.is_main_process:
+            print(f"flowrl train: evaluating the trained model ({self._eval_plan()})", file=sys.stderr)
         after = self._eval_with_held_out()
         result = {"before": before, "after": after, "wall_time_s": time.time() - t_start, "iterations": cfg.run.iterations}
         if acc.is_main_process:
@@ -228,7 +272,7 @@ class Trainer:
         Raises:
             ValueError: if a reward returns the wrong shape, NaN or inf (the reward is named).
         """
-        acc, method = self.accelerator, self.method
+        method = self.method
         gen = self._generator(it)
         metas = self.sample_prompts(it)
         t0 = time.time()
@@ -241,11 +285,12 @@ class Trainer:
         scores = self.score(samples.images, samples.image_prompt, metas)
         judged = self._judge_calls() - judged
         t2 = time.time()
-        total = acc.gather(scores.total.to(self.device)).cpu()  # (B_all,) every process's totals
-        adv, keep, adv_stats = method.advantages(samples, scores, total, len(metas))
+        rewards = self.gather_rewards(scores, samples.image_prompt, len(metas))
+        adv, keep, adv_stats = method.advantages(samples, rewards, gen)
         stats = method.update(samples, adv, keep, gen)
         method.end_iteration(stats)
         t3 = time.time()
+        total = rewards.total
         metrics = {"iteration": it + 1, "reward/total/mean": total.mean().item(), "reward/total/std": total.std().item()}
         metrics.update({f"reward/{name}/mean": s.mean().item() for name, s in scores.per_reward.items()})
         metrics.update(tag_means(scores.total, [metas[i].get("tag", "all") for i in samples.image_prompt.tolist()]))
@@ -310,6 +355,23 @@ class Trainer:
         leaf_metas = [{**metas[i], "group": i} for i in image_prompt.tolist()]
         return self.rewards(images, [m["prompt"] for m in leaf_metas], leaf_metas)
 
+    def gather_rewards(self, scores, image_prompt: torch.Tensor, prompts: int) -> Rewards:
+        """The iteration's rewards gathered over every process, once (:class:`flowrl.methods.Rewards`): the totals,
+        each reward's scores and the images' groups (prompt slots made unique over processes).
+
+        Args:
+            scores: this process's :class:`flowrl.rewards.CombinedScores` (``.total`` `(B,)`, ``.per_reward``).
+            image_prompt (`torch.Tensor` of shape `(B,)`, long): each image's prompt slot in ``[0, prompts)``.
+            prompts (`int`): prompts per process.
+        """
+        acc = self.accelerator
+        total = acc.gather(scores.total.to(self.device)).cpu()  # (B_all,) every process's totals
+        per_reward = {k: acc.gather(v.to(self.device)).cpu() for k, v in scores.per_reward.items()}
+        group = acc.gather((image_prompt + acc.process_index * prompts).to(self.device)).cpu()
+        rows = len(scores.total)
+        mine = slice(acc.process_index * rows, (acc.process_index + 1) * rows)
+        return Rewards(scores, total, per_reward, group, mine)
+
     def _judge_calls(self) -> int:
         """Cumulative judgements of the pairwise rewards (:attr:`rewards.PrefWinRate.judge_calls`), 0 if none."""
         return sum(getattr(r, "judge_calls", 0) for r, _ in self.rewards.rewards.values())
@@ -321,7 +383,7 @@ class Trainer:
 
         Returns:
             `dict`: ``{"overall": float in [0, 1], "per_tag": {tag: float}, "n_images": int, ...}`` (see
-            :func:`flowrl.evaluate.evaluate`; :func:`flowrl.evaluate.evaluate_reward` for reward means).
+            :func:`flowrl.evaluation.evaluate`; :func:`flowrl.evaluation.evaluate_reward` for reward means).
         """
         e, shift, batch = self.cfg.eval, self.cfg.sampling.shift, self.cfg.sampling.batch_size
         metas, images_per_tag = metas or self.eval_metas, images_per_tag or e.images_per_tag
@@ -331,6 +393,18 @@ class Trainer:
                                 e.seed, batch, accelerator=self.accelerator, judge=self._geneval_reader())
             return evaluate_reward(self.model, metas, self.rewards, 1, e.num_steps, e.guidance_scale, shift,
                                    e.seed, batch, accelerator=self.accelerator)
+
+    def _eval_plan(self) -> str:
+        """What an evaluation draws, in words: ``"256 images of eval.prompts, 192 of eval.held_out, 10 steps"``."""
+        e = self.cfg.eval
+
+        def images(metas: list[dict], per_tag: int) -> int:
+            return len(expand_per_tag(metas, per_tag)) if all("include" in m for m in metas) else len(metas)
+
+        plan = f"{images(self.eval_metas, e.images_per_tag)} images of eval.prompts"
+        if self.held_out_metas:
+            plan += f", {images(self.held_out_metas, e.held_out_images_per_tag)} of eval.held_out"
+        return f"{plan}, {e.num_steps} Euler steps"
 
     def _eval_with_held_out(self) -> dict:
         """:meth:`run_eval`, with ``"held_out"``: the same evaluation of ``eval.held_out`` (``eval.held_out_images_per_tag``)
@@ -386,10 +460,8 @@ class Trainer:
         Raises:
             FileNotFoundError: a missing file. ConfigError: naming `key`, for a malformed line or no prompt.
         """
-        try:
+        with config_key(key):
             return read_prompts(name)
-        except ValueError as e:
-            raise ConfigError(f"config key '{key}': {e}") from None
 
     # ----------------------------------------------------------------------------------- bookkeeping
     def _save(self, iteration: int, elapsed: float) -> None:

@@ -112,7 +112,7 @@ def shape_overrides(cfg) -> dict:
         return {"sampling.num_steps": 6, "sampling.group_size": 8}
     if cfg.sampling.window.size:
         return {"sampling.num_steps": 5}
-    if cfg.sampling.probe.method:
+    if cfg.sampling.shape in ("tempflow", "g2rpo", "tp_grpo"):
         return {"sampling.num_steps": 8}
     return {}
 

@@ -125,7 +125,8 @@ def split_gradient(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """
     rank = trainer.accelerator.process_index
     metas = trainer.train_metas[:2]
-    ro, _, table = trainer.method.flat_or_tree_rollout(metas, torch.Generator().manual_seed(7))
+    samples = trainer.method.rollout(metas, torch.Generator().manual_seed(7))
+    ro, table = samples.rollout, samples.table
     adv = torch.linspace(-1.0, 1.0, len(ro))
     every_third = torch.arange(len(ro)) % 3 == 0
     grads = []
@@ -146,7 +147,7 @@ def split_gradient(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 def main() -> None:
     from flowrl.config import load_config
-    from flowrl.evaluate import sharded
+    from flowrl.evaluation import sharded
     from flowrl.trainer import Trainer
 
     if os.environ.get("FLOWRL_TEST_FSDP2") == "1":

@@ -48,7 +48,7 @@ def test_tiny_pipeline_loads_like_sd35():
 
 def test_tiny_clip_scores_matching_captions_higher():
     from flowrl.tiny.render import render, sample_scene
-    from rewards import build_reward
+    from flowrl.rewards import build_reward
     import random
 
     reward = build_reward("clipscore", model_path=str(ASSETS / "tiny-clip"))

@@ -92,7 +92,7 @@ def test_a_key_error_is_a_bug_not_bad_input(capsys):
 
 
 def test_generate_and_evaluate_refuse_no_prompts_before_sampling():
-    from flowrl.evaluate import evaluate, generate
+    from flowrl.evaluation import evaluate, generate
 
     with pytest.raises(ValueError, match="at least one prompt"):
         generate(None, [], [], 2, 1.0)
@@ -137,9 +137,9 @@ def test_shift_defaults_to_the_model_schedulers(tmp_path):
 
 
 def test_library_sampling_defaults_to_the_loaded_models_shift(random_pipeline):
-    """`flowrl.evaluate.generate` (and `evaluate`, which calls it) given no shift samples with the loaded scheduler's
+    """`flowrl.evaluation.generate` (and `evaluate`, which calls it) given no shift samples with the loaded scheduler's
     shift, as the CLI and the trainer do; it used to default to 1 whatever the model (SD3.5's is 3)."""
-    from flowrl.evaluate import generate
+    from flowrl.evaluation import generate
     from flowrl.models import SD3Model
 
     model = SD3Model(random_pipeline)

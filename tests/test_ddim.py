@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from samplers import (KERNELS, StepPlan, ddim_step, ddpm_step, flow_ddim_step, flow_ddpm_step, flow_sigma,
+from flowrl.samplers import (KERNELS, StepPlan, ddim_step, ddpm_step, flow_ddim_step, flow_ddpm_step, flow_sigma,
                       flow_velocity, ode_step, start_latents, vp_alpha, vp_predictions, vp_scale)
 
 SD15_SCHEDULER = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,

@@ -24,7 +24,7 @@ def schnell_like(tmp_path_factory) -> Path:
 
 
 def _stock_images(folder: Path, model: FluxModel, num_steps: int, **kwargs) -> torch.Tensor:
-    """The stock FluxPipeline's images, with its own schedule, from the noise of `flowrl.evaluate.generate` (seeds 0, 1)."""
+    """The stock FluxPipeline's images, with its own schedule, from the noise of `flowrl.evaluation.generate` (seeds 0, 1)."""
     from diffusers import FluxPipeline
 
     pipe = FluxPipeline.from_pretrained(folder)
@@ -59,7 +59,7 @@ def test_shift_is_the_dynamic_shift_at_the_resolution(random_flux_pipeline):
 
 
 def test_distilled_guidance_samples_as_the_stock_pipeline(random_flux_pipeline):
-    from flowrl.evaluate import generate
+    from flowrl.evaluation import generate
 
     model = load_model(random_flux_pipeline, max_sequence_length=8, resolution=32)
     assert model.cfg_rows(3.5) == 1  # the guidance scale is an input, not a second forward
@@ -72,7 +72,7 @@ def test_distilled_guidance_samples_as_the_stock_pipeline(random_flux_pipeline):
 
 
 def test_classifier_free_guidance_samples_as_the_stock_true_cfg(schnell_like):
-    from flowrl.evaluate import generate
+    from flowrl.evaluation import generate
 
     model = load_model(schnell_like, max_sequence_length=8, resolution=32)
     assert model.cfg_rows(4.5) == 2 and model.cfg_rows(1.0) == 1

@@ -59,7 +59,7 @@ def edit_prompts(tmp_path_factory) -> tuple[Path, Path]:
 def _stock_images(folder: Path, model: FluxKontextModel, metas: list[dict], num_steps: int, lora=None,
                   **kwargs) -> torch.Tensor:
     """The stock FluxKontextPipeline's edits of the records' source images, with its own schedule, from the noise of
-    `flowrl.evaluate.generate` (seeds 0, 1)."""
+    `flowrl.evaluation.generate` (seeds 0, 1)."""
     from diffusers import FluxKontextPipeline
     from PIL import Image
 
@@ -91,7 +91,7 @@ def test_adapter_and_the_prompt_records_source_image(kontext, edit_prompts, tmp_
 
 
 def test_editing_samples_as_the_stock_pipeline(kontext, edit_prompts):
-    from flowrl.evaluate import generate
+    from flowrl.evaluation import generate
 
     metas = read_jsonl(edit_prompts[0])[:2]
     model = load_model(kontext, max_sequence_length=8, resolution=SIDE)
@@ -108,7 +108,7 @@ def test_editing_samples_as_the_stock_pipeline(kontext, edit_prompts):
 
 
 def test_true_cfg_gives_the_negative_the_source_image(tmp_path, edit_prompts):
-    from flowrl.evaluate import generate
+    from flowrl.evaluation import generate
 
     folder = build_random_kontext_pipeline(tmp_path / "cfg", guidance_embeds=False)
     metas = read_jsonl(edit_prompts[0])[:2]
@@ -131,7 +131,7 @@ def test_an_editing_run_resumes_exactly(tmp_path, kontext, edit_prompts):
 def test_kontext_recipe_trains_rewards_see_the_source_and_the_lora_loads_in_stock(tmp_path, kontext, edit_prompts):
     """configs/flux_kontext_grpo.yaml, shrunk onto the tiny random Kontext pipeline (the real-GenEval reward swapped for
     JPEG compressibility, which needs no download)."""
-    from flowrl.evaluate import generate
+    from flowrl.evaluation import generate
 
     train, test = edit_prompts
     over = tiny_overrides(kontext, train, test, tmp_path / "run", **{

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from flowrl.tiny.prompts import split
 from flowrl.tiny.render import Obj, render, sample_scene
-from rewards.base import REWARDS, build_reward
-from rewards.geneval import (
+from flowrl.rewards.base import REWARDS, build_reward
+from flowrl.rewards.geneval import (
     COUNTING_THRESHOLD,
     Detection,
     detect,
@@ -20,7 +20,7 @@ from rewards.geneval import (
     keep_confident,
     relative_position,
 )
-from rewards.geneval.world import BACKGROUND, COLORS, IMAGE_SIZE, MAX_SIZE, MIN_SIZE, SHAPES
+from flowrl.rewards.geneval.world import BACKGROUND, COLORS, IMAGE_SIZE, MAX_SIZE, MIN_SIZE, SHAPES
 
 N_SCENES = 600
 
@@ -189,7 +189,7 @@ def test_reward_is_registered_and_needs_geneval_metadata():
 def test_metadata_is_checked_before_detection(monkeypatch):
     import sys
 
-    geneval_module = sys.modules["rewards.geneval"]  # the attribute rewards.geneval is the factory function
+    geneval_module = sys.modules["flowrl.rewards.geneval"]  # the attribute flowrl.rewards.geneval is the factory function
     def no_detection(*args, **kwargs):
         raise AssertionError("metadata should be refused before detection")
 

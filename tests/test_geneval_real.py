@@ -10,9 +10,9 @@ import gzip
 import pytest
 import torch
 
-from rewards.base import build_reward
-from rewards.geneval import geneval
-from rewards.geneval.real import (
+from flowrl.rewards.base import build_reward
+from flowrl.rewards.geneval import geneval
+from flowrl.rewards.geneval.real import (
     CLASSES,
     COLOR_TEMPLATES,
     COLORS,
@@ -361,8 +361,8 @@ def test_the_trainers_evaluation_judges_with_the_configured_real_backend(monkeyp
     """A run whose geneval reward reads real images evaluates with that reward, not the tiny world's detector."""
     from types import SimpleNamespace
 
-    from rewards import WeightedSum
-    from rewards.geneval import GenEval
+    from flowrl.rewards import WeightedSum
+    from flowrl.rewards.geneval import GenEval
     from flowrl.trainer import Trainer
 
     real = GenEval(detector=object())  # any real-backend reader

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flowrl.losses import ppo_loss, ratio_norm, step_weights, velocity_kl
-from samplers import StepPlan, flow_sde_step, flow_sigmas, sample, velocity_gain
+from flowrl.samplers import StepPlan, flow_sde_step, flow_sigmas, sample, velocity_gain
 
 
 def test_ratio_norm_has_mean_zero_and_equal_spread_at_every_step():

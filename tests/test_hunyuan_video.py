@@ -120,7 +120,7 @@ def _stock_pipe(folder: Path, lora: Path | None = None):
 
 
 def _stock_videos(pipe, model: HunyuanVideoModel, num_steps: int, guidance_scale: float, **kwargs) -> torch.Tensor:
-    """The stock HunyuanVideoPipeline's videos `(2, F, 3, H, W)` from the noise of `flowrl.evaluate.generate` (seeds 0,
+    """The stock HunyuanVideoPipeline's videos `(2, F, 3, H, W)` from the noise of `flowrl.evaluation.generate` (seeds 0,
     1)."""
     noise = torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
     with torch.no_grad():
@@ -201,7 +201,7 @@ def test_folder_checks_name_the_setting(hunyuan, tmp_path, video_prompts):
 def test_ode_sampling_equals_the_stock_pipeline(hunyuan):
     """Embedded guidance (the transformer's guidance input), shift 7 on HunyuanVideoPipeline's step spacing,
     right-padded prompts of different lengths; then true CFG against a negative prompt, as the stock true_cfg_scale."""
-    from flowrl.evaluate import generate
+    from flowrl.evaluation import generate
 
     model = _model(hunyuan)
     assert model.latent_shape == (4, 2, 4, 4) and model.decoded_shape == (FRAMES, 3, SIDE, SIDE) and model.shift == 7.0
@@ -227,7 +227,7 @@ def test_presets_train_on_video_latents(preset, tmp_path, hunyuan, video_prompts
     """Every rollout shape on HunyuanVideo latents: full SDE, a MixGRPO window, a BranchGRPO tree, TempFlow probes; the
     PPO ratio is exactly 1 before the first optimizer step; DiffusionNFT changes the LoRA."""
     cfg = load_config(REPO / "configs" / f"{preset}.yaml")
-    fewer = {"sampling.probe.steps": "[0,4]", "sampling.probe.children": 2} if cfg.sampling.probe.method else {}
+    fewer = {"sampling.probe.steps": "[0,4]", "sampling.probe.children": 2} if cfg.sampling.shape == "tempflow" else {}
     over = _video_overrides(hunyuan, video_prompts, tmp_path / "run", **shape_overrides(cfg), **fewer)
     trainer = Trainer(load_config(REPO / "configs" / f"{preset}.yaml", over))
     before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
@@ -252,7 +252,7 @@ def test_hunyuan_dance_grpo_recipe_trains_and_the_lora_loads_in_stock_diffusers(
     """configs/hunyuan_dance_grpo.yaml shrunk onto the tiny random pipeline (VideoAlign swapped for brightness, the
     LoRA learning rate raised so two iterations move it visibly): two iterations with the ratio exactly 1 before the
     first step; the LoRA loads in the stock HunyuanVideoPipeline, changes its videos and gives the trained model's."""
-    from flowrl.evaluate import generate
+    from flowrl.evaluation import generate
 
     recipe = load_config(REPO / "configs" / "hunyuan_dance_grpo.yaml")
     s, t = recipe.sampling, recipe.train

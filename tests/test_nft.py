@@ -43,7 +43,7 @@ def test_optimality_weights_map_the_clipped_advantage_to_zero_one():
 
 
 @pytest.mark.parametrize("key,value", [("sampling.window.size", 2), ("sampling.tree.split_steps", "[0]"),
-                                       ("sampling.probe.method", "g2rpo"), ("sampling.shared_noise", "true"),
+                                       ("sampling.shape", "g2rpo"), ("sampling.shared_noise", "true"),
                                        ("train.kl_beta", 0.1), ("train.nft.old_decay", 1.0),
                                        ("train.nft.timesteps", 0), ("train.nft.min_time", 1.0),
                                        ("train.method", "dpo")])
@@ -159,8 +159,8 @@ def test_nft_keep_flat_groups_trains_them_at_one_half(tmp_path, random_pipeline,
     for keep in (False, True):
         trainer = Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, f"flat{keep}",
                                       **{"train.nft.keep_flat_groups": str(keep).lower(), "train.nft.old_decay": 0.5}))
-        monkeypatch.setattr(trainer.method, "group_advantages", lambda scores, total, *a: (
-            torch.zeros_like(total), torch.ones_like(total, dtype=torch.bool), {}))
+        monkeypatch.setattr(trainer.method, "group_advantages", lambda rewards: (
+            torch.zeros_like(rewards.total), torch.ones_like(rewards.total, dtype=torch.bool), {}))
         rows[keep] = trainer.step(0)["cost/trained_transitions"]
     assert rows == {False: 0, True: 4 * 2}  # 4 images x 2 noised copies
     with pytest.raises(ConfigError, match="train.nft.keep_flat_groups"):

@@ -8,7 +8,7 @@ other function.
 import pytest
 import torch
 
-from samplers import (
+from flowrl.samplers import (
     StepPlan,
     flow_sigmas,
     mix_plan,

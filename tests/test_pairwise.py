@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from rewards import PrefWinRate, VLMJudge, bradley_terry_judge, build_reward, win_rates
-from rewards.pairwise import parse_choice
+from flowrl.rewards import PrefWinRate, VLMJudge, bradley_terry_judge, build_reward, win_rates
+from flowrl.rewards.pairwise import parse_choice
 
 
 def _images(levels):

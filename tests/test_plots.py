@@ -70,3 +70,37 @@ def test_save_reward_curve_writes_a_png_with_and_without_a_result(tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     save_reward_curve([], None, tmp_path / "empty.png")
     assert (tmp_path / "empty.png").stat().st_size > 0
+
+
+def test_reward_evaluations_are_labelled_as_rewards_and_several_rewards_are_told_apart():
+    metrics = fake_metrics()
+    for i, row in enumerate(metrics):
+        row |= {"reward/motion/mean": 0.1 * (i % 3), "reward/clip_temporal/mean": 0.5}
+    result = {"before": {"overall": 0.3, "per_reward": {"motion": 0.2}}, "after": {"overall": 0.5, "per_reward": {}},
+              "iterations": 30}
+    fig = reward_curve_figure(metrics, result)
+    ax, ev = fig.axes
+    assert ev.get_ylabel() == "mean weighted reward on eval.prompts"
+    lines = {t.get_text(): h for t, h in zip(ax.get_legend().get_texts(), ax.get_legend().legend_handles)}
+    styles = {(str(lines[k].get_color()), str(lines[k].get_linestyle())) for k in lines if k.startswith("reward: ")}
+    assert len([k for k in lines if k.startswith("reward: ")]) == 3 and len(styles) == 3  # each its own look
+    assert reward_curve_figure(metrics, RESULT).axes[1].get_ylabel() == "GenEval strict accuracy on eval.prompts"
+
+
+def test_diagnostics_of_a_method_without_per_step_statistics_plot_its_policy_scalars(tmp_path):
+    from flowrl.plots import save_diagnostics
+
+    rows = [{"iteration": i, "policy/loss": 0.1 * i, "policy/grad_norm": 1.0, "policy/old_decay": 0.5,
+             "policy/optimizer_steps": 2, "advantage/abs_mean": 0.8} for i in range(1, 6)]
+    save_diagnostics(rows, tmp_path / "nft.png")
+    assert (tmp_path / "nft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.pyplot as plt
+
+    captured = {}
+    original = plt.Figure.savefig
+    plt.Figure.savefig = lambda fig, *a, **k: captured.setdefault("titles", [x.get_title() for x in fig.axes])
+    try:
+        save_diagnostics(rows, tmp_path / "again.png")
+    finally:
+        plt.Figure.savefig = original
+    assert captured["titles"][:3] == ["grad norm", "loss", "old decay"]  # no empty per-step heatmaps

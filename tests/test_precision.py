@@ -103,11 +103,11 @@ def test_the_run_records_and_prints_its_resolved_precision(native, tmp_path, ran
     cfg = trainer.cfg
     assert (cfg.run.mixed_precision, cfg.sampling.decode_precision, cfg.sampling.ode_precision) == (chosen, chosen, "no")
     assert trainer.policy.precision == chosen
+    trainer.train()
     line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("flowrl train: precision")]
     label = "bf16 autocast" if native else "float32"
     assert len(line) == 1 and f"{label} (run.mixed_precision, sampling.decode_precision" in line[0], line
     assert ("(native bf16)" if native else "(no native bf16)") in line[0]
-    trainer.train()
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["run"]["mixed_precision"] == saved["sampling"]["decode_precision"] == chosen  # reloadable as run
     assert saved["sampling"]["ode_precision"] == "no"

@@ -121,7 +121,7 @@ def test_bench_times_a_sliding_window_at_evenly_spaced_starts():
     from types import SimpleNamespace
 
     from flowrl.bench import _median_iteration
-    from samplers import SlidingWindow
+    from flowrl.samplers import SlidingWindow
 
     window = SlidingWindow(num_steps=10, size=3, interval=6)
     window.advance()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from samplers import StepPlan, flow_sigmas, ode_sample, sample, sample_probes
+from flowrl.samplers import StepPlan, flow_sigmas, ode_sample, sample, sample_probes
 
 
 def velocity(x, t, cond):

@@ -88,7 +88,7 @@ def qwen(tmp_path_factory) -> Path:
 def _stock_images(folder: Path, model: QwenImageModel, num_steps: int, guidance_scale: float,
                   lora=None) -> torch.Tensor:
     """The stock QwenImagePipeline's images (its schedule; true CFG against "" above 1) from the noise of
-    `flowrl.evaluate.generate` (seeds 0, 1)."""
+    `flowrl.evaluation.generate` (seeds 0, 1)."""
     from diffusers import QwenImagePipeline
 
     pipe = QwenImagePipeline.from_pretrained(folder)
@@ -138,7 +138,7 @@ def test_schedule_is_the_stock_dynamic_shift_with_its_terminal_stretch(qwen):
 
 @pytest.mark.parametrize("num_steps,guidance_scale", [(3, 4.0), (4, 1.0)])
 def test_deterministic_sampling_equals_the_stock_pipeline(qwen, num_steps, guidance_scale):
-    from flowrl.evaluate import generate
+    from flowrl.evaluation import generate
 
     model = load_model(qwen, resolution=SIDE)
     assert model.cfg_rows(guidance_scale) == (2 if guidance_scale > 1 else 1)
@@ -162,7 +162,7 @@ def test_a_qwen_image_run_resumes_exactly(tmp_path, qwen, prompt_files):
 def test_qwen_image_recipe_trains_and_the_lora_loads_in_stock(tmp_path, qwen, prompt_files):
     """configs/qwen_image_flow_grpo.yaml, shrunk onto the tiny random Qwen-Image pipeline (its 2-step random window
     kept; the PickScore reward swapped for JPEG compressibility, which needs no download)."""
-    from flowrl.evaluate import generate
+    from flowrl.evaluation import generate
 
     train, test = prompt_files
     preset = load_config(REPO / "configs" / "qwen_image_flow_grpo.yaml")

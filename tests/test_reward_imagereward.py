@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-import rewards
-from rewards import REWARDS, build_reward
-from rewards import imagereward as imagereward_module_factory
-from rewards.imagereward import (
+from flowrl import rewards
+from flowrl.rewards import REWARDS, build_reward
+from flowrl.rewards import imagereward as imagereward_module_factory
+from flowrl.rewards.imagereward import (
     IMAGEREWARD_MEAN,
     IMAGEREWARD_STD,
     ImageReward,
@@ -239,7 +239,7 @@ def test_converter_refuses_what_does_not_fit(tokenizer):
 def test_factory_loads_pt_folder_and_safetensors(tmp_path, tokenizer, monkeypatch):
     from safetensors.torch import save_file
 
-    module = importlib.import_module("rewards.imagereward")  # `rewards.imagereward` is the factory
+    module = importlib.import_module("flowrl.rewards.imagereward")  # `flowrl.rewards.imagereward` is the factory
 
     source = random_model(tokenizer, seed=5)
     weights = package_state_dict(source)

@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from rewards import REWARDS, build_reward, clipscore
-from rewards.aesthetic import aesthetic, aesthetic_mlp
-from rewards.convert import convert_to_safetensors, load_state_dict, main as convert_main
-from rewards.hps import HPS_FILES, hps_preprocess, hpsv2
-from rewards.pickscore import PICKSCORE_MODEL, PICKSCORE_PROCESSOR, pickscore
+from flowrl.rewards import REWARDS, build_reward, clipscore
+from flowrl.rewards.aesthetic import aesthetic, aesthetic_mlp
+from flowrl.rewards.convert import convert_to_safetensors, load_state_dict, main as convert_main
+from flowrl.rewards.hps import HPS_FILES, hps_preprocess, hpsv2
+from flowrl.rewards.pickscore import PICKSCORE_MODEL, PICKSCORE_PROCESSOR, pickscore
 
 TINY_ARCH = "flowrl-tiny-hps-vit"
 
@@ -327,7 +327,7 @@ def test_convert_cli_round_trip_keeps_dtypes_and_shared_tensors(tmp_path, capsys
     assert convert_main([str(tmp_path / "in.pth"), str(tmp_path / "out.bin")]) == 2
     assert "convert: output '" in capsys.readouterr().err
     result = subprocess.run(
-        [sys.executable, "-m", "rewards.convert", str(tmp_path / "nope.pt"), str(tmp_path / "x.safetensors")],
+        [sys.executable, "-m", "flowrl.rewards.convert", str(tmp_path / "nope.pt"), str(tmp_path / "x.safetensors")],
         capture_output=True, text=True,
     )
     assert result.returncode == 2

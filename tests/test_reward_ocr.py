@@ -12,9 +12,9 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-import rewards
-from rewards import REWARDS, build_reward
-from rewards.ocr import OcrReward, levenshtein, normalize_text, ocr_accuracy, quoted_text
+from flowrl import rewards
+from flowrl.rewards import REWARDS, build_reward
+from flowrl.rewards.ocr import OcrReward, levenshtein, normalize_text, ocr_accuracy, quoted_text
 
 FONT = Path(matplotlib.get_data_path()) / "fonts" / "ttf" / "DejaVuSans.ttf"
 

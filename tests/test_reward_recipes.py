@@ -13,8 +13,8 @@ from conftest import ASSETS, REPO, shape_overrides, tiny_overrides
 from flowrl import cli
 from flowrl.config import load_config
 from flowrl.trainer import Trainer
-from rewards import REWARDS, build_reward
-from rewards.base import MODALITIES
+from flowrl.rewards import REWARDS, build_reward
+from flowrl.rewards.base import MODALITIES
 
 PROMPTS = [  # tags as a GenEval or DrawBench file carries them
     {"tag": "shapes", "prompt": "a photo of a red star"},
@@ -38,8 +38,8 @@ def _fails(capsys, *argv) -> str:
 # --- flowrl rewards ------------------------------------------------------------------------------------------------
 
 def test_rewards_lists_every_reward_with_its_modality_and_weights(capsys, monkeypatch):
-    installed = [metadata.EntryPoint("sharpness", "rewards.jpeg:jpeg_incompressibility", "flowrl.rewards"),
-                 metadata.EntryPoint("plain_fn", "rewards.jpeg:jpeg_size_kb", "flowrl.rewards"),
+    installed = [metadata.EntryPoint("sharpness", "flowrl.rewards.jpeg:jpeg_incompressibility", "flowrl.rewards"),
+                 metadata.EntryPoint("plain_fn", "flowrl.rewards.jpeg:jpeg_size_kb", "flowrl.rewards"),
                  metadata.EntryPoint("clipscore", "other_pkg:clip", "flowrl.rewards"),
                  metadata.EntryPoint("broken", "no_such_module_xyz:reward", "flowrl.rewards")]
     monkeypatch.setattr(metadata, "entry_points", lambda group=None: metadata.EntryPoints(
@@ -68,7 +68,7 @@ def test_rewards_lists_every_reward_with_its_modality_and_weights(capsys, monkey
 
 
 def test_register_reward_checks_the_modality():
-    from rewards import register_reward
+    from flowrl.rewards import register_reward
 
     with pytest.raises(ValueError, match="'x': modality must be one of 'image', 'video', 'image, video', got 'audio'"):
         register_reward("x", modality="audio")
@@ -86,7 +86,7 @@ def prompt_file(tmp_path_factory):
 def test_eval_reward_writes_the_means_of_scoring_the_images_directly(tmp_path, prompt_file, capsys, monkeypatch):
     """Means, std and per-tag means in the JSON equal those of the reward applied to the same images (image i of the
     prompt-major expansion drawn from seed ``seed + i``)."""
-    from flowrl.evaluate import generate
+    from flowrl.evaluation import generate
 
     loaded, load = [], cli._model
     monkeypatch.setattr(cli, "_model", lambda args: loaded.append(load(args)) or loaded[-1])  # reused below
@@ -141,9 +141,9 @@ def test_eval_reward_errors_are_one_line_before_the_model_loads(capsys, tmp_path
 
 
 def test_dotted_path_rewards_take_options_by_their_full_name():
-    specs = ["rewards.jpeg:jpeg_compressibility", "clipscore"]
-    assert cli._reward_options(specs, ["rewards.jpeg:jpeg_compressibility.quality=80", "clipscore.scale=2"]) == {
-        "rewards.jpeg:jpeg_compressibility": {"quality": 80}, "clipscore": {"scale": 2}}
+    specs = ["flowrl.rewards.jpeg:jpeg_compressibility", "clipscore"]
+    assert cli._reward_options(specs, ["flowrl.rewards.jpeg:jpeg_compressibility.quality=80", "clipscore.scale=2"]) == {
+        "flowrl.rewards.jpeg:jpeg_compressibility": {"quality": 80}, "clipscore": {"scale": 2}}
     assert cli._reward_options(["clipscore"], ["model_path=a.b", "clipscore.device=cpu"]) == {
         "clipscore": {"model_path": "a.b", "device": "cpu"}}
 

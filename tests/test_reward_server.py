@@ -16,10 +16,10 @@ import pytest
 import torch
 from PIL import Image
 
-import rewards
-from rewards import RemoteReward, RewardServer, WeightedSum, build_reward
-from rewards.server import decode_images, encode_images
-from rewards.vlm import UNIFIEDREWARD_QUESTION, parse_score
+from flowrl import rewards
+from flowrl.rewards import RemoteReward, RewardServer, WeightedSum, build_reward
+from flowrl.rewards.server import decode_images, encode_images
+from flowrl.rewards.vlm import UNIFIEDREWARD_QUESTION, parse_score
 
 
 def _images(n=4, side=16, seed=0):
@@ -371,10 +371,10 @@ def test_unifiedreward_unparsed_replies_and_a_dead_server_are_named():
 # --- entry points --------------------------------------------------------------------------------------------------
 
 def test_rewards_installed_as_entry_points_are_found_by_name(monkeypatch):
-    installed = [metadata.EntryPoint("sharpness", "rewards.jpeg:jpeg_incompressibility", "flowrl.rewards"),
-                 metadata.EntryPoint("plain_fn", "rewards.jpeg:jpeg_size_kb", "flowrl.rewards"),
+    installed = [metadata.EntryPoint("sharpness", "flowrl.rewards.jpeg:jpeg_incompressibility", "flowrl.rewards"),
+                 metadata.EntryPoint("plain_fn", "flowrl.rewards.jpeg:jpeg_size_kb", "flowrl.rewards"),
                  metadata.EntryPoint("broken", "no_such_module_xyz:reward", "flowrl.rewards"),
-                 metadata.EntryPoint("other_group", "rewards.jpeg:jpeg_incompressibility", "other.group")]
+                 metadata.EntryPoint("other_group", "flowrl.rewards.jpeg:jpeg_incompressibility", "other.group")]
 
     def entry_points(group=None):
         return metadata.EntryPoints(ep for ep in installed if group is None or ep.group == group)

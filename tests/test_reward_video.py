@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rewards import REWARDS, WeightedSum, build_reward, check_inputs
-from rewards.video import ClipTemporal, Frames, Motion, clip_temporal, frame_indices, frames, motion, raft_size
+from flowrl.rewards import REWARDS, WeightedSum, build_reward, check_inputs
+from flowrl.rewards.video import ClipTemporal, Frames, Motion, clip_temporal, frame_indices, frames, motion, raft_size
 
 
 def _videos(batch=2, num_frames=5, size=8, seed=0):
@@ -129,7 +129,7 @@ def test_frames_refuses_bad_options():
 
 
 def test_frames_of_clipscore_through_build_reward(tiny_clip_dir):
-    from rewards import clipscore
+    from flowrl.rewards import clipscore
 
     videos, prompts, metadata = _videos(batch=2, num_frames=4, size=32, seed=4)
     reward = build_reward("frames", reward="clipscore", reward_options={"model_path": str(tiny_clip_dir)},
@@ -359,7 +359,7 @@ def _by_hand(folder, videos, prompts, frames_taken, template=TEMPLATE):
 
 
 def test_videoalign_matches_the_reward_head_by_hand(tiny_videoalign_dir):
-    from rewards.videoalign import videoalign
+    from flowrl.rewards.videoalign import videoalign
 
     videos = torch.rand(2, 6, 3, 56, 84, generator=torch.Generator().manual_seed(7))
     prompts = ["a cat", "two dogs run on a beach"]  # different lengths: padding
@@ -379,7 +379,7 @@ def test_videoalign_matches_the_reward_head_by_hand(tiny_videoalign_dir):
 
 
 def test_videoalign_refuses_bad_options(tiny_videoalign_dir, tmp_path):
-    from rewards.videoalign import videoalign
+    from flowrl.rewards.videoalign import videoalign
 
     with pytest.raises(ValueError, match="reward_token must be 'special' or 'last'"):
         videoalign(tiny_videoalign_dir, reward_token="first")

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import rewards
-from rewards import (
+from flowrl import rewards
+from flowrl.rewards import (
     REWARDS,
     WeightedSum,
     build_reward,
@@ -97,11 +97,25 @@ def test_bad_spec_types_are_refused_with_one_line():
         build_reward("math:pi", scale=2.0)  # with options: used to fail inside the signature check
 
 
-def test_import_rewards_pulls_in_neither_flowrl_nor_samplers_nor_transformers():
-    heavy = "{'flowrl', 'samplers', 'transformers'}"
-    code = f"import sys, rewards; print(sorted({{m.split('.')[0] for m in sys.modules}} & {heavy}))"
+def test_import_rewards_pulls_in_neither_the_trainer_nor_samplers_nor_transformers():
+    code = ("import sys, flowrl.rewards; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('transformers', 'diffusers') or (m.startswith('flowrl.') and not m.startswith('flowrl.rewards'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_users_rewards_and_samplers_modules_in_the_working_folder_change_nothing(tmp_path):
+    """flowrl installs one top-level package: a user's ``rewards.py`` or ``samplers.py`` beside their script (where
+    custom rewards live) neither shadows flowrl's nor is imported by it."""
+    for name in ("rewards", "samplers"):
+        (tmp_path / f"{name}.py").write_text(f"raise ImportError('the user\\'s {name}.py was imported')\n")
+    code = ("import flowrl.rewards, flowrl.samplers, flowrl.trainer, flowrl.cli; "
+            "from flowrl.rewards import build_reward; assert build_reward('jpeg_compressibility') is not None; "
+            "import sys; assert 'rewards' not in sys.modules and 'samplers' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "flowrl.cli", "rewards"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "jpeg_compressibility" in out.stdout, out.stderr[-2000:]
 
 
 # --- contract checks --------------------------------------------------------------------------

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-import samplers
-from samplers import (
+from flowrl import samplers
+from flowrl.samplers import (
     KERNELS,
     StepPlan,
     dance_sde_step,
@@ -323,8 +323,9 @@ def test_rollout_to_keeps_everything():
 
 def test_package_imports_only_torch():
     code = (
-        "import sys, samplers; "
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('flowrl', 'rewards', 'diffusers', 'transformers')]; "
+        "import sys, flowrl.samplers; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('diffusers', 'transformers') "
+        "or (m.startswith('flowrl.') and not m.startswith('flowrl.samplers'))]; "
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -332,7 +333,7 @@ def test_package_imports_only_torch():
 
 
 def test_cps_matches_closed_form_and_preserves_coefficients():
-    from samplers import cps_step
+    from flowrl.samplers import cps_step
 
     x, v = _batch()
     noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
@@ -387,3 +388,26 @@ def test_ode_plan_takes_a_deterministic_kernel_only():
     assert StepPlan.ode(3, "dpm_solver_2m").kernels == ["dpm_solver_2m"] * 3
     with pytest.raises(ValueError, match="stochastic 'flow_sde'"):
         StepPlan.ode(3, "flow_sde")
+
+
+def test_a_kernel_registered_once_appears_in_every_view_and_the_config(monkeypatch):
+    from flowrl.config import ConfigError, load_config
+    from flowrl.samplers import KERNEL_SPECS, KERNELS, STOCHASTIC_KERNELS, UNIT_ETA_KERNELS, flow_sde_step
+    from flowrl.samplers import register_kernel
+
+    monkeypatch.setattr("flowrl.samplers.kernels.KERNEL_SPECS", dict(KERNEL_SPECS))  # undone after the test
+    import flowrl.samplers.kernels as kernels
+
+    with pytest.raises(ConfigError, match="sampling.kernel"):
+        load_config(None, ["sampling.kernel=my_sde"])
+    register_kernel("my_sde", flow_sde_step, stochastic=True, unit_eta=True)
+    assert "my_sde" in kernels.KERNELS and "my_sde" in kernels.STOCHASTIC_KERNELS and "my_sde" in UNIT_ETA_KERNELS
+    assert KERNELS is kernels.KERNELS and "my_sde" in STOCHASTIC_KERNELS  # the exported names are the live views
+    assert load_config(None, ["sampling.kernel=my_sde", "sampling.noise_level=0.5"]).sampling.kernel == "my_sde"
+    with pytest.raises(ConfigError, match="sampling.noise_level"):  # a unit-eta kernel's noise level is checked
+        load_config(None, ["sampling.kernel=my_sde", "sampling.noise_level=2"])
+    with pytest.raises(ValueError, match="registered already"):
+        register_kernel("my_sde", flow_sde_step)
+    with pytest.raises(ValueError, match="deterministic"):
+        register_kernel("other", flow_sde_step, stochastic=True, multistep=True)
+    assert "ode" in KERNELS and "ode" not in STOCHASTIC_KERNELS and "dpm_solver_2m" not in KERNELS

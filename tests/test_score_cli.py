@@ -18,7 +18,7 @@ from conftest import REPO, tiny_overrides
 from flowrl import cli
 from flowrl.image_folders import load_image, read_image_folder
 from flowrl.prompt_sets import read_prompt_set
-from rewards import RewardServer, build_reward
+from flowrl.rewards import RewardServer, build_reward
 
 GENEVAL_LINES = [  # the format of GenEval's prompts/evaluation_metadata.jsonl
     {"tag": "single_object", "include": [{"class": "bench", "count": 1}], "prompt": "a photo of a bench"},

@@ -29,7 +29,7 @@ def sd15_v(tmp_path_factory) -> Path:
 
 
 def _stock_images(folder: Path, model: SD15Model, num_steps: int, guidance_scale: float, lora=None) -> torch.Tensor:
-    """The stock StableDiffusionPipeline's images (its DDIM, eta 0) from the noise of `flowrl.evaluate.generate`."""
+    """The stock StableDiffusionPipeline's images (its DDIM, eta 0) from the noise of `flowrl.evaluation.generate`."""
     from diffusers import StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline.from_pretrained(folder, safety_checker=None, feature_extractor=None)
@@ -44,7 +44,7 @@ def _stock_images(folder: Path, model: SD15Model, num_steps: int, guidance_scale
 @pytest.mark.parametrize("folder", ["sd15", "sd15_v"])
 @pytest.mark.parametrize("num_steps,guidance_scale", [(4, 4.5), (7, 1.0)])
 def test_deterministic_sampling_equals_the_stock_pipeline(folder, num_steps, guidance_scale, request):
-    from flowrl.evaluate import generate
+    from flowrl.evaluation import generate
 
     path = request.getfixturevalue(folder)
     model = load_model(path)
@@ -58,7 +58,7 @@ def test_deterministic_sampling_equals_the_stock_pipeline(folder, num_steps, gui
 def test_the_grid_is_the_stock_ddim_grid(sd15):
     from diffusers import DDIMScheduler
 
-    from samplers import flow_sigma
+    from flowrl.samplers import flow_sigma
 
     model = load_model(sd15)
     scheduler = DDIMScheduler.from_pretrained(sd15, subfolder="scheduler")
@@ -89,7 +89,7 @@ def test_ddpo_style_training_keeps_the_ratio_exactly_one_and_the_lora_loads_in_s
     assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
     # the saved LoRA, loaded by the stock pipeline, samples what the trained adapter samples
-    from flowrl.evaluate import generate
+    from flowrl.evaluation import generate
 
     ours = generate(trainer.model, PROMPTS, [0, 1], num_steps=3, guidance_scale=4.5)
     stock = _stock_images(sd15, trainer.model, 3, 4.5, lora=tmp_path / "run" / "lora")

@@ -71,7 +71,7 @@ def sdxl_v(tmp_path_factory) -> Path:
 def _stock_images(folder: Path, model: SDXLModel, num_steps: int, guidance_scale: float, lora=None,
                   guidance_rescale: float = 0.0) -> torch.Tensor:
     """The stock StableDiffusionXLPipeline's images, with DDIM (eta 0) on its scheduler config, from the noise of
-    `flowrl.evaluate.generate`."""
+    `flowrl.evaluation.generate`."""
     from diffusers import DDIMScheduler, StableDiffusionXLPipeline
 
     pipe = StableDiffusionXLPipeline.from_pretrained(folder, add_watermarker=False)
@@ -89,7 +89,7 @@ def _stock_images(folder: Path, model: SDXLModel, num_steps: int, guidance_scale
 @pytest.mark.parametrize("folder,num_steps,guidance_scale,rescale", [
     ("sdxl", 4, 5.0, 0.0), ("sdxl", 3, 1.0, 0.0), ("sdxl_v", 4, 5.0, 0.0), ("sdxl_v", 3, 5.0, 0.7)])
 def test_deterministic_sampling_equals_the_stock_pipeline(folder, num_steps, guidance_scale, rescale, request):
-    from flowrl.evaluate import generate
+    from flowrl.evaluation import generate
 
     path = request.getfixturevalue(folder)
     model = load_model(path)
@@ -123,7 +123,7 @@ def test_ddpm_training_keeps_the_ratio_one_resumes_exactly_and_the_lora_loads_in
     """configs/flow_grpo.yaml on the tiny SDXL pipeline with DDPM's ancestral kernel, every step trained, 2 iterations;
     then 1 iteration + a resume ends on the same weights; the saved LoRA, loaded by the stock pipeline, samples what
     the trained adapter samples."""
-    from flowrl.evaluate import generate
+    from flowrl.evaluation import generate
 
     train, test = prompt_files
     extra = {"run.mixed_precision": "no", "sampling.kernel": "ddpm", "sampling.noise_level": 1.0,

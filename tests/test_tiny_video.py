@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from conftest import REPO
 from flowrl.data import read_prompts
 from flowrl.tiny.video import HELD_OUT_PAIRS, all_metadata, make_metadata, render_clip, render_dataset, sample_clip, split
-from rewards import build_reward
-from rewards.motion_world import DIRECTIONS, NUM_FRAMES, SPEED, VIDEO_SIZE, check_motion_metadata, judge_video
+from flowrl.rewards import build_reward
+from flowrl.rewards.motion_world import DIRECTIONS, NUM_FRAMES, SPEED, VIDEO_SIZE, check_motion_metadata, judge_video
 
 
 def _as_tensor(videos: np.ndarray) -> torch.Tensor:

@@ -259,7 +259,7 @@ def test_mix_grpo_window_moves_counts_nfe_and_resumes(tmp_path, random_pipeline,
 
 def test_branch_grpo_tree_run_prunes_and_counts(tmp_path, random_pipeline, prompt_files):
     tree = {"run.mixed_precision": "no", "sampling.num_steps": 5, "sampling.group_size": 4,
-            "sampling.tree.split_steps": "[0,2]", "sampling.tree.width_keep": 1, "sampling.tree.fusion": "prob"}
+            "sampling.shape": "tree", "sampling.tree.split_steps": "[0,2]", "sampling.tree.width_keep": 1, "sampling.tree.fusion": "prob"}
     result = Trainer(_config(tmp_path, random_pipeline, prompt_files, **tree)).train()
     metrics = [json.loads(l) for l in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     # 2 prompts: per tree 1 + 2 + 2 + 4 + 4 velocity rows over the 5 steps, doubled by CFG
@@ -319,13 +319,14 @@ def test_bf16_decode_gives_float32_images_close_to_the_float32_decode(tmp_path, 
 
 @pytest.mark.parametrize("tree", [False, True])
 def test_rollout_images_decode_in_decode_precision_whatever_the_rollout_precision(tmp_path, random_pipeline, prompt_files, tree):
-    extra = {"sampling.tree.split_steps": "[0]", "sampling.tree.branch": 2, "sampling.kernel": "dance_sde"} if tree else {}
+    extra = {"sampling.shape": "tree", "sampling.tree.split_steps": "[0]", "sampling.tree.branch": 2,
+             "sampling.kernel": "dance_sde"} if tree else {}
     trainer = Trainer(_config(tmp_path, random_pipeline, prompt_files, **{"run.mixed_precision": "bf16",
                                                                          "sampling.decode_precision": "no", **extra}))
-    assert (trainer.method.branch is not None) == tree
+    assert (trainer.method.shape.name == "tree") == tree
     seen, decode = [], trainer.model.decode
     trainer.model.decode = lambda latents: seen.append(torch.is_autocast_enabled("cpu")) or decode(latents)
-    trainer.method.flat_or_tree_rollout(trainer.sample_prompts(0), torch.Generator().manual_seed(0))
+    trainer.method.rollout(trainer.sample_prompts(0), torch.Generator().manual_seed(0))
     assert seen and not any(seen)  # float32 decode, though the rollout ran under bf16 autocast
 
 
@@ -370,8 +371,8 @@ def test_resolution_sets_the_rollout_size_and_is_checked_first(tmp_path, random_
         Trainer(_config(tmp_path, random_pipeline, prompt_files, out="bad", **{"model.resolution": 36}))
     trainer = Trainer(_config(tmp_path, random_pipeline, prompt_files, **{"model.resolution": 32}))
     assert trainer.model.latent_shape == (4, 8, 8)
-    ro, images, _ = trainer.method.flat_or_tree_rollout(trainer.sample_prompts(0), torch.Generator().manual_seed(0))
-    assert images.shape[1:] == (3, 32, 32) and ro.state.shape[1:] == (4, 8, 8)
+    samples = trainer.method.rollout(trainer.sample_prompts(0), torch.Generator().manual_seed(0))
+    assert samples.images.shape[1:] == (3, 32, 32) and samples.rollout.state.shape[1:] == (4, 8, 8)
     assert trainer.run_eval()["n_images"] > 0
 
 
@@ -390,3 +391,38 @@ def test_held_out_prompts_are_evaluated_before_and_after_and_printed(tmp_path, r
         assert "held_out" not in json.loads((tmp_path / "run/eval_before.json").read_text())["held_out"]
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert f"held-out {test} prompts: {result['before']['held_out']['overall']:.3f} -> " in line
+
+
+def test_trainer_takes_reward_callables_directly_as_trl_does(tmp_path, random_pipeline, prompt_files):
+    import flowrl
+
+    calls = []
+
+    def brightness(images, prompts, metadata):
+        calls.append(len(prompts))
+        return images.flatten(1).mean(1)
+
+    train, test = prompt_files
+    cfg = flowrl.load_config(None, tiny_overrides(random_pipeline, train, test, tmp_path / "run", **{
+        "run.iterations": 1, "eval.prompts": str(train)}))
+    trainer = flowrl.Trainer(cfg, rewards={"brightness": (brightness, 2.0)})
+    assert list(trainer.rewards.rewards) == ["brightness"] and trainer.rewards.rewards["brightness"][1] == 2.0
+    assert list(trainer.cfg.rewards) == ["brightness"] and list(cfg.rewards) == ["geneval"]  # the caller's is kept
+    trainer.train()
+    metrics = json.loads((tmp_path / "run/metrics.jsonl").read_text().splitlines()[-1])
+    assert "reward/brightness/mean" in metrics and calls
+    with pytest.raises(TypeError, match="reward 'x' is a int, not a callable"):
+        flowrl.Trainer(cfg, rewards={"x": 3})
+    with pytest.raises(TypeError, match="takes a flowrl.Config"):
+        flowrl.Trainer({"run": {}})
+
+
+def test_the_public_face_is_importable_from_flowrl():
+    import flowrl
+    from flowrl import (KERNELS, METHODS, REWARDS, Config, Trainer, autocast, evaluate, generate, load_config,
+                        load_model, register_reward)
+
+    assert callable(evaluate) and callable(generate) and callable(load_model) and callable(register_reward)
+    assert "grpo" in METHODS and "flow_sde" in KERNELS and "geneval" in REWARDS and callable(autocast)
+    assert isinstance(load_config(None), Config) and Trainer.__name__ == "Trainer"
+    assert set(flowrl.__all__) <= set(dir(flowrl))

@@ -68,7 +68,7 @@ def test_config_rejects_unknown_and_bad_keys(tmp_path):
     with pytest.raises(ConfigError, match="key=value"):
         load_config(None, ["sampling.group_size"])
     with pytest.raises(ConfigError, match="sampling.probe.granularities.*tp_grpo"):  # its returns would overwrite
-        load_config(None, ["sampling.probe.method=tp_grpo", "sampling.probe.granularities=[1,2]"])
+        load_config(None, ["sampling.shape=tp_grpo", "sampling.probe.granularities=[1,2]"])
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         load_config(tmp_path / "nope.yaml")
 
@@ -93,10 +93,14 @@ def test_config_cross_field_errors_name_the_key():
     with pytest.raises(ConfigError, match="sampling.train_last_step"):
         load_config(None, ["sampling.kernel=cps", "sampling.train_last_step=true"])
     with pytest.raises(ConfigError, match="sampling.tree.sde_steps"):  # not blamed on split_steps
-        load_config(None, ["sampling.tree.split_steps=[0,2,4]", "sampling.tree.sde_steps=[99]"])
+        load_config(None, ["sampling.shape=tree", "sampling.tree.split_steps=[0,2,4]", "sampling.tree.sde_steps=[99]"])
     with pytest.raises(ConfigError, match="sampling.tree.depth_prune"):
-        load_config(None, ["sampling.tree.split_steps=[0,2,4]", "sampling.tree.depth_prune=[99]"])
-    tree = ["sampling.tree.split_steps=[0,2,4]", "sampling.tree.flash_ratio=0.4"]
+        load_config(None, ["sampling.shape=tree", "sampling.tree.split_steps=[0,2,4]", "sampling.tree.depth_prune=[99]"])
+    tree = ["sampling.shape=tree", "sampling.tree.split_steps=[0,2,4]", "sampling.tree.flash_ratio=0.4"]
+    with pytest.raises(ConfigError, match="sampling.tree.split_steps.*unless sampling.shape is 'tree'"):
+        load_config(None, ["sampling.tree.split_steps=[0,2,4]"])  # a tree's settings without the tree shape
+    with pytest.raises(ConfigError, match="sampling.shape"):
+        load_config(None, ["sampling.shape=spiral"])
     with pytest.raises(ConfigError, match="sampling.tree.flash_ratio.*every step is SDE"):  # all SDE: no tail to re-space
         load_config(None, tree)
     with pytest.raises(ConfigError, match="sampling.tree.flash_ratio.*last SDE step is 9, the last step 9"):
@@ -202,20 +206,17 @@ def test_checkpoint_names_missing_tensor(tmp_path):
 
 
 def test_timestep_fraction_trains_that_share_of_each_samples_steps():
-    from types import SimpleNamespace
-
-    from flowrl.methods import GroupRollouts
-    from samplers import StepPlan, flow_sigmas, sample
+    from flowrl.methods.shapes import step_subset
+    from flowrl.samplers import StepPlan, flow_sigmas, sample
 
     plan = StepPlan.sde(6)  # 5 trained steps per sample
     x = torch.randn(4, 2, 4, 4, generator=torch.Generator().manual_seed(0))
     ro = sample(lambda x, t, c: torch.tanh(x), x, torch.zeros(4, dtype=torch.long), torch.arange(4), flow_sigmas(6), plan)
-    fake = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(timestep_fraction=0.6)))
-    keep = GroupRollouts.step_subset(fake, ro, torch.Generator().manual_seed(1))
+    keep = step_subset(ro, 0.6, torch.Generator().manual_seed(1))
     per_leaf = torch.bincount(ro.leaf[keep], minlength=4)
     assert per_leaf.tolist() == [3, 3, 3, 3]  # ceil(0.6 * 5)
     assert not bool((keep & ~ro.trained).any())
-    other = GroupRollouts.step_subset(fake, ro, torch.Generator().manual_seed(2))
+    other = step_subset(ro, 0.6, torch.Generator().manual_seed(2))
     assert not torch.equal(keep, other)  # a different random subset each iteration
 
 

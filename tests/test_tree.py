@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from samplers import StepPlan, flow_sigmas, leaf_incidence, mix_plan, sample, sample_shared_noise, sample_tree
+from flowrl.samplers import StepPlan, flow_sigmas, leaf_incidence, mix_plan, sample, sample_shared_noise, sample_tree
 
 
 def velocity(x, t, cond):
@@ -65,7 +65,7 @@ def test_shared_noise_without_stochastic_steps_is_the_repeated_ode_sample():
 
 
 def test_ode_tree_and_probes_store_no_transition_and_match_flat_sampling():
-    from samplers import sample_probes
+    from flowrl.samplers import sample_probes
 
     noise, cond, group = _inputs(3)
     plan, sigmas = StepPlan.ode(4), flow_sigmas(4, 3.0)

@@ -83,7 +83,7 @@ def _model(folder: Path, **kwargs) -> WanModel:
 
 
 def _stock_videos(folder: Path, model: WanModel, num_steps: int, guidance_scale: float, **kwargs) -> torch.Tensor:
-    """The stock WanPipeline's videos `(2, F, 3, H, W)` from the noise of `flowrl.evaluate.generate` (seeds 0, 1)."""
+    """The stock WanPipeline's videos `(2, F, 3, H, W)` from the noise of `flowrl.evaluation.generate` (seeds 0, 1)."""
     from diffusers import WanPipeline
 
     pipe = WanPipeline.from_pretrained(folder)
@@ -140,7 +140,7 @@ def test_folder_checks_name_the_setting(wan, tmp_path, random_pipeline, prompt_f
 
 
 def test_ode_sampling_equals_the_stock_pipeline(wan):
-    from flowrl.evaluate import generate
+    from flowrl.evaluation import generate
 
     model = _model(wan)
     assert model.latent_shape == (4, 2, 4, 4)
@@ -161,7 +161,7 @@ def test_two_experts_sample_as_the_stock_pipeline_and_train_the_chosen_one(wan22
     loads into the stock pipeline's transformer_2 with load_into_transformer_2=True."""
     from diffusers import WanPipeline
 
-    from flowrl.evaluate import generate
+    from flowrl.evaluation import generate
 
     with pytest.raises(ValueError, match="two-expert Wan 2.2 model .* choose the trained expert, high .* or low"):
         _model(wan22)
@@ -179,7 +179,7 @@ def test_two_experts_sample_as_the_stock_pipeline_and_train_the_chosen_one(wan22
     metrics = _metrics(tmp_path / "run")
     assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
     # only step 3 is trained: steps 0-2 run the frozen expert, step 4 is the untrained last step
-    assert trainer.method.plan.trained == [False, False, False, True, False]
+    assert trainer.method.shape.plan.trained == [False, False, False, True, False]
     groups = 1 - metrics[0]["advantage/zero_variance_frac"]
     assert metrics[0]["cost/trained_transitions"] == round(2 * 2 * groups) > 0  # 2 prompts x 2 videos x 1 step
     assert all(torch.equal(p, high[n]) for n, p in trainer.model.frozen.named_parameters())  # the frozen expert
@@ -297,7 +297,7 @@ def test_generate_writes_an_mp4_per_video(tmp_path, wan):
     from flowrl.image_folders import generate_folder
     from flowrl.video import read_video
 
-    from flowrl.evaluate import generate
+    from flowrl.evaluation import generate
 
     model = _model(wan)
     assert generate_folder(model, [{"prompt": PROMPTS[0]}], tmp_path / "out", k=2, layout="flat", num_steps=2) == 2

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from samplers import (SlidingWindow, StepPlan, dpm_solver_2m_step, flow_sigmas, mix_plan, ode_step, respace_tail,
+from flowrl.samplers import (SlidingWindow, StepPlan, dpm_solver_2m_step, flow_sigmas, mix_plan, ode_step, respace_tail,
                       sample)
 
 

@@ -1,21 +1,20 @@
 """Online RL methods, each an object the training loop calls (:mod:`flowrl.methods.base` has the contract).
 
-:data:`METHODS` maps ``train.method`` to its class: ``grpo`` (:class:`GRPO`: SDE rollouts of any shape in
-:mod:`flowrl.methods.rollouts`, PPO on log-prob ratios) and ``nft`` (:class:`DiffusionNFT`: ODE samples and the
-negative-aware flow-matching loss). A new method is a new file with a :class:`Method` subclass, added here.
+:data:`METHODS` maps ``train.method`` to its class, each registered in its own file with :func:`register_method`:
+``grpo`` (:class:`GRPO`: SDE rollouts of any shape in :mod:`flowrl.methods.shapes`, PPO on log-prob ratios) and
+``nft`` (:class:`DiffusionNFT`: ODE samples and the negative-aware flow-matching loss). A new method is a new file
+with a :class:`Method` subclass and its settings, imported here (docs/methods.md "Adding a method").
 """
 
 from __future__ import annotations
 
-from .base import Method, Samples
+from .base import (METHODS, FinalSamples, Method, ProbeSamples, Rewards, Samples, SDESamples, register_method)
 from .grpo import GRPO
-from .nft import DiffusionNFT
-from .rollouts import GroupRollouts
+from .nft import DiffusionNFT, NFTConfig
+from .shapes import SHAPES, RolloutShape, register_shape
 
-METHODS: dict[str, type[Method]] = {"grpo": GRPO, "nft": DiffusionNFT}
-"""``train.method`` -> the method class."""
-
-__all__ = ["METHODS", "DiffusionNFT", "GRPO", "GroupRollouts", "Method", "Samples", "build_method"]
+__all__ = ["METHODS", "SHAPES", "DiffusionNFT", "FinalSamples", "GRPO", "Method", "NFTConfig", "ProbeSamples",
+           "Rewards", "RolloutShape", "SDESamples", "Samples", "build_method", "register_method", "register_shape"]
 
 
 def build_method(cfg, model, policy, rewards) -> Method:

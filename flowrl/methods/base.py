@@ -1,46 +1,129 @@
-"""The method contract: what the training loop asks of an online RL method, and the parts methods share.
+"""The method contract: what the training loop asks of an online RL method, the typed data passed between them, and the
+parts methods share.
 
 Each iteration the loop (:meth:`flowrl.trainer.Trainer.step`) calls, in order:
 
-1. :meth:`Method.rollout` -> :class:`Samples`: images drawn for the iteration's prompts by the old policy;
-2. the rewards on those images (the loop scores them, gathering the totals over processes);
+1. :meth:`Method.rollout` -> a :class:`Samples` (or a subclass: :class:`SDESamples`, :class:`ProbeSamples`,
+   :class:`FinalSamples`): images drawn for the iteration's prompts by the old policy, and what the method needs later;
+2. the rewards on those images; the loop gathers them over the processes once (:class:`Rewards`);
 3. :meth:`Method.advantages` -> per-row advantages and which rows enter the loss;
 4. :meth:`Method.update` -> the method's loss and optimizer steps, through :class:`flowrl.policy.Policy`;
 5. :meth:`Method.end_iteration` -> anything that moves once per iteration (a sliding window, a soft-updated
    sampling policy).
 
-A method's state beyond the policy's (a window position, an old policy) goes into checkpoints through
-:meth:`Method.state_dict` / :meth:`Method.save_files` and comes back through their ``load_`` twins.
+The iteration's generator (every random draw) is passed to each call that draws. A method's state beyond the
+policy's (a window position, an old policy) goes into checkpoints through :meth:`Method.state_dict` /
+:meth:`Method.save_files` and comes back through their ``load_`` twins. Methods register themselves in
+:data:`METHODS` with :func:`register_method`; ``train.method`` is checked against it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..advantages import aggregate_advantages, best_of_n, group_advantages
 
+METHODS: dict[str, type[Method]] = {}
+"""``train.method`` -> the method class (:func:`register_method`)."""
 
+
+def register_method(name: str):
+    """Class decorator: register a :class:`Method` subclass as ``train.method: NAME`` (sets its ``name``).
+
+    Raises:
+        ValueError: `name` is registered already.
+    """
+    def register(cls: type[Method]) -> type[Method]:
+        if name in METHODS:
+            raise ValueError(f"method {name!r} is registered already ({METHODS[name].__name__})")
+        cls.name = name
+        METHODS[name] = cls
+        return cls
+
+    return register
+
+
+# ---------------------------------------------------------------------------------------------- typed data
 @dataclass
 class Samples:
-    """One iteration's rollout.
+    """One iteration's rollout, as the loop sees it.
 
     Attributes:
-        images (`torch.Tensor` of shape `(B, 3, H, W)`, float32 in [0, 1], CPU): what the rewards score.
+        images (`torch.Tensor` of shape `(B, 3, H, W)`, or `(B, F, 3, H, W)` for video, float32 in [0, 1], CPU): what
+            the rewards score.
         image_prompt (`torch.Tensor` of shape `(B,)`, long, CPU): the prompt slot (index into the iteration's
             prompts) each image was drawn for.
         nfe (`int`): transformer rows the rollout cost (CFG counted twice).
-        data (`dict`): the method's own tensors (its rollout, prompt table, final latents ...).
     """
 
     images: torch.Tensor
     image_prompt: torch.Tensor
     nfe: int
-    data: dict = field(default_factory=dict)
 
 
+@dataclass
+class SDESamples(Samples):
+    """A rollout of stored stochastic transitions (the GRPO family's flat groups, windows and trees).
+
+    Attributes:
+        rollout (:class:`flowrl.samplers.Rollout`): every stored transition (`M` rows), its ``cond`` rows of `table`.
+        table (:class:`flowrl.models.PromptEmbeds`): the iteration's prompt table (:meth:`FlowModel.prompt_table`).
+    """
+
+    rollout: object
+    table: object
+
+
+@dataclass
+class ProbeSamples(SDESamples):
+    """A single-step-branching rollout (TempFlow-GRPO, G2RPO, TP-GRPO): ``rollout`` is ``probes.rollout``.
+
+    Attributes:
+        probes (:class:`flowrl.samplers.ProbeRollout`): the probes, their steps, roots and ODE granularities.
+    """
+
+    probes: object
+
+
+@dataclass
+class FinalSamples(Samples):
+    """Clean samples of a forward-process method (DiffusionNFT): no transitions, only where the sampler ended.
+
+    Attributes:
+        x0 (`torch.Tensor` of shape `(B, *latent_shape)`, float32): the final latents, on the device.
+        cond (`torch.Tensor` of shape `(B,)`, long): each sample's row of `table`.
+        table (:class:`flowrl.models.PromptEmbeds`): the iteration's prompt table.
+    """
+
+    x0: torch.Tensor
+    cond: torch.Tensor
+    table: object
+
+
+@dataclass
+class Rewards:
+    """An iteration's rewards, gathered over the processes once, by the loop (:meth:`Trainer.gather_rewards`).
+
+    Attributes:
+        local (:class:`flowrl.rewards.CombinedScores`): this process's scores, ``.total`` `(B,)` and ``.per_reward``.
+        total (`torch.Tensor` of shape `(B_all,)`, float32, CPU): every process's totals, process by process.
+        per_reward (`dict[str, torch.Tensor]`, each `(B_all,)` float32, CPU): every process's unweighted scores.
+        group (`torch.Tensor` of shape `(B_all,)`, long, CPU): each image's prompt, unique over processes
+            (``image_prompt + process_index * prompts``): the groups of group-relative advantages.
+        mine (`slice`): this process's rows of the gathered tensors.
+    """
+
+    local: object
+    total: torch.Tensor
+    per_reward: dict[str, torch.Tensor]
+    group: torch.Tensor
+    mine: slice
+
+
+# ------------------------------------------------------------------------------------------------ the contract
 class Method:
     """Base of the methods: holds the config, the model adapter, the policy and the rewards, and provides the
     helpers every method uses (chunked velocity calls, decoding, group-relative advantages).
@@ -49,7 +132,7 @@ class Method:
         cfg (:class:`flowrl.config.Config`): the whole resolved config.
         model (:class:`flowrl.models.FlowModel`): the adapter (its transformer holds the policy).
         policy (:class:`flowrl.policy.Policy`): trainable weights, optimizer, minibatches, autocast.
-        rewards (:class:`rewards.WeightedSum`): the configured rewards (their weights matter to
+        rewards (:class:`flowrl.rewards.WeightedSum`): the configured rewards (their weights matter to
             ``train.reward_aggregation: advantage``).
     """
 
@@ -60,14 +143,17 @@ class Method:
         self.accelerator, self.device = policy.accelerator, policy.device
         self.sigmas = model.sigmas(cfg.sampling.num_steps, cfg.sampling.shift)  # (N + 1,) the stock pipeline's grid
 
-    # ---------------------------------------------------------------------------- the contract
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Refuse settings this method cannot run, naming the key (:class:`flowrl.config.ConfigError`); called when
+        the config is built. Default: nothing to refuse."""
+
     def rollout(self, metas: list[dict], generator: torch.Generator) -> Samples:
         """Draw this iteration's images for the prompt records `metas` (``P`` prompts)."""
         raise NotImplementedError
 
-    def advantages(self, samples: Samples, scores, total: torch.Tensor, prompts: int):
-        """Per-row advantages of `samples` from this process's reward set ``scores`` and the totals ``total
-        (B_all,)`` gathered over every process; returns ``(advantages, keep (bool), stats dict)``."""
+    def advantages(self, samples: Samples, rewards: Rewards, generator: torch.Generator):
+        """Per-row advantages of `samples` from the gathered `rewards`; returns ``(advantages, keep (bool), stats)``."""
         raise NotImplementedError
 
     def update(self, samples: Samples, adv: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> dict:
@@ -96,7 +182,7 @@ class Method:
 
     # ------------------------------------------------------------------------------ shared parts
     def chunked(self, fn, size: int | None = None):
-        """`fn` (a :class:`samplers.VelocityFn`) evaluated in consecutive chunks of at most `size` rows (default
+        """`fn` (a :class:`flowrl.samplers.VelocityFn`) evaluated in consecutive chunks of at most `size` rows (default
         ``sampling.batch_size``: bounds the activation memory of one forward), concatenated."""
         size = size or self.cfg.sampling.batch_size
 
@@ -111,38 +197,28 @@ class Method:
         with self.policy.autocast(self.cfg.sampling.decode_precision):
             return torch.cat([self.model.decode(latents[i:i + size]) for i in range(0, latents.shape[0], size)]).cpu()
 
-    def group_advantages(self, scores, total: torch.Tensor, image_prompt: torch.Tensor,
-                         prompts: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    def group_advantages(self, rewards: Rewards) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """Group-relative advantages over every process's images (flat groups: GRPO and DiffusionNFT;
         arXiv 2402.03300's group z-score with ``train.adv_std``, clipped at ``train.adv_clip_max``).
 
-        Args:
-            scores: this process's reward set scores (``.per_reward`` for ``train.reward_aggregation: advantage``).
-            total: ``(B_all,)`` float32 total rewards gathered over the processes.
-            image_prompt: ``(B,)`` long prompt slot of each of this process's images, in ``[0, prompts)``.
-            prompts: prompts per process (``sampling.prompts_per_iteration``).
+        With ``train.reward_aggregation: advantage`` and several rewards, each reward is z-scored in its group and
+        the weighted z-scores summed (MixGRPO's advantage aggregation); with ``train.best_of_n``, only the best
+        and worst ``best_of_n / 2`` of each group are kept (DanceGRPO).
 
         Returns:
             ``(adv (B_all,) float32, zero (B_all,) bool: untrained (no reward variance, or outside best-of-n),
             {"advantage/zero_variance_frac", "advantage/abs_mean"})``.
         """
-        t, acc = self.cfg.train, self.accelerator
-        group = acc.gather((image_prompt + acc.process_index * prompts).to(self.device)).cpu()
-        rank = total  # best-of-n ranks by the unclipped advantage, as DanceGRPO; within a group `total` orders alike
-        if t.reward_aggregation == "advantage" and len(scores.per_reward) > 1:
-            per = {k: acc.gather(v.to(self.device)).cpu() for k, v in scores.per_reward.items()}
+        t, group = self.cfg.train, rewards.group
+        rank = rewards.total  # best-of-n ranks by the unclipped advantage, as DanceGRPO; within a group the total orders alike
+        if t.reward_aggregation == "advantage" and len(rewards.per_reward) > 1:
             weights = {k: w for k, (_, w) in self.rewards.rewards.items()}
-            adv, zero = aggregate_advantages(per, weights, group, t.adv_std, t.adv_clip_max)
+            adv, zero = aggregate_advantages(rewards.per_reward, weights, group, t.adv_std, t.adv_clip_max)
             if t.best_of_n:  # sum_k w_k z_k may order a group unlike the total reward
-                rank = aggregate_advantages(per, weights, group, t.adv_std, float("inf"))[0]
+                rank = aggregate_advantages(rewards.per_reward, weights, group, t.adv_std, float("inf"))[0]
         else:
-            adv, zero = group_advantages(total, group, t.adv_std, t.adv_clip_max)
+            adv, zero = group_advantages(rewards.total, group, t.adv_std, t.adv_clip_max)
         if t.best_of_n:
             zero = zero | ~best_of_n(rank, group, t.best_of_n)
         return adv, zero, {"advantage/zero_variance_frac": zero.float().mean().item(),
                            "advantage/abs_mean": adv.abs().mean().item()}
-
-    def mine(self, rows: int) -> slice:
-        """This process's slice of a batch gathered over processes, each holding ``rows`` rows."""
-        i = self.accelerator.process_index
-        return slice(i * rows, (i + 1) * rows)

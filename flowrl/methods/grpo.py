@@ -1,8 +1,8 @@
 """GRPO for flow models: Flow-GRPO's policy update (arXiv 2505.05470) on any of the GRPO rollout shapes.
 
-The rollouts and advantages are :class:`flowrl.methods.rollouts.GroupRollouts`'; :class:`GRPO` adds the
-inner PPO epochs of the clipped surrogate on the trained transitions, with the log-probs recomputed in
-float32 at the std that drew each sample, and the optional KL to the LoRA-disabled base.
+The rollouts and advantages are the rollout shape's (``sampling.shape``, :mod:`flowrl.methods.shapes`); :class:`GRPO`
+adds DanceGRPO's random step subset and the inner PPO epochs of the clipped surrogate on the trained transitions, with
+the log-probs recomputed in float32 at the std that drew each sample, and the optional KL to the LoRA-disabled base.
 """
 
 from __future__ import annotations
@@ -11,27 +11,63 @@ from collections import defaultdict
 
 import torch
 
-from samplers import recompute_log_prob, velocity_gain
-
 from ..losses import kl_to_reference, ppo_loss, ratio_norm, step_weights, velocity_kl
-from .base import Samples
+from ..samplers import recompute_log_prob, velocity_gain
+from .base import Method, Rewards, SDESamples, register_method
 from .diagnostics import StepDiagnostics
-from .rollouts import GroupRollouts
+from .shapes import SHAPES, step_subset
 
 
-class GRPO(GroupRollouts):
+@register_method("grpo")
+class GRPO(Method):
     """``train.method: grpo``: Flow-GRPO, DanceGRPO, MixGRPO, BranchGRPO, TempFlow-GRPO, G2RPO, TP-GRPO, GRPO-Guard
-    and Pref-GRPO are this method with other rollout shapes, rewards and loss options (``configs/``).
+    and Pref-GRPO are this method with other rollout shapes (``sampling.shape``), rewards and loss options
+    (``configs/``).
+
+    Attributes:
+        shape (:class:`flowrl.methods.shapes.RolloutShape`): the rollout shape ``sampling.shape`` names.
 
     Args: as :class:`flowrl.methods.base.Method`.
     """
 
-    name = "grpo"
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """The rollout shape's cross-key checks (:meth:`RolloutShape.check_config`)."""
+        SHAPES[cfg.sampling.shape].check_config(cfg)
 
-    def update(self, samples: Samples, adv: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> dict:
-        """Inner PPO epochs over the kept transitions of ``samples.data["rollout"]`` (:meth:`optimize`)."""
-        return self.optimize(samples.data["rollout"], adv, keep, samples.data["table"], generator)
+    def __init__(self, cfg, model, policy, rewards):
+        super().__init__(cfg, model, policy, rewards)
+        self.shape = SHAPES[cfg.sampling.shape](self)
 
+    # ------------------------------------------------------------------------------ the contract
+    def rollout(self, metas: list[dict], generator: torch.Generator) -> SDESamples:
+        """The rollout shape's groups of stochastic transitions (:meth:`RolloutShape.rollout`)."""
+        return self.shape.rollout(metas, generator)
+
+    def advantages(self, samples: SDESamples, rewards: Rewards, generator: torch.Generator):
+        """The rollout shape's per-transition advantages ``(M,)`` and the transitions that enter the loss ``(M,)``
+        bool; with ``train.timestep_fraction < 1``, DanceGRPO's random subset of each image's trained steps, drawn
+        from `generator`."""
+        adv, keep, stats = self.shape.advantages(samples, rewards)
+        if self.cfg.train.timestep_fraction < 1:
+            keep = keep & step_subset(samples.rollout, self.cfg.train.timestep_fraction, generator).to(keep.device)
+        return adv, keep, stats
+
+    def update(self, samples: SDESamples, adv: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> dict:
+        """Inner PPO epochs over the kept transitions of ``samples.rollout`` (:meth:`optimize`)."""
+        return self.optimize(samples.rollout, adv, keep, samples.table, generator)
+
+    def end_iteration(self, stats: dict) -> None:
+        """The rollout shape's move (MixGRPO's window)."""
+        self.shape.end_iteration(stats)
+
+    def state_dict(self) -> dict:
+        return self.shape.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.shape.load_state_dict(state)
+
+    # ------------------------------------------------------------------------------ the update
     def optimize(self, ro, adv_all: torch.Tensor, keep: torch.Tensor, table, generator: torch.Generator) -> dict[str, float]:
         """Inner PPO epochs over the kept transitions, each with its advantage ``adv_all[m]``.
 
@@ -47,11 +83,10 @@ class GRPO(GroupRollouts):
         is the summed gradient's.
 
         Args:
-            ro (:class:`samplers.Rollout`): the iteration's stored transitions, `M` rows.
+            ro (:class:`flowrl.samplers.Rollout`): the iteration's stored transitions, `M` rows.
             adv_all (`torch.Tensor` of shape `(M,)`, float32): advantage per transition (clipped, unitless).
             keep (`torch.Tensor` of shape `(M,)`, bool): transitions that enter the loss.
-            table (:class:`flowrl.models.PromptEmbeds`): prompt embeddings, row 0 the empty prompt (CFG), rows
-                1.. indexed by ``ro.cond``.
+            table (:class:`flowrl.models.PromptEmbeds`): the iteration's prompt table, indexed by ``ro.cond``.
             generator (`torch.Generator`): the iteration's generator (minibatch order).
 
         Returns:

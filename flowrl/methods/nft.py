@@ -7,16 +7,48 @@ negative-aware flow-matching loss on noised copies of the samples: no log-probs 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from samplers import ode_sample
-
+from ..fields import check, setting
 from ..losses import nft_loss, optimality_weights
-from .base import Method, Samples
+from ..samplers import ode_sample
+from .base import FinalSamples, Method, Rewards, register_method
 
 
+@dataclass
+class NFTConfig:
+    """``train.nft.*``: DiffusionNFT (arXiv 2509.16117), used when ``train.method`` is ``nft``."""
+
+    beta: float = setting(1.0, "step of the implicit positive / negative policies (the paper's GenEval setting)")
+    timesteps: int = setting(4, "noised copies of each image per iteration, at times of the sampler's grid")
+    old_decay: float = setting(0.0, "soft update of the sampling policy, theta_old <- d theta_old + (1 - d) theta "
+                                    "(0: it follows theta)")
+    min_time: float = setting(0.0, "noised copies only at grid times t >= min_time (1 = noise): weights training "
+                                   "towards layout")
+    guidance_scale: float | None = setting(None, "CFG of the trained velocity (null: sampling.guidance_scale); 1 with "
+                                                 "guided sampling trains the conditional velocity off-policy")
+    keep_flat_groups: bool = setting(False, "also train groups without reward variance, at r = 1/2 (the published "
+                                            "code's); false drops them")
+    solver: str = setting("euler", "the deterministic rollout sampler: euler | dpm_solver_2m (the published code's, "
+                                   "DPM-Solver++ 2M)")
+    decay_ramp: float = setting(0.0, "> 0: the soft update's decay is min(decay_ramp * optimizer steps so far, "
+                                     "old_decay) (the published code's 0.001)")
+
+    def __post_init__(self):
+        check(self.beta > 0, "train.nft.beta", "> 0", self.beta)
+        check(self.timesteps >= 1, "train.nft.timesteps", ">= 1", self.timesteps)
+        check(0 <= self.old_decay < 1, "train.nft.old_decay", "in [0, 1)", self.old_decay)
+        check(0 <= self.min_time < 1, "train.nft.min_time", "in [0, 1)", self.min_time)
+        check(self.guidance_scale is None or self.guidance_scale >= 1, "train.nft.guidance_scale", ">= 1 or null",
+              self.guidance_scale)
+        check(self.decay_ramp >= 0, "train.nft.decay_ramp", ">= 0", self.decay_ramp)
+        check(self.solver in ("euler", "dpm_solver_2m"), "train.nft.solver", "euler|dpm_solver_2m", self.solver)
+
+
+@register_method("nft")
 class DiffusionNFT(Method):
     """``train.method: nft`` (arXiv 2509.16117, Algorithm 1): sample, score, train on the forward process.
 
@@ -36,42 +68,51 @@ class DiffusionNFT(Method):
     Args: as :class:`flowrl.methods.base.Method`.
     """
 
-    name = "nft"
     OLD_POLICY_FILE = "old_policy.safetensors"  # the soft-updated sampling policy, in each checkpoint
 
     def __init__(self, cfg, model, policy, rewards):
         super().__init__(cfg, model, policy, rewards)
         self.old_policy = policy.copy() if cfg.train.nft.old_decay > 0 else None
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """DiffusionNFT samples plain ODE groups: no rollout shape but ``flat`` without a window, no shared noise, no
+        KL (it trains on final samples)."""
+        s = cfg.sampling
+        for key, value, off in (("sampling.shape", s.shape, "flat"), ("sampling.window.size", s.window.size, 0),
+                                ("sampling.shared_noise", s.shared_noise, False), ("train.kl_beta", cfg.train.kl_beta, 0.0)):
+            check(value == off, key, f"{off!r} with train.method 'nft' (it trains on final samples)", value)
+        check(not (cfg.train.nft.keep_flat_groups and cfg.train.best_of_n), "train.nft.keep_flat_groups",
+              "false with train.best_of_n (which drops samples)", cfg.train.nft.keep_flat_groups)
+
     def sampling_weights(self) -> dict[str, torch.Tensor] | None:
         return self.old_policy
 
     # ------------------------------------------------------------------------------ the contract
-    def rollout(self, metas: list[dict], generator: torch.Generator) -> Samples:
-        """``G`` ODE samples per prompt by the old policy; ``data``: ``x0`` `(B, *latent_shape)` final latents,
-        ``cond`` `(B,)` prompt rows of ``table`` (row 0 the empty prompt)."""
+    def rollout(self, metas: list[dict], generator: torch.Generator) -> FinalSamples:
+        """``G`` ODE samples per prompt by the old policy: their final latents and prompt-table rows."""
         cfg, model = self.cfg, self.model
         table = model.prompt_table(metas)
-        cond = torch.arange(len(metas), device=self.device).repeat_interleave(cfg.sampling.group_size) + 1  # (B,)
+        prompt_index = torch.arange(len(metas), device=self.device).repeat_interleave(cfg.sampling.group_size)  # (B,)
+        cond = table.rows(prompt_index)  # (B,)
         noise = torch.randn((len(cond), *model.latent_shape), generator=generator).to(self.device)
-        velocity = model.velocity_fn(table, cfg.sampling.guidance_scale)  # guided, against the empty prompt (row 0)
+        velocity = model.velocity_fn(table, cfg.sampling.guidance_scale)  # guided, against the empty prompt
         kernel = "ode" if cfg.train.nft.solver == "euler" else cfg.train.nft.solver
         with torch.no_grad(), self.policy.holding(self.old_policy), self.policy.autocast():
             x0 = ode_sample(self.chunked(velocity), noise, cond, self.sigmas.to(self.device), kernel)
         nfe = len(cond) * cfg.sampling.num_steps * model.cfg_rows(cfg.sampling.guidance_scale)
-        return Samples(self.decode(x0), (cond - 1).cpu(), nfe, {"x0": x0, "cond": cond, "table": table})
+        return FinalSamples(self.decode(x0), prompt_index.cpu(), nfe, x0, cond, table)
 
-    def advantages(self, samples: Samples, scores, total: torch.Tensor, prompts: int):
+    def advantages(self, samples: FinalSamples, rewards: Rewards, generator: torch.Generator):
         """Group z-scores over every process's images; this process's share, ``(adv (B,), keep (B,) bool, stats)``
         (every image kept with ``train.nft.keep_flat_groups``)."""
-        adv, zero, stats = self.group_advantages(scores, total, samples.image_prompt, prompts)
-        mine = self.mine(len(samples.image_prompt))
-        adv, keep = adv[mine], ~zero[mine]
+        adv, zero, stats = self.group_advantages(rewards)
+        adv, keep = adv[rewards.mine], ~zero[rewards.mine]
         if self.cfg.train.nft.keep_flat_groups:  # a flat group's advantages are 0: r = 1/2 pulls theta towards the old policy
             keep = torch.ones_like(keep)
         return adv, keep, stats
 
-    def update(self, samples: Samples, adv: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> dict:
+    def update(self, samples: FinalSamples, adv: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> dict:
         """Noise the kept samples, compute the old policy's velocity on them and train (:meth:`optimize`).
 
         Returns:
@@ -79,7 +120,7 @@ class DiffusionNFT(Method):
             rows x epochs) and ``cost/nfe`` (the old policy's rows of the loss, twice under CFG).
         """
         t, model = self.cfg.train, self.model
-        x0, cond, table = samples.data["x0"], samples.data["cond"], samples.data["table"]
+        x0, cond, table = samples.x0, samples.cond, samples.table
         rows = keep.nonzero().squeeze(1).repeat_interleave(t.nft.timesteps)  # (N,) noised copies of each kept image
         grid = self.sigmas[:-1]  # the sampler's own times, in (0, 1]; it starts at 1, so the filter keeps one
         grid = grid[grid >= t.nft.min_time]

@@ -3,7 +3,7 @@
 :func:`load_model` reads a pipeline folder's ``model_index.json`` and loads it with the adapter of that
 pipeline class (:data:`ADAPTERS`): ``StableDiffusion3Pipeline`` -> :class:`SD3Model` (SD3, SD3.5, the shipped
 tiny model), ``FluxPipeline`` -> :class:`FluxModel` (FLUX.1), ``StableDiffusionPipeline`` -> :class:`SD15Model`
-(SD 1.x / 2.x UNets, sampled as flow models through :mod:`samplers.ddim`), ``StableDiffusionXLPipeline`` ->
+(SD 1.x / 2.x UNets, sampled as flow models through :mod:`flowrl.samplers.ddim`), ``StableDiffusionXLPipeline`` ->
 :class:`SDXLModel` (SDXL: SD 1.x's machinery plus two text encoders, pooled embeddings and added time ids).
 ``WanPipeline`` -> :class:`WanModel` (Wan 2.1 / 2.2 text-to-video, latents ``(C, F, H, W)``). A new family is a new
 file with a :class:`FlowModel` subclass, added to :data:`ADAPTERS`. ``QwenImagePipeline`` -> :class:`QwenImageModel`
@@ -19,24 +19,23 @@ from pathlib import Path
 import torch
 
 from .base import FlowModel, PromptEmbeds, _model_index, check_guidance, make_batch_invariant, resolve_device
-from .flux import FLUX_LORA_TARGETS, FluxModel
-from .flux_kontext import KONTEXT_LORA_TARGETS, FluxKontextModel
-from .hunyuan_video import HUNYUAN_VIDEO_LORA_TARGETS, HunyuanVideoModel
-from .qwen_image import QWEN_IMAGE_LORA_TARGETS, QwenImageModel
-from .sd3 import SD3_LORA_TARGETS, SD3Model
-from .sd15 import SD15_LORA_TARGETS, SD15Model
-from .sdxl import SDXL_LORA_TARGETS, SDXLModel
-from .wan import WAN_LORA_TARGETS, WanModel
+from .flux import FluxModel
+from .flux_kontext import FluxKontextModel
+from .hunyuan_video import HunyuanVideoModel
+from .qwen_image import QwenImageModel
+from .sd3 import SD3Model
+from .sd15 import SD15Model
+from .sdxl import SDXLModel
+from .wan import WanModel
 
 ADAPTERS: tuple[type[FlowModel], ...] = (SD3Model, FluxModel, SD15Model, SDXLModel, WanModel, QwenImageModel,
                                          FluxKontextModel, HunyuanVideoModel)
-"""Every adapter, looked up by its ``PIPELINE`` (the ``_class_name`` of a folder's ``model_index.json``)."""
+"""Every adapter, looked up by its ``PIPELINE`` (the ``_class_name`` of a folder's ``model_index.json``); each names
+its LoRA targets as ``LORA_TARGETS``."""
 
-__all__ = ["ADAPTERS", "resolve_model", "FLUX_LORA_TARGETS", "FlowModel", "FluxModel", "PromptEmbeds", "SD15Model", "SD15_LORA_TARGETS",
-           "SDXLModel", "SDXL_LORA_TARGETS",
-           "SD3Model", "SD3_LORA_TARGETS", "check_guidance", "load_model", "make_batch_invariant", "model_class",
-           "resolve_device", "WAN_LORA_TARGETS", "WanModel", "QWEN_IMAGE_LORA_TARGETS", "QwenImageModel",
-           "KONTEXT_LORA_TARGETS", "FluxKontextModel", "HUNYUAN_VIDEO_LORA_TARGETS", "HunyuanVideoModel"]
+__all__ = ["ADAPTERS", "FlowModel", "FluxKontextModel", "FluxModel", "HunyuanVideoModel", "PromptEmbeds",
+           "QwenImageModel", "SD15Model", "SD3Model", "SDXLModel", "WanModel", "check_guidance", "load_model",
+           "make_batch_invariant", "model_class", "resolve_device", "resolve_model"]
 
 
 def model_class(path: str | Path) -> type[FlowModel]:
@@ -78,24 +77,18 @@ def resolve_model(cfg):
             ``model.resolution``, ``sampling.shift`` or ``model.max_sequence_length``.
         FileNotFoundError: a model path that is not a pipeline folder.
     """
-    from ..config import ConfigError, resolve_path
+    from ..config import ConfigError, config_key, resolve_path
     from ..files import check_model_folder
 
     path = resolve_path(cfg.model.path)
-    try:
+    with config_key("model.path"):
         check_model_folder(path)  # readable JSON, whole safetensors weights (no pickles), before anything loads
         adapter = model_class(path)  # the family, from model_index.json
-    except ValueError as e:
-        raise ConfigError(f"config key 'model.path': {e}") from None
-    try:
+    with config_key("model.resolution"):
         adapter.check_resolution(path, cfg.model.resolution)
-    except ValueError as e:
-        raise ConfigError(f"config key 'model.resolution': {e}") from None
     if cfg.sampling.shift is None:  # the model's own schedule; the saved config.yaml records the value
-        try:
+        with config_key("sampling.shift", (ValueError, FileNotFoundError)):
             cfg.sampling.shift = adapter.scheduler_shift(path, cfg.model.resolution)
-        except (ValueError, FileNotFoundError) as e:
-            raise ConfigError(f"config key 'sampling.shift': {e}") from None
     for key in ("num_frames", "expert", "negative_prompt"):  # video settings: refused by the image families
         if not adapter.VIDEO and getattr(cfg.model, key) not in (None, ""):
             raise ConfigError(f"config key 'model.{key}': {path} holds a {adapter.PIPELINE}, which draws images; "
@@ -108,8 +101,6 @@ def resolve_model(cfg):
     adapter.check_config(cfg)  # what the family cannot run (the DDPM family: DiffusionNFT, Flash re-spacing)
     if cfg.model.max_sequence_length is None:  # SD3: 256 with a T5 encoder, 0 without (the tiny model); FLUX 512
         cfg.model.max_sequence_length = adapter.default_max_sequence_length(path)
-    try:
+    with config_key("model.max_sequence_length"):
         adapter.check_max_sequence_length(cfg.model.max_sequence_length)
-    except ValueError as e:
-        raise ConfigError(f"config key 'model.max_sequence_length': {e}") from None
     return adapter

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from samplers import flow_sigmas
+from ..samplers import flow_sigmas
 
 MIN_ROWS = {torch.nn.Linear: (2, 16), torch.nn.Conv2d: (4, 4)}
 """For each layer type: the input rank that carries one row per sample, and the fewest rows it runs at."""
@@ -135,10 +135,24 @@ def _unpad_rows(layer: torch.nn.Module, args: tuple, output: torch.Tensor):
 
 @dataclass
 class PromptEmbeds:
-    """Encoded prompts: ``embeds (P, T, D)`` and ``pooled (P, D_pooled)`` on the model's device."""
+    """Encoded prompts: ``embeds (P, T, D)`` and ``pooled (P, D_pooled)`` on the model's device.
+
+    A prompt table (:meth:`FlowModel.prompt_table`) holds the empty prompt, the CFG negative, in row
+    :attr:`NEGATIVE_ROW` and the iteration's prompt ``p`` in row ``rows(p)``: samplers and methods index it through
+    :meth:`rows`, never by arithmetic of their own.
+    """
 
     embeds: torch.Tensor
     pooled: torch.Tensor
+
+    NEGATIVE_ROW = 0
+    """The row of the empty prompt (the CFG negative) in a prompt table."""
+
+    @staticmethod
+    def rows(prompt_index: torch.Tensor) -> torch.Tensor:
+        """The prompt-table rows `(N,)` long of prompt slots `prompt_index` `(N,)` (indices into the records the table
+        was built from)."""
+        return prompt_index + 1
 
     def __getitem__(self, index: torch.Tensor) -> PromptEmbeds:
         """The rows `index` (`(N,)` long) of both tensors: ``(N, T, D)`` and ``(N, D_pooled)``."""
@@ -399,7 +413,7 @@ class FlowModel:
         Raises:
             KeyError: for a record without ``prompt`` (the prompt files are checked when read, :mod:`flowrl.data`).
         """
-        return self.encode([""] + [m["prompt"] for m in metas])
+        return self.encode([""] + [m["prompt"] for m in metas])  # row NEGATIVE_ROW, then rows(p) = p + 1
 
     def add_lora(self, rank: int, alpha: float, targets: tuple[str, ...] | None = None) -> list[torch.nn.Parameter]:
         """Add a peft LoRA adapter (Gaussian init of A, zero B) to the transformer.
@@ -499,7 +513,7 @@ class FlowModel:
         check_guidance(guidance_scale)
 
         def fn(x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-            uncond = table[torch.zeros_like(cond)] if guidance_scale != 1.0 else None
+            uncond = table[torch.full_like(cond, table.NEGATIVE_ROW)] if guidance_scale != 1.0 else None
             return self.velocity(x, t, table[cond], uncond, guidance_scale)
 
         return fn
@@ -580,11 +594,17 @@ class FlowModel:
             raise FileNotFoundError(f"LoRA folder {directory} has no pytorch_lora_weights.safetensors")
         files.check_safetensors(file)
         before = {n for n, _ in self.transformer.named_parameters() if "lora_" in n}
+        from diffusers.utils import logging as diffusers_logging
+
+        verbosity = diffusers_logging.get_verbosity()
+        diffusers_logging.set_verbosity_error()  # not "no LoRA keys for the text encoders": flowrl trains none
         try:
             self.pipe.load_lora_weights(str(directory), use_safetensors=True)
         except (ValueError, KeyError, RuntimeError) as e:  # diffusers' and peft's "not a LoRA of this model"
             message = " ".join(str(e).split())[:300]
             raise ValueError(f"{file} is not a LoRA of this model ({type(e).__name__}: {message})") from None
+        finally:
+            diffusers_logging.set_verbosity(verbosity)
         if {n for n, _ in self.transformer.named_parameters() if "lora_" in n} == before:
             raise ValueError(f"{file} holds no LoRA weights for this model's transformer")
 

@@ -188,20 +188,16 @@ class HunyuanVideoModel(FlowModel):
         Raises:
             flowrl.config.ConfigError: naming the key.
         """
-        from ..config import ConfigError, resolve_path
+        from ..config import ConfigError, config_key, resolve_path
 
         path = resolve_path(cfg.model.path)
-        try:
+        with config_key("model.num_frames"):
             cls.check_num_frames(path, cfg.model.num_frames)
-        except ValueError as e:
-            raise ConfigError(f"config key 'model.num_frames': {e}") from None
         if cfg.model.expert is not None:
             raise ConfigError(f"config key 'model.expert': {path} is a HunyuanVideo model (one transformer); leave it "
                               f"unset (got {cfg.model.expert!r})")
-        try:
+        with config_key("model.options.true_cfg_scale"):
             true_cfg = cls.check_true_cfg_scale(cfg.model.options.get("true_cfg_scale", 1.0))
-        except ValueError as e:
-            raise ConfigError(f"config key 'model.options.true_cfg_scale': {e}") from None
         if cfg.model.negative_prompt and true_cfg == 1:
             raise ConfigError(f"config key 'model.negative_prompt': HunyuanVideo ({path}) samples with embedded "
                               f"guidance (sampling.guidance_scale), which uses no negative prompt; leave it empty, or "

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from samplers import flow_sigmas
+from ..samplers import flow_sigmas
 
 from .base import FlowModel, PromptEmbeds, _scheduler_file, check_guidance
 from .flux import _dynamic_shift

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from samplers import flow_sigma, flow_velocity, vp_scale
+from ..samplers import flow_sigma, flow_velocity, vp_scale
 
 from .base import FlowModel, PromptEmbeds, _scheduler_file, _vae_factor
 
@@ -129,13 +129,11 @@ class SD15Model(FlowModel):
         Raises:
             flowrl.config.ConfigError: naming the key.
         """
-        from flowrl.config import ConfigError, resolve_path
+        from ..config import ConfigError, config_key, resolve_path
 
         file = _scheduler_file(resolve_path(cfg.model.path))
-        try:
+        with config_key("model.path"):
             _check_scheduler(json.loads(file.read_text()), file)
-        except ValueError as e:
-            raise ConfigError(f"config key 'model.path': {e}") from None
         where = f"model.path {cfg.model.path} is a {cls.PIPELINE} (DDPM)"
         if cfg.train.method == "nft":
             raise ConfigError(f"config key 'train.method': 'nft' (DiffusionNFT) needs a flow-matching model; {where}: "

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from samplers import flow_velocity
+from ..samplers import flow_velocity
 
 from .base import PromptEmbeds, check_guidance
 from .sd15 import SD15_LORA_TARGETS, SD15Model
@@ -78,14 +78,12 @@ class SDXLModel(SD15Model):
         Raises:
             flowrl.config.ConfigError: naming the key.
         """
-        from flowrl.config import ConfigError
+        from ..config import config_key
 
         super().check_config(cfg)
         if "guidance_rescale" in cfg.model.options:
-            try:
+            with config_key("model.options"):
                 cls.check_guidance_rescale(cfg.model.options["guidance_rescale"])
-            except ValueError as e:
-                raise ConfigError(f"config key 'model.options': {e}") from None
 
     def __init__(self, path, device="cpu", dtype=torch.float32, max_sequence_length=None, resolution=None,
                  guidance_rescale: float = 0.0):

@@ -207,14 +207,12 @@ class WanModel(FlowModel):
         Raises:
             flowrl.config.ConfigError: naming the key.
         """
-        from ..config import ConfigError, resolve_path
+        from ..config import config_key, resolve_path
 
         path = resolve_path(cfg.model.path)
         for key, check in (("num_frames", cls.check_num_frames), ("expert", cls.check_expert)):
-            try:
+            with config_key(f"model.{key}"):
                 check(path, getattr(cfg.model, key))
-            except ValueError as e:
-                raise ConfigError(f"config key 'model.{key}': {e}") from None
 
     @classmethod
     def scheduler_shift(cls, path: str | Path, resolution: int | None = None) -> float:

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from flowrl.data import write_jsonl
 from flowrl.tiny.prompts import all_metadata, split
 from flowrl.tiny.render import render, sample_scene
-from rewards.geneval.world import BACKGROUND, IMAGE_SIZE, TAGS
+from ..rewards.geneval.world import BACKGROUND, IMAGE_SIZE, TAGS
 
 VAE_FACTOR = 4
 """Spatial downsampling of the tiny VAE: 64x64 scenes -> 16x16 latents. (A 2x VAE with 32x32x4 latents

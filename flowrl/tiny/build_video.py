@@ -30,8 +30,8 @@ from tqdm import tqdm
 
 from flowrl.data import write_jsonl
 from flowrl.tiny.video import all_metadata, render_dataset, split
-from rewards.geneval.world import BACKGROUND, COLORS, SHAPES
-from rewards.motion_world import DIRECTIONS
+from ..rewards.geneval.world import BACKGROUND, COLORS, SHAPES
+from ..rewards.motion_world import DIRECTIONS
 
 MAX_TOKENS = 16
 """UMT5 tokens per prompt (``model.max_sequence_length``; the world's prompts take at most 7 with ``</s>``)."""

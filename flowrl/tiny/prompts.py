@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import random
 
-from rewards.geneval.world import COLORS, COUNT_WORDS, COUNTING_RANGE, PLURALS, RELATIONS, SHAPES, TAGS
+from ..rewards.geneval.world import COLORS, COUNT_WORDS, COUNTING_RANGE, PLURALS, RELATIONS, SHAPES, TAGS
 
 HELD_OUT_COLOR_PAIRS = {
     ("circle", "blue"), ("circle", "white"), ("square", "red"), ("square", "purple"), ("triangle", "green"),

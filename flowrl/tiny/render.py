@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
-from rewards.geneval.rules import relative_position
-from rewards.geneval.world import BACKGROUND, COLORS, IMAGE_SIZE, MAX_SIZE, MIN_SIZE, SHAPES
+from ..rewards.geneval.rules import relative_position
+from ..rewards.geneval.world import BACKGROUND, COLORS, IMAGE_SIZE, MAX_SIZE, MIN_SIZE, SHAPES
 
 GAP = 3
 """Minimum number of background pixels between two objects' boxes."""

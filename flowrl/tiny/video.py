@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowrl.tiny.render import Obj, render
-from rewards.motion_world import DIRECTIONS, MAX_SIZE, MIN_SIZE, NUM_FRAMES, SPEED, VIDEO_SIZE, check_motion_metadata
-from rewards.geneval.world import COLORS, SHAPES
+from ..rewards.motion_world import DIRECTIONS, MAX_SIZE, MIN_SIZE, NUM_FRAMES, SPEED, VIDEO_SIZE, check_motion_metadata
+from ..rewards.geneval.world import COLORS, SHAPES
 
 HELD_OUT_PAIRS: frozenset[tuple[str, str]] = frozenset({
     ("red", "left"), ("red", "up"), ("orange", "right"), ("orange", "down"), ("yellow", "left"), ("yellow", "down"),

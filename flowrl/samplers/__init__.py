@@ -5,8 +5,10 @@ Importable on its own (torch only): it never imports ``flowrl``, ``rewards`` or 
 """
 
 from .kernels import (
+    KERNEL_SPECS,
     KERNELS,
     MULTISTEP_KERNELS,
+    KernelSpec,
     STOCHASTIC_KERNELS,
     UNIT_ETA_KERNELS,
     StepOutput,
@@ -16,6 +18,7 @@ from .kernels import (
     flow_sde_step,
     gaussian_log_prob,
     ode_step,
+    register_kernel,
 )
 from .rollout import (
     Rollout,
@@ -41,6 +44,9 @@ __all__ = [
     "MULTISTEP_KERNELS",
     "PREDICTION_TYPES",
     "STOCHASTIC_KERNELS",
+    "KERNEL_SPECS",
+    "KernelSpec",
+    "register_kernel",
     "UNIT_ETA_KERNELS",
     "WINDOW_SCHEDULES",
     "ProbeRollout",

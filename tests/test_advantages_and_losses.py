@@ -138,11 +138,12 @@ def test_best_of_n_ranks_by_the_aggregated_advantage_as_dancegrpo():
     a = torch.tensor([0.0, 1.0, 0.4, 0.0])
     b = torch.tensor([0.0, 0.0, 10.0, 10.5])
     train = SimpleNamespace(reward_aggregation="advantage", adv_std="group", adv_clip_max=5.0, best_of_n=2)
+    from flowrl.methods import Rewards
+
     fake = SimpleNamespace(cfg=SimpleNamespace(train=train), device="cpu",
-                           accelerator=SimpleNamespace(gather=lambda x: x, process_index=0),
                            rewards=SimpleNamespace(rewards={"a": (None, 1.0), "b": (None, 1.0)}))
-    scores = SimpleNamespace(per_reward={"a": a, "b": b})
-    adv, zero, _ = Method.group_advantages(fake, scores, a + b, torch.zeros(4, dtype=LONG), 1)
+    rewards = Rewards(None, a + b, {"a": a, "b": b}, torch.zeros(4, dtype=LONG), slice(0, 4))
+    adv, zero, _ = Method.group_advantages(fake, rewards)
     assert int(adv.argmax()) == 2 and int(adv.argmin()) == 0  # z-sum order: image 2 best, image 0 worst
     assert (~zero).tolist() == [True, False, True, False]  # the total reward would keep images 3 and 0
 
@@ -152,7 +153,8 @@ def test_g2rpo_sum_over_granularities_is_clipped():
     the published code clips to adv_clip_max (flowrl used to leave it at 6.63)."""
     from types import SimpleNamespace
 
-    from flowrl.methods import GroupRollouts
+    from flowrl.methods import ProbeSamples, Rewards
+    from flowrl.methods.shapes import G2RPOShape
 
     class _Rollout:
         trained = torch.ones(12, dtype=torch.bool)
@@ -163,11 +165,12 @@ def test_g2rpo_sum_over_granularities_is_clipped():
     children = torch.arange(12)
     pr = SimpleNamespace(rollout=_Rollout(), step=torch.zeros(24, dtype=LONG), root=torch.zeros(24, dtype=LONG),
                          node=children.repeat(2), granularity=torch.tensor([1] * 12 + [2] * 12))
-    probe = SimpleNamespace(method="g2rpo", adv_group="prompt", balance=True)
-    fake = SimpleNamespace(cfg=SimpleNamespace(sampling=SimpleNamespace(probe=probe),
-                                               train=SimpleNamespace(adv_clip_max=5.0)), device="cpu")
+    shape = G2RPOShape.__new__(G2RPOShape)  # its advantages need only the config and the device
+    shape.cfg = SimpleNamespace(train=SimpleNamespace(adv_clip_max=5.0))
+    shape.device = "cpu"
     rewards = torch.tensor(([1.0] + [0.0] * 11) * 2)
-    adv, keep, _ = GroupRollouts.probe_advantages(fake, pr, rewards, torch.zeros(24, dtype=LONG))
+    samples = ProbeSamples(None, torch.zeros(24, dtype=LONG), 0, pr.rollout, None, pr)
+    adv, keep, _ = shape.advantages(samples, Rewards(SimpleNamespace(total=rewards), rewards, {}, None, slice(0, 24)))
     assert adv[0].item() == pytest.approx(5.0) and adv[1].item() == pytest.approx(-2 * (1 / 12) / (11 ** 0.5 / 12), abs=1e-3)
     assert keep.all()
 
@@ -179,7 +182,7 @@ def test_kl_type_flow_grpo_is_the_exact_kl_times_dt():
     from types import SimpleNamespace
 
     from flowrl.methods import GRPO
-    from samplers import StepPlan, flow_sigmas, recompute_log_prob, sample
+    from flowrl.samplers import StepPlan, flow_sigmas, recompute_log_prob, sample
 
     gen = torch.Generator().manual_seed(0)
     noise, cond = torch.randn(3, 2, 4, 4, generator=gen), torch.zeros(3, dtype=LONG)

@@ -2,7 +2,7 @@
 
 The rules are those of the reference evaluator: ``include`` clauses are ANDed, ``exclude`` clauses
 ORed; detections of a class are taken in order of confidence; counts, colours and relative positions
-are checked on the first ``count`` detections of a class. See ALGORITHMS.md, "GenEval scoring rules".
+are checked on the first ``count`` detections of a class. The rules are those of the reference evaluator (Ghosh et al., arXiv 2310.11513; its ``evaluate_images.py``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from samplers import ode_sample, start_latents
+from .samplers import ode_sample, start_latents
 
 from .models import FlowModel
 
@@ -181,7 +181,7 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
     Raises:
         ValueError: for no prompt, or ``return_images`` with several processes.
     """
-    from rewards.geneval import geneval
+    from .rewards.geneval import geneval
 
     if not metas:
         raise ValueError("evaluate needs at least one prompt; got an empty prompt list")
@@ -249,7 +249,7 @@ def evaluate_reward(model: FlowModel, metas: list[dict], reward, images_per_prom
 
         from flowrl.models import load_model
         from flowrl.prompt_sets import read_prompt_set
-        from rewards import WeightedSum, build_reward
+        from .rewards import WeightedSum, build_reward
 
         reward = WeightedSum({"clipscore": (build_reward("clipscore", model_path="assets/tiny-clip"), 1.0)})
         result = evaluate_reward(load_model("assets/tiny-sd3"), read_prompt_set("prompts.jsonl"), reward)

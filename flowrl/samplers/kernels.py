@@ -1,6 +1,6 @@
 """Per-step transition kernels for rectified-flow sampling.
 
-Notation (see ALGORITHMS.md): ``x_t = (1 - t) x_0 + t eps`` with ``t = 1`` pure noise; the model predicts
+Notation (docs/methods.md): ``x_t = (1 - t) x_0 + t eps`` with ``t = 1`` pure noise; the model predicts
 the velocity ``v ~ eps - x_0``. One step goes from ``t`` (``sigma``) to ``t'`` (``sigma_next``) with
 ``dt = t' - t < 0``.
 
@@ -14,12 +14,16 @@ whatever the input dtype (bf16 overflows in the log-density), and every output i
 ``sigma_next``, ``noise_level`` and ``sigma_max`` may each be a Python float, a 0-d tensor or a ``(B,)``
 tensor (one value per sample, so samples of one batch may sit at different times).
 
-Kernels are looked up by name in :data:`KERNELS`; a new kernel is one function plus one registry entry.
+Kernels are registered once, with their properties, in :data:`KERNEL_SPECS` (:func:`register_kernel`);
+:data:`KERNELS`, :data:`STOCHASTIC_KERNELS`, :data:`UNIT_ETA_KERNELS` and :data:`MULTISTEP_KERNELS` are live views
+of it. A new kernel is one function plus one ``register_kernel`` call.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +32,8 @@ from .gaussian import StepOutput, _draw, _per_sample, gaussian_log_prob
 
 __all__ = [
     "KERNELS",
+    "KERNEL_SPECS",
+    "KernelSpec",
     "MULTISTEP_KERNELS",
     "STOCHASTIC_KERNELS",
     "UNIT_ETA_KERNELS",
@@ -38,6 +44,7 @@ __all__ = [
     "flow_sde_step",
     "gaussian_log_prob",
     "ode_step",
+    "register_kernel",
 ]
 
 def ode_step(
@@ -298,21 +305,80 @@ def dpm_solver_2m_step(
 
 
 
-KERNELS = {
-    "ode": ode_step,
-    "flow_sde": flow_sde_step,
-    "dance_sde": dance_sde_step,
-    "cps": cps_step,
-    "ddim": flow_ddim_step,
-    "ddpm": flow_ddpm_step,
-}
-"""Kernel name -> kernel function, all with the signature of :func:`flow_sde_step`."""
+@dataclass(frozen=True)
+class KernelSpec:
+    """A registered transition kernel and its properties (:func:`register_kernel`).
 
-MULTISTEP_KERNELS = {"dpm_solver_2m": dpm_solver_2m_step}
-"""Deterministic kernels that also read the previous step's data prediction (the sampler passes it)."""
+    Attributes:
+        fn: the kernel function (the signature of :func:`flow_sde_step`; a multistep kernel's adds ``prev_x0`` and
+            ``prev_sigma``: :func:`dpm_solver_2m_step`).
+        stochastic (`bool`): its step is a Gaussian with a log-prob: the only kernels a transition can be trained on.
+        unit_eta (`bool`): its noise level is an ``eta`` in `(0, 1]`, and its step onto ``t' = 0`` has std 0.
+        multistep (`bool`): deterministic, and it also reads the previous step's data prediction.
+    """
 
-STOCHASTIC_KERNELS = frozenset({"flow_sde", "dance_sde", "cps", "ddim", "ddpm"})
-"""Names in :data:`KERNELS` whose step is a Gaussian with a log-prob (the only trainable ones)."""
+    fn: Callable
+    stochastic: bool = False
+    unit_eta: bool = False
+    multistep: bool = False
 
-UNIT_ETA_KERNELS = frozenset({"cps", "ddim", "ddpm"})
-"""Stochastic kernels whose noise level is an ``eta`` in `(0, 1]` and whose step onto ``t' = 0`` has std 0."""
+
+KERNEL_SPECS: dict[str, KernelSpec] = {}
+"""Kernel name -> :class:`KernelSpec`: the one registry of kernels; :data:`KERNELS` and the sets below are views."""
+
+
+def register_kernel(name: str, fn: Callable, *, stochastic: bool = False, unit_eta: bool = False,
+                    multistep: bool = False) -> Callable:
+    """Register a transition kernel under `name` with its properties (see :class:`KernelSpec`); returns `fn`.
+    ``sampling.kernel`` and step plans validate names against this registry.
+
+    Raises:
+        ValueError: `name` is registered already, or ``unit_eta`` without ``stochastic``, or ``multistep`` with it.
+    """
+    if name in KERNEL_SPECS:
+        raise ValueError(f"kernel {name!r} is registered already")
+    if unit_eta and not stochastic:
+        raise ValueError(f"kernel {name!r}: unit_eta describes a stochastic kernel's noise level")
+    if multistep and stochastic:
+        raise ValueError(f"kernel {name!r}: a multistep kernel is deterministic")
+    KERNEL_SPECS[name] = KernelSpec(fn, stochastic, unit_eta, multistep)
+    return fn
+
+
+class _KernelView(Mapping):
+    """A live, read-only view of :data:`KERNEL_SPECS`: the names whose spec passes `keep`, mapped to their functions."""
+
+    def __init__(self, keep: Callable[[KernelSpec], bool], doc: str):
+        self._keep, self.__doc__ = keep, doc
+
+    def __getitem__(self, name: str) -> Callable:
+        spec = KERNEL_SPECS.get(name)
+        if spec is None or not self._keep(spec):
+            raise KeyError(name)
+        return spec.fn
+
+    def __iter__(self):
+        return (name for name, spec in KERNEL_SPECS.items() if self._keep(spec))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return f"{sorted(self)}"
+
+
+register_kernel("ode", ode_step)
+register_kernel("flow_sde", flow_sde_step, stochastic=True)  # Flow-GRPO, arXiv 2505.05470
+register_kernel("dance_sde", dance_sde_step, stochastic=True)  # DanceGRPO, arXiv 2505.07818
+register_kernel("cps", cps_step, stochastic=True, unit_eta=True)  # arXiv 2509.05952
+register_kernel("ddim", flow_ddim_step, stochastic=True, unit_eta=True)  # DDPO's DDIM, arXiv 2305.13301
+register_kernel("ddpm", flow_ddpm_step, stochastic=True, unit_eta=True)  # arXiv 2006.11239
+register_kernel("dpm_solver_2m", dpm_solver_2m_step, multistep=True)  # MixGRPO-Flash's tail, arXiv 2507.21802
+
+KERNELS = _KernelView(lambda k: not k.multistep, "Single-step kernel name -> function (signature of flow_sde_step).")
+MULTISTEP_KERNELS = _KernelView(lambda k: k.multistep, "Deterministic kernels that also read the previous step's data "
+                                "prediction (the sampler passes it).")
+STOCHASTIC_KERNELS = _KernelView(lambda k: k.stochastic, "Kernels whose step is a Gaussian with a log-prob (the only "
+                                 "trainable ones).")
+UNIT_ETA_KERNELS = _KernelView(lambda k: k.unit_eta, "Stochastic kernels whose noise level is an eta in (0, 1] and "
+                               "whose step onto t' = 0 has std 0.")

@@ -31,18 +31,19 @@ import torch
 from flowrl.data import REPO_ROOT, read_prompts
 from flowrl.evaluation import generate_per_prompt
 from flowrl.models import load_model, resolve_device
-from flowrl.tiny.build import encode_latents
-from flowrl.tiny.render import render, sample_scene
 from flowrl.rewards.geneval import geneval
 from flowrl.samplers import flow_sigmas, ode_sample
+from flowrl.tiny.build import encode_latents
+from flowrl.tiny.render import render, sample_scene
 
 if TYPE_CHECKING:
     from flowrl.models import FlowModel
 
 
 @torch.no_grad()
-def pass_at_k(model: FlowModel, metas: list[dict], k: int, num_steps: int = 20, guidance_scale: float = 4.5,
-              seed: int = 1234) -> dict[str, dict[str, float]]:
+def pass_at_k(
+    model: FlowModel, metas: list[dict], k: int, num_steps: int = 20, guidance_scale: float = 4.5, seed: int = 1234
+) -> dict[str, dict[str, float]]:
     """Per-tag mean strict accuracy and pass@k of ``k`` ODE samples per prompt.
 
     Args:
@@ -55,18 +56,32 @@ def pass_at_k(model: FlowModel, metas: list[dict], k: int, num_steps: int = 20, 
     Raises:
         ValueError: if ``k < 1`` or ``metas`` is empty.
     """
-    expanded, images = generate_per_prompt(model, metas, k, num_steps, guidance_scale, seed, "pass_at_k")  # prompt-major
+    expanded, images = generate_per_prompt(
+        model, metas, k, num_steps, guidance_scale, seed, "pass_at_k"
+    )  # prompt-major
     correct = geneval(strict=True)(images, [m["prompt"] for m in expanded], expanded).view(len(metas), k)  # (P, k)
     by_tag: dict[str, list[int]] = defaultdict(list)
     for i, m in enumerate(metas):
         by_tag[m.get("tag", "all")].append(i)
-    return {tag: {"mean": correct[rows].mean().item(), "pass_at_k": (correct[rows].amax(1) > 0).float().mean().item(),
-                  "prompts": len(rows)} for tag, rows in sorted(by_tag.items())}
+    return {
+        tag: {
+            "mean": correct[rows].mean().item(),
+            "pass_at_k": (correct[rows].amax(1) > 0).float().mean().item(),
+            "prompts": len(rows),
+        }
+        for tag, rows in sorted(by_tag.items())
+    }
 
 
 @torch.no_grad()
-def denoise_from_scenes(model: FlowModel, metas: list[dict], times: list[float], num_steps: int = 20,
-                        guidance_scale: float = 4.5, seed: int = 0) -> dict[float, float]:
+def denoise_from_scenes(
+    model: FlowModel,
+    metas: list[dict],
+    times: list[float],
+    num_steps: int = 20,
+    guidance_scale: float = 4.5,
+    seed: int = 0,
+) -> dict[float, float]:
     """Strict accuracy of rendered scenes noised to time ``t`` and ODE-denoised by the model from ``t``.
 
     Each prompt gets one scene (``flowrl.tiny.render.sample_scene``); denoising runs the Euler ODE on the
@@ -84,7 +99,9 @@ def denoise_from_scenes(model: FlowModel, metas: list[dict], times: list[float],
     if any(not 0.0 <= t <= 1.0 for t in times):
         raise ValueError(f"times must be in [0, 1]; got {times}")
     rng = random.Random(seed)
-    scenes = torch.from_numpy(np.stack([render(sample_scene(m, rng)) for m in metas])).permute(0, 3, 1, 2)  # (P, 3, H, W) uint8
+    scenes = torch.from_numpy(np.stack([render(sample_scene(m, rng)) for m in metas])).permute(
+        0, 3, 1, 2
+    )  # (P, 3, H, W) uint8
     vae = model.pipe.vae
     latents = (encode_latents(vae, scenes).float() - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
     latents = latents.to(model.device)  # (P, C, h, w) scaled as the transformer sees them
@@ -121,10 +138,16 @@ def main(argv: list[str] | None = None) -> dict:
     if a.lora:
         model.load_lora(a.lora)
     metas = read_prompts(a.prompts)
-    metas = metas[:a.max_prompts] if a.max_prompts > 0 else metas
-    result = {"model": a.model, "lora": a.lora, "prompts": a.prompts, "k": a.k,
-              "num_steps": a.num_steps, "pass_at_k": pass_at_k(model, metas, a.k, a.num_steps),
-              "denoise_from_scenes": denoise_from_scenes(model, metas, a.times, a.num_steps)}
+    metas = metas[: a.max_prompts] if a.max_prompts > 0 else metas
+    result = {
+        "model": a.model,
+        "lora": a.lora,
+        "prompts": a.prompts,
+        "k": a.k,
+        "num_steps": a.num_steps,
+        "pass_at_k": pass_at_k(model, metas, a.k, a.num_steps),
+        "denoise_from_scenes": denoise_from_scenes(model, metas, a.times, a.num_steps),
+    }
     for tag, r in result["pass_at_k"].items():
         print(f"{tag:14s} mean {r['mean']:.3f}  pass@{a.k} {r['pass_at_k']:.3f}  ({r['prompts']} prompts)")
     print("denoised from t:", {t: round(v, 3) for t, v in result["denoise_from_scenes"].items()})

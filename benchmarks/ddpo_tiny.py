@@ -45,10 +45,20 @@ EDGE = 5
 """Iterations averaged for the start and end of the training curve."""
 
 CPU_OVERRIDES = {
-    "model.resolution": "null", "model.dtype": "float32", "model.lora_rank": 0, "sampling.num_steps": 20,
-    "sampling.group_size": 8, "sampling.prompts_per_iteration": 2, "sampling.batch_size": 16,
-    "train.learning_rate": 3.0e-3, "train.clip_range": 1.0e-2, "train.minibatch_size": 160,
-    "train.micro_batch_size": "null", "eval.num_steps": 20, "run.device": "cpu", "run.mixed_precision": "no",
+    "model.resolution": "null",
+    "model.dtype": "float32",
+    "model.lora_rank": 0,
+    "sampling.num_steps": 20,
+    "sampling.group_size": 8,
+    "sampling.prompts_per_iteration": 2,
+    "sampling.batch_size": 16,
+    "train.learning_rate": 3.0e-3,
+    "train.clip_range": 1.0e-2,
+    "train.minibatch_size": 160,
+    "train.micro_batch_size": "null",
+    "eval.num_steps": 20,
+    "run.device": "cpu",
+    "run.mixed_precision": "no",
     "run.keep_checkpoints": 1,
 }
 """configs/sd15_ddpo.yaml shrunk to a CPU: 16 images x 20 steps = 320 transitions per iteration, 2 minibatches of 160
@@ -59,8 +69,14 @@ def train_seed(args, seed: int, pipeline: Path, prompts: Path, evals: Path) -> d
     """Train one seed into ``WORKDIR/seed-N``; its per-iteration JPEG sizes (kB), start/end means and evaluations."""
     out = Path(args.workdir) / f"seed-{seed}"
     over = [f"{k}={v}" for k, v in CPU_OVERRIDES.items()] + [
-        f"model.path={pipeline}", f"train_prompts={prompts}", f"eval.prompts={evals}", f"run.output_dir={out}",
-        f"run.seed={seed}", f"run.iterations={args.iterations}", f"run.save_every={args.iterations}"]
+        f"model.path={pipeline}",
+        f"train_prompts={prompts}",
+        f"eval.prompts={evals}",
+        f"run.output_dir={out}",
+        f"run.seed={seed}",
+        f"run.iterations={args.iterations}",
+        f"run.save_every={args.iterations}",
+    ]
     cfg = load_config(args.config, over + args.overrides)
     t0 = time.time()
     result = Trainer(cfg).train()
@@ -68,12 +84,21 @@ def train_seed(args, seed: int, pipeline: Path, prompts: Path, evals: Path) -> d
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     kb = [-m["reward/jpeg_compressibility/mean"] for m in metrics]  # the reward is minus the JPEG size in kB
     edge = min(EDGE, len(kb))
-    row = {"seed": seed, "jpeg_kb": kb, "start_kb": sum(kb[:edge]) / edge, "end_kb": sum(kb[-edge:]) / edge,
-           "eval_before_kb": -result["before"]["per_reward"]["jpeg_compressibility"],
-           "eval_after_kb": -result["after"]["per_reward"]["jpeg_compressibility"],
-           "wall_s": wall, "s_per_iteration": metrics[-1]["time/elapsed_s"] / len(metrics), "run": str(out)}
-    print(f"seed {seed}: rollouts {row['start_kb']:.3f} -> {row['end_kb']:.3f} kB (first/last {edge} iterations), "
-          f"evaluation {row['eval_before_kb']:.3f} -> {row['eval_after_kb']:.3f} kB, {wall / 60:.1f} min")
+    row = {
+        "seed": seed,
+        "jpeg_kb": kb,
+        "start_kb": sum(kb[:edge]) / edge,
+        "end_kb": sum(kb[-edge:]) / edge,
+        "eval_before_kb": -result["before"]["per_reward"]["jpeg_compressibility"],
+        "eval_after_kb": -result["after"]["per_reward"]["jpeg_compressibility"],
+        "wall_s": wall,
+        "s_per_iteration": metrics[-1]["time/elapsed_s"] / len(metrics),
+        "run": str(out),
+    }
+    print(
+        f"seed {seed}: rollouts {row['start_kb']:.3f} -> {row['end_kb']:.3f} kB (first/last {edge} iterations), "
+        f"evaluation {row['eval_before_kb']:.3f} -> {row['eval_after_kb']:.3f} kB, {wall / 60:.1f} min"
+    )
     return row
 
 
@@ -91,8 +116,11 @@ def save_plot(rows: list[dict], path: str) -> None:
         x = range(1, len(row["jpeg_kb"]) + 1)
         ax.plot(x, row["jpeg_kb"], ".", color=f"C{i}", alpha=0.35)
         ax.plot(x, moving_average(row["jpeg_kb"], EDGE), color=f"C{i}", label=f"seed {row['seed']}")
-    ax.set(xlabel="iteration", ylabel="JPEG size of rollouts (kB, lower = better)",
-           title="DDPO on a tiny random SD 1.x UNet, CPU")
+    ax.set(
+        xlabel="iteration",
+        ylabel="JPEG size of rollouts (kB, lower = better)",
+        title="DDPO on a tiny random SD 1.x UNet, CPU",
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -22,13 +22,21 @@ from flowrl.trainer import Trainer
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rollouts", type=int, default=8, help="main-job rollouts (64 images each) scored both ways")
-    p.add_argument("--decode-chunk", type=int, default=None,
-                   help="latents per VAE decode call (default: FlowModel's, 32; 64 times one call per rollout)")
+    p.add_argument(
+        "--decode-chunk",
+        type=int,
+        default=None,
+        help="latents per VAE decode call (default: FlowModel's, 32; 64 times one call per rollout)",
+    )
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(load_config(REPO_ROOT / "configs" / "tiny_geneval.yaml",
-                                      [f"run.output_dir={tmp}/run", "eval.every=0", *a.overrides]))
+        trainer = Trainer(
+            load_config(
+                REPO_ROOT / "configs" / "tiny_geneval.yaml",
+                [f"run.output_dir={tmp}/run", "eval.every=0", *a.overrides],
+            )
+        )
         s = trainer.cfg.sampling
         if a.decode_chunk is not None:
             trainer.model.decode_chunk = a.decode_chunk
@@ -47,9 +55,16 @@ def main(argv: list[str] | None = None) -> dict:
                 scores[precision].append(getattr(total, "total", total))
             max_diff = max(max_diff, (images["no"] - images["bf16"]).abs().max().item())
     full, half = torch.cat(scores["no"]), torch.cat(scores["bf16"])
-    result = {"images": len(full), "decode_chunk": trainer.model.decode_chunk, "decode_s_float32": statistics.median(times["no"]),
-              "decode_s_bf16": statistics.median(times["bf16"]), "identical_reward_frac": (full == half).float().mean().item(),
-              "mean_reward_float32": full.mean().item(), "mean_reward_bf16": half.mean().item(), "max_pixel_diff": max_diff}
+    result = {
+        "images": len(full),
+        "decode_chunk": trainer.model.decode_chunk,
+        "decode_s_float32": statistics.median(times["no"]),
+        "decode_s_bf16": statistics.median(times["bf16"]),
+        "identical_reward_frac": (full == half).float().mean().item(),
+        "mean_reward_float32": full.mean().item(),
+        "mean_reward_bf16": half.mean().item(),
+        "max_pixel_diff": max_diff,
+    }
     print(json.dumps(result, indent=1))
     return result
 

@@ -62,8 +62,9 @@ def failure_mode(image: torch.Tensor, meta: dict) -> str | None:
     return "unread_shape" if len(read) < len(segments) else "composition"
 
 
-def failure_modes(model: FlowModel, metas: list[dict], k: int, num_steps: int = 20, guidance_scale: float = 4.5,
-                  seed: int = 1234) -> dict[str, dict[str, float]]:
+def failure_modes(
+    model: FlowModel, metas: list[dict], k: int, num_steps: int = 20, guidance_scale: float = 4.5, seed: int = 1234
+) -> dict[str, dict[str, float]]:
     """Per tag: strict accuracy and the fraction of samples in each failure mode, over ``k`` ODE samples per prompt.
 
     Args:
@@ -81,8 +82,10 @@ def failure_modes(model: FlowModel, metas: list[dict], k: int, num_steps: int = 
     counts: dict[str, Counter] = defaultdict(Counter)
     for image, meta in zip(images, expanded):
         counts[meta["tag"]][failure_mode(image, meta) or "correct"] += 1
-    return {tag: {"images": sum(c.values()), **{m: c[m] / sum(c.values()) for m in ("correct", *MODES)}}
-            for tag, c in counts.items()}
+    return {
+        tag: {"images": sum(c.values()), **{m: c[m] / sum(c.values()) for m in ("correct", *MODES)}}
+        for tag, c in counts.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -103,13 +106,20 @@ def main(argv: list[str] | None = None) -> dict:
     if args.lora:
         model.load_lora(args.lora)
     metas = read_prompts(args.prompts)
-    metas = metas[:args.max_prompts] if args.max_prompts > 0 else metas
+    metas = metas[: args.max_prompts] if args.max_prompts > 0 else metas
     table = failure_modes(model, metas, args.k, args.num_steps, args.guidance_scale)
     print(f"| tag | images | correct | {' | '.join(MODES)} |\n|---|---|---|---|---|---|")
     for tag, row in table.items():
         print(f"| {tag} | {row['images']} | " + " | ".join(f"{row[m]:.3f}" for m in ("correct", *MODES)) + " |")
-    result = {"model": args.model, "lora": args.lora, "prompts": args.prompts, "k": args.k, "num_steps": args.num_steps,
-              "guidance_scale": args.guidance_scale, "per_tag": table}
+    result = {
+        "model": args.model,
+        "lora": args.lora,
+        "prompts": args.prompts,
+        "k": args.k,
+        "num_steps": args.num_steps,
+        "guidance_scale": args.guidance_scale,
+        "per_tag": table,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return result

@@ -41,25 +41,63 @@ def run(pipeline: Path, folder: Path, wrap: str, resolution: int) -> dict:
     resident memory (MiB), the FSDP unit count and the wall time."""
     folder.mkdir(parents=True)
     (folder / "c.yaml").write_text(REWARD)
-    overrides = [f"model.path={pipeline}", "train_prompts=train", "eval.prompts=test",
-                 f"run.output_dir={folder / 'run'}",
-                 "run.iterations=1", "run.save_every=100", "run.device=cpu", "run.mixed_precision=no",
-                 "sampling.num_steps=2", "sampling.group_size=2", "sampling.prompts_per_iteration=1",
-                 "eval.images_per_tag=1", "eval.num_steps=1", "train.minibatch_size=4", "model.lora_rank=0",
-                 f"model.resolution={resolution}", "model.max_sequence_length=16", "run.keep_checkpoints=1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
-           "FLOWRL_TEST_FSDP2": "1", "FLOWRL_TEST_FSDP_WRAP": wrap, "FLOWRL_TEST_NO_SPLIT": "1"}
+    overrides = [
+        f"model.path={pipeline}",
+        "train_prompts=train",
+        "eval.prompts=test",
+        f"run.output_dir={folder / 'run'}",
+        "run.iterations=1",
+        "run.save_every=100",
+        "run.device=cpu",
+        "run.mixed_precision=no",
+        "sampling.num_steps=2",
+        "sampling.group_size=2",
+        "sampling.prompts_per_iteration=1",
+        "eval.images_per_tag=1",
+        "eval.num_steps=1",
+        "train.minibatch_size=4",
+        "model.lora_rank=0",
+        f"model.resolution={resolution}",
+        "model.max_sequence_length=16",
+        "run.keep_checkpoints=1",
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
+        "FLOWRL_TEST_FSDP2": "1",
+        "FLOWRL_TEST_FSDP_WRAP": wrap,
+        "FLOWRL_TEST_NO_SPLIT": "1",
+    }
     start = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(ROOT / "tests/distributed_worker.py"), str(folder / "c.yaml"), str(folder), *overrides],
-                       capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(ROOT / "tests/distributed_worker.py"),
+            str(folder / "c.yaml"),
+            str(folder),
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     if r.returncode != 0:
         raise RuntimeError(f"the {wrap} run failed:\n{r.stderr[-3000:]}")
     ranks = [json.loads((folder / f"rank{i}.json").read_text()) for i in (0, 1)]
-    return {"wrap": wrap, "fsdp_units": ranks[0]["fsdp_units"], "seconds": round(time.perf_counter() - start, 1),
-            "peak_rss_after_update_mib": [round(x["peak_rss_after_update_mib"][0]) for x in ranks],
-            "peak_rss_mib": [round(x["peak_rss_mib"]) for x in ranks]}
+    return {
+        "wrap": wrap,
+        "fsdp_units": ranks[0]["fsdp_units"],
+        "seconds": round(time.perf_counter() - start, 1),
+        "peak_rss_after_update_mib": [round(x["peak_rss_after_update_mib"][0]) for x in ranks],
+        "peak_rss_mib": [round(x["peak_rss_mib"]) for x in ranks],
+    }
 
 
 def trained_weights(pipeline: Path) -> tuple[int, int]:
@@ -69,14 +107,17 @@ def trained_weights(pipeline: Path) -> tuple[int, int]:
 
     with torch.device("meta"):
         model = SD3Transformer2DModel.from_config(SD3Transformer2DModel.load_config(pipeline, subfolder="transformer"))
-    return (sum(p.numel() for p in model.parameters()),
-            sum(p.numel() for p in model.transformer_blocks.parameters()))
+    return (sum(p.numel() for p in model.parameters()), sum(p.numel() for p in model.transformer_blocks.parameters()))
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--family", choices=("sd35m", "sd35l", "tiny"), default="sd35m",
-                    help="an SD3 transformer config of benchmarks/gpu_scale.py (tiny: the few-MB one of its CPU test)")
+    ap.add_argument(
+        "--family",
+        choices=("sd35m", "sd35l", "tiny"),
+        default="sd35m",
+        help="an SD3 transformer config of benchmarks/gpu_scale.py (tiny: the few-MB one of its CPU test)",
+    )
     ap.add_argument("--layers", type=int, default=3, help="blocks kept (SD3.5-Medium has 24)")
     ap.add_argument("--resolution", type=int, default=128, help="image side in pixels")
     ap.add_argument("--out", type=Path, default=None, help="JSON file for the results")
@@ -84,11 +125,19 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         pipeline = build_pipeline(args.family, Path(tmp) / "pipeline", layers=args.layers, dtype=torch.float32)
         n, in_blocks = trained_weights(pipeline)
-        rows = [run(pipeline, Path(tmp) / wrap, wrap, args.resolution)
-                for wrap in ("NO_WRAP", "TRANSFORMER_BASED_WRAP")]
-    result = {"machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}", "transformer": args.family,
-              "layers": args.layers, "trained_params": n, "block_params": in_blocks,
-              "gradient_mib": round(4 * n / 2**20), "blocks_gradient_mib": round(4 * in_blocks / 2**20), "runs": rows}
+        rows = [
+            run(pipeline, Path(tmp) / wrap, wrap, args.resolution) for wrap in ("NO_WRAP", "TRANSFORMER_BASED_WRAP")
+        ]
+    result = {
+        "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}",
+        "transformer": args.family,
+        "layers": args.layers,
+        "trained_params": n,
+        "block_params": in_blocks,
+        "gradient_mib": round(4 * n / 2**20),
+        "blocks_gradient_mib": round(4 * in_blocks / 2**20),
+        "runs": rows,
+    }
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,8 @@ import torch
 
 from flowrl.advantages import group_advantages
 from flowrl.config import REPO_ROOT, finish_preset_result, load_config, parse_preset_args, preset_parser
-from flowrl.trainer import Trainer
 from flowrl.samplers import recompute_log_prob
+from flowrl.trainer import Trainer
 
 
 def policy_gradient(trainer: Trainer, iteration: int) -> torch.Tensor:
@@ -44,7 +44,7 @@ def policy_gradient(trainer: Trainer, iteration: int) -> torch.Tensor:
         with trainer.policy.autocast():
             v = velocity(sub.state, sub.sigma, sub.cond)
         log_prob, _ = recompute_log_prob(sub, v)
-        (-(a[start:start + 64] * log_prob).sum() / max(len(tv), 1)).backward()
+        (-(a[start : start + 64] * log_prob).sum() / max(len(tv), 1)).backward()
     return torch.cat([p.grad.flatten().float() for p in trainer.policy.params.values()])
 
 
@@ -58,9 +58,15 @@ def main(argv: list[str] | None = None) -> dict:
     grads = [policy_gradient(trainer, it) for it in range(args.batches)]
     cos = [torch.nn.functional.cosine_similarity(x, y, dim=0).item() for x, y in itertools.combinations(grads, 2)]
     images = trainer.cfg.sampling.prompts_per_iteration * trainer.cfg.sampling.group_size
-    result = {"pairwise_cosine": cos, "mean_cosine": sum(cos) / len(cos), "grad_norms": [g.norm().item() for g in grads],
-              "images_per_batch": images}
-    print(f"{images} images per batch: pairwise cosines {[round(c, 3) for c in cos]}, mean {result['mean_cosine']:.3f}")
+    result = {
+        "pairwise_cosine": cos,
+        "mean_cosine": sum(cos) / len(cos),
+        "grad_norms": [g.norm().item() for g in grads],
+        "images_per_batch": images,
+    }
+    print(
+        f"{images} images per batch: pairwise cosines {[round(c, 3) for c in cos]}, mean {result['mean_cosine']:.3f}"
+    )
     return finish_preset_result(args, result)
 
 

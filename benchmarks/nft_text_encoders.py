@@ -51,7 +51,9 @@ class TextEncoderTrainer(Trainer):
         for name in TEXT_ENCODERS:
             encoder = getattr(self.model.pipe, name).float().requires_grad_(True)
             text.update({f"{name}.{n}": p for n, p in encoder.named_parameters()})
-        self.policy.params.update(text)  # clipped, checkpointed, EMA'd and soft-updated with the rest (one process only:
+        self.policy.params.update(
+            text
+        )  # clipped, checkpointed, EMA'd and soft-updated with the rest (one process only:
         # the towers are outside the DDP-wrapped transformer, so several processes would not sum their gradients)
         self.policy.optimizer.add_param_group({"params": list(text.values()), "lr": text_lr})
         for store in (self.policy.ema, self.method.sampling_weights()):
@@ -70,8 +72,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_intermixed_args(argv)
     config = load_config(args.config, args.overrides)
     result = TextEncoderTrainer(config, args.text_lr).train()
-    print(f"GenEval strict accuracy: {result['before']['overall']:.3f} -> {result['after']['overall']:.3f} in "
-          f"{result['wall_time_s'] / 60:.1f} min; run folder {config.run.output_dir}")
+    print(
+        f"GenEval strict accuracy: {result['before']['overall']:.3f} -> {result['after']['overall']:.3f} in "
+        f"{result['wall_time_s'] / 60:.1f} min; run folder {config.run.output_dir}"
+    )
     return result
 
 

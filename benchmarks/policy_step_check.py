@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from flowrl.config import REPO_ROOT, finish_preset_result, load_config, parse_preset_args, preset_parser
-from flowrl.trainer import Trainer
 from flowrl.samplers import recompute_log_prob
+from flowrl.trainer import Trainer
 
 
 def log_probs(trainer, ro, rows, table) -> torch.Tensor:
@@ -30,7 +30,9 @@ def log_probs(trainer, ro, rows, table) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parse_preset_args(preset_parser(__doc__.splitlines()[0], str(REPO_ROOT / "configs" / "tiny_geneval.yaml")), argv)
+    args = parse_preset_args(
+        preset_parser(__doc__.splitlines()[0], str(REPO_ROOT / "configs" / "tiny_geneval.yaml")), argv
+    )
     trainer = Trainer(load_config(args.config, ["run.output_dir=runs/policy_step_check", *args.overrides]))
     gen = torch.Generator().manual_seed(0)
     samples = trainer.method.rollout(trainer.sample_prompts(0), gen)
@@ -41,9 +43,12 @@ def main(argv: list[str] | None = None) -> dict:
     stats = trainer.method.optimize(ro, advantages, ro.trained.clone(), table, gen)
     change = log_probs(trainer, ro, rows, table) - before
     a = advantages[rows].float().cpu()
-    result = {"corr_change_advantage": torch.corrcoef(torch.stack([change.cpu(), a]))[0, 1].item(),
-              "mean_change": change.mean().item(), "optimizer_steps": stats["policy/optimizer_steps"],
-              "clipfrac": stats["policy/clipfrac"]}
+    result = {
+        "corr_change_advantage": torch.corrcoef(torch.stack([change.cpu(), a]))[0, 1].item(),
+        "mean_change": change.mean().item(),
+        "optimizer_steps": stats["policy/optimizer_steps"],
+        "clipfrac": stats["policy/clipfrac"],
+    }
     print(result)
     return finish_preset_result(args, result)
 

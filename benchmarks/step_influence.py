@@ -41,22 +41,33 @@ def within_group_variance(trainer: Trainer, iterations: int) -> tuple[float, flo
 
 def main(argv: list[str] | None = None) -> dict:
     parser = preset_parser(__doc__.splitlines()[0], str(REPO_ROOT / "configs" / "tiny_geneval.yaml"))
-    parser.add_argument("--iterations", type=int, default=2, help="rollouts (of prompts_per_iteration groups) per step")
+    parser.add_argument(
+        "--iterations", type=int, default=2, help="rollouts (of prompts_per_iteration groups) per step"
+    )
     args = parse_preset_args(parser, argv)
     common = ["run.output_dir=runs/step_influence", *args.overrides]
-    one_step = Trainer(load_config(args.config, [*common, "sampling.shared_noise=true", "sampling.window.size=1",
-                                                 "sampling.window.schedule=fixed"]))
+    one_step = Trainer(
+        load_config(
+            args.config,
+            [*common, "sampling.shared_noise=true", "sampling.window.size=1", "sampling.window.schedule=fixed"],
+        )
+    )
     window, sigmas = one_step.method.shape.window, one_step.method.sigmas  # MixGRPO's one-step window, placed by hand
     rows = []
     for k in range(window.last + 1):
         window.start = k
         mean, var = within_group_variance(one_step, args.iterations)
         rows.append({"step": k, "sigma": sigmas[k].item(), "reward_mean": mean, "within_group_var": var})
-        print(f"step {k} (sigma {rows[-1]['sigma']:.2f}): reward {mean:.3f}, within-group variance {var:.4f}", flush=True)
+        print(
+            f"step {k} (sigma {rows[-1]['sigma']:.2f}): reward {mean:.3f}, within-group variance {var:.4f}", flush=True
+        )
     mean, var = within_group_variance(Trainer(load_config(args.config, common)), args.iterations)
     print(f"every step SDE, independent initial noise: reward {mean:.3f}, within-group variance {var:.4f}")
-    result = {"per_step": rows, "full_sde": {"reward_mean": mean, "within_group_var": var},
-              "iterations": args.iterations}
+    result = {
+        "per_step": rows,
+        "full_sde": {"reward_mean": mean, "within_group_var": var},
+        "iterations": args.iterations,
+    }
     return finish_preset_result(args, result)
 
 

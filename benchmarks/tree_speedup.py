@@ -36,7 +36,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if not cfg.sampling.tree.split_steps:
                 raise SystemExit(f"preset {name!r} has no sampling.tree.split_steps: nothing to time")
             times = bench_tree(Trainer(cfg), repeats=args.repeats)
-        row = {"preset": name, "prompts": cfg.sampling.prompts_per_iteration, "leaves": cfg.sampling.group_size, **times}
+        row = {
+            "preset": name,
+            "prompts": cfg.sampling.prompts_per_iteration,
+            "leaves": cfg.sampling.group_size,
+            **times,
+        }
         print(json.dumps(row), flush=True)
         results.append(row)
     if args.out:

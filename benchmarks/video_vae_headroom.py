@@ -21,8 +21,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flowrl.tiny.video import render_dataset, split  # noqa: E402
 from flowrl.rewards.motion_world import MotionWorld  # noqa: E402
+from flowrl.tiny.video import render_dataset, split  # noqa: E402
 
 
 def scores(videos: torch.Tensor, metas: list[dict]) -> dict[str, float]:
@@ -36,7 +36,7 @@ def round_trip(vae, clips: torch.Tensor, batch: int = 32) -> torch.Tensor:
     """uint8 ``(N, F, H, W, 3)`` -> float ``(N, F, 3, H, W)`` in [0, 1] after encoding to the latent mean and decoding."""
     out = []
     for i in range(0, len(clips), batch):
-        x = clips[i:i + batch].permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0  # (B, 3, F, H, W)
+        x = clips[i : i + batch].permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0  # (B, 3, F, H, W)
         rec = vae.decode(vae.encode(x).latent_dist.mean).sample
         out.append(((rec.clamp(-1, 1) + 1) / 2).permute(0, 2, 1, 3, 4))
     return torch.cat(out)
@@ -56,8 +56,12 @@ def main(argv=None) -> dict:
     clips = torch.from_numpy(clips)
     rendered = clips.permute(0, 1, 4, 2, 3).float() / 255
     vae = AutoencoderKLWan.from_pretrained(a.model, subfolder="vae").eval()
-    result = {"model": a.model, "clips": len(drawn), "rendered": scores(rendered, drawn),
-              "vae_round_trip": scores(round_trip(vae, clips), drawn)}
+    result = {
+        "model": a.model,
+        "clips": len(drawn),
+        "rendered": scores(rendered, drawn),
+        "vae_round_trip": scores(round_trip(vae, clips), drawn),
+    }
     print(json.dumps(result, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))

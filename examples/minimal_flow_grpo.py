@@ -71,8 +71,12 @@ def sample_prompts(records: list[dict], seed: int, iteration: int, n: int) -> li
 
 def chunked(velocity, size: int):
     """`velocity` over at most `size` rows at a time (bounds the activation memory of one forward)."""
+
     def fn(x, t, cond):
-        return torch.cat([velocity(x[i:i + size], t[i:i + size], cond[i:i + size]) for i in range(0, len(x), size)])
+        return torch.cat(
+            [velocity(x[i : i + size], t[i : i + size], cond[i : i + size]) for i in range(0, len(x), size)]
+        )
+
     return fn
 
 
@@ -89,10 +93,17 @@ def rollout(model, metas: list[dict], sigmas: torch.Tensor, args: Args, generato
     noise = torch.randn((len(prompt_index), *model.latent_shape), generator=generator)
     noise = start_latents(noise, sigmas[0])
     plan = StepPlan.sde(args.num_steps, kernel="flow_sde", noise_level=args.noise_level)
-    ro = sample(velocity, noise.to(model.device), table.rows(prompt_index), prompt_index, sigmas.to(model.device), plan,
-                generator=generator)
+    ro = sample(
+        velocity,
+        noise.to(model.device),
+        table.rows(prompt_index),
+        prompt_index,
+        sigmas.to(model.device),
+        plan,
+        generator=generator,
+    )
     size = args.batch_size
-    images = torch.cat([model.decode(ro.final[i:i + size]) for i in range(0, len(ro.final), size)]).cpu()
+    images = torch.cat([model.decode(ro.final[i : i + size]) for i in range(0, len(ro.final), size)]).cpu()
     return ro, images, prompt_index, table
 
 
@@ -103,8 +114,17 @@ def advantages(rewards: torch.Tensor, prompt_index: torch.Tensor, ro, args: Args
     return adv[leaf].to(ro.state.device), ro.trained & ~zero[leaf].to(ro.state.device)
 
 
-def ppo_update(model, table, ro, adv: torch.Tensor, keep: torch.Tensor, params: list, optimizer, args: Args,
-               generator: torch.Generator) -> dict[str, float]:
+def ppo_update(
+    model,
+    table,
+    ro,
+    adv: torch.Tensor,
+    keep: torch.Tensor,
+    params: list,
+    optimizer,
+    args: Args,
+    generator: torch.Generator,
+) -> dict[str, float]:
     """One PPO pass over the kept transitions in a random order, one AdamW step per minibatch."""
     rows = keep.nonzero().squeeze(1)
     kept, adv = ro.select(rows), adv[rows]
@@ -113,7 +133,7 @@ def ppo_update(model, table, ro, adv: torch.Tensor, keep: torch.Tensor, params: 
     stats = defaultdict(list)
     model.transformer.train()
     for start in range(0, len(kept), args.minibatch_size):
-        mb = order[start:start + args.minibatch_size]
+        mb = order[start : start + args.minibatch_size]
         sub = kept.select(mb)
         v = velocity(sub.state, sub.sigma, sub.cond)  # (m, C, H, W) the current policy
         log_prob, _ = recompute_log_prob(sub, v)  # float32 at the std that drew each sample
@@ -153,8 +173,10 @@ def train(args: Args, log=print) -> dict:
         adv, keep = advantages(total, prompt_index, ro, args)
         stats = ppo_update(model, table, ro, adv, keep, params, optimizer, args, generator)
         curve.append(total.mean().item())
-        log(f"iteration {it + 1}: reward {curve[-1]:.3f}, loss {stats.get('loss', 0.0):.4f}, "
-            f"clipfrac {stats.get('clipfrac', 0.0):.3f}, {time.time() - t0:.1f} s")
+        log(
+            f"iteration {it + 1}: reward {curve[-1]:.3f}, loss {stats.get('loss', 0.0):.4f}, "
+            f"clipfrac {stats.get('clipfrac', 0.0):.3f}, {time.time() - t0:.1f} s"
+        )
     weights = {n: p.detach().clone() for n, p in model.transformer.named_parameters() if p.requires_grad}
     return {"weights": weights, "rewards": curve}
 

@@ -13,8 +13,9 @@ def _check_vectors(**tensors: torch.Tensor) -> None:
         raise ValueError(f"{', '.join(named[:-1])} and {named[-1]} must be 1-D tensors of one length (N,)")
 
 
-def group_advantages(rewards: torch.Tensor, group: torch.Tensor, std: str = "global", clip: float = 5.0,
-                     eps: float = 1e-4) -> tuple[torch.Tensor, torch.Tensor]:
+def group_advantages(
+    rewards: torch.Tensor, group: torch.Tensor, std: str = "global", clip: float = 5.0, eps: float = 1e-4
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-prompt z-scored advantages A = (r - mean_group) / (std + eps), clipped to +-clip.
 
     Args:
@@ -82,8 +83,13 @@ def _key(*columns: torch.Tensor) -> torch.Tensor:
     return key
 
 
-def tree_node_rewards(incidence: torch.Tensor, leaf_rewards: torch.Tensor, fusion: str = "mean",
-                      parent: torch.Tensor | None = None, log_prob: torch.Tensor | None = None) -> torch.Tensor:
+def tree_node_rewards(
+    incidence: torch.Tensor,
+    leaf_rewards: torch.Tensor,
+    fusion: str = "mean",
+    parent: torch.Tensor | None = None,
+    log_prob: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Reward of the node each tree transition leads to, fused from the leaves below it (BranchGRPO,
     arXiv 2509.06040, Sec. 3.3 "reward fusion").
 
@@ -108,8 +114,9 @@ def tree_node_rewards(incidence: torch.Tensor, leaf_rewards: torch.Tensor, fusio
     if fusion not in ("mean", "prob"):
         raise ValueError(f"tree reward fusion must be 'mean' or 'prob', got {fusion!r}")
     if incidence.dim() != 2 or leaf_rewards.shape != incidence.shape[1:]:
-        raise ValueError(f"incidence {tuple(incidence.shape)} must be (M, B) and leaf_rewards "
-                         f"{tuple(leaf_rewards.shape)} (B,)")
+        raise ValueError(
+            f"incidence {tuple(incidence.shape)} must be (M, B) and leaf_rewards {tuple(leaf_rewards.shape)} (B,)"
+        )
     inc = incidence.float()  # (M, B)
     count = inc.sum(1)  # (M,)
     if bool((count == 0).any()):
@@ -121,8 +128,10 @@ def tree_node_rewards(incidence: torch.Tensor, leaf_rewards: torch.Tensor, fusio
         raise ValueError("fusion='prob' needs the rollout's parent and log_prob")
     m = incidence.shape[0]
     if parent.shape != (m,) or log_prob.shape != (m,):
-        raise ValueError(f"parent {tuple(parent.shape)} and log_prob {tuple(log_prob.shape)} must be ({m},), one per "
-                         "row of incidence")
+        raise ValueError(
+            f"parent {tuple(parent.shape)} and log_prob {tuple(log_prob.shape)} must be ({m},), one per "
+            "row of incidence"
+        )
     has_child = torch.zeros(m, dtype=torch.bool, device=inc.device)
     has_child[parent[parent >= 0]] = True
     reward = mean.clone()  # leaves' nodes (no stored children) keep their single leaf's reward
@@ -143,8 +152,9 @@ def tree_node_rewards(incidence: torch.Tensor, leaf_rewards: torch.Tensor, fusio
     return torch.where(has_child, reward, mean)
 
 
-def depthwise_advantages(node_rewards: torch.Tensor, group: torch.Tensor, step: torch.Tensor, clip: float = 5.0,
-                         eps: float = 1e-8) -> torch.Tensor:
+def depthwise_advantages(
+    node_rewards: torch.Tensor, group: torch.Tensor, step: torch.Tensor, clip: float = 5.0, eps: float = 1e-8
+) -> torch.Tensor:
     """BranchGRPO depth-wise advantages (arXiv 2509.06040, Sec. 3.3): z-score each node's reward among the
     nodes of the same tree at the same step; a transition takes the advantage of the node it leads to.
 
@@ -170,8 +180,14 @@ def depthwise_advantages(node_rewards: torch.Tensor, group: torch.Tensor, step: 
     return _zscore_by(node_rewards, _key(group, step), eps).clamp(-clip, clip)
 
 
-def width_prune(incidence: torch.Tensor, leaf_rewards: torch.Tensor, leaf_group: torch.Tensor, step: torch.Tensor,
-                last_split: int, keep: int) -> torch.Tensor:
+def width_prune(
+    incidence: torch.Tensor,
+    leaf_rewards: torch.Tensor,
+    leaf_group: torch.Tensor,
+    step: torch.Tensor,
+    last_split: int,
+    keep: int,
+) -> torch.Tensor:
     """BranchGRPO width pruning (arXiv 2509.06040, Sec. 3.4): after the last split, train only the chains of
     the `keep` best and `keep` worst leaves of each tree. Cuts the backward pass only.
 
@@ -192,15 +208,18 @@ def width_prune(incidence: torch.Tensor, leaf_rewards: torch.Tensor, leaf_group:
         raise ValueError(f"width pruning keep must be >= 1, got {keep}")
     _check_vectors(leaf_rewards=leaf_rewards, leaf_group=leaf_group)
     if step.dim() != 1 or incidence.shape != (len(step), len(leaf_rewards)):
-        raise ValueError(f"incidence {tuple(incidence.shape)} must be (M, B) for step {tuple(step.shape)} (M,) and "
-                         f"leaf_rewards {tuple(leaf_rewards.shape)} (B,)")
+        raise ValueError(
+            f"incidence {tuple(incidence.shape)} must be (M, B) for step {tuple(step.shape)} (M,) and "
+            f"leaf_rewards {tuple(leaf_rewards.shape)} (B,)"
+        )
     chosen = _extremes(leaf_rewards, leaf_group, keep, keep)  # (B,)
     on_chosen = (incidence & chosen[None, :]).any(1)  # (M,)
     return (step <= last_split) | on_chosen
 
 
-def process_advantages(rewards: torch.Tensor, group: torch.Tensor, step: torch.Tensor, granularity: torch.Tensor,
-                       clip: float = 5.0) -> torch.Tensor:
+def process_advantages(
+    rewards: torch.Tensor, group: torch.Tensor, step: torch.Tensor, granularity: torch.Tensor, clip: float = 5.0
+) -> torch.Tensor:
     """Per-step process-reward advantages of single-step branches.
 
     TempFlow-GRPO (arXiv 2508.04324, Sec. 3.2): the reward of a branch at step ``i`` (its SDE child
@@ -243,7 +262,9 @@ def sum_by_node(values: torch.Tensor, node: torch.Tensor, num_nodes: int) -> tor
     if len(node) and not (int(node.min()) >= -1 and int(node.max()) < num_nodes):
         raise ValueError(f"node ids must lie in [-1, {num_nodes}), got [{int(node.min())}, {int(node.max())}]")
     keep = node >= 0
-    return torch.zeros(num_nodes, dtype=torch.float32, device=values.device).index_add_(0, node[keep], values[keep].float())
+    return torch.zeros(num_nodes, dtype=torch.float32, device=values.device).index_add_(
+        0, node[keep], values[keep].float()
+    )
 
 
 def turning_point_rewards(returns: torch.Tensor, balance: bool = True) -> torch.Tensor:
@@ -300,8 +321,13 @@ def _balanced(turning: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     return kept.view_as(turning)
 
 
-def aggregate_advantages(per_reward: dict[str, torch.Tensor], weights: dict[str, float], group: torch.Tensor,
-                         std: str = "global", clip: float = 5.0) -> tuple[torch.Tensor, torch.Tensor]:
+def aggregate_advantages(
+    per_reward: dict[str, torch.Tensor],
+    weights: dict[str, float],
+    group: torch.Tensor,
+    std: str = "global",
+    clip: float = 5.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """'Advantage aggregation' of several rewards (MixGRPO, arXiv 2507.21802, Sec. 4.1):
     ``A = sum_k w_k z_k`` with each reward z-scored on its own (:func:`group_advantages`), instead of
     z-scoring the weighted sum ('reward aggregation'), so a reward with a large scale cannot drown the
@@ -365,5 +391,5 @@ def _extremes(values: torch.Tensor, group: torch.Tensor, low: int, high: int) ->
         idx = (group == g).nonzero().squeeze(1)
         order = idx[torch.argsort(values[idx], stable=True)]
         mask[order[:low]] = True
-        mask[order[len(order) - high:]] = True
+        mask[order[len(order) - high :]] = True
     return mask

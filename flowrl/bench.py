@@ -23,19 +23,31 @@ from pathlib import Path
 
 import torch
 
-from .samplers import start_latents
-
 from .config import REPO_ROOT, load_config
 from .evaluation import machine
+from .samplers import start_latents
 
-PRESETS = ("flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "mix_grpo_flash", "branch_grpo", "branch_grpo_mix",
-           "tempflow_grpo", "g2rpo", "tp_grpo")
+PRESETS = (
+    "flow_grpo",
+    "flow_grpo_fast",
+    "dance_grpo",
+    "mix_grpo",
+    "mix_grpo_flash",
+    "branch_grpo",
+    "branch_grpo_mix",
+    "tempflow_grpo",
+    "g2rpo",
+    "tp_grpo",
+)
 
 SAME_IMAGES = {
     # 64 scored images per iteration for every preset (reward calls)
     "tempflow_grpo": ["sampling.prompts_per_iteration=2"],  # 2 prompts x 2 trunks x 4 steps x 4 children
     "g2rpo": ["sampling.prompts_per_iteration=2", "sampling.group_size=4"],  # 2 x 4 steps x 4 x 2 granularities
-    "tp_grpo": ["sampling.prompts_per_iteration=2", "sampling.group_size=5"],  # 2 x 5 trajectories x (1 + 5) probes ~ 60
+    "tp_grpo": [
+        "sampling.prompts_per_iteration=2",
+        "sampling.group_size=5",
+    ],  # 2 x 5 trajectories x (1 + 5) probes ~ 60
 }
 
 
@@ -60,10 +72,14 @@ def load_preset_overrides(path: str | Path) -> dict[str, list[str]]:
     out = {}
     for key, items in raw.items():
         if key != "all" and not (REPO_ROOT / "configs" / f"{key}.yaml").is_file():
-            raise ValueError(f"preset override file {path}: unknown key {key!r}; expected 'all' or a preset in configs/ "
-                             f"such as {list(PRESETS)}")
+            raise ValueError(
+                f"preset override file {path}: unknown key {key!r}; expected 'all' or a preset in configs/ "
+                f"such as {list(PRESETS)}"
+            )
         if not isinstance(items, list) or not all(isinstance(i, str) and "=" in i for i in items):
-            raise ValueError(f"preset override file {path}: {key!r} must be a list of key=value strings, got {items!r}")
+            raise ValueError(
+                f"preset override file {path}: {key!r} must be a list of key=value strings, got {items!r}"
+            )
         out[key] = items
     return out
 
@@ -72,7 +88,9 @@ def _median_iteration(trainer, start: int, count: int) -> dict[str, float]:
     """Medians over `count` iterations ``start, start + 1, ...`` of `trainer` of the cost and time metrics
     (``cost/nfe``, ``cost/trained_transitions``, ``cost/reward_calls``, ``time/*_s``) and of their sum
     ``time/iteration_s``; a progressive or decaying window is put at evenly spaced starts (restored after)."""
-    window = getattr(trainer.method, "window", None)  # a sliding window is timed at evenly spaced starts, the positions a run cycles through
+    window = getattr(
+        trainer.method, "window", None
+    )  # a sliding window is timed at evenly spaced starts, the positions a run cycles through
     spread = window is not None and window.schedule not in ("fixed", "random")
     state = window.state_dict() if spread else None
     rows = []
@@ -82,9 +100,20 @@ def _median_iteration(trainer, start: int, count: int) -> dict[str, float]:
         rows.append(trainer.step(start + i))
     if spread:
         window.load_state_dict(state)
-    out = {k: statistics.median(r[k] for r in rows) for k in ("cost/nfe", "cost/trained_transitions", "cost/reward_calls",
-                                                              "time/sample_s", "time/score_s", "time/train_s")}
-    out["time/iteration_s"] = statistics.median(r["time/sample_s"] + r["time/score_s"] + r["time/train_s"] for r in rows)
+    out = {
+        k: statistics.median(r[k] for r in rows)
+        for k in (
+            "cost/nfe",
+            "cost/trained_transitions",
+            "cost/reward_calls",
+            "time/sample_s",
+            "time/score_s",
+            "time/train_s",
+        )
+    }
+    out["time/iteration_s"] = statistics.median(
+        r["time/sample_s"] + r["time/score_s"] + r["time/train_s"] for r in rows
+    )
     return out
 
 
@@ -105,8 +134,9 @@ def bench_tree(trainer, repeats: int = 3) -> dict[str, float]:
     velocity = trainer.model.velocity_fn(table, s.guidance_scale)
     shape = trainer.method.shape  # a TreeShape
     ode = shape.ode_velocity(velocity)  # built once, outside the timed calls
-    noise = torch.randn((len(metas), *trainer.model.latent_shape),
-                        generator=torch.Generator().manual_seed(0)).to(trainer.device)  # drawn on CPU, as the trainer's
+    noise = torch.randn((len(metas), *trainer.model.latent_shape), generator=torch.Generator().manual_seed(0)).to(
+        trainer.device
+    )  # drawn on CPU, as the trainer's
     noise = start_latents(noise, trainer.method.sigmas[0])  # the state at the first time (noise itself at sigma 1)
     times = {}
     for batched in (True, False):
@@ -120,8 +150,15 @@ def bench_tree(trainer, repeats: int = 3) -> dict[str, float]:
     return times
 
 
-def run_bench(presets=PRESETS, iterations: int = 3, warmup: int = 1, budget_s: float = 0.0, overrides=(),
-              out: str | Path = "runs/bench.json", preset_overrides: str | Path | None = None) -> dict:
+def run_bench(
+    presets=PRESETS,
+    iterations: int = 3,
+    warmup: int = 1,
+    budget_s: float = 0.0,
+    overrides=(),
+    out: str | Path = "runs/bench.json",
+    preset_overrides: str | Path | None = None,
+) -> dict:
     """Benchmark `presets` (names in configs/); see the module docstring. Returns the results dict.
 
     Overrides apply in this order: the same-images settings, `preset_overrides` (a file read by
@@ -141,9 +178,17 @@ def run_bench(presets=PRESETS, iterations: int = 3, warmup: int = 1, budget_s: f
     per_preset = load_preset_overrides(preset_overrides) if preset_overrides else {}
 
     def config(name: str, output_dir: str):
-        return load_config(REPO_ROOT / "configs" / f"{name}.yaml",
-                           [f"run.output_dir={output_dir}", "eval.every=0", *SAME_IMAGES.get(name, []),
-                            *per_preset.get("all", []), *per_preset.get(name, []), *overrides])
+        return load_config(
+            REPO_ROOT / "configs" / f"{name}.yaml",
+            [
+                f"run.output_dir={output_dir}",
+                "eval.every=0",
+                *SAME_IMAGES.get(name, []),
+                *per_preset.get("all", []),
+                *per_preset.get(name, []),
+                *overrides,
+            ],
+        )
 
     for name in presets:  # a bad override stops the bench before any preset has run
         config(name, "unused")
@@ -176,9 +221,15 @@ def run_bench(presets=PRESETS, iterations: int = 3, warmup: int = 1, budget_s: f
         row["vs_dance_grpo"] = row["time/iteration_s"] / base if base else None
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": machine(), "iterations": iterations, "warmup": warmup, "budget_s": budget_s,
-            "base_accuracy": base_accuracy, "overrides": list(overrides),
-            "preset_overrides": {"file": str(preset_overrides), **per_preset} if preset_overrides else None}
+    meta = {
+        "machine": machine(),
+        "iterations": iterations,
+        "warmup": warmup,
+        "budget_s": budget_s,
+        "base_accuracy": base_accuracy,
+        "overrides": list(overrides),
+        "preset_overrides": {"file": str(preset_overrides), **per_preset} if preset_overrides else None,
+    }
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     out.with_suffix(".md").write_text(markdown_table(results, meta))
     return results
@@ -187,31 +238,47 @@ def run_bench(presets=PRESETS, iterations: int = 3, warmup: int = 1, budget_s: f
 def markdown_table(results: dict, meta: dict) -> str:
     """The README table of :func:`run_bench`'s results."""
     budget = meta["budget_s"]
-    head = (f"Machine: {meta['machine']}; median of {meta['iterations']} iterations after {meta['warmup']} warm-up"
-            " (sliding windows timed at evenly spaced starts).")
+    head = (
+        f"Machine: {meta['machine']}; median of {meta['iterations']} iterations after {meta['warmup']} warm-up"
+        " (sliding windows timed at evenly spaced starts)."
+    )
     if budget:
-        head += (f" Accuracy: GenEval strict on the eval prompts after {budget / 2:g} s and {budget:g} s of training"
-                 f" (base model {float('nan') if meta.get('base_accuracy') is None else meta['base_accuracy']:.3f}).")
+        head += (
+            f" Accuracy: GenEval strict on the eval prompts after {budget / 2:g} s and {budget:g} s of training"
+            f" (base model {float('nan') if meta.get('base_accuracy') is None else meta['base_accuracy']:.3f})."
+        )
     if meta.get("overrides"):
         head += f" Overrides: `{' '.join(meta['overrides'])}`."
     if meta.get("preset_overrides"):
         po = meta["preset_overrides"]
-        head += f" Per-preset overrides from `{po['file']}`: " + "; ".join(
-            f"{k}: `{' '.join(v)}`" for k, v in po.items() if k != "file") + "."
-    lines = [head, "",
-             "| preset | old-policy NFEs | trained transitions | reward calls | s / iteration | vs dance_grpo |"
-             + (" accuracy, half budget | accuracy, budget |" if budget else ""),
-             "|---|---|---|---|---|---|" + ("---|---|" if budget else "")]
+        head += (
+            f" Per-preset overrides from `{po['file']}`: "
+            + "; ".join(f"{k}: `{' '.join(v)}`" for k, v in po.items() if k != "file")
+            + "."
+        )
+    lines = [
+        head,
+        "",
+        "| preset | old-policy NFEs | trained transitions | reward calls | s / iteration | vs dance_grpo |"
+        + (" accuracy, half budget | accuracy, budget |" if budget else ""),
+        "|---|---|---|---|---|---|" + ("---|---|" if budget else ""),
+    ]
     for name, r in results.items():
         ratio = f"{r['vs_dance_grpo']:.2f}x" if r.get("vs_dance_grpo") else "-"
-        line = (f"| {name} | {r['cost/nfe']:.0f} | {r['cost/trained_transitions']:.0f} | {r['cost/reward_calls']:.0f} | "
-                f"{r['time/iteration_s']:.2f} | {ratio} |")
+        line = (
+            f"| {name} | {r['cost/nfe']:.0f} | {r['cost/trained_transitions']:.0f} | {r['cost/reward_calls']:.0f} | "
+            f"{r['time/iteration_s']:.2f} | {ratio} |"
+        )
         if budget:
-            line += f" {r.get('budget_half_accuracy', float('nan')):.3f} | {r.get('budget_accuracy', float('nan')):.3f} |"
+            line += (
+                f" {r.get('budget_half_accuracy', float('nan')):.3f} | {r.get('budget_accuracy', float('nan')):.3f} |"
+            )
         lines.append(line)
     for name, r in results.items():
         if "tree" in r:
             t = r["tree"]
-            lines.append(f"\n{name} tree rollout: batched {t['batched_s']:.2f} s, node by node {t['node_by_node_s']:.2f} s "
-                         f"({t['speedup']:.1f}x).")
+            lines.append(
+                f"\n{name} tree rollout: batched {t['batched_s']:.2f} s, node by node {t['node_by_node_s']:.2f} s "
+                f"({t['speedup']:.1f}x)."
+            )
     return "\n".join(lines) + "\n"

@@ -75,8 +75,11 @@ def _digest(path: Path) -> dict:
 
 def _manifest(folder: Path) -> dict[str, dict]:
     """The :func:`_digest` of every file under ``folder`` but ``state.json``, by path relative to it."""
-    return {p.relative_to(folder).as_posix(): _digest(p) for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.relative_to(folder).as_posix() != "state.json"}
+    return {
+        p.relative_to(folder).as_posix(): _digest(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.relative_to(folder).as_posix() != "state.json"
+    }
 
 
 def verify_checkpoint(path: str | Path) -> dict:
@@ -115,8 +118,10 @@ def verify_checkpoint(path: str | Path) -> dict:
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path} is incomplete: no {name}")
         if file.stat().st_size != want.get("size"):
-            raise CheckpointError(f"checkpoint {path}: {name} has {file.stat().st_size} bytes, {want.get('size')} "
-                                  "were written (truncated or replaced)")
+            raise CheckpointError(
+                f"checkpoint {path}: {name} has {file.stat().st_size} bytes, {want.get('size')} "
+                "were written (truncated or replaced)"
+            )
         if _digest(file)["sha256"] != want.get("sha256"):
             raise CheckpointError(f"checkpoint {path}: {name} does not match its SHA-256 (damaged or replaced)")
     return state
@@ -143,9 +148,15 @@ def _fsync_tree(folder: Path) -> None:
         _fsync(path)
 
 
-def save_checkpoint(directory: str | Path, iteration: int, params: dict[str, torch.Tensor],
-                    optimizer: torch.optim.Optimizer | dict, ema: dict[str, torch.Tensor] | None = None,
-                    extra: dict | None = None, write_extra_files: Callable[[Path], None] | None = None) -> Path:
+def save_checkpoint(
+    directory: str | Path,
+    iteration: int,
+    params: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | dict,
+    ema: dict[str, torch.Tensor] | None = None,
+    extra: dict | None = None,
+    write_extra_files: Callable[[Path], None] | None = None,
+) -> Path:
     """Write ``directory/checkpoint-{iteration:06d}`` atomically.
 
     Everything is written to a temp folder and flushed to disk, and ``state.json`` is written last, recording
@@ -185,8 +196,11 @@ def save_checkpoint(directory: str | Path, iteration: int, params: dict[str, tor
     state = {
         "iteration": iteration,
         "optimizer": meta,
-        "rng": {"python": random.getstate()[1], "numpy": [v.tolist() if hasattr(v, "tolist") else v for v in np.random.get_state()[1:]],
-                "torch": torch_rng.tolist()},
+        "rng": {
+            "python": random.getstate()[1],
+            "numpy": [v.tolist() if hasattr(v, "tolist") else v for v in np.random.get_state()[1:]],
+            "torch": torch_rng.tolist(),
+        },
         "extra": extra or {},
     }
     if write_extra_files is not None:
@@ -211,7 +225,9 @@ def _iteration(path: Path) -> int:
 
 def _checkpoint_folders(directory: str | Path) -> list[Path]:
     """The ``checkpoint-<iteration>`` folders under ``directory``, newest (highest iteration) first."""
-    folders = [p for p in Path(directory).glob("checkpoint-*") if p.is_dir() and re.fullmatch(r"checkpoint-\d+", p.name)]
+    folders = [
+        p for p in Path(directory).glob("checkpoint-*") if p.is_dir() and re.fullmatch(r"checkpoint-\d+", p.name)
+    ]
     return sorted(folders, key=_iteration, reverse=True)
 
 
@@ -292,8 +308,12 @@ def prune_checkpoints(directory: str | Path, keep: int, just_saved: str | Path |
     return doomed
 
 
-def load_checkpoint(path: str | Path, params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer,
-                    ema: dict[str, torch.Tensor] | None = None) -> dict:
+def load_checkpoint(
+    path: str | Path,
+    params: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    ema: dict[str, torch.Tensor] | None = None,
+) -> dict:
     """Restore a checkpoint written by :func:`save_checkpoint` in place.
 
     Args:
@@ -316,11 +336,17 @@ def load_checkpoint(path: str | Path, params: dict[str, torch.Tensor], optimizer
     saved = load_file(path / "trainable.safetensors")
     for name, tensor in params.items():  # all checked before any is overwritten
         if name not in saved:
-            raise CheckpointError(f"checkpoint {path} has no trainable tensor {name!r}: was it made with another "
-                                  "model.lora_rank or model?")
-        if saved[name].shape != tensor.shape:  # LoRA names do not depend on the rank; copy_ would broadcast (1, n) silently
-            raise CheckpointError(f"checkpoint {path} has trainable tensor {name!r} of shape {tuple(saved[name].shape)}, "
-                                  f"the model's is {tuple(tensor.shape)}: was it made with another model.lora_rank?")
+            raise CheckpointError(
+                f"checkpoint {path} has no trainable tensor {name!r}: was it made with another "
+                "model.lora_rank or model?"
+            )
+        if (
+            saved[name].shape != tensor.shape
+        ):  # LoRA names do not depend on the rank; copy_ would broadcast (1, n) silently
+            raise CheckpointError(
+                f"checkpoint {path} has trainable tensor {name!r} of shape {tuple(saved[name].shape)}, "
+                f"the model's is {tuple(tensor.shape)}: was it made with another model.lora_rank?"
+            )
     with torch.no_grad():
         for name, tensor in params.items():
             tensor.copy_(saved[name])

@@ -13,9 +13,15 @@ from .config import load_config, resolve_path
 from .data import prompt_file, read_jsonl
 from .files import RunFolderInUse, atomic_output, check_model_folder, probe_output, write_text_atomic
 
-
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError, IsADirectoryError,
-               RunFolderInUse)
+USER_ERRORS = (
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    PermissionError,
+    NotADirectoryError,
+    IsADirectoryError,
+    RunFolderInUse,
+)
 """Exceptions that mean bad input (config key, file, checkpoint, output, a busy run folder), with the rewards' own
 (:func:`user_errors`): reported in one line, exit status 2 (with the full traceback when the environment sets
 ``FLOWRL_TRACEBACK=1``, to tell a bug from bad input). ``ValueError`` covers :class:`flowrl.config.ConfigError`,
@@ -29,6 +35,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from .rewards import RewardError, RewardTypeError
 
     return USER_ERRORS + (RewardError, RewardTypeError)
+
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 """What ``flowrl sample --out`` may end with (the image formats PIL writes)."""
@@ -84,8 +91,10 @@ def cmd_train(args) -> dict:
         if len(rewards) > 1:
             line += " (" + ", ".join(f"{k} {v:.3f} -> {a['per_reward'][k]:.3f}" for k, v in rewards.items()) + ")"
         if "held_out" in b:
-            line += (f"; held-out {config.eval.held_out} prompts: {b['held_out']['overall']:.3f} -> "
-                     f"{a['held_out']['overall']:.3f}")
+            line += (
+                f"; held-out {config.eval.held_out} prompts: {b['held_out']['overall']:.3f} -> "
+                f"{a['held_out']['overall']:.3f}"
+            )
         print(f"{line} in {result['wall_time_s'] / 60:.1f} min; run folder {config.run.output_dir}")
     _end(trainer.accelerator)
     return result
@@ -142,8 +151,16 @@ def cmd_eval(args) -> dict:
     model = _model(args)
     images_per_tag = 64 if args.images_per_tag is None else args.images_per_tag
     with autocast(model.device, args.bf16, "--bf16"):
-        result = evaluate(model, metas, images_per_tag, args.num_steps, args.guidance_scale, args.shift,
-                          args.seed, accelerator=accelerator)
+        result = evaluate(
+            model,
+            metas,
+            images_per_tag,
+            args.num_steps,
+            args.guidance_scale,
+            args.shift,
+            args.seed,
+            accelerator=accelerator,
+        )
     if accelerator is None or accelerator.is_main_process:
         write_text_atomic(args.out, json.dumps(result, indent=1))
         print(json.dumps({"overall": result["overall"], "per_tag": result["per_tag"]}, indent=1))
@@ -192,12 +209,15 @@ def _reward_options(specs: list[str], pairs: list[str] | None) -> dict[str, dict
             raise ValueError(f"--option {pair!r} must look like NAME.key=value (e.g. clipscore.model_path=/ckpt/clip)")
         name, dot, option = key.strip().rpartition(".")
         if not dot and len(specs) > 1:
-            raise ValueError(f"--option {pair!r}: with several rewards, name the reward: NAME.key=value "
-                             f"(--reward lists {', '.join(specs)})")
+            raise ValueError(
+                f"--option {pair!r}: with several rewards, name the reward: NAME.key=value "
+                f"(--reward lists {', '.join(specs)})"
+            )
         name = name if dot else specs[0]
         if name not in grouped:
-            raise ValueError(f"--option {pair!r} is for reward {name!r}, which --reward does not list "
-                             f"({', '.join(specs)})")
+            raise ValueError(
+                f"--option {pair!r} is for reward {name!r}, which --reward does not list ({', '.join(specs)})"
+            )
         grouped[name].append(f"{option}={value}")
     return {spec: _options(opts) for spec, opts in grouped.items()}
 
@@ -207,15 +227,15 @@ def _eval_rewards(args) -> dict:
     :func:`flowrl.prompt_sets.read_prompt_set` format), scored by each reward (weight 1, unsummed); writes and
     returns ``{"rewards": {name: {"mean", "std", "per_tag", "n_images", "options"}}, ...}``
     (:func:`flowrl.evaluation.evaluate_reward`)."""
-    from .rewards import WeightedSum, build_reward
-
     from .evaluation import evaluate_reward
     from .precision import autocast
     from .prompt_sets import read_prompt_set
+    from .rewards import WeightedSum, build_reward
 
     if args.images_per_tag is not None:
-        raise ValueError("--images-per-tag is for the GenEval accuracy (no --reward); with --reward give "
-                         "--images-per-prompt")
+        raise ValueError(
+            "--images-per-tag is for the GenEval accuracy (no --reward); with --reward give --images-per-prompt"
+        )
     specs = _reward_specs(args.reward)
     options = _reward_options(specs, args.option)
     metas = read_prompt_set(args.prompts, args.format)
@@ -225,19 +245,40 @@ def _eval_rewards(args) -> dict:
     model = _model(args)
     k = 1 if args.images_per_prompt is None else args.images_per_prompt
     with autocast(model.device, args.bf16, "--bf16"):
-        scored = evaluate_reward(model, metas, reward, k, args.num_steps, args.guidance_scale, args.shift, args.seed,
-                                 accelerator=accelerator)
-    result = {"rewards": {spec: {**scored["rewards"][spec], "options": options[spec]} for spec in specs},
-              "prompts": str(args.prompts), "n_prompts": len(metas), "images_per_prompt": k,
-              "n_images": scored["n_images"], "model": str(args.model), "lora": args.lora, "seed": args.seed,
-              "num_steps": args.num_steps, "guidance_scale": args.guidance_scale, "shift": args.shift,
-              "bf16": scored["bf16"], "machine": scored["machine"]}
+        scored = evaluate_reward(
+            model,
+            metas,
+            reward,
+            k,
+            args.num_steps,
+            args.guidance_scale,
+            args.shift,
+            args.seed,
+            accelerator=accelerator,
+        )
+    result = {
+        "rewards": {spec: {**scored["rewards"][spec], "options": options[spec]} for spec in specs},
+        "prompts": str(args.prompts),
+        "n_prompts": len(metas),
+        "images_per_prompt": k,
+        "n_images": scored["n_images"],
+        "model": str(args.model),
+        "lora": args.lora,
+        "seed": args.seed,
+        "num_steps": args.num_steps,
+        "guidance_scale": args.guidance_scale,
+        "shift": args.shift,
+        "bf16": scored["bf16"],
+        "machine": scored["machine"],
+    }
     if accelerator is None or accelerator.is_main_process:
         write_text_atomic(args.out, json.dumps(result, indent=1, default=str))  # an option YAML read as a date
         for spec, stats in result["rewards"].items():
             tags = "".join(f"\n  {tag}: {mean:.4f}" for tag, mean in stats["per_tag"].items())
-            print(f"{spec}: mean {stats['mean']:.4f} (std {stats['std']:.4f}) over {stats['n_images']} images"
-                  + (f"; per tag:{tags}" if tags else ""))
+            print(
+                f"{spec}: mean {stats['mean']:.4f} (std {stats['std']:.4f}) over {stats['n_images']} images"
+                + (f"; per tag:{tags}" if tags else "")
+            )
         print(f"wrote {args.out}")
     if accelerator is not None:
         _end(accelerator)
@@ -254,8 +295,14 @@ def cmd_sample(args) -> None:
     probe_output(args.out, "--out", IMAGE_SUFFIXES)  # before the work, not after it
     model = _model(args)
     with autocast(model.device, args.bf16, "--bf16"):
-        images = generate(model, [args.prompt] * args.n, [args.seed + i for i in range(args.n)], args.num_steps,
-                          args.guidance_scale, args.shift)
+        images = generate(
+            model,
+            [args.prompt] * args.n,
+            [args.seed + i for i in range(args.n)],
+            args.num_steps,
+            args.guidance_scale,
+            args.shift,
+        )
     if images.ndim == 5:  # videos (n, F, 3, H, W): the contact sheet at --out, the tiled mp4 beside it
         from .video import save_videos
 
@@ -278,22 +325,39 @@ def cmd_generate(args) -> int:
     metas = read_prompt_set(args.prompts, args.format)
     out = Path(args.out)
     if out.is_file() or (out.is_dir() and any(out.iterdir())):
-        raise FileExistsError(f"--out {out} exists and is not an empty folder; a benchmark folder must hold only "
-                              "this run's images (GenEval's script reads every numbered subfolder)")
+        raise FileExistsError(
+            f"--out {out} exists and is not an empty folder; a benchmark folder must hold only "
+            "this run's images (GenEval's script reads every numbered subfolder)"
+        )
     accelerator = None
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # accelerate launch / torchrun: split the prompts over the processes
+    if (
+        int(os.environ.get("WORLD_SIZE", "1")) > 1
+    ):  # accelerate launch / torchrun: split the prompts over the processes
         from accelerate import Accelerator
 
         accelerator = Accelerator(cpu=args.device == "cpu")
         accelerator.wait_for_everyone()  # every process checked --out before any writes into it
     model = _model(args)
     with autocast(model.device, args.bf16, "--bf16"):
-        written = generate_folder(model, metas, out, args.n, args.layout, args.seed, args.num_steps,
-                                  args.guidance_scale, args.shift, args.batch_size, accelerator)
+        written = generate_folder(
+            model,
+            metas,
+            out,
+            args.n,
+            args.layout,
+            args.seed,
+            args.num_steps,
+            args.guidance_scale,
+            args.shift,
+            args.batch_size,
+            accelerator,
+        )
     if accelerator is not None:
         _end(accelerator)
     if accelerator is None or accelerator.is_main_process:
-        print(f"wrote {len(metas) * args.n} images ({len(metas)} prompts x {args.n}) to {out} in the {args.layout} layout")
+        print(
+            f"wrote {len(metas) * args.n} images ({len(metas)} prompts x {args.n}) to {out} in the {args.layout} layout"
+        )
     return written
 
 
@@ -306,7 +370,9 @@ def _options(pairs: list[str] | None) -> dict:
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"--option {pair!r} must look like key=value (e.g. --option model_path=/ckpt/PickScore_v1)")
+            raise ValueError(
+                f"--option {pair!r} must look like key=value (e.g. --option model_path=/ckpt/PickScore_v1)"
+            )
         try:
             options[key.strip()] = yaml.safe_load(value) if value.strip() else ""
         except yaml.YAMLError:
@@ -317,26 +383,31 @@ def _options(pairs: list[str] | None) -> dict:
 def cmd_score(args) -> dict:
     """``flowrl score``: score a folder of images with a named reward; per-image rows to ``--out``, mean printed
     (:func:`flowrl.image_folders.score_records`)."""
-    from .rewards import build_reward
-
     from .image_folders import read_image_folder, score_records, summarize, write_scores
     from .prompt_sets import read_prompt_set
+    from .rewards import build_reward
 
     prompts = read_prompt_set(args.prompts, args.format) if args.prompts else None
     records = read_image_folder(args.paths, prompts)
     if args.out:
         probe_output(args.out, "--out", (".jsonl", ".csv"))  # before the work, not after it
     if prompts is None and all(r["prompt"] == "" for r in records):
-        print(f"flowrl score: note: no prompts for the {len(records)} images (score them with --prompts FILE for a "
-              "prompt-dependent reward)", file=sys.stderr)
+        print(
+            f"flowrl score: note: no prompts for the {len(records)} images (score them with --prompts FILE for a "
+            "prompt-dependent reward)",
+            file=sys.stderr,
+        )
     reward = build_reward(args.reward, **_options(args.option))
     scores = score_records(reward, records, args.batch_size)
     summary = {"reward": args.reward, "options": _options(args.option), **summarize(records, scores)}
     if args.out:
         write_scores(records, scores, args.out)
     tags = "".join(f"\n  {tag}: {mean:.4f}" for tag, mean in summary["per_tag"].items())
-    print(f"{args.reward}: mean {summary['mean']:.4f} (std {summary['std']:.4f}) over {summary['n_images']} images"
-          + (f"; per tag:{tags}" if tags else "") + (f"\nwrote {args.out}" if args.out else ""))
+    print(
+        f"{args.reward}: mean {summary['mean']:.4f} (std {summary['std']:.4f}) over {summary['n_images']} images"
+        + (f"; per tag:{tags}" if tags else "")
+        + (f"\nwrote {args.out}" if args.out else "")
+    )
     return summary
 
 
@@ -362,9 +433,13 @@ def cmd_rewards(args) -> list[dict]:
     from .rewards.base import _entry_point, _entry_points
 
     def row(name: str, factory, source: str) -> dict:
-        return {"name": name, "modality": getattr(factory, "modality", "-"),
-                "weights": getattr(factory, "weights", "-"),
-                "source": source, "summary": (inspect.getdoc(factory) or "").split("\n")[0]}
+        return {
+            "name": name,
+            "modality": getattr(factory, "modality", "-"),
+            "weights": getattr(factory, "weights", "-"),
+            "source": source,
+            "summary": (inspect.getdoc(factory) or "").split("\n")[0],
+        }
 
     rows = [row(name, factory, "built-in") for name, factory in sorted(REWARDS.items())]
     for ep in sorted(_entry_points(), key=lambda ep: ep.name):
@@ -373,7 +448,9 @@ def cmd_rewards(args) -> list[dict]:
         try:
             rows.append(row(ep.name, _entry_point(ep.name), f"entry point {ep.value}"))
         except (ValueError, TypeError) as e:  # a plug-in that does not load is listed, with why
-            rows.append({**row(ep.name, None, f"entry point {ep.value}"), "weights": f"(not loadable: {_one_line(e)})"})
+            rows.append(
+                {**row(ep.name, None, f"entry point {ep.value}"), "weights": f"(not loadable: {_one_line(e)})"}
+            )
     header = {"name": "NAME", "modality": "MODALITY", "weights": "WEIGHTS IT NEEDS"}
     name_w, mod_w = (max(len(r[k]) for r in [header, *rows]) for k in ("name", "modality"))
     for r in [header, *rows]:
@@ -393,8 +470,9 @@ def cmd_bench(args) -> dict:
         raise ValueError(f"unknown bench preset(s) {sorted(unknown)}; default {list(PRESETS)}, available {available}")
     probe_output(Path(args.out).with_suffix(".md"), "--out")  # and its .json: before the work
     probe_output(args.out, "--out")
-    results = run_bench(args.presets, args.iterations, args.warmup, args.budget_s, args.overrides, args.out,
-                        args.preset_overrides)
+    results = run_bench(
+        args.presets, args.iterations, args.warmup, args.budget_s, args.overrides, args.out, args.preset_overrides
+    )
     print(Path(args.out).with_suffix(".md").read_text())
     return results
 
@@ -418,6 +496,7 @@ def cmd_overopt(args) -> dict:
 def _at_least(low: float, kind: type = int, strict: bool = False):
     """An argparse ``type``: ``kind(text)``, refused (one line, naming the option) unless ``>= low`` (``> low``
     with ``strict``), so that a bad value fails before the model loads."""
+
     def parse(text: str):
         value = kind(text)  # a ValueError here is argparse's "invalid int value: 'x'"
         if not value >= low or (strict and value == low):  # NaN fails too
@@ -459,41 +538,68 @@ def _device(text: str) -> str:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     """The options ``eval`` and ``sample`` share: model, LoRA, sampling and device."""
-    p.add_argument("--model", default="assets/tiny-sd3",
-                   help="a diffusers pipeline folder of any family flowrl has an adapter for (docs/models.md)")
+    p.add_argument(
+        "--model",
+        default="assets/tiny-sd3",
+        help="a diffusers pipeline folder of any family flowrl has an adapter for (docs/models.md)",
+    )
     p.add_argument("--lora", default=None, help="diffusers-format LoRA folder (e.g. RUN/lora)")
-    p.add_argument("--max-sequence-length", type=_at_least(0), default=None,
-                   help="T5 tokens (default: SD3 256 with a T5 encoder, 0 without one as the tiny model; FLUX 512)")
+    p.add_argument(
+        "--max-sequence-length",
+        type=_at_least(0),
+        default=None,
+        help="T5 tokens (default: SD3 256 with a T5 encoder, 0 without one as the tiny model; FLUX 512)",
+    )
     p.add_argument("--resolution", type=_at_least(1), default=None, help="image side in px (default: the model's)")
-    p.add_argument("--num-frames", type=_at_least(1), default=None,
-                   help="frames per video, video models only (Wan: 4k+1; default: the model's, 81 for Wan)")
+    p.add_argument(
+        "--num-frames",
+        type=_at_least(1),
+        default=None,
+        help="frames per video, video models only (Wan: 4k+1; default: the model's, 81 for Wan)",
+    )
     p.add_argument("--num-steps", type=_at_least(1), default=20, help="Euler ODE steps")
     p.add_argument("--guidance-scale", type=_finite, default=4.5, help="classifier-free guidance scale (1 = off)")
-    p.add_argument("--shift", type=_at_least(0, float, strict=True), default=None,
-                   help="sigma-schedule shift (default: the model scheduler's)")
+    p.add_argument(
+        "--shift",
+        type=_at_least(0, float, strict=True),
+        default=None,
+        help="sigma-schedule shift (default: the model scheduler's)",
+    )
     p.add_argument("--seed", type=int, default=1234, help="seed of the first image's noise (then seed + 1, ...)")
     p.add_argument("--device", type=_device, default="auto", help="auto | cpu | cuda[:N]")
-    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
-                   help="bf16 autocast (--no-bf16: float32; default: bf16 where the device computes it natively, "
-                        "float32 elsewhere)")
+    p.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 autocast (--no-bf16: float32; default: bf16 where the device computes it natively, "
+        "float32 elsewhere)",
+    )
 
 
 def _add_train(sub) -> None:
     """The ``train`` sub-command: ``CONFIG`` and ``key=value`` overrides, run by :func:`cmd_train`."""
-    t = sub.add_parser("train", help="run a training job (GRPO or DiffusionNFT) from a YAML preset",
-                       epilog="Every config key with its type, default and help: flowrl config [CONFIG]")
+    t = sub.add_parser(
+        "train",
+        help="run a training job (GRPO or DiffusionNFT) from a YAML preset",
+        epilog="Every config key with its type, default and help: flowrl config [CONFIG]",
+    )
     t.add_argument("config", help="configs/*.yaml")
-    t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.iterations=10 (flowrl config lists "
-                                                "the keys)")
+    t.add_argument(
+        "overrides", nargs="*", help="key=value overrides, e.g. run.iterations=10 (flowrl config lists the keys)"
+    )
     t.set_defaults(fn=cmd_train)
-    c = sub.add_parser("config", help="every config key with its type, value, default and help (of a preset, or the "
-                                      "defaults)")
+    c = sub.add_parser(
+        "config", help="every config key with its type, value, default and help (of a preset, or the defaults)"
+    )
     c.add_argument("config", nargs="?", default=None, help="configs/*.yaml (default: the built-in defaults)")
     c.add_argument("overrides", nargs="*", help="key=value overrides")
     c.add_argument("--json", action="store_true", help="print JSON rows instead of text")
     c.set_defaults(fn=cmd_config)
-    m = sub.add_parser("memory", help="memory per process of a run's trained weights under each engine, from the "
-                                      "model folder (reads no weights)")
+    m = sub.add_parser(
+        "memory",
+        help="memory per process of a run's trained weights under each engine, from the "
+        "model folder (reads no weights)",
+    )
     m.add_argument("config", help="configs/*.yaml")
     m.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.path=/ckpt/flux model.lora_rank=0")
     m.add_argument("--processes", type=_at_least(1), default=8, help="processes (GPUs) of the run")
@@ -507,19 +613,34 @@ def _add_eval(sub) -> None:
 
     e = sub.add_parser("eval", help="GenEval-style strict accuracy of a model (+ LoRA), or reward means (--reward)")
     _model_args(e)
-    e.add_argument("--prompts", default="test",
-                   help="train | test | FILE.jsonl (GenEval metadata); with --reward, any flowrl generate --prompts "
-                        "file")
+    e.add_argument(
+        "--prompts",
+        default="test",
+        help="train | test | FILE.jsonl (GenEval metadata); with --reward, any flowrl generate --prompts file",
+    )
     e.add_argument("--format", choices=FORMATS, default="auto", help="--prompts file format, with --reward")
-    e.add_argument("--reward", type=_non_empty, default=None,
-                   help="NAME[,NAME...]: registered rewards or package.module:function (default: GenEval accuracy)")
-    e.add_argument("--option", action="append", metavar="NAME.KEY=VALUE",
-                   help="a reward option, e.g. clipscore.model_path=assets/tiny-clip (KEY=VALUE with one reward; "
-                        "repeat for more)")
-    e.add_argument("--images-per-tag", type=_at_least(0), default=None,
-                   help="GenEval accuracy: images per tag (default 64; 0: each prompt once)")
-    e.add_argument("--images-per-prompt", type=_at_least(1), default=None,
-                   help="with --reward: samples per prompt (default 1)")
+    e.add_argument(
+        "--reward",
+        type=_non_empty,
+        default=None,
+        help="NAME[,NAME...]: registered rewards or package.module:function (default: GenEval accuracy)",
+    )
+    e.add_argument(
+        "--option",
+        action="append",
+        metavar="NAME.KEY=VALUE",
+        help="a reward option, e.g. clipscore.model_path=assets/tiny-clip (KEY=VALUE with one reward; "
+        "repeat for more)",
+    )
+    e.add_argument(
+        "--images-per-tag",
+        type=_at_least(0),
+        default=None,
+        help="GenEval accuracy: images per tag (default 64; 0: each prompt once)",
+    )
+    e.add_argument(
+        "--images-per-prompt", type=_at_least(1), default=None, help="with --reward: samples per prompt (default 1)"
+    )
     e.add_argument("--out", required=True, help="FILE.json")
     e.set_defaults(fn=cmd_eval)
 
@@ -543,12 +664,19 @@ def _add_generate(sub) -> None:
 
     g = sub.add_parser("generate", help="images of a benchmark prompt file (GenEval, DrawBench, ...) in a folder")
     _model_args(g)
-    g.add_argument("--prompts", required=True,
-                   help="GenEval evaluation_metadata.jsonl, DrawBench .csv, PartiPrompts .tsv, HPDv2 .json, .txt")
+    g.add_argument(
+        "--prompts",
+        required=True,
+        help="GenEval evaluation_metadata.jsonl, DrawBench .csv, PartiPrompts .tsv, HPDv2 .json, .txt",
+    )
     g.add_argument("--format", choices=FORMATS, default="auto", help="prompt file format (auto: from the suffix)")
     g.add_argument("--out", required=True, help="a new (or empty) folder")
-    g.add_argument("--layout", choices=LAYOUTS, default="geneval",
-                   help="geneval: <i>/metadata.jsonl + <i>/samples/<j>.png; flat: <n>.png + prompts.jsonl")
+    g.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="geneval",
+        help="geneval: <i>/metadata.jsonl + <i>/samples/<j>.png; flat: <n>.png + prompts.jsonl",
+    )
     g.add_argument("-n", type=_at_least(1), default=4, help="images per prompt (GenEval: 4)")
     g.add_argument("--batch-size", type=_at_least(1), default=16, help="images generated at once")
     g.set_defaults(fn=cmd_generate)
@@ -596,11 +724,18 @@ def _add_bench(sub) -> None:
     b.add_argument("--presets", nargs="+", default=list(PRESETS), help="presets of configs/ to time")
     b.add_argument("--iterations", type=int, default=3, help="timed iterations per preset (median)")
     b.add_argument("--warmup", type=int, default=1, help="untimed iterations before them")
-    b.add_argument("--budget-s", type=float, default=0.0,
-                   help="also train each preset this long (s) and report the eval accuracy at half and full budget")
+    b.add_argument(
+        "--budget-s",
+        type=float,
+        default=0.0,
+        help="also train each preset this long (s) and report the eval accuracy at half and full budget",
+    )
     b.add_argument("--out", default="runs/bench.json", help="the results as JSON, and a Markdown table beside it")
-    b.add_argument("--preset-overrides", default=None,
-                   help="YAML of per-preset key=value lists ('all' for every preset), e.g. benchmarks/scale_mixgrpo.yaml")
+    b.add_argument(
+        "--preset-overrides",
+        default=None,
+        help="YAML of per-preset key=value lists ('all' for every preset), e.g. benchmarks/scale_mixgrpo.yaml",
+    )
     b.add_argument("overrides", nargs="*", help="key=value overrides for every preset")
     b.set_defaults(fn=cmd_bench)
 
@@ -646,8 +781,17 @@ def _parser() -> argparse.ArgumentParser:
     runs it."""
     parser = _Parser(prog="flowrl", description="Online RL for text-to-image and text-to-video flow models")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for add in (_add_train, _add_eval, _add_sample, _add_generate, _add_score, _add_serve_reward, _add_rewards,
-                _add_bench, _add_overopt):
+    for add in (
+        _add_train,
+        _add_eval,
+        _add_sample,
+        _add_generate,
+        _add_score,
+        _add_serve_reward,
+        _add_rewards,
+        _add_bench,
+        _add_overopt,
+    ):
         add(sub)
     return parser
 

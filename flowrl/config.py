@@ -24,8 +24,23 @@ from .methods.shapes import ProbeConfig, TreeConfig, WindowConfig
 from .precision import PRECISIONS
 from .samplers import STOCHASTIC_KERNELS, UNIT_ETA_KERNELS
 
-__all__ = ["Config", "ConfigError", "EvalConfig", "ModelConfig", "NFTConfig", "ProbeConfig", "RewardConfig", "RunConfig",
-           "SamplingConfig", "TrainConfig", "TreeConfig", "WindowConfig", "config_key", "load_config", "save_config"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "EvalConfig",
+    "ModelConfig",
+    "NFTConfig",
+    "ProbeConfig",
+    "RewardConfig",
+    "RunConfig",
+    "SamplingConfig",
+    "TrainConfig",
+    "TreeConfig",
+    "WindowConfig",
+    "config_key",
+    "load_config",
+    "save_config",
+]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,45 +53,74 @@ def _sampling_kernels() -> str:
 class ModelConfig:
     """``model.*``: which pipeline to load and how to train it (LoRA via peft, or the full transformer)."""
 
-    path: str = setting("assets/tiny-sd3", "a diffusers pipeline folder; the family is picked from its "
-                                           "model_index.json (docs/models.md)")
-    max_sequence_length: Optional[int] = setting(None, "T5 tokens (null: 256 with a T5 encoder as SD3.5, 0 without, "
-                                                       "the tiny model; FLUX 512)")
+    path: str = setting(
+        "assets/tiny-sd3",
+        "a diffusers pipeline folder; the family is picked from its model_index.json (docs/models.md)",
+    )
+    max_sequence_length: Optional[int] = setting(
+        None, "T5 tokens (null: 256 with a T5 encoder as SD3.5, 0 without, the tiny model; FLUX 512)"
+    )
     lora_rank: int = setting(8, "LoRA rank of the trained network; 0 = full fine-tuning")
     lora_alpha: float = setting(16.0, "LoRA alpha (the LoRA scale is alpha / rank)")
-    dtype: str = setting("float32", "the frozen parts' dtype: float32 | bfloat16 | float16 (the trained network is "
-                                    "float32 on a CPU)")
+    dtype: str = setting(
+        "float32", "the frozen parts' dtype: float32 | bfloat16 | float16 (the trained network is float32 on a CPU)"
+    )
     resolution: Optional[int] = setting(None, "image side in px for rollouts and evaluation (null: the model's)")
     num_frames: Optional[int] = setting(None, "video models: frames per video, 4k+1 for Wan (null: the model's, 81)")
-    expert: Optional[str] = setting(None, "two-expert Wan 2.2: the trained one, high | low (null for every other "
-                                          "model)")
-    negative_prompt: str = setting("", "video models: the CFG negative prompt (\"\" as the stock WanPipeline)")
+    expert: Optional[str] = setting(
+        None, "two-expert Wan 2.2: the trained one, high | low (null for every other model)"
+    )
+    negative_prompt: str = setting("", 'video models: the CFG negative prompt ("" as the stock WanPipeline)')
     prompt_cache: Optional[str] = setting(None, "a folder of encoded prompts (safetensors); null: encode every time")
-    text_encoders: str = setting("keep", "keep (on the device) | cpu (moved to the device only to encode) | "
-                                         "drop_after_cache (freed once every prompt is in model.prompt_cache)")
+    text_encoders: str = setting(
+        "keep",
+        "keep (on the device) | cpu (moved to the device only to encode) | "
+        "drop_after_cache (freed once every prompt is in model.prompt_cache)",
+    )
     vae_placement: str = setting("keep", "keep (on the device) | cpu (moved to the device only to decode or encode)")
-    options: dict[str, Any] = setting(factory=dict, help="the family's own settings (its adapter's OPTIONS), e.g. "
-                                                         "HunyuanVideo {true_cfg_scale: 6.0}, SDXL "
-                                                         "{guidance_rescale: 0.7}")
+    options: dict[str, Any] = setting(
+        factory=dict,
+        help="the family's own settings (its adapter's OPTIONS), e.g. "
+        "HunyuanVideo {true_cfg_scale: 6.0}, SDXL "
+        "{guidance_rescale: 0.7}",
+    )
 
     def __post_init__(self):
         _check(self.lora_rank >= 0, "model.lora_rank", ">= 0", self.lora_rank)
-        _check(self.resolution is None or self.resolution > 0, "model.resolution", "a positive number of pixels or null",
-               self.resolution)
+        _check(
+            self.resolution is None or self.resolution > 0,
+            "model.resolution",
+            "a positive number of pixels or null",
+            self.resolution,
+        )
         _check(self.lora_alpha > 0, "model.lora_alpha", "> 0 (the LoRA scale is alpha / rank)", self.lora_alpha)
-        _check(self.max_sequence_length is None or self.max_sequence_length >= 0, "model.max_sequence_length",
-               ">= 0 or null", self.max_sequence_length)
+        _check(
+            self.max_sequence_length is None or self.max_sequence_length >= 0,
+            "model.max_sequence_length",
+            ">= 0 or null",
+            self.max_sequence_length,
+        )
         _check(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", "float32|bfloat16|float16", self.dtype)
         _check(self.num_frames is None or self.num_frames >= 1, "model.num_frames", ">= 1 or null", self.num_frames)
         _check(self.expert in (None, "high", "low"), "model.expert", "high|low or null", self.expert)
-        _check(self.text_encoders in ("keep", "cpu", "drop_after_cache"), "model.text_encoders",
-               "keep|cpu|drop_after_cache", self.text_encoders)
-        _check(self.text_encoders != "drop_after_cache" or bool(self.prompt_cache), "model.text_encoders",
-               "keep or cpu unless model.prompt_cache is set (drop_after_cache encodes every prompt into it first)",
-               self.text_encoders)
-        _check(self.text_encoders != "drop_after_cache" or self.lora_rank > 0, "model.text_encoders",
-               "keep or cpu with full fine-tuning (model.lora_rank=0 saves the whole pipeline, text encoders included)",
-               self.text_encoders)
+        _check(
+            self.text_encoders in ("keep", "cpu", "drop_after_cache"),
+            "model.text_encoders",
+            "keep|cpu|drop_after_cache",
+            self.text_encoders,
+        )
+        _check(
+            self.text_encoders != "drop_after_cache" or bool(self.prompt_cache),
+            "model.text_encoders",
+            "keep or cpu unless model.prompt_cache is set (drop_after_cache encodes every prompt into it first)",
+            self.text_encoders,
+        )
+        _check(
+            self.text_encoders != "drop_after_cache" or self.lora_rank > 0,
+            "model.text_encoders",
+            "keep or cpu with full fine-tuning (model.lora_rank=0 saves the whole pipeline, text encoders included)",
+            self.text_encoders,
+        )
         _check(self.vae_placement in ("keep", "cpu"), "model.vae_placement", "keep|cpu", self.vae_placement)
 
 
@@ -87,23 +131,35 @@ class SamplingConfig:
 
     num_steps: int = setting(10, "denoising steps of a training rollout")
     guidance_scale: float = setting(4.5, "classifier-free guidance scale w (1 = off)")
-    kernel: str = setting("flow_sde", "the stochastic transition kernel (flowrl.samplers.KERNEL_SPECS): flow_sde "
-                                      "(Flow-GRPO) | dance_sde (DanceGRPO) | cps | ddim (DDPO) | ddpm")
-    noise_level: float = setting(0.7, "Flow-GRPO's noise level a (DanceGRPO's eta; an eta in (0, 1] for cps, ddim, "
-                                      "ddpm)")
-    shift: Optional[float] = setting(None, "time shift of the sigma schedule (null: the model scheduler's, 3 for "
-                                           "SD3.5, 1 for the tiny model)")
+    kernel: str = setting(
+        "flow_sde",
+        "the stochastic transition kernel (flowrl.samplers.KERNEL_SPECS): flow_sde "
+        "(Flow-GRPO) | dance_sde (DanceGRPO) | cps | ddim (DDPO) | ddpm",
+    )
+    noise_level: float = setting(
+        0.7, "Flow-GRPO's noise level a (DanceGRPO's eta; an eta in (0, 1] for cps, ddim, ddpm)"
+    )
+    shift: Optional[float] = setting(
+        None, "time shift of the sigma schedule (null: the model scheduler's, 3 for SD3.5, 1 for the tiny model)"
+    )
     group_size: int = setting(8, "G images per prompt (a group)")
     prompts_per_iteration: int = setting(8, "prompts per iteration and process (each process draws its own)")
     shared_noise: bool = setting(False, "one initial noise per group")
     batch_size: int = setting(64, "images per sampler forward")
-    decode_precision: str = setting("auto", "auto | bf16 | no (float32): VAE decode of the rollout images (reward "
-                                            "input only); auto = bf16 where the device has it natively")
-    ode_precision: str = setting("auto", "auto | bf16 | no (float32): the rollout's deterministic steps, which record "
-                                         "no log-prob")
+    decode_precision: str = setting(
+        "auto",
+        "auto | bf16 | no (float32): VAE decode of the rollout images (reward "
+        "input only); auto = bf16 where the device has it natively",
+    )
+    ode_precision: str = setting(
+        "auto", "auto | bf16 | no (float32): the rollout's deterministic steps, which record no log-prob"
+    )
     train_last_step: bool = setting(False, "also train the step onto t = 0")
-    shape: str = setting("flat", "the rollout shape (flowrl.methods.shapes.SHAPES): flat (with sampling.window) | "
-                                 "tree (sampling.tree) | tempflow | g2rpo | tp_grpo (sampling.probe)")
+    shape: str = setting(
+        "flat",
+        "the rollout shape (flowrl.methods.shapes.SHAPES): flat (with sampling.window) | "
+        "tree (sampling.tree) | tempflow | g2rpo | tp_grpo (sampling.probe)",
+    )
     window: WindowConfig = setting(factory=WindowConfig, help="MixGRPO's sliding window (flat groups)")
     tree: TreeConfig = setting(factory=TreeConfig, help="BranchGRPO's tree (shape tree)")
     probe: ProbeConfig = setting(factory=ProbeConfig, help="single-step probes (shapes tempflow, g2rpo, tp_grpo)")
@@ -111,21 +167,41 @@ class SamplingConfig:
     def __post_init__(self):
         self.decode_precision, self.ode_precision = _precision(self.decode_precision), _precision(self.ode_precision)
         _check(self.num_steps >= 2, "sampling.num_steps", ">= 2", self.num_steps)
-        _check(self.decode_precision in PRECISIONS, "sampling.decode_precision", "|".join(PRECISIONS),
-               self.decode_precision)
+        _check(
+            self.decode_precision in PRECISIONS,
+            "sampling.decode_precision",
+            "|".join(PRECISIONS),
+            self.decode_precision,
+        )
         _check(self.ode_precision in PRECISIONS, "sampling.ode_precision", "|".join(PRECISIONS), self.ode_precision)
         _check(self.shape in SHAPES, "sampling.shape", "|".join(SHAPES), self.shape)
-        _check(self.shape == "tree" or not self.tree.split_steps, "sampling.tree.split_steps",
-               "empty unless sampling.shape is 'tree'", self.tree.split_steps)
+        _check(
+            self.shape == "tree" or not self.tree.split_steps,
+            "sampling.tree.split_steps",
+            "empty unless sampling.shape is 'tree'",
+            self.tree.split_steps,
+        )
         _check(self.group_size >= 2, "sampling.group_size", ">= 2 (group-relative advantages)", self.group_size)
         _check(self.guidance_scale >= 1.0, "sampling.guidance_scale", ">= 1", self.guidance_scale)
-        _check(self.kernel in STOCHASTIC_KERNELS, "sampling.kernel",
-               f"a stochastic kernel of flowrl.samplers.KERNEL_SPECS: {_sampling_kernels()}", self.kernel)
+        _check(
+            self.kernel in STOCHASTIC_KERNELS,
+            "sampling.kernel",
+            f"a stochastic kernel of flowrl.samplers.KERNEL_SPECS: {_sampling_kernels()}",
+            self.kernel,
+        )
         _check(self.noise_level > 0, "sampling.noise_level", "> 0", self.noise_level)
-        _check(self.kernel not in UNIT_ETA_KERNELS or self.noise_level <= 1, "sampling.noise_level",
-               f"in (0, 1] for kernel {self.kernel!r} (eta)", self.noise_level)
-        _check(not (self.kernel == "cps" and self.train_last_step), "sampling.train_last_step",
-               "false with kernel 'cps' (its last step lands on t = 0 with std 0: no log-prob)", self.train_last_step)
+        _check(
+            self.kernel not in UNIT_ETA_KERNELS or self.noise_level <= 1,
+            "sampling.noise_level",
+            f"in (0, 1] for kernel {self.kernel!r} (eta)",
+            self.noise_level,
+        )
+        _check(
+            not (self.kernel == "cps" and self.train_last_step),
+            "sampling.train_last_step",
+            "false with kernel 'cps' (its last step lands on t = 0 with std 0: no log-prob)",
+            self.train_last_step,
+        )
         _check(self.shift is None or self.shift > 0, "sampling.shift", "> 0 or null", self.shift)
         _check(self.batch_size >= 1, "sampling.batch_size", ">= 1", self.batch_size)
         _check(self.prompts_per_iteration >= 1, "sampling.prompts_per_iteration", ">= 1", self.prompts_per_iteration)
@@ -136,16 +212,20 @@ class RewardConfig:
     """``rewards.NAME.*``: a reward's weight in the weighted sum and the keyword options of its factory."""
 
     weight: float = setting(1.0, "the reward's weight in the weighted sum")
-    options: dict[str, Any] = setting(factory=dict, help="keyword options of the reward's factory (flowrl rewards "
-                                                         "lists the rewards)")
+    options: dict[str, Any] = setting(
+        factory=dict, help="keyword options of the reward's factory (flowrl rewards lists the rewards)"
+    )
 
 
 @dataclass
 class TrainConfig:
     """``train.*``: the objective (GRPO: advantages, PPO clip, KL, GRPO-Guard options; or DiffusionNFT) and AdamW."""
 
-    method: str = setting("grpo", "the method (flowrl.methods.METHODS): grpo (SDE rollouts, PPO on log-prob ratios) "
-                                  "| nft (ODE samples, DiffusionNFT loss)")
+    method: str = setting(
+        "grpo",
+        "the method (flowrl.methods.METHODS): grpo (SDE rollouts, PPO on log-prob ratios) "
+        "| nft (ODE samples, DiffusionNFT loss)",
+    )
     nft: NFTConfig = setting(factory=NFTConfig, help="DiffusionNFT's settings (train.method nft)")
     learning_rate: float = setting(3e-4, "AdamW learning rate")
     adam_betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas")
@@ -153,29 +233,38 @@ class TrainConfig:
     max_grad_norm: float = setting(1.0, "gradient clipping norm")
     clip_range: float = setting(1e-4, "PPO clip range eps on the ratio")
     adv_clip_max: float = setting(5.0, "advantages clipped to +-adv_clip_max")
-    adv_std: str = setting("global", "z-score advantages by the std of the whole gathered batch (global, Flow-GRPO) "
-                                     "or of each group (group)")
+    adv_std: str = setting(
+        "global",
+        "z-score advantages by the std of the whole gathered batch (global, Flow-GRPO) or of each group (group)",
+    )
     kl_beta: float = setting(0.0, "weight of the KL to the LoRA-disabled base")
     inner_epochs: int = setting(1, "passes over an iteration's transitions")
     minibatch_size: int = setting(64, "transitions (or noised rows) per optimizer step, per process")
-    micro_batch_size: Optional[int] = setting(None, "transitions per forward/backward (gradient accumulation); "
-                                                    "null: the minibatch")
+    micro_batch_size: Optional[int] = setting(
+        None, "transitions per forward/backward (gradient accumulation); null: the minibatch"
+    )
     ema_decay: float = setting(0.0, "EMA of the trained weights for evaluation and export (0 = none)")
     timestep_fraction: float = setting(1.0, "DanceGRPO: train a random fraction of each sample's trained steps")
     ratio_norm: bool = setting(False, "GRPO-Guard's RatioNorm of the log-ratio")
-    step_weighting: str = setting("none", "none | guard (GRPO-Guard gradient reweighting) | noise_aware "
-                                          "(TempFlow-GRPO)")
-    kl_type: str = setting("mean", "mean (exact KL of the Gaussian steps) | flow_grpo (Flow-GRPO's code: that times "
-                                   "|dt|) | velocity (squared velocity difference)")
-    reward_aggregation: str = setting("reward", "several rewards: z-score their weighted sum (reward) | sum their "
-                                                "z-scores (advantage)")
+    step_weighting: str = setting(
+        "none", "none | guard (GRPO-Guard gradient reweighting) | noise_aware (TempFlow-GRPO)"
+    )
+    kl_type: str = setting(
+        "mean",
+        "mean (exact KL of the Gaussian steps) | flow_grpo (Flow-GRPO's code: that times "
+        "|dt|) | velocity (squared velocity difference)",
+    )
+    reward_aggregation: str = setting(
+        "reward", "several rewards: z-score their weighted sum (reward) | sum their z-scores (advantage)"
+    )
     best_of_n: int = setting(0, "train only the best and worst best_of_n / 2 samples of each group (0 = all)")
-    step_grad_norms: str = setting("velocity", "per-step gradient-norm diagnostic: none | velocity (free) | params "
-                                               "(one backward per step)")
-    gradient_checkpointing: bool = setting(False, "recompute the network's activations in backward: less memory, "
-                                                  "about one more forward")
-    optimizer: str = setting("adamw", "adamw (torch) | adamw_8bit (bitsandbytes' 8-bit AdamW: CUDA only, extra "
-                                      "'bnb')")
+    step_grad_norms: str = setting(
+        "velocity", "per-step gradient-norm diagnostic: none | velocity (free) | params (one backward per step)"
+    )
+    gradient_checkpointing: bool = setting(
+        False, "recompute the network's activations in backward: less memory, about one more forward"
+    )
+    optimizer: str = setting("adamw", "adamw (torch) | adamw_8bit (bitsandbytes' 8-bit AdamW: CUDA only, extra 'bnb')")
 
     def __post_init__(self):
         _check(self.method in METHODS, "train.method", "|".join(METHODS), self.method)
@@ -191,17 +280,34 @@ class TrainConfig:
         _check(self.clip_range > 0, "train.clip_range", "> 0", self.clip_range)
         _check(0 <= self.ema_decay < 1, "train.ema_decay", "in [0, 1)", self.ema_decay)
         _check(self.minibatch_size >= 1, "train.minibatch_size", ">= 1", self.minibatch_size)
-        _check(self.micro_batch_size is None or self.micro_batch_size >= 1, "train.micro_batch_size", ">= 1 or null",
-               self.micro_batch_size)
-        _check(self.step_weighting in ("none", "guard", "noise_aware"), "train.step_weighting", "none|guard|noise_aware",
-               self.step_weighting)
-        _check(self.reward_aggregation in ("reward", "advantage"), "train.reward_aggregation", "reward|advantage",
-               self.reward_aggregation)
+        _check(
+            self.micro_batch_size is None or self.micro_batch_size >= 1,
+            "train.micro_batch_size",
+            ">= 1 or null",
+            self.micro_batch_size,
+        )
+        _check(
+            self.step_weighting in ("none", "guard", "noise_aware"),
+            "train.step_weighting",
+            "none|guard|noise_aware",
+            self.step_weighting,
+        )
+        _check(
+            self.reward_aggregation in ("reward", "advantage"),
+            "train.reward_aggregation",
+            "reward|advantage",
+            self.reward_aggregation,
+        )
         _check(self.best_of_n == 0 or self.best_of_n >= 2, "train.best_of_n", "0 or >= 2", self.best_of_n)
-        _check(self.kl_type in ("mean", "flow_grpo", "velocity"), "train.kl_type", "mean|flow_grpo|velocity",
-               self.kl_type)
-        _check(self.step_grad_norms in ("none", "velocity", "params"), "train.step_grad_norms", "none|velocity|params",
-               self.step_grad_norms)
+        _check(
+            self.kl_type in ("mean", "flow_grpo", "velocity"), "train.kl_type", "mean|flow_grpo|velocity", self.kl_type
+        )
+        _check(
+            self.step_grad_norms in ("none", "velocity", "params"),
+            "train.step_grad_norms",
+            "none|velocity|params",
+            self.step_grad_norms,
+        )
         _check(0 < self.timestep_fraction <= 1, "train.timestep_fraction", "in (0, 1]", self.timestep_fraction)
         _check(self.optimizer in ("adamw", "adamw_8bit"), "train.optimizer", "adamw|adamw_8bit", self.optimizer)
 
@@ -216,9 +322,12 @@ class EvalConfig:
     num_steps: int = setting(20, "Euler ODE steps")
     guidance_scale: float = setting(4.5, "classifier-free guidance scale")
     seed: int = setting(1234, "seed of the evaluation's noise (the same images before and after)")
-    held_out: Optional[str] = setting(None, "a second prompt set evaluated before and after training only (e.g. the "
-                                            "held-out test prompts when eval.prompts are the trained ones), "
-                                            "printed beside; null: none")
+    held_out: Optional[str] = setting(
+        None,
+        "a second prompt set evaluated before and after training only (e.g. the "
+        "held-out test prompts when eval.prompts are the trained ones), "
+        "printed beside; null: none",
+    )
     held_out_images_per_tag: int = setting(32, "images per tag of eval.held_out")
 
     def __post_init__(self):
@@ -240,12 +349,16 @@ class RunConfig:
     keep_checkpoints: Optional[int] = setting(None, "keep only the newest N checkpoints (null: keep all)")
     resume: bool = setting(False, "continue from the newest verified checkpoint in output_dir")
     device: str = setting("auto", "auto | cpu | cuda")
-    mixed_precision: str = setting("auto", "auto (bf16 where the device computes it natively, else float32) | bf16 "
-                                           "(autocast) | no (float32); log-probs are float32 always")
+    mixed_precision: str = setting(
+        "auto",
+        "auto (bf16 where the device computes it natively, else float32) | bf16 "
+        "(autocast) | no (float32); log-probs are float32 always",
+    )
     log_with: list[str] = setting(factory=list, help="trackers besides metrics.jsonl: tensorboard | wandb | trackio")
     project: str = setting("flowrl", "the trackers' project name")
-    log_images_every: int = setting(0, "every N iterations, log a few rollout images to the trackers (0 = only the "
-                                       "before/after grids)")
+    log_images_every: int = setting(
+        0, "every N iterations, log a few rollout images to the trackers (0 = only the before/after grids)"
+    )
 
     def __post_init__(self):
         from .trackers import check_trackers
@@ -253,14 +366,26 @@ class RunConfig:
         self.mixed_precision = _precision(self.mixed_precision)
         with config_key("run.log_with"):
             check_trackers(list(self.log_with))
-        _check(self.log_images_every >= 0, "run.log_images_every", ">= 0 (0 = only the before/after grids)",
-               self.log_images_every)
+        _check(
+            self.log_images_every >= 0,
+            "run.log_images_every",
+            ">= 0 (0 = only the before/after grids)",
+            self.log_images_every,
+        )
         _check(self.iterations >= 1, "run.iterations", ">= 1", self.iterations)
         _check(self.save_every >= 1, "run.save_every", ">= 1 (the last iteration is always saved)", self.save_every)
-        _check(self.keep_checkpoints is None or self.keep_checkpoints >= 1, "run.keep_checkpoints",
-               ">= 1 or null (keep all)", self.keep_checkpoints)
-        _check(self.mixed_precision in PRECISIONS, "run.mixed_precision",
-               "auto|bf16|no (fp16 needs loss scaling, which flowrl does not do)", self.mixed_precision)
+        _check(
+            self.keep_checkpoints is None or self.keep_checkpoints >= 1,
+            "run.keep_checkpoints",
+            ">= 1 or null (keep all)",
+            self.keep_checkpoints,
+        )
+        _check(
+            self.mixed_precision in PRECISIONS,
+            "run.mixed_precision",
+            "auto|bf16|no (fp16 needs loss scaling, which flowrl does not do)",
+            self.mixed_precision,
+        )
         _check(self.device in ("auto", "cpu", "cuda"), "run.device", "auto|cpu|cuda", self.device)
 
 
@@ -273,8 +398,10 @@ class Config:
     model: ModelConfig = setting(factory=ModelConfig, help="the pipeline and how it is trained")
     sampling: SamplingConfig = setting(factory=SamplingConfig, help="the rollouts")
     rewards: dict[str, Optional[RewardConfig]] = setting(
-        factory=dict, help="name (registered, or 'package.module:function') -> weight and options; empty = geneval; "
-                           "null drops a reward inherited from a base preset")
+        factory=dict,
+        help="name (registered, or 'package.module:function') -> weight and options; empty = geneval; "
+        "null drops a reward inherited from a base preset",
+    )
     train_prompts: str = setting("train", "train | test | a .jsonl file of prompt records")
     tag_balanced: bool = setting(True, "draw a tag uniformly, then a prompt of that tag")
     train: TrainConfig = setting(factory=TrainConfig, help="the objective and the optimizer")
@@ -285,8 +412,12 @@ class Config:
         self.rewards = {name: r for name, r in self.rewards.items() if r is not None}
         if not self.rewards:  # a default in the schema would be merged into, not replaced by, a preset's rewards
             self.rewards = {"geneval": RewardConfig()}
-        _check(self.train.kl_beta == 0 or self.model.lora_rank > 0, "train.kl_beta",
-               "0 unless model.lora_rank > 0 (the KL reference is the LoRA-disabled base)", self.train.kl_beta)
+        _check(
+            self.train.kl_beta == 0 or self.model.lora_rank > 0,
+            "train.kl_beta",
+            "0 unless model.lora_rank > 0 (the KL reference is the LoRA-disabled base)",
+            self.train.kl_beta,
+        )
         METHODS[self.train.method].check_config(self)  # what the method (and its rollout shape) cannot run
 
 
@@ -296,7 +427,9 @@ def _load_yaml(path: Path, chain: tuple[Path, ...] = ()):
     if path in chain:
         raise ConfigError(f"config key 'base' of {path} makes a cycle: {' -> '.join(str(c) for c in chain + (path,))}")
     if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist" + (f" (the 'base' of {chain[-1]})" if chain else ""))
+        raise FileNotFoundError(
+            f"config file {path} does not exist" + (f" (the 'base' of {chain[-1]})" if chain else "")
+        )
     try:
         cfg = OmegaConf.load(path)
     except yaml.YAMLError as e:  # a syntax error: name the file and the line, in one line
@@ -304,8 +437,10 @@ def _load_yaml(path: Path, chain: tuple[Path, ...] = ()):
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         raise ConfigError(f"config file {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(cfg, DictConfig):
-        raise ConfigError(f"config file {path} must hold a mapping of keys (model:, sampling:, train:, ...), "
-                          f"got a {type(cfg).__name__.removesuffix('Config').lower()}")
+        raise ConfigError(
+            f"config file {path} must hold a mapping of keys (model:, sampling:, train:, ...), "
+            f"got a {type(cfg).__name__.removesuffix('Config').lower()}"
+        )
     base = cfg.pop("base", None)
     if base is None:
         return cfg
@@ -369,8 +504,15 @@ def describe(config: Config | None = None) -> list[dict]:
             if dataclasses.is_dataclass(value):
                 walk(value, base if dataclasses.is_dataclass(base) else None, key + ".")
                 continue
-            rows.append({"key": key, "type": str(f.type).replace("typing.", ""), "value": value, "default": base,
-                         "help": f.metadata.get("help", "")})
+            rows.append(
+                {
+                    "key": key,
+                    "type": str(f.type).replace("typing.", ""),
+                    "value": value,
+                    "default": base,
+                    "help": f.metadata.get("help", ""),
+                }
+            )
 
     walk(config, Config(), "")
     return rows
@@ -409,8 +551,12 @@ def preset_parser(description: str, default: str = "configs/tiny_geneval.yaml"):
     is not a ``.yaml``/``.yml`` file) and ``args.overrides`` (the other positionals).
     """
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("args", nargs="*", metavar="[CONFIG] key=value",
-                        help=f"a .yaml preset (default {default}), then overrides of it")
+    parser.add_argument(
+        "args",
+        nargs="*",
+        metavar="[CONFIG] key=value",
+        help=f"a .yaml preset (default {default}), then overrides of it",
+    )
     parser.add_argument("--out", default="", help="also write the result as JSON here")
     parser.set_defaults(default_config=default)
     return parser
@@ -420,7 +566,7 @@ def parse_preset_args(parser, argv: list[str] | None = None):
     """Parse ``argv`` with a :func:`preset_parser` (options may come between the overrides)."""
     args = parser.parse_intermixed_args(argv)
     given = args.args[:1] if args.args and args.args[0].endswith((".yaml", ".yml")) else []
-    args.config, args.overrides = (given or [args.default_config])[0], args.args[len(given):]
+    args.config, args.overrides = (given or [args.default_config])[0], args.args[len(given) :]
     return args
 
 

@@ -56,14 +56,18 @@ def read_jsonl(path: str | Path) -> list[dict]:
             try:
                 meta = json.loads(line)
             except ValueError as e:
-                raise ValueError(f"{path}:{i}: not a JSON line ({e.msg}); expected a JSON object with a 'prompt' key") from None
+                raise ValueError(
+                    f"{path}:{i}: not a JSON line ({e.msg}); expected a JSON object with a 'prompt' key"
+                ) from None
             if not isinstance(meta, dict) or not isinstance(meta.get("prompt"), str):
                 raise ValueError(f"{path}:{i}: expected a JSON object with a 'prompt' key")
             if "image" in meta:
                 image = path.parent / str(meta["image"])  # an absolute path stays as it is
                 if not isinstance(meta["image"], str) or not image.is_file():
-                    raise ValueError(f"{path}:{i}: 'image' {meta['image']!r} is not an image file (expected a path "
-                                     "relative to the prompt file)")
+                    raise ValueError(
+                        f"{path}:{i}: 'image' {meta['image']!r} is not an image file (expected a path "
+                        "relative to the prompt file)"
+                    )
                 meta["image"] = str(image.resolve())
             metas.append(meta)
     if not metas:

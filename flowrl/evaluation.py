@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
-import math
 import json
+import math
 import os
 import platform
 from collections import defaultdict
@@ -13,9 +13,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .samplers import ode_sample, start_latents
-
 from .models import FlowModel
+from .samplers import ode_sample, start_latents
 
 
 @functools.cache
@@ -43,8 +42,16 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} CPU cores, {gpu}, torch {torch.__version__}"
 
 
-def generate(model: FlowModel, prompts: list[str], seeds: list[int], num_steps: int, guidance_scale: float,
-             shift: float | None = None, batch_size: int = 64, metas: list[dict] | None = None) -> torch.Tensor:
+def generate(
+    model: FlowModel,
+    prompts: list[str],
+    seeds: list[int],
+    num_steps: int,
+    guidance_scale: float,
+    shift: float | None = None,
+    batch_size: int = 64,
+    metas: list[dict] | None = None,
+) -> torch.Tensor:
     """Deterministic ODE (Euler) sampling: image i from ``torch.Generator().manual_seed(seeds[i])``.
 
     Args:
@@ -63,22 +70,33 @@ def generate(model: FlowModel, prompts: list[str], seeds: list[int], num_steps: 
         ValueError: if ``prompts`` is empty, or ``seeds`` or ``metas`` has another length.
     """
     if not prompts or len(seeds) != len(prompts) or (metas is not None and len(metas) != len(prompts)):
-        raise ValueError(f"generate needs at least one prompt and one seed (and record, if any) per prompt; got "
-                         f"{len(prompts)} prompts, {len(seeds)} seeds, {'no' if metas is None else len(metas)} records")
+        raise ValueError(
+            f"generate needs at least one prompt and one seed (and record, if any) per prompt; got "
+            f"{len(prompts)} prompts, {len(seeds)} seeds, {'no' if metas is None else len(metas)} records"
+        )
     sigmas = model.sigmas(num_steps, shift).to(model.device)  # the stock pipeline's spacing (SD3 or FLUX)
     images = []
     starts = range(0, len(prompts), batch_size)  # a bar for a long evaluation (several batches), on local rank 0
-    for start in tqdm(starts, desc="generate", unit="batch", leave=False,
-                      disable=len(starts) < 2 or os.environ.get("LOCAL_RANK", "0") != "0"):
-        chunk = prompts[start:start + batch_size]
-        records = [{"prompt": p} for p in chunk] if metas is None else metas[start:start + batch_size]
+    for start in tqdm(
+        starts,
+        desc="generate",
+        unit="batch",
+        leave=False,
+        disable=len(starts) < 2 or os.environ.get("LOCAL_RANK", "0") != "0",
+    ):
+        chunk = prompts[start : start + batch_size]
+        records = [{"prompt": p} for p in chunk] if metas is None else metas[start : start + batch_size]
         keys = [json.dumps(m, sort_keys=True, default=str) for m in records]
         unique = dict(zip(keys, records))  # each distinct record (prompt and conditioning) is encoded once
         table = model.prompt_table(list(unique.values()))
         row = {k: i + 1 for i, k in enumerate(unique)}
         cond = torch.tensor([row[k] for k in keys], device=model.device)
-        noise = torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s))
-                             for s in seeds[start:start + batch_size]]).to(model.device)  # (b, C, H, W)
+        noise = torch.stack(
+            [
+                torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s))
+                for s in seeds[start : start + batch_size]
+            ]
+        ).to(model.device)  # (b, C, H, W)
         noise = start_latents(noise, sigmas[0])  # the state at the first time (noise itself at sigma 1)
         with torch.no_grad():
             latents = ode_sample(model.velocity_fn(table, guidance_scale), noise, cond, sigmas)
@@ -86,8 +104,15 @@ def generate(model: FlowModel, prompts: list[str], seeds: list[int], num_steps: 
     return torch.cat(images)
 
 
-def generate_per_prompt(model: FlowModel, metas: list[dict], k: int, num_steps: int = 20, guidance_scale: float = 4.5,
-                        seed: int = 1234, caller: str = "generate_per_prompt") -> tuple[list[dict], torch.Tensor]:
+def generate_per_prompt(
+    model: FlowModel,
+    metas: list[dict],
+    k: int,
+    num_steps: int = 20,
+    guidance_scale: float = 4.5,
+    seed: int = 1234,
+    caller: str = "generate_per_prompt",
+) -> tuple[list[dict], torch.Tensor]:
     """``k`` deterministic ODE samples of every prompt (:func:`generate`; sample ``j`` of each prompt from seed ``seed + j``).
 
     Args:
@@ -105,8 +130,9 @@ def generate_per_prompt(model: FlowModel, metas: list[dict], k: int, num_steps: 
     if k < 1 or not metas:
         raise ValueError(f"{caller} needs k >= 1 and at least one prompt; got k={k}, {len(metas)} prompts")
     expanded = [m for m in metas for _ in range(k)]
-    images = generate(model, [m["prompt"] for m in expanded], [seed + j for _ in metas for j in range(k)],
-                      num_steps, guidance_scale)
+    images = generate(
+        model, [m["prompt"] for m in expanded], [seed + j for _ in metas for j in range(k)], num_steps, guidance_scale
+    )
     return expanded, images
 
 
@@ -132,7 +158,7 @@ def sharded(fn, n: int, accelerator=None) -> torch.Tensor:
     rows = -(-n // procs)
     buf = torch.zeros(rows, k, device=accelerator.device)
     if mine is not None:
-        buf[:len(idx)] = mine.to(accelerator.device)
+        buf[: len(idx)] = mine.to(accelerator.device)
     full = accelerator.gather(buf).cpu().reshape(procs, rows, k)
     out = torch.empty(n, k)
     for r in range(procs):
@@ -154,9 +180,19 @@ def expand_per_tag(metas: list[dict], images_per_tag: int) -> list[dict]:
     return out
 
 
-def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_steps: int = 20,
-             guidance_scale: float = 4.5, shift: float | None = None, seed: int = 1234, batch_size: int = 64,
-             return_images: bool = False, accelerator=None, judge=None) -> dict:
+def evaluate(
+    model: FlowModel,
+    metas: list[dict],
+    images_per_tag: int = 64,
+    num_steps: int = 20,
+    guidance_scale: float = 4.5,
+    shift: float | None = None,
+    seed: int = 1234,
+    batch_size: int = 64,
+    return_images: bool = False,
+    accelerator=None,
+    judge=None,
+) -> dict:
     """GenEval strict accuracy (arXiv 2310.11513): per-tag mean of correct images, overall mean of tags.
 
     Args:
@@ -186,7 +222,9 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
     if not metas:
         raise ValueError("evaluate needs at least one prompt; got an empty prompt list")
     if return_images and accelerator is not None and accelerator.num_processes > 1:
-        raise ValueError("evaluate: return_images needs a single process (the images stay on the process that drew them)")
+        raise ValueError(
+            "evaluate: return_images needs a single process (the images stay on the process that drew them)"
+        )
     metas = expand_per_tag(metas, images_per_tag)
     prompts = [m["prompt"] for m in metas]
     images = None
@@ -194,8 +232,16 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
 
     def draw_and_judge(idx: list[int]) -> torch.Tensor:  # (len(idx), 2): strict, dense
         nonlocal images
-        images = generate(model, [prompts[i] for i in idx], [seed + i for i in idx], num_steps, guidance_scale, shift,
-                          batch_size, [metas[i] for i in idx])
+        images = generate(
+            model,
+            [prompts[i] for i in idx],
+            [seed + i for i in idx],
+            num_steps,
+            guidance_scale,
+            shift,
+            batch_size,
+            [metas[i] for i in idx],
+        )
         strict, dense = reader.judge(images, [prompts[i] for i in idx], [metas[i] for i in idx])  # one detection pass
         return torch.stack([strict.float(), dense.float()], dim=1)
 
@@ -206,7 +252,10 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
     for m, s, d in zip(metas, strict.tolist(), dense.tolist()):
         per_tag[m.get("tag", "all")].append(s)
         dense_tag[m.get("tag", "all")].append(d)
-    mean = lambda xs: sum(xs) / len(xs)
+
+    def mean(xs):
+        return sum(xs) / len(xs)
+
     result = {
         "overall": mean([mean(v) for v in per_tag.values()]),
         "per_tag": {t: mean(v) for t, v in per_tag.items()},
@@ -223,9 +272,18 @@ def evaluate(model: FlowModel, metas: list[dict], images_per_tag: int = 64, num_
     return result
 
 
-def evaluate_reward(model: FlowModel, metas: list[dict], reward, images_per_prompt: int = 1, num_steps: int = 20,
-                    guidance_scale: float = 4.5, shift: float | None = None, seed: int = 1234, batch_size: int = 64,
-                    accelerator=None) -> dict:
+def evaluate_reward(
+    model: FlowModel,
+    metas: list[dict],
+    reward,
+    images_per_prompt: int = 1,
+    num_steps: int = 20,
+    guidance_scale: float = 4.5,
+    shift: float | None = None,
+    seed: int = 1234,
+    batch_size: int = 64,
+    accelerator=None,
+) -> dict:
     """Reward statistics of ODE samples of a prompt set (``flowrl eval --reward``; the trainer's evaluation of prompt
     sets without GenEval metadata, e.g. PickScore prompts).
 
@@ -261,8 +319,16 @@ def evaluate_reward(model: FlowModel, metas: list[dict], reward, images_per_prom
     names = []
 
     def score(idx: list[int]) -> torch.Tensor:  # (len(idx), 1 + rewards): total, then each reward
-        images = generate(model, [prompts[i] for i in idx], [seed + i for i in idx], num_steps, guidance_scale, shift,
-                          batch_size, [metas[i] for i in idx])
+        images = generate(
+            model,
+            [prompts[i] for i in idx],
+            [seed + i for i in idx],
+            num_steps,
+            guidance_scale,
+            shift,
+            batch_size,
+            [metas[i] for i in idx],
+        )
         scores = reward(images, [prompts[i] for i in idx], [metas[i] for i in idx])
         names[:] = list(scores.per_reward)
         return torch.stack([scores.total.float(), *(v.float() for v in scores.per_reward.values())], dim=1)
@@ -274,9 +340,17 @@ def evaluate_reward(model: FlowModel, metas: list[dict], reward, images_per_prom
         names = list(getattr(reward, "rewards", {}))
     records = [{"metadata": m} for m in metas]
     stats = {k: summarize(records, table[:, 1 + j].tolist()) for j, k in enumerate(names)}
-    return {"overall": table[:, 0].mean().item(), "per_reward": {k: v["mean"] for k, v in stats.items()},
-            "per_tag": summarize(records, table[:, 0].tolist())["per_tag"], "rewards": stats, "n_images": len(metas),
-            "num_steps": num_steps, "guidance_scale": guidance_scale, "bf16": bf16, "machine": machine()}
+    return {
+        "overall": table[:, 0].mean().item(),
+        "per_reward": {k: v["mean"] for k, v in stats.items()},
+        "per_tag": summarize(records, table[:, 0].tolist())["per_tag"],
+        "rewards": stats,
+        "n_images": len(metas),
+        "num_steps": num_steps,
+        "guidance_scale": guidance_scale,
+        "bf16": bf16,
+        "machine": machine(),
+    }
 
 
 def summarize(records: list[dict], scores: list[float]) -> dict:
@@ -287,6 +361,9 @@ def summarize(records: list[dict], scores: list[float]) -> dict:
     for record, score in zip(records, scores):
         if "tag" in record["metadata"]:
             by_tag[str(record["metadata"]["tag"])].append(score)
-    return {"n_images": len(scores), "mean": values.mean().item() if scores else math.nan,
-            "std": values.std().item() if len(scores) > 1 else 0.0,
-            "per_tag": {t: sum(v) / len(v) for t, v in sorted(by_tag.items())}}
+    return {
+        "n_images": len(scores),
+        "mean": values.mean().item() if scores else math.nan,
+        "std": values.std().item() if len(scores) > 1 else 0.0,
+        "per_tag": {t: sum(v) / len(v) for t, v in sorted(by_tag.items())},
+    }

@@ -165,8 +165,10 @@ def probe_output(path: str | Path, what: str, suffixes: tuple[str, ...] | None =
     if path.is_dir():
         raise OutputError(f"{what} {path} is a folder; expected a file name")
     if suffixes is not None and path.suffix.lower() not in suffixes:
-        raise OutputError(f"{what} {path}: unknown file type {path.suffix or '(none)'!r}; expected one of "
-                          f"{', '.join(sorted(suffixes))}")
+        raise OutputError(
+            f"{what} {path}: unknown file type {path.suffix or '(none)'!r}; expected one of "
+            f"{', '.join(sorted(suffixes))}"
+        )
     probe = path.with_name(f".{path.name}.probe-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -218,8 +220,10 @@ def check_safetensors(path: str | Path) -> None:
             raise ValueError(f"{path} is not a safetensors file ({size} bytes): truncated or another format")
         (length,) = struct.unpack("<Q", head)
         if length > min(size - 8, 100 << 20):
-            raise ValueError(f"{path} is not a safetensors file: its header is unreadable (truncated, or a pickle "
-                             "saved under a .safetensors name)")
+            raise ValueError(
+                f"{path} is not a safetensors file: its header is unreadable (truncated, or a pickle "
+                "saved under a .safetensors name)"
+            )
         try:
             header = json.loads(f.read(length))
         except ValueError:
@@ -261,8 +265,10 @@ def check_weights_folder(folder: str | Path, convert_hint: str) -> None:
     safe = sorted(folder.glob("*.safetensors"))
     pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
     if pickled and not safe:
-        raise ValueError(f"{folder} holds only pickled weights ({', '.join(pickled)}); flowrl loads safetensors "
-                         f"only: {convert_hint}")
+        raise ValueError(
+            f"{folder} holds only pickled weights ({', '.join(pickled)}); flowrl loads safetensors "
+            f"only: {convert_hint}"
+        )
     for file in safe:
         check_safetensors(file)
 
@@ -284,9 +290,11 @@ def check_model_folder(path: str | Path) -> None:
     if not index_file.is_file():
         raise FileNotFoundError(f"model path {path} is not a diffusers pipeline folder (no model_index.json)")
     index = _read_json(index_file)
-    hint = (f"convert it once with `python -c \"import diffusers; diffusers.DiffusionPipeline.from_pretrained("
-            f"'{path}').save_pretrained('{path}-safetensors', safe_serialization=True)\"` (this unpickles: only for "
-            "files you trust)")
+    hint = (
+        f'convert it once with `python -c "import diffusers; diffusers.DiffusionPipeline.from_pretrained('
+        f"'{path}').save_pretrained('{path}-safetensors', safe_serialization=True)\"` (this unpickles: only for "
+        "files you trust)"
+    )
     for name, value in index.items():
         folder = path / name
         if name.startswith("_") or not isinstance(value, list) or not folder.is_dir():

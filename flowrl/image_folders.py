@@ -25,7 +25,15 @@ import torch
 from .evaluation import generate, summarize
 from .files import atomic_output, write_text_atomic
 
-__all__ = ["LAYOUTS", "generate_folder", "load_image", "read_image_folder", "score_records", "summarize", "write_scores"]  # summarize: from evaluate
+__all__ = [
+    "LAYOUTS",
+    "generate_folder",
+    "load_image",
+    "read_image_folder",
+    "score_records",
+    "summarize",
+    "write_scores",
+]  # summarize: from evaluate
 
 LAYOUTS = ("geneval", "flat")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -48,9 +56,20 @@ def _save_png(image: torch.Tensor, path: Path) -> None:
         Image.fromarray(array).save(tmp, format="PNG")
 
 
-def generate_folder(model, metas: list[dict], out: str | Path, k: int = 4, layout: str = "geneval", seed: int = 1234,
-                    num_steps: int = 20, guidance_scale: float = 4.5, shift: float | None = None,
-                    batch_size: int = 16, accelerator=None, progress: Callable[[int], None] | None = None) -> int:
+def generate_folder(
+    model,
+    metas: list[dict],
+    out: str | Path,
+    k: int = 4,
+    layout: str = "geneval",
+    seed: int = 1234,
+    num_steps: int = 20,
+    guidance_scale: float = 4.5,
+    shift: float | None = None,
+    batch_size: int = 16,
+    accelerator=None,
+    progress: Callable[[int], None] | None = None,
+) -> int:
     """Generate ``k`` images per prompt (deterministic ODE samples, :func:`flowrl.evaluation.generate`) into ``out``.
 
     Args:
@@ -79,8 +98,11 @@ def generate_folder(model, metas: list[dict], out: str | Path, k: int = 4, layou
     rank, procs = (0, 1) if accelerator is None else (accelerator.process_index, accelerator.num_processes)
     items = [(i, j) for i in range(rank, len(metas), procs) for j in range(k)]  # this process's images
     if layout == "flat" and rank == 0:
-        lines = [{**m, "file": f"{i * k + j:05d}.png", "index": i, "sample": j, "seed": seed + i * k + j}
-                 for i, m in enumerate(metas) for j in range(k)]
+        lines = [
+            {**m, "file": f"{i * k + j:05d}.png", "index": i, "sample": j, "seed": seed + i * k + j}
+            for i, m in enumerate(metas)
+            for j in range(k)
+        ]
         out.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out / "prompts.jsonl", "".join(json.dumps(line) + "\n" for line in lines))
     if layout == "geneval":
@@ -88,12 +110,21 @@ def generate_folder(model, metas: list[dict], out: str | Path, k: int = 4, layou
             (out / f"{i:05d}" / "samples").mkdir(parents=True, exist_ok=True)
             write_text_atomic(out / f"{i:05d}" / "metadata.jsonl", json.dumps(metas[i]) + "\n")
     for start in range(0, len(items), batch_size):
-        chunk = items[start:start + batch_size]
-        images = generate(model, [metas[i]["prompt"] for i, _ in chunk], [seed + i * k + j for i, j in chunk],
-                          num_steps, guidance_scale, shift, batch_size,
-                          metas=[metas[i] for i, _ in chunk])  # (b, 3, H, W) in [0, 1]
+        chunk = items[start : start + batch_size]
+        images = generate(
+            model,
+            [metas[i]["prompt"] for i, _ in chunk],
+            [seed + i * k + j for i, j in chunk],
+            num_steps,
+            guidance_scale,
+            shift,
+            batch_size,
+            metas=[metas[i] for i, _ in chunk],
+        )  # (b, 3, H, W) in [0, 1]
         for (i, j), image in zip(chunk, images):
-            path = out / f"{i:05d}" / "samples" / f"{j:04d}.png" if layout == "geneval" else out / f"{i * k + j:05d}.png"
+            path = (
+                out / f"{i:05d}" / "samples" / f"{j:04d}.png" if layout == "geneval" else out / f"{i * k + j:05d}.png"
+            )
             _save_png(image, path)
         if progress is not None:
             progress(len(chunk))
@@ -126,7 +157,9 @@ def _geneval_folder(folder: Path) -> list[dict]:
         try:
             meta = json.loads(meta_file.read_text())
         except ValueError as e:
-            raise ValueError(f"{meta_file} is not one JSON object ({e}); GenEval's layout has the prompt's record there") from None
+            raise ValueError(
+                f"{meta_file} is not one JSON object ({e}); GenEval's layout has the prompt's record there"
+            ) from None
         if not isinstance(meta, dict) or not isinstance(meta.get("prompt"), str):
             raise ValueError(f"{meta_file} must hold one JSON object with a string 'prompt'")
         samples = sub / "samples"
@@ -182,14 +215,18 @@ def read_image_folder(paths: Sequence[str | Path], prompts: list[dict] | None = 
         else:
             loose += sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
     if prompts is not None and records:
-        raise ValueError("--prompts is for loose images; the folders given carry their own prompts "
-                         "(metadata.jsonl or prompts.jsonl)")
+        raise ValueError(
+            "--prompts is for loose images; the folders given carry their own prompts "
+            "(metadata.jsonl or prompts.jsonl)"
+        )
     if loose:
         metas = [{"prompt": ""}] * len(loose) if prompts is None else _match(loose, prompts)
         records += [{"file": str(p), "prompt": m["prompt"], "metadata": m} for p, m in zip(loose, metas)]
     if not records:
-        raise ValueError(f"no images found in {', '.join(map(str, paths))} (image files {', '.join(IMAGE_SUFFIXES)}, "
-                         "a GenEval-layout folder, or a folder with prompts.jsonl)")
+        raise ValueError(
+            f"no images found in {', '.join(map(str, paths))} (image files {', '.join(IMAGE_SUFFIXES)}, "
+            "a GenEval-layout folder, or a folder with prompts.jsonl)"
+        )
     return records
 
 
@@ -204,13 +241,16 @@ def _match(files: list[Path], prompts: list[dict]) -> list[dict]:
     if len(prompts) == 1:
         return prompts * len(files)
     if len(prompts) != len(files):
-        raise ValueError(f"--prompts holds {len(prompts)} prompts for {len(files)} images; give one per image (in the "
-                         "images' name order), one for all, or records with a 'file' key")
+        raise ValueError(
+            f"--prompts holds {len(prompts)} prompts for {len(files)} images; give one per image (in the "
+            "images' name order), one for all, or records with a 'file' key"
+        )
     return prompts
 
 
-def score_records(reward, records: list[dict], batch_size: int = 16,
-                  progress: Callable[[int], None] | None = None) -> list[float]:
+def score_records(
+    reward, records: list[dict], batch_size: int = 16, progress: Callable[[int], None] | None = None
+) -> list[float]:
     """Score every image of `records` (:func:`read_image_folder`) with `reward`.
 
     Consecutive images of the same size are scored together, `batch_size` at a time.
@@ -234,7 +274,7 @@ def score_records(reward, records: list[dict], batch_size: int = 16,
 
     def flush():
         nonlocal batch, start
-        chunk = records[start:start + len(batch)]
+        chunk = records[start : start + len(batch)]
         total = combined(torch.stack(batch), [r["prompt"] for r in chunk], [r["metadata"] for r in chunk]).total
         scores.extend(total.tolist())
         start += len(batch)
@@ -254,8 +294,10 @@ def score_records(reward, records: list[dict], batch_size: int = 16,
 
 def write_scores(records: list[dict], scores: list[float], out: str | Path) -> None:
     """Write one row per image, ``file``, ``prompt``, ``tag`` and ``score``: CSV for a ``.csv`` path, else JSON lines."""
-    rows = [{"file": r["file"], "prompt": r["prompt"], "tag": r["metadata"].get("tag", ""), "score": s}
-            for r, s in zip(records, scores)]
+    rows = [
+        {"file": r["file"], "prompt": r["prompt"], "tag": r["metadata"].get("tag", ""), "score": s}
+        for r, s in zip(records, scores)
+    ]
     with atomic_output(out) as tmp:
         with open(tmp, "w", newline="") as f:
             if str(out).lower().endswith(".csv"):

@@ -23,8 +23,13 @@ def _check_per_row(rows: int, **tensors: torch.Tensor | None) -> None:
             raise ValueError(f"{name} must have shape ({rows},), one value per row; got {tuple(t.shape)}")
 
 
-def ppo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-             clip_range: float, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def ppo_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_range: float,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (arXiv 1707.06347) per transition, as in Flow-GRPO's GRPO objective (arXiv 2505.05470).
 
     r = exp(logp_new - logp_old); loss = mean(w max(-A r, -A clip(r, 1 - eps, 1 + eps))).
@@ -93,8 +98,9 @@ def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tenso
     return dmu2.div(2 * std.float() ** 2).mean()
 
 
-def ratio_norm(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor,
-               std: torch.Tensor) -> torch.Tensor:
+def ratio_norm(
+    log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor, std: torch.Tensor
+) -> torch.Tensor:
     """GRPO-Guard RatioNorm (arXiv 2510.22319, Sec. 4.1): the log-ratio with its analytic bias removed and
     rescaled by the step's std.
 
@@ -121,8 +127,9 @@ def ratio_norm(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.T
     return tau * (log_prob - old_log_prob) + dmu2 / (2 * tau)
 
 
-def step_weights(kind: str, gain: torch.Tensor, std: torch.Tensor, step: torch.Tensor,
-                 among: torch.Tensor | None = None) -> torch.Tensor | None:
+def step_weights(
+    kind: str, gain: torch.Tensor, std: torch.Tensor, step: torch.Tensor, among: torch.Tensor | None = None
+) -> torch.Tensor | None:
     """Per-transition loss weights that balance denoising steps, normalised to mean 1 over the steps.
 
     - ``"guard"``: GRPO-Guard gradient reweighting (arXiv 2510.22319, Sec. 4.2): the gradient of the
@@ -177,8 +184,9 @@ def velocity_kl(velocity: torch.Tensor, ref_velocity: torch.Tensor) -> torch.Ten
         ValueError: for mismatched shapes.
     """
     if velocity.shape != ref_velocity.shape:
-        raise ValueError(f"velocity {tuple(velocity.shape)} and ref_velocity {tuple(ref_velocity.shape)} must have "
-                         "one shape")
+        raise ValueError(
+            f"velocity {tuple(velocity.shape)} and ref_velocity {tuple(ref_velocity.shape)} must have one shape"
+        )
     return ((velocity.float() - ref_velocity.float()) ** 2).mean()
 
 
@@ -201,8 +209,16 @@ def optimality_weights(advantages: torch.Tensor, adv_max: float) -> torch.Tensor
     return (advantages.float() / adv_max / 2 + 0.5).clamp(0, 1)
 
 
-def nft_loss(v: torch.Tensor, v_old: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor, t: torch.Tensor,
-             r: torch.Tensor, beta: float = 1.0, adv_max: float = 5.0) -> torch.Tensor:
+def nft_loss(
+    v: torch.Tensor,
+    v_old: torch.Tensor,
+    x_t: torch.Tensor,
+    x0: torch.Tensor,
+    t: torch.Tensor,
+    r: torch.Tensor,
+    beta: float = 1.0,
+    adv_max: float = 5.0,
+) -> torch.Tensor:
     """DiffusionNFT's negative-aware flow-matching loss (arXiv 2509.16117, Eq. 8 with its adaptive weight).
 
     ``v+ = beta v + (1 - beta) v_old`` and ``v- = (1 + beta) v_old - beta v`` are the implicit positive and

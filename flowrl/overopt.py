@@ -35,15 +35,35 @@ def proxy_and_gold(trainer, proxy) -> dict[str, float]:
     """
     e, s = trainer.cfg.eval, trainer.cfg.sampling
     with trainer.policy.ema_weights(), trainer.policy.autocast():
-        result = evaluate(trainer.model, trainer.eval_metas, e.images_per_tag, e.num_steps, e.guidance_scale, s.shift,
-                          e.seed, s.batch_size, return_images=True)
+        result = evaluate(
+            trainer.model,
+            trainer.eval_metas,
+            e.images_per_tag,
+            e.num_steps,
+            e.guidance_scale,
+            s.shift,
+            e.seed,
+            s.batch_size,
+            return_images=True,
+        )
     scores = proxy(result["images"], result["prompts"], result["metas"])
-    return {"proxy": float(torch.as_tensor(scores).float().mean()), "gold": result["overall"],
-            "gold_dense": result["dense_overall"], "per_tag": result["per_tag"]}
+    return {
+        "proxy": float(torch.as_tensor(scores).float().mean()),
+        "gold": result["overall"],
+        "gold_dense": result["dense_overall"],
+        "per_tag": result["per_tag"],
+    }
 
 
-def run_overopt(presets=PRESETS, iterations: int = 30, eval_every: int = 10, proxy: str = "clipscore",
-                proxy_options: dict | None = None, overrides=(), out: str | Path = "runs/overopt.json") -> dict:
+def run_overopt(
+    presets=PRESETS,
+    iterations: int = 30,
+    eval_every: int = 10,
+    proxy: str = "clipscore",
+    proxy_options: dict | None = None,
+    overrides=(),
+    out: str | Path = "runs/overopt.json",
+) -> dict:
     """Train each preset (names in configs/) on ``proxy`` and track proxy and gold on held-out prompts.
 
     Args:
@@ -60,7 +80,6 @@ def run_overopt(presets=PRESETS, iterations: int = 30, eval_every: int = 10, pro
         ValueError: ``eval_every`` < 1 or ``iterations`` < 1.
     """
     from .rewards import build_reward
-
     from .trainer import Trainer
 
     if iterations < 1 or eval_every < 1:
@@ -74,8 +93,10 @@ def run_overopt(presets=PRESETS, iterations: int = 30, eval_every: int = 10, pro
         swap = [f"rewards.{r}=null" for r in base.rewards if r != proxy] + [f"rewards.{proxy}.weight=1.0"]
         swap += [f"rewards.{proxy}.options.{k}={v}" for k, v in proxy_options.items()]
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = load_config(REPO_ROOT / "configs" / f"{name}.yaml",
-                              [f"run.output_dir={tmp}/run", "eval.every=0", *swap, *overrides])
+            cfg = load_config(
+                REPO_ROOT / "configs" / f"{name}.yaml",
+                [f"run.output_dir={tmp}/run", "eval.every=0", *swap, *overrides],
+            )
             trainer = Trainer(cfg)
             rows, t0 = [], time.time()
             for it in range(iterations + 1):
@@ -88,8 +109,13 @@ def run_overopt(presets=PRESETS, iterations: int = 30, eval_every: int = 10, pro
             results[name] = rows
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": machine(), "iterations": iterations, "eval_every": eval_every, "proxy": proxy,
-            "overrides": list(overrides)}
+    meta = {
+        "machine": machine(),
+        "iterations": iterations,
+        "eval_every": eval_every,
+        "proxy": proxy,
+        "overrides": list(overrides),
+    }
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     out.with_suffix(".md").write_text(markdown_table(results, meta))
     return results
@@ -97,16 +123,21 @@ def run_overopt(presets=PRESETS, iterations: int = 30, eval_every: int = 10, pro
 
 def markdown_table(results: dict, meta: dict) -> str:
     """One row per preset: proxy and gold at the start, at the gold's best evaluation and at the end."""
-    lines = [f"Machine: {meta['machine']}; proxy `{meta['proxy']}`, gold GenEval strict accuracy on held-out prompts; "
-             f"{meta['iterations']} iterations, evaluated every {meta['eval_every']}.", "",
-             "| preset | proxy start | proxy end | gold start | gold best (iteration) | gold end | proxy along training | "
-             "gold along training | dense gold along training |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Machine: {meta['machine']}; proxy `{meta['proxy']}`, gold GenEval strict accuracy on held-out prompts; "
+        f"{meta['iterations']} iterations, evaluated every {meta['eval_every']}.",
+        "",
+        "| preset | proxy start | proxy end | gold start | gold best (iteration) | gold end | proxy along training | "
+        "gold along training | dense gold along training |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, rows in results.items():
         first, last = rows[0], rows[-1]
         best = max(rows, key=lambda r: r["gold"])
         along = {k: " ".join(f"{r[k]:.3f}" for r in rows) for k in ("proxy", "gold", "gold_dense")}
-        lines.append(f"| {name} | {first['proxy']:.3f} | {last['proxy']:.3f} | {first['gold']:.3f} | "
-                     f"{best['gold']:.3f} ({best['iteration']}) | {last['gold']:.3f} | {along['proxy']} | {along['gold']} | "
-                     f"{along['gold_dense']} |")
+        lines.append(
+            f"| {name} | {first['proxy']:.3f} | {last['proxy']:.3f} | {first['gold']:.3f} | "
+            f"{best['gold']:.3f} ({best['iteration']}) | {last['gold']:.3f} | {along['proxy']} | {along['gold']} | "
+            f"{along['gold_dense']} |"
+        )
     return "\n".join(lines) + "\n"

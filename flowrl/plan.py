@@ -23,8 +23,9 @@ ZERO_BUCKET = 5e8
 """DeepSpeed's default ``reduce_bucket_size`` (elements): ZeRO-2's reduction bucket, float32."""
 
 
-def trained_counts(path: str | Path, network: str, lora_rank: int, lora_alpha: float,
-                   targets: tuple[str, ...]) -> tuple[int, int, int]:
+def trained_counts(
+    path: str | Path, network: str, lora_rank: int, lora_alpha: float, targets: tuple[str, ...]
+) -> tuple[int, int, int]:
     """Weights of the trained network of the pipeline folder ``path`` (built on the meta device from
     ``path/network/config.json``).
 
@@ -46,19 +47,28 @@ def trained_counts(path: str | Path, network: str, lora_rank: int, lora_alpha: f
     config = json.loads((Path(path) / network / "config.json").read_text())
     cls = getattr(diffusers, config.get("_class_name", ""), None)
     if cls is None:
-        raise ValueError(f"{Path(path) / network / 'config.json'} names class {config.get('_class_name')!r}, which "
-                         f"diffusers {diffusers.__version__} does not have")
+        raise ValueError(
+            f"{Path(path) / network / 'config.json'} names class {config.get('_class_name')!r}, which "
+            f"diffusers {diffusers.__version__} does not have"
+        )
     with torch.device("meta"):
         model = cls.from_config(cls.load_config(Path(path), subfolder=network))
         total = sum(p.numel() for p in model.parameters())
         if lora_rank > 0:
-            model.add_adapter(LoraConfig(r=lora_rank, lora_alpha=lora_alpha, init_lora_weights="gaussian",
-                                         target_modules=list(targets)))
+            model.add_adapter(
+                LoraConfig(
+                    r=lora_rank, lora_alpha=lora_alpha, init_lora_weights="gaussian", target_modules=list(targets)
+                )
+            )
         else:
             model.requires_grad_(True)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    blocks = [sum(p.numel() for p in child.parameters() if p.requires_grad)
-              for m in model.modules() if isinstance(m, torch.nn.ModuleList) for child in m]
+    blocks = [
+        sum(p.numel() for p in child.parameters() if p.requires_grad)
+        for m in model.modules()
+        if isinstance(m, torch.nn.ModuleList)
+        for child in m
+    ]
     return total, trained, max(blocks, default=0)
 
 
@@ -80,8 +90,15 @@ def component_elements(path: str | Path) -> dict[str, int]:
     return counts
 
 
-def frozen_gpu_bytes(elements: dict[str, int], network: str, network_params: int, lora: bool, dtype_bytes: int,
-                     text_encoders: str, vae_placement: str) -> dict[str, int]:
+def frozen_gpu_bytes(
+    elements: dict[str, int],
+    network: str,
+    network_params: int,
+    lora: bool,
+    dtype_bytes: int,
+    text_encoders: str,
+    vae_placement: str,
+) -> dict[str, int]:
     """Bytes of the frozen parts on each process's accelerator between uses, in ``model.dtype`` (``dtype_bytes`` per
     weight; ``elements``: :func:`component_elements`): the trained network's base under LoRA (under full fine-tuning
     its ``network_params`` float32 weights are the engine table's, its saved buffers, e.g. SD3's positional table,
@@ -146,35 +163,49 @@ def memory_plan(cfg, processes: int = 1) -> dict:
     m = cfg.model
     total, trained, block = trained_counts(path, network, m.lora_rank, m.lora_alpha, adapter.LORA_TARGETS)
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[m.dtype]
-    frozen = frozen_gpu_bytes(component_elements(path), network, total, m.lora_rank > 0, dtype_bytes, m.text_encoders,
-                              m.vae_placement)
+    frozen = frozen_gpu_bytes(
+        component_elements(path), network, total, m.lora_rank > 0, dtype_bytes, m.text_encoders, m.vae_placement
+    )
     engines = engine_bytes(trained, block, processes)
     for row in engines.values():
         row["total_gpu"] = row["gpu"] + sum(frozen.values())
-    return {"model": {"path": str(path), "family": adapter.__name__, "network": network, "dtype": m.dtype},
-            "processes": processes, "network_params": total, "trained_params": trained, "largest_block": block,
-            "frozen_gpu_bytes": frozen, "engines": engines}
+    return {
+        "model": {"path": str(path), "family": adapter.__name__, "network": network, "dtype": m.dtype},
+        "processes": processes,
+        "network_params": total,
+        "trained_params": trained,
+        "largest_block": block,
+        "frozen_gpu_bytes": frozen,
+        "engines": engines,
+    }
 
 
 def format_plan(plan: dict) -> str:
     """``plan`` (:func:`memory_plan`) as the lines ``flowrl memory`` prints: the counts, the files, and a Markdown
     table of GiB per process."""
-    gib = 2.0 ** 30
-    unit, scale = ("GiB", gib) if max(r["total_gpu"] for r in plan["engines"].values()) >= gib else ("MiB", 2.0 ** 20)
+    gib = 2.0**30
+    unit, scale = ("GiB", gib) if max(r["total_gpu"] for r in plan["engines"].values()) >= gib else ("MiB", 2.0**20)
     m = plan["model"]
-    what = ("full fine-tuning" if plan["trained_params"] == plan["network_params"]
-            else f"LoRA: {plan['trained_params'] / 1e6:.1f}M trained")
+    what = (
+        "full fine-tuning"
+        if plan["trained_params"] == plan["network_params"]
+        else f"LoRA: {plan['trained_params'] / 1e6:.1f}M trained"
+    )
     frozen = plan["frozen_gpu_bytes"]
-    lines = [f"{m['path']}: {m['family']}, {m['network']} of {plan['network_params'] / 1e9:.3f}B weights ({what}); "
-             f"largest trained block {plan['largest_block'] / 1e6:.1f}M",
-             f"frozen parts on each GPU in {m['dtype']}: "
-             + (", ".join(f"{k} {v / gib:.2f} GiB" if v >= gib else f"{k} {v / 2**20:.1f} MiB"
-                          for k, v in frozen.items()) or "none"),
-             f"per process over {plan['processes']} processes, before activations ({unit}): the trained float32 "
-             "weights, their gradients, AdamW's state (ZeRO: with the master copy), their sum, and with the frozen "
-             "parts:",
-             "| engine | weights | gradients | optimizer | trained | with frozen | host |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{m['path']}: {m['family']}, {m['network']} of {plan['network_params'] / 1e9:.3f}B weights ({what}); "
+        f"largest trained block {plan['largest_block'] / 1e6:.1f}M",
+        f"frozen parts on each GPU in {m['dtype']}: "
+        + (
+            ", ".join(f"{k} {v / gib:.2f} GiB" if v >= gib else f"{k} {v / 2**20:.1f} MiB" for k, v in frozen.items())
+            or "none"
+        ),
+        f"per process over {plan['processes']} processes, before activations ({unit}): the trained float32 "
+        "weights, their gradients, AdamW's state (ZeRO: with the master copy), their sum, and with the frozen "
+        "parts:",
+        "| engine | weights | gradients | optimizer | trained | with frozen | host |",
+        "|---|---|---|---|---|---|---|",
+    ]
     columns = ("weights", "gradients", "optimizer", "gpu", "total_gpu", "host")
     for name, row in plan["engines"].items():
         lines.append(f"| {name} | " + " | ".join(f"{row[k] / scale:.2f}" for k in columns) + " |")

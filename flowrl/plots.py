@@ -40,7 +40,7 @@ def moving_average(values: Sequence[float | None], window: int) -> np.ndarray:
     v = np.asarray(values, dtype=np.float64)  # (N,), None -> NaN
     out = np.full(len(v), np.nan)
     for i in range(len(v)):
-        recent = v[max(0, i - window + 1): i + 1]
+        recent = v[max(0, i - window + 1) : i + 1]
         recent = recent[np.isfinite(recent)]
         if recent.size:
             out[i] = recent.mean()
@@ -92,10 +92,12 @@ def reward_curve_figure(metrics: list[dict], result: dict | None):
     ev.plot(xs, ys, "D--", color="black", ms=6, lw=1.2)
     accuracy = not any("per_reward" in (result or {}).get(k, {}) for k in ("before", "after"))  # GenEval prompts
     what = "evaluation accuracy" if accuracy else "evaluation reward"
-    handles += [Line2D([], [], color="0.3", marker=".", ls="", alpha=0.4, label="per iteration"),
-                Line2D([], [], color="0.3", lw=1.5, label=f"mean of last {SMOOTHING_WINDOW} iterations"),
-                Line2D([], [], color="black", marker="D", ls="--", label=f"{what} (right axis)"),
-                Line2D([], [], color="0.3", marker="o", ls=":", label=f"{what} per tag")]
+    handles += [
+        Line2D([], [], color="0.3", marker=".", ls="", alpha=0.4, label="per iteration"),
+        Line2D([], [], color="0.3", lw=1.5, label=f"mean of last {SMOOTHING_WINDOW} iterations"),
+        Line2D([], [], color="black", marker="D", ls="--", label=f"{what} (right axis)"),
+        Line2D([], [], color="0.3", marker="o", ls=":", label=f"{what} per tag"),
+    ]
     ax.set_xlabel("iteration")
     ax.set_ylabel("training reward (mean per iteration)")
     ev.set_ylabel("GenEval strict accuracy on eval.prompts" if accuracy else "mean weighted reward on eval.prompts")
@@ -115,8 +117,11 @@ def _plot_training_reward(ax, metrics: list[dict], colors: dict) -> list:
     names = sorted({k.split("/")[1] for m in metrics for k in m if re.fullmatch(r"reward/[^/]+/mean", k)} - {"total"})
     curves = [(f"reward/tag/{tag}/mean", tag, color, "-", 1.5) for tag, color in colors.items()]
     styles = ("--", "-.", ":", (0, (5, 1, 1, 1)))  # each reward its own dash and grey, told apart in the legend
-    curves += [(f"reward/{n}/mean", f"reward: {n}", str(0.25 + 0.4 * i / max(1, len(names) - 1)), styles[i % 4], 1.5)
-               for i, n in enumerate(names) if len(names) > 1]
+    curves += [
+        (f"reward/{n}/mean", f"reward: {n}", str(0.25 + 0.4 * i / max(1, len(names) - 1)), styles[i % 4], 1.5)
+        for i, n in enumerate(names)
+        if len(names) > 1
+    ]
     curves += [("reward/total/mean", "all prompts", "black", "-", 2.5)]
     its = [m["iteration"] for m in metrics]
     handles, seen = [], []
@@ -138,7 +143,7 @@ def _eval_points(metrics: list[dict], result: dict | None, last: int | None, key
     and ``pick(result["after"])`` at ``last`` when ``result`` is given and ``pick`` finds a value; sorted by
     iteration."""
     points = [(m["iteration"], m[key]) for m in metrics if key in m]
-    for x, r in (((0, result.get("before", {})), (last, result.get("after", {}))) if result else ()):
+    for x, r in ((0, result.get("before", {})), (last, result.get("after", {}))) if result else ():
         if pick(r) is not None:
             points.append((x, pick(r)))
     points.sort(key=lambda p: p[0])
@@ -188,8 +193,13 @@ def save_diagnostics(metrics: list[dict], path: str | Path) -> None:
         if steps:
             grid = [[row.get(f"diag/step_{k:02d}/{name}", float("nan")) for row in metrics] for k in steps]
             if its:
-                im = ax.imshow(grid, aspect="auto", origin="lower", interpolation="nearest",
-                               extent=(its[0] - 0.5, its[-1] + 0.5, steps[0] - 0.5, steps[-1] + 0.5))
+                im = ax.imshow(
+                    grid,
+                    aspect="auto",
+                    origin="lower",
+                    interpolation="nearest",
+                    extent=(its[0] - 0.5, its[-1] + 0.5, steps[0] - 0.5, steps[-1] + 0.5),
+                )
                 fig.colorbar(im, ax=ax)
             ax.set_title(name.replace("_", " ")), ax.set_xlabel("iteration"), ax.set_ylabel("denoising step")
         else:

@@ -40,8 +40,9 @@ def minibatch_sizes(counts: torch.Tensor, size: int) -> torch.Tensor:
     return torch.stack([torch.clamp(int(c) - torch.arange(steps) * size, 0, size) for c in counts])
 
 
-def check_accelerate_engine(accelerator, step_grad_norms: str = "none", optimizer: str = "adamw",
-                            max_grad_norm: float = 1.0) -> None:
+def check_accelerate_engine(
+    accelerator, step_grad_norms: str = "none", optimizer: str = "adamw", max_grad_norm: float = 1.0
+) -> None:
     """Check accelerate's engine before any weights load: DDP (``configs/accelerate/ddp.yaml``), FSDP2 with the
     weights kept gathered between optimizer steps (``configs/accelerate/fsdp2.yaml``, :mod:`flowrl.sharding`) and
     DeepSpeed ZeRO stage 1 or 2 (``configs/accelerate/deepspeed_zero2.yaml``, :mod:`flowrl.zero`) run; FSDP1, FSDP2
@@ -69,35 +70,47 @@ def check_accelerate_engine(accelerator, step_grad_norms: str = "none", optimize
     if kind == "FSDP":
         plugin = accelerator.state.fsdp_plugin
         if getattr(plugin, "fsdp_version", 1) != 2:
-            raise ConfigError("accelerate launch uses FSDP version 1 (fsdp_config.fsdp_version): flowrl runs FSDP2; "
-                              "launch with configs/accelerate/fsdp2.yaml (fsdp_version: 2, "
-                              "fsdp_reshard_after_forward: false)")
+            raise ConfigError(
+                "accelerate launch uses FSDP version 1 (fsdp_config.fsdp_version): flowrl runs FSDP2; "
+                "launch with configs/accelerate/fsdp2.yaml (fsdp_version: 2, "
+                "fsdp_reshard_after_forward: false)"
+            )
         if plugin.reshard_after_forward is not False:
-            raise ConfigError(f"accelerate's FSDP2 reshards after each forward (fsdp_config.fsdp_reshard_after_forward"
-                              f" = {plugin.reshard_after_forward!r}), which needs every process to make the same "
-                              "forwards in the same order, and flowrl's processes do not: set "
-                              "fsdp_reshard_after_forward: false (configs/accelerate/fsdp2.yaml)")
+            raise ConfigError(
+                f"accelerate's FSDP2 reshards after each forward (fsdp_config.fsdp_reshard_after_forward"
+                f" = {plugin.reshard_after_forward!r}), which needs every process to make the same "
+                "forwards in the same order, and flowrl's processes do not: set "
+                "fsdp_reshard_after_forward: false (configs/accelerate/fsdp2.yaml)"
+            )
         engine, shards = "FSDP2", "DTensor shards"
     elif kind == "DEEPSPEED":
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         if world != accelerator.num_processes:
-            raise ConfigError(f"accelerate launch uses DEEPSPEED on {world} processes but accelerate counts "
-                              f"{accelerator.num_processes} (accelerate runs DeepSpeed on GPUs only): on CPUs launch "
-                              "with configs/accelerate/ddp.yaml or --cpu")
+            raise ConfigError(
+                f"accelerate launch uses DEEPSPEED on {world} processes but accelerate counts "
+                f"{accelerator.num_processes} (accelerate runs DeepSpeed on GPUs only): on CPUs launch "
+                "with configs/accelerate/ddp.yaml or --cpu"
+            )
         check_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, max_grad_norm)
         engine, shards = "DeepSpeed", "ZeRO partitions"
     elif kind == "MEGATRON_LM":
-        raise ConfigError("accelerate launch uses MEGATRON_LM (accelerate config / --use_megatron_lm): flowrl runs DDP "
-                          "(configs/accelerate/ddp.yaml), FSDP2 (configs/accelerate/fsdp2.yaml) or DeepSpeed ZeRO-1/2 "
-                          "(configs/accelerate/deepspeed_zero2.yaml)")
+        raise ConfigError(
+            "accelerate launch uses MEGATRON_LM (accelerate config / --use_megatron_lm): flowrl runs DDP "
+            "(configs/accelerate/ddp.yaml), FSDP2 (configs/accelerate/fsdp2.yaml) or DeepSpeed ZeRO-1/2 "
+            "(configs/accelerate/deepspeed_zero2.yaml)"
+        )
     else:
         return
     if step_grad_norms == "params":  # a backward per denoising step outside the engine's one per micro-batch
-        raise ConfigError(f"config key 'train.step_grad_norms' is 'params', which back-propagates through the {engine} "
-                          f"weights once per denoising step: use velocity or none under {engine}")
+        raise ConfigError(
+            f"config key 'train.step_grad_norms' is 'params', which back-propagates through the {engine} "
+            f"weights once per denoising step: use velocity or none under {engine}"
+        )
     if optimizer == "adamw_8bit":
-        raise ConfigError(f"config key 'train.optimizer' is 'adamw_8bit', whose bitsandbytes steps over {engine}'s "
-                          f"{shards} are untested: use adamw under {engine} (its moments are sharded already)")
+        raise ConfigError(
+            f"config key 'train.optimizer' is 'adamw_8bit', whose bitsandbytes steps over {engine}'s "
+            f"{shards} are untested: use adamw under {engine} (its moments are sharded already)"
+        )
 
 
 def check_accelerate_precision(accelerator, run_precision: str) -> None:
@@ -113,17 +126,25 @@ def check_accelerate_precision(accelerator, run_precision: str) -> None:
 
     precision = accelerator.mixed_precision
     if precision == "fp16":  # on a GPU its loss scaling would run before our clipping
-        raise ConfigError("accelerate's mixed precision is fp16 (accelerate launch --mixed_precision fp16 or "
-                          "ACCELERATE_MIXED_PRECISION=fp16), which flowrl does not support (no loss scaling): launch "
-                          "with --mixed_precision no and set run.mixed_precision=bf16 or no")
+        raise ConfigError(
+            "accelerate's mixed precision is fp16 (accelerate launch --mixed_precision fp16 or "
+            "ACCELERATE_MIXED_PRECISION=fp16), which flowrl does not support (no loss scaling): launch "
+            "with --mixed_precision no and set run.mixed_precision=bf16 or no"
+        )
     if precision == "bf16" and accelerator.num_processes > 1:  # its autocast would wrap the DDP model's forward
-        raise ConfigError("accelerate's mixed precision is bf16 (accelerate launch --mixed_precision bf16), which "
-                          "would put the float32 log-probs under autocast: launch with --mixed_precision no and set "
-                          "run.mixed_precision=bf16 for flowrl's own bf16 autocast")
+        raise ConfigError(
+            "accelerate's mixed precision is bf16 (accelerate launch --mixed_precision bf16), which "
+            "would put the float32 log-probs under autocast: launch with --mixed_precision no and set "
+            "run.mixed_precision=bf16 for flowrl's own bf16 autocast"
+        )
     if precision == "bf16" and run_precision != "bf16":
-        warnings.warn(f"accelerate's mixed precision bf16 (accelerate launch --mixed_precision bf16) is not used: "
-                      f"flowrl's precision is run.mixed_precision, here {run_precision!r}; set "
-                      "run.mixed_precision=bf16 for bf16 autocast", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"accelerate's mixed precision bf16 (accelerate launch --mixed_precision bf16) is not used: "
+            f"flowrl's precision is run.mixed_precision, here {run_precision!r}; set "
+            "run.mixed_precision=bf16 for bf16 autocast",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def check_optimizer(name: str, device: torch.device | str) -> None:
@@ -142,14 +163,18 @@ def check_optimizer(name: str, device: torch.device | str) -> None:
     if name != "adamw_8bit":
         return
     if torch.device(device).type != "cuda":
-        raise ConfigError(f"config key 'train.optimizer' is 'adamw_8bit' (bitsandbytes' 8-bit AdamW), which flowrl "
-                          f"runs on a CUDA GPU only, but this run is on {torch.device(device).type}: use "
-                          "train.optimizer=adamw")
+        raise ConfigError(
+            f"config key 'train.optimizer' is 'adamw_8bit' (bitsandbytes' 8-bit AdamW), which flowrl "
+            f"runs on a CUDA GPU only, but this run is on {torch.device(device).type}: use "
+            "train.optimizer=adamw"
+        )
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        raise ConfigError("config key 'train.optimizer' is 'adamw_8bit' but bitsandbytes is not installed: "
-                          "pip install 'flowrl[bnb]' (or bitsandbytes), or use train.optimizer=adamw") from None
+        raise ConfigError(
+            "config key 'train.optimizer' is 'adamw_8bit' but bitsandbytes is not installed: "
+            "pip install 'flowrl[bnb]' (or bitsandbytes), or use train.optimizer=adamw"
+        ) from None
 
 
 def build_optimizer(params, train) -> torch.optim.Optimizer:
@@ -186,8 +211,9 @@ class Policy:
         self._null = None  # the empty prompt's embedding, for the zero-gradient pass of a process without rows
         self._backwards = self._needed = 0  # backwards made / to make in this optimizer step (ZeRO-2 pads to it)
         if is_deepspeed(accelerator):  # ZeRO partitions AdamW's state (and gradients) over the processes
-            configure(accelerator.state.deepspeed_plugin.deepspeed_config, train.max_grad_norm,
-                      accelerator.num_processes)
+            configure(
+                accelerator.state.deepspeed_plugin.deepspeed_config, train.max_grad_norm, accelerator.num_processes
+            )
             self.engine, self.optimizer = accelerator.prepare(model.transformer, build_optimizer(params, train))
             if self.engine.module is not model.transformer:
                 raise RuntimeError("accelerate's DeepSpeed preparation wraps another module than the transformer")
@@ -240,7 +266,7 @@ class Policy:
                 # the most micro-batches any process makes in this step (at least the zero-gradient pass)
                 self._needed = max(1, max(-(-int(n) // micro) for n in sizes[:, j])) if micro else 1
                 self._backwards = 0
-                yield epoch, j, order[j * size:(j + 1) * size], sizes[:, j].sum().item()
+                yield epoch, j, order[j * size : (j + 1) * size], sizes[:, j].sum().item()
 
     def micro_batches(self, mb: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, float]]:
         """`mb` in chunks of ``train.micro_batch_size`` rows (one chunk when 0), for gradient accumulation: the
@@ -252,7 +278,7 @@ class Policy:
         """
         micro = self.cfg.micro_batch_size or len(mb)
         for start in range(0, len(mb), micro):
-            idx = mb[start:start + micro]
+            idx = mb[start : start + micro]
             last = start + micro >= len(mb)
             sync = self.wrapped is None or self.engine is not None or last  # the engine accumulates until its step
             with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.wrapped):
@@ -384,8 +410,9 @@ class Policy:
             optimizer = self.optimizer
         if not main:
             return None
-        return save_checkpoint(directory, iteration, self.weights(), optimizer, self.ema, extra=extra,
-                               write_extra_files=write_extra_files)
+        return save_checkpoint(
+            directory, iteration, self.weights(), optimizer, self.ema, extra=extra, write_extra_files=write_extra_files
+        )
 
     def load(self, path: Path) -> dict:
         """Restore a checkpoint of :meth:`save` (:func:`flowrl.checkpoint.load_checkpoint`) on every process, then the
@@ -420,9 +447,13 @@ class Policy:
                     changed.add(key)
                     group[key] = value
         if changed and self.accelerator.is_main_process:
-            warnings.warn(f"resuming from {path} with the config's {', '.join(sorted(changed))} "
-                          f"(learning rate {t.learning_rate}, betas {tuple(t.adam_betas)}, weight decay {t.weight_decay}), "
-                          "not the checkpoint's", UserWarning, stacklevel=4)
+            warnings.warn(
+                f"resuming from {path} with the config's {', '.join(sorted(changed))} "
+                f"(learning rate {t.learning_rate}, betas {tuple(t.adam_betas)}, weight decay {t.weight_decay}), "
+                "not the checkpoint's",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def checkpoint_mib(self, extra_copies: int = 0) -> float:
         """MiB of one checkpoint: the weights, AdamW's two moments (a byte each under ``adamw_8bit``, float32 weights),

@@ -82,8 +82,12 @@ def resolve_precision(value: str | bool | None, device: torch.device | str, key:
     if value == "auto":
         return "bf16" if native else "no"
     if value == "bf16" and not native:
-        warnings.warn(f"{key}=bf16 on {describe_device(device)}: bf16 is emulated here and runs many times slower than "
-                      f"float32 (set {key} to auto or no for float32)", UserWarning, stacklevel=2)
+        warnings.warn(
+            f"{key}=bf16 on {describe_device(device)}: bf16 is emulated here and runs many times slower than "
+            f"float32 (set {key} to auto or no for float32)",
+            UserWarning,
+            stacklevel=2,
+        )
     return value
 
 

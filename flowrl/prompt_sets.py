@@ -40,8 +40,10 @@ def _table(path: Path, delimiter: str) -> list[dict]:
         header = reader.fieldnames or []
         column = next((c for c in PROMPT_COLUMNS if c in header), None)
         if column is None:
-            raise ValueError(f"prompt file {path}: no prompt column; expected one of {', '.join(PROMPT_COLUMNS)} in the "
-                             f"header, got {header}")
+            raise ValueError(
+                f"prompt file {path}: no prompt column; expected one of {', '.join(PROMPT_COLUMNS)} in the "
+                f"header, got {header}"
+            )
         tag = next((c for c in TAG_COLUMNS if c in header), None)
         metas = []
         for line, row in enumerate(reader, 2):
@@ -63,8 +65,10 @@ def _json(path: Path) -> list[dict]:
     except ValueError as e:
         raise ValueError(f"prompt file {path} is not valid JSON ({e})") from None
     if not isinstance(items, list):
-        raise ValueError(f"prompt file {path} must hold a JSON list of prompts (strings or objects with 'prompt'), "
-                         f"got a {type(items).__name__}")
+        raise ValueError(
+            f"prompt file {path} must hold a JSON list of prompts (strings or objects with 'prompt'), "
+            f"got a {type(items).__name__}"
+        )
     metas = []
     for i, item in enumerate(items):
         if isinstance(item, str) and item.strip():

@@ -49,8 +49,10 @@ class RunFolder:
     def refuse_existing(self) -> None:
         """Raise FileExistsError if the folder already holds a run (any of :data:`RUN_FILES`) and resume is off."""
         if not self.resume and (found := self.files()):
-            raise FileExistsError(f"run folder {self.path} already holds a run ({found[0]}): pass run.resume=true to "
-                                  "continue it, or choose another run.output_dir")
+            raise FileExistsError(
+                f"run folder {self.path} already holds a run ({found[0]}): pass run.resume=true to "
+                "continue it, or choose another run.output_dir"
+            )
 
     @contextmanager
     def hold(self):
@@ -60,6 +62,7 @@ class RunFolder:
         Raises:
             RunFolderInUse, FileExistsError: as the constructor, if the folder changed since.
         """
+
         def take() -> None:
             self.lock.acquire()
             self.refuse_existing()  # again, under the lock: the folder may have filled since the constructor
@@ -105,18 +108,26 @@ class RunFolder:
         metrics_file = self.path / "metrics.jsonl"
         if path is None:
             if skipped or (metrics_file.exists() and metrics_file.read_text().strip()):
-                raise CheckpointError(f"run.resume=true but run folder {self.path} holds no verified checkpoint "
-                                      f"({why or 'metrics.jsonl has rows, checkpoints/ has none'}); nothing was "
-                                      "deleted: move the folder aside to start over, or choose another run.output_dir")
-            warnings.warn(f"run.resume=true but {self.path / 'checkpoints'} holds no complete checkpoint: "
-                          "starting the run from iteration 0", UserWarning, stacklevel=6)
+                raise CheckpointError(
+                    f"run.resume=true but run folder {self.path} holds no verified checkpoint "
+                    f"({why or 'metrics.jsonl has rows, checkpoints/ has none'}); nothing was "
+                    "deleted: move the folder aside to start over, or choose another run.output_dir"
+                )
+            warnings.warn(
+                f"run.resume=true but {self.path / 'checkpoints'} holds no complete checkpoint: "
+                "starting the run from iteration 0",
+                UserWarning,
+                stacklevel=6,
+            )
             metrics_file.unlink(missing_ok=True)  # empty: nothing is lost
             return None
         try:
             json.loads((self.path / "eval_before.json").read_text())
         except (OSError, ValueError):
-            raise CheckpointError(f"run folder {self.path} has no readable eval_before.json, which resuming from "
-                                  f"{path.name} needs; nothing was deleted") from None
+            raise CheckpointError(
+                f"run folder {self.path} has no readable eval_before.json, which resuming from "
+                f"{path.name} needs; nothing was deleted"
+            ) from None
         note = f"flowrl train: resuming {self.path} from {path.name}"
         print(note + (f"; skipped newer: {why}" if skipped else ""), file=sys.stderr, flush=True)
         return path

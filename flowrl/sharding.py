@@ -73,16 +73,19 @@ def shard_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if not isinstance(like, DTensor):
         return value
     if tuple(value.shape) != tuple(like.shape):
-        raise ValueError(f"cannot shard a tensor of shape {tuple(value.shape)} like a parameter of shape "
-                         f"{tuple(like.shape)}")
-    return distribute_tensor(value.to(device=like.device, dtype=like.dtype), like.device_mesh, like.placements,
-                             src_data_rank=None)
+        raise ValueError(
+            f"cannot shard a tensor of shape {tuple(value.shape)} like a parameter of shape {tuple(like.shape)}"
+        )
+    return distribute_tensor(
+        value.to(device=like.device, dtype=like.dtype), like.device_mesh, like.placements, src_data_rank=None
+    )
 
 
 def full_optimizer_state(state: dict, keep: bool = True) -> dict | None:
     """An optimizer ``state_dict`` with every sharded tensor of its per-parameter state made whole (:func:`full`;
     collective under FSDP2), on the CPU. ``keep`` False (the processes that do not write the checkpoint): take part in
     each all-gather, drop the whole tensor at once and return None, so that only one process holds the whole state."""
+
     def whole(value):
         if isinstance(value, dict):
             return {k: whole(v) for k, v in value.items()}
@@ -99,6 +102,7 @@ def shard_optimizer_state(state: dict, params: list[torch.Tensor]) -> dict:
     """The inverse of :func:`full_optimizer_state` for an optimizer over ``params`` (in ``param_groups`` order): each
     state tensor shaped like its parameter becomes that parameter's shard (:func:`shard_like`); scalars such as
     AdamW's ``step`` stay as they are."""
+
     def part(value, like):
         if isinstance(value, dict):
             return {k: part(v, like) for k, v in value.items()}
@@ -106,5 +110,7 @@ def shard_optimizer_state(state: dict, params: list[torch.Tensor]) -> dict:
             return shard_like(value, like)
         return value
 
-    return {"state": {pid: part(s, params[int(pid)]) for pid, s in state["state"].items()},
-            "param_groups": state["param_groups"]}
+    return {
+        "state": {pid: part(s, params[int(pid)]) for pid, s in state["state"].items()},
+        "param_groups": state["param_groups"],
+    }

@@ -36,8 +36,10 @@ def check_trackers(names: list[str]) -> None:
         if name not in TRACKERS:
             raise ValueError(f"config key 'run.log_with' must list trackers among {'|'.join(TRACKERS)}, got {name!r}")
         if importlib.util.find_spec(TRACKERS[name]) is None:
-            raise ValueError(f"config key 'run.log_with' names {name!r}, but its package is not installed: "
-                             f"pip install {TRACKERS[name]}  (or pip install 'flowrl[trackers]')")
+            raise ValueError(
+                f"config key 'run.log_with' names {name!r}, but its package is not installed: "
+                f"pip install {TRACKERS[name]}  (or pip install 'flowrl[trackers]')"
+            )
     if len(set(names)) != len(names):
         raise ValueError(f"config key 'run.log_with' lists a tracker twice: {names}")
 
@@ -81,8 +83,9 @@ class Trackers:
         if not self.names or self.started:
             return
         init_kwargs = {"wandb": {"name": run_name, "dir": str(out)}, "trackio": {"name": run_name}, "tensorboard": {}}
-        self.accelerator.init_trackers(project, config=flat_config(config),
-                                       init_kwargs={k: v for k, v in init_kwargs.items() if k in self.names})
+        self.accelerator.init_trackers(
+            project, config=flat_config(config), init_kwargs={k: v for k, v in init_kwargs.items() if k in self.names}
+        )
         self.started = True
 
     def log(self, metrics: dict[str, float], iteration: int) -> None:
@@ -107,11 +110,13 @@ class Trackers:
         array = (images.detach().float().clamp(0, 1).cpu() * 255).round().to(torch.uint8).numpy()  # (N, 3, H, W)
         for tracker_name in self.names:
             if tracker_name == "tensorboard":
-                self.accelerator.get_tracker("tensorboard").log_images({name: array}, step=iteration,
-                                                                       dataformats="NCHW")
+                self.accelerator.get_tracker("tensorboard").log_images(
+                    {name: array}, step=iteration, dataformats="NCHW"
+                )
             elif tracker_name == "wandb":
                 self.accelerator.get_tracker("wandb").log_images(
-                    {name: [np.ascontiguousarray(a.transpose(1, 2, 0)) for a in array]}, step=iteration)
+                    {name: [np.ascontiguousarray(a.transpose(1, 2, 0)) for a in array]}, step=iteration
+                )
 
     def finish(self) -> None:
         """Close every tracker (flushes TensorBoard's event files, ends the wandb run)."""

@@ -20,8 +20,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .rewards import RewardTypeError, WeightedSum, build_reward
-
 from .checkpoint import prune_checkpoints
 from .config import Config, ConfigError, RewardConfig, config_key, resolve_path, save_config
 from .data import read_prompts
@@ -33,6 +31,7 @@ from .models.memory import place_frozen
 from .plots import save_diagnostics, save_grid, save_reward_curve
 from .policy import Policy, check_accelerate_engine, check_accelerate_precision, check_optimizer
 from .precision import describe_device, resolve_precision
+from .rewards import RewardTypeError, WeightedSum, build_reward
 from .run import RunFolder
 from .trackers import Trackers
 
@@ -49,8 +48,10 @@ def tag_means(rewards: torch.Tensor, tags: list[str]) -> dict[str, float]:
     if len(tags) != rewards.shape[0]:
         raise ValueError(f"{len(tags)} tags for {rewards.shape[0]} rewards")
     rewards = rewards.float().cpu()
-    return {f"reward/tag/{tag}/mean": rewards[torch.tensor([t == tag for t in tags])].mean().item()
-            for tag in sorted(set(tags))}
+    return {
+        f"reward/tag/{tag}/mean": rewards[torch.tensor([t == tag for t in tags])].mean().item()
+        for tag in sorted(set(tags))
+    }
 
 
 def _given_rewards(rewards: dict | list | None) -> dict[str, tuple]:
@@ -74,8 +75,10 @@ def _given_rewards(rewards: dict | list | None) -> dict[str, tuple]:
     for name, entry in dict(rewards).items():
         fn, weight = entry if isinstance(entry, tuple) and len(entry) == 2 else (entry, 1.0)
         if not callable(fn):
-            raise TypeError(f"Trainer(rewards=...): reward {name!r} is a {type(fn).__name__}, not a callable "
-                            "reward(images, prompts, metadata) -> scores or a (callable, weight) pair")
+            raise TypeError(
+                f"Trainer(rewards=...): reward {name!r} is a {type(fn).__name__}, not a callable "
+                "reward(images, prompts, metadata) -> scores or a (callable, weight) pair"
+            )
         given[str(name)] = (fn, weight)
     return given
 
@@ -85,20 +88,26 @@ def resolve_precisions(cfg: Config, device: torch.device) -> Config:
     ``sampling.ode_precision``) are ``bf16`` or ``no`` on `device` (:func:`flowrl.precision.resolve_precision`:
     ``auto`` is bf16 where `device` computes it natively; an explicit bf16 where it does not is kept, with a warning).
     `cfg` itself is not changed."""
-    run = dataclasses.replace(cfg.run, mixed_precision=resolve_precision(cfg.run.mixed_precision, device,
-                                                                         "run.mixed_precision"))
+    run = dataclasses.replace(
+        cfg.run, mixed_precision=resolve_precision(cfg.run.mixed_precision, device, "run.mixed_precision")
+    )
     s = cfg.sampling
-    sampling = dataclasses.replace(s, decode_precision=resolve_precision(s.decode_precision, device,
-                                                                         "sampling.decode_precision"),
-                                   ode_precision=resolve_precision(s.ode_precision, device, "sampling.ode_precision"))
+    sampling = dataclasses.replace(
+        s,
+        decode_precision=resolve_precision(s.decode_precision, device, "sampling.decode_precision"),
+        ode_precision=resolve_precision(s.ode_precision, device, "sampling.ode_precision"),
+    )
     return dataclasses.replace(cfg, run=run, sampling=sampling)
 
 
 def precision_summary(cfg: Config, device: torch.device) -> str:
     """One line on the run's resolved precisions and why, e.g. ``"precision float32 (run.mixed_precision, decode and
     ODE steps) on this CPU (no native bf16)"``."""
-    names = {"run.mixed_precision": cfg.run.mixed_precision, "sampling.decode_precision": cfg.sampling.decode_precision,
-             "sampling.ode_precision": cfg.sampling.ode_precision}
+    names = {
+        "run.mixed_precision": cfg.run.mixed_precision,
+        "sampling.decode_precision": cfg.sampling.decode_precision,
+        "sampling.ode_precision": cfg.sampling.ode_precision,
+    }
     label = {"bf16": "bf16 autocast", "no": "float32"}
     groups = {v: [k for k, x in names.items() if x == v] for v in dict.fromkeys(names.values())}
     parts = [f"{label[v]} ({', '.join(keys)})" for v, keys in groups.items()]
@@ -147,9 +156,12 @@ class Trainer:
         # precision is run.mixed_precision (our autocast); DDP: a family may leave parameters unused in a forward,
         # and every forward without gradients (rollouts, evaluation) bypasses the wrapper, so buffers are not synced
         ddp = DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)
-        self.accelerator = acc = Accelerator(cpu=cfg.run.device == "cpu", kwargs_handlers=[ddp],
-                                             log_with=list(cfg.run.log_with) or None,
-                                             project_config=ProjectConfiguration(str(self.out), str(self.out / "tensorboard")))
+        self.accelerator = acc = Accelerator(
+            cpu=cfg.run.device == "cpu",
+            kwargs_handlers=[ddp],
+            log_with=list(cfg.run.log_with) or None,
+            project_config=ProjectConfiguration(str(self.out), str(self.out / "tensorboard")),
+        )
         self.trackers = Trackers(acc, cfg.run.log_with)
         self.run = RunFolder(self.out, acc, cfg.run.resume)  # not in use, no other run, writable: before any work
         check_accelerate_engine(acc, cfg.train.step_grad_norms, cfg.train.optimizer, cfg.train.max_grad_norm)
@@ -161,11 +173,23 @@ class Trainer:
         self.train_metas = self._read_prompts("train_prompts", cfg.train_prompts)
         self.eval_metas = self._read_prompts("eval.prompts", cfg.eval.prompts)
         self.held_out_metas = self._read_prompts("eval.held_out", cfg.eval.held_out) if cfg.eval.held_out else []
-        self.rewards = WeightedSum(given or {name: (self._build_reward(name), r.weight) for name, r in cfg.rewards.items()})
-        video = dict(num_frames=cfg.model.num_frames, expert=cfg.model.expert,
-                     negative_prompt=cfg.model.negative_prompt) if adapter.VIDEO else {}  # checked by resolve_model
-        self.model = adapter(resolve_path(cfg.model.path), self.device, DTYPES[cfg.model.dtype],
-                             cfg.model.max_sequence_length, cfg.model.resolution, **video, **cfg.model.options)
+        self.rewards = WeightedSum(
+            given or {name: (self._build_reward(name), r.weight) for name, r in cfg.rewards.items()}
+        )
+        video = (
+            dict(num_frames=cfg.model.num_frames, expert=cfg.model.expert, negative_prompt=cfg.model.negative_prompt)
+            if adapter.VIDEO
+            else {}
+        )  # checked by resolve_model
+        self.model = adapter(
+            resolve_path(cfg.model.path),
+            self.device,
+            DTYPES[cfg.model.dtype],
+            cfg.model.max_sequence_length,
+            cfg.model.resolution,
+            **video,
+            **cfg.model.options,
+        )
         torch.manual_seed(cfg.run.seed)  # the LoRA init: runs with one seed start from the same weights
         if cfg.model.lora_rank > 0:
             self.model.add_lora(cfg.model.lora_rank, cfg.model.lora_alpha)
@@ -184,9 +208,12 @@ class Trainer:
         if cfg.model.lora_rank == 0 and cfg.run.keep_checkpoints is None:
             count = -(-cfg.run.iterations // cfg.run.save_every)
             mib = self.policy.checkpoint_mib(self.method.sampling_weights() is not None)
-            warnings.warn(f"full fine-tuning (model.lora_rank=0) with run.keep_checkpoints unset keeps all {count} "
-                          f"checkpoints of about {mib:.0f} MiB each; set run.keep_checkpoints to keep only the newest",
-                          UserWarning, stacklevel=2)
+            warnings.warn(
+                f"full fine-tuning (model.lora_rank=0) with run.keep_checkpoints unset keeps all {count} "
+                f"checkpoints of about {mib:.0f} MiB each; set run.keep_checkpoints to keep only the newest",
+                UserWarning,
+                stacklevel=2,
+            )
         # a smoke call of the rewards at the rollouts' size, both images in one group so a pairwise judge judges them
         metas, side = [{**m, "group": 0} for m in self.train_metas[:2]], self.model.resolution
         shape = self.model.decoded_shape if self.model.VIDEO else (3, side, side)  # a video: (F, 3, H, W)
@@ -229,15 +256,24 @@ class Trainer:
                     save_file({"images": grid.contiguous()}, tmp)
                 self.trackers.log_images("grid/before", grid, 0)
         else:
-            before = json.loads((self.out / "eval_before.json").read_text())  # checked readable by RunFolder.checkpoint_to_resume
-        bar = tqdm(range(start, cfg.run.iterations), initial=start, total=cfg.run.iterations, desc="flowrl train",
-                   disable=not acc.is_main_process)
+            before = json.loads(
+                (self.out / "eval_before.json").read_text()
+            )  # checked readable by RunFolder.checkpoint_to_resume
+        bar = tqdm(
+            range(start, cfg.run.iterations),
+            initial=start,
+            total=cfg.run.iterations,
+            desc="flowrl train",
+            disable=not acc.is_main_process,
+        )
         for it in bar:
             metrics = self.step(it)
             metrics["time/elapsed_s"] = time.time() - t_start
             if cfg.eval.every and (it + 1) % cfg.eval.every == 0 and it + 1 < cfg.run.iterations:
                 result = self.run_eval()
-                metrics.update({"eval/overall": result["overall"], **{f"eval/{k}": v for k, v in result["per_tag"].items()}})
+                metrics.update(
+                    {"eval/overall": result["overall"], **{f"eval/{k}": v for k, v in result["per_tag"].items()}}
+                )
             self.run.log(metrics)
             self.trackers.log(metrics, it + 1)
             bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}")
@@ -246,11 +282,18 @@ class Trainer:
         if acc.is_main_process:
             print(f"flowrl train: evaluating the trained model ({self._eval_plan()})", file=sys.stderr)
         after = self._eval_with_held_out()
-        result = {"before": before, "after": after, "wall_time_s": time.time() - t_start, "iterations": cfg.run.iterations}
+        result = {
+            "before": before,
+            "after": after,
+            "wall_time_s": time.time() - t_start,
+            "iterations": cfg.run.iterations,
+        }
         if acc.is_main_process:
             write_text_atomic(self.out / "eval.json", json.dumps(result, indent=1))
-        self.trackers.log({"eval/overall": after["overall"], **{f"eval/{k}": v for k, v in after["per_tag"].items()}},
-                          cfg.run.iterations)
+        self.trackers.log(
+            {"eval/overall": after["overall"], **{f"eval/{k}": v for k, v in after["per_tag"].items()}},
+            cfg.run.iterations,
+        )
         self._artifacts()
         self.trackers.finish()
         return result
@@ -291,13 +334,19 @@ class Trainer:
         method.end_iteration(stats)
         t3 = time.time()
         total = rewards.total
-        metrics = {"iteration": it + 1, "reward/total/mean": total.mean().item(), "reward/total/std": total.std().item()}
+        metrics = {
+            "iteration": it + 1,
+            "reward/total/mean": total.mean().item(),
+            "reward/total/std": total.std().item(),
+        }
         metrics.update({f"reward/{name}/mean": s.mean().item() for name, s in scores.per_reward.items()})
         metrics.update(tag_means(scores.total, [metas[i].get("tag", "all") for i in samples.image_prompt.tolist()]))
         metrics["cost/reward_calls"] = len(scores.total)
         if any(hasattr(r, "judge_calls") for r, _ in self.rewards.rewards.values()):
             metrics["cost/judge_calls"] = judged
-        metrics.update({**adv_stats, "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2, **stats})
+        metrics.update(
+            {**adv_stats, "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2, **stats}
+        )
         metrics["cost/nfe"] = samples.nfe + stats.get("cost/nfe", 0)
         metrics.update(self._peak_memory())
         return metrics
@@ -343,7 +392,9 @@ class Trainer:
 
     def _generator(self, iteration: int) -> torch.Generator:
         """The iteration's CPU generator (every noise draw and minibatch order), per ``run.seed`` and process."""
-        return torch.Generator().manual_seed(self.cfg.run.seed * 1_000_003 + iteration * 1009 + self.accelerator.process_index)
+        return torch.Generator().manual_seed(
+            self.cfg.run.seed * 1_000_003 + iteration * 1009 + self.accelerator.process_index
+        )
 
     def score(self, images: torch.Tensor, image_prompt: torch.Tensor, metas: list[dict]):
         """Score ``images`` (B, 3, H, W) in [0, 1], image ``b`` drawn for ``metas[image_prompt[b]]``; each image's
@@ -389,10 +440,30 @@ class Trainer:
         metas, images_per_tag = metas or self.eval_metas, images_per_tag or e.images_per_tag
         with self.policy.ema_weights(), self.policy.autocast():
             if all("include" in m for m in metas):
-                return evaluate(self.model, metas, images_per_tag, e.num_steps, e.guidance_scale, shift,
-                                e.seed, batch, accelerator=self.accelerator, judge=self._geneval_reader())
-            return evaluate_reward(self.model, metas, self.rewards, 1, e.num_steps, e.guidance_scale, shift,
-                                   e.seed, batch, accelerator=self.accelerator)
+                return evaluate(
+                    self.model,
+                    metas,
+                    images_per_tag,
+                    e.num_steps,
+                    e.guidance_scale,
+                    shift,
+                    e.seed,
+                    batch,
+                    accelerator=self.accelerator,
+                    judge=self._geneval_reader(),
+                )
+            return evaluate_reward(
+                self.model,
+                metas,
+                self.rewards,
+                1,
+                e.num_steps,
+                e.guidance_scale,
+                shift,
+                e.seed,
+                batch,
+                accelerator=self.accelerator,
+            )
 
     def _eval_plan(self) -> str:
         """What an evaluation draws, in words: ``"256 images of eval.prompts, 192 of eval.held_out, 10 steps"``."""
@@ -428,8 +499,15 @@ class Trainer:
         e = self.cfg.eval
         with self.policy.ema_weights(), self.policy.autocast():
             metas = self._grid_metas()
-            return generate(self.model, [m["prompt"] for m in metas], [e.seed + i for i in range(12)],
-                            e.num_steps, e.guidance_scale, self.cfg.sampling.shift, metas=metas)
+            return generate(
+                self.model,
+                [m["prompt"] for m in metas],
+                [e.seed + i for i in range(12)],
+                e.num_steps,
+                e.guidance_scale,
+                self.cfg.sampling.shift,
+                metas=metas,
+            )
 
     def _grid_metas(self) -> list[dict]:
         """12 entries: the first two eval prompts of each tag, cycled when there are fewer (new seeds)."""
@@ -466,14 +544,16 @@ class Trainer:
     # ----------------------------------------------------------------------------------- bookkeeping
     def _save(self, iteration: int, elapsed: float) -> None:
         """Checkpoint ``iteration``: the policy, its optimizer and EMA, the method's state and files, the LoRA."""
+
         def write_extra(folder: Path) -> None:  # inside the checkpoint before it is sealed
             if self.cfg.model.lora_rank > 0:
                 self.model.save_lora(folder / "lora", self.policy.exported())
             self.method.save_files(folder)
 
         # every process: under FSDP2 the optimizer state is gathered from the shards; the main process writes
-        saved = self.policy.save(self.out / "checkpoints", iteration, {"elapsed_s": elapsed, **self.method.state_dict()},
-                                 write_extra)
+        saved = self.policy.save(
+            self.out / "checkpoints", iteration, {"elapsed_s": elapsed, **self.method.state_dict()}, write_extra
+        )
         if saved is not None and self.cfg.run.keep_checkpoints:
             prune_checkpoints(self.out / "checkpoints", self.cfg.run.keep_checkpoints, just_saved=saved)
 

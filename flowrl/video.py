@@ -15,8 +15,13 @@ __all__ = ["check_videos", "contact_sheet", "frame_strip", "read_video", "save_v
 
 def check_videos(videos: torch.Tensor, name: str = "videos") -> None:
     """Raise ValueError, naming `name`, unless `videos` is a float tensor ``(B, F, 3, H, W)`` with ``B, F >= 1``."""
-    if not torch.is_tensor(videos) or not videos.is_floating_point() or videos.ndim != 5 or videos.shape[2] != 3 \
-            or 0 in videos.shape:
+    if (
+        not torch.is_tensor(videos)
+        or not videos.is_floating_point()
+        or videos.ndim != 5
+        or videos.shape[2] != 3
+        or 0 in videos.shape
+    ):
         shape = tuple(videos.shape) if torch.is_tensor(videos) else type(videos).__name__
         raise ValueError(f"{name} must be a float tensor (B, F, 3, H, W) with B, F >= 1 in [0, 1]; got {shape}")
 
@@ -126,8 +131,14 @@ def contact_sheet(videos: torch.Tensor, max_frames: int = 8, padding: int = 1) -
     return make_grid(frames, nrow=count, padding=padding)
 
 
-def save_videos(videos: torch.Tensor, sheet: str | Path, fps: int = 16, nrow: int = 8, max_frames: int = 8,
-                mp4: str | Path | None = None) -> tuple[Path, Path]:
+def save_videos(
+    videos: torch.Tensor,
+    sheet: str | Path,
+    fps: int = 16,
+    nrow: int = 8,
+    max_frames: int = 8,
+    mp4: str | Path | None = None,
+) -> tuple[Path, Path]:
     """Write ``B`` videos as one mp4 (tiled ``nrow`` per row: :func:`tile_videos`) and a contact-sheet image of
     their frames (:func:`contact_sheet`): ``sheet`` (a PNG or any image format PIL writes) and ``mp4`` (default:
     ``sheet`` with the suffix ``.mp4``).

@@ -64,32 +64,46 @@ def check_deepspeed_config(config: dict, max_grad_norm: float) -> None:
         import deepspeed
         from deepspeed.runtime.engine import DeepSpeedEngine
     except ImportError:
-        raise ConfigError("accelerate launch uses DeepSpeed, which is not installed: pip install 'flowrl[deepspeed]'") from None
+        raise ConfigError(
+            "accelerate launch uses DeepSpeed, which is not installed: pip install 'flowrl[deepspeed]'"
+        ) from None
     if not hasattr(DeepSpeedEngine, "managed_gradient_accumulation"):
-        raise ConfigError(f"DeepSpeed {deepspeed.__version__} has no managed_gradient_accumulation (flowrl calls the "
-                          "engine's step once per minibatch): pip install 'deepspeed>=0.19.8'")
+        raise ConfigError(
+            f"DeepSpeed {deepspeed.__version__} has no managed_gradient_accumulation (flowrl calls the "
+            "engine's step once per minibatch): pip install 'deepspeed>=0.19.8'"
+        )
     stage = _get(config, "zero_optimization.stage", 0)
     if stage not in STAGES:
-        raise ConfigError(f"the DeepSpeed config's zero_optimization.stage is {stage!r}: flowrl runs ZeRO stage 1 or 2 "
-                          "(configs/accelerate/deepspeed_zero2.yaml); stage 3 gathers the weights in every forward, "
-                          "which needs every process to make the same forwards (use FSDP2 or stage 2), and stage 0 is "
-                          "DDP (configs/accelerate/ddp.yaml)")
+        raise ConfigError(
+            f"the DeepSpeed config's zero_optimization.stage is {stage!r}: flowrl runs ZeRO stage 1 or 2 "
+            "(configs/accelerate/deepspeed_zero2.yaml); stage 3 gathers the weights in every forward, "
+            "which needs every process to make the same forwards (use FSDP2 or stage 2), and stage 0 is "
+            "DDP (configs/accelerate/ddp.yaml)"
+        )
     if _get(config, "zero_optimization.offload_param.device", "none") not in ("none", None):
-        raise ConfigError("the DeepSpeed config offloads parameters (zero_optimization.offload_param.device), a "
-                          "ZeRO stage 3 feature: set it to none (optimizer offload, offload_optimizer.device: cpu, runs)")
+        raise ConfigError(
+            "the DeepSpeed config offloads parameters (zero_optimization.offload_param.device), a "
+            "ZeRO stage 3 feature: set it to none (optimizer offload, offload_optimizer.device: cpu, runs)"
+        )
     for key in ("bf16", "fp16"):
         if _get(config, f"{key}.enabled", False) is True:
-            raise ConfigError(f"the DeepSpeed config enables {key} ({key}.enabled), which would run the float32 "
-                              "log-probs in half precision: set it false (accelerate launch --mixed_precision no) and "
-                              "use run.mixed_precision=bf16 for flowrl's own autocast")
+            raise ConfigError(
+                f"the DeepSpeed config enables {key} ({key}.enabled), which would run the float32 "
+                "log-probs in half precision: set it false (accelerate launch --mixed_precision no) and "
+                "use run.mixed_precision=bf16 for flowrl's own autocast"
+            )
     for key in ("optimizer", "scheduler"):
         if key in config:
-            raise ConfigError(f"the DeepSpeed config has an {key!r} block: remove it; flowrl builds AdamW from "
-                              "train.learning_rate, train.adam_betas and train.weight_decay")
+            raise ConfigError(
+                f"the DeepSpeed config has an {key!r} block: remove it; flowrl builds AdamW from "
+                "train.learning_rate, train.adam_betas and train.weight_decay"
+            )
     clip = config.get("gradient_clipping", "auto")
     if clip not in ("auto", None) and float(clip) != float(max_grad_norm):
-        raise ConfigError(f"the DeepSpeed config's gradient_clipping is {clip!r} but config key 'train.max_grad_norm' "
-                          f"is {max_grad_norm!r}: set gradient_clipping to auto (flowrl fills it) or to the same value")
+        raise ConfigError(
+            f"the DeepSpeed config's gradient_clipping is {clip!r} but config key 'train.max_grad_norm' "
+            f"is {max_grad_norm!r}: set gradient_clipping to auto (flowrl fills it) or to the same value"
+        )
 
 
 def configure(config: dict, max_grad_norm: float, num_processes: int) -> None:
@@ -168,8 +182,11 @@ class ZeroLoader:
         step = next(iter(per.values()))["step"]
         for flat in zero.single_partition_of_fp32_groups:
             if not inner.state[flat]:  # torch AdamW creates its state in its first step: create it now
-                inner.state[flat] = {"step": torch.zeros((), dtype=torch.float32),
-                                     "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+                inner.state[flat] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(flat),
+                    "exp_avg_sq": torch.zeros_like(flat),
+                }
             inner.state[flat]["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
         zero._lazy_init_hp_params_optimizer_state()  # point each parameter's fragment at the state tensors
         for i, p in enumerate(self.params):

@@ -27,26 +27,68 @@ ASSETS = REPO / "assets"
 
 def build_random_pipeline(folder: Path) -> Path:
     """Save a random-weight StableDiffusion3Pipeline with the tiny model's architecture to ``folder``."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
     from flowrl.tiny.build import MAX_TOKENS, build_tokenizer
 
     torch.manual_seed(0)
     tok = build_tokenizer()
-    te = CLIPTextModelWithProjection(CLIPTextConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        max_position_embeddings=MAX_TOKENS, projection_dim=32, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
-                        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 16, 16), layers_per_block=1,
-                        latent_channels=4, norm_num_groups=8, sample_size=64)
-    dit = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16,
-                                num_attention_heads=2, joint_attention_dim=64, caption_projection_dim=32,
-                                pooled_projection_dim=64, out_channels=4, pos_embed_max_size=16, qk_norm="rms_norm")
-    pipe = StableDiffusion3Pipeline(transformer=dit, scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=vae,
-                                    text_encoder=te, tokenizer=tok, text_encoder_2=te, tokenizer_2=tok,
-                                    text_encoder_3=None, tokenizer_3=None)
+    te = CLIPTextModelWithProjection(
+        CLIPTextConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=MAX_TOKENS,
+            projection_dim=32,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(8, 16, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=64,
+    )
+    dit = SD3Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=64,
+        caption_projection_dim=32,
+        pooled_projection_dim=64,
+        out_channels=4,
+        pos_embed_max_size=16,
+        qk_norm="rms_norm",
+    )
+    pipe = StableDiffusion3Pipeline(
+        transformer=dit,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
+        vae=vae,
+        text_encoder=te,
+        tokenizer=tok,
+        text_encoder_2=te,
+        tokenizer_2=tok,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    )
     pipe.save_pretrained(folder)
     return folder
 
@@ -62,23 +104,75 @@ def build_random_flux_pipeline(folder: Path, guidance_embeds: bool = True) -> Pa
 
     torch.manual_seed(0)
     tok = build_tokenizer()
-    clip = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        max_position_embeddings=MAX_TOKENS, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id))
-    t5 = T5EncoderModel(T5Config(vocab_size=len(tok), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
-                                 relative_attention_num_buckets=8, pad_token_id=tok.pad_token_id))
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
-                        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 16, 16), layers_per_block=1,
-                        latent_channels=4, norm_num_groups=8, sample_size=32, scaling_factor=0.3611,
-                        shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
-    dit = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                                 num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-                                 guidance_embeds=guidance_embeds, axes_dims_rope=(4, 6, 6))
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                                                base_image_seq_len=256, max_image_seq_len=4096)
-    pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=tok, text_encoder_2=t5,
-                        tokenizer_2=tok, transformer=dit)
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=MAX_TOKENS,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tok),
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=1,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(8, 16, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=32,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    dit = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        guidance_embeds=guidance_embeds,
+        axes_dims_rope=(4, 6, 6),
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    pipe = FluxPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=clip,
+        tokenizer=tok,
+        text_encoder_2=t5,
+        tokenizer_2=tok,
+        transformer=dit,
+    )
     pipe.save_pretrained(folder)
     return folder
 
@@ -125,10 +219,20 @@ numbers on CPUs with and without native bf16 (``auto`` would pick bf16 on one an
 def tiny_overrides(model: Path, train: Path, test: Path, out: Path, **extra) -> list[str]:
     """Overrides that make a run take seconds, in float32 (:data:`FLOAT32`); `extra` overrides them."""
     base = {
-        "model.path": str(model), "train_prompts": str(train), "eval.prompts": str(test), "run.output_dir": str(out),
-        "run.iterations": 2, "run.save_every": 1, "run.device": "cpu", "sampling.num_steps": 3,
-        "sampling.group_size": 2, "sampling.prompts_per_iteration": 2, "eval.images_per_tag": 1, "eval.num_steps": 2,
-        "train.minibatch_size": 4, "model.lora_rank": 2,
+        "model.path": str(model),
+        "train_prompts": str(train),
+        "eval.prompts": str(test),
+        "run.output_dir": str(out),
+        "run.iterations": 2,
+        "run.save_every": 1,
+        "run.device": "cpu",
+        "sampling.num_steps": 3,
+        "sampling.group_size": 2,
+        "sampling.prompts_per_iteration": 2,
+        "eval.images_per_tag": 1,
+        "eval.num_steps": 2,
+        "train.minibatch_size": 4,
+        "model.lora_rank": 2,
         **FLOAT32,
     }
     base.update(extra)
@@ -151,7 +255,10 @@ def assert_resume_is_exact(config: Path, overrides, out: Path) -> None:
         for more in passes:
             Trainer(load_config(config, overrides(out / name) + more)).train()
         lines = (out / name / "metrics.jsonl").read_text().splitlines()
-        runs[name] = (load_file(out / name / "checkpoints/checkpoint-000002/trainable.safetensors"), json.loads(lines[-1]))
+        runs[name] = (
+            load_file(out / name / "checkpoints/checkpoint-000002/trainable.safetensors"),
+            json.loads(lines[-1]),
+        )
     (a, last_a), (b, last_b) = runs["full"], runs["part"]
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:

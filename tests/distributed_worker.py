@@ -83,8 +83,9 @@ def _launch_args(name: str):
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
     config = Path(__file__).parent.parent / "configs/accelerate" / name
-    args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(config),
-                                                                                     "train.py"]))
+    args, defaults, _ = _validate_launch_command(
+        launch_command_parser().parse_args(["--config_file", str(config), "train.py"])
+    )
     return args, defaults
 
 
@@ -131,12 +132,16 @@ def split_gradient(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     every_third = torch.arange(len(ro)) % 3 == 0
     grads = []
     step = trainer.policy.optimizer.step
-    trainer.policy.optimizer.step = lambda *a, **k: grads.append([full(p.grad).clone() for p in trainer.policy.params.values()])
+    trainer.policy.optimizer.step = lambda *a, **k: grads.append(
+        [full(p.grad).clone() for p in trainer.policy.params.values()]
+    )
     size = trainer.cfg.train.minibatch_size
     trainer.cfg.train.minibatch_size = len(ro)  # one optimizer step
     try:
-        for keep in (every_third if rank == 0 else ~every_third,
-                     torch.ones(len(ro), dtype=torch.bool) if rank == 0 else torch.zeros(len(ro), dtype=torch.bool)):
+        for keep in (
+            every_third if rank == 0 else ~every_third,
+            torch.ones(len(ro), dtype=torch.bool) if rank == 0 else torch.zeros(len(ro), dtype=torch.bool),
+        ):
             trainer.method.optimize(ro, adv, keep & ro.trained.cpu(), table, torch.Generator().manual_seed(0))
     finally:
         trainer.policy.optimizer.step = step
@@ -158,8 +163,11 @@ def main() -> None:
     config, out, *overrides = sys.argv[1:]
     trainer = Trainer(load_config(config, overrides))
     rank = trainer.accelerator.process_index
-    split_grads, whole_grads = ([], []) if (trainer.cfg.train.method == "nft" or trainer.policy.engine
-                                  or os.environ.get("FLOWRL_TEST_NO_SPLIT")) else split_gradient(trainer)  # at the initial weights
+    split_grads, whole_grads = (
+        ([], [])
+        if (trainer.cfg.train.method == "nft" or trainer.policy.engine or os.environ.get("FLOWRL_TEST_NO_SPLIT"))
+        else split_gradient(trainer)
+    )  # at the initial weights
     optimize, peaks = trainer.method.optimize, []
 
     def measured(*args, **kwargs):  # the peak resident memory up to the end of each policy update
@@ -169,20 +177,38 @@ def main() -> None:
 
     trainer.method.optimize = measured
     result = trainer.train()
-    save_file({n: p.detach().contiguous() for n, p in trainer.policy.weights().items()}, f"{out}/rank{rank}.safetensors")
-    save_file({**{f"split.{i}": g for i, g in enumerate(split_grads)}, **{f"whole.{i}": g for i, g in enumerate(whole_grads)}},
-              f"{out}/grads{rank}.safetensors")
+    save_file(
+        {n: p.detach().contiguous() for n, p in trainer.policy.weights().items()}, f"{out}/rank{rank}.safetensors"
+    )
+    save_file(
+        {
+            **{f"split.{i}": g for i, g in enumerate(split_grads)},
+            **{f"whole.{i}": g for i, g in enumerate(whole_grads)},
+        },
+        f"{out}/grads{rank}.safetensors",
+    )
     calls = []  # items 0..6 over 2 processes: 4 and 3 items, gathered back in item order
-    order = sharded(lambda idx: calls.append(idx) or torch.tensor(idx, dtype=torch.float32)[:, None] * 10, 7,
-                    trainer.accelerator)
+    order = sharded(
+        lambda idx: calls.append(idx) or torch.tensor(idx, dtype=torch.float32)[:, None] * 10, 7, trainer.accelerator
+    )
     with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump({"before": result["before"], "after": result["after"], "sharded": order.squeeze(1).tolist(),
-                   "sharded_calls": calls, "num_processes": trainer.accelerator.num_processes,
-                   "wrapped": type(trainer.policy.wrapped).__name__,
-                   "optimizer_offload": bool(getattr(getattr(trainer.policy.engine, "optimizer", None), "cpu_offload", False)),
-                   "fsdp_units": len(fsdp_units(trainer.model.transformer)) if trainer.policy.sharded else 0,
-                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                   "peak_rss_after_update_mib": peaks}, f)
+        json.dump(
+            {
+                "before": result["before"],
+                "after": result["after"],
+                "sharded": order.squeeze(1).tolist(),
+                "sharded_calls": calls,
+                "num_processes": trainer.accelerator.num_processes,
+                "wrapped": type(trainer.policy.wrapped).__name__,
+                "optimizer_offload": bool(
+                    getattr(getattr(trainer.policy.engine, "optimizer", None), "cpu_offload", False)
+                ),
+                "fsdp_units": len(fsdp_units(trainer.model.transformer)) if trainer.policy.sharded else 0,
+                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "peak_rss_after_update_mib": peaks,
+            },
+            f,
+        )
     trainer.accelerator.wait_for_everyone()  # then tear the process group down together, as flowrl train does
     trainer.accelerator.end_training()
 

@@ -4,8 +4,17 @@ instead of a silently broadcast loss, NaN advantages or a crash deep inside torc
 import pytest
 import torch
 
-from flowrl.advantages import (aggregate_advantages, best_of_n, depthwise_advantages, group_advantages,
-                               process_advantages, sum_by_node, tree_node_rewards, turning_point_rewards, width_prune)
+from flowrl.advantages import (
+    aggregate_advantages,
+    best_of_n,
+    depthwise_advantages,
+    group_advantages,
+    process_advantages,
+    sum_by_node,
+    tree_node_rewards,
+    turning_point_rewards,
+    width_prune,
+)
 from flowrl.losses import kl_to_reference, nft_loss, optimality_weights, ppo_loss, ratio_norm, velocity_kl
 
 LONG = torch.long
@@ -59,15 +68,24 @@ def test_selection_and_estimators_refuse_mismatched_lengths():
     with pytest.raises(ValueError, match=r"node_rewards \(3,\), group \(2,\) and step \(3,\)"):
         depthwise_advantages(torch.ones(3), torch.zeros(2, dtype=LONG), torch.zeros(3, dtype=LONG))
     with pytest.raises(ValueError, match=r"granularity \(2,\)"):
-        process_advantages(torch.ones(3), torch.zeros(3, dtype=LONG), torch.zeros(3, dtype=LONG),
-                           torch.ones(2, dtype=LONG))
+        process_advantages(
+            torch.ones(3), torch.zeros(3, dtype=LONG), torch.zeros(3, dtype=LONG), torch.ones(2, dtype=LONG)
+        )
     with pytest.raises(ValueError, match=r"leaf_rewards \(3,\) \(B,\)"):
         tree_node_rewards(torch.ones(2, 4, dtype=torch.bool), torch.ones(3))
     with pytest.raises(ValueError, match=r"parent \(1,\) and log_prob \(2,\) must be \(2,\)"):
-        tree_node_rewards(torch.ones(2, 1, dtype=torch.bool), torch.ones(1), "prob", torch.tensor([-1]), torch.zeros(2))
+        tree_node_rewards(
+            torch.ones(2, 1, dtype=torch.bool), torch.ones(1), "prob", torch.tensor([-1]), torch.zeros(2)
+        )
     with pytest.raises(ValueError, match=r"incidence \(2, 2\) must be \(M, B\)"):
-        width_prune(torch.ones(2, 2, dtype=torch.bool), torch.ones(2), torch.zeros(2, dtype=LONG),
-                    torch.zeros(3, dtype=LONG), 0, 1)
+        width_prune(
+            torch.ones(2, 2, dtype=torch.bool),
+            torch.ones(2),
+            torch.zeros(2, dtype=LONG),
+            torch.zeros(3, dtype=LONG),
+            0,
+            1,
+        )
     with pytest.raises(ValueError, match=r"node ids must lie in \[-1, 3\)"):
         sum_by_node(torch.ones(2), torch.tensor([0, 3]), 3)
     with pytest.raises(ValueError, match=r"returns must be \(B, n \+ 1\).*\(3,\)"):
@@ -82,7 +100,14 @@ def test_best_of_n_and_width_pruning_keep_both_ends_of_each_group():
     assert best_of_n(rewards, group, 3).tolist() == [True, True, False, False, True, True, True]
     inc = torch.eye(7, dtype=torch.bool)  # one transition per leaf, after the split
     assert width_prune(inc, rewards, group, torch.ones(7, dtype=LONG), 0, 1).tolist() == [
-        True, True, False, False, False, True, True]
+        True,
+        True,
+        False,
+        False,
+        False,
+        True,
+        True,
+    ]
 
 
 def test_losses_name_mismatched_tensors():
@@ -140,8 +165,11 @@ def test_best_of_n_ranks_by_the_aggregated_advantage_as_dancegrpo():
     train = SimpleNamespace(reward_aggregation="advantage", adv_std="group", adv_clip_max=5.0, best_of_n=2)
     from flowrl.methods import Rewards
 
-    fake = SimpleNamespace(cfg=SimpleNamespace(train=train), device="cpu",
-                           rewards=SimpleNamespace(rewards={"a": (None, 1.0), "b": (None, 1.0)}))
+    fake = SimpleNamespace(
+        cfg=SimpleNamespace(train=train),
+        device="cpu",
+        rewards=SimpleNamespace(rewards={"a": (None, 1.0), "b": (None, 1.0)}),
+    )
     rewards = Rewards(None, a + b, {"a": a, "b": b}, torch.zeros(4, dtype=LONG), slice(0, 4))
     adv, zero, _ = Method.group_advantages(fake, rewards)
     assert int(adv.argmax()) == 2 and int(adv.argmin()) == 0  # z-sum order: image 2 best, image 0 worst
@@ -163,15 +191,22 @@ def test_g2rpo_sum_over_granularities_is_clipped():
             return 12
 
     children = torch.arange(12)
-    pr = SimpleNamespace(rollout=_Rollout(), step=torch.zeros(24, dtype=LONG), root=torch.zeros(24, dtype=LONG),
-                         node=children.repeat(2), granularity=torch.tensor([1] * 12 + [2] * 12))
+    pr = SimpleNamespace(
+        rollout=_Rollout(),
+        step=torch.zeros(24, dtype=LONG),
+        root=torch.zeros(24, dtype=LONG),
+        node=children.repeat(2),
+        granularity=torch.tensor([1] * 12 + [2] * 12),
+    )
     shape = G2RPOShape.__new__(G2RPOShape)  # its advantages need only the config and the device
     shape.cfg = SimpleNamespace(train=SimpleNamespace(adv_clip_max=5.0))
     shape.device = "cpu"
     rewards = torch.tensor(([1.0] + [0.0] * 11) * 2)
     samples = ProbeSamples(None, torch.zeros(24, dtype=LONG), 0, pr.rollout, None, pr)
     adv, keep, _ = shape.advantages(samples, Rewards(SimpleNamespace(total=rewards), rewards, {}, None, slice(0, 24)))
-    assert adv[0].item() == pytest.approx(5.0) and adv[1].item() == pytest.approx(-2 * (1 / 12) / (11 ** 0.5 / 12), abs=1e-3)
+    assert adv[0].item() == pytest.approx(5.0) and adv[1].item() == pytest.approx(
+        -2 * (1 / 12) / (11**0.5 / 12), abs=1e-3
+    )
     assert keep.all()
 
 
@@ -191,11 +226,13 @@ def test_kl_type_flow_grpo_is_the_exact_kl_times_dt():
     mean = recompute_log_prob(ro, v)[1]
     ref_mean = recompute_log_prob(ro, 0.5 * ro.state)[1]
     dt = (ro.sigma - ro.sigma_next).abs()
-    per_row = (mean - ref_mean).pow(2).mean(dim=(1, 2, 3)) / (2 * ro.std ** 2)  # (M,) exact KL per transition
+    per_row = (mean - ref_mean).pow(2).mean(dim=(1, 2, 3)) / (2 * ro.std**2)  # (M,) exact KL per transition
     for kl_type, expected in (("mean", per_row.mean()), ("flow_grpo", (per_row * dt).mean())):
-        fake = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(kl_type=kl_type)),
-                               model=SimpleNamespace(reference=contextlib.nullcontext),
-                               policy=SimpleNamespace(autocast=contextlib.nullcontext))
+        fake = SimpleNamespace(
+            cfg=SimpleNamespace(train=SimpleNamespace(kl_type=kl_type)),
+            model=SimpleNamespace(reference=contextlib.nullcontext),
+            policy=SimpleNamespace(autocast=contextlib.nullcontext),
+        )
         kl = GRPO.kl_to_reference(fake, lambda x, t, c: 0.5 * x, ro, v, mean)
         assert kl.item() == pytest.approx(expected.item(), rel=1e-5), kl_type
     assert not torch.allclose(dt, dt[:1].expand_as(dt))  # the two differ by more than one constant

@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import ASSETS
+
 from flowrl.data import read_jsonl
 from flowrl.tiny.prompts import HELD_OUT_COLOR_PAIRS, HELD_OUT_COUNTS, HELD_OUT_SHAPE_PAIRS, is_held_out
 
@@ -38,23 +38,34 @@ def test_test_prompts_hold_only_unseen_combinations():
 def test_tiny_pipeline_loads_like_sd35():
     from diffusers import StableDiffusion3Pipeline
 
-    pipe = StableDiffusion3Pipeline.from_pretrained(ASSETS / "tiny-sd3", text_encoder_3=None, tokenizer_3=None,
-                                                    dtype=torch.float32)
+    pipe = StableDiffusion3Pipeline.from_pretrained(
+        ASSETS / "tiny-sd3", text_encoder_3=None, tokenizer_3=None, dtype=torch.float32
+    )
     assert len(pipe.tokenizer) == 49408  # the real CLIP BPE vocabulary
-    images = pipe("a photo of a red star", num_inference_steps=4, height=64, width=64, max_sequence_length=0,
-                  output_type="pt", generator=torch.Generator().manual_seed(0)).images
+    images = pipe(
+        "a photo of a red star",
+        num_inference_steps=4,
+        height=64,
+        width=64,
+        max_sequence_length=0,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    ).images
     assert images.shape == (1, 3, 64, 64) and torch.isfinite(images).all()
 
 
 def test_tiny_clip_scores_matching_captions_higher():
-    from flowrl.tiny.render import render, sample_scene
-    from flowrl.rewards import build_reward
     import random
+
+    from flowrl.rewards import build_reward
+    from flowrl.tiny.render import render, sample_scene
 
     reward = build_reward("clipscore", model_path=str(ASSETS / "tiny-clip"))
     metas = read_jsonl(ASSETS / "prompts/train.jsonl")[:32]
     rng = random.Random(0)
-    images = torch.stack([torch.from_numpy(render(sample_scene(m, rng))).permute(2, 0, 1).float() / 255 for m in metas])
+    images = torch.stack(
+        [torch.from_numpy(render(sample_scene(m, rng))).permute(2, 0, 1).float() / 255 for m in metas]
+    )
     prompts = [m["prompt"] for m in metas]
     right = reward(images, prompts, metas)
     wrong = reward(images, prompts[1:] + prompts[:1], metas)

@@ -14,12 +14,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, tiny_overrides
 from safetensors.torch import save_file
 
-from conftest import REPO, tiny_overrides
 from flowrl import cli
-from flowrl.checkpoint import (CheckpointError, choose_checkpoint, latest_checkpoint, load_checkpoint, prune_checkpoints,
-                               save_checkpoint, verify_checkpoint)
+from flowrl.checkpoint import (
+    CheckpointError,
+    choose_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from flowrl.config import load_config
 from flowrl.files import OutputError, RunFolderInUse, RunLock, check_safetensors
 from flowrl.trainer import Trainer
@@ -44,8 +51,14 @@ def _fails(capsys, *argv) -> str:
 
 def _cli(*args, env=None) -> subprocess.CompletedProcess:
     """``python -m flowrl.cli ARGS`` in a subprocess (from the repository root)."""
-    return subprocess.run([sys.executable, "-m", "flowrl.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=REPO, env={**os.environ, **(env or {})}, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "flowrl.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        timeout=600,
+    )
 
 
 def _one_error_line(r: subprocess.CompletedProcess) -> str:
@@ -59,8 +72,9 @@ def _one_error_line(r: subprocess.CompletedProcess) -> str:
 
 def _tiny_config(tmp_path, random_pipeline, prompt_files, out="run", reward="jpeg_compressibility", **extra):
     (tmp_path / "c.yaml").write_text(f"rewards:\n  {reward!r}:\n    weight: 1.0\n")
-    return tmp_path / "c.yaml", tiny_overrides(random_pipeline, *prompt_files, tmp_path / out,
-                                               **{"run.mixed_precision": "no", **extra})
+    return tmp_path / "c.yaml", tiny_overrides(
+        random_pipeline, *prompt_files, tmp_path / out, **{"run.mixed_precision": "no", **extra}
+    )
 
 
 # ------------------------------------------------------------------------------------------- checkpoints
@@ -74,16 +88,27 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-7])
 
 
-@pytest.mark.parametrize("damage, reason", [
-    (lambda c: _truncate(c / "trainable.safetensors"), "trainable.safetensors has .* bytes"),
-    (lambda c: _truncate(c / "optimizer.safetensors"), "optimizer.safetensors has .* bytes"),
-    (lambda c: (c / "trainable.safetensors").write_bytes(b"\x80\x04" + bytes(
-        (c / "trainable.safetensors").stat().st_size - 2)), "trainable.safetensors does not match its SHA-256"),
-    (lambda c: (c / "optimizer.safetensors").unlink(), "incomplete: no optimizer.safetensors"),
-    (lambda c: (c / "state.json").write_text('{"iteration": 3, "opt'), "unreadable state.json"),
-    (lambda c: (c / "state.json").write_text(json.dumps(
-        {k: v for k, v in json.loads((c / "state.json").read_text()).items() if k != "optimizer"})), "no key 'optimizer'"),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda c: _truncate(c / "trainable.safetensors"), "trainable.safetensors has .* bytes"),
+        (lambda c: _truncate(c / "optimizer.safetensors"), "optimizer.safetensors has .* bytes"),
+        (
+            lambda c: (c / "trainable.safetensors").write_bytes(
+                b"\x80\x04" + bytes((c / "trainable.safetensors").stat().st_size - 2)
+            ),
+            "trainable.safetensors does not match its SHA-256",
+        ),
+        (lambda c: (c / "optimizer.safetensors").unlink(), "incomplete: no optimizer.safetensors"),
+        (lambda c: (c / "state.json").write_text('{"iteration": 3, "opt'), "unreadable state.json"),
+        (
+            lambda c: (c / "state.json").write_text(
+                json.dumps({k: v for k, v in json.loads((c / "state.json").read_text()).items() if k != "optimizer"})
+            ),
+            "no key 'optimizer'",
+        ),
+    ],
+)
 def test_a_damaged_newest_checkpoint_is_skipped_with_the_reason(tmp_path, damage, reason):
     *_, newest = _three_checkpoints(tmp_path)
     damage(newest)
@@ -175,8 +200,9 @@ def test_resume_needs_a_readable_eval_before(tmp_path, killed_run):
     run = _copy_run(killed_run, tmp_path)
     (run / "eval_before.json").unlink()
     rows = (run / "metrics.jsonl").read_text()
-    line = _one_error_line(_cli("train", config, *overrides, f"run.output_dir={run}", "run.resume=true",
-                                "run.iterations=3"))
+    line = _one_error_line(
+        _cli("train", config, *overrides, f"run.output_dir={run}", "run.resume=true", "run.iterations=3")
+    )
     assert "eval_before.json" in line and (run / "metrics.jsonl").read_text() == rows
 
 
@@ -190,13 +216,17 @@ def test_an_existing_run_is_recognised_before_its_first_iteration(tmp_path, rand
 
 
 # ------------------------------------------------------------------------------------------ two writers
-_HOLDER = ("import sys, time; from flowrl.files import RunLock; RunLock(sys.argv[1]).acquire(); "
-           "print('locked', flush=True); time.sleep(600)")
+_HOLDER = (
+    "import sys, time; from flowrl.files import RunLock; RunLock(sys.argv[1]).acquire(); "
+    "print('locked', flush=True); time.sleep(600)"
+)
 
 
 def _hold_lock(folder: Path) -> subprocess.Popen:
     """Another process holding ``folder``'s lock (until it is killed)."""
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(folder)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     assert holder.stdout.readline().strip() == "locked"
     return holder
 
@@ -233,13 +263,16 @@ def test_the_lock_is_taken_in_train_after_the_constructor_checks(tmp_path, rando
 
 
 # --------------------------------------------------------------------------------------------- outputs
-@pytest.mark.parametrize("command, out, message", [
-    ("sample", "g.xyz", "unknown file type '.xyz'"),
-    ("sample", "blocker/g.png", "cannot be written"),
-    ("eval", "e.txt", "unknown file type '.txt'"),
-    ("eval", "blocker/e.json", "cannot be written"),
-    ("eval", ".", "is a folder"),
-])
+@pytest.mark.parametrize(
+    "command, out, message",
+    [
+        ("sample", "g.xyz", "unknown file type '.xyz'"),
+        ("sample", "blocker/g.png", "cannot be written"),
+        ("eval", "e.txt", "unknown file type '.txt'"),
+        ("eval", "blocker/e.json", "cannot be written"),
+        ("eval", ".", "is a folder"),
+    ],
+)
 def test_outputs_are_probed_before_the_model_loads(tmp_path, capsys, monkeypatch, command, out, message):
     monkeypatch.setattr(cli, "_model", lambda args: pytest.fail("the model loaded"))
     (tmp_path / "blocker").write_text("a file where a folder should be")
@@ -264,20 +297,37 @@ def test_an_unwritable_run_folder_is_refused_before_the_model_loads(tmp_path, ra
 
 
 def test_sample_and_eval_write_whole_files_only(tmp_path, random_pipeline, prompt_files):
-    r = _cli("sample", "--model", random_pipeline, "--prompt", "a photo of a star", "-n", 1, "--num-steps", 1,
-             "--out", tmp_path / "g.jpg")
+    r = _cli(
+        "sample",
+        "--model",
+        random_pipeline,
+        "--prompt",
+        "a photo of a star",
+        "-n",
+        1,
+        "--num-steps",
+        1,
+        "--out",
+        tmp_path / "g.jpg",
+    )
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "g.jpg").read_bytes()[:2] == b"\xff\xd8"  # a JPEG, written through a temporary file
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g.jpg"]
 
 
 # ---------------------------------------------------------------------------------------- error contract
-@pytest.mark.parametrize("argv, message", [
-    (["eval", "--guidance-scale", "nan", "--out", "e.json"], "argument --guidance-scale: must be a finite number, got nan"),
-    (["eval", "--images-per-tag", "-5", "--out", "e.json"], "argument --images-per-tag: must be >= 0, got -5"),
-    (["sample", "--prompt", ""], "argument --prompt: must not be empty"),
-    (["sample", "--prompt", "x", "--shift", "nan"], "argument --shift: must be > 0, got nan"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["eval", "--guidance-scale", "nan", "--out", "e.json"],
+            "argument --guidance-scale: must be a finite number, got nan",
+        ),
+        (["eval", "--images-per-tag", "-5", "--out", "e.json"], "argument --images-per-tag: must be >= 0, got -5"),
+        (["sample", "--prompt", ""], "argument --prompt: must not be empty"),
+        (["sample", "--prompt", "x", "--shift", "nan"], "argument --shift: must be > 0, got nan"),
+    ],
+)
 def test_out_of_range_options_are_one_line(capsys, monkeypatch, argv, message):
     monkeypatch.setattr(cli, "_model", lambda args: pytest.fail("the model loaded"))
     assert _fails(capsys, *argv).endswith(f"error: {message}")
@@ -287,8 +337,7 @@ def test_a_reward_that_raises_is_named_with_its_exception(tmp_path, random_pipel
     config, overrides = _tiny_config(tmp_path, random_pipeline, prompt_files, reward="test_bad_inputs:bad_key_reward")
     line = _fails(capsys, "train", config, *overrides)
     assert line == "flowrl train: error: reward test_bad_inputs:bad_key_reward raised KeyError: 'score_key'"
-    r = _cli("train", config, *overrides, env={"FLOWRL_TRACEBACK": "1",
-                                               "PYTHONPATH": str(Path(__file__).parent)})
+    r = _cli("train", config, *overrides, env={"FLOWRL_TRACEBACK": "1", "PYTHONPATH": str(Path(__file__).parent)})
     assert r.returncode != 0 and "Traceback" in r.stderr and "KeyError: 'score_key'" in r.stderr
 
 
@@ -346,9 +395,12 @@ def test_a_broken_model_index_names_the_file(tmp_path, model_copy, prompt_files,
         assert f"{model_copy / 'model_index.json'} is not valid JSON" in line
 
 
-def test_pickled_weights_only_are_refused_with_the_conversion(tmp_path, model_copy, prompt_files, random_pipeline, capsys):
+def test_pickled_weights_only_are_refused_with_the_conversion(
+    tmp_path, model_copy, prompt_files, random_pipeline, capsys
+):
     (model_copy / "transformer/diffusion_pytorch_model.safetensors").rename(
-        model_copy / "transformer/diffusion_pytorch_model.bin")  # never unpickled: its contents do not matter
+        model_copy / "transformer/diffusion_pytorch_model.bin"
+    )  # never unpickled: its contents do not matter
     for line in _model_fails(capsys, model_copy, tmp_path, prompt_files, random_pipeline):
         assert "holds only pickled weights (diffusion_pytorch_model.bin)" in line and "safe_serialization=True" in line
 
@@ -373,8 +425,21 @@ def test_the_pipeline_is_loaded_with_safetensors_only(monkeypatch, random_pipeli
 def test_damaged_or_foreign_loras_are_one_line(tmp_path, random_pipeline, capsys, killed_run):
     lora = Path(shutil.copytree(killed_run[0] / "run/lora", tmp_path / "lora"))
     file = lora / "pytorch_lora_weights.safetensors"
-    args = ("sample", "--model", random_pipeline, "--prompt", "x", "-n", 1, "--num-steps", 1, "--lora", lora,
-            "--out", tmp_path / "g.png")
+    args = (
+        "sample",
+        "--model",
+        random_pipeline,
+        "--prompt",
+        "x",
+        "-n",
+        1,
+        "--num-steps",
+        1,
+        "--lora",
+        lora,
+        "--out",
+        tmp_path / "g.png",
+    )
     _truncate(file)
     assert f"{file} is damaged" in _fails(capsys, *args)
     shutil.copy(killed_run[0] / "run/checkpoints/checkpoint-000001/optimizer.safetensors", file)  # mislabelled
@@ -403,13 +468,17 @@ def test_output_error_is_a_user_error():
 def test_an_unreachable_reward_server_is_one_line_before_any_work(tmp_path, random_pipeline, prompt_files, capsys):
     """A VLM judge whose server does not answer (a closed loopback port) stops `flowrl train` at the rewards' smoke
     call, before any sampling, with the reward, the server and the prompt named on one line."""
-    (tmp_path / "c.yaml").write_text("rewards:\n  pref_winrate:\n    weight: 1.0\n    options:\n      judge: vlm\n"
-                                     "      base_url: http://127.0.0.1:1/v1\n      model: m\n      max_retries: 0\n"
-                                     "      timeout: 5\n")
+    (tmp_path / "c.yaml").write_text(
+        "rewards:\n  pref_winrate:\n    weight: 1.0\n    options:\n      judge: vlm\n"
+        "      base_url: http://127.0.0.1:1/v1\n      model: m\n      max_retries: 0\n"
+        "      timeout: 5\n"
+    )
     overrides = tiny_overrides(random_pipeline, *prompt_files, tmp_path / "run", **{"run.mixed_precision": "no"})
     line = _fails(capsys, "train", tmp_path / "c.yaml", *overrides)
-    assert line.startswith("flowrl train: error: reward pref_winrate raised RuntimeError: vlm_judge: request to "
-                           "http://127.0.0.1:1/v1 for prompt "), line
+    assert line.startswith(
+        "flowrl train: error: reward pref_winrate raised RuntimeError: vlm_judge: request to "
+        "http://127.0.0.1:1/v1 for prompt "
+    ), line
     assert not (tmp_path / "run").exists()  # nothing written
 
 
@@ -435,10 +504,14 @@ save_checkpoint(folder, iteration, {"w": w}, opt, write_extra_files=slow if sys.
 def test_a_process_killed_while_writing_a_checkpoint_loses_nothing_checkpointed(tmp_path):
     """SIGKILL in the middle of writing checkpoint 3: checkpoints 1 and 2 stay intact and verified, resume takes 2,
     and saving iteration 3 again (as the resumed run does) replaces the torn attempt."""
+
     def save(iteration: int, wait: bool = False) -> None:
-        p = subprocess.Popen([sys.executable, "-c", _SAVER, str(tmp_path / "checkpoints"), str(iteration),
-                              *(["slow"] if wait else [])],
-                             stdout=subprocess.PIPE, text=True, cwd=REPO)
+        p = subprocess.Popen(
+            [sys.executable, "-c", _SAVER, str(tmp_path / "checkpoints"), str(iteration), *(["slow"] if wait else [])],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
         if wait:
             assert p.stdout.readline().strip() == "writing"
             p.kill()  # SIGKILL: no clean-up runs

@@ -16,14 +16,24 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import tiny_overrides
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks"
-SCRIPTS = ("base_headroom", "ddpo_tiny", "decode_precision_check", "failure_modes", "fsdp2_units_memory", "gpu_scale",
-           "gradient_snr", "nft_text_encoders", "policy_step_check", "step_influence", "tree_speedup",
-           "video_vae_headroom")
+SCRIPTS = (
+    "base_headroom",
+    "ddpo_tiny",
+    "decode_precision_check",
+    "failure_modes",
+    "fsdp2_units_memory",
+    "gpu_scale",
+    "gradient_snr",
+    "nft_text_encoders",
+    "policy_step_check",
+    "step_influence",
+    "tree_speedup",
+    "video_vae_headroom",
+)
 """The scripts this file runs; a new script under benchmarks/ needs a test here (checked below)."""
 
 
@@ -40,8 +50,12 @@ def preset(tmp_path, random_pipeline, prompt_files) -> list[str]:
     overrides without ``run.output_dir`` (each test names its own)."""
     config = tmp_path / "jpeg.yaml"
     config.write_text("rewards:\n  jpeg_compressibility:\n    weight: 1.0\n")
-    over = tiny_overrides(random_pipeline, *prompt_files, tmp_path / "unused", **{
-        "run.mixed_precision": "no", "sampling.group_size": 4, "sampling.num_steps": 4})
+    over = tiny_overrides(
+        random_pipeline,
+        *prompt_files,
+        tmp_path / "unused",
+        **{"run.mixed_precision": "no", "sampling.group_size": 4, "sampling.num_steps": 4},
+    )
     return [str(config), *[o for o in over if not o.startswith("run.output_dir=")]]
 
 
@@ -60,8 +74,11 @@ def test_benchmarks_hold_no_run_folders_and_every_cited_file_exists():
     text = "\n".join(p.read_text() for p in docs if p.is_file())
     cited = set(re.findall(r"benchmarks/[\w./-]+\.(?:py|json|jsonl|yaml|png)\b", text))
     assert not sorted(c for c in cited if not (REPO / c).is_file()), "cited in README.md or docs/ but missing"
-    uncited = sorted(str(p.relative_to(REPO)) for p in (BENCH / "results").glob("*") if p.is_file()
-                     and str(p.relative_to(REPO)) not in cited)
+    uncited = sorted(
+        str(p.relative_to(REPO))
+        for p in (BENCH / "results").glob("*")
+        if p.is_file() and str(p.relative_to(REPO)) not in cited
+    )
     assert not uncited, "result files no page of docs/ or README.md cites"
 
 
@@ -69,9 +86,29 @@ def test_failure_modes_in_a_fresh_interpreter(tmp_path, random_pipeline, prompt_
     """The script as the docs run it, in its own process and from another folder than the repository."""
     out = tmp_path / "modes.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "failure_modes.py"), "--model", str(random_pipeline), "--prompts",
-         str(prompt_files[1]), "--max-prompts", "3", "-k", "2", "--num-steps", "2", "--device", "cpu", "--out", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(BENCH / "failure_modes.py"),
+            "--model",
+            str(random_pipeline),
+            "--prompts",
+            str(prompt_files[1]),
+            "--max-prompts",
+            "3",
+            "-k",
+            "2",
+            "--num-steps",
+            "2",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| tag | images | correct | empty | unread_shape | composition |" in proc.stdout
     per_tag = json.loads(out.read_text())["per_tag"]
@@ -82,8 +119,29 @@ def test_failure_modes_in_a_fresh_interpreter(tmp_path, random_pipeline, prompt_
 
 def test_base_headroom(tmp_path, random_pipeline, prompt_files, monkeypatch, capsys):
     out = tmp_path / "headroom.json"
-    run_script("base_headroom", ["--model", random_pipeline, "--prompts", prompt_files[1], "--max-prompts", 2, "-k", 2,
-                                 "--num-steps", 2, "--times", 0, 1, "--device", "cpu", "--out", out], monkeypatch)
+    run_script(
+        "base_headroom",
+        [
+            "--model",
+            random_pipeline,
+            "--prompts",
+            prompt_files[1],
+            "--max-prompts",
+            2,
+            "-k",
+            2,
+            "--num-steps",
+            2,
+            "--times",
+            0,
+            1,
+            "--device",
+            "cpu",
+            "--out",
+            out,
+        ],
+        monkeypatch,
+    )
     result = json.loads(out.read_text())
     assert sum(tag["prompts"] for tag in result["pass_at_k"].values()) == 2
     assert all(0 <= tag["mean"] <= tag["pass_at_k"] <= 1 for tag in result["pass_at_k"].values())
@@ -91,8 +149,16 @@ def test_base_headroom(tmp_path, random_pipeline, prompt_files, monkeypatch, cap
 
 
 def test_decode_precision_check(random_pipeline, prompt_files, monkeypatch, capsys):
-    over = [o for o in tiny_overrides(random_pipeline, *prompt_files, Path("unused"), **{
-        "sampling.prompts_per_iteration": 1, "sampling.num_steps": 2}) if not o.startswith("run.output_dir=")]
+    over = [
+        o
+        for o in tiny_overrides(
+            random_pipeline,
+            *prompt_files,
+            Path("unused"),
+            **{"sampling.prompts_per_iteration": 1, "sampling.num_steps": 2},
+        )
+        if not o.startswith("run.output_dir=")
+    ]
     run_script("decode_precision_check", ["--rollouts", 1, *over], monkeypatch)
     result = json.loads(capsys.readouterr().out)
     assert result["images"] == 2 and 0 <= result["identical_reward_frac"] <= 1
@@ -101,7 +167,9 @@ def test_decode_precision_check(random_pipeline, prompt_files, monkeypatch, caps
 
 def test_gradient_snr(tmp_path, preset, monkeypatch):
     out = tmp_path / "snr.json"
-    run_script("gradient_snr", [*preset, f"run.output_dir={tmp_path / 'run'}", "--batches", 2, "--out", out], monkeypatch)
+    run_script(
+        "gradient_snr", [*preset, f"run.output_dir={tmp_path / 'run'}", "--batches", 2, "--out", out], monkeypatch
+    )
     result = json.loads(out.read_text())
     assert len(result["pairwise_cosine"]) == 1 and -1 <= result["pairwise_cosine"][0] <= 1
     assert result["images_per_batch"] == 2 * 4 and all(n > 0 for n in result["grad_norms"])
@@ -109,17 +177,25 @@ def test_gradient_snr(tmp_path, preset, monkeypatch):
 
 def test_step_influence(tmp_path, preset, monkeypatch):
     out = tmp_path / "influence.json"
-    run_script("step_influence", [*preset, "sampling.num_steps=3", f"run.output_dir={tmp_path / 'run'}",
-                                  "--iterations", 1, "--out", out], monkeypatch)
+    run_script(
+        "step_influence",
+        [*preset, "sampling.num_steps=3", f"run.output_dir={tmp_path / 'run'}", "--iterations", 1, "--out", out],
+        monkeypatch,
+    )
     result = json.loads(out.read_text())
     assert [row["step"] for row in result["per_step"]] == [0, 1]  # 3 steps; the last one is deterministic
-    assert all(row["within_group_var"] >= 0 for row in result["per_step"]) and result["full_sde"]["within_group_var"] > 0
+    assert (
+        all(row["within_group_var"] >= 0 for row in result["per_step"]) and result["full_sde"]["within_group_var"] > 0
+    )
 
 
 def test_policy_step_check(tmp_path, preset, monkeypatch):
     out = tmp_path / "step.json"
-    run_script("policy_step_check", [*preset, f"run.output_dir={tmp_path / 'run'}", "train.minibatch_size=1000",
-                                     "--out", out], monkeypatch)
+    run_script(
+        "policy_step_check",
+        [*preset, f"run.output_dir={tmp_path / 'run'}", "train.minibatch_size=1000", "--out", out],
+        monkeypatch,
+    )
     result = json.loads(out.read_text())
     assert result["optimizer_steps"] == 1 and -1 <= result["corr_change_advantage"] <= 1
     assert 0 <= result["clipfrac"] <= 1
@@ -127,9 +203,21 @@ def test_policy_step_check(tmp_path, preset, monkeypatch):
 
 def test_tree_speedup(tmp_path, random_pipeline, prompt_files, monkeypatch, capsys):
     out = tmp_path / "tree.json"
-    over = [o for o in tiny_overrides(random_pipeline, *prompt_files, tmp_path / "unused", **{
-        "sampling.prompts_per_iteration": 1, "sampling.num_steps": 3, "sampling.group_size": 4,
-        "sampling.tree.split_steps": "[0,1]"}) if not o.startswith("run.output_dir=")]
+    over = [
+        o
+        for o in tiny_overrides(
+            random_pipeline,
+            *prompt_files,
+            tmp_path / "unused",
+            **{
+                "sampling.prompts_per_iteration": 1,
+                "sampling.num_steps": 3,
+                "sampling.group_size": 4,
+                "sampling.tree.split_steps": "[0,1]",
+            },
+        )
+        if not o.startswith("run.output_dir=")
+    ]
     run_script("tree_speedup", ["branch_grpo", "--repeats", 1, "--out", out, "--overrides", *over], monkeypatch)
     (row,) = json.loads(out.read_text())
     assert row["preset"] == "branch_grpo" and row["leaves"] == 4 and row["batched_s"] > 0 and row["node_by_node_s"] > 0
@@ -138,8 +226,11 @@ def test_tree_speedup(tmp_path, random_pipeline, prompt_files, monkeypatch, caps
 
 def test_nft_text_encoders(tmp_path, preset, monkeypatch, capsys):
     run = tmp_path / "run"
-    run_script("nft_text_encoders", [preset[0], "--text-lr", 1e-2, *preset[1:], "train.method=nft",
-                                     "run.iterations=1", f"run.output_dir={run}"], monkeypatch)
+    run_script(
+        "nft_text_encoders",
+        [preset[0], "--text-lr", 1e-2, *preset[1:], "train.method=nft", "run.iterations=1", f"run.output_dir={run}"],
+        monkeypatch,
+    )
     assert "GenEval strict accuracy:" in capsys.readouterr().out
     assert (run / "metrics.jsonl").is_file() and (run / "eval.json").is_file()
 
@@ -148,8 +239,28 @@ def test_gpu_scale_at_a_tiny_size_on_the_cpu(tmp_path, monkeypatch, capsys):
     """The GPU benchmark's whole path on a few-MB SD3: the stock pipeline and flowrl's rollout on the same
     transformer, one update, its counted FLOPs (MFU needs a GPU's peak, so it is left empty on a CPU)."""
     out = tmp_path / "gpu_scale.json"
-    run_script("gpu_scale", ["--family", "tiny", "--resolution", 64, "--steps", 3, "--device", "cpu", "--repeats", 1,
-                             "--presets", "flow_grpo,mix_grpo_flash", "--folder", tmp_path, "--out", out], monkeypatch)
+    run_script(
+        "gpu_scale",
+        [
+            "--family",
+            "tiny",
+            "--resolution",
+            64,
+            "--steps",
+            3,
+            "--device",
+            "cpu",
+            "--repeats",
+            1,
+            "--presets",
+            "flow_grpo,mix_grpo_flash",
+            "--folder",
+            tmp_path,
+            "--out",
+            out,
+        ],
+        monkeypatch,
+    )
     result = json.loads(out.read_text())
     assert [r["preset"] for r in result["rows"]] == ["flow_grpo", "mix_grpo_flash"]
     for row in result["rows"]:
@@ -167,9 +278,30 @@ def test_ddpo_tiny(tmp_path, monkeypatch, capsys):
     from flowrl.tiny.sd15 import build_random_sd15_pipeline
 
     work, out, plot = tmp_path / "work", tmp_path / "ddpo.json", tmp_path / "ddpo.png"
-    run_script("ddpo_tiny", ["--seeds", 0, 1, "--iterations", 2, "--model-seed", 3, "--workdir", work, "--out", out,
-                             "--plot", plot, "sampling.num_steps=3", "sampling.group_size=2", "model.resolution=32",
-                             "eval.num_steps=2", "train.minibatch_size=6"], monkeypatch)
+    run_script(
+        "ddpo_tiny",
+        [
+            "--seeds",
+            0,
+            1,
+            "--iterations",
+            2,
+            "--model-seed",
+            3,
+            "--workdir",
+            work,
+            "--out",
+            out,
+            "--plot",
+            plot,
+            "sampling.num_steps=3",
+            "sampling.group_size=2",
+            "model.resolution=32",
+            "eval.num_steps=2",
+            "train.minibatch_size=6",
+        ],
+        monkeypatch,
+    )
     result = json.loads(out.read_text())
     assert [row["seed"] for row in result["rows"]] == [0, 1] and plot.stat().st_size > 0
     for row in result["rows"]:
@@ -192,8 +324,30 @@ def test_gpu_scale_on_a_tiny_wan(tmp_path, monkeypatch):
     """The video path of the GPU benchmark: a random Wan pipeline (UMT5, Wan VAE, Wan transformer), frames passed to
     the stock WanPipeline and to flowrl's rollout alike."""
     out = tmp_path / "gpu_scale_wan.json"
-    run_script("gpu_scale", ["--family", "tiny_wan", "--resolution", 32, "--frames", 5, "--steps", 3, "--device", "cpu",
-                             "--repeats", 1, "--presets", "flow_grpo", "--folder", tmp_path, "--out", out], monkeypatch)
+    run_script(
+        "gpu_scale",
+        [
+            "--family",
+            "tiny_wan",
+            "--resolution",
+            32,
+            "--frames",
+            5,
+            "--steps",
+            3,
+            "--device",
+            "cpu",
+            "--repeats",
+            1,
+            "--presets",
+            "flow_grpo",
+            "--folder",
+            tmp_path,
+            "--out",
+            out,
+        ],
+        monkeypatch,
+    )
     (row,) = json.loads(out.read_text())["rows"]
     assert row["stock_s"] > 0 and row["rollout_s"] > 0 and row["trained_transitions"] > 0 and row["train_tflops"] > 0
 
@@ -213,7 +367,9 @@ def test_fsdp2_units_memory_on_a_tiny_sd3(tmp_path, monkeypatch):
     """Both FSDP2 runs of the memory benchmark on the few-MB SD3: the root and accelerate's tail unit (the final norm)
     against those and one unit per block, each process's peak resident memory read back."""
     out = tmp_path / "units.json"
-    run_script("fsdp2_units_memory", ["--family", "tiny", "--layers", 2, "--resolution", 64, "--out", out], monkeypatch)
+    run_script(
+        "fsdp2_units_memory", ["--family", "tiny", "--layers", 2, "--resolution", 64, "--out", out], monkeypatch
+    )
     result = json.loads(out.read_text())
     assert 0 < result["block_params"] < result["trained_params"]
     one, per_block = result["runs"]

@@ -3,8 +3,18 @@
 import pytest
 import torch
 
-from flowrl.tiny.build import (LATENT_CHANNELS, LATENT_SIZE, MAX_TOKENS, build_tokenizer, encode_latents, render_dataset,
-                               tiny_transformer, train_clip, train_transformer, train_vae)
+from flowrl.tiny.build import (
+    LATENT_CHANNELS,
+    LATENT_SIZE,
+    MAX_TOKENS,
+    build_tokenizer,
+    encode_latents,
+    render_dataset,
+    tiny_transformer,
+    train_clip,
+    train_transformer,
+    train_vae,
+)
 
 
 def test_tokenizer_is_the_real_clip_bpe():
@@ -25,18 +35,33 @@ def test_build_loops_train_and_shapes_match():
     assert clip.config.projection_dim == 64
     model = tiny_transformer(128, 128, seed=0)
     before = model.proj_out.weight.detach().clone()
-    train_transformer(model, torch.randn(8, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE), torch.randn(3, MAX_TOKENS, 128), torch.randn(3, 128),
-                      torch.randint(0, 3, (8,)), steps=2, seed=0, batch=4)
+    train_transformer(
+        model,
+        torch.randn(8, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE),
+        torch.randn(3, MAX_TOKENS, 128),
+        torch.randn(3, 128),
+        torch.randint(0, 3, (8,)),
+        steps=2,
+        seed=0,
+        batch=4,
+    )
     assert not torch.equal(before, model.proj_out.weight)
 
 
 def test_transformer_ema_returns_the_average_not_the_last_weights():
-    args = (torch.randn(8, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE), torch.randn(3, MAX_TOKENS, 128), torch.randn(3, 128),
-            torch.randint(0, 3, (8,)))
+    args = (
+        torch.randn(8, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE),
+        torch.randn(3, MAX_TOKENS, 128),
+        torch.randn(3, 128),
+        torch.randint(0, 3, (8,)),
+    )
     init = tiny_transformer(128, 128, seed=0).proj_out.weight.detach().clone()
-    raw = train_transformer(tiny_transformer(128, 128, seed=0), *args, steps=3, seed=0, batch=4).proj_out.weight.detach()
-    ema = train_transformer(tiny_transformer(128, 128, seed=0), *args, steps=3, seed=0, batch=4,
-                            ema_decay=0.9).proj_out.weight.detach()
+    raw = train_transformer(
+        tiny_transformer(128, 128, seed=0), *args, steps=3, seed=0, batch=4
+    ).proj_out.weight.detach()
+    ema = train_transformer(
+        tiny_transformer(128, 128, seed=0), *args, steps=3, seed=0, batch=4, ema_decay=0.9
+    ).proj_out.weight.detach()
     assert not torch.equal(ema, raw) and not torch.equal(ema, init)
     assert (ema - init).norm() < (raw - init).norm()  # the average lags behind the last weights
     with pytest.raises(ValueError, match="ema_decay"):
@@ -48,14 +73,17 @@ def test_clip_condition_matches_the_pipeline_and_joint_training_moves_the_text_t
 
     from flowrl.tiny.build import clip_condition
 
-    pipe = StableDiffusion3Pipeline.from_pretrained("assets/tiny-sd3", text_encoder_3=None, tokenizer_3=None,
-                                                    dtype=torch.float32)
+    pipe = StableDiffusion3Pipeline.from_pretrained(
+        "assets/tiny-sd3", text_encoder_3=None, tokenizer_3=None, dtype=torch.float32
+    )
     prompts = ["", "a photo of a red star left of a blue cross"]
     with torch.no_grad():
-        ref, _, ref_pooled, _ = pipe.encode_prompt(prompts, prompts, prompts, do_classifier_free_guidance=False,
-                                                   max_sequence_length=0)
-        ids = pipe.tokenizer(prompts, padding="max_length", max_length=MAX_TOKENS, truncation=True,
-                             return_tensors="pt").input_ids
+        ref, _, ref_pooled, _ = pipe.encode_prompt(
+            prompts, prompts, prompts, do_classifier_free_guidance=False, max_sequence_length=0
+        )
+        ids = pipe.tokenizer(
+            prompts, padding="max_length", max_length=MAX_TOKENS, truncation=True, return_tensors="pt"
+        ).input_ids
         cond, pooled = clip_condition(pipe.text_encoder, ids)
     torch.testing.assert_close(cond, ref)
     torch.testing.assert_close(pooled, ref_pooled)
@@ -63,14 +91,33 @@ def test_clip_condition_matches_the_pipeline_and_joint_training_moves_the_text_t
     text = pipe.text_encoder
     before = text.text_model.embeddings.token_embedding.weight[ids[1]].clone()
     model = tiny_transformer(cond.shape[-1], pooled.shape[-1], seed=0)
-    train_transformer(model, torch.randn(8, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE), None, None,
-                      torch.randint(1, 2, (8,)), steps=2, seed=0, batch=4, text_encoder=text, input_ids=ids,
-                      text_lr=1e-3)
+    train_transformer(
+        model,
+        torch.randn(8, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE),
+        None,
+        None,
+        torch.randint(1, 2, (8,)),
+        steps=2,
+        seed=0,
+        batch=4,
+        text_encoder=text,
+        input_ids=ids,
+        text_lr=1e-3,
+    )
     assert not torch.equal(before, text.text_model.embeddings.token_embedding.weight[ids[1]])
     assert not text.training and not any(p.requires_grad for p in text.parameters())
     with pytest.raises(ValueError, match="text_lr"):
-        train_transformer(model, torch.randn(8, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE), None, None,
-                          torch.randint(1, 2, (8,)), steps=1, seed=0, batch=4, text_lr=1e-3)
+        train_transformer(
+            model,
+            torch.randn(8, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE),
+            None,
+            None,
+            torch.randint(1, 2, (8,)),
+            steps=1,
+            seed=0,
+            batch=4,
+            text_lr=1e-3,
+        )
 
 
 def test_render_dataset_tag_weights_draw_only_the_weighted_tags():
@@ -81,7 +128,10 @@ def test_render_dataset_tag_weights_draw_only_the_weighted_tags():
     tags = [tag_of[c] for c in captions]
     assert set(tags) == {"two_object", "counting"} and tags.count("counting") > tags.count("two_object")
     assert render_dataset(3, seed=0)[1] == [  # uniform: the scenes the shipped assets were built from
-        "a photo of a yellow star", "a photo of a green triangle", "a photo of a cross and a circle"]
+        "a photo of a yellow star",
+        "a photo of a green triangle",
+        "a photo of a cross and a circle",
+    ]
     for bad in ({"two_objects": 1.0}, {"two_object": -1.0}, {"two_object": 0.0}):
         with pytest.raises(ValueError, match="tag_weights"):
             render_dataset(4, seed=0, tag_weights=bad)
@@ -109,12 +159,15 @@ def test_fresh_transformer_keeps_the_init_text_tower_but_not_its_transformer(tmp
     assert kept.config.num_layers == 5  # without fresh: the init transformer, to continue
 
 
-@pytest.mark.parametrize("args", [
-    ["--fresh-transformer"],  # no --init to take the VAE and text tower from
-    ["--init", "assets/tiny-sd3", "--dit-layers", "8"],  # sizes a new transformer, but --init continues its own
-    ["--dit-width", "48"],  # not a multiple of 32
-    ["--dit-layers", "0"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--fresh-transformer"],  # no --init to take the VAE and text tower from
+        ["--init", "assets/tiny-sd3", "--dit-layers", "8"],  # sizes a new transformer, but --init continues its own
+        ["--dit-width", "48"],  # not a multiple of 32
+        ["--dit-layers", "0"],
+    ],
+)
 def test_build_usage_errors_come_before_any_work(args, tmp_path):
     from flowrl.tiny.build import main
 
@@ -140,15 +193,18 @@ def test_a_finished_build_is_not_overwritten_unless_asked(module, folder, tmp_pa
 def test_saved_pipeline_loads_in_float32_in_stock_diffusers(tmp_path):
     import json
 
+    from conftest import build_random_pipeline
     from diffusers import StableDiffusion3Pipeline
 
-    from conftest import build_random_pipeline
     from flowrl.tiny.build import _save_pipeline
 
-    half = StableDiffusion3Pipeline.from_pretrained(build_random_pipeline(tmp_path / "src"), text_encoder_3=None,
-                                                    tokenizer_3=None, dtype=torch.float16)
+    half = StableDiffusion3Pipeline.from_pretrained(
+        build_random_pipeline(tmp_path / "src"), text_encoder_3=None, tokenizer_3=None, dtype=torch.float16
+    )
     _save_pipeline(tmp_path / "out", half.transformer, half.vae, half.text_encoder, half.tokenizer)
     for name in ("text_encoder", "text_encoder_2"):
         assert json.loads((tmp_path / "out" / name / "config.json").read_text())["dtype"] == "float32"
     pipe = StableDiffusion3Pipeline.from_pretrained(tmp_path / "out", text_encoder_3=None, tokenizer_3=None)
-    assert {getattr(pipe, n).dtype for n in ("text_encoder", "text_encoder_2", "transformer", "vae")} == {torch.float32}
+    assert {getattr(pipe, n).dtype for n in ("text_encoder", "text_encoder_2", "transformer", "vae")} == {
+        torch.float32
+    }

@@ -40,8 +40,13 @@ def test_a_preset_that_is_not_yaml_or_not_a_mapping_is_named(tmp_path, capsys):
 @pytest.mark.parametrize("key", ["train_prompts", "eval.prompts"])
 def test_train_refuses_an_empty_prompt_file_before_the_model_loads(tmp_path, capsys, key):
     (tmp_path / "empty.jsonl").write_text("\n")
-    line = _fails(capsys, "train", "configs/tiny_geneval.yaml", f"{key}={tmp_path / 'empty.jsonl'}",
-                  f"run.output_dir={tmp_path / 'run'}")
+    line = _fails(
+        capsys,
+        "train",
+        "configs/tiny_geneval.yaml",
+        f"{key}={tmp_path / 'empty.jsonl'}",
+        f"run.output_dir={tmp_path / 'run'}",
+    )
     assert f"config key '{key}'" in line and "holds no prompts" in line
     assert not (tmp_path / "run").exists()
 
@@ -52,12 +57,15 @@ def test_eval_refuses_an_empty_prompt_file(tmp_path, capsys):
     assert line.startswith("flowrl eval: error: prompt file") and "holds no prompts" in line
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["-n", "0"], "argument -n: must be >= 1, got 0"),
-    (["--num-steps", "0"], "argument --num-steps: must be >= 1, got 0"),
-    (["--shift", "0"], "argument --shift: must be > 0, got 0"),
-    (["--device", "gpu"], "argument --device: must be auto, cpu or cuda[:N], got 'gpu'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["-n", "0"], "argument -n: must be >= 1, got 0"),
+        (["--num-steps", "0"], "argument --num-steps: must be >= 1, got 0"),
+        (["--shift", "0"], "argument --shift: must be > 0, got 0"),
+        (["--device", "gpu"], "argument --device: must be auto, cpu or cuda[:N], got 'gpu'"),
+    ],
+)
 def test_sample_options_are_checked_before_the_model_loads(capsys, monkeypatch, argv, message):
     monkeypatch.setattr(cli, "_model", lambda args: pytest.fail("the model loaded"))
     assert _fails(capsys, "sample", "--prompt", "a photo of a star", *argv) == f"flowrl sample: error: {message}"
@@ -83,6 +91,7 @@ def test_output_folder_is_made_before_the_work(tmp_path, capsys, monkeypatch, co
 
 def test_a_key_error_is_a_bug_not_bad_input(capsys):
     """Bad input raises the documented types (ValueError and its kin); a KeyError is a bug and keeps its traceback."""
+
     def fn(args):
         raise KeyError("w")
 
@@ -180,7 +189,9 @@ def test_t5_length_defaults_to_the_pipelines(tmp_path, random_pipeline):
 
     assert SD3Model.default_max_sequence_length(REPO_ROOT / "assets" / "tiny-sd3") == 0
     index = json.loads((REPO_ROOT / "assets" / "tiny-sd3" / "model_index.json").read_text())
-    (tmp_path / "model_index.json").write_text(json.dumps({**index, "text_encoder_3": ["transformers", "T5EncoderModel"]}))
+    (tmp_path / "model_index.json").write_text(
+        json.dumps({**index, "text_encoder_3": ["transformers", "T5EncoderModel"]})
+    )
     assert SD3Model.default_max_sequence_length(tmp_path) == 256
     model = SD3Model(random_pipeline)
     padded = SD3Model(random_pipeline, max_sequence_length=5)  # what a length does without T5: zero tokens appended
@@ -198,7 +209,7 @@ def test_readme_python_block_runs(monkeypatch):
     from flowrl.config import REPO_ROOT
 
     readme = (REPO_ROOT / "README.md").read_text()
-    section = readme[readme.index("## Use from Python"):]
+    section = readme[readme.index("## Use from Python") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert "images_per_tag=64" in code and "model.load_lora(" in code
     code = code.replace("images_per_tag=64", "images_per_tag=1")
@@ -207,5 +218,11 @@ def test_readme_python_block_runs(monkeypatch):
     scope: dict = {}
     exec(compile(code, "README.md", "exec"), scope)
     assert scope["result"]["n_images"] == 6 and set(scope["result"]["per_tag"]) == {
-        "single_object", "two_object", "counting", "colors", "position", "color_attr"}
+        "single_object",
+        "two_object",
+        "counting",
+        "colors",
+        "position",
+        "color_attr",
+    }
     assert scope["images"].shape == (4, 3, 64, 64) and 0 <= scope["images"].min() <= scope["images"].max() <= 1

@@ -16,8 +16,14 @@ def test_every_config_key_has_a_help_text():
     assert not missing, f"config keys without help (flowrl.fields.setting): {missing}"
     assert len(rows) > 80 and len({r["key"] for r in rows}) == len(rows)
     keys = {r["key"] for r in rows}
-    assert {"sampling.kernel", "sampling.shape", "sampling.tree.split_steps", "train.nft.beta", "run.mixed_precision",
-            "eval.held_out"} <= keys
+    assert {
+        "sampling.kernel",
+        "sampling.shape",
+        "sampling.tree.split_steps",
+        "train.nft.beta",
+        "run.mixed_precision",
+        "eval.held_out",
+    } <= keys
 
 
 def test_describe_shows_a_presets_values_beside_the_defaults():
@@ -36,6 +42,7 @@ def test_flowrl_config_prints_every_key_and_train_help_points_to_it(capsys):
     main(["config", "--json"])
     rows = json.loads(capsys.readouterr().out)
     assert {"key", "type", "value", "default", "help"} == set(rows[0])
-    help_text = subprocess.run([sys.executable, "-m", "flowrl.cli", "train", "--help"], capture_output=True,
-                               text=True, check=True).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "flowrl.cli", "train", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     assert "flowrl config [CONFIG]" in help_text

@@ -7,11 +7,30 @@ import math
 import pytest
 import torch
 
-from flowrl.samplers import (KERNELS, StepPlan, ddim_step, ddpm_step, flow_ddim_step, flow_ddpm_step, flow_sigma,
-                      flow_velocity, ode_step, start_latents, vp_alpha, vp_predictions, vp_scale)
+from flowrl.samplers import (
+    KERNELS,
+    StepPlan,
+    ddim_step,
+    ddpm_step,
+    flow_ddim_step,
+    flow_ddpm_step,
+    flow_sigma,
+    flow_velocity,
+    ode_step,
+    start_latents,
+    vp_alpha,
+    vp_predictions,
+    vp_scale,
+)
 
-SD15_SCHEDULER = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
-                      set_alpha_to_one=False, steps_offset=1)  # Stable Diffusion 1.5's scheduler config
+SD15_SCHEDULER = dict(
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    clip_sample=False,
+    set_alpha_to_one=False,
+    steps_offset=1,
+)  # Stable Diffusion 1.5's scheduler config
 
 
 def _scheduler(prediction_type: str, num_steps: int = 10):
@@ -108,23 +127,35 @@ def test_flow_kernels_are_the_vp_steps_divided_by_s(kernel, eta, prediction_type
             vp.std = vp.std * eta
         s, s_next = (vp_scale(torch.tensor(value)) for value in (sigma, sigma_next))
         x_flow = x / s
-        flow = KERNELS[kernel](x_flow, flow_velocity(x_flow, out, sigma, prediction_type), sigma, sigma_next, eta, None,
-                               noise=z)
+        flow = KERNELS[kernel](
+            x_flow, flow_velocity(x_flow, out, sigma, prediction_type), sigma, sigma_next, eta, None, noise=z
+        )
         torch.testing.assert_close(flow.mean * s_next, vp.mean, rtol=0, atol=1e-4)
         torch.testing.assert_close(flow.std * s_next, vp.std, rtol=0, atol=1e-6)
         torch.testing.assert_close(flow.prev_sample * s_next, vp.prev_sample, rtol=0, atol=1e-4)
         # the log-prob moves by the Jacobian log s' per dimension: ratios are the same in both variables
         density = torch.distributions.Normal(vp.mean.double(), vp.std.double().reshape(-1, 1, 1, 1))
         vp_log_prob = density.log_prob(vp.prev_sample.double()).mean(dim=(1, 2, 3))
-        torch.testing.assert_close(flow.log_prob.double() - vp_log_prob, torch.full((3,), math.log(float(s_next)),
-                                   dtype=torch.float64), rtol=0, atol=1e-4)
+        torch.testing.assert_close(
+            flow.log_prob.double() - vp_log_prob,
+            torch.full((3,), math.log(float(s_next)), dtype=torch.float64),
+            rtol=0,
+            atol=1e-4,
+        )
 
 
 def _ddpm_scheduler(prediction_type: str, num_steps: int):
     from diffusers import DDPMScheduler
 
-    scheduler = DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
-                              steps_offset=1, variance_type="fixed_small", prediction_type=prediction_type)
+    scheduler = DDPMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        steps_offset=1,
+        variance_type="fixed_small",
+        prediction_type=prediction_type,
+    )
     scheduler.set_timesteps(num_steps)
     return scheduler
 

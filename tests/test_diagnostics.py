@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_overrides
 
 
@@ -20,8 +19,12 @@ def _script(name: str):
 @pytest.fixture
 def preset(tmp_path, random_pipeline, prompt_files):
     (tmp_path / "c.yaml").write_text("rewards:\n  jpeg_compressibility:\n    weight: 1.0\n")
-    over = tiny_overrides(random_pipeline, *prompt_files, tmp_path / "run", **{
-        "run.mixed_precision": "no", "sampling.group_size": 4, "sampling.num_steps": 4})
+    over = tiny_overrides(
+        random_pipeline,
+        *prompt_files,
+        tmp_path / "run",
+        **{"run.mixed_precision": "no", "sampling.group_size": 4, "sampling.num_steps": 4},
+    )
     return [str(tmp_path / "c.yaml"), *[o for o in over if not o.startswith("run.output_dir")]]
 
 
@@ -49,9 +52,13 @@ def test_step_influence_has_one_row_per_stochastic_step(preset, tmp_path):
 def test_base_headroom_pass_at_k_bounds_the_mean_and_reconstruction_is_scored(tmp_path):
     headroom = _script("base_headroom")
     out = tmp_path / "h.json"
-    result = headroom.main(["--prompts", "test", "--max-prompts", "3", "-k", "2", "--times", "0", "1", "--out", str(out)])
-    assert result == {**json.loads(out.read_text()), "denoise_from_scenes": {0.0: result["denoise_from_scenes"][0.0],
-                                                                             1.0: result["denoise_from_scenes"][1.0]}}
+    result = headroom.main(
+        ["--prompts", "test", "--max-prompts", "3", "-k", "2", "--times", "0", "1", "--out", str(out)]
+    )
+    assert result == {
+        **json.loads(out.read_text()),
+        "denoise_from_scenes": {0.0: result["denoise_from_scenes"][0.0], 1.0: result["denoise_from_scenes"][1.0]},
+    }
     for tag in result["pass_at_k"].values():
         assert 0 <= tag["mean"] <= tag["pass_at_k"] <= 1
     assert sum(t["prompts"] for t in result["pass_at_k"].values()) == 3
@@ -61,8 +68,9 @@ def test_base_headroom_pass_at_k_bounds_the_mean_and_reconstruction_is_scored(tm
 
 
 def test_decode_precision_check_scores_the_same_rollouts_both_ways():
-    result = _script("decode_precision_check").main(["--rollouts", "1", "sampling.prompts_per_iteration=1",
-                                                     "sampling.group_size=2", "sampling.num_steps=2"])
+    result = _script("decode_precision_check").main(
+        ["--rollouts", "1", "sampling.prompts_per_iteration=1", "sampling.group_size=2", "sampling.num_steps=2"]
+    )
     assert result["images"] == 2 and 0 <= result["identical_reward_frac"] <= 1
     assert 0 < result["max_pixel_diff"] < 0.05 and result["decode_s_bf16"] > 0
 
@@ -73,7 +81,10 @@ def test_failure_mode_sorts_rendered_scenes():
     mode = _script("failure_modes").failure_mode
     three = {"tag": "counting", "include": [{"class": "star", "count": 3}], "exclude": [{"class": "star", "count": 4}]}
     stars = [Obj("star", "red", 14, 14, 16), Obj("star", "blue", 48, 14, 16), Obj("star", "green", 14, 48, 16)]
-    as_tensor = lambda scene: torch.from_numpy(render(scene)).permute(2, 0, 1).float() / 255  # (3, H, W) in [0, 1]
+
+    def as_tensor(scene):
+        return torch.from_numpy(render(scene)).permute(2, 0, 1).float() / 255  # (3, H, W) in [0, 1]
+
     assert mode(as_tensor(stars), three) is None
     assert mode(as_tensor([]), three) == "empty"
     assert mode(as_tensor(stars[:2]), three) == "composition"  # two clean stars: a wrong count

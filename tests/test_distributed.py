@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_overrides
 from safetensors.torch import load_file
 
-from conftest import tiny_overrides
 from flowrl.config import load_config
 from flowrl.methods import DiffusionNFT
 from flowrl.trainer import Trainer
@@ -25,10 +25,20 @@ pytestmark = pytest.mark.slow  # torchrun launches of two processes: run in CI (
 def two_process_run(tmp_path_factory, random_pipeline, prompt_files):
     tmp = tmp_path_factory.mktemp("ddp")
     (tmp / "c.yaml").write_text("rewards:\n  distributed_worker:rank_reward:\n    weight: 1.0\n")
-    overrides = tiny_overrides(random_pipeline, *prompt_files, tmp / "run", **{
-        "run.mixed_precision": "no", "run.iterations": 3, "eval.images_per_tag": 3, "train.minibatch_size": 2,
-        # step weights normalised over both processes' minibatch; each minibatch accumulated in parts of 3
-        "train.step_weighting": "noise_aware", "train.micro_batch_size": 3})
+    overrides = tiny_overrides(
+        random_pipeline,
+        *prompt_files,
+        tmp / "run",
+        **{
+            "run.mixed_precision": "no",
+            "run.iterations": 3,
+            "eval.images_per_tag": 3,
+            "train.minibatch_size": 2,
+            # step weights normalised over both processes' minibatch; each minibatch accumulated in parts of 3
+            "train.step_weighting": "noise_aware",
+            "train.micro_batch_size": 3,
+        },
+    )
     _launch(tmp, overrides)
     (tmp / "overrides.json").write_text(json.dumps(overrides))
     return tmp, overrides
@@ -58,11 +68,30 @@ def _env() -> dict[str, str]:
 def _launch(tmp: Path, overrides: list[str], fsdp2: bool = False, zero: str = "") -> None:
     """Train ``tmp/c.yaml`` with ``overrides`` in two torchrun processes (see distributed_worker.py), under FSDP2 when
     ``fsdp2``, DeepSpeed ZeRO when ``zero`` (``"stage"`` or ``"stage:offload device"``), else DDP."""
-    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-           "FLOWRL_TEST_FSDP2": "1" if fsdp2 else "0", "FLOWRL_TEST_ZERO": zero}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(HERE / "distributed_worker.py"), str(tmp / "c.yaml"), str(tmp), *overrides],
-                       capture_output=True, text=True, env=env, timeout=600)
+    env = {
+        **_env(),
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        "FLOWRL_TEST_FSDP2": "1" if fsdp2 else "0",
+        "FLOWRL_TEST_ZERO": zero,
+    }
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(HERE / "distributed_worker.py"),
+            str(tmp / "c.yaml"),
+            str(tmp),
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -87,11 +116,27 @@ def test_two_processes_train_diffusion_nft_to_identical_weights(tmp_path, random
     for name, zero in (("ddp", ""), ("zero2", "2")):
         tmp = tmp_path / name
         tmp.mkdir()
-        (tmp / "c.yaml").write_text("base: " + str(HERE.parent / "configs/diffusion_nft.yaml") +
-                                    "\nrewards:\n  geneval: null\n  distributed_worker:rank_reward:\n    weight: 1.0\n")
-        _launch(tmp, tiny_overrides(random_pipeline, *prompt_files, tmp / "run", **{
-            "run.mixed_precision": "no", "train.minibatch_size": 3, "train.micro_batch_size": 2,
-            "train.nft.timesteps": 2, "train.nft.old_decay": 0.5}), zero=zero)
+        (tmp / "c.yaml").write_text(
+            "base: "
+            + str(HERE.parent / "configs/diffusion_nft.yaml")
+            + "\nrewards:\n  geneval: null\n  distributed_worker:rank_reward:\n    weight: 1.0\n"
+        )
+        _launch(
+            tmp,
+            tiny_overrides(
+                random_pipeline,
+                *prompt_files,
+                tmp / "run",
+                **{
+                    "run.mixed_precision": "no",
+                    "train.minibatch_size": 3,
+                    "train.micro_batch_size": 2,
+                    "train.nft.timesteps": 2,
+                    "train.nft.old_decay": 0.5,
+                },
+            ),
+            zero=zero,
+        )
         w0, w1 = load_file(tmp / "rank0.safetensors"), load_file(tmp / "rank1.safetensors")
         assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
         assert any(w0[k].abs().sum() > 0 for k in w0 if "lora_B" in k)
@@ -152,14 +197,47 @@ def test_flowrl_eval_under_torchrun_equals_one_process(tmp_path, random_pipeline
     """`torchrun --nproc_per_node 2 -m flowrl.cli eval` splits the images over the processes, writes the
     single process's result once, and both processes exit cleanly (the process group torn down together)."""
     env = _env()
-    args = ["eval", "--model", str(random_pipeline), "--prompts", str(prompt_files[1]), "--images-per-tag", "2",
-            "--num-steps", "2", "--device", "cpu", "--no-bf16"]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "flowrl.cli", *args, "--out", str(tmp_path / "two.json")],
-                         capture_output=True, text=True, env=env, timeout=600)
+    args = [
+        "eval",
+        "--model",
+        str(random_pipeline),
+        "--prompts",
+        str(prompt_files[1]),
+        "--images-per-tag",
+        "2",
+        "--num-steps",
+        "2",
+        "--device",
+        "cpu",
+        "--no-bf16",
+    ]
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "flowrl.cli",
+            *args,
+            "--out",
+            str(tmp_path / "two.json"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
-    one = subprocess.run([sys.executable, "-m", "flowrl.cli", *args, "--out", str(tmp_path / "one.json")],
-                         capture_output=True, text=True, env=env, timeout=600)
+    one = subprocess.run(
+        [sys.executable, "-m", "flowrl.cli", *args, "--out", str(tmp_path / "one.json")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
     r2, r1 = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("two", "one"))
     assert r2["n_images"] == r1["n_images"] == 12
@@ -183,13 +261,17 @@ def test_fsdp2_trains_the_weights_ddp_trains(fsdp2_run):
     saved = load_file(tmp / "run/checkpoints/checkpoint-000003/trainable.safetensors")
     assert saved.keys() == w0.keys() and all(torch.equal(saved[k], w0[k]) for k in w0)
     moments = load_file(tmp / "run/checkpoints/checkpoint-000003/optimizer.safetensors")
-    assert {tuple(v.shape) for k, v in moments.items() if k.endswith("exp_avg")} == {tuple(v.shape) for v in w0.values()}
+    assert {tuple(v.shape) for k, v in moments.items() if k.endswith("exp_avg")} == {
+        tuple(v.shape) for v in w0.values()
+    }
 
 
 def test_fsdp2_split_transitions_give_the_gradient_of_their_union(fsdp2_run, two_process_run):
     """The sharded gradients, made whole, equal DDP's for the same split of one rollout's transitions."""
     tmp, ddp = fsdp2_run
-    f0, f1, d0 = (load_file(p) for p in (tmp / "grads0.safetensors", tmp / "grads1.safetensors", ddp / "grads0.safetensors"))
+    f0, f1, d0 = (
+        load_file(p) for p in (tmp / "grads0.safetensors", tmp / "grads1.safetensors", ddp / "grads0.safetensors")
+    )
     assert f0.keys() == d0.keys() and len(f0) > 0
     for k in f0:
         assert torch.equal(f0[k], f1[k])
@@ -208,8 +290,10 @@ def test_fsdp2_resume_continues_the_run(fsdp2_run, tmp_path):
     overrides = [o for o in _fixture_overrides(ddp) if not o.startswith("run.output_dir=")]
     _launch(tmp_path, [*overrides, f"run.output_dir={tmp_path / 'run'}", "run.resume=true"], fsdp2=True)
     straight, resumed = load_file(tmp / "rank0.safetensors"), load_file(tmp_path / "rank0.safetensors")
-    assert any(not torch.equal(straight[k], load_file(tmp / "run/checkpoints/checkpoint-000002/trainable.safetensors")[k])
-               for k in straight)  # the third iteration moved the weights
+    assert any(
+        not torch.equal(straight[k], load_file(tmp / "run/checkpoints/checkpoint-000002/trainable.safetensors")[k])
+        for k in straight
+    )  # the third iteration moved the weights
     for k in straight:
         torch.testing.assert_close(resumed[k], straight[k], rtol=1e-5, atol=1e-7)
 
@@ -220,8 +304,9 @@ def test_fsdp2_full_fine_tuning_matches_ddp_and_exports_the_pipeline(tmp_path, t
     _assert_full_fine_tuning_matches_ddp(tmp_path, two_process_run[0], {"fsdp2": {"fsdp2": True}}, [], "fsdp2")
 
 
-def _assert_full_fine_tuning_matches_ddp(tmp_path: Path, ddp_tmp: Path, engines: dict[str, dict], extra: list[str],
-                                         exported_by: str) -> None:
+def _assert_full_fine_tuning_matches_ddp(
+    tmp_path: Path, ddp_tmp: Path, engines: dict[str, dict], extra: list[str], exported_by: str
+) -> None:
     """Train the DDP fixture's config with every transformer weight (2 iterations, ``extra`` overrides) under DDP and
     under each of ``engines`` (name -> :func:`_launch` keywords): each engine's weights are trained and equal DDP's
     within float tolerance, and the pipeline ``exported_by`` wrote holds them, whole."""
@@ -235,14 +320,19 @@ def _assert_full_fine_tuning_matches_ddp(tmp_path: Path, ddp_tmp: Path, engines:
         (tmp_path / name / "c.yaml").write_text((ddp_tmp / "c.yaml").read_text())
         _launch(tmp_path / name, [*overrides, f"run.output_dir={tmp_path / name / 'run'}"], **launch)
         runs[name] = load_file(tmp_path / name / "rank0.safetensors")
-    base = dict(SD3Transformer2DModel.from_pretrained(_fixture_pipeline(overrides), subfolder="transformer").named_parameters())
+    base = dict(
+        SD3Transformer2DModel.from_pretrained(_fixture_pipeline(overrides), subfolder="transformer").named_parameters()
+    )
     for name in engines:
         assert runs["ddp"].keys() == runs[name].keys() and len(runs["ddp"]) > 10
         assert any(not torch.equal(runs[name][k], base[k].detach()) for k in runs[name])  # trained
         for k in runs["ddp"]:
             torch.testing.assert_close(runs[name][k], runs["ddp"][k], rtol=1e-4, atol=1e-6)
-    exported = dict(SD3Transformer2DModel.from_pretrained(tmp_path / exported_by / "run/pipeline", subfolder="transformer")
-                    .named_parameters())
+    exported = dict(
+        SD3Transformer2DModel.from_pretrained(
+            tmp_path / exported_by / "run/pipeline", subfolder="transformer"
+        ).named_parameters()
+    )
     assert all(torch.equal(exported[k].detach(), runs[exported_by][k]) for k in runs[exported_by])
 
 
@@ -266,7 +356,10 @@ def _assert_trains_like_ddp(tmp: Path, ddp: Path) -> dict[str, torch.Tensor]:
     assert any(w0[k].abs().sum() > 0 for k in w0 if "lora_B" in k)
     for k in w0:
         torch.testing.assert_close(w0[k], ref[k], rtol=1e-4, atol=1e-6)
-    assert json.loads((tmp / "rank0.json").read_text())["before"] == json.loads((ddp / "rank0.json").read_text())["before"]
+    assert (
+        json.loads((tmp / "rank0.json").read_text())["before"]
+        == json.loads((ddp / "rank0.json").read_text())["before"]
+    )
     return w0
 
 
@@ -284,7 +377,10 @@ def test_deepspeed_zero2_trains_the_weights_ddp_trains(zero2_run):
     assert moments.keys() == reference.keys() and any(k.endswith("exp_avg_sq") for k in moments)
     for k in moments:
         torch.testing.assert_close(moments[k], reference[k], rtol=1e-3, atol=1e-9)
-    meta = [json.loads((run / "run/checkpoints/checkpoint-000003/state.json").read_text())["optimizer"] for run in (tmp, ddp)]
+    meta = [
+        json.loads((run / "run/checkpoints/checkpoint-000003/state.json").read_text())["optimizer"]
+        for run in (tmp, ddp)
+    ]
     assert meta[0] == meta[1]  # the same param_groups and layout: either run's checkpoint resumes under the other
     rows = [json.loads(line) for line in (tmp / "run/metrics.jsonl").read_text().splitlines()]
     ref_rows = [json.loads(line) for line in (ddp / "run/metrics.jsonl").read_text().splitlines()]
@@ -308,8 +404,10 @@ def test_deepspeed_zero2_resume_with_optimizer_offload_continues_the_run(zero2_r
     assert json.loads((tmp_path / "rank0.json").read_text())["optimizer_offload"]
     assert not json.loads((tmp / "rank0.json").read_text())["optimizer_offload"]
     straight, resumed = load_file(tmp / "rank0.safetensors"), load_file(tmp_path / "rank0.safetensors")
-    assert any(not torch.equal(straight[k], load_file(tmp / "run/checkpoints/checkpoint-000002/trainable.safetensors")[k])
-               for k in straight)  # the third iteration moved the weights
+    assert any(
+        not torch.equal(straight[k], load_file(tmp / "run/checkpoints/checkpoint-000002/trainable.safetensors")[k])
+        for k in straight
+    )  # the third iteration moved the weights
     for k in straight:
         torch.testing.assert_close(resumed[k], straight[k], rtol=1e-5, atol=1e-7)
 
@@ -318,8 +416,13 @@ def test_deepspeed_full_fine_tuning_matches_ddp_and_exports_the_pipeline(tmp_pat
     """Full fine-tuning under ZeRO-1 and ZeRO-2, one transition per micro-batch: process 0 makes two backwards per
     optimizer step, process 1 (no transitions) a zero-gradient pass, and under ZeRO-2, whose every backward reduces,
     one more to match. Both end on DDP's weights within float tolerance, and the exported pipeline holds them."""
-    _assert_full_fine_tuning_matches_ddp(tmp_path, two_process_run[0], {"zero1": {"zero": "1"}, "zero2": {"zero": "2"}},
-                                         ["train.micro_batch_size=1"], "zero2")
+    _assert_full_fine_tuning_matches_ddp(
+        tmp_path,
+        two_process_run[0],
+        {"zero1": {"zero": "1"}, "zero2": {"zero": "2"}},
+        ["train.micro_batch_size=1"],
+        "zero2",
+    )
 
 
 def _fixture_pipeline(overrides: list[str]) -> str:

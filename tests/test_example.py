@@ -7,7 +7,6 @@ import importlib.util
 import sys
 
 import torch
-
 from conftest import FLOAT32, REPO
 
 
@@ -27,8 +26,15 @@ def test_one_iteration_of_the_example_equals_the_trainers(tmp_path):
     logged = []
     ours = example.train(example.Args(**small), log=logged.append)
     assert len(logged) == 1 and logged[0].startswith("iteration 1: reward")
-    over = {"sampling.prompts_per_iteration": 2, "sampling.group_size": 4, "sampling.num_steps": 4,
-            "train.minibatch_size": 8, "run.seed": 3, "run.output_dir": str(tmp_path / "run"), **FLOAT32}
+    over = {
+        "sampling.prompts_per_iteration": 2,
+        "sampling.group_size": 4,
+        "sampling.num_steps": 4,
+        "train.minibatch_size": 8,
+        "run.seed": 3,
+        "run.output_dir": str(tmp_path / "run"),
+        **FLOAT32,
+    }
     trainer = Trainer(load_config(REPO / "configs" / "flow_grpo.yaml", [f"{k}={v}" for k, v in over.items()]))
     start = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     metrics = trainer.step(0)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, build_random_flux_pipeline, shape_overrides, tiny_overrides
+
 from flowrl.config import ConfigError, load_config
 from flowrl.models import FluxModel, SD3Model, load_model, model_class
 from flowrl.trainer import Trainer
@@ -31,9 +31,16 @@ def _stock_images(folder: Path, model: FluxModel, num_steps: int, **kwargs) -> t
     c, h, w = model.latent_shape
     noise = torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
     with torch.no_grad():
-        return pipe(PROMPTS, latents=pipe._pack_latents(noise, 2, c, h, w), num_inference_steps=num_steps,
-                    height=model.resolution, width=model.resolution, max_sequence_length=model.max_sequence_length,
-                    output_type="pt", **kwargs).images
+        return pipe(
+            PROMPTS,
+            latents=pipe._pack_latents(noise, 2, c, h, w),
+            num_inference_steps=num_steps,
+            height=model.resolution,
+            width=model.resolution,
+            max_sequence_length=model.max_sequence_length,
+            output_type="pt",
+            **kwargs,
+        ).images
 
 
 def test_adapter_is_picked_from_model_index(random_flux_pipeline, random_pipeline, tmp_path):
@@ -81,17 +88,31 @@ def test_classifier_free_guidance_samples_as_the_stock_true_cfg(schnell_like):
     torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
 
 
-def test_dance_grpo_flux_recipe_trains_and_the_lora_loads_in_stock_diffusers(tmp_path, random_flux_pipeline,
-                                                                             prompt_files):
+def test_dance_grpo_flux_recipe_trains_and_the_lora_loads_in_stock_diffusers(
+    tmp_path, random_flux_pipeline, prompt_files
+):
     """configs/flux_dance_grpo.yaml, shrunk onto the tiny random FLUX pipeline (the reward swapped for one that needs
     no download)."""
     from diffusers import FluxPipeline
 
     train, test = prompt_files
-    over = tiny_overrides(random_flux_pipeline, train, test, tmp_path / "run", **{
-        "run.mixed_precision": "no", "model.dtype": "float32", "model.resolution": 32, "model.max_sequence_length": 8,
-        "model.lora_rank": 2, "rewards.hpsv2": "null", "rewards.jpeg_compressibility.weight": 1.0,
-        "sampling.group_size": 4, "sampling.batch_size": 8})
+    over = tiny_overrides(
+        random_flux_pipeline,
+        train,
+        test,
+        tmp_path / "run",
+        **{
+            "run.mixed_precision": "no",
+            "model.dtype": "float32",
+            "model.resolution": 32,
+            "model.max_sequence_length": 8,
+            "model.lora_rank": 2,
+            "rewards.hpsv2": "null",
+            "rewards.jpeg_compressibility.weight": 1.0,
+            "sampling.group_size": 4,
+            "sampling.batch_size": 8,
+        },
+    )
     cfg = load_config(REPO / "configs" / "flux_dance_grpo.yaml", over)
     assert cfg.sampling.kernel == "dance_sde" and cfg.sampling.guidance_scale == 3.5 and cfg.sampling.shift == 3.0
     trainer = Trainer(cfg)
@@ -121,8 +142,9 @@ def test_flux_config_errors_name_the_key(tmp_path, random_flux_pipeline, prompt_
     over = tiny_overrides(random_flux_pipeline, train, test, tmp_path / "run", **{"model.resolution": 36})
     with pytest.raises(ConfigError, match="'model.resolution'.*multiple of 8"):
         Trainer(load_config(None, over))
-    over = tiny_overrides(random_flux_pipeline, train, test, tmp_path / "run", **{"model.resolution": 32,
-                                                                                  "model.max_sequence_length": 0})
+    over = tiny_overrides(
+        random_flux_pipeline, train, test, tmp_path / "run", **{"model.resolution": 32, "model.max_sequence_length": 0}
+    )
     with pytest.raises(ConfigError, match="'model.max_sequence_length'.*>= 1 for FLUX"):
         Trainer(load_config(None, over))
 
@@ -132,8 +154,14 @@ def test_rollout_shapes_and_nft_run_on_flux(preset, tmp_path, random_flux_pipeli
     """Windows with a DPM-Solver++ tail, trees, single-step probes and DiffusionNFT: model-agnostic, so unchanged on
     FLUX (the presets' own shapes, shrunk as in test_presets)."""
     cfg = load_config(REPO / "configs" / f"{preset}.yaml")
-    extra = {"run.mixed_precision": "no", "model.resolution": 32, "model.max_sequence_length": 8,
-             "sampling.guidance_scale": 3.5, "rewards.jpeg_compressibility.weight": 1.0, **shape_overrides(cfg)}
+    extra = {
+        "run.mixed_precision": "no",
+        "model.resolution": 32,
+        "model.max_sequence_length": 8,
+        "sampling.guidance_scale": 3.5,
+        "rewards.jpeg_compressibility.weight": 1.0,
+        **shape_overrides(cfg),
+    }
     train, test = prompt_files
     over = tiny_overrides(random_flux_pipeline, train, test, tmp_path / "run", **extra)
     result = Trainer(load_config(REPO / "configs" / f"{preset}.yaml", over)).train()
@@ -150,9 +178,29 @@ def test_cli_samples_a_flux_folder(tmp_path, random_flux_pipeline, capsys):
     from flowrl.cli import main
 
     out = tmp_path / "grid.png"
-    main(["sample", "--model", str(random_flux_pipeline), "--prompt", "a photo of a star", "-n", "2", "--resolution",
-          "32", "--max-sequence-length", "8", "--num-steps", "2", "--guidance-scale", "3.5", "--device", "cpu",
-          "--out", str(out)])
+    main(
+        [
+            "sample",
+            "--model",
+            str(random_flux_pipeline),
+            "--prompt",
+            "a photo of a star",
+            "-n",
+            "2",
+            "--resolution",
+            "32",
+            "--max-sequence-length",
+            "8",
+            "--num-steps",
+            "2",
+            "--guidance-scale",
+            "3.5",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     assert "wrote 2 images" in capsys.readouterr().out
     assert Image.open(out).size == (2 * 33 + 1, 32 + 2)  # two 32 px images in a row, 1 px padding
 
@@ -172,9 +220,21 @@ def test_velocity_takes_any_memory_layout(random_flux_pipeline):
 def test_full_finetuning_writes_a_flux_pipeline_that_loads_back(tmp_path, random_flux_pipeline, prompt_files):
     train, test = prompt_files
     (tmp_path / "c.yaml").write_text("rewards:\n  jpeg_compressibility:\n    weight: 1.0\n")
-    over = tiny_overrides(random_flux_pipeline, train, test, tmp_path / "run", **{
-        "model.lora_rank": 0, "run.iterations": 1, "run.keep_checkpoints": 1, "run.mixed_precision": "no",
-        "model.resolution": 32, "model.max_sequence_length": 8, "sampling.guidance_scale": 3.5})
+    over = tiny_overrides(
+        random_flux_pipeline,
+        train,
+        test,
+        tmp_path / "run",
+        **{
+            "model.lora_rank": 0,
+            "run.iterations": 1,
+            "run.keep_checkpoints": 1,
+            "run.mixed_precision": "no",
+            "model.resolution": 32,
+            "model.max_sequence_length": 8,
+            "sampling.guidance_scale": 3.5,
+        },
+    )
     trainer = Trainer(load_config(tmp_path / "c.yaml", over))
     before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     trainer.train()
@@ -190,7 +250,22 @@ def test_cli_names_a_t5_length_flux_cannot_take(tmp_path, random_flux_pipeline, 
     from flowrl.cli import main
 
     with pytest.raises(SystemExit) as exit_:
-        main(["sample", "--model", str(random_flux_pipeline), "--prompt", "x", "--max-sequence-length", "0",
-              "--resolution", "32", "--device", "cpu", "--out", str(tmp_path / "g.png")])
+        main(
+            [
+                "sample",
+                "--model",
+                str(random_flux_pipeline),
+                "--prompt",
+                "x",
+                "--max-sequence-length",
+                "0",
+                "--resolution",
+                "32",
+                "--device",
+                "cpu",
+                "--out",
+                str(tmp_path / "g.png"),
+            ]
+        )
     assert exit_.value.code == 2
     assert "--max-sequence-length: max_sequence_length must be >= 1 for FLUX" in capsys.readouterr().err

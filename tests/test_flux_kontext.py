@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import REPO, assert_resume_is_exact, build_random_flux_pipeline, tiny_overrides
+
 from flowrl.config import load_config
 from flowrl.data import read_jsonl, write_jsonl
 from flowrl.models import FluxKontextModel, FluxModel, load_model, model_class
@@ -56,8 +56,9 @@ def edit_prompts(tmp_path_factory) -> tuple[Path, Path]:
     return files[0], files[1]
 
 
-def _stock_images(folder: Path, model: FluxKontextModel, metas: list[dict], num_steps: int, lora=None,
-                  **kwargs) -> torch.Tensor:
+def _stock_images(
+    folder: Path, model: FluxKontextModel, metas: list[dict], num_steps: int, lora=None, **kwargs
+) -> torch.Tensor:
     """The stock FluxKontextPipeline's edits of the records' source images, with its own schedule, from the noise of
     `flowrl.evaluation.generate` (seeds 0, 1)."""
     from diffusers import FluxKontextPipeline
@@ -70,9 +71,19 @@ def _stock_images(folder: Path, model: FluxKontextModel, metas: list[dict], num_
     noise = torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
     sources = [Image.open(m["image"]).convert("RGB") for m in metas]
     with torch.no_grad():
-        return pipe(prompt=[m["prompt"] for m in metas], image=sources, latents=pipe._pack_latents(noise, 2, c, h, w),
-                    num_inference_steps=num_steps, height=SIDE, width=SIDE, max_area=SIDE * SIDE, _auto_resize=False,
-                    max_sequence_length=model.max_sequence_length, output_type="pt", **kwargs).images
+        return pipe(
+            prompt=[m["prompt"] for m in metas],
+            image=sources,
+            latents=pipe._pack_latents(noise, 2, c, h, w),
+            num_inference_steps=num_steps,
+            height=SIDE,
+            width=SIDE,
+            max_area=SIDE * SIDE,
+            _auto_resize=False,
+            max_sequence_length=model.max_sequence_length,
+            output_type="pt",
+            **kwargs,
+        ).images
 
 
 def test_adapter_and_the_prompt_records_source_image(kontext, edit_prompts, tmp_path):
@@ -102,8 +113,14 @@ def test_editing_samples_as_the_stock_pipeline(kontext, edit_prompts):
     text_only = generate(model, [m["prompt"] for m in metas], [0, 1], num_steps=3, guidance_scale=2.5)
     assert (text_only - ours).abs().max() > 1e-3  # the source image conditions the edit
     # a batch mixing edits and text-to-image rows: each row as in its own batch
-    mixed = generate(model, [m["prompt"] for m in metas], [0, 1], num_steps=3, guidance_scale=2.5,
-                     metas=[metas[0], {"prompt": metas[1]["prompt"]}])
+    mixed = generate(
+        model,
+        [m["prompt"] for m in metas],
+        [0, 1],
+        num_steps=3,
+        guidance_scale=2.5,
+        metas=[metas[0], {"prompt": metas[1]["prompt"]}],
+    )
     torch.testing.assert_close(mixed, torch.stack([ours[0], text_only[1]]), rtol=0, atol=1e-5)
 
 
@@ -122,10 +139,19 @@ def test_true_cfg_gives_the_negative_the_source_image(tmp_path, edit_prompts):
 def test_an_editing_run_resumes_exactly(tmp_path, kontext, edit_prompts):
     """Two iterations straight and one plus a resume end on the same weights and log the same second iteration: the
     source images are read again from the prompt records after the resume."""
-    extra = {"run.mixed_precision": "no", "model.dtype": "float32", "model.resolution": SIDE,
-             "model.max_sequence_length": 8, "rewards.geneval": "null", "rewards.jpeg_compressibility.weight": 1.0}
-    assert_resume_is_exact(REPO / "configs" / "flux_kontext_grpo.yaml",
-                           lambda out: tiny_overrides(kontext, *edit_prompts, out, **extra), tmp_path)
+    extra = {
+        "run.mixed_precision": "no",
+        "model.dtype": "float32",
+        "model.resolution": SIDE,
+        "model.max_sequence_length": 8,
+        "rewards.geneval": "null",
+        "rewards.jpeg_compressibility.weight": 1.0,
+    }
+    assert_resume_is_exact(
+        REPO / "configs" / "flux_kontext_grpo.yaml",
+        lambda out: tiny_overrides(kontext, *edit_prompts, out, **extra),
+        tmp_path,
+    )
 
 
 def test_kontext_recipe_trains_rewards_see_the_source_and_the_lora_loads_in_stock(tmp_path, kontext, edit_prompts):
@@ -134,10 +160,24 @@ def test_kontext_recipe_trains_rewards_see_the_source_and_the_lora_loads_in_stoc
     from flowrl.evaluation import generate
 
     train, test = edit_prompts
-    over = tiny_overrides(kontext, train, test, tmp_path / "run", **{
-        "run.mixed_precision": "no", "model.dtype": "float32", "model.resolution": SIDE, "model.max_sequence_length": 8,
-        "rewards.geneval": "null", "rewards.jpeg_compressibility.weight": 1.0, "sampling.group_size": 4,
-        "sampling.batch_size": 8, "train.minibatch_size": 8, "train.micro_batch_size": "null"})
+    over = tiny_overrides(
+        kontext,
+        train,
+        test,
+        tmp_path / "run",
+        **{
+            "run.mixed_precision": "no",
+            "model.dtype": "float32",
+            "model.resolution": SIDE,
+            "model.max_sequence_length": 8,
+            "rewards.geneval": "null",
+            "rewards.jpeg_compressibility.weight": 1.0,
+            "sampling.group_size": 4,
+            "sampling.batch_size": 8,
+            "train.minibatch_size": 8,
+            "train.micro_batch_size": "null",
+        },
+    )
     cfg = load_config(REPO / "configs" / "flux_kontext_grpo.yaml", over)
     assert cfg.sampling.num_steps == 3 and cfg.sampling.guidance_scale == 2.5 and cfg.sampling.noise_level == 0.9
     trainer = Trainer(cfg)
@@ -159,12 +199,15 @@ def test_kontext_recipe_trains_rewards_see_the_source_and_the_lora_loads_in_stoc
     assert len(metrics) == 2
     assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
-    assert seen and all(Path(m["image"]).is_file() and m["image"].startswith(str(train.parent.resolve())) for m in seen)
+    assert seen and all(
+        Path(m["image"]).is_file() and m["image"].startswith(str(train.parent.resolve())) for m in seen
+    )
     # the saved LoRA (the recipe's EMA of the weights), loaded by the stock pipeline, edits as the trained adapter does
     metas = read_jsonl(train)[:2]
     with trainer.policy.ema_weights():
-        ours = generate(trainer.model, [m["prompt"] for m in metas], [0, 1], num_steps=3, guidance_scale=2.5,
-                        metas=metas)
+        ours = generate(
+            trainer.model, [m["prompt"] for m in metas], [0, 1], num_steps=3, guidance_scale=2.5, metas=metas
+        )
     stock = _stock_images(kontext, trainer.model, metas, 3, lora=tmp_path / "run" / "lora", guidance_scale=2.5)
     base = _stock_images(kontext, trainer.model, metas, 3, guidance_scale=2.5)
     assert (stock - base).abs().max() > 1e-4  # the LoRA changed the model

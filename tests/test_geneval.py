@@ -7,8 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flowrl.tiny.prompts import split
-from flowrl.tiny.render import Obj, render, sample_scene
 from flowrl.rewards.base import REWARDS, build_reward
 from flowrl.rewards.geneval import (
     COUNTING_THRESHOLD,
@@ -21,6 +19,8 @@ from flowrl.rewards.geneval import (
     relative_position,
 )
 from flowrl.rewards.geneval.world import BACKGROUND, COLORS, IMAGE_SIZE, MAX_SIZE, MIN_SIZE, SHAPES
+from flowrl.tiny.prompts import split
+from flowrl.tiny.render import Obj, render, sample_scene
 
 N_SCENES = 600
 
@@ -71,7 +71,10 @@ def test_each_shape_at_extreme_sizes_in_every_colour(shape):
             obj = Obj(shape, color, 21, 40, size)
             clean = render([obj])
             blurred = _degrade(_tensor(clean)[None], seed=size)[0]
-            for image, box_tolerance in ((clean, 1.5), (blurred, 3.0)):  # a star spans 0.95 of its box; blur erases tips
+            for image, box_tolerance in (
+                (clean, 1.5),
+                (blurred, 3.0),
+            ):  # a star spans 0.95 of its box; blur erases tips
                 (det,) = detect(image)
                 assert (det.cls, det.color) == (shape, color)
                 assert det.score >= COUNTING_THRESHOLD
@@ -100,18 +103,46 @@ def test_detect_accepts_uint8_and_float_alike_and_checks_shapes():
         detect_batch((_tensor(image)[None] * 255).to(torch.uint8))
 
 
-@pytest.mark.parametrize("metadata, match", [
-    ({"prompt": "p", "include": []}, "empty 'include'"),
-    ({"prompt": "p", "include": [{"class": "star", "count": 1}], "exclude": [{"class": "star"}]}, "exclude clause"),
-    ({"prompt": "p", "include": [{"class": "star", "count": "1"}]}, "'count' must be an integer"),
-    ({"prompt": "p", "include": [{"class": "star", "count": 1},
-                                 {"class": "circle", "count": 1, "position": ["left of", -1]}]}, "'position'"),
-    ({"prompt": "p", "include": [{"class": "star", "count": 1},
-                                 {"class": "circle", "count": 1, "position": ["right", 0]}]}, "'position'"),
-    ({"prompt": "p", "include": [{"class": "star", "count": 1}, {"class": "star", "count": 1},
-                                 {"class": "circle", "count": 1, "position": ["left of", True]}]}, "'position'"),
-    ({"prompt": "p"}, "empty 'include'"),
-])
+@pytest.mark.parametrize(
+    "metadata, match",
+    [
+        ({"prompt": "p", "include": []}, "empty 'include'"),
+        (
+            {"prompt": "p", "include": [{"class": "star", "count": 1}], "exclude": [{"class": "star"}]},
+            "exclude clause",
+        ),
+        ({"prompt": "p", "include": [{"class": "star", "count": "1"}]}, "'count' must be an integer"),
+        (
+            {
+                "prompt": "p",
+                "include": [
+                    {"class": "star", "count": 1},
+                    {"class": "circle", "count": 1, "position": ["left of", -1]},
+                ],
+            },
+            "'position'",
+        ),
+        (
+            {
+                "prompt": "p",
+                "include": [{"class": "star", "count": 1}, {"class": "circle", "count": 1, "position": ["right", 0]}],
+            },
+            "'position'",
+        ),
+        (
+            {
+                "prompt": "p",
+                "include": [
+                    {"class": "star", "count": 1},
+                    {"class": "star", "count": 1},
+                    {"class": "circle", "count": 1, "position": ["left of", True]},
+                ],
+            },
+            "'position'",
+        ),
+        ({"prompt": "p"}, "empty 'include'"),
+    ],
+)
 def test_malformed_metadata_is_named(metadata, match):
     with pytest.raises(ValueError, match=match):
         evaluate([], metadata)
@@ -189,7 +220,10 @@ def test_reward_is_registered_and_needs_geneval_metadata():
 def test_metadata_is_checked_before_detection(monkeypatch):
     import sys
 
-    geneval_module = sys.modules["flowrl.rewards.geneval"]  # the attribute flowrl.rewards.geneval is the factory function
+    geneval_module = sys.modules[
+        "flowrl.rewards.geneval"
+    ]  # the attribute flowrl.rewards.geneval is the factory function
+
     def no_detection(*args, **kwargs):
         raise AssertionError("metadata should be refused before detection")
 
@@ -205,7 +239,9 @@ def test_metadata_is_checked_before_detection(monkeypatch):
 def test_classes_and_colours_outside_the_tiny_world_are_named(clause):
     # real-photo GenEval metadata would otherwise score 0 everywhere without a word
     meta = {"tag": "colors", "include": [clause], "exclude": []}
-    with pytest.raises(ValueError, match=r"geneval: metadata of prompt 'a photo of a dog' asks for .*knows the shapes"):
+    with pytest.raises(
+        ValueError, match=r"geneval: metadata of prompt 'a photo of a dog' asks for .*knows the shapes"
+    ):
         geneval()(torch.full((1, 3, 64, 64), 0.5), ["a photo of a dog"], [meta])
 
 

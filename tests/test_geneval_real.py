@@ -26,15 +26,86 @@ from flowrl.rewards.geneval.real import (
 )
 
 COCO_LABELS = (  # COCO's thing classes as checkpoints' id2label spell them (detectron2 / transformers)
-    "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",
-    "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse", "sheep", "cow",
-    "elephant", "bear", "zebra", "giraffe", "backpack", "umbrella", "handbag", "tie", "suitcase", "frisbee",
-    "skis", "snowboard", "sports ball", "kite", "baseball bat", "baseball glove", "skateboard", "surfboard",
-    "tennis racket", "bottle", "wine glass", "cup", "fork", "knife", "spoon", "bowl", "banana", "apple",
-    "sandwich", "orange", "broccoli", "carrot", "hot dog", "pizza", "donut", "cake", "chair", "couch",
-    "potted plant", "bed", "dining table", "toilet", "tv", "laptop", "mouse", "remote", "keyboard",
-    "cell phone", "microwave", "oven", "toaster", "sink", "refrigerator", "book", "clock", "vase", "scissors",
-    "teddy bear", "hair drier", "toothbrush",
+    "person",
+    "bicycle",
+    "car",
+    "motorcycle",
+    "airplane",
+    "bus",
+    "train",
+    "truck",
+    "boat",
+    "traffic light",
+    "fire hydrant",
+    "stop sign",
+    "parking meter",
+    "bench",
+    "bird",
+    "cat",
+    "dog",
+    "horse",
+    "sheep",
+    "cow",
+    "elephant",
+    "bear",
+    "zebra",
+    "giraffe",
+    "backpack",
+    "umbrella",
+    "handbag",
+    "tie",
+    "suitcase",
+    "frisbee",
+    "skis",
+    "snowboard",
+    "sports ball",
+    "kite",
+    "baseball bat",
+    "baseball glove",
+    "skateboard",
+    "surfboard",
+    "tennis racket",
+    "bottle",
+    "wine glass",
+    "cup",
+    "fork",
+    "knife",
+    "spoon",
+    "bowl",
+    "banana",
+    "apple",
+    "sandwich",
+    "orange",
+    "broccoli",
+    "carrot",
+    "hot dog",
+    "pizza",
+    "donut",
+    "cake",
+    "chair",
+    "couch",
+    "potted plant",
+    "bed",
+    "dining table",
+    "toilet",
+    "tv",
+    "laptop",
+    "mouse",
+    "remote",
+    "keyboard",
+    "cell phone",
+    "microwave",
+    "oven",
+    "toaster",
+    "sink",
+    "refrigerator",
+    "book",
+    "clock",
+    "vase",
+    "scissors",
+    "teddy bear",
+    "hair drier",
+    "toothbrush",
 )
 DOG, CAT = COCO_LABELS.index("dog"), COCO_LABELS.index("cat")
 QUERIES = 6
@@ -58,16 +129,36 @@ def _tiny_clip_tokenizer(num_merges=300):
 @pytest.fixture(scope="module")
 def segmenter_dir(tmp_path_factory):
     """A seeded random Mask2Former (tiny Swin backbone, COCO's 80 labels) with its image processor."""
-    from transformers import (Mask2FormerConfig, Mask2FormerForUniversalSegmentation,
-                              Mask2FormerImageProcessor, SwinConfig)
+    from transformers import (
+        Mask2FormerConfig,
+        Mask2FormerForUniversalSegmentation,
+        Mask2FormerImageProcessor,
+        SwinConfig,
+    )
 
-    backbone = SwinConfig(image_size=64, patch_size=4, embed_dim=8, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1],
-                          window_size=4, out_features=["stage1", "stage2", "stage3", "stage4"])
+    backbone = SwinConfig(
+        image_size=64,
+        patch_size=4,
+        embed_dim=8,
+        depths=[1, 1, 1, 1],
+        num_heads=[1, 1, 1, 1],
+        window_size=4,
+        out_features=["stage1", "stage2", "stage3", "stage4"],
+    )
     id2label = dict(enumerate(COCO_LABELS))
     config = Mask2FormerConfig(
-        backbone_config=backbone, feature_size=32, mask_feature_size=32, hidden_dim=32, encoder_feedforward_dim=32,
-        encoder_layers=1, decoder_layers=2, num_attention_heads=2, dim_feedforward=32, num_queries=QUERIES,
-        id2label=id2label, label2id={v: k for k, v in id2label.items()},
+        backbone_config=backbone,
+        feature_size=32,
+        mask_feature_size=32,
+        hidden_dim=32,
+        encoder_feedforward_dim=32,
+        encoder_layers=1,
+        decoder_layers=2,
+        num_attention_heads=2,
+        dim_feedforward=32,
+        num_queries=QUERIES,
+        id2label=id2label,
+        label2id={v: k for k, v in id2label.items()},
     )
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("tiny_mask2former")
@@ -82,11 +173,20 @@ def clip_dir(tmp_path_factory):
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
     tokenizer = _tiny_clip_tokenizer()
-    text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                num_attention_heads=2, max_position_embeddings=32, bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  image_size=32, patch_size=8)
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
+    )
     torch.manual_seed(1)
     folder = tmp_path_factory.mktemp("tiny_clip")
     CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(folder)
@@ -215,12 +315,15 @@ def test_real_segmenter_end_to_end_gives_well_formed_records(reward, segmenter_d
             label = COCO_LABELS.index(next(k for k in COCO_LABELS if geneval_name(k) == s.cls))
             assert 0 <= s.score <= probs[b, :, label].max().item() + 1e-6  # class prob x mean mask prob
 
-    metas = [{"tag": "single_object", "include": [{"class": "computer mouse", "count": 1}], "prompt": "a mouse"},
-             {"tag": "colors", "include": [{"class": "dog", "count": 1, "color": "pink"}], "prompt": "a pink dog"}]
+    metas = [
+        {"tag": "single_object", "include": [{"class": "computer mouse", "count": 1}], "prompt": "a mouse"},
+        {"tag": "colors", "include": [{"class": "dog", "count": 1, "color": "pink"}], "prompt": "a pink dog"},
+    ]
     strict = reward(images, [m["prompt"] for m in metas], metas)
     assert strict.shape == (2,) and strict.dtype == torch.float32 and set(strict.tolist()) <= {0.0, 1.0}
     dense = build_reward("geneval", segmenter_path=str(segmenter_dir), clip_path=str(clip_dir), segmenter_size=64)(
-        images, [m["prompt"] for m in metas], metas)
+        images, [m["prompt"] for m in metas], metas
+    )
     assert dense.shape == (2,) and bool(((dense >= 0) & (dense <= 1)).all())
 
 
@@ -248,8 +351,9 @@ def test_color_classifier_matches_the_zero_shot_formula(reward, clip_dir):
         crops = [torch.rand(3, 20, 12, generator=torch.Generator().manual_seed(i)) for i in range(3)]
         logits = colors.logits(crops, ["tv remote", "dog", "tv remote"])
         processor = CLIPImageProcessor.from_pretrained(clip_dir)
-        pixels = processor(images=crops, do_rescale=False, return_tensors="pt",
-                           input_data_format="channels_first")["pixel_values"]
+        pixels = processor(images=crops, do_rescale=False, return_tensors="pt", input_data_format="channels_first")[
+            "pixel_values"
+        ]
         image = model.get_image_features(pixel_values=pixels)
         image = image if isinstance(image, torch.Tensor) else image.pooler_output
         image = image / image.norm(dim=-1, keepdim=True)
@@ -267,16 +371,22 @@ def test_injected_outputs_become_exact_records(monkeypatch, reward):
     images = torch.rand(1, 3, 384, 384)
     (records,) = reward.detector.segmenter(images)
     records = sorted(records, key=lambda r: r.cls)  # the post-processor's top-k comes unsorted
-    assert [(r.cls, r.box) for r in records] == [("computer mouse", (200.0, 10.0, 260.0, 90.0)),
-                                                 ("dog", (40.0, 50.0, 120.0, 200.0))]
+    assert [(r.cls, r.box) for r in records] == [
+        ("computer mouse", (200.0, 10.0, 260.0, 90.0)),
+        ("dog", (40.0, 50.0, 120.0, 200.0)),
+    ]
     score = torch.tensor(10.0).exp() / (torch.tensor(10.0).exp() + 80) * torch.tensor(10.0).sigmoid()
     assert [r.score for r in records] == pytest.approx([score.item()] * 2, abs=1e-5)  # class x mean mask prob
     assert records[1].mask.sum() == 80 * 150 and records[1].mask[50:200, 40:120].all()
 
 
 def test_counting_needs_two_confident_detections(monkeypatch, reward):
-    meta = {"tag": "counting", "include": [{"class": "dog", "count": 2}], "exclude": [{"class": "dog", "count": 3}],
-            "prompt": "a photo of two dogs"}
+    meta = {
+        "tag": "counting",
+        "include": [{"class": "dog", "count": 2}],
+        "exclude": [{"class": "dog", "count": 3}],
+        "prompt": "a photo of two dogs",
+    }
     _inject(monkeypatch, reward, [(DOG, 10.0, (10, 10, 100, 100)), (DOG, 10.0, (200, 200, 300, 300))])
     assert _score(reward, meta) == (1.0, 1.0)
     # a second dog at class prob 0.5 (logit ln 80) passes 0.3 but not the counting threshold 0.9
@@ -288,8 +398,11 @@ def test_counting_needs_two_confident_detections(monkeypatch, reward):
 
 
 def test_color_passes_only_when_clip_says_the_colour(monkeypatch, reward):
-    meta = {"tag": "colors", "include": [{"class": "dog", "count": 1, "color": "red"}],
-            "prompt": "a photo of a red dog"}
+    meta = {
+        "tag": "colors",
+        "include": [{"class": "dog", "count": 1, "color": "red"}],
+        "prompt": "a photo of a red dog",
+    }
     objects = [(DOG, 10.0, (40, 50, 120, 200)), (DOG, 8.0, (200, 200, 300, 300)), (CAT, 10.0, (0, 0, 30, 30))]
     calls = _inject(monkeypatch, reward, objects, color="red")
     assert _score(reward, meta) == (1.0, 1.0)
@@ -300,8 +413,11 @@ def test_color_passes_only_when_clip_says_the_colour(monkeypatch, reward):
 
 def test_position_rules_read_the_boxes(monkeypatch, reward):
     def meta(relation):
-        return {"tag": "position", "prompt": f"a photo of a dog {relation} a cat",
-                "include": [{"class": "cat", "count": 1}, {"class": "dog", "count": 1, "position": [relation, 0]}]}
+        return {
+            "tag": "position",
+            "prompt": f"a photo of a dog {relation} a cat",
+            "include": [{"class": "cat", "count": 1}, {"class": "dog", "count": 1, "position": [relation, 0]}],
+        }
 
     _inject(monkeypatch, reward, [(DOG, 10.0, (10, 150, 100, 250)), (CAT, 10.0, (250, 150, 350, 250))])
     assert _score(reward, meta("left of"))[0] == 1.0

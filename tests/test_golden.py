@@ -41,17 +41,26 @@ def run_preset(name: str, model: Path, train: Path, test: Path, out: Path) -> di
     from flowrl.config import load_config
     from flowrl.trainer import Trainer
 
-    extra = {"run.mixed_precision": "no", "rewards.jpeg_compressibility.weight": 1.0,
-             **shape_overrides(load_config(REPO / "configs" / f"{name}.yaml"))}
+    extra = {
+        "run.mixed_precision": "no",
+        "rewards.jpeg_compressibility.weight": 1.0,
+        **shape_overrides(load_config(REPO / "configs" / f"{name}.yaml")),
+    }
     trainer = Trainer(load_config(REPO / "configs" / f"{name}.yaml", tiny_overrides(model, train, test, out, **extra)))
     result = trainer.train()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))} for r in rows]
     params = trainer.policy.params if hasattr(trainer, "params") else trainer.policy.params
-    weights = {"sum": sum(p.detach().double().sum().item() for p in params.values()),
-               "sq": sum(p.detach().double().pow(2).sum().item() for p in params.values())}
-    return {"metrics": rows, "before": result["before"]["overall"], "after": result["after"]["overall"],
-            "weights": weights}
+    weights = {
+        "sum": sum(p.detach().double().sum().item() for p in params.values()),
+        "sq": sum(p.detach().double().pow(2).sum().item() for p in params.values()),
+    }
+    return {
+        "metrics": rows,
+        "before": result["before"]["overall"],
+        "after": result["after"]["overall"],
+        "weights": weights,
+    }
 
 
 def _close(a, b, path: str) -> None:
@@ -72,13 +81,16 @@ def _close(a, b, path: str) -> None:
         assert a == b, f"{path}: {a!r} recorded, {b!r} now"
 
 
-@pytest.mark.parametrize("name", [pytest.param(p, marks=pytest.mark.slow) if p in ("tempflow_grpo", "branch_grpo") else p
-                                  for p in PRESETS])
+@pytest.mark.parametrize(
+    "name", [pytest.param(p, marks=pytest.mark.slow) if p in ("tempflow_grpo", "branch_grpo") else p for p in PRESETS]
+)
 def test_loop_reproduces_recorded_run(name, tmp_path, random_pipeline, prompt_files):
     golden = golden_file()
     if not golden.is_file():
-        pytest.skip(f"no golden run recorded for this CPU's capability ({golden.name}): python tests/test_golden.py "
-                    "--record writes it")
+        pytest.skip(
+            f"no golden run recorded for this CPU's capability ({golden.name}): python tests/test_golden.py "
+            "--record writes it"
+        )
     golden = json.loads(golden.read_text())[name]
     now = run_preset(name, random_pipeline, *prompt_files, tmp_path / "run")
     _close(golden, json.loads(json.dumps(now)), name)
@@ -88,6 +100,7 @@ if __name__ == "__main__" and "--record" in sys.argv:
     import tempfile
 
     from conftest import build_random_pipeline
+
     from flowrl.data import write_jsonl
     from flowrl.tiny.prompts import split
 

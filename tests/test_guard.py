@@ -35,7 +35,9 @@ def test_ratio_norm_has_mean_zero_and_equal_spread_at_every_step():
 def test_velocity_gain_matches_the_flow_sde_closed_form():
     plan = StepPlan.sde(5, train_last=True)
     x = torch.randn(2, 2, 3, 3, generator=torch.Generator().manual_seed(0))
-    ro = sample(lambda x, t, c: torch.tanh(x), x, torch.zeros(2, dtype=torch.long), torch.arange(2), flow_sigmas(5, 3.0), plan)
+    ro = sample(
+        lambda x, t, c: torch.tanh(x), x, torch.zeros(2, dtype=torch.long), torch.arange(2), flow_sigmas(5, 3.0), plan
+    )
     a = 0.7
     expected = (1 + a**2 / 2) * (ro.sigma - ro.sigma_next)
     first = ro.sigma == 1  # at t = 1 the factor (1 - t) kills the SDE correction: gain = |dt|
@@ -61,8 +63,9 @@ def test_guard_reweighting_equalises_per_step_gradients_on_a_linear_model():
     assert max(norms) / min(norms) < 1 + 1e-4
     w = step_weights("guard", torch.tensor([0.1, 0.2, 0.4]), torch.ones(3), torch.arange(3))
     torch.testing.assert_close(w, torch.tensor([4.0, 2.0, 1.0]) / (7 / 3))
-    torch.testing.assert_close(step_weights("noise_aware", torch.ones(2), torch.tensor([1.0, 3.0]), torch.arange(2)),
-                               torch.tensor([0.5, 1.5]))
+    torch.testing.assert_close(
+        step_weights("noise_aware", torch.ones(2), torch.tensor([1.0, 3.0]), torch.arange(2)), torch.tensor([0.5, 1.5])
+    )
     assert step_weights("none", torch.ones(2), torch.ones(2), torch.arange(2)) is None
 
 
@@ -92,6 +95,7 @@ def test_per_step_param_grad_norms_match_a_manual_backward(tmp_path, random_pipe
     import json
 
     from conftest import tiny_overrides
+
     from flowrl.config import load_config
     from flowrl.trainer import Trainer
 
@@ -99,9 +103,19 @@ def test_per_step_param_grad_norms_match_a_manual_backward(tmp_path, random_pipe
     rows = {}
     for mode in ("params", "velocity"):
         out = tmp_path / mode
-        over = tiny_overrides(random_pipeline, train, test, out, **{
-            "run.iterations": 1, "run.mixed_precision": "no", "train.step_grad_norms": mode,
-            "train.minibatch_size": 64, "rewards.jpeg_compressibility.weight": 1.0})
+        over = tiny_overrides(
+            random_pipeline,
+            train,
+            test,
+            out,
+            **{
+                "run.iterations": 1,
+                "run.mixed_precision": "no",
+                "train.step_grad_norms": mode,
+                "train.minibatch_size": 64,
+                "rewards.jpeg_compressibility.weight": 1.0,
+            },
+        )
         Trainer(load_config(None, over)).train()
         rows[mode] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     p, v = rows["params"], rows["velocity"]

@@ -11,16 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, assert_resume_is_exact, shape_overrides, tiny_overrides
+
 from flowrl.config import ConfigError, load_config
 from flowrl.models import HunyuanVideoModel, load_model, model_class
 from flowrl.trainer import Trainer
 
 PROMPTS = ["a red circle moving left", "two blue squares moving up, then a green star appears"]  # different lengths
 SIDE, FRAMES, TOKENS = 32, 5, 16  # 32 px, 5 frames: latents (4, 2, 4, 4); 16 Llama tokens after the crop
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                r"\s*[\r\n]+|\s+(?!\S)|\s+")  # Llama 3's pre-tokenizer pattern (its tokenizer.json)
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)  # Llama 3's pre-tokenizer pattern (its tokenizer.json)
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
 
@@ -44,16 +46,33 @@ def build_llama3_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(BPE())
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     bpe.decoder = decoders.ByteLevel()
     texts = [DEFAULT_PROMPT_TEMPLATE["template"].format(p) for p in PROMPTS + ["a blurry static video"]]
-    bpe.train_from_iterator(texts * 3, BpeTrainer(vocab_size=600, special_tokens=LLAMA3_SPECIALS, show_progress=False,
-                                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    bpe.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
-                                                       special_tokens=[("<|begin_of_text|>", 0)])
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>",
-                                   pad_token="<|end_of_text|>", padding_side="right")
+    bpe.train_from_iterator(
+        texts * 3,
+        BpeTrainer(
+            vocab_size=600,
+            special_tokens=LLAMA3_SPECIALS,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    bpe.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|end_of_text|>",
+        pad_token="<|end_of_text|>",
+        padding_side="right",
+    )
 
 
 def build_random_hunyuan_pipeline(folder: Path) -> Path:
@@ -62,30 +81,76 @@ def build_random_hunyuan_pipeline(folder: Path) -> Path:
     the pipeline pads CLIP prompts to 77), a HunyuanVideo VAE (4 latent channels, 4x temporal, 8x spatial compression),
     a transformer of one dual-stream, one single-stream and one refiner block with guidance embedding, and the
     flow-matching Euler scheduler at HunyuanVideo's shift 7."""
-    from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline,
-                           HunyuanVideoTransformer3DModel)
+    from diffusers import (
+        AutoencoderKLHunyuanVideo,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideoPipeline,
+        HunyuanVideoTransformer3DModel,
+    )
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, LlamaConfig, LlamaModel
 
     torch.manual_seed(0)
     tok = build_llama3_tokenizer()
-    llama = LlamaModel(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                   pad_token_id=tok.pad_token_id))
+    llama = LlamaModel(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
     clip_tok = CLIPTokenizer.from_pretrained(REPO / "assets" / "tiny-sd3" / "tokenizer")
-    clip = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(clip_tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        max_position_embeddings=77, bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id,
-        pad_token_id=clip_tok.pad_token_id))
-    vae = AutoencoderKLHunyuanVideo(latent_channels=4, block_out_channels=(4, 4, 4, 4), layers_per_block=1,
-                                    norm_num_groups=2, spatial_compression_ratio=8, temporal_compression_ratio=4)
-    dit = HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8,
-                                         num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=2,
-                                         patch_size_t=1, text_embed_dim=32, pooled_projection_dim=32,
-                                         rope_axes_dim=(2, 2, 4), guidance_embeds=True)
-    pipe = HunyuanVideoPipeline(text_encoder=llama, tokenizer=tok, transformer=dit, vae=vae,
-                                scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=clip,
-                                tokenizer_2=clip_tok)
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(clip_tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            bos_token_id=clip_tok.bos_token_id,
+            eos_token_id=clip_tok.eos_token_id,
+            pad_token_id=clip_tok.pad_token_id,
+        )
+    )
+    vae = AutoencoderKLHunyuanVideo(
+        latent_channels=4,
+        block_out_channels=(4, 4, 4, 4),
+        layers_per_block=1,
+        norm_num_groups=2,
+        spatial_compression_ratio=8,
+        temporal_compression_ratio=4,
+    )
+    dit = HunyuanVideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        patch_size=2,
+        patch_size_t=1,
+        text_embed_dim=32,
+        pooled_projection_dim=32,
+        rope_axes_dim=(2, 2, 4),
+        guidance_embeds=True,
+    )
+    pipe = HunyuanVideoPipeline(
+        text_encoder=llama,
+        tokenizer=tok,
+        transformer=dit,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+        text_encoder_2=clip,
+        tokenizer_2=clip_tok,
+    )
     pipe.save_pretrained(folder)
     return folder
 
@@ -124,17 +189,39 @@ def _stock_videos(pipe, model: HunyuanVideoModel, num_steps: int, guidance_scale
     1)."""
     noise = torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
     with torch.no_grad():
-        return pipe(PROMPTS, latents=noise, num_frames=FRAMES, height=SIDE, width=SIDE, num_inference_steps=num_steps,
-                    guidance_scale=guidance_scale, max_sequence_length=TOKENS, output_type="pt", **kwargs).frames
+        return pipe(
+            PROMPTS,
+            latents=noise,
+            num_frames=FRAMES,
+            height=SIDE,
+            width=SIDE,
+            num_inference_steps=num_steps,
+            guidance_scale=guidance_scale,
+            max_sequence_length=TOKENS,
+            output_type="pt",
+            **kwargs,
+        ).frames
 
 
 def _video_overrides(folder: Path, prompts: tuple[Path, Path], out: Path, **extra) -> list[str]:
     train, test = prompts
-    return tiny_overrides(folder, train, test, out, **{
-        "run.mixed_precision": "no", "model.resolution": SIDE, "model.num_frames": FRAMES,
-        "model.max_sequence_length": TOKENS, "rewards.geneval": "null",
-        "rewards.test_hunyuan_video:brightness.weight": 1.0,
-        "sampling.guidance_scale": 6.0, "eval.guidance_scale": 6.0, **extra})
+    return tiny_overrides(
+        folder,
+        train,
+        test,
+        out,
+        **{
+            "run.mixed_precision": "no",
+            "model.resolution": SIDE,
+            "model.num_frames": FRAMES,
+            "model.max_sequence_length": TOKENS,
+            "rewards.geneval": "null",
+            "rewards.test_hunyuan_video:brightness.weight": 1.0,
+            "sampling.guidance_scale": 6.0,
+            "eval.guidance_scale": 6.0,
+            **extra,
+        },
+    )
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -160,7 +247,7 @@ def test_offline_tokenizer_and_prompt_encoding_follow_the_pipeline_template(huny
         assert emb.mask[i].tolist() == [1] * len(own) + [0] * (TOKENS - len(own))
         with torch.no_grad():
             states = pipe.text_encoder(torch.tensor([ids]), output_hidden_states=True).hidden_states[-3][0, 95:]
-        torch.testing.assert_close(emb.embeds[i, :len(own)], states, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(emb.embeds[i, : len(own)], states, rtol=1e-5, atol=1e-5)
     left = tmp_path / "left"
     shutil.copytree(hunyuan, left)
     config = json.loads((left / "tokenizer" / "tokenizer_config.json").read_text())
@@ -182,18 +269,35 @@ def test_folder_checks_name_the_setting(hunyuan, tmp_path, video_prompts):
     assert HunyuanVideoModel.default_max_sequence_length(hunyuan) == 256
     with pytest.raises(ValueError, match="one transformer.* leave the expert unset"):
         _model(hunyuan, expert="low")
-    for key, value, match in (("model.num_frames", 6, r"4k\+1 frames"), ("model.expert", "high", "one transformer"),
-                              ("model.negative_prompt", "blurry", "embedded guidance .* uses no negative prompt")):
+    for key, value, match in (
+        ("model.num_frames", 6, r"4k\+1 frames"),
+        ("model.expert", "high", "one transformer"),
+        ("model.negative_prompt", "blurry", "embedded guidance .* uses no negative prompt"),
+    ):
         with pytest.raises(ConfigError, match=f"'{key}'.*{match}"):
             Trainer(load_config(None, _video_overrides(hunyuan, video_prompts, tmp_path / "r", **{key: value})))
-    for options, match in (({"model.options.true_cfg_scale": 0.5}, r"'model.options.true_cfg_scale'.*>= 1"),
-                           ({"model.options.guidance_rescale": 0.7}, r"'model.options.guidance_rescale'.*"
-                                                                     r"HunyuanVideoModel.*its options: true_cfg_scale")):
+    for options, match in (
+        ({"model.options.true_cfg_scale": 0.5}, r"'model.options.true_cfg_scale'.*>= 1"),
+        (
+            {"model.options.guidance_rescale": 0.7},
+            r"'model.options.guidance_rescale'.*"
+            r"HunyuanVideoModel.*its options: true_cfg_scale",
+        ),
+    ):
         with pytest.raises(ConfigError, match=match):
             Trainer(load_config(None, _video_overrides(hunyuan, video_prompts, tmp_path / "r", **options)))
     # true CFG from the config: the negative prompt is then taken
-    trainer = Trainer(load_config(None, _video_overrides(hunyuan, video_prompts, tmp_path / "t", **{
-        "model.options.true_cfg_scale": 3.0, "model.negative_prompt": "blurry"})))
+    trainer = Trainer(
+        load_config(
+            None,
+            _video_overrides(
+                hunyuan,
+                video_prompts,
+                tmp_path / "t",
+                **{"model.options.true_cfg_scale": 3.0, "model.negative_prompt": "blurry"},
+            ),
+        )
+    )
     assert trainer.model.true_cfg_scale == 3.0 and trainer.model.negative_prompt == "blurry"
     assert trainer.model.cfg_rows(trainer.cfg.sampling.guidance_scale) == 2
 
@@ -221,8 +325,14 @@ def test_ode_sampling_equals_the_stock_pipeline(hunyuan):
 
 
 # ------------------------------------------------------------------------------------------------- training
-@pytest.mark.parametrize("preset", ["flow_grpo", "diffusion_nft", *(pytest.param(p, marks=pytest.mark.slow)
-                                                                 for p in ("mix_grpo", "branch_grpo", "tempflow_grpo"))])
+@pytest.mark.parametrize(
+    "preset",
+    [
+        "flow_grpo",
+        "diffusion_nft",
+        *(pytest.param(p, marks=pytest.mark.slow) for p in ("mix_grpo", "branch_grpo", "tempflow_grpo")),
+    ],
+)
 def test_presets_train_on_video_latents(preset, tmp_path, hunyuan, video_prompts):
     """Every rollout shape on HunyuanVideo latents: full SDE, a MixGRPO window, a BranchGRPO tree, TempFlow probes; the
     PPO ratio is exactly 1 before the first optimizer step; DiffusionNFT changes the LoRA."""
@@ -244,8 +354,9 @@ def test_presets_train_on_video_latents(preset, tmp_path, hunyuan, video_prompts
 def test_a_video_run_resumes_exactly(tmp_path, hunyuan, video_prompts):
     """flow_grpo on video latents: 2 iterations straight and 1 iteration + a resume for the second end on the same
     weights and log the same second iteration (rollout noise, prompts and optimizer state restored)."""
-    assert_resume_is_exact(REPO / "configs" / "flow_grpo.yaml",
-                           lambda out: _video_overrides(hunyuan, video_prompts, out), tmp_path)
+    assert_resume_is_exact(
+        REPO / "configs" / "flow_grpo.yaml", lambda out: _video_overrides(hunyuan, video_prompts, out), tmp_path
+    )
 
 
 def test_hunyuan_dance_grpo_recipe_trains_and_the_lora_loads_in_stock_diffusers(tmp_path, hunyuan, video_prompts):
@@ -261,10 +372,25 @@ def test_hunyuan_dance_grpo_recipe_trains_and_the_lora_loads_in_stock_diffusers(
     assert (s.group_size, s.prompts_per_iteration, s.shared_noise) == (24, 1, True)
     assert (t.timestep_fraction, t.best_of_n, t.clip_range, t.adv_std) == (0.6, 8, 1e-4, "group")
     assert set(recipe.rewards) == {"videoalign"} and recipe.rewards["videoalign"].options["weights"] == {"VQ": 1.0}
-    over = _video_overrides(hunyuan, video_prompts, tmp_path / "run", **{
-        "rewards.videoalign": "null", "model.dtype": "float32", "model.lora_rank": 2, "sampling.group_size": 4,
-        "sampling.prompts_per_iteration": 2, "sampling.batch_size": 4, "sampling.num_steps": 4, "train.best_of_n": 2,
-        "train.minibatch_size": 4, "train.micro_batch_size": 2, "train.learning_rate": 0.05, "eval.num_steps": 2})
+    over = _video_overrides(
+        hunyuan,
+        video_prompts,
+        tmp_path / "run",
+        **{
+            "rewards.videoalign": "null",
+            "model.dtype": "float32",
+            "model.lora_rank": 2,
+            "sampling.group_size": 4,
+            "sampling.prompts_per_iteration": 2,
+            "sampling.batch_size": 4,
+            "sampling.num_steps": 4,
+            "train.best_of_n": 2,
+            "train.minibatch_size": 4,
+            "train.micro_batch_size": 2,
+            "train.learning_rate": 0.05,
+            "eval.num_steps": 2,
+        },
+    )
     trainer = Trainer(load_config(REPO / "configs" / "hunyuan_dance_grpo.yaml", over))
     assert isinstance(trainer.model, HunyuanVideoModel) and trainer.cfg.sampling.shift == 5.0
     trainer.train()
@@ -288,8 +414,28 @@ def test_cli_samples_a_hunyuan_folder_to_mp4(tmp_path, hunyuan, capsys):
     from flowrl.video import read_video
 
     out = tmp_path / "sheet.png"
-    main(["sample", "--model", str(hunyuan), "--prompt", PROMPTS[0], "-n", "2", "--resolution", str(SIDE),
-          "--num-frames", str(FRAMES), "--max-sequence-length", str(TOKENS), "--num-steps", "2", "--device", "cpu",
-          "--out", str(out)])
+    main(
+        [
+            "sample",
+            "--model",
+            str(hunyuan),
+            "--prompt",
+            PROMPTS[0],
+            "-n",
+            "2",
+            "--resolution",
+            str(SIDE),
+            "--num-frames",
+            str(FRAMES),
+            "--max-sequence-length",
+            str(TOKENS),
+            "--num-steps",
+            "2",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     assert "wrote 2 videos" in capsys.readouterr().out
     assert read_video(out.with_suffix(".mp4")).shape == (FRAMES, 3, SIDE + 2, 2 * (SIDE + 1) + 2)

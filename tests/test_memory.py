@@ -30,8 +30,10 @@ def test_adamw_8bit_is_refused_on_cpu_before_weights_load(tmp_path, prompt_files
     with pytest.raises(ConfigError, match=r"'train.optimizer' is 'adamw_8bit'.*CUDA GPU only.*train.optimizer=adamw"):
         check_optimizer("adamw_8bit", "cpu")
     # a model folder that does not exist: the optimizer is refused first, so no weights were about to load
-    cfg = load_config(None, tiny_overrides(tmp_path / "no-model", *prompt_files, tmp_path / "run",
-                                           **{"train.optimizer": "adamw_8bit"}))
+    cfg = load_config(
+        None,
+        tiny_overrides(tmp_path / "no-model", *prompt_files, tmp_path / "run", **{"train.optimizer": "adamw_8bit"}),
+    )
     with pytest.raises(ConfigError) as err:
         Trainer(cfg)
     assert "train.optimizer" in str(err.value) and "\n" not in str(err.value)
@@ -58,10 +60,20 @@ def test_nested_uint8_optimizer_state_round_trips_through_safetensors(tmp_path):
     state; the checkpoint keeps every tensor with its dtype and the nesting."""
     from safetensors.torch import load_file, save_file
 
-    state = {"state": {0: {"step": 3, "__bnb_optimizer_quant_state__": {
-        "state1": torch.randint(0, 255, (4096,), dtype=torch.uint8), "absmax1": torch.rand(16),
-        "qmap1": torch.linspace(-1, 1, 256)}}, 1: {"step": torch.tensor(2.0), "exp_avg": torch.randn(3)}},
-        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0, 1]}]}
+    state = {
+        "state": {
+            0: {
+                "step": 3,
+                "__bnb_optimizer_quant_state__": {
+                    "state1": torch.randint(0, 255, (4096,), dtype=torch.uint8),
+                    "absmax1": torch.rand(16),
+                    "qmap1": torch.linspace(-1, 1, 256),
+                },
+            },
+            1: {"step": torch.tensor(2.0), "exp_avg": torch.randn(3)},
+        },
+        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0, 1]}],
+    }
     tensors, meta = _flatten_optimizer(state)
     save_file(tensors, tmp_path / "o.safetensors")
     back = _unflatten_optimizer(load_file(tmp_path / "o.safetensors"), json.loads(json.dumps(meta)))
@@ -92,8 +104,9 @@ def test_adamw_8bit_state_survives_a_checkpoint(tmp_path):
     assert type(opt).__name__ == "AdamW8bit"
     step(params, opt), step(params, opt)
     folder = save_checkpoint(tmp_path, 2, params, opt)
-    assert any(v == "U8" for v in json.loads(_header(folder / "optimizer.safetensors")).values()
-               if isinstance(v, str))  # the uint8 moments are stored as uint8
+    assert any(
+        v == "U8" for v in json.loads(_header(folder / "optimizer.safetensors")).values() if isinstance(v, str)
+    )  # the uint8 moments are stored as uint8
     params2 = setup()
     opt2 = build_optimizer(params2.values(), train)
     load_checkpoint(folder, params2, opt2)
@@ -108,7 +121,7 @@ def _header(file: Path) -> str:
 
     raw = file.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + length])
+    header = json.loads(raw[8 : 8 + length])
     return json.dumps({k: v["dtype"] for k, v in header.items() if k != "__metadata__"})
 
 
@@ -124,8 +137,9 @@ def _count_calls(model) -> list[int]:
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux"])
-def test_cached_tables_equal_fresh_ones_and_hits_skip_the_encoder(family, tmp_path, random_pipeline,
-                                                                  random_flux_pipeline):
+def test_cached_tables_equal_fresh_ones_and_hits_skip_the_encoder(
+    family, tmp_path, random_pipeline, random_flux_pipeline
+):
     from flowrl.models import load_model
     from flowrl.tiny.prompts import split
 
@@ -264,11 +278,12 @@ def test_drop_after_cache_frees_the_encoders_and_refuses_a_new_prompt(tmp_path, 
 
 
 def test_placement_config_is_checked():
-    for overrides, key in ((["model.text_encoders=gpu"], "model.text_encoders"),
-                           (["model.text_encoders=drop_after_cache"], "model.prompt_cache is set"),
-                           (["model.text_encoders=drop_after_cache", "model.prompt_cache=c", "model.lora_rank=0"],
-                            "full fine-tuning"),
-                           (["model.vae_placement=disk"], "model.vae_placement")):
+    for overrides, key in (
+        (["model.text_encoders=gpu"], "model.text_encoders"),
+        (["model.text_encoders=drop_after_cache"], "model.prompt_cache is set"),
+        (["model.text_encoders=drop_after_cache", "model.prompt_cache=c", "model.lora_rank=0"], "full fine-tuning"),
+        (["model.vae_placement=disk"], "model.vae_placement"),
+    ):
         with pytest.raises(ConfigError, match=key):
             load_config(None, overrides)
 
@@ -314,9 +329,16 @@ def _run(tmp_path, model, prompt_files, name, **extra):
 def test_training_with_the_prompt_cache_is_bit_identical(tmp_path, random_pipeline, prompt_files):
     _, rows, weights = _run(tmp_path, random_pipeline, prompt_files, "plain")
     trainer, cached_rows, cached_weights = _run(
-        tmp_path, random_pipeline, prompt_files, "cached", **{"model.prompt_cache": str(tmp_path / "cache"),
-                                                             "model.text_encoders": "drop_after_cache",
-                                                             "model.vae_placement": "cpu"})
+        tmp_path,
+        random_pipeline,
+        prompt_files,
+        "cached",
+        **{
+            "model.prompt_cache": str(tmp_path / "cache"),
+            "model.text_encoders": "drop_after_cache",
+            "model.vae_placement": "cpu",
+        },
+    )
     assert trainer.model.pipe.text_encoder is None  # every prompt came from the cache
     assert trainer.model.encode.hits > 0
     assert cached_rows == rows
@@ -390,10 +412,18 @@ def test_gradient_checkpointing_keeps_a_unet_gradient(monkeypatch):
 
     def grads(checkpointing: bool):
         torch.manual_seed(0)
-        unet = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
-                                    block_out_channels=(8, 16), norm_num_groups=4, cross_attention_dim=8,
-                                    attention_head_dim=2, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                                    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+        unet = UNet2DConditionModel(
+            sample_size=8,
+            in_channels=4,
+            out_channels=4,
+            layers_per_block=1,
+            block_out_channels=(8, 16),
+            norm_num_groups=4,
+            cross_attention_dim=8,
+            attention_head_dim=2,
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        )
         if checkpointing:
             unet.enable_gradient_checkpointing()
         g = torch.Generator().manual_seed(1)

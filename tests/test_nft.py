@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_overrides
 from safetensors.torch import load_file
 
-from conftest import tiny_overrides
 from flowrl.config import ConfigError, load_config
 from flowrl.losses import nft_loss, optimality_weights
 from flowrl.methods import DiffusionNFT
@@ -42,11 +42,20 @@ def test_optimality_weights_map_the_clipped_advantage_to_zero_one():
     assert r.tolist() == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
 
 
-@pytest.mark.parametrize("key,value", [("sampling.window.size", 2), ("sampling.tree.split_steps", "[0]"),
-                                       ("sampling.shape", "g2rpo"), ("sampling.shared_noise", "true"),
-                                       ("train.kl_beta", 0.1), ("train.nft.old_decay", 1.0),
-                                       ("train.nft.timesteps", 0), ("train.nft.min_time", 1.0),
-                                       ("train.method", "dpo")])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("sampling.window.size", 2),
+        ("sampling.tree.split_steps", "[0]"),
+        ("sampling.shape", "g2rpo"),
+        ("sampling.shared_noise", "true"),
+        ("train.kl_beta", 0.1),
+        ("train.nft.old_decay", 1.0),
+        ("train.nft.timesteps", 0),
+        ("train.nft.min_time", 1.0),
+        ("train.method", "dpo"),
+    ],
+)
 def test_nft_refuses_what_it_cannot_use(key, value):
     over = ["train.method=nft", f"{key}={value}"] + (["sampling.group_size=2"] if "tree" in key else [])
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -55,9 +64,16 @@ def test_nft_refuses_what_it_cannot_use(key, value):
 
 def _nft_config(tmp_path, random_pipeline, prompt_files, out, **extra):
     train, test = prompt_files
-    extra = {"run.mixed_precision": "no", "rewards.geneval": "null", "rewards.jpeg_compressibility.weight": 1.0,
-             "train.nft.timesteps": 2, **extra}
-    return load_config("configs/diffusion_nft.yaml", tiny_overrides(random_pipeline, train, test, tmp_path / out, **extra))
+    extra = {
+        "run.mixed_precision": "no",
+        "rewards.geneval": "null",
+        "rewards.jpeg_compressibility.weight": 1.0,
+        "train.nft.timesteps": 2,
+        **extra,
+    }
+    return load_config(
+        "configs/diffusion_nft.yaml", tiny_overrides(random_pipeline, train, test, tmp_path / out, **extra)
+    )
 
 
 @pytest.mark.slow
@@ -80,22 +96,39 @@ def test_nft_run_trains_and_resumes_exactly(tmp_path, random_pipeline, prompt_fi
     # theta_old = 0.5 theta_old + 0.5 theta after each iteration: it lags behind the trained weights
     assert any(not torch.equal(old[n], p.detach().cpu()) for n, p in trainer.policy.params.items())
 
-    Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, "part", **{"train.nft.old_decay": 0.5,
-                                                                            "run.iterations": 1})).train()
-    Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, "part", **{"train.nft.old_decay": 0.5,
-                                                                            "run.resume": "true"})).train()
+    Trainer(
+        _nft_config(
+            tmp_path, random_pipeline, prompt_files, "part", **{"train.nft.old_decay": 0.5, "run.iterations": 1}
+        )
+    ).train()
+    Trainer(
+        _nft_config(
+            tmp_path, random_pipeline, prompt_files, "part", **{"train.nft.old_decay": 0.5, "run.resume": "true"}
+        )
+    ).train()
     for name in ("trainable.safetensors", DiffusionNFT.OLD_POLICY_FILE):
         a = load_file(tmp_path / "full/checkpoints/checkpoint-000002" / name)
         b = load_file(tmp_path / "part/checkpoints/checkpoint-000002" / name)
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
 
-    Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, "plain", **{"run.iterations": 1,
-                                                                             "train.nft.old_decay": 0.0})).train()
-    with pytest.raises(ValueError, match="old_policy.safetensors"):  # a run without the soft update cannot resume with it
-        Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, "plain", **{"train.nft.old_decay": 0.5,
-                                                                                 "run.resume": "true",
-                                                                                 "run.iterations": 3})).train()
+    Trainer(
+        _nft_config(
+            tmp_path, random_pipeline, prompt_files, "plain", **{"run.iterations": 1, "train.nft.old_decay": 0.0}
+        )
+    ).train()
+    with pytest.raises(
+        ValueError, match="old_policy.safetensors"
+    ):  # a run without the soft update cannot resume with it
+        Trainer(
+            _nft_config(
+                tmp_path,
+                random_pipeline,
+                prompt_files,
+                "plain",
+                **{"train.nft.old_decay": 0.5, "run.resume": "true", "run.iterations": 3},
+            )
+        ).train()
 
 
 def test_nft_min_time_noises_only_at_high_noise(tmp_path, random_pipeline, prompt_files, monkeypatch):
@@ -113,8 +146,13 @@ def test_nft_min_time_noises_only_at_high_noise(tmp_path, random_pipeline, promp
     times = {}
     for min_time in (0.0, 0.55):
         seen.clear()
-        cfg = _nft_config(tmp_path, random_pipeline, prompt_files, f"t{min_time}",
-                          **{"run.iterations": 2, "train.nft.timesteps": 8, "train.nft.min_time": min_time})
+        cfg = _nft_config(
+            tmp_path,
+            random_pipeline,
+            prompt_files,
+            f"t{min_time}",
+            **{"run.iterations": 2, "train.nft.timesteps": 8, "train.nft.min_time": min_time},
+        )
         Trainer(cfg).train()
         times[min_time] = torch.cat(seen)
     assert len(times[0.55]) > 0 and times[0.55].min() >= 0.55
@@ -139,8 +177,13 @@ def test_nft_trains_the_conditional_velocity_off_policy(tmp_path, random_pipelin
         return wrapped
 
     monkeypatch.setattr(FlowModel, "velocity_fn", recording)
-    cfg = _nft_config(tmp_path, random_pipeline, prompt_files, "offp",
-                      **{"run.iterations": 1, "sampling.guidance_scale": 3.0, "train.nft.guidance_scale": 1.0})
+    cfg = _nft_config(
+        tmp_path,
+        random_pipeline,
+        prompt_files,
+        "offp",
+        **{"run.iterations": 1, "sampling.guidance_scale": 3.0, "train.nft.guidance_scale": 1.0},
+    )
     Trainer(cfg).train()
     m = json.loads((tmp_path / "offp/metrics.jsonl").read_text().splitlines()[0])
     kept = m["cost/trained_transitions"]
@@ -157,10 +200,20 @@ def test_nft_keep_flat_groups_trains_them_at_one_half(tmp_path, random_pipeline,
     way) every image is, at r = 1/2, which pulls the policy towards the old one."""
     rows = {}
     for keep in (False, True):
-        trainer = Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, f"flat{keep}",
-                                      **{"train.nft.keep_flat_groups": str(keep).lower(), "train.nft.old_decay": 0.5}))
-        monkeypatch.setattr(trainer.method, "group_advantages", lambda rewards: (
-            torch.zeros_like(rewards.total), torch.ones_like(rewards.total, dtype=torch.bool), {}))
+        trainer = Trainer(
+            _nft_config(
+                tmp_path,
+                random_pipeline,
+                prompt_files,
+                f"flat{keep}",
+                **{"train.nft.keep_flat_groups": str(keep).lower(), "train.nft.old_decay": 0.5},
+            )
+        )
+        monkeypatch.setattr(
+            trainer.method,
+            "group_advantages",
+            lambda rewards: (torch.zeros_like(rewards.total), torch.ones_like(rewards.total, dtype=torch.bool), {}),
+        )
         rows[keep] = trainer.step(0)["cost/trained_transitions"]
     assert rows == {False: 0, True: 4 * 2}  # 4 images x 2 noised copies
     with pytest.raises(ConfigError, match="train.nft.keep_flat_groups"):
@@ -173,8 +226,10 @@ def test_nft_decay_ramp_grows_with_the_optimizer_steps():
 
     def decay(steps, ramp=0.001, old=0.5):
         state = {} if steps is None else {"p": {"step": torch.tensor(float(steps))}}
-        fake = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(nft=SimpleNamespace(decay_ramp=ramp, old_decay=old))),
-                               policy=SimpleNamespace(optimizer=SimpleNamespace(state=state)))
+        fake = SimpleNamespace(
+            cfg=SimpleNamespace(train=SimpleNamespace(nft=SimpleNamespace(decay_ramp=ramp, old_decay=old))),
+            policy=SimpleNamespace(optimizer=SimpleNamespace(state=state)),
+        )
         return DiffusionNFT.old_decay(fake)
 
     assert decay(None) == 0 and decay(100) == pytest.approx(0.1) and decay(2000) == 0.5 and decay(100, ramp=0) == 0.5

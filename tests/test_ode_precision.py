@@ -54,19 +54,34 @@ def _run(fn, **kwargs):
 
 ROLLOUTS = {
     "window": lambda ode: _run(
-        lambda **k: sample(velocity, *_inputs(4), *mix_plan(flow_sigmas(8, 3.0), [2, 3]), **k), ode_velocity_fn=ode),
+        lambda **k: sample(velocity, *_inputs(4), *mix_plan(flow_sigmas(8, 3.0), [2, 3]), **k), ode_velocity_fn=ode
+    ),
     "flash": lambda ode: _run(
         lambda **k: sample(velocity, *_inputs(4), *mix_plan(flow_sigmas(8, 3.0), [2, 3], flash_ratio=0.5), **k),
-        ode_velocity_fn=ode),
+        ode_velocity_fn=ode,
+    ),
     "shared_noise": lambda ode: _run(
         lambda **k: sample_shared_noise(velocity, *_inputs(2), *mix_plan(flow_sigmas(8, 3.0), [3, 4]), 3, **k),
-        ode_velocity_fn=ode),
+        ode_velocity_fn=ode,
+    ),
     "tree_mix": lambda ode: _run(
-        lambda **k: sample_tree(velocity, *_inputs(2), flow_sigmas(6, 3.0), StepPlan.window(6, [0, 1, 2]),
-                                [2, 1, 2, 1, 1, 1], **k), ode_velocity_fn=ode),
+        lambda **k: sample_tree(
+            velocity, *_inputs(2), flow_sigmas(6, 3.0), StepPlan.window(6, [0, 1, 2]), [2, 1, 2, 1, 1, 1], **k
+        ),
+        ode_velocity_fn=ode,
+    ),
     "tree_node_by_node": lambda ode: _run(
-        lambda **k: sample_tree(velocity, *_inputs(2), flow_sigmas(6, 3.0), StepPlan.window(6, [0, 1, 2]),
-                                [2, 1, 2, 1, 1, 1], batched=False, **k), ode_velocity_fn=ode),
+        lambda **k: sample_tree(
+            velocity,
+            *_inputs(2),
+            flow_sigmas(6, 3.0),
+            StepPlan.window(6, [0, 1, 2]),
+            [2, 1, 2, 1, 1, 1],
+            batched=False,
+            **k,
+        ),
+        ode_velocity_fn=ode,
+    ),
 }
 
 
@@ -79,16 +94,32 @@ def test_deterministic_rows_use_the_ode_function_and_transitions_stay_exact(name
     assert with_other.cost == plain.cost
 
 
-@pytest.mark.parametrize("plan,children,start", [(StepPlan.ode(6), 3, False),  # TempFlow-GRPO / G2RPO
-                                                 (StepPlan.window(6, [0, 1, 2]), 0, True)])  # TP-GRPO
+@pytest.mark.parametrize(
+    "plan,children,start",
+    [
+        (StepPlan.ode(6), 3, False),  # TempFlow-GRPO / G2RPO
+        (StepPlan.window(6, [0, 1, 2]), 0, True),
+    ],
+)  # TP-GRPO
 def test_probe_rows_split_between_the_two_functions(plan, children, start):
     noise, cond, group = _inputs()
     sigmas, other = flow_sigmas(6, 3.0), Other()
     kwargs = dict(children=children, granularities=(1, 2), include_start=start)
-    out = sample_probes(velocity, noise, cond, group, sigmas, plan, [0, 1, 2], generator=torch.Generator().manual_seed(1),
-                        ode_velocity_fn=other, **kwargs)
-    plain = sample_probes(velocity, noise, cond, group, sigmas, plan, [0, 1, 2], generator=torch.Generator().manual_seed(1),
-                          **kwargs)
+    out = sample_probes(
+        velocity,
+        noise,
+        cond,
+        group,
+        sigmas,
+        plan,
+        [0, 1, 2],
+        generator=torch.Generator().manual_seed(1),
+        ode_velocity_fn=other,
+        **kwargs,
+    )
+    plain = sample_probes(
+        velocity, noise, cond, group, sigmas, plan, [0, 1, 2], generator=torch.Generator().manual_seed(1), **kwargs
+    )
     _assert_transitions_from_velocity_fn(out.rollout)
     assert 0 < other.rows < out.cost["nfe"] and out.cost == plain.cost
     assert not torch.allclose(out.final, plain.final)

@@ -23,8 +23,12 @@ def _images(levels):
 
 def table_judge(table):
     """A judge reading P(a > b) from a hand-made table indexed by the images' brightness * 10."""
+
     def judge(a, b, prompts, metadata):
-        return torch.tensor([table[(round(x[0, 0, 0].item() * 10), round(y[0, 0, 0].item() * 10))] for x, y in zip(a, b)])
+        return torch.tensor(
+            [table[(round(x[0, 0, 0].item() * 10), round(y[0, 0, 0].item() * 10))] for x, y in zip(a, b)]
+        )
+
     return judge
 
 
@@ -115,7 +119,9 @@ def test_partial_group_metadata_and_bad_judge_output_are_named():
     def overconfident(a, b, prompts, metadata):
         return torch.full((len(a),), 1.5)
 
-    with pytest.raises(ValueError, match=r"pairwise judge 'overconfident' must return \(1,\) probabilities .*got values \[1.5\]"):
+    with pytest.raises(
+        ValueError, match=r"pairwise judge 'overconfident' must return \(1,\) probabilities .*got values \[1.5\]"
+    ):
         win_rates(overconfident, _images([0.0, 0.1]), ["p", "p"], [{}, {}], torch.zeros(2, dtype=torch.long))
     assert win_rates(first, _images([0.0]), ["p"], [{}], torch.zeros(1, dtype=torch.long)).dtype == torch.float32
 
@@ -155,10 +161,16 @@ class _Server:
                 if status == "sleep":
                     time.sleep(2)
                     status = 200
-                payload = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-                           "choices": [{"index": 0, "finish_reason": "stop",
-                                        "message": {"role": "assistant", "content": text}}],
-                           "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+                payload = {
+                    "id": "x",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": body["model"],
+                    "choices": [
+                        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}
+                    ],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                }
                 data = json.dumps(payload if status == 200 else {"error": {"message": text}}).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -181,7 +193,9 @@ def _brightness(url: str) -> float:
 
 def prefers_brighter(body, n):
     images = [part["image_url"]["url"] for part in body["messages"][0]["content"] if part["type"] == "image_url"]
-    return 200, "Thinking... Final answer: Image 1" if _brightness(images[0]) > _brightness(images[1]) else "Final answer: Image 2"
+    return 200, "Thinking... Final answer: Image 1" if _brightness(images[0]) > _brightness(
+        images[1]
+    ) else "Final answer: Image 2"
 
 
 def test_vlm_judge_against_a_local_server():

@@ -24,12 +24,20 @@ def test_counts_equal_the_loaded_model(rank):
     trained = {id(p): p for p in params}
     assert plan["network_params"] == network and plan["trained_params"] == sum(p.numel() for p in trained.values())
     assert (plan["trained_params"] < network) == (rank > 0)
-    blocks = [sum(p.numel() for p in block.parameters() if p.requires_grad) for block in model.transformer.transformer_blocks]
+    blocks = [
+        sum(p.numel() for p in block.parameters() if p.requires_grad) for block in model.transformer.transformer_blocks
+    ]
     assert plan["largest_block"] == max(blocks) > 0
-    frozen = {"text_encoder": model.pipe.text_encoder, "text_encoder_2": model.pipe.text_encoder_2, "vae": model.pipe.vae}
+    frozen = {
+        "text_encoder": model.pipe.text_encoder,
+        "text_encoder_2": model.pipe.text_encoder_2,
+        "vae": model.pipe.vae,
+    }
     expected = {k: 4 * sum(t.numel() for t in m.state_dict().values()) for k, m in frozen.items()}
     if rank:  # LoRA: the base transformer is frozen, in model.dtype (float32 here), with its saved buffers
-        expected["transformer"] = 4 * sum(t.numel() for n, t in model.transformer.state_dict().items() if "lora_" not in n)
+        expected["transformer"] = 4 * sum(
+            t.numel() for n, t in model.transformer.state_dict().items() if "lora_" not in n
+        )
     else:  # full fine-tuning: its buffers (SD3's positional table) are frozen, its weights the engine table's
         expected["transformer buffers"] = 4 * sum(b.numel() for b in model.transformer.buffers())
     assert plan["frozen_gpu_bytes"] == expected
@@ -40,10 +48,17 @@ def test_counts_equal_the_loaded_model(rank):
 
 
 def test_frozen_parts_follow_their_placement_and_dtype():
-    plan = memory_plan(load_config(REPO / "configs/quickstart.yaml", [
-        "model.dtype=bfloat16", "model.text_encoders=cpu", "model.vae_placement=cpu"]), processes=2)
+    plan = memory_plan(
+        load_config(
+            REPO / "configs/quickstart.yaml",
+            ["model.dtype=bfloat16", "model.text_encoders=cpu", "model.vae_placement=cpu"],
+        ),
+        processes=2,
+    )
     model = load_model(TINY)
-    assert plan["frozen_gpu_bytes"] == {"transformer": 2 * sum(t.numel() for t in model.transformer.state_dict().values())}
+    assert plan["frozen_gpu_bytes"] == {
+        "transformer": 2 * sum(t.numel() for t in model.transformer.state_dict().values())
+    }
 
 
 def test_engine_table_is_the_docs_arithmetic():
@@ -62,8 +77,17 @@ def test_engine_table_is_the_docs_arithmetic():
 
 
 def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
-    main(["memory", str(REPO / "configs/quickstart.yaml"), "model.lora_rank=0", "--processes", "4",
-          "--json", str(tmp_path / "plan.json")])
+    main(
+        [
+            "memory",
+            str(REPO / "configs/quickstart.yaml"),
+            "model.lora_rank=0",
+            "--processes",
+            "4",
+            "--json",
+            str(tmp_path / "plan.json"),
+        ]
+    )
     out = capsys.readouterr().out
     assert "full fine-tuning" in out and "| fsdp2 |" in out and "| zero2_offload |" in out
     plan = json.loads((tmp_path / "plan.json").read_text())

@@ -16,25 +16,33 @@ def fake_metrics(iterations: int = 30, eval_every: int = 10) -> list[dict]:
     rng = random.Random(0)
     rows = []
     for it in range(1, iterations + 1):
-        tags = {tag: min(1.0, max(0.0, 0.2 + 0.4 * it / iterations + 0.1 * k + rng.gauss(0, 0.15)))
-                for k, tag in enumerate(TAGS)}
-        row = {"iteration": it, "reward/total/mean": sum(tags.values()) / len(tags),
-               "reward/geneval/mean": sum(tags.values()) / len(tags),
-               **{f"reward/tag/{tag}/mean": v for tag, v in tags.items()}}
+        tags = {
+            tag: min(1.0, max(0.0, 0.2 + 0.4 * it / iterations + 0.1 * k + rng.gauss(0, 0.15)))
+            for k, tag in enumerate(TAGS)
+        }
+        row = {
+            "iteration": it,
+            "reward/total/mean": sum(tags.values()) / len(tags),
+            "reward/geneval/mean": sum(tags.values()) / len(tags),
+            **{f"reward/tag/{tag}/mean": v for tag, v in tags.items()},
+        }
         if it % eval_every == 0:
             row |= {"eval/overall": 0.3 + 0.01 * it, **{f"eval/{tag}": 0.2 + 0.01 * it for tag in TAGS}}
         rows.append(row)
     return rows
 
 
-RESULT = {"before": {"overall": 0.25, "per_tag": {tag: 0.2 for tag in TAGS}},
-          "after": {"overall": 0.65, "per_tag": {tag: 0.5 for tag in TAGS}}, "iterations": 30}
+RESULT = {
+    "before": {"overall": 0.25, "per_tag": {tag: 0.2 for tag in TAGS}},
+    "after": {"overall": 0.65, "per_tag": {tag: 0.5 for tag in TAGS}},
+    "iterations": 30,
+}
 
 
 def test_moving_average_is_the_trailing_mean_over_fewer_values_at_the_start():
     np.testing.assert_allclose(moving_average([1, 2, 3, 4, 5], 2), [1, 1.5, 2.5, 3.5, 4.5])
     values = list(range(12))
-    expected = [sum(values[max(0, i - 9): i + 1]) / len(values[max(0, i - 9): i + 1]) for i in range(12)]
+    expected = [sum(values[max(0, i - 9) : i + 1]) / len(values[max(0, i - 9) : i + 1]) for i in range(12)]
     np.testing.assert_allclose(moving_average(values, 10), expected)  # 0, 0.5, 1, ..., 4.5, 5.5, 6.5
     np.testing.assert_array_equal(moving_average([3.0, 5.0], 1), [3.0, 5.0])
     assert moving_average([], 10).shape == (0,)
@@ -76,8 +84,11 @@ def test_reward_evaluations_are_labelled_as_rewards_and_several_rewards_are_told
     metrics = fake_metrics()
     for i, row in enumerate(metrics):
         row |= {"reward/motion/mean": 0.1 * (i % 3), "reward/clip_temporal/mean": 0.5}
-    result = {"before": {"overall": 0.3, "per_reward": {"motion": 0.2}}, "after": {"overall": 0.5, "per_reward": {}},
-              "iterations": 30}
+    result = {
+        "before": {"overall": 0.3, "per_reward": {"motion": 0.2}},
+        "after": {"overall": 0.5, "per_reward": {}},
+        "iterations": 30,
+    }
     fig = reward_curve_figure(metrics, result)
     ax, ev = fig.axes
     assert ev.get_ylabel() == "mean weighted reward on eval.prompts"
@@ -90,8 +101,17 @@ def test_reward_evaluations_are_labelled_as_rewards_and_several_rewards_are_told
 def test_diagnostics_of_a_method_without_per_step_statistics_plot_its_policy_scalars(tmp_path):
     from flowrl.plots import save_diagnostics
 
-    rows = [{"iteration": i, "policy/loss": 0.1 * i, "policy/grad_norm": 1.0, "policy/old_decay": 0.5,
-             "policy/optimizer_steps": 2, "advantage/abs_mean": 0.8} for i in range(1, 6)]
+    rows = [
+        {
+            "iteration": i,
+            "policy/loss": 0.1 * i,
+            "policy/grad_norm": 1.0,
+            "policy/old_decay": 0.5,
+            "policy/optimizer_steps": 2,
+            "advantage/abs_mean": 0.8,
+        }
+        for i in range(1, 6)
+    ]
     save_diagnostics(rows, tmp_path / "nft.png")
     assert (tmp_path / "nft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.pyplot as plt

@@ -13,10 +13,10 @@ import warnings
 import pytest
 import torch
 import yaml
+from conftest import REPO, tiny_overrides
 from safetensors.torch import load_file
 
 import flowrl.precision as precision
-from conftest import REPO, tiny_overrides
 from flowrl.config import ConfigError, load_config
 from flowrl.precision import autocast, native_bf16, resolve_precision
 
@@ -81,8 +81,10 @@ def test_the_avx2_emulation_turns_native_bf16_off():
     """``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`` (docs/reliability.md) makes any x86 CPU look like an
     AVX2-only one: torch dispatches AVX2 kernels and oneDNN reports no native bf16, so ``auto`` picks float32."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    code = ("import torch; from flowrl.precision import native_bf16, resolve_precision; "
-            "print(torch.backends.cpu.get_cpu_capability(), native_bf16('cpu'), resolve_precision('auto', 'cpu', 'k'))")
+    code = (
+        "import torch; from flowrl.precision import native_bf16, resolve_precision; "
+        "print(torch.backends.cpu.get_cpu_capability(), native_bf16('cpu'), resolve_precision('auto', 'cpu', 'k'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["AVX2", "False", "no"]
 
@@ -93,15 +95,23 @@ def _trainer(tmp_path, random_pipeline, prompt_files, **extra):
     (tmp_path / "c.yaml").write_text("rewards:\n  jpeg_compressibility:\n    weight: 1.0\n")
     train, test = prompt_files
     auto = {"run.mixed_precision": "auto", "sampling.decode_precision": "auto", "sampling.ode_precision": "auto"}
-    return Trainer(load_config(tmp_path / "c.yaml", tiny_overrides(random_pipeline, train, test, tmp_path / "run",
-                                                                    **{**auto, "run.iterations": 1, **extra})))
+    return Trainer(
+        load_config(
+            tmp_path / "c.yaml",
+            tiny_overrides(random_pipeline, train, test, tmp_path / "run", **{**auto, "run.iterations": 1, **extra}),
+        )
+    )
 
 
 def test_the_run_records_and_prints_its_resolved_precision(native, tmp_path, random_pipeline, prompt_files, capsys):
     trainer = _trainer(tmp_path, random_pipeline, prompt_files, **{"sampling.ode_precision": "no"})
     chosen = "bf16" if native else "no"
     cfg = trainer.cfg
-    assert (cfg.run.mixed_precision, cfg.sampling.decode_precision, cfg.sampling.ode_precision) == (chosen, chosen, "no")
+    assert (cfg.run.mixed_precision, cfg.sampling.decode_precision, cfg.sampling.ode_precision) == (
+        chosen,
+        chosen,
+        "no",
+    )
     assert trainer.policy.precision == chosen
     trainer.train()
     line = [x for x in capsys.readouterr().err.splitlines() if x.startswith("flowrl train: precision")]
@@ -132,8 +142,19 @@ def test_cli_bf16_flag_defaults_to_auto(native, tmp_path, random_pipeline, promp
     from flowrl.cli import main
 
     out = tmp_path / "eval.json"
-    base = ["eval", "--model", str(random_pipeline), "--prompts", str(prompt_files[1]), "--images-per-tag", "1",
-            "--num-steps", "2", "--device", "cpu"]
+    base = [
+        "eval",
+        "--model",
+        str(random_pipeline),
+        "--prompts",
+        str(prompt_files[1]),
+        "--images-per-tag",
+        "1",
+        "--num-steps",
+        "2",
+        "--device",
+        "cpu",
+    ]
     main([*base, "--out", str(out)])
     assert json.loads(out.read_text())["bf16"] is native
     main([*base, "--no-bf16", "--out", str(out)])

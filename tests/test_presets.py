@@ -5,16 +5,25 @@ import math
 from pathlib import Path
 
 import pytest
-
 from conftest import shape_overrides, tiny_overrides
+
 from flowrl.config import ConfigError, load_config
 from flowrl.trainer import Trainer
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
-GPU_RECIPES = {"sd35m_pickscore.yaml", "flux_dance_grpo.yaml", "sd15_ddpo.yaml", "sdxl_dance_grpo.yaml"}  # real models' paths; run shrunk in test_flux, test_sd15, test_sdxl
+GPU_RECIPES = {
+    "sd35m_pickscore.yaml",
+    "flux_dance_grpo.yaml",
+    "sd15_ddpo.yaml",
+    "sdxl_dance_grpo.yaml",
+}  # real models' paths; run shrunk in test_flux, test_sd15, test_sdxl
 GPU_RECIPES |= {"sd35m_hpsv2.yaml", "sd35m_ocr.yaml", "sd35m_geneval.yaml"}  # run shrunk in test_reward_recipes
 GPU_RECIPES |= {"hunyuan_dance_grpo.yaml"}  # run shrunk in test_hunyuan_video
-GPU_RECIPES |= {"flux_kontext_grpo.yaml", "qwen_image_flow_grpo.yaml", "wan_flow_grpo.yaml"}  # in their families' tests
+GPU_RECIPES |= {
+    "flux_kontext_grpo.yaml",
+    "qwen_image_flow_grpo.yaml",
+    "wan_flow_grpo.yaml",
+}  # in their families' tests
 GPU_RECIPES |= {"tiny_video.yaml"}  # the tiny video world's own model: run in test_tiny_video
 TINY = [c for c in CONFIGS if c.name not in GPU_RECIPES]
 SLOW_PRESETS = {"g2rpo", "branch_grpo", "branch_grpo_mix", "branch_grpo_mix_flash"}  # trees: run in CI (CI=true)
@@ -26,13 +35,21 @@ def test_preset_loads(path):
     assert cfg.run.output_dir.endswith(path.stem)
 
 
-@pytest.mark.parametrize("path", [pytest.param(c, marks=pytest.mark.slow) if c.stem in SLOW_PRESETS else c for c in TINY],
-                         ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(c, marks=pytest.mark.slow) if c.stem in SLOW_PRESETS else c for c in TINY],
+    ids=lambda p: p.stem,
+)
 def test_preset_runs(path, tmp_path, random_pipeline, prompt_files):
-    extra = {"run.mixed_precision": "no", "rewards.jpeg_compressibility.weight": 1.0,  # varies on random images
-             **shape_overrides(load_config(path))}  # keep the preset's tree, window or probe steps
+    extra = {
+        "run.mixed_precision": "no",
+        "rewards.jpeg_compressibility.weight": 1.0,  # varies on random images
+        **shape_overrides(load_config(path)),
+    }  # keep the preset's tree, window or probe steps
     train, test = prompt_files
-    result = Trainer(load_config(path, tiny_overrides(random_pipeline, train, test, tmp_path / "run", **extra))).train()
+    result = Trainer(
+        load_config(path, tiny_overrides(random_pipeline, train, test, tmp_path / "run", **extra))
+    ).train()
     assert result["after"]["n_images"] > 0
     metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     if load_config(path).train.method == "nft":  # no log-probs, no ratio, no per-step diagnostics
@@ -60,7 +77,11 @@ def test_bench_runs_and_writes_the_table(tmp_path, random_pipeline, prompt_files
     from flowrl.bench import run_bench
 
     train, test = prompt_files
-    over = [o for o in tiny_overrides(random_pipeline, train, test, tmp_path / "unused") if not o.startswith("run.output_dir")]
+    over = [
+        o
+        for o in tiny_overrides(random_pipeline, train, test, tmp_path / "unused")
+        if not o.startswith("run.output_dir")
+    ]
     over += ["sampling.num_steps=6", "sampling.group_size=8", "sampling.prompts_per_iteration=2"]
     results = run_bench(["dance_grpo", "branch_grpo"], iterations=1, warmup=0, overrides=over, out=tmp_path / "b.json")
     assert results["dance_grpo"]["vs_dance_grpo"] == 1.0
@@ -84,7 +105,11 @@ def test_bench_budget_reports_base_half_and_full_budget_accuracy(tmp_path, rando
     from flowrl.bench import run_bench
 
     train, test = prompt_files
-    over = [o for o in tiny_overrides(random_pipeline, train, test, tmp_path / "unused") if not o.startswith("run.output_dir")]
+    over = [
+        o
+        for o in tiny_overrides(random_pipeline, train, test, tmp_path / "unused")
+        if not o.startswith("run.output_dir")
+    ]
     results = run_bench(["flow_grpo"], iterations=1, warmup=0, budget_s=1e-3, overrides=over, out=tmp_path / "b.json")
     row = results["flow_grpo"]
     assert row["budget_iterations"] == 2  # one timed iteration, then one budget iteration (> 1 ms of training)
@@ -92,7 +117,9 @@ def test_bench_budget_reports_base_half_and_full_budget_accuracy(tmp_path, rando
     meta = json.loads((tmp_path / "b.json").read_text())["meta"]
     assert 0.0 <= meta["base_accuracy"] <= 1.0 and meta["overrides"] == over
     table = (tmp_path / "b.md").read_text()
-    assert "accuracy, half budget | accuracy, budget |" in table and f"(base model {meta['base_accuracy']:.3f})" in table
+    assert (
+        "accuracy, half budget | accuracy, budget |" in table and f"(base model {meta['base_accuracy']:.3f})" in table
+    )
 
 
 def test_overopt_trains_on_the_proxy_and_scores_proxy_and_gold(tmp_path, random_pipeline, prompt_files, monkeypatch):
@@ -108,7 +135,11 @@ def test_overopt_trains_on_the_proxy_and_scores_proxy_and_gold(tmp_path, random_
 
     monkeypatch.setattr(trainer_mod.Trainer, "__init__", spy)
     train, test = prompt_files
-    over = [o for o in tiny_overrides(random_pipeline, train, test, tmp_path / "unused") if not o.startswith("run.output_dir")]
+    over = [
+        o
+        for o in tiny_overrides(random_pipeline, train, test, tmp_path / "unused")
+        if not o.startswith("run.output_dir")
+    ]
     results = run_overopt(["grpo_guard"], iterations=2, eval_every=1, overrides=over, out=tmp_path / "o.json")
     assert seen == [["clipscore"]]  # the preset's geneval reward was swapped for the proxy
     rows = results["grpo_guard"]
@@ -129,8 +160,14 @@ def test_bench_times_a_sliding_window_at_evenly_spaced_starts():
 
     def step(i):
         starts.append(window.start)
-        return {"cost/nfe": 1, "cost/trained_transitions": 1, "cost/reward_calls": 1, "time/sample_s": float(window.start),
-                "time/score_s": 0.0, "time/train_s": 0.0}
+        return {
+            "cost/nfe": 1,
+            "cost/trained_transitions": 1,
+            "cost/reward_calls": 1,
+            "time/sample_s": float(window.start),
+            "time/score_s": 0.0,
+            "time/train_s": 0.0,
+        }
 
     row = _median_iteration(SimpleNamespace(method=SimpleNamespace(window=window), step=step), 1, 3)
     assert starts == [0, 4, 8] and row["time/iteration_s"] == 4.0  # the median over the window's range
@@ -160,9 +197,14 @@ def test_preset_override_file_applies_all_then_the_preset_list(tmp_path, monkeyp
     assert seen["dance_grpo"][-2:] == ["sampling.num_steps=25", "run.seed=3"]
 
 
-@pytest.mark.parametrize("text, match", [("mixgrpo: [a=1]\n", "unknown key 'mixgrpo'"),
-                                         ("mix_grpo: sampling.num_steps=25\n", "'mix_grpo' must be a list"),
-                                         ("- a=1\n", "expected a mapping")])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("mixgrpo: [a=1]\n", "unknown key 'mixgrpo'"),
+        ("mix_grpo: sampling.num_steps=25\n", "'mix_grpo' must be a list"),
+        ("- a=1\n", "expected a mapping"),
+    ],
+)
 def test_preset_override_file_errors_name_the_file_and_key(tmp_path, text, match):
     from flowrl.bench import load_preset_overrides
 
@@ -188,7 +230,9 @@ def test_bench_checks_every_preset_config_before_running_any(tmp_path, monkeypat
     import flowrl.trainer as trainer_mod
     from flowrl.bench import run_bench
 
-    monkeypatch.setattr(trainer_mod, "Trainer", lambda cfg: pytest.fail("a preset ran before the bad override was found"))
+    monkeypatch.setattr(
+        trainer_mod, "Trainer", lambda cfg: pytest.fail("a preset ran before the bad override was found")
+    )
     f = tmp_path / "scale.yaml"
     f.write_text('branch_grpo: ["sampling.tree.split_steps=[0,3,6,9]"]\n')  # 16 leaves but group_size 8
     with pytest.raises(ConfigError, match="sampling.group_size"):

@@ -21,18 +21,62 @@ from flowrl.rewards.imagereward import (
     load_converted,
 )
 
-WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "an", "the", "photo", "of", "cat", "dog", "red", "blue",
-         "on", "mat", "sofa", "painting", "astronaut", "riding", "horse", "##s", "in", "space", "."]
+WORDS = [
+    "[PAD]",
+    "[UNK]",
+    "[CLS]",
+    "[SEP]",
+    "[MASK]",
+    "a",
+    "an",
+    "the",
+    "photo",
+    "of",
+    "cat",
+    "dog",
+    "red",
+    "blue",
+    "on",
+    "mat",
+    "sofa",
+    "painting",
+    "astronaut",
+    "riding",
+    "horse",
+    "##s",
+    "in",
+    "space",
+    ".",
+]
 
 
 def tiny_config(vocab_size):
     from transformers import BlipConfig
 
-    text = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                max_position_embeddings=40, layer_norm_eps=1e-12, pad_token_id=0, bos_token_id=None, sep_token_id=3,
-                encoder_hidden_size=48, is_decoder=True)
-    vision = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=3, image_size=32,
-                  patch_size=8, layer_norm_eps=1e-6, initializer_range=0.02)
+    text = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=40,
+        layer_norm_eps=1e-12,
+        pad_token_id=0,
+        bos_token_id=None,
+        sep_token_id=3,
+        encoder_hidden_size=48,
+        is_decoder=True,
+    )
+    vision = dict(
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        image_size=32,
+        patch_size=8,
+        layer_norm_eps=1e-6,
+        initializer_range=0.02,
+    )
     return BlipConfig(text_config=text, vision_config=vision)
 
 
@@ -68,8 +112,14 @@ def package_state_dict(model):
         "blip.visual_encoder.norm.bias": ours["vision_model.post_layernorm.bias"],
     }
     for i in range(model.config.vision_config.num_hidden_layers):
-        for theirs, mine in [("norm1", "layer_norm1"), ("attn.qkv", "self_attn.qkv"), ("attn.proj", "self_attn.projection"),
-                             ("norm2", "layer_norm2"), ("mlp.fc1", "mlp.fc1"), ("mlp.fc2", "mlp.fc2")]:
+        for theirs, mine in [
+            ("norm1", "layer_norm1"),
+            ("attn.qkv", "self_attn.qkv"),
+            ("attn.proj", "self_attn.projection"),
+            ("norm2", "layer_norm2"),
+            ("mlp.fc1", "mlp.fc1"),
+            ("mlp.fc2", "mlp.fc2"),
+        ]:
             for kind in ("weight", "bias"):
                 mapped = ours[f"vision_model.encoder.layers.{i}.{mine}.{kind}"]
                 out[f"blip.visual_encoder.blocks.{i}.{theirs}.{kind}"] = mapped
@@ -104,9 +154,20 @@ def test_constants_are_the_packages():
     assert IMAGEREWARD_MEAN == 0.16717362830052426 and IMAGEREWARD_STD == 1.0333394966054072
     config = imagereward_config()
     vision, text = config.vision_config, config.text_config
-    assert (vision.hidden_size, vision.num_hidden_layers, vision.num_attention_heads, vision.image_size,
-            vision.patch_size, vision.layer_norm_eps) == (1024, 24, 16, 224, 16, 1e-6)
-    assert (text.vocab_size, text.hidden_size, text.num_hidden_layers, text.encoder_hidden_size) == (30524, 768, 12, 1024)
+    assert (
+        vision.hidden_size,
+        vision.num_hidden_layers,
+        vision.num_attention_heads,
+        vision.image_size,
+        vision.patch_size,
+        vision.layer_norm_eps,
+    ) == (1024, 24, 16, 224, 16, 1e-6)
+    assert (text.vocab_size, text.hidden_size, text.num_hidden_layers, text.encoder_hidden_size) == (
+        30524,
+        768,
+        12,
+        1024,
+    )
 
 
 def test_scores_equal_direct_formula(tokenizer):
@@ -123,8 +184,12 @@ def test_scores_equal_direct_formula(tokenizer):
     with torch.no_grad():
         image_embeds = model.vision_model(pixel_values=reward.preprocess(images)).last_hidden_state
         image_mask = torch.ones(image_embeds.shape[:2], dtype=torch.long)
-        text = model.text_encoder(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"],
-                                  encoder_hidden_states=image_embeds, encoder_attention_mask=image_mask).last_hidden_state
+        text = model.text_encoder(
+            input_ids=tokens["input_ids"],
+            attention_mask=tokens["attention_mask"],
+            encoder_hidden_states=image_embeds,
+            encoder_attention_mask=image_mask,
+        ).last_hidden_state
         hidden = text[:, 0]
         for layer in model.head:  # five affine maps, no activation in between
             hidden = hidden @ layer.weight.T + layer.bias
@@ -141,8 +206,14 @@ def test_preprocess_matches_package_torchvision_pipeline(tokenizer):
     from torchvision.transforms import CenterCrop, Compose, InterpolationMode, Normalize, Resize, ToTensor
 
     reward = ImageReward(random_model(tokenizer), tokenizer)
-    package = Compose([Resize(32, interpolation=InterpolationMode.BICUBIC), CenterCrop(32), ToTensor(),
-                       Normalize((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))])
+    package = Compose(
+        [
+            Resize(32, interpolation=InterpolationMode.BICUBIC),
+            CenterCrop(32),
+            ToTensor(),
+            Normalize((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+        ]
+    )
     for height, width in [(40, 56), (96, 64), (37, 51), (32, 32)]:
         images = _images(batch=2, height=height, width=width, seed=height)
         ours = reward.preprocess(images)
@@ -181,9 +252,15 @@ def test_converter_round_trips_package_names(tokenizer):
     for key, tensor in source.state_dict().items():
         torch.testing.assert_close(target.state_dict()[key], tensor, rtol=0, atol=0)
     images = _images()
-    torch.testing.assert_close(ImageReward(target, tokenizer)(images, PROMPTS, [{}] * 3),
-                               ImageReward(source, tokenizer)(images, PROMPTS, [{}] * 3), rtol=0, atol=0)
-    assert convert_imagereward_state_dict(source.state_dict()).keys() == source.state_dict().keys()  # already converted
+    torch.testing.assert_close(
+        ImageReward(target, tokenizer)(images, PROMPTS, [{}] * 3),
+        ImageReward(source, tokenizer)(images, PROMPTS, [{}] * 3),
+        rtol=0,
+        atol=0,
+    )
+    assert (
+        convert_imagereward_state_dict(source.state_dict()).keys() == source.state_dict().keys()
+    )  # already converted
 
 
 def test_vision_mapping_matches_a_timm_style_vit(tokenizer):
@@ -203,7 +280,7 @@ def test_vision_mapping_matches_a_timm_style_vit(tokenizer):
         h = F.layer_norm(x, (48,), w(b + "norm1.weight"), w(b + "norm1.bias"), eps)
         qkv = F.linear(h, w(b + "attn.qkv.weight"), w(b + "attn.qkv.bias"))  # (2, 17, 3 * 48)
         q, k, v = qkv.reshape(2, 17, 3, heads, 16).permute(2, 0, 3, 1, 4)  # each (2, heads, 17, 16)
-        attn = ((q @ k.transpose(-2, -1)) * 16 ** -0.5).softmax(-1) @ v  # (2, heads, 17, 16)
+        attn = ((q @ k.transpose(-2, -1)) * 16**-0.5).softmax(-1) @ v  # (2, heads, 17, 16)
         x = x + F.linear(attn.transpose(1, 2).reshape(2, 17, 48), w(b + "attn.proj.weight"), w(b + "attn.proj.bias"))
         h = F.layer_norm(x, (48,), w(b + "norm2.weight"), w(b + "norm2.bias"), eps)
         h = F.gelu(F.linear(h, w(b + "mlp.fc1.weight"), w(b + "mlp.fc1.bias")))
@@ -213,7 +290,9 @@ def test_vision_mapping_matches_a_timm_style_vit(tokenizer):
     fresh = random_model(tokenizer, seed=4)
     load_converted(fresh, weights)
     with torch.no_grad():
-        torch.testing.assert_close(fresh.vision_model(pixel_values=pixels).last_hidden_state, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            fresh.vision_model(pixel_values=pixels).last_hidden_state, expected, rtol=1e-4, atol=1e-4
+        )
 
 
 def test_converter_refuses_what_does_not_fit(tokenizer):

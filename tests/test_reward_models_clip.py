@@ -19,7 +19,8 @@ from PIL import Image
 
 from flowrl.rewards import REWARDS, build_reward, clipscore
 from flowrl.rewards.aesthetic import aesthetic, aesthetic_mlp
-from flowrl.rewards.convert import convert_to_safetensors, load_state_dict, main as convert_main
+from flowrl.rewards.convert import convert_to_safetensors, load_state_dict
+from flowrl.rewards.convert import main as convert_main
 from flowrl.rewards.hps import HPS_FILES, hps_preprocess, hpsv2
 from flowrl.rewards.pickscore import PICKSCORE_MODEL, PICKSCORE_PROCESSOR, pickscore
 
@@ -84,12 +85,19 @@ def tiny_clip_dir(tmp_path_factory):
 
     tokenizer = _tiny_clip_tokenizer()
     text = dict(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, max_position_embeddings=16, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  image_size=32, patch_size=8)
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
+    )
     torch.manual_seed(0)
     model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
     image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
@@ -138,14 +146,20 @@ def test_pickscore_is_logit_scale_times_cosine_over_scale(tiny_clip_dir):
 
 
 def test_pickscore_defaults_come_from_the_hub_cache(tiny_clip_dir, hub_cache):
-    with pytest.raises(FileNotFoundError, match=(
-        r"^pickscore: model_path 'yuvalkirstain/PickScore_v1' is not a local folder or a hub id in the local "
-        r"Hugging Face cache; download it first")):
+    with pytest.raises(
+        FileNotFoundError,
+        match=(
+            r"^pickscore: model_path 'yuvalkirstain/PickScore_v1' is not a local folder or a hub id in the local "
+            r"Hugging Face cache; download it first"
+        ),
+    ):
         pickscore()
     files = {path.name: path for path in tiny_clip_dir.iterdir()}
     weights = ("config.json", "model.safetensors")
     _fake_hub_cache(hub_cache, PICKSCORE_MODEL, {k: v for k, v in files.items() if k in weights})
-    with pytest.raises(FileNotFoundError, match=r"^pickscore: processor_path 'laion/CLIP-ViT-H-14-laion2B-s32B-b79K' is"):
+    with pytest.raises(
+        FileNotFoundError, match=r"^pickscore: processor_path 'laion/CLIP-ViT-H-14-laion2B-s32B-b79K' is"
+    ):
         pickscore()
     _fake_hub_cache(hub_cache, PICKSCORE_PROCESSOR, {k: v for k, v in files.items() if k not in weights})
     images, prompts = _smooth_images(2, 32, 32, seed=2), ["a cat", "a dog"]
@@ -258,9 +272,13 @@ def test_hpsv2_finds_checkpoint_in_folder_cache_or_safetensors(tiny_hps, hub_cac
     with pytest.raises(FileNotFoundError, match=r"^hpsv2: model_path folder '.*' has no HPS_v2_compressed.pt"):
         hpsv2(tiny_hps.parent, version="v2", arch=TINY_ARCH)
 
-    with pytest.raises(FileNotFoundError, match=(
-        r"^hpsv2: no model_path given and HPS_v2.1_compressed.pt of xswu/HPSv2 is not in the local Hugging Face "
-        r"cache; download it \(`hf download xswu/HPSv2 HPS_v2.1_compressed.pt`\)")):
+    with pytest.raises(
+        FileNotFoundError,
+        match=(
+            r"^hpsv2: no model_path given and HPS_v2.1_compressed.pt of xswu/HPSv2 is not in the local Hugging Face "
+            r"cache; download it \(`hf download xswu/HPSv2 HPS_v2.1_compressed.pt`\)"
+        ),
+    ):
         hpsv2(arch=TINY_ARCH)
     _fake_hub_cache(hub_cache, "xswu/HPSv2", {HPS_FILES["v2.1"]: tiny_hps})
     torch.testing.assert_close(hpsv2(arch=TINY_ARCH)(images, prompts, [{}, {}]), expected, rtol=0, atol=0)
@@ -285,8 +303,13 @@ def test_hpsv2_errors_are_one_line_and_named(tiny_hps, tmp_path):
     del state["visual.proj"]
     state["extra.weight"] = torch.zeros(1)
     torch.save(state, tmp_path / "partial.pt")
-    with pytest.raises(ValueError, match=(r"^hpsv2: checkpoint '.*partial.pt' does not fit open_clip 'flowrl-tiny-hps-vit': "
-                                          r"1 missing keys \(e.g. \['visual.proj'\]\), 1 unexpected")):
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"^hpsv2: checkpoint '.*partial.pt' does not fit open_clip 'flowrl-tiny-hps-vit': "
+            r"1 missing keys \(e.g. \['visual.proj'\]\), 1 unexpected"
+        ),
+    ):
         hpsv2(tmp_path / "partial.pt", arch=TINY_ARCH)
     state = load_state_dict(tiny_hps)
     state["visual.proj"] = torch.zeros(3, 3)
@@ -328,7 +351,8 @@ def test_convert_cli_round_trip_keeps_dtypes_and_shared_tensors(tmp_path, capsys
     assert "convert: output '" in capsys.readouterr().err
     result = subprocess.run(
         [sys.executable, "-m", "flowrl.rewards.convert", str(tmp_path / "nope.pt"), str(tmp_path / "x.safetensors")],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: convert: weights file '{tmp_path / 'nope.pt'}' not found"
@@ -352,7 +376,12 @@ def test_aesthetic_head_has_published_keys():
     expected = [f"{i}.{p}" for i in (0, 2, 4, 6, 7) for p in ("weight", "bias")]
     assert keys == expected
     assert [tuple(aesthetic_mlp().state_dict()[f"{i}.weight"].shape) for i in (0, 2, 4, 6, 7)] == [
-        (1024, 768), (128, 1024), (64, 128), (16, 64), (1, 16)]
+        (1024, 768),
+        (128, 1024),
+        (64, 128),
+        (16, 64),
+        (1, 16),
+    ]
 
 
 def test_aesthetic_matches_direct_computation(tiny_clip_dir, tiny_head):
@@ -388,11 +417,18 @@ def test_aesthetic_matches_direct_computation(tiny_clip_dir, tiny_head):
 def test_aesthetic_errors_are_one_line_and_named(tiny_clip_dir, tiny_head, tmp_path, hub_cache):
     with pytest.raises(FileNotFoundError, match=r"^aesthetic: weights file '.*nope.pth' not found$"):
         aesthetic(tmp_path / "nope.pth", tiny_clip_dir)
-    with pytest.raises(FileNotFoundError, match=(r"^aesthetic: clip_path 'openai/clip-vit-large-patch14' is not a "
-                                                 r"local folder or a hub id in the local Hugging Face cache")):
+    with pytest.raises(
+        FileNotFoundError,
+        match=(
+            r"^aesthetic: clip_path 'openai/clip-vit-large-patch14' is not a "
+            r"local folder or a hub id in the local Hugging Face cache"
+        ),
+    ):
         aesthetic(tiny_head)
     torch.save({f"layers.{k}": v for k, v in aesthetic_mlp(768).state_dict().items()}, tmp_path / "l14.pth")
-    with pytest.raises(ValueError, match=r"^aesthetic: the head takes 768-d embeddings but the CLIP model gives 16-d$"):
+    with pytest.raises(
+        ValueError, match=r"^aesthetic: the head takes 768-d embeddings but the CLIP model gives 16-d$"
+    ):
         aesthetic(tmp_path / "l14.pth", tiny_clip_dir)
     torch.save({"fc.weight": torch.zeros(1, 16)}, tmp_path / "other.pth")
     with pytest.raises(ValueError, match=r"^aesthetic: '.*other.pth' has no 2-d 'layers.0.weight'"):
@@ -400,7 +436,9 @@ def test_aesthetic_errors_are_one_line_and_named(tiny_clip_dir, tiny_head, tmp_p
     state = torch.load(tiny_head, weights_only=True)
     del state["layers.7.bias"]
     torch.save(state, tmp_path / "partial.pth")
-    with pytest.raises(ValueError, match=r"^aesthetic: '.*partial.pth' does not fit the LAION aesthetic head \(.*layers.7.b"):
+    with pytest.raises(
+        ValueError, match=r"^aesthetic: '.*partial.pth' does not fit the LAION aesthetic head \(.*layers.7.b"
+    ):
         aesthetic(tmp_path / "partial.pth", tiny_clip_dir)
     with pytest.raises(ValueError, match="^aesthetic: batch_size must be an integer >= 1"):
         aesthetic(tiny_head, tiny_clip_dir, batch_size=0)

@@ -37,8 +37,18 @@ def echo_engine(image):
 
 @pytest.mark.parametrize(
     "a, b, expected",
-    [("", "", 0), ("", "abc", 3), ("abc", "", 3), ("kitten", "sitting", 3), ("flaw", "lawn", 2),
-     ("intention", "execution", 5), ("abc", "abc", 0), ("abc", "acb", 2), ("ab", "ba", 2), ("a", "b", 1)],
+    [
+        ("", "", 0),
+        ("", "abc", 3),
+        ("abc", "", 3),
+        ("kitten", "sitting", 3),
+        ("flaw", "lawn", 2),
+        ("intention", "execution", 5),
+        ("abc", "abc", 0),
+        ("abc", "acb", 2),
+        ("ab", "ba", 2),
+        ("a", "b", 1),
+    ],
 )
 def test_levenshtein_known_values(a, b, expected):
     assert levenshtein(a, b) == expected == levenshtein(b, a)
@@ -49,8 +59,11 @@ def _reference_distance(a: str, b: str) -> int:
     """The recursive definition of the edit distance (exponential without the cache; fine for short strings)."""
     if not a or not b:
         return len(a) + len(b)
-    return min(_reference_distance(a[1:], b) + 1, _reference_distance(a, b[1:]) + 1,
-               _reference_distance(a[1:], b[1:]) + (a[0] != b[0]))
+    return min(
+        _reference_distance(a[1:], b) + 1,
+        _reference_distance(a, b[1:]) + 1,
+        _reference_distance(a[1:], b[1:]) + (a[0] != b[0]),
+    )
 
 
 def test_levenshtein_matches_recursive_definition_and_is_a_metric():
@@ -121,7 +134,9 @@ def test_unquoted_prompt_is_named_or_scores_zero():
     images = torch.zeros(2, 3, 8, 8)
     prompts = ['a sign "OK"', "a photo of a cat"]
     engine = RecordingEngine(["ok"])
-    with pytest.raises(ValueError, match=r"prompts\[1\] has no text in double quotes.*'a photo of a cat'.*unquoted: zero"):
+    with pytest.raises(
+        ValueError, match=r"prompts\[1\] has no text in double quotes.*'a photo of a cat'.*unquoted: zero"
+    ):
         OcrReward(engine)(images, prompts, [{}, {}])
     assert engine.seen == []  # checked before any image is read
     scores = OcrReward(engine, unquoted="zero")(images, prompts, [{}, {}])

@@ -8,21 +8,28 @@ from importlib import metadata
 
 import pytest
 import torch
-
 from conftest import ASSETS, REPO, shape_overrides, tiny_overrides
+
 from flowrl import cli
 from flowrl.config import load_config
-from flowrl.trainer import Trainer
 from flowrl.rewards import REWARDS, build_reward
 from flowrl.rewards.base import MODALITIES
+from flowrl.trainer import Trainer
 
 PROMPTS = [  # tags as a GenEval or DrawBench file carries them
     {"tag": "shapes", "prompt": "a photo of a red star"},
     {"tag": "counting", "prompt": "a photo of two circles"},
     {"tag": "counting", "prompt": "a photo of three blue crosses"},
 ]
-VIDEO_REWARDS = {"frames", "clip_temporal", "motion", "videoalign", "motion_world", "motion_world_strict",
-                 "motion_world_direction"}
+VIDEO_REWARDS = {
+    "frames",
+    "clip_temporal",
+    "motion",
+    "videoalign",
+    "motion_world",
+    "motion_world_strict",
+    "motion_world_direction",
+}
 
 
 def _fails(capsys, *argv) -> str:
@@ -37,13 +44,19 @@ def _fails(capsys, *argv) -> str:
 
 # --- flowrl rewards ------------------------------------------------------------------------------------------------
 
+
 def test_rewards_lists_every_reward_with_its_modality_and_weights(capsys, monkeypatch):
-    installed = [metadata.EntryPoint("sharpness", "flowrl.rewards.jpeg:jpeg_incompressibility", "flowrl.rewards"),
-                 metadata.EntryPoint("plain_fn", "flowrl.rewards.jpeg:jpeg_size_kb", "flowrl.rewards"),
-                 metadata.EntryPoint("clipscore", "other_pkg:clip", "flowrl.rewards"),
-                 metadata.EntryPoint("broken", "no_such_module_xyz:reward", "flowrl.rewards")]
-    monkeypatch.setattr(metadata, "entry_points", lambda group=None: metadata.EntryPoints(
-        ep for ep in installed if group in (None, ep.group)))
+    installed = [
+        metadata.EntryPoint("sharpness", "flowrl.rewards.jpeg:jpeg_incompressibility", "flowrl.rewards"),
+        metadata.EntryPoint("plain_fn", "flowrl.rewards.jpeg:jpeg_size_kb", "flowrl.rewards"),
+        metadata.EntryPoint("clipscore", "other_pkg:clip", "flowrl.rewards"),
+        metadata.EntryPoint("broken", "no_such_module_xyz:reward", "flowrl.rewards"),
+    ]
+    monkeypatch.setattr(
+        metadata,
+        "entry_points",
+        lambda group=None: metadata.EntryPoints(ep for ep in installed if group in (None, ep.group)),
+    )
     cli.main(["rewards"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["NAME", "MODALITY", "WEIGHTS", "IT", "NEEDS"]
@@ -76,6 +89,7 @@ def test_register_reward_checks_the_modality():
 
 # --- flowrl eval --reward ------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("eval_prompts") / "drawbench_like.jsonl"
@@ -91,11 +105,32 @@ def test_eval_reward_writes_the_means_of_scoring_the_images_directly(tmp_path, p
     loaded, load = [], cli._model
     monkeypatch.setattr(cli, "_model", lambda args: loaded.append(load(args)) or loaded[-1])  # reused below
     model, clip, out = ASSETS / "tiny-sd3", str(ASSETS / "tiny-clip"), tmp_path / "eval.json"
-    cli.main(["eval", "--model", str(model), "--prompts", str(prompt_file),
-              "--reward", "jpeg_compressibility,clipscore",
-              "--option", f"clipscore.model_path={clip}", "--option", "jpeg_compressibility.quality=90",
-              "--images-per-prompt", "2", "--num-steps", "2", "--seed", "7", "--no-bf16", "--device", "cpu",
-              "--out", str(out)])
+    cli.main(
+        [
+            "eval",
+            "--model",
+            str(model),
+            "--prompts",
+            str(prompt_file),
+            "--reward",
+            "jpeg_compressibility,clipscore",
+            "--option",
+            f"clipscore.model_path={clip}",
+            "--option",
+            "jpeg_compressibility.quality=90",
+            "--images-per-prompt",
+            "2",
+            "--num-steps",
+            "2",
+            "--seed",
+            "7",
+            "--no-bf16",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["n_images"] == 6 and result["images_per_prompt"] == 2 and result["bf16"] is False
@@ -104,48 +139,75 @@ def test_eval_reward_writes_the_means_of_scoring_the_images_directly(tmp_path, p
 
     metas = [m for m in PROMPTS for _ in range(2)]
     images = generate(loaded[0], [m["prompt"] for m in metas], [7 + i for i in range(6)], 2, 4.5)  # (6, 3, 64, 64)
-    direct = {"jpeg_compressibility": build_reward("jpeg_compressibility", quality=90),
-              "clipscore": build_reward("clipscore", model_path=clip)}
+    direct = {
+        "jpeg_compressibility": build_reward("jpeg_compressibility", quality=90),
+        "clipscore": build_reward("clipscore", model_path=clip),
+    }
     for name, reward in direct.items():
         scores = reward(images, [m["prompt"] for m in metas], metas).double()  # (6,)
         stats = result["rewards"][name]
         assert stats["n_images"] == 6
         assert stats["mean"] == pytest.approx(scores.mean().item(), rel=1e-5, abs=1e-6)
         assert stats["std"] == pytest.approx(scores.std().item(), rel=1e-4, abs=1e-6)  # sample std (n - 1)
-        assert stats["per_tag"] == pytest.approx({"shapes": scores[:2].mean().item(),
-                                                  "counting": scores[2:].mean().item()}, rel=1e-5, abs=1e-6)
+        assert stats["per_tag"] == pytest.approx(
+            {"shapes": scores[:2].mean().item(), "counting": scores[2:].mean().item()}, rel=1e-5, abs=1e-6
+        )
         assert f"{name}: mean {stats['mean']:.4f} (std {stats['std']:.4f}) over 6 images" in printed
     assert result["rewards"]["clipscore"]["std"] > 0  # the check is not vacuous: the images differ
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--reward", "clipscore,jpeg_compressibility", "--option", "model_path=x"],
-     "--option 'model_path=x': with several rewards, name the reward: NAME.key=value (--reward lists clipscore, "
-     "jpeg_compressibility)"),
-    (["--reward", "clipscore", "--option", "pickscore.scale=26"],
-     "--option 'pickscore.scale=26' is for reward 'pickscore', which --reward does not list (clipscore)"),
-    (["--reward", "clipscore", "--option", "model_path"], "--option 'model_path' must look like NAME.key=value"),
-    (["--reward", "clipscore,clipscore"], "--reward 'clipscore,clipscore' names clipscore twice"),
-    (["--reward", "clipscore,"], "--reward 'clipscore,': expected NAME or NAME,NAME,... with no empty name"),
-    (["--reward", "clipscore", "--images-per-tag", "4"], "--images-per-tag is for the GenEval accuracy (no --reward)"),
-    (["--option", "scale=2"], "--option sets a reward's option; give the reward with --reward NAME"),
-    (["--format", "csv"], "--format is for --reward; the GenEval accuracy reads GenEval metadata (.jsonl)"),
-    (["--images-per-prompt", "2"], "--images-per-prompt is for --reward"),
-    (["--reward", "no_such_reward"], "unknown reward 'no_such_reward'; registered rewards: aesthetic,"),
-    (["--reward", "jpeg_compressibility", "--option", "qualty=90"], "reward 'jpeg_compressibility': got an unexpected"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["--reward", "clipscore,jpeg_compressibility", "--option", "model_path=x"],
+            "--option 'model_path=x': with several rewards, name the reward: NAME.key=value (--reward lists clipscore, "
+            "jpeg_compressibility)",
+        ),
+        (
+            ["--reward", "clipscore", "--option", "pickscore.scale=26"],
+            "--option 'pickscore.scale=26' is for reward 'pickscore', which --reward does not list (clipscore)",
+        ),
+        (["--reward", "clipscore", "--option", "model_path"], "--option 'model_path' must look like NAME.key=value"),
+        (["--reward", "clipscore,clipscore"], "--reward 'clipscore,clipscore' names clipscore twice"),
+        (["--reward", "clipscore,"], "--reward 'clipscore,': expected NAME or NAME,NAME,... with no empty name"),
+        (
+            ["--reward", "clipscore", "--images-per-tag", "4"],
+            "--images-per-tag is for the GenEval accuracy (no --reward)",
+        ),
+        (["--option", "scale=2"], "--option sets a reward's option; give the reward with --reward NAME"),
+        (["--format", "csv"], "--format is for --reward; the GenEval accuracy reads GenEval metadata (.jsonl)"),
+        (["--images-per-prompt", "2"], "--images-per-prompt is for --reward"),
+        (["--reward", "no_such_reward"], "unknown reward 'no_such_reward'; registered rewards: aesthetic,"),
+        (
+            ["--reward", "jpeg_compressibility", "--option", "qualty=90"],
+            "reward 'jpeg_compressibility': got an unexpected",
+        ),
+    ],
+)
 def test_eval_reward_errors_are_one_line_before_the_model_loads(capsys, tmp_path, prompt_file, argv, message):
-    line = _fails(capsys, "eval", "--model", tmp_path / "no_model_here", "--prompts", prompt_file, *argv,
-                  "--out", tmp_path / "e.json")
+    line = _fails(
+        capsys,
+        "eval",
+        "--model",
+        tmp_path / "no_model_here",
+        "--prompts",
+        prompt_file,
+        *argv,
+        "--out",
+        tmp_path / "e.json",
+    )
     assert message in line and not (tmp_path / "e.json").exists()
 
 
 def test_dotted_path_rewards_take_options_by_their_full_name():
     specs = ["flowrl.rewards.jpeg:jpeg_compressibility", "clipscore"]
-    assert cli._reward_options(specs, ["flowrl.rewards.jpeg:jpeg_compressibility.quality=80", "clipscore.scale=2"]) == {
-        "flowrl.rewards.jpeg:jpeg_compressibility": {"quality": 80}, "clipscore": {"scale": 2}}
+    assert cli._reward_options(
+        specs, ["flowrl.rewards.jpeg:jpeg_compressibility.quality=80", "clipscore.scale=2"]
+    ) == {"flowrl.rewards.jpeg:jpeg_compressibility": {"quality": 80}, "clipscore": {"scale": 2}}
     assert cli._reward_options(["clipscore"], ["model_path=a.b", "clipscore.device=cpu"]) == {
-        "clipscore": {"model_path": "a.b", "device": "cpu"}}
+        "clipscore": {"model_path": "a.b", "device": "cpu"}
+    }
 
 
 # --- the SD3.5-M reward recipes ------------------------------------------------------------------------------------
@@ -171,8 +233,13 @@ def test_recipe_trains_two_iterations_on_a_tiny_pipeline(name, tmp_path, random_
     The random model draws neither text nor tiny-world shapes, so a JPEG reward is added to those two for reward
     variance (as tests/test_presets.py does)."""
     train, test = prompt_files
-    extra = {"run.mixed_precision": "no", "model.resolution": "null", "model.max_sequence_length": "null",
-             "model.dtype": "float32", "sampling.batch_size": 4}
+    extra = {
+        "run.mixed_precision": "no",
+        "model.resolution": "null",
+        "model.max_sequence_length": "null",
+        "model.dtype": "float32",
+        "sampling.batch_size": 4,
+    }
     if name == "sd35m_hpsv2":
         extra |= {"rewards.hpsv2": "null", "rewards.clipscore.options.model_path": str(ASSETS / "tiny-clip")}
     elif name == "sd35m_ocr":
@@ -183,10 +250,13 @@ def test_recipe_trains_two_iterations_on_a_tiny_pipeline(name, tmp_path, random_
         real = ("segmenter_path", "clip_path", "device", "batch_size")
         extra |= {f"rewards.geneval.options.{k}": "null" for k in real}  # the tiny world's detector
         extra |= {"rewards.jpeg_compressibility.weight": 1.0}
-    cfg = load_config(REPO / "configs" / f"{name}.yaml", tiny_overrides(random_pipeline, train, test, tmp_path / "run",
-                                                                         **extra))
-    cfg = load_config(REPO / "configs" / f"{name}.yaml", tiny_overrides(random_pipeline, train, test, tmp_path / "run",
-                                                                         **extra, **shape_overrides(cfg)))
+    cfg = load_config(
+        REPO / "configs" / f"{name}.yaml", tiny_overrides(random_pipeline, train, test, tmp_path / "run", **extra)
+    )
+    cfg = load_config(
+        REPO / "configs" / f"{name}.yaml",
+        tiny_overrides(random_pipeline, train, test, tmp_path / "run", **extra, **shape_overrides(cfg)),
+    )
     trainer = Trainer(cfg)
     before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     result = trainer.train()

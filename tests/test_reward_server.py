@@ -39,6 +39,7 @@ def _closed_port() -> int:
 
 # --- the image encodings -------------------------------------------------------------------------------------------
 
+
 def test_encodings_round_trip():
     images = _images(3, 8)
     assert torch.equal(decode_images(json.loads(json.dumps(encode_images(images, "float32")))), images)
@@ -55,6 +56,7 @@ def test_encodings_round_trip():
 
 
 # --- server and remote client --------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def jpeg_server():
@@ -90,7 +92,9 @@ def test_float_inputs_travel_losslessly_to_the_served_reward():
 
     images = _images(3)
     with RewardServer(exact_mean, port=0) as server:
-        scores = RemoteReward(server.url)(images, ["a", "b", "c"], [{"tag": "x", "include": [{"class": "cat"}]}, {}, {}])
+        scores = RemoteReward(server.url)(
+            images, ["a", "b", "c"], [{"tag": "x", "include": [{"class": "cat"}]}, {}, {}]
+        )
     assert torch.equal(seen[0][0], images) and seen[0][1] == ["a", "b", "c"]
     assert seen[0][2][0] == {"tag": "x", "include": [{"class": "cat"}]}
     assert torch.equal(scores, images.double().mean(dim=(1, 2, 3)).float())
@@ -121,8 +125,11 @@ def test_videos_travel_to_a_video_reward(jpeg_server):
         assert torch.equal(remote(videos, ["a", "b"], [{}, {}]), _FrameSpread()(videos, ["a", "b"], [{}, {}]))
         combined = WeightedSum({"remote": (remote, 1.0)})(videos, ["a", "b"], [{}, {}])  # the trainer's path
         assert combined.total.shape == (2,)
-    with pytest.raises(RuntimeError, match=r"answered status 400: bad request: reward jpeg_compressibility scores "
-                                           r"\(B, 3, H, W\) images, not videos"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"answered status 400: bad request: reward jpeg_compressibility scores "
+        r"\(B, 3, H, W\) images, not videos",
+    ):
         build_reward("remote", url=jpeg_server.url, video=True)(videos, ["a", "b"], [{}, {}])
 
 
@@ -148,7 +155,9 @@ def test_an_unreachable_server_is_one_line_naming_the_url():
     assert message.startswith(f"remote reward: reward server {url} is unreachable after 2 attempt(s) (")
     assert "flowrl serve-reward" in message and "\n" not in message
     assert time.perf_counter() - start < 5  # one 0.5 s backoff, not a hang
-    with pytest.raises(rewards.RewardError, match=rf"reward remote raised ConnectionError: remote reward: reward server {url}"):
+    with pytest.raises(
+        rewards.RewardError, match=rf"reward remote raised ConnectionError: remote reward: reward server {url}"
+    ):
         WeightedSum({"remote": (reward, 1.0)})(_images(2), ["p", "p"], [{}, {}])
     with pytest.raises(ValueError, match=r"remote reward: url must look like http://HOST:PORT .*got '127.0.0.1:8000'"):
         build_reward("remote", url="127.0.0.1:8000")
@@ -168,8 +177,11 @@ def test_a_server_that_dies_mid_run_and_a_reward_that_raises_are_named():
     server = RewardServer(fragile, port=0, name="fragile").start()
     reward = RemoteReward(server.url, retries=0, timeout=5)
     assert reward(_images(2), ["a", "b"], [{}, {}]).tolist() == [1.0, 1.0]
-    with pytest.raises(RuntimeError, match=rf"remote reward: {server.url}/score answered status 500: reward fragile "
-                                           "raised ValueError: the detector ran out of memory"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"remote reward: {server.url}/score answered status 500: reward fragile "
+        "raised ValueError: the detector ran out of memory",
+    ):
         reward(_images(1), ["boom"], [{}])
     assert reward(_images(1), ["again"], [{}]).tolist() == [1.0]  # the server survived its reward's error
     server.close()
@@ -210,12 +222,15 @@ class _Scripted:
         self.httpd.server_close()
 
 
-@pytest.mark.parametrize("body, message", [
-    (b"<html>hello</html>", "not JSON"),
-    (b'{"scores": [1.0]}', "expected 'scores', a list of 2 numbers"),
-    (b'{"scores": ["a", "b"]}', "expected 'scores', a list of 2 numbers"),
-    (b"[1, 2]", "expected a JSON object, got list"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (b"<html>hello</html>", "not JSON"),
+        (b'{"scores": [1.0]}', "expected 'scores', a list of 2 numbers"),
+        (b'{"scores": ["a", "b"]}', "expected 'scores', a list of 2 numbers"),
+        (b"[1, 2]", "expected a JSON object, got list"),
+    ],
+)
 def test_a_malformed_reply_is_named(body, message):
     fake = _Scripted(200, body)
     try:
@@ -234,7 +249,9 @@ def test_busy_status_is_retried_and_a_timeout_names_the_url():
         flaky.close()
     slow = _Scripted(200, b'{"scores": [1.0]}', delay=1.0)
     try:
-        with pytest.raises(ConnectionError, match=rf"reward server {slow.url} is unreachable after 1 attempt\(s\) \(.*timed out"):
+        with pytest.raises(
+            ConnectionError, match=rf"reward server {slow.url} is unreachable after 1 attempt\(s\) \(.*timed out"
+        ):
             RemoteReward(slow.url, retries=0, timeout=0.2)(_images(1), ["a"], [{}])
     finally:
         slow.close()
@@ -274,6 +291,7 @@ def test_rewards_serve_builds_a_named_reward_and_serves_it(monkeypatch, capsys):
 
 # --- UnifiedReward pointwise score ---------------------------------------------------------------------------------
 
+
 class _FakeVLM:
     """A local OpenAI-compatible /v1/chat/completions endpoint replying ``reply(body, n)``."""
 
@@ -288,10 +306,16 @@ class _FakeVLM:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 calls.append(body)
                 status, text = reply(body, len(calls))
-                payload = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-                           "choices": [{"index": 0, "finish_reason": "stop",
-                                        "message": {"role": "assistant", "content": text}}],
-                           "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+                payload = {
+                    "id": "x",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": body["model"],
+                    "choices": [
+                        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}
+                    ],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                }
                 data = json.dumps(payload if status == 200 else {"error": {"message": text}}).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -335,8 +359,14 @@ def test_unifiedreward_against_a_local_server():
         levels = [0.0, 0.5, 1.0, 0.25]
         images = torch.stack([torch.full((3, 8, 8), v) for v in levels])
         prompts = [f"a photo of {i} cats" for i in range(4)]
-        reward = build_reward("unifiedreward", base_url=server.url, model="UnifiedReward-7b-v1.5", max_retries=0,
-                              timeout=5, concurrency=2)
+        reward = build_reward(
+            "unifiedreward",
+            base_url=server.url,
+            model="UnifiedReward-7b-v1.5",
+            max_retries=0,
+            timeout=5,
+            concurrency=2,
+        )
         expected = torch.tensor([round(1 + 4 * v, 1) for v in levels]) / 5  # flow_grpo's score / 5
         torch.testing.assert_close(reward(images, prompts, [{}] * 4), expected)
         assert len(server.calls) == 4 and all(c["model"] == "UnifiedReward-7b-v1.5" for c in server.calls)
@@ -354,15 +384,20 @@ def test_unifiedreward_unparsed_replies_and_a_dead_server_are_named():
     server = _FakeVLM(lambda body, n: (200, "I cannot judge this image."))
     try:
         images = torch.full((1, 3, 8, 8), 0.5)
-        with pytest.raises(ValueError, match=r"unifiedreward: the reply of http://127.0.0.1:\d+/v1 for prompt 'a dog' "
-                                             r"holds no score in \[1, 5\]: 'I cannot judge this image.'"):
+        with pytest.raises(
+            ValueError,
+            match=r"unifiedreward: the reply of http://127.0.0.1:\d+/v1 for prompt 'a dog' "
+            r"holds no score in \[1, 5\]: 'I cannot judge this image.'",
+        ):
             build_reward("unifiedreward", base_url=server.url, max_retries=0)(images, ["a dog"], [{}])
         lowest = build_reward("unifiedreward", base_url=server.url, max_retries=0, unparsed="lowest")
         assert lowest(images, ["a dog"], [{}]).tolist() == [pytest.approx(0.2)] and lowest.unparsed_count == 1
     finally:
         server.close()
     url = f"http://127.0.0.1:{_closed_port()}/v1"
-    with pytest.raises(RuntimeError, match=rf"unifiedreward: request to {url} for prompt 'a dog' failed: APIConnectionError"):
+    with pytest.raises(
+        RuntimeError, match=rf"unifiedreward: request to {url} for prompt 'a dog' failed: APIConnectionError"
+    ):
         build_reward("unifiedreward", base_url=url, max_retries=0, timeout=2)(images, ["a dog"], [{}])
     with pytest.raises(ValueError, match="vlm_score: normalize must be one of max, minmax, none, got 'z'"):
         build_reward("unifiedreward", normalize="z")
@@ -370,11 +405,14 @@ def test_unifiedreward_unparsed_replies_and_a_dead_server_are_named():
 
 # --- entry points --------------------------------------------------------------------------------------------------
 
+
 def test_rewards_installed_as_entry_points_are_found_by_name(monkeypatch):
-    installed = [metadata.EntryPoint("sharpness", "flowrl.rewards.jpeg:jpeg_incompressibility", "flowrl.rewards"),
-                 metadata.EntryPoint("plain_fn", "flowrl.rewards.jpeg:jpeg_size_kb", "flowrl.rewards"),
-                 metadata.EntryPoint("broken", "no_such_module_xyz:reward", "flowrl.rewards"),
-                 metadata.EntryPoint("other_group", "flowrl.rewards.jpeg:jpeg_incompressibility", "other.group")]
+    installed = [
+        metadata.EntryPoint("sharpness", "flowrl.rewards.jpeg:jpeg_incompressibility", "flowrl.rewards"),
+        metadata.EntryPoint("plain_fn", "flowrl.rewards.jpeg:jpeg_size_kb", "flowrl.rewards"),
+        metadata.EntryPoint("broken", "no_such_module_xyz:reward", "flowrl.rewards"),
+        metadata.EntryPoint("other_group", "flowrl.rewards.jpeg:jpeg_incompressibility", "other.group"),
+    ]
 
     def entry_points(group=None):
         return metadata.EntryPoints(ep for ep in installed if group is None or ep.group == group)
@@ -385,11 +423,17 @@ def test_rewards_installed_as_entry_points_are_found_by_name(monkeypatch):
     assert torch.equal(reward(images, ["a", "b"], [{}, {}]), rewards.jpeg_size_kb(images, 90))
     assert build_reward("plain_fn") is rewards.jpeg_size_kb  # no options: the callable itself, as a dotted path
     assert build_reward("jpeg_compressibility").name == "jpeg_compressibility"  # registered names come first
-    with pytest.raises(ValueError, match=r"reward 'broken': entry point 'no_such_module_xyz:reward' \(flowrl.rewards\) "
-                                         "does not load: ModuleNotFoundError"):
+    with pytest.raises(
+        ValueError,
+        match=r"reward 'broken': entry point 'no_such_module_xyz:reward' \(flowrl.rewards\) "
+        "does not load: ModuleNotFoundError",
+    ):
         build_reward("broken")
-    with pytest.raises(ValueError, match=r"unknown reward 'other_group'; registered rewards: .*; installed "
-                                         r"'flowrl.rewards' entry points: broken, plain_fn, sharpness; or give"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown reward 'other_group'; registered rewards: .*; installed "
+        r"'flowrl.rewards' entry points: broken, plain_fn, sharpness; or give",
+    ):
         build_reward("other_group")
     installed.append(metadata.EntryPoint("sharpness", "other_pkg:sharp", "flowrl.rewards"))
     with pytest.raises(ValueError, match="reward 'sharpness' is declared by several 'flowrl.rewards' entry points"):

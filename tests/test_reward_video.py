@@ -78,14 +78,16 @@ def test_frames_mean_and_min_equal_the_image_reward_by_hand():
     per_frame = torch.stack([brightness(videos[:, f], prompts, metadata) for f in range(5)], dim=1)  # (2, 5)
     recorder = Recorder()
     torch.testing.assert_close(Frames(recorder)(videos, prompts, metadata), per_frame.mean(dim=1))
-    (shape, seen_prompts, seen_metadata), = recorder.calls  # one call, all frames in one batch
+    ((shape, seen_prompts, seen_metadata),) = recorder.calls  # one call, all frames in one batch
     assert shape == (10, 3, 8, 8)
     assert seen_prompts == ["prompt 0"] * 5 + ["prompt 1"] * 5 and seen_metadata == [{"i": 0}] * 5 + [{"i": 1}] * 5
     torch.testing.assert_close(Frames(brightness, "min")(videos, prompts, metadata), per_frame.amin(dim=1))
-    torch.testing.assert_close(Frames(brightness, "mean", num_frames=3)(videos, prompts, metadata),
-                               per_frame[:, [0, 2, 4]].mean(dim=1))
-    torch.testing.assert_close(Frames(brightness, "min", num_frames=2)(videos, prompts, metadata),
-                               per_frame[:, [0, 4]].amin(dim=1))
+    torch.testing.assert_close(
+        Frames(brightness, "mean", num_frames=3)(videos, prompts, metadata), per_frame[:, [0, 2, 4]].mean(dim=1)
+    )
+    torch.testing.assert_close(
+        Frames(brightness, "min", num_frames=2)(videos, prompts, metadata), per_frame[:, [0, 4]].amin(dim=1)
+    )
     empty = Frames(brightness)(videos[:0], [], [])
     assert empty.shape == (0,) and empty.dtype == torch.float32
 
@@ -100,8 +102,9 @@ def test_frames_sample_draws_frames_per_video():
     chosen = (per_frame == scores.unsqueeze(1)).float().argmax(dim=1)
     assert len(set(chosen.tolist())) > 3  # frames differ between videos
     torch.testing.assert_close(Frames(brightness, "sample", seed=3)(videos, prompts, metadata), scores)  # seeded
-    torch.testing.assert_close(Frames(brightness, "sample", num_frames=6)(videos, prompts, metadata),
-                               per_frame.mean(dim=1))  # all frames drawn: the mean
+    torch.testing.assert_close(
+        Frames(brightness, "sample", num_frames=6)(videos, prompts, metadata), per_frame.mean(dim=1)
+    )  # all frames drawn: the mean
     pairs = Frames(brightness, "sample", num_frames=2, seed=1)
     index = pairs.indices(64, 6)
     assert index.shape == (64, 2) and (index[:, 0] < index[:, 1]).all()
@@ -132,8 +135,9 @@ def test_frames_of_clipscore_through_build_reward(tiny_clip_dir):
     from flowrl.rewards import clipscore
 
     videos, prompts, metadata = _videos(batch=2, num_frames=4, size=32, seed=4)
-    reward = build_reward("frames", reward="clipscore", reward_options={"model_path": str(tiny_clip_dir)},
-                          aggregate="min", num_frames=2)
+    reward = build_reward(
+        "frames", reward="clipscore", reward_options={"model_path": str(tiny_clip_dir)}, aggregate="min", num_frames=2
+    )
     image_reward = clipscore(tiny_clip_dir)
     by_hand = torch.stack([image_reward(videos[:, f], prompts, metadata) for f in (0, 3)], dim=1).amin(dim=1)
     torch.testing.assert_close(reward(videos, prompts, metadata), by_hand, rtol=1e-5, atol=1e-5)
@@ -150,11 +154,20 @@ def tiny_clip_dir(tmp_path_factory):
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
     tokenizer = _tiny_clip_tokenizer()
-    text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                num_attention_heads=2, max_position_embeddings=16, bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  image_size=32, patch_size=8)
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
+    )
     torch.manual_seed(0)
     model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
     image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
@@ -176,9 +189,7 @@ def test_clip_temporal_matches_the_formula(tiny_clip_dir):
         out = full.get_image_features(pixel_values=reward.preprocess(videos.flatten(0, 1)))
     features = out if isinstance(out, torch.Tensor) else out.pooler_output
     e = F.normalize(features, dim=-1).view(2, 4, -1)  # (B, F, D)
-    expected = torch.stack([
-        sum(torch.dot(e[b, f], e[b, f + 1]) for f in range(3)) / 3 for b in range(2)
-    ])
+    expected = torch.stack([sum(torch.dot(e[b, f], e[b, f + 1]) for f in range(3)) / 3 for b in range(2)])
     scores = reward(videos, ["a", "b"], [{}, {}])
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)
     assert scores.dtype == torch.float32 and (scores.abs() <= 1 + 1e-6).all()
@@ -232,17 +243,21 @@ def test_motion_formula_on_a_stubbed_flow():
     first, second, updates = stub.seen
     assert first.shape == (2, 3, 128, 128) and updates == 3
     # RAFT input is torchvision's OpticalFlow preset ([0, 1] -> [-1, 1])
-    frame0, frame1 = (F.interpolate(videos[0, i : i + 1], size=(128, 128), mode="bilinear", antialias=True)
-                      for i in (0, 1))
+    frame0, frame1 = (
+        F.interpolate(videos[0, i : i + 1], size=(128, 128), mode="bilinear", antialias=True) for i in (0, 1)
+    )
     reference, _ = Raft_Small_Weights.C_T_V2.transforms()(frame0, frame1)
     torch.testing.assert_close(first[:1], reference)
     # flow in RAFT pixels: (0.5, 0.5) then 0, i.e. (0.25, 0.25) input pixels: magnitude 0.25 * sqrt(2), mean /2
     expected = 0.25 * math.sqrt(2) / 2
     torch.testing.assert_close(scores, torch.tensor([expected]))
-    torch.testing.assert_close(Motion(stub, normalize=True)(videos, ["a"], [{}]), torch.tensor([expected / math.hypot(64, 64)]))
+    torch.testing.assert_close(
+        Motion(stub, normalize=True)(videos, ["a"], [{}]), torch.tensor([expected / math.hypot(64, 64)])
+    )
     torch.testing.assert_close(Motion(stub, direction="penalize")(videos, ["a"], [{}]), torch.tensor([-expected]))
-    torch.testing.assert_close(Motion(stub, size=(128, 256), batch_size=1)(videos, ["a"], [{}]),
-                               torch.tensor([math.hypot(0.25, 0.125) / 2]))  # u scaled by 64/256, v by 64/128
+    torch.testing.assert_close(
+        Motion(stub, size=(128, 256), batch_size=1)(videos, ["a"], [{}]), torch.tensor([math.hypot(0.25, 0.125) / 2])
+    )  # u scaled by 64/256, v by 64/128
 
 
 @pytest.fixture(scope="module")
@@ -280,8 +295,11 @@ def test_motion_refuses_bad_files_and_options(raft_small_file, tmp_path):
     torch.save({"weight": torch.zeros(1)}, tmp_path / "other.pth")
     with pytest.raises(ValueError, match="not a raft_small or raft_large state dict"):
         motion(tmp_path / "other.pth")
-    for options, match in [({"size": (100, 128)}, "size must be"), ({"direction": "up"}, "direction must be"),
-                           ({"num_flow_updates": 0}, "num_flow_updates must be")]:
+    for options, match in [
+        ({"size": (100, 128)}, "size must be"),
+        ({"direction": "up"}, "direction must be"),
+        ({"num_flow_updates": 0}, "num_flow_updates must be"),
+    ]:
         with pytest.raises(ValueError, match=f"motion: {match}"):
             Motion(StubFlow(), **options)
     with pytest.raises(ValueError, match="motion: videos need at least 2 frames"):
@@ -291,9 +309,11 @@ def test_motion_refuses_bad_files_and_options(raft_small_file, tmp_path):
 # --- VideoAlign -------------------------------------------------------------------------------
 
 TEMPLATE = "Rate the video for {text_prompt}. Visual <|VQ_reward|> motion <|MQ_reward|> text <|TA_reward|>"
-CHAT = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% for c in message['content'] %}"
-        "{% if c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}"
-        "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% for c in message['content'] %}"
+    "{% if c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -304,33 +324,77 @@ def tiny_videoalign_dir(tmp_path_factory):
 
     from safetensors.torch import save_file
     from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import (Qwen2Tokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor,
-                              Qwen2VLProcessor, Qwen2VLVideoProcessor)
+    from transformers import (
+        Qwen2Tokenizer,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
 
     tokenizer = Qwen2Tokenizer(vocab={c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}, merges=[])
-    tokenizer.add_special_tokens({"additional_special_tokens": [
-        "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
-        "<|VQ_reward|>", "<|MQ_reward|>", "<|TA_reward|>"]})
+    tokenizer.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                "<|im_start|>",
+                "<|im_end|>",
+                "<|vision_start|>",
+                "<|vision_end|>",
+                "<|image_pad|>",
+                "<|video_pad|>",
+                "<|VQ_reward|>",
+                "<|MQ_reward|>",
+                "<|TA_reward|>",
+            ]
+        }
+    )
     ids = tokenizer.convert_tokens_to_ids
     config = Qwen2VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=ids("<|im_end|>")),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
+            eos_token_id=ids("<|im_end|>"),
+        ),
+        vision_config=dict(
+            depth=1,
+            embed_dim=32,
+            hidden_size=32,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+    )
     torch.manual_seed(0)
     model = Qwen2VLForConditionalGeneration(config)
-    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(), tokenizer=tokenizer, chat_template=CHAT,
-                                 video_processor=Qwen2VLVideoProcessor(size={"shortest_edge": 56 * 56, "longest_edge": 56 * 84}))
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(),
+        tokenizer=tokenizer,
+        chat_template=CHAT,
+        video_processor=Qwen2VLVideoProcessor(size={"shortest_edge": 56 * 56, "longest_edge": 56 * 84}),
+    )
     folder = tmp_path_factory.mktemp("tiny_videoalign")
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     save_file({"weight": torch.randn(3, 32)}, folder / "rm_head.safetensors")
     (folder / "videoalign_prompt.txt").write_text(TEMPLATE)
     stats = {"VQ_mean": 0.5, "VQ_std": 2.0, "MQ_mean": -1.0, "MQ_std": 0.5, "TA_mean": 0.0, "TA_std": 4.0}
-    (folder / "model_config.json").write_text(json.dumps({"data_config": {"num_frames": 4}, "inference_config": stats}))
+    (folder / "model_config.json").write_text(
+        json.dumps({"data_config": {"num_frames": 4}, "inference_config": stats})
+    )
     return folder
 
 
@@ -343,10 +407,18 @@ def _by_hand(folder, videos, prompts, frames_taken, template=TEMPLATE):
     processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
     model = Qwen2VLForConditionalGeneration.from_pretrained(folder, local_files_only=True).eval()
     head = load_file(folder / "rm_head.safetensors")["weight"]  # (3, D)
-    texts = [f"<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>{template.format(text_prompt=p)}"
-             "<|im_end|>\n<|im_start|>assistant\n" for p in prompts]
-    batch = processor(text=texts, videos=[v[frames_taken] for v in videos], padding=True, return_tensors="pt",
-                      videos_kwargs={"do_rescale": False, "do_sample_frames": False})
+    texts = [
+        f"<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>{template.format(text_prompt=p)}"
+        "<|im_end|>\n<|im_start|>assistant\n"
+        for p in prompts
+    ]
+    batch = processor(
+        text=texts,
+        videos=[v[frames_taken] for v in videos],
+        padding=True,
+        return_tensors="pt",
+        videos_kwargs={"do_rescale": False, "do_sample_frames": False},
+    )
     with torch.no_grad():
         hidden = model.model(**batch).last_hidden_state  # (B, L, D)
     special, last = [], []

@@ -91,15 +91,19 @@ def test_dotted_path_errors_name_what_is_missing():
 
 
 def test_bad_spec_types_are_refused_with_one_line():
-    with pytest.raises(TypeError, match="reward spec must be a registered name or 'package.module:function', got None"):
+    with pytest.raises(
+        TypeError, match="reward spec must be a registered name or 'package.module:function', got None"
+    ):
         build_reward(None)
     with pytest.raises(TypeError, match=r"reward spec 'math:pi' names a float, not a callable"):
         build_reward("math:pi", scale=2.0)  # with options: used to fail inside the signature check
 
 
 def test_import_rewards_pulls_in_neither_the_trainer_nor_samplers_nor_transformers():
-    code = ("import sys, flowrl.rewards; print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('transformers', 'diffusers') or (m.startswith('flowrl.') and not m.startswith('flowrl.rewards'))))")
+    code = (
+        "import sys, flowrl.rewards; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('transformers', 'diffusers') or (m.startswith('flowrl.') and not m.startswith('flowrl.rewards'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -109,12 +113,15 @@ def test_a_users_rewards_and_samplers_modules_in_the_working_folder_change_nothi
     custom rewards live) neither shadows flowrl's nor is imported by it."""
     for name in ("rewards", "samplers"):
         (tmp_path / f"{name}.py").write_text(f"raise ImportError('the user\\'s {name}.py was imported')\n")
-    code = ("import flowrl.rewards, flowrl.samplers, flowrl.trainer, flowrl.cli; "
-            "from flowrl.rewards import build_reward; assert build_reward('jpeg_compressibility') is not None; "
-            "import sys; assert 'rewards' not in sys.modules and 'samplers' not in sys.modules")
+    code = (
+        "import flowrl.rewards, flowrl.samplers, flowrl.trainer, flowrl.cli; "
+        "from flowrl.rewards import build_reward; assert build_reward('jpeg_compressibility') is not None; "
+        "import sys; assert 'rewards' not in sys.modules and 'samplers' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, timeout=120)
-    out = subprocess.run([sys.executable, "-m", "flowrl.cli", "rewards"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "flowrl.cli", "rewards"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and "jpeg_compressibility" in out.stdout, out.stderr[-2000:]
 
 
@@ -250,12 +257,19 @@ def tiny_clip_dir(tmp_path_factory):
 
     tokenizer = _tiny_clip_tokenizer()
     text = dict(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, max_position_embeddings=16, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  image_size=32, patch_size=8)
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
+    )
     torch.manual_seed(0)
     model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
     image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})

@@ -42,7 +42,7 @@ class ToyVelocity:
         self.rows += x.shape[0]
         # channel mixing as elementwise products summed in a fixed order: a matrix product (einsum) may
         # switch kernels with the batch size and change the last bits, which the exactness tests forbid
-        mixed = sum(self.mix[:, c].view(1, -1, 1, 1) * x[:, c:c + 1] for c in range(x.shape[1]))  # (N, C, H, W)
+        mixed = sum(self.mix[:, c].view(1, -1, 1, 1) * x[:, c : c + 1] for c in range(x.shape[1]))  # (N, C, H, W)
         return mixed + t.view(-1, 1, 1, 1) * x + (1 - t.view(-1, 1, 1, 1)) * self.bias[cond][:, :, None, None]
 
 
@@ -308,8 +308,14 @@ def test_sample_rejects_bad_inputs():
     with pytest.raises(ValueError, match="cond"):
         sample(ToyVelocity(), noise, cond.float(), cond, flow_sigmas(4), StepPlan.ode(4))
     with pytest.raises(ValueError, match=r"trained\[3\].*cps"):  # CPS onto t' = 0 has std 0: nothing to train
-        sample(ToyVelocity(), noise, cond, cond, flow_sigmas(4), StepPlan.sde(4, kernel="cps", noise_level=0.5,
-                                                                              train_last=True))
+        sample(
+            ToyVelocity(),
+            noise,
+            cond,
+            cond,
+            flow_sigmas(4),
+            StepPlan.sde(4, kernel="cps", noise_level=0.5, train_last=True),
+        )
     with pytest.raises(ValueError, match="num_steps >= 1"):
         StepPlan.sde(0)
 
@@ -356,11 +362,22 @@ def test_transition_buffer_numbers_rows_and_reads_sigmas_by_step():
     cond, group = torch.tensor([0, 1, 1]), torch.tensor([0, 0, 1])
     buffer = samplers.TransitionBuffer(sigmas, ("ode", "flow_sde", "cps"))
     first = flow_sde_step(x, v, sigmas[1], sigmas[2], 0.7, sigmas[1], generator=torch.Generator().manual_seed(0))
-    node = buffer.append(x, first, 1, "flow_sde", 0.7, False, parent=torch.full_like(cond, -1),
-                         leaf=torch.arange(3), cond=cond)
+    node = buffer.append(
+        x, first, 1, "flow_sde", 0.7, False, parent=torch.full_like(cond, -1), leaf=torch.arange(3), cond=cond
+    )
     second = KERNELS["cps"](first.prev_sample, v, sigmas[2], sigmas[3], 0.5, sigmas[1])
-    last = buffer.append(first.prev_sample, second, 2, "cps", 0.5, True, parent=node, leaf=torch.arange(3), cond=cond,
-                         depth=torch.tensor([1, 2, 2]))
+    last = buffer.append(
+        first.prev_sample,
+        second,
+        2,
+        "cps",
+        0.5,
+        True,
+        parent=node,
+        leaf=torch.arange(3),
+        cond=cond,
+        depth=torch.tensor([1, 2, 2]),
+    )
     ro = buffer.to_rollout(second.prev_sample, cond, group, last, nfe=12)
     assert node.tolist() == [0, 1, 2] and last.tolist() == [3, 4, 5] and len(ro) == buffer.rows == 6
     assert ro.parent.tolist() == [-1, -1, -1, 0, 1, 2] and ro.node.tolist() == list(range(6))
@@ -369,15 +386,20 @@ def test_transition_buffer_numbers_rows_and_reads_sigmas_by_step():
     assert ro.depth.tolist() == [1, 1, 1, 1, 2, 2] and ro.trained.tolist() == [False] * 3 + [True] * 3
     assert ro.noise_level.dtype == torch.float32 and torch.equal(ro.next_state[3:], second.prev_sample)
     assert ro.cost == dict(nfe=12, transitions=6, trained_transitions=3)
-    torch.testing.assert_close(recompute_log_prob(ro, torch.cat([v, v])),
-                               (torch.cat([first.log_prob, second.log_prob]), torch.cat([first.mean, second.mean])),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        recompute_log_prob(ro, torch.cat([v, v])),
+        (torch.cat([first.log_prob, second.log_prob]), torch.cat([first.mean, second.mean])),
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_empty_transition_buffer_gives_a_rollout_without_transitions():
     x, _ = _batch(2)
     cond = torch.tensor([0, 1])
-    ro = samplers.TransitionBuffer(flow_sigmas(3, 3.0), ("ode",)).to_rollout(x, cond, cond, torch.full_like(cond, -1), 6)
+    ro = samplers.TransitionBuffer(flow_sigmas(3, 3.0), ("ode",)).to_rollout(
+        x, cond, cond, torch.full_like(cond, -1), 6
+    )
     assert len(ro) == 0 and ro.leaf_node.tolist() == [-1, -1] and torch.equal(ro.final, x)
     assert ro.cost == dict(nfe=6, transitions=0, trained_transitions=0)
 
@@ -392,8 +414,14 @@ def test_ode_plan_takes_a_deterministic_kernel_only():
 
 def test_a_kernel_registered_once_appears_in_every_view_and_the_config(monkeypatch):
     from flowrl.config import ConfigError, load_config
-    from flowrl.samplers import KERNEL_SPECS, KERNELS, STOCHASTIC_KERNELS, UNIT_ETA_KERNELS, flow_sde_step
-    from flowrl.samplers import register_kernel
+    from flowrl.samplers import (
+        KERNEL_SPECS,
+        KERNELS,
+        STOCHASTIC_KERNELS,
+        UNIT_ETA_KERNELS,
+        flow_sde_step,
+        register_kernel,
+    )
 
     monkeypatch.setattr("flowrl.samplers.kernels.KERNEL_SPECS", dict(KERNEL_SPECS))  # undone after the test
     import flowrl.samplers.kernels as kernels

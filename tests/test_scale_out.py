@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_overrides
+
 from flowrl.config import ConfigError, load_config
 from flowrl.trackers import check_trackers, flat_config
 from flowrl.trainer import Trainer
@@ -22,13 +22,21 @@ def _events(folder: Path):
     return acc
 
 
-def test_tensorboard_and_offline_wandb_receive_the_metrics_and_images(tmp_path, random_pipeline, prompt_files,
-                                                                       monkeypatch):
+def test_tensorboard_and_offline_wandb_receive_the_metrics_and_images(
+    tmp_path, random_pipeline, prompt_files, monkeypatch
+):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
-    cfg = load_config(None, tiny_overrides(random_pipeline, *prompt_files, out, **{
-        "run.log_with": "[tensorboard,wandb]", "run.log_images_every": 1, "run.project": "tiny"}))
+    cfg = load_config(
+        None,
+        tiny_overrides(
+            random_pipeline,
+            *prompt_files,
+            out,
+            **{"run.log_with": "[tensorboard,wandb]", "run.log_images_every": 1, "run.project": "tiny"},
+        ),
+    )
     Trainer(cfg).train()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     events = _events(out / "tensorboard" / "tiny")
@@ -60,8 +68,12 @@ def test_unknown_or_missing_trackers_are_one_config_error(monkeypatch):
 
 
 def test_flat_config_gives_scalar_hyperparameters():
-    assert flat_config({"a": {"b": 1, "c": [1, 2]}, "d": None, "e": "x"}) == {"a.b": 1, "a.c": "[1, 2]", "d": "None",
-                                                                           "e": "x"}
+    assert flat_config({"a": {"b": 1, "c": [1, 2]}, "d": None, "e": "x"}) == {
+        "a.b": 1,
+        "a.c": "[1, 2]",
+        "d": "None",
+        "e": "x",
+    }
 
 
 def _launch(kind: str, deepspeed_config: dict | None = None, **plugin):
@@ -69,17 +81,25 @@ def _launch(kind: str, deepspeed_config: dict | None = None, **plugin):
 
     from accelerate.utils import DistributedType
 
-    return SimpleNamespace(distributed_type=DistributedType[kind], num_processes=1, state=SimpleNamespace(
-        fsdp_plugin=SimpleNamespace(**plugin), deepspeed_plugin=SimpleNamespace(deepspeed_config=deepspeed_config)))
+    return SimpleNamespace(
+        distributed_type=DistributedType[kind],
+        num_processes=1,
+        state=SimpleNamespace(
+            fsdp_plugin=SimpleNamespace(**plugin), deepspeed_plugin=SimpleNamespace(deepspeed_config=deepspeed_config)
+        ),
+    )
 
 
 def test_the_shipped_fsdp2_launch_passes_and_other_sharded_launches_are_refused_in_one_line(monkeypatch):
     from accelerate import FullyShardedDataParallelPlugin
-
     from distributed_worker import fsdp2_launch_env
+
     from flowrl.policy import check_accelerate_engine
 
-    for key, value in fsdp2_launch_env().items():  # what `accelerate launch --config_file configs/accelerate/fsdp2.yaml` sets
+    for (
+        key,
+        value,
+    ) in fsdp2_launch_env().items():  # what `accelerate launch --config_file configs/accelerate/fsdp2.yaml` sets
         monkeypatch.setenv(key, value)
     plugin = FullyShardedDataParallelPlugin()
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is False
@@ -101,12 +121,15 @@ def test_the_shipped_deepspeed_launch_passes_and_what_flowrl_cannot_run_is_refus
     import copy
 
     from accelerate import DeepSpeedPlugin
-
     from distributed_worker import deepspeed_launch_env
+
     from flowrl.policy import check_accelerate_engine
     from flowrl.zero import configure
 
-    for key, value in deepspeed_launch_env().items():  # what `accelerate launch --config_file .../deepspeed_zero2.yaml` sets
+    for (
+        key,
+        value,
+    ) in deepspeed_launch_env().items():  # what `accelerate launch --config_file .../deepspeed_zero2.yaml` sets
         monkeypatch.setenv(key, value)
     shipped = DeepSpeedPlugin().deepspeed_config
     assert shipped["zero_optimization"]["stage"] == 2
@@ -126,12 +149,14 @@ def test_the_shipped_deepspeed_launch_passes_and_what_flowrl_cannot_run_is_refus
             node[last] = value
         return _launch("DEEPSPEED", config)
 
-    cases = [(changed(zero_optimization__stage=3), "zero_optimization.stage is 3.*stage 1 or 2.*FSDP2"),
-             (changed(zero_optimization__stage=0), "stage is 0.*ddp.yaml"),
-             (changed(zero_optimization__offload_param__device="cpu"), "offload_param.device.*none"),
-             (changed(bf16__enabled=True), "enables bf16.*run.mixed_precision=bf16"),
-             (changed(optimizer={"type": "AdamW"}), "'optimizer' block.*train.learning_rate"),
-             (changed(gradient_clipping=2.0), "gradient_clipping is 2.0.*'train.max_grad_norm' is 0.5")]
+    cases = [
+        (changed(zero_optimization__stage=3), "zero_optimization.stage is 3.*stage 1 or 2.*FSDP2"),
+        (changed(zero_optimization__stage=0), "stage is 0.*ddp.yaml"),
+        (changed(zero_optimization__offload_param__device="cpu"), "offload_param.device.*none"),
+        (changed(bf16__enabled=True), "enables bf16.*run.mixed_precision=bf16"),
+        (changed(optimizer={"type": "AdamW"}), "'optimizer' block.*train.learning_rate"),
+        (changed(gradient_clipping=2.0), "gradient_clipping is 2.0.*'train.max_grad_norm' is 0.5"),
+    ]
     for launch, message in cases:
         with pytest.raises(ConfigError, match=message):
             check_accelerate_engine(launch, max_grad_norm=0.5)

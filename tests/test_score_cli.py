@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, tiny_overrides
 from PIL import Image
 
-from conftest import REPO, tiny_overrides
 from flowrl import cli
 from flowrl.image_folders import load_image, read_image_folder
 from flowrl.prompt_sets import read_prompt_set
@@ -22,10 +22,17 @@ from flowrl.rewards import RewardServer, build_reward
 
 GENEVAL_LINES = [  # the format of GenEval's prompts/evaluation_metadata.jsonl
     {"tag": "single_object", "include": [{"class": "bench", "count": 1}], "prompt": "a photo of a bench"},
-    {"tag": "color_attr", "include": [{"class": "car", "count": 1, "color": "red"}], "exclude": [],
-     "prompt": "a photo of a red car"},
-    {"tag": "position", "include": [{"class": "dog", "count": 1}, {"class": "cat", "count": 1, "position": ["left of", 0]}],
-     "prompt": "a photo of a cat left of a dog"},
+    {
+        "tag": "color_attr",
+        "include": [{"class": "car", "count": 1, "color": "red"}],
+        "exclude": [],
+        "prompt": "a photo of a red car",
+    },
+    {
+        "tag": "position",
+        "include": [{"class": "dog", "count": 1}, {"class": "cat", "count": 1, "position": ["left of", 0]}],
+        "prompt": "a photo of a cat left of a dog",
+    },
 ]
 
 
@@ -51,16 +58,26 @@ def test_benchmark_prompt_files_are_read(tmp_path, geneval_file):
     drawbench = tmp_path / "drawbench.csv"  # DrawBench's columns
     with drawbench.open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerows([["Prompts", "Category"], ["A red colored car.", "Colors"],
-                          ['A storefront with "Text to Image" written on it.', "Text"]])
-    assert read_prompt_set(drawbench) == [{"prompt": "A red colored car.", "tag": "Colors"},
-                                          {"prompt": 'A storefront with "Text to Image" written on it.', "tag": "Text"}]
+        writer.writerows(
+            [
+                ["Prompts", "Category"],
+                ["A red colored car.", "Colors"],
+                ['A storefront with "Text to Image" written on it.', "Text"],
+            ]
+        )
+    assert read_prompt_set(drawbench) == [
+        {"prompt": "A red colored car.", "tag": "Colors"},
+        {"prompt": 'A storefront with "Text to Image" written on it.', "tag": "Text"},
+    ]
     parti = tmp_path / "PartiPrompts.tsv"
     parti.write_text("Prompt\tCategory\tChallenge\tNote\nbond\tAbstract\tBasic\t\n")
     assert read_prompt_set(parti) == [{"prompt": "bond", "tag": "Abstract", "Challenge": "Basic"}]
     hpd = tmp_path / "anime.json"
     hpd.write_text(json.dumps(["a girl with a sword", "a castle"]))
-    assert read_prompt_set(hpd) == [{"prompt": "a girl with a sword", "tag": "anime"}, {"prompt": "a castle", "tag": "anime"}]
+    assert read_prompt_set(hpd) == [
+        {"prompt": "a girl with a sword", "tag": "anime"},
+        {"prompt": "a castle", "tag": "anime"},
+    ]
     txt = tmp_path / "p.txt"
     txt.write_text("one\n\n two \n")
     assert read_prompt_set(txt) == [{"prompt": "one"}, {"prompt": "two"}]
@@ -89,24 +106,45 @@ def _geneval_walk(imagedir: Path) -> list[tuple[str, dict]]:
     return sorted(found, key=lambda item: item[0])
 
 
-def test_generate_writes_geneval_layout_and_score_reads_it(tmp_path, random_pipeline, geneval_file, capsys, monkeypatch):
+def test_generate_writes_geneval_layout_and_score_reads_it(
+    tmp_path, random_pipeline, geneval_file, capsys, monkeypatch
+):
     loaded = []
     load = cli._model
     monkeypatch.setattr(cli, "_model", lambda args: loaded[0] if loaded else loaded.append(load(args)) or loaded[0])
-    common = ["--model", random_pipeline, "--prompts", geneval_file, "-n", 2, "--num-steps", 2, "--device", "cpu",
-              "--no-bf16", "--resolution", 64, "--batch-size", 4, "--seed", 7]
+    common = [
+        "--model",
+        random_pipeline,
+        "--prompts",
+        geneval_file,
+        "-n",
+        2,
+        "--num-steps",
+        2,
+        "--device",
+        "cpu",
+        "--no-bf16",
+        "--resolution",
+        64,
+        "--batch-size",
+        4,
+        "--seed",
+        7,
+    ]
     cli.main([str(a) for a in ["generate", *common, "--out", tmp_path / "geneval"]])
     assert "wrote 6 images (3 prompts x 2)" in capsys.readouterr().out
     walked = _geneval_walk(tmp_path / "geneval")
     assert [Path(p).relative_to(tmp_path / "geneval").as_posix() for p, _ in walked] == [
-        f"{i:05d}/samples/{j:04d}.png" for i in range(3) for j in range(2)]
+        f"{i:05d}/samples/{j:04d}.png" for i in range(3) for j in range(2)
+    ]
     assert [m for _, m in walked] == [m for m in GENEVAL_LINES for _ in range(2)]  # the records, unchanged
     assert Image.open(walked[0][0]).size == (64, 64)
 
     cli.main([str(a) for a in ["generate", *common, "--out", tmp_path / "flat", "--layout", "flat"]])
     lines = [json.loads(line) for line in (tmp_path / "flat" / "prompts.jsonl").read_text().splitlines()]
     assert [(d["file"], d["index"], d["sample"], d["seed"]) for d in lines] == [
-        (f"{i * 2 + j:05d}.png", i, j, 7 + i * 2 + j) for i in range(3) for j in range(2)]
+        (f"{i * 2 + j:05d}.png", i, j, 7 + i * 2 + j) for i in range(3) for j in range(2)
+    ]
     for n, (path, _) in enumerate(walked):  # same seeds, same images, whatever the layout
         assert torch.equal(load_image(path), load_image(tmp_path / "flat" / f"{n:05d}.png"))
     assert not torch.equal(load_image(walked[0][0]), load_image(walked[1][0]))  # a new seed per sample
@@ -114,12 +152,26 @@ def test_generate_writes_geneval_layout_and_score_reads_it(tmp_path, random_pipe
 
     # flowrl score on both folders: the scores of the local reward, per-tag means from the records
     images = torch.stack([load_image(p) for p, _ in walked])
-    expected = build_reward("jpeg_compressibility", quality=80)(images, [m["prompt"] for _, m in walked],
-                                                                [m for _, m in walked])
+    expected = build_reward("jpeg_compressibility", quality=80)(
+        images, [m["prompt"] for _, m in walked], [m for _, m in walked]
+    )
     for folder, out in (("geneval", "s.jsonl"), ("flat", "s.csv")):
-        summary = cli.cmd_score(cli._parser().parse_args(
-            ["score", str(tmp_path / folder), "--reward", "jpeg_compressibility", "--option", "quality=80",
-             "--batch-size", "4", "--out", str(tmp_path / folder / out)]))
+        summary = cli.cmd_score(
+            cli._parser().parse_args(
+                [
+                    "score",
+                    str(tmp_path / folder),
+                    "--reward",
+                    "jpeg_compressibility",
+                    "--option",
+                    "quality=80",
+                    "--batch-size",
+                    "4",
+                    "--out",
+                    str(tmp_path / folder / out),
+                ]
+            )
+        )
         assert summary["mean"] == pytest.approx(expected.double().mean().item())
         assert set(summary["per_tag"]) == {"single_object", "color_attr", "position"}
         assert summary["per_tag"]["color_attr"] == pytest.approx(expected[2:4].double().mean().item())
@@ -143,18 +195,25 @@ def test_score_loose_images_with_a_prompt_file(tmp_path, capsys):
     records = read_image_folder([folder], read_prompt_set(prompts))
     assert [(Path(r["file"]).name, r["prompt"]) for r in records] == [("0.png", "a"), ("1.png", "b"), ("2.png", "c")]
     by_name = tmp_path / "p.jsonl"
-    by_name.write_text('{"file": "2.png", "prompt": "z"}\n{"file": "0.png", "prompt": "x"}\n{"file": "1.png", "prompt": "y"}\n')
+    by_name.write_text(
+        '{"file": "2.png", "prompt": "z"}\n{"file": "0.png", "prompt": "x"}\n{"file": "1.png", "prompt": "y"}\n'
+    )
     assert [r["prompt"] for r in read_image_folder([folder], read_prompt_set(by_name))] == ["x", "y", "z"]
     two = tmp_path / "two.txt"
     two.write_text("a\nb\n")
     line = _fails(capsys, "score", folder, "--reward", "jpeg_compressibility", "--prompts", two)
-    assert line == ("flowrl score: error: --prompts holds 2 prompts for 3 images; give one per image (in the images' "
-                    "name order), one for all, or records with a 'file' key")
-    assert "p.txt is not an image file (expected .png" in _fails(capsys, "score", tmp_path / "p.txt", "--reward", "ocr")
+    assert line == (
+        "flowrl score: error: --prompts holds 2 prompts for 3 images; give one per image (in the images' "
+        "name order), one for all, or records with a 'file' key"
+    )
+    assert "p.txt is not an image file (expected .png" in _fails(
+        capsys, "score", tmp_path / "p.txt", "--reward", "ocr"
+    )
     (tmp_path / "empty").mkdir()
     assert "no images found in" in _fails(capsys, "score", tmp_path / "empty", "--reward", "jpeg_compressibility")
-    assert "--option 'quality' must look like key=value" in _fails(capsys, "score", folder, "--reward",
-                                                                   "jpeg_compressibility", "--option", "quality")
+    assert "--option 'quality' must look like key=value" in _fails(
+        capsys, "score", folder, "--reward", "jpeg_compressibility", "--option", "quality"
+    )
     assert "unknown reward 'nope'" in _fails(capsys, "score", folder, "--reward", "nope")
     cli.main(["score", str(folder), "--reward", "jpeg_compressibility"])  # no prompts: a note, then the scores
     captured = capsys.readouterr()
@@ -169,9 +228,22 @@ def test_score_through_a_remote_reward_equals_local(tmp_path, capsys):
         Image.fromarray((torch.rand(16, 16, 3, generator=g) * 255 * (n / 2)).byte().numpy()).save(folder / f"{n}.png")
     local = cli.cmd_score(cli._parser().parse_args(["score", str(folder), "--reward", "jpeg_compressibility"]))
     with RewardServer(build_reward("jpeg_compressibility"), port=0) as server:
-        remote = cli.cmd_score(cli._parser().parse_args(
-            ["score", str(folder), "--reward", "remote", "--option", f"url={server.url}", "--option", "encoding=png",
-             "--out", str(tmp_path / "r.jsonl")]))
+        remote = cli.cmd_score(
+            cli._parser().parse_args(
+                [
+                    "score",
+                    str(folder),
+                    "--reward",
+                    "remote",
+                    "--option",
+                    f"url={server.url}",
+                    "--option",
+                    "encoding=png",
+                    "--out",
+                    str(tmp_path / "r.jsonl"),
+                ]
+            )
+        )
     assert remote["mean"] == local["mean"] and remote["std"] == local["std"]
 
 
@@ -185,9 +257,24 @@ def test_serve_reward_command_serves_on_loopback():
     """A subprocess smoke run of ``flowrl serve-reward``: it prints its URL, serves /health and /score, and a bad
     option fails in one line."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen([sys.executable, "-m", "flowrl.cli", "serve-reward", "jpeg_compressibility", "--port",
-                                "0", "--option", "quality=80"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flowrl.cli",
+            "serve-reward",
+            "jpeg_compressibility",
+            "--port",
+            "0",
+            "--option",
+            "quality=80",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = process.stdout.readline()
         url = re.search(r"serving reward jpeg_compressibility on (http://127\.0\.0\.1:\d+)", line).group(1)
@@ -204,8 +291,10 @@ def test_serve_reward_command_serves_on_loopback():
 def test_serve_reward_options_are_checked_before_serving(capsys, monkeypatch):
     monkeypatch.setattr(RewardServer, "serve_forever", lambda self: pytest.fail("served"))
     line = _fails(capsys, "serve-reward", "jpeg_compressibility", "--port", _free_port(), "--option", "qualty=80")
-    assert line.startswith("flowrl serve-reward: error: reward 'jpeg_compressibility': got an unexpected keyword "
-                           "argument 'qualty'; accepted options: quality"), line
+    assert line.startswith(
+        "flowrl serve-reward: error: reward 'jpeg_compressibility': got an unexpected keyword "
+        "argument 'qualty'; accepted options: quality"
+    ), line
     assert "--port: must be >= 0, got -1" in _fails(capsys, "serve-reward", "jpeg_compressibility", "--port", -1)
 
 
@@ -218,10 +307,16 @@ def test_train_stops_in_one_line_when_the_reward_server_is_down(tmp_path, random
     """The trainer's smoke call reaches the remote reward before any sampling: a server that is down stops
     training in one line naming the URL, and nothing is written."""
     url = f"http://127.0.0.1:{_free_port()}"
-    line = _fails(capsys, "train", _remote_config(tmp_path / "remote.yaml", url),
-                  *tiny_overrides(random_pipeline, *prompt_files, tmp_path / "run"))
-    assert line.startswith(f"flowrl train: error: reward remote raised ConnectionError: remote reward: reward server "
-                           f"{url} is unreachable after 1 attempt(s)"), line
+    line = _fails(
+        capsys,
+        "train",
+        _remote_config(tmp_path / "remote.yaml", url),
+        *tiny_overrides(random_pipeline, *prompt_files, tmp_path / "run"),
+    )
+    assert line.startswith(
+        f"flowrl train: error: reward remote raised ConnectionError: remote reward: reward server "
+        f"{url} is unreachable after 1 attempt(s)"
+    ), line
     assert not (tmp_path / "run").exists()
 
 
@@ -235,9 +330,21 @@ def test_train_with_a_remote_reward(tmp_path, random_pipeline, prompt_files):
         return build_reward("jpeg_compressibility")(images, prompts, metadata)
 
     with RewardServer(counted, port=0) as server:
-        cli.main([str(a) for a in ["train", _remote_config(tmp_path / "remote.yaml", server.url),
-                                   *tiny_overrides(random_pipeline, *prompt_files, tmp_path / "run", **{
-                                       "run.iterations": 1, "run.mixed_precision": "no"})]])
+        cli.main(
+            [
+                str(a)
+                for a in [
+                    "train",
+                    _remote_config(tmp_path / "remote.yaml", server.url),
+                    *tiny_overrides(
+                        random_pipeline,
+                        *prompt_files,
+                        tmp_path / "run",
+                        **{"run.iterations": 1, "run.mixed_precision": "no"},
+                    ),
+                ]
+            ]
+        )
     assert len(calls) >= 2  # the smoke call and the rollouts' batch
     assert any((tmp_path / "run").rglob("*.safetensors"))
 
@@ -251,8 +358,9 @@ def test_a_reward_server_dying_mid_run_loses_nothing_checkpointed(tmp_path, rand
     from flowrl.trainer import Trainer
 
     server = RewardServer(build_reward("jpeg_compressibility"), port=0).start()
-    overrides = tiny_overrides(random_pipeline, *prompt_files, tmp_path / "run", **{
-        "run.iterations": 2, "run.mixed_precision": "no"})
+    overrides = tiny_overrides(
+        random_pipeline, *prompt_files, tmp_path / "run", **{"run.iterations": 2, "run.mixed_precision": "no"}
+    )
     trainer = Trainer(load_config(_remote_config(tmp_path / "remote.yaml", server.url), overrides))
     save = trainer._save
 
@@ -268,8 +376,9 @@ def test_a_reward_server_dying_mid_run_loses_nothing_checkpointed(tmp_path, rand
     assert not (tmp_path / "run" / "checkpoints" / "checkpoint-000002").exists()
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 1
     with RewardServer(build_reward("jpeg_compressibility"), port=0) as again:
-        resumed = Trainer(load_config(_remote_config(tmp_path / "remote2.yaml", again.url),
-                                      [*overrides, "run.resume=true"]))
+        resumed = Trainer(
+            load_config(_remote_config(tmp_path / "remote2.yaml", again.url), [*overrides, "run.resume=true"])
+        )
         assert resumed.train()["iterations"] == 2
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2]

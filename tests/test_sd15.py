@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, assert_resume_is_exact, tiny_overrides
+
 from flowrl.config import ConfigError, load_config
 from flowrl.models import SD15Model, load_model, model_class
 from flowrl.tiny.sd15 import build_random_sd15_pipeline
@@ -37,8 +37,16 @@ def _stock_images(folder: Path, model: SD15Model, num_steps: int, guidance_scale
         pipe.load_lora_weights(str(lora))
     noise = torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
     with torch.no_grad():
-        return pipe(PROMPTS, latents=noise, num_inference_steps=num_steps, guidance_scale=guidance_scale, eta=0.0,
-                    height=model.resolution, width=model.resolution, output_type="pt").images
+        return pipe(
+            PROMPTS,
+            latents=noise,
+            num_inference_steps=num_steps,
+            guidance_scale=guidance_scale,
+            eta=0.0,
+            height=model.resolution,
+            width=model.resolution,
+            output_type="pt",
+        ).images
 
 
 @pytest.mark.parametrize("folder", ["sd15", "sd15_v"])
@@ -76,9 +84,20 @@ def test_the_grid_is_the_stock_ddim_grid(sd15):
 def test_ddpo_style_training_keeps_the_ratio_exactly_one_and_the_lora_loads_in_stock(tmp_path, sd15, prompt_files):
     """configs/flow_grpo.yaml on the tiny SD 1.5 pipeline with DDPO's kernel (DDIM, eta 1), 2 iterations."""
     train, test = prompt_files
-    over = tiny_overrides(sd15, train, test, tmp_path / "run", **{
-        "run.mixed_precision": "no", "sampling.kernel": "ddim", "sampling.noise_level": 1.0,
-        "sampling.train_last_step": True, "rewards.geneval": "null", "rewards.jpeg_compressibility.weight": 1.0})
+    over = tiny_overrides(
+        sd15,
+        train,
+        test,
+        tmp_path / "run",
+        **{
+            "run.mixed_precision": "no",
+            "sampling.kernel": "ddim",
+            "sampling.noise_level": 1.0,
+            "sampling.train_last_step": True,
+            "rewards.geneval": "null",
+            "rewards.jpeg_compressibility.weight": 1.0,
+        },
+    )
     cfg = load_config(REPO / "configs" / "flow_grpo.yaml", over)
     trainer = Trainer(cfg)
     assert isinstance(trainer.model, SD15Model) and trainer.cfg.sampling.shift == 1.0
@@ -101,9 +120,20 @@ def test_ddpo_style_training_keeps_the_ratio_exactly_one_and_the_lora_loads_in_s
 def test_other_rollout_shapes_run_on_sd15(tmp_path, sd15, prompt_files):
     """A MixGRPO window (Flow-GRPO SDE inside, DDIM = Euler outside) runs unchanged on the mapped UNet."""
     train, test = prompt_files
-    over = tiny_overrides(sd15, train, test, tmp_path / "run", **{
-        "run.mixed_precision": "no", "run.iterations": 1, "sampling.num_steps": 4, "sampling.window.size": 2,
-        "rewards.geneval": "null", "rewards.jpeg_compressibility.weight": 1.0})
+    over = tiny_overrides(
+        sd15,
+        train,
+        test,
+        tmp_path / "run",
+        **{
+            "run.mixed_precision": "no",
+            "run.iterations": 1,
+            "sampling.num_steps": 4,
+            "sampling.window.size": 2,
+            "rewards.geneval": "null",
+            "rewards.jpeg_compressibility.weight": 1.0,
+        },
+    )
     Trainer(load_config(REPO / "configs" / "mix_grpo.yaml", over)).train()
     metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert metrics[0]["policy/ratio_first_max_dev"] == 0.0 and metrics[0]["cost/trained_transitions"] > 0
@@ -112,9 +142,11 @@ def test_other_rollout_shapes_run_on_sd15(tmp_path, sd15, prompt_files):
 def test_unsupported_settings_are_one_clear_config_error(tmp_path, sd15, prompt_files):
     assert model_class(sd15) is SD15Model
     train, test = prompt_files
-    cases = {"configs/diffusion_nft.yaml": ({}, "config key 'train.method': 'nft' (DiffusionNFT) needs a flow-matching"),
-             "configs/mix_grpo_flash.yaml": ({"sampling.num_steps": 5}, "config key 'sampling.window.flash_ratio'"),
-             "configs/flow_grpo.yaml": ({"sampling.shift": 3.0}, "config key 'sampling.shift'")}
+    cases = {
+        "configs/diffusion_nft.yaml": ({}, "config key 'train.method': 'nft' (DiffusionNFT) needs a flow-matching"),
+        "configs/mix_grpo_flash.yaml": ({"sampling.num_steps": 5}, "config key 'sampling.window.flash_ratio'"),
+        "configs/flow_grpo.yaml": ({"sampling.shift": 3.0}, "config key 'sampling.shift'"),
+    }
     for preset, (extra, message) in cases.items():
         over = tiny_overrides(sd15, train, test, tmp_path / "run", **extra)
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:
@@ -132,9 +164,19 @@ def test_the_ddpo_recipe_shrunk_onto_a_tiny_pipeline_trains(tmp_path, sd15, prom
     """configs/sd15_ddpo.yaml (DDPO's settings) with only its sizes and paths shrunk: DDIM at eta 1, every step
     trained, group statistics, two iterations with the ratio exactly 1 before each first step."""
     train, test = prompt_files
-    over = tiny_overrides(sd15, train, test, tmp_path / "run", **{
-        "run.mixed_precision": "no", "model.dtype": "float32", "model.resolution": "null", "train.micro_batch_size": "null",
-        "sampling.batch_size": 8})
+    over = tiny_overrides(
+        sd15,
+        train,
+        test,
+        tmp_path / "run",
+        **{
+            "run.mixed_precision": "no",
+            "model.dtype": "float32",
+            "model.resolution": "null",
+            "train.micro_batch_size": "null",
+            "sampling.batch_size": 8,
+        },
+    )
     cfg = load_config(REPO / "configs" / "sd15_ddpo.yaml", over)
     assert (cfg.sampling.kernel, cfg.sampling.noise_level, cfg.sampling.train_last_step) == ("ddim", 1.0, True)
     trainer = Trainer(cfg)
@@ -147,10 +189,16 @@ def test_the_ddpo_recipe_shrunk_onto_a_tiny_pipeline_trains(tmp_path, sd15, prom
 def test_the_ddpo_recipe_resumes_exactly(tmp_path, sd15, prompt_files):
     """configs/sd15_ddpo.yaml shrunk: 2 iterations straight and 1 iteration + a resume for the second end on the same
     weights and log the same second iteration (rollout noise, prompts and optimizer state restored)."""
-    extra = {"run.mixed_precision": "no", "model.dtype": "float32", "model.resolution": "null",
-             "train.micro_batch_size": "null", "sampling.batch_size": 8}
-    assert_resume_is_exact(REPO / "configs" / "sd15_ddpo.yaml",
-                           lambda out: tiny_overrides(sd15, *prompt_files, out, **extra), tmp_path)
+    extra = {
+        "run.mixed_precision": "no",
+        "model.dtype": "float32",
+        "model.resolution": "null",
+        "train.micro_batch_size": "null",
+        "sampling.batch_size": 8,
+    }
+    assert_resume_is_exact(
+        REPO / "configs" / "sd15_ddpo.yaml", lambda out: tiny_overrides(sd15, *prompt_files, out, **extra), tmp_path
+    )
 
 
 def test_the_random_pipeline_is_seeded(tmp_path, sd15):

@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-
 from conftest import ASSETS
 
 PIPELINE = ASSETS / "tiny-sd3"
@@ -26,7 +25,13 @@ def test_stock_pipeline_generates_an_image_without_a_dtype():
     pipe = StableDiffusion3Pipeline.from_pretrained(PIPELINE, text_encoder_3=None, tokenizer_3=None)
     for name in ("text_encoder", "text_encoder_2", "transformer", "vae"):
         assert getattr(pipe, name).dtype == torch.float32, name
-    images = pipe(prompt="a photo of a red star", height=64, width=64, num_inference_steps=2, output_type="pt",
-                  generator=torch.Generator().manual_seed(0)).images
+    images = pipe(
+        prompt="a photo of a red star",
+        height=64,
+        width=64,
+        num_inference_steps=2,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(0),
+    ).images
     assert images.shape == (1, 3, 64, 64) and images.dtype == torch.float32
     assert torch.isfinite(images).all() and 0 <= images.min() and images.max() <= 1

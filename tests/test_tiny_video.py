@@ -7,14 +7,22 @@ import random
 import numpy as np
 import pytest
 import torch
-from scipy import ndimage
-from safetensors.torch import load_file
-
 from conftest import REPO
+from safetensors.torch import load_file
+from scipy import ndimage
+
 from flowrl.data import read_prompts
-from flowrl.tiny.video import HELD_OUT_PAIRS, all_metadata, make_metadata, render_clip, render_dataset, sample_clip, split
 from flowrl.rewards import build_reward
 from flowrl.rewards.motion_world import DIRECTIONS, NUM_FRAMES, SPEED, VIDEO_SIZE, check_motion_metadata, judge_video
+from flowrl.tiny.video import (
+    HELD_OUT_PAIRS,
+    all_metadata,
+    make_metadata,
+    render_clip,
+    render_dataset,
+    sample_clip,
+    split,
+)
 
 
 def _as_tensor(videos: np.ndarray) -> torch.Tensor:
@@ -92,7 +100,9 @@ def test_prompt_files_match_the_generator_and_hold_out_pairs():
     assert read_prompts(REPO / "assets/prompts/video_test.jsonl") == json.loads(json.dumps(test))
     for m in train + test:
         check_motion_metadata(m)
-        assert m["prompt"].endswith(f"{m['color']} {m['shape']} moving {m['direction']}") and m["tag"] == m["direction"]
+        assert (
+            m["prompt"].endswith(f"{m['color']} {m['shape']} moving {m['direction']}") and m["tag"] == m["direction"]
+        )
     assert all((m["color"], m["direction"]) in HELD_OUT_PAIRS for m in test)
     assert not any((m["color"], m["direction"]) in HELD_OUT_PAIRS for m in train)
     assert {m["prompt"] for m in train}.isdisjoint(m["prompt"] for m in test)
@@ -126,20 +136,40 @@ def test_builder_makes_a_pipeline_stock_diffusers_and_flowrl_load(tmp_path):
     prompts = ["a red circle moving left", "a white star moving up"]
     # the builder's differentiable conditioning is the stock pipeline's encode_prompt
     stock, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=MAX_TOKENS)
-    tokens = pipe.tokenizer(prompts, padding="max_length", max_length=MAX_TOKENS, truncation=True,
-                            return_attention_mask=True, return_tensors="pt")
+    tokens = pipe.tokenizer(
+        prompts,
+        padding="max_length",
+        max_length=MAX_TOKENS,
+        truncation=True,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
     with torch.no_grad():
         ours = umt5_condition(pipe.text_encoder, tokens.input_ids, tokens.attention_mask)
     # the same float32 encoder summed in other orders (batch and mask handling): a few ulps per layer apart on some
     # CPUs (1 element of 2048 1.2e-6 apart, relative 9e-7, on an AVX2-only one), not bit-equal
     torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-6)
-    assert pipe.tokenizer.tokenize("a red circle moving left") == ["\u2581a", "\u2581red", "\u2581circle", "\u2581moving",
-                                                                  "\u2581left"]
+    assert pipe.tokenizer.tokenize("a red circle moving left") == [
+        "\u2581a",
+        "\u2581red",
+        "\u2581circle",
+        "\u2581moving",
+        "\u2581left",
+    ]
     with torch.no_grad():
-        frames = pipe(prompts[0], num_frames=NUM_FRAMES, height=VIDEO_SIZE, width=VIDEO_SIZE, num_inference_steps=1,
-                      max_sequence_length=MAX_TOKENS, output_type="pt").frames
+        frames = pipe(
+            prompts[0],
+            num_frames=NUM_FRAMES,
+            height=VIDEO_SIZE,
+            width=VIDEO_SIZE,
+            num_inference_steps=1,
+            max_sequence_length=MAX_TOKENS,
+            output_type="pt",
+        ).frames
     assert frames.shape == (1, NUM_FRAMES, 3, VIDEO_SIZE, VIDEO_SIZE)
-    model = load_model(tmp_path / "tiny-wan", max_sequence_length=MAX_TOKENS, resolution=VIDEO_SIZE, num_frames=NUM_FRAMES)
+    model = load_model(
+        tmp_path / "tiny-wan", max_sequence_length=MAX_TOKENS, resolution=VIDEO_SIZE, num_frames=NUM_FRAMES
+    )
     assert isinstance(model, WanModel) and model.latent_shape == (16, 3, 8, 8)
     # --vae-from: the earlier build's VAE, weights and latent statistics as they were; the same seed trains it again
     build(tmp_path / "again", seed=0, n_clips=8, dit_steps=1, dit_batch=2, vae_from=tmp_path / "tiny-wan")
@@ -167,10 +197,21 @@ def test_main_job_runs_from_the_cli_on_the_shipped_model(tmp_path, capsys):
     reports each configured reward, and the command's summary line names them (not GenEval's accuracy)."""
     from flowrl.cli import main
 
-    main(["train", str(REPO / "configs/tiny_video.yaml"), f"model.path={REPO / 'assets/tiny-wan'}",
-          f"run.output_dir={tmp_path / 'run'}", "run.iterations=2", "sampling.num_steps=2",
-          "sampling.group_size=2", "sampling.prompts_per_iteration=2", "sampling.batch_size=4", "eval.num_steps=2",
-          "train.minibatch_size=16"])
+    main(
+        [
+            "train",
+            str(REPO / "configs/tiny_video.yaml"),
+            f"model.path={REPO / 'assets/tiny-wan'}",
+            f"run.output_dir={tmp_path / 'run'}",
+            "run.iterations=2",
+            "sampling.num_steps=2",
+            "sampling.group_size=2",
+            "sampling.prompts_per_iteration=2",
+            "sampling.batch_size=4",
+            "eval.num_steps=2",
+            "train.minibatch_size=16",
+        ]
+    )
     result = json.loads((tmp_path / "run/eval.json").read_text())
     for when in ("before", "after"):
         assert set(result[when]["per_reward"]) == {"motion_world", "motion_world_direction", "motion_world_strict"}

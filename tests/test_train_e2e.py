@@ -6,9 +6,9 @@ import sys
 
 import pytest
 import torch
+from conftest import tiny_overrides
 from safetensors.torch import load_file
 
-from conftest import tiny_overrides
 from flowrl.config import ConfigError, load_config
 from flowrl.trainer import Trainer
 
@@ -16,9 +16,6 @@ from flowrl.trainer import Trainer
 def nan_reward(images, prompts, metadata):
     """A user reward that is broken on purpose."""
     return torch.full((len(prompts),), float("nan"))
-
-
-
 
 
 def _config(tmp_path, random_pipeline, prompt_files, out="run", rewards="jpeg_compressibility", **extra):
@@ -43,8 +40,16 @@ def test_run_folder_has_every_artefact(finished_run):
     from pathlib import Path
 
     out = Path(out)
-    for name in ("config.yaml", "metrics.jsonl", "eval.json", "reward_curve.png", "grid.png", "diagnostics.png", "lora/pytorch_lora_weights.safetensors",
-                 "checkpoints/checkpoint-000002/trainable.safetensors"):
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "eval.json",
+        "reward_curve.png",
+        "grid.png",
+        "diagnostics.png",
+        "lora/pytorch_lora_weights.safetensors",
+        "checkpoints/checkpoint-000002/trainable.safetensors",
+    ):
         assert (out / name).is_file(), name
     metrics = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["iteration"] for m in metrics] == [1, 2]
@@ -87,8 +92,12 @@ def test_lora_loads_in_stock_diffusers(finished_run, random_pipeline):
     pipe = StableDiffusion3Pipeline.from_pretrained(random_pipeline, text_encoder_3=None, tokenizer_3=None)
     x = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(0))
     emb = trainer.model.encode(["a photo of a star", "a photo of two circles"])
-    kwargs = dict(hidden_states=x, encoder_hidden_states=emb.embeds, pooled_projections=emb.pooled,
-                  timestep=torch.tensor([500.0, 500.0]))
+    kwargs = dict(
+        hidden_states=x,
+        encoder_hidden_states=emb.embeds,
+        pooled_projections=emb.pooled,
+        timestep=torch.tensor([500.0, 500.0]),
+    )
     with torch.no_grad():
         base = pipe.transformer(**kwargs).sample
         pipe.load_lora_weights(str(Path(cfg.run.output_dir) / "lora"))
@@ -103,16 +112,21 @@ def test_full_finetuning_writes_a_pipeline_that_loads_in_stock_diffusers(tmp_pat
 
     from diffusers import StableDiffusion3Pipeline
 
-    cfg = _config(tmp_path, random_pipeline, prompt_files, **{"model.lora_rank": 0, "run.iterations": 1,
-                                                               "run.mixed_precision": "no"})
+    cfg = _config(
+        tmp_path,
+        random_pipeline,
+        prompt_files,
+        **{"model.lora_rank": 0, "run.iterations": 1, "run.mixed_precision": "no"},
+    )
     with pytest.warns(UserWarning, match="run.keep_checkpoints unset keeps all 1 checkpoints"):
         trainer = Trainer(cfg)
     before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     trainer.train()
     out = Path(cfg.run.output_dir)
     assert not (out / "lora").exists()
-    saved = StableDiffusion3Pipeline.from_pretrained(out / "pipeline", text_encoder_3=None,
-                                                     tokenizer_3=None).transformer.state_dict()
+    saved = StableDiffusion3Pipeline.from_pretrained(
+        out / "pipeline", text_encoder_3=None, tokenizer_3=None
+    ).transformer.state_dict()
     trained = {n: p.detach() for n, p in trainer.policy.params.items()}
     assert set(trained) <= set(saved)  # the state dict also holds buffers (the position embedding)
     assert any(not torch.equal(trained[n], before[n]) for n in trained)  # it trained, and what it wrote is that
@@ -124,15 +138,26 @@ def test_resume_continues_a_killed_run_exactly(tmp_path, random_pipeline, prompt
     cfg_full = finished_run[0]
     from pathlib import Path
 
-    part = _config(tmp_path, random_pipeline, prompt_files, out="part", **{"run.mixed_precision": "no", "run.iterations": 1})
+    part = _config(
+        tmp_path, random_pipeline, prompt_files, out="part", **{"run.mixed_precision": "no", "run.iterations": 1}
+    )
     Trainer(part).train()  # "killed" after iteration 1 (its checkpoint is all that counts)
     first_config = (tmp_path / "part/config.yaml").read_text()
     with open(tmp_path / "part/metrics.jsonl", "a") as f:
         f.write('{"iteration": 2, "reward/to')  # a line torn by the crash
     # the resumed part also recomputes activations in backward: the update must not change
-    resumed = _config(tmp_path, random_pipeline, prompt_files, out="part",
-                      **{"run.mixed_precision": "no", "run.resume": "true", "run.keep_checkpoints": 1,
-                         "train.gradient_checkpointing": "true"})
+    resumed = _config(
+        tmp_path,
+        random_pipeline,
+        prompt_files,
+        out="part",
+        **{
+            "run.mixed_precision": "no",
+            "run.resume": "true",
+            "run.keep_checkpoints": 1,
+            "train.gradient_checkpointing": "true",
+        },
+    )
     trainer = Trainer(resumed)
     assert trainer.model.transformer.is_gradient_checkpointing
     trainer.train()
@@ -146,7 +171,9 @@ def test_resume_continues_a_killed_run_exactly(tmp_path, random_pipeline, prompt
     assert (tmp_path / "part/config.yaml").read_text() == first_config  # the first part's config is kept
     assert "resume: true" in (tmp_path / "part/config-resume-000001.yaml").read_text()
     assert (tmp_path / "part/checkpoints/checkpoint-000002/lora").is_dir()  # sealed inside the checkpoint
-    assert sorted(p.name for p in (tmp_path / "part/checkpoints").iterdir()) == ["checkpoint-000002"]  # keep_checkpoints=1
+    assert sorted(p.name for p in (tmp_path / "part/checkpoints").iterdir()) == [
+        "checkpoint-000002"
+    ]  # keep_checkpoints=1
 
 
 def test_existing_run_folder_needs_resume(tmp_path, random_pipeline, prompt_files):
@@ -202,12 +229,36 @@ def test_cli_sample_and_eval(tmp_path, random_pipeline, prompt_files, finished_r
     from pathlib import Path
 
     lora = Path(finished_run[0].run.output_dir) / "lora"
-    r = _cli("sample", "--model", random_pipeline, "--lora", lora, "--prompt", "a photo of a star", "-n", 2,
-             "--num-steps", 2, "--out", tmp_path / "g.png")
+    r = _cli(
+        "sample",
+        "--model",
+        random_pipeline,
+        "--lora",
+        lora,
+        "--prompt",
+        "a photo of a star",
+        "-n",
+        2,
+        "--num-steps",
+        2,
+        "--out",
+        tmp_path / "g.png",
+    )
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "g.png").is_file()
-    r = _cli("eval", "--model", random_pipeline, "--prompts", prompt_files[1], "--images-per-tag", 1, "--num-steps", 2,
-             "--out", tmp_path / "e.json")
+    r = _cli(
+        "eval",
+        "--model",
+        random_pipeline,
+        "--prompts",
+        prompt_files[1],
+        "--images-per-tag",
+        1,
+        "--num-steps",
+        2,
+        "--out",
+        tmp_path / "e.json",
+    )
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "e.json").read_text())
     assert set(result["per_tag"]) == {"single_object", "two_object", "counting", "colors", "position", "color_attr"}
@@ -226,8 +277,19 @@ def test_accelerate_fp16_is_refused_before_the_model_loads(tmp_path):
     import os
 
     env = {**os.environ, "ACCELERATE_MIXED_PRECISION": "fp16"}  # what `accelerate launch --mixed_precision fp16` sets
-    r = subprocess.run([sys.executable, "-m", "flowrl.cli", "train", "configs/tiny_geneval.yaml",
-                        f"run.output_dir={tmp_path / 'run'}"], capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flowrl.cli",
+            "train",
+            "configs/tiny_geneval.yaml",
+            f"run.output_dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert r.returncode == 2 and "fp16" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "run/metrics.jsonl").exists()
 
@@ -236,15 +298,25 @@ def test_accelerate_bf16_without_run_bf16_is_warned_about(tmp_path):
     import os
 
     env = {**os.environ, "ACCELERATE_MIXED_PRECISION": "bf16"}  # what `accelerate launch --mixed_precision bf16` sets
-    code = ("from flowrl.config import load_config; from flowrl.trainer import Trainer; "
-            f"Trainer(load_config('configs/tiny_geneval.yaml', ['run.output_dir={tmp_path / 'run'}', 'run.device=cpu']))")
-    r = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True, env=env)
+    code = (
+        "from flowrl.config import load_config; from flowrl.trainer import Trainer; "
+        f"Trainer(load_config('configs/tiny_geneval.yaml', ['run.output_dir={tmp_path / 'run'}', 'run.device=cpu']))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True, env=env
+    )
     assert r.returncode != 0 and "run.mixed_precision" in r.stderr and "is not used" in r.stderr, r.stderr[-2000:]
 
 
 def test_mix_grpo_window_moves_counts_nfe_and_resumes(tmp_path, random_pipeline, prompt_files):
-    mix = {"run.mixed_precision": "no", "sampling.num_steps": 6, "sampling.window.size": 2, "sampling.window.interval": 1,
-           "sampling.window.flash_ratio": 0.5, "run.iterations": 3}
+    mix = {
+        "run.mixed_precision": "no",
+        "sampling.num_steps": 6,
+        "sampling.window.size": 2,
+        "sampling.window.interval": 1,
+        "sampling.window.flash_ratio": 0.5,
+        "run.iterations": 3,
+    }
     Trainer(_config(tmp_path, random_pipeline, prompt_files, out="full", **mix)).train()
     full = [json.loads(l) for l in (tmp_path / "full/metrics.jsonl").read_text().splitlines()]
     assert [m["sampling/window_start"] for m in full] == [0, 1, 2]
@@ -258,8 +330,15 @@ def test_mix_grpo_window_moves_counts_nfe_and_resumes(tmp_path, random_pipeline,
 
 
 def test_branch_grpo_tree_run_prunes_and_counts(tmp_path, random_pipeline, prompt_files):
-    tree = {"run.mixed_precision": "no", "sampling.num_steps": 5, "sampling.group_size": 4,
-            "sampling.shape": "tree", "sampling.tree.split_steps": "[0,2]", "sampling.tree.width_keep": 1, "sampling.tree.fusion": "prob"}
+    tree = {
+        "run.mixed_precision": "no",
+        "sampling.num_steps": 5,
+        "sampling.group_size": 4,
+        "sampling.shape": "tree",
+        "sampling.tree.split_steps": "[0,2]",
+        "sampling.tree.width_keep": 1,
+        "sampling.tree.fusion": "prob",
+    }
     result = Trainer(_config(tmp_path, random_pipeline, prompt_files, **tree)).train()
     metrics = [json.loads(l) for l in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     # 2 prompts: per tree 1 + 2 + 2 + 4 + 4 velocity rows over the 5 steps, doubled by CFG
@@ -273,8 +352,15 @@ def test_branch_grpo_tree_run_prunes_and_counts(tmp_path, random_pipeline, promp
 
 
 def test_grpo_guard_run_logs_per_step_diagnostics(tmp_path, random_pipeline, prompt_files):
-    guard = {"run.mixed_precision": "no", "train.ratio_norm": "true", "train.step_weighting": "guard",
-             "train.kl_beta": 0.01, "train.kl_type": "velocity", "sampling.kernel": "dance_sde", "sampling.noise_level": 0.3}
+    guard = {
+        "run.mixed_precision": "no",
+        "train.ratio_norm": "true",
+        "train.step_weighting": "guard",
+        "train.kl_beta": 0.01,
+        "train.kl_type": "velocity",
+        "sampling.kernel": "dance_sde",
+        "sampling.noise_level": 0.3,
+    }
     Trainer(_config(tmp_path, random_pipeline, prompt_files, **guard)).train()
     metrics = [json.loads(l) for l in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert all(m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)  # RatioNorm of a zero move is exactly 0
@@ -283,8 +369,13 @@ def test_grpo_guard_run_logs_per_step_diagnostics(tmp_path, random_pipeline, pro
 
 
 def test_advantage_aggregation_and_best_of_n_run(tmp_path, random_pipeline, prompt_files):
-    over = {"run.mixed_precision": "no", "rewards.jpeg_incompressibility.weight": 0.5, "sampling.group_size": 4,
-            "train.reward_aggregation": "advantage", "train.best_of_n": 2}
+    over = {
+        "run.mixed_precision": "no",
+        "rewards.jpeg_incompressibility.weight": 0.5,
+        "sampling.group_size": 4,
+        "train.reward_aggregation": "advantage",
+        "train.best_of_n": 2,
+    }
     Trainer(_config(tmp_path, random_pipeline, prompt_files, **over)).train()
     metrics = [json.loads(l) for l in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     # best-of-2 of 4 per group: half the samples' transitions (2 prompts x 2 kept x 2 trained steps)
@@ -312,17 +403,40 @@ def test_bf16_decode_gives_float32_images_close_to_the_float32_decode(tmp_path, 
     assert 0 < (half - full).abs().max() < 0.05  # bf16 really ran, and the images agree
     with pytest.raises(ConfigError, match="sampling.decode_precision"):
         _config(tmp_path, random_pipeline, prompt_files, **{"sampling.decode_precision": "fp16"})
-    cfg = _config(tmp_path, random_pipeline, prompt_files, **{"sampling.decode_precision": "no",  # a bare `no`, as typed
-                                                              "sampling.ode_precision": "no"})
+    cfg = _config(
+        tmp_path,
+        random_pipeline,
+        prompt_files,
+        **{
+            "sampling.decode_precision": "no",  # a bare `no`, as typed
+            "sampling.ode_precision": "no",
+        },
+    )
     assert (cfg.sampling.decode_precision, cfg.sampling.ode_precision) == ("no", "no")
 
 
 @pytest.mark.parametrize("tree", [False, True])
-def test_rollout_images_decode_in_decode_precision_whatever_the_rollout_precision(tmp_path, random_pipeline, prompt_files, tree):
-    extra = {"sampling.shape": "tree", "sampling.tree.split_steps": "[0]", "sampling.tree.branch": 2,
-             "sampling.kernel": "dance_sde"} if tree else {}
-    trainer = Trainer(_config(tmp_path, random_pipeline, prompt_files, **{"run.mixed_precision": "bf16",
-                                                                         "sampling.decode_precision": "no", **extra}))
+def test_rollout_images_decode_in_decode_precision_whatever_the_rollout_precision(
+    tmp_path, random_pipeline, prompt_files, tree
+):
+    extra = (
+        {
+            "sampling.shape": "tree",
+            "sampling.tree.split_steps": "[0]",
+            "sampling.tree.branch": 2,
+            "sampling.kernel": "dance_sde",
+        }
+        if tree
+        else {}
+    )
+    trainer = Trainer(
+        _config(
+            tmp_path,
+            random_pipeline,
+            prompt_files,
+            **{"run.mixed_precision": "bf16", "sampling.decode_precision": "no", **extra},
+        )
+    )
     assert (trainer.method.shape.name == "tree") == tree
     seen, decode = [], trainer.model.decode
     trainer.model.decode = lambda latents: seen.append(torch.is_autocast_enabled("cpu")) or decode(latents)
@@ -335,7 +449,9 @@ def _captured_grads(trainer):
     move the weights by the same random amount between the rollout and the training pass, as an earlier
     update would: the ratio then differs from 1, some transitions are clipped and the KL is not 0."""
     grads = []
-    trainer.policy.optimizer.step = lambda *a, **k: grads.append([p.grad.clone() for p in trainer.policy.params.values()])
+    trainer.policy.optimizer.step = lambda *a, **k: grads.append(
+        [p.grad.clone() for p in trainer.policy.params.values()]
+    )
     optimize = trainer.method.optimize
 
     def moved_then_optimize(*args, **kwargs):
@@ -350,18 +466,26 @@ def _captured_grads(trainer):
 
 
 def test_micro_batches_accumulate_the_minibatch_gradient(tmp_path, random_pipeline, prompt_files):
-    extra = {"run.mixed_precision": "no", "train.minibatch_size": 5, "train.kl_beta": 0.05,
-             "train.step_weighting": "noise_aware", "train.max_grad_norm": 1e9}
+    extra = {
+        "run.mixed_precision": "no",
+        "train.minibatch_size": 5,
+        "train.kl_beta": 0.05,
+        "train.step_weighting": "noise_aware",
+        "train.max_grad_norm": 1e9,
+    }
     whole = Trainer(_config(tmp_path, random_pipeline, prompt_files, out="whole", **extra))
-    micro = Trainer(_config(tmp_path, random_pipeline, prompt_files, out="micro", **extra,
-                            **{"train.micro_batch_size": 2}))  # chunks of 2, 2, 1
+    micro = Trainer(
+        _config(tmp_path, random_pipeline, prompt_files, out="micro", **extra, **{"train.micro_batch_size": 2})
+    )  # chunks of 2, 2, 1
     g_whole, g_micro = _captured_grads(whole), _captured_grads(micro)
     m_whole, m_micro = whole.step(0), micro.step(0)
     assert len(g_whole) == len(g_micro) == m_whole["policy/optimizer_steps"] >= 2
     for a, b in zip(g_whole, g_micro):
         for x, y in zip(a, b):
             torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5 * x.abs().max().item())  # summation order only
-    assert m_whole["policy/kl"] > 0 and 0 < m_whole["policy/clipfrac"] < 1 and m_whole["policy/ratio_first_max_dev"] > 0
+    assert (
+        m_whole["policy/kl"] > 0 and 0 < m_whole["policy/clipfrac"] < 1 and m_whole["policy/ratio_first_max_dev"] > 0
+    )
     for key in ("policy/loss", "policy/kl", "policy/clipfrac", "policy/ratio_first_max_dev", "policy/approx_kl"):
         assert m_micro[key] == pytest.approx(m_whole[key], rel=1e-4, abs=1e-9), key
 
@@ -381,8 +505,19 @@ def test_held_out_prompts_are_evaluated_before_and_after_and_printed(tmp_path, r
 
     train, test = prompt_files
     (tmp_path / "c.yaml").write_text("rewards:\n  jpeg_compressibility:\n    weight: 1.0\n")
-    main(["train", str(tmp_path / "c.yaml"), *tiny_overrides(random_pipeline, train, train, tmp_path / "run", **{
-        "run.iterations": 1, "eval.held_out": str(test), "eval.held_out_images_per_tag": 2})])
+    main(
+        [
+            "train",
+            str(tmp_path / "c.yaml"),
+            *tiny_overrides(
+                random_pipeline,
+                train,
+                train,
+                tmp_path / "run",
+                **{"run.iterations": 1, "eval.held_out": str(test), "eval.held_out_images_per_tag": 2},
+            ),
+        ]
+    )
     result = json.loads((tmp_path / "run/eval.json").read_text())
     tags = {json.loads(line)["tag"] for line in test.read_text().splitlines()}
     for when in ("before", "after"):
@@ -403,8 +538,12 @@ def test_trainer_takes_reward_callables_directly_as_trl_does(tmp_path, random_pi
         return images.flatten(1).mean(1)
 
     train, test = prompt_files
-    cfg = flowrl.load_config(None, tiny_overrides(random_pipeline, train, test, tmp_path / "run", **{
-        "run.iterations": 1, "eval.prompts": str(train)}))
+    cfg = flowrl.load_config(
+        None,
+        tiny_overrides(
+            random_pipeline, train, test, tmp_path / "run", **{"run.iterations": 1, "eval.prompts": str(train)}
+        ),
+    )
     trainer = flowrl.Trainer(cfg, rewards={"brightness": (brightness, 2.0)})
     assert list(trainer.rewards.rewards) == ["brightness"] and trainer.rewards.rewards["brightness"][1] == 2.0
     assert list(trainer.cfg.rewards) == ["brightness"] and list(cfg.rewards) == ["geneval"]  # the caller's is kept
@@ -419,8 +558,19 @@ def test_trainer_takes_reward_callables_directly_as_trl_does(tmp_path, random_pi
 
 def test_the_public_face_is_importable_from_flowrl():
     import flowrl
-    from flowrl import (KERNELS, METHODS, REWARDS, Config, Trainer, autocast, evaluate, generate, load_config,
-                        load_model, register_reward)
+    from flowrl import (
+        KERNELS,
+        METHODS,
+        REWARDS,
+        Config,
+        Trainer,
+        autocast,
+        evaluate,
+        generate,
+        load_config,
+        load_model,
+        register_reward,
+    )
 
     assert callable(evaluate) and callable(generate) and callable(load_model) and callable(register_reward)
     assert "grpo" in METHODS and "flow_sde" in KERNELS and "geneval" in REWARDS and callable(autocast)

@@ -73,17 +73,29 @@ def test_config_rejects_unknown_and_bad_keys(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
-@pytest.mark.parametrize("override, key", [
-    ("train.max_grad_norm=-1", "train.max_grad_norm"), ("train.inner_epochs=0", "train.inner_epochs"),
-    ("train.kl_beta=-0.1", "train.kl_beta"), ("train.adv_clip_max=0", "train.adv_clip_max"),
-    ("train.weight_decay=-1", "train.weight_decay"), ("train.adam_betas=[2,3]", "train.adam_betas"),
-    ("model.lora_alpha=0", "model.lora_alpha"), ("eval.every=-1", "eval.every"), ("eval.num_steps=0", "eval.num_steps"),
-    ("run.save_every=0", "run.save_every"), ("run.device=gpu", "run.device"), ("run.mixed_precision=fp16", "run.mixed_precision"),
-    ("sampling.batch_size=0", "sampling.batch_size"), ("sampling.prompts_per_iteration=0", "sampling.prompts_per_iteration"),
-    ("sampling.shift=0", "sampling.shift"), ("sampling.window.stride=-1", "sampling.window.stride"),
-    ("sampling.window.min_interval=0", "sampling.window.min_interval"),
-    ("sampling.tree.flash_ratio=1.5", "sampling.tree.flash_ratio"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.max_grad_norm=-1", "train.max_grad_norm"),
+        ("train.inner_epochs=0", "train.inner_epochs"),
+        ("train.kl_beta=-0.1", "train.kl_beta"),
+        ("train.adv_clip_max=0", "train.adv_clip_max"),
+        ("train.weight_decay=-1", "train.weight_decay"),
+        ("train.adam_betas=[2,3]", "train.adam_betas"),
+        ("model.lora_alpha=0", "model.lora_alpha"),
+        ("eval.every=-1", "eval.every"),
+        ("eval.num_steps=0", "eval.num_steps"),
+        ("run.save_every=0", "run.save_every"),
+        ("run.device=gpu", "run.device"),
+        ("run.mixed_precision=fp16", "run.mixed_precision"),
+        ("sampling.batch_size=0", "sampling.batch_size"),
+        ("sampling.prompts_per_iteration=0", "sampling.prompts_per_iteration"),
+        ("sampling.shift=0", "sampling.shift"),
+        ("sampling.window.stride=-1", "sampling.window.stride"),
+        ("sampling.window.min_interval=0", "sampling.window.min_interval"),
+        ("sampling.tree.flash_ratio=1.5", "sampling.tree.flash_ratio"),
+    ],
+)
 def test_config_range_errors_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config("configs/tiny_geneval.yaml", [override])
@@ -95,13 +107,17 @@ def test_config_cross_field_errors_name_the_key():
     with pytest.raises(ConfigError, match="sampling.tree.sde_steps"):  # not blamed on split_steps
         load_config(None, ["sampling.shape=tree", "sampling.tree.split_steps=[0,2,4]", "sampling.tree.sde_steps=[99]"])
     with pytest.raises(ConfigError, match="sampling.tree.depth_prune"):
-        load_config(None, ["sampling.shape=tree", "sampling.tree.split_steps=[0,2,4]", "sampling.tree.depth_prune=[99]"])
+        load_config(
+            None, ["sampling.shape=tree", "sampling.tree.split_steps=[0,2,4]", "sampling.tree.depth_prune=[99]"]
+        )
     tree = ["sampling.shape=tree", "sampling.tree.split_steps=[0,2,4]", "sampling.tree.flash_ratio=0.4"]
     with pytest.raises(ConfigError, match="sampling.tree.split_steps.*unless sampling.shape is 'tree'"):
         load_config(None, ["sampling.tree.split_steps=[0,2,4]"])  # a tree's settings without the tree shape
     with pytest.raises(ConfigError, match="sampling.shape"):
         load_config(None, ["sampling.shape=spiral"])
-    with pytest.raises(ConfigError, match="sampling.tree.flash_ratio.*every step is SDE"):  # all SDE: no tail to re-space
+    with pytest.raises(
+        ConfigError, match="sampling.tree.flash_ratio.*every step is SDE"
+    ):  # all SDE: no tail to re-space
         load_config(None, tree)
     with pytest.raises(ConfigError, match="sampling.tree.flash_ratio.*last SDE step is 9, the last step 9"):
         load_config(None, [*tree, "sampling.tree.sde_steps=[0,9]"])
@@ -180,8 +196,12 @@ def test_prune_checkpoints_keeps_the_newest_complete_ones(tmp_path):
     (tmp_path / "checkpoint-000000.tar").write_text("")  # a stray file that only looks like a checkpoint
     deleted = prune_checkpoints(tmp_path, 2)
     assert [p.name for p in deleted] == ["checkpoint-000001"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000000.tar", "checkpoint-000002", "checkpoint-000003",
-                                                          "checkpoint-000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint-000000.tar",
+        "checkpoint-000002",
+        "checkpoint-000003",
+        "checkpoint-000004",
+    ]
     assert latest_checkpoint(tmp_path).name == "checkpoint-000003"
     torn = save_checkpoint(tmp_path, 5, {"w": w}, opt)
     (torn / "state.json").write_text('{"iter')  # damaged: not complete, so keep=1 keeps checkpoint 3 ...
@@ -211,7 +231,9 @@ def test_timestep_fraction_trains_that_share_of_each_samples_steps():
 
     plan = StepPlan.sde(6)  # 5 trained steps per sample
     x = torch.randn(4, 2, 4, 4, generator=torch.Generator().manual_seed(0))
-    ro = sample(lambda x, t, c: torch.tanh(x), x, torch.zeros(4, dtype=torch.long), torch.arange(4), flow_sigmas(6), plan)
+    ro = sample(
+        lambda x, t, c: torch.tanh(x), x, torch.zeros(4, dtype=torch.long), torch.arange(4), flow_sigmas(6), plan
+    )
     keep = step_subset(ro, 0.6, torch.Generator().manual_seed(1))
     per_leaf = torch.bincount(ro.leaf[keep], minlength=4)
     assert per_leaf.tolist() == [3, 3, 3, 3]  # ceil(0.6 * 5)
@@ -227,15 +249,29 @@ def test_one_policy_update_favours_positive_advantages(tmp_path, random_pipeline
 
     from conftest import tiny_overrides
 
-    spec = importlib.util.spec_from_file_location("psc", Path(__file__).parent.parent / "benchmarks" / "policy_step_check.py")
+    spec = importlib.util.spec_from_file_location(
+        "psc", Path(__file__).parent.parent / "benchmarks" / "policy_step_check.py"
+    )
     psc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(psc)
     train, test = prompt_files
-    over = tiny_overrides(random_pipeline, train, test, tmp_path / "run", **{
-        "run.mixed_precision": "no", "train.minibatch_size": 1000, "train.learning_rate": 1e-2,
-        "sampling.group_size": 4, "sampling.prompts_per_iteration": 2})
+    over = tiny_overrides(
+        random_pipeline,
+        train,
+        test,
+        tmp_path / "run",
+        **{
+            "run.mixed_precision": "no",
+            "train.minibatch_size": 1000,
+            "train.learning_rate": 1e-2,
+            "sampling.group_size": 4,
+            "sampling.prompts_per_iteration": 2,
+        },
+    )
     result = psc.main([o for o in over if not o.startswith("run.output_dir")] + [f"run.output_dir={tmp_path}/run"])
-    assert result["optimizer_steps"] == 1 and result["corr_change_advantage"] > 0.05  # 0.15 here; a flipped loss sign gives < 0
+    assert (
+        result["optimizer_steps"] == 1 and result["corr_change_advantage"] > 0.05
+    )  # 0.15 here; a flipped loss sign gives < 0
 
 
 def test_tag_means_averages_each_tag_and_names_length_mismatch():

@@ -29,9 +29,18 @@ def test_tree_without_splits_is_flat_sampling():
 def test_root_split_is_the_flat_group_with_shared_noise():
     noise, cond, group = _inputs(2)
     plan, sigmas = StepPlan.sde(4), flow_sigmas(4, 3.0)
-    tree = sample_tree(velocity, noise, cond, group, sigmas, plan, [3, 1, 1, 1], generator=torch.Generator().manual_seed(2))
-    flat = sample(velocity, noise.repeat_interleave(3, 0), cond.repeat_interleave(3), group.repeat_interleave(3), sigmas,
-                  plan, generator=torch.Generator().manual_seed(2))
+    tree = sample_tree(
+        velocity, noise, cond, group, sigmas, plan, [3, 1, 1, 1], generator=torch.Generator().manual_seed(2)
+    )
+    flat = sample(
+        velocity,
+        noise.repeat_interleave(3, 0),
+        cond.repeat_interleave(3),
+        group.repeat_interleave(3),
+        sigmas,
+        plan,
+        generator=torch.Generator().manual_seed(2),
+    )
     torch.testing.assert_close(tree.final, flat.final, rtol=0, atol=0)
     torch.testing.assert_close(tree.log_prob, flat.log_prob, rtol=0, atol=0)
     assert torch.equal(tree.group, flat.group)
@@ -42,9 +51,18 @@ def test_root_split_is_the_flat_group_with_shared_noise():
 def test_shared_noise_runs_the_ode_prefix_once_per_group(window, flash):
     noise, cond, group = _inputs(2)
     sigmas, plan = mix_plan(flow_sigmas(8, 3.0), window, flash_ratio=flash)
-    shared = sample_shared_noise(velocity, noise, cond, group, sigmas, plan, 3, generator=torch.Generator().manual_seed(4))
-    flat = sample(velocity, noise.repeat_interleave(3, 0), cond.repeat_interleave(3), group.repeat_interleave(3), sigmas,
-                  plan, generator=torch.Generator().manual_seed(4))
+    shared = sample_shared_noise(
+        velocity, noise, cond, group, sigmas, plan, 3, generator=torch.Generator().manual_seed(4)
+    )
+    flat = sample(
+        velocity,
+        noise.repeat_interleave(3, 0),
+        cond.repeat_interleave(3),
+        group.repeat_interleave(3),
+        sigmas,
+        plan,
+        generator=torch.Generator().manual_seed(4),
+    )
     for name in ("final", "state", "next_state", "mean", "log_prob", "std"):
         torch.testing.assert_close(getattr(shared, name), getattr(flat, name), rtol=0, atol=1e-6, msg=name)
     for name in ("leaf", "node", "parent", "depth", "step", "trained", "cond", "group", "leaf_node", "leaf_cond"):
@@ -84,8 +102,9 @@ def test_batched_tree_equals_node_by_node_and_counts_nfe():
     plan, sigmas = StepPlan.sde(4, train_last=True), flow_sigmas(4, 3.0)
     branch = [2, 1, 2, 1]
     a = sample_tree(velocity, noise, cond, group, sigmas, plan, branch, generator=torch.Generator().manual_seed(3))
-    b = sample_tree(velocity, noise, cond, group, sigmas, plan, branch, generator=torch.Generator().manual_seed(3),
-                    batched=False)
+    b = sample_tree(
+        velocity, noise, cond, group, sigmas, plan, branch, generator=torch.Generator().manual_seed(3), batched=False
+    )
     assert torch.equal(a.final, b.final) and torch.equal(a.log_prob, b.log_prob)
     assert a.num_leaves == 8 and len(a) == 4 + 4 + 8 + 8
     assert a.cost["nfe"] == 2 + 4 + 4 + 8  # per step: the frontier before the split
@@ -100,14 +119,23 @@ def test_tree_with_a_flash_tail_batches_and_counts_the_compressed_steps():
     assert plan.kernels == ["flow_sde"] * 3 + ["dpm_solver_2m"] * 2 and sigmas.shape == (6,)
     branch = [2, 1, 2, 1, 1]
     a = sample_tree(velocity, noise, cond, group, sigmas, plan, branch, generator=torch.Generator().manual_seed(5))
-    b = sample_tree(velocity, noise, cond, group, sigmas, plan, branch, generator=torch.Generator().manual_seed(5),
-                    batched=False)
+    b = sample_tree(
+        velocity, noise, cond, group, sigmas, plan, branch, generator=torch.Generator().manual_seed(5), batched=False
+    )
     torch.testing.assert_close(a.final, b.final, rtol=0, atol=1e-6)
     assert torch.equal(a.log_prob, b.log_prob)
     assert a.num_leaves == 8 and a.cost["nfe"] == 2 + 4 + 4 + 8 + 8  # the tail: 2 steps of the 8 leaves
     full_sigmas, full_plan = mix_plan(flow_sigmas(8, 3.0), [0, 1, 2])
-    full = sample_tree(velocity, noise, cond, group, full_sigmas, full_plan, branch + [1] * 3,
-                       generator=torch.Generator().manual_seed(5))
+    full = sample_tree(
+        velocity,
+        noise,
+        cond,
+        group,
+        full_sigmas,
+        full_plan,
+        branch + [1] * 3,
+        generator=torch.Generator().manual_seed(5),
+    )
     assert full.cost["nfe"] == 2 + 4 + 4 + 8 * 5
     assert torch.equal(a.log_prob, full.log_prob)  # the same SDE prefix and noise; only the ODE tail differs
 

@@ -10,7 +10,9 @@ from flowrl.advantages import depthwise_advantages, tree_node_rewards, width_pru
 # one tree, split in two at step 0 and again at step 1: transitions 0, 1 (step 0) -> 2, 3 | 4, 5 (step 1)
 PARENT = torch.tensor([-1, -1, 0, 0, 1, 1])
 STEP = torch.tensor([0, 0, 1, 1, 1, 1])
-INCIDENCE = torch.tensor([[1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)
+INCIDENCE = torch.tensor(
+    [[1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], dtype=torch.bool
+)
 LEAVES = torch.tensor([1.0, 0.0, 3.0, 5.0])
 
 
@@ -50,10 +52,15 @@ def test_process_advantages_per_group_step_and_granularity():
     adv = process_advantages(rewards, group, step, torch.ones(6, dtype=torch.long))
     torch.testing.assert_close(adv, torch.tensor([-1.0, 1.0, 0.0, 0.0, -1.0, 1.0]), atol=1e-3, rtol=0)
     # G2RPO: two granularities of the same two branches add up
-    adv = process_advantages(torch.tensor([1.0, 3.0, 2.0, 0.0]), torch.zeros(4, dtype=torch.long),
-                             torch.zeros(4, dtype=torch.long), torch.tensor([1, 1, 2, 2]))
-    torch.testing.assert_close(sum_by_node(adv, torch.tensor([0, 1, 0, 1]), 3), torch.tensor([0.0, 0.0, 0.0]), atol=1e-3,
-                               rtol=0)
+    adv = process_advantages(
+        torch.tensor([1.0, 3.0, 2.0, 0.0]),
+        torch.zeros(4, dtype=torch.long),
+        torch.zeros(4, dtype=torch.long),
+        torch.tensor([1, 1, 2, 2]),
+    )
+    torch.testing.assert_close(
+        sum_by_node(adv, torch.tensor([0, 1, 0, 1]), 3), torch.tensor([0.0, 0.0, 0.0]), atol=1e-3, rtol=0
+    )
 
 
 def test_turning_points():
@@ -74,8 +81,11 @@ def test_turning_points_are_balanced_over_the_batch():
 
     returns = torch.tensor([[0.0, 1.0, 0.5, 2.0], [0.0, 2.0, 1.0, 4.0], [0.0, -1.0, -0.5, -2.0]])
     assert turning_point_rewards(returns).tolist() == [[1.0, -0.5, 1.5], [4.0, -1.0, 3.0], [-2.0, 0.5, -1.5]]
-    assert turning_point_rewards(returns, balance=False).tolist() == [[2.0, -0.5, 1.5], [4.0, -1.0, 3.0],
-                                                                      [-2.0, 0.5, -1.5]]
+    assert turning_point_rewards(returns, balance=False).tolist() == [
+        [2.0, -0.5, 1.5],
+        [4.0, -1.0, 3.0],
+        [-2.0, 0.5, -1.5],
+    ]
     assert turning_point_rewards(returns[:2]).tolist() == [[2.0, -0.5, 1.5], [4.0, -1.0, 3.0]]  # one sign: all kept
 
 
@@ -90,4 +100,10 @@ def test_advantage_aggregation_and_best_of_n():
     torch.testing.assert_close(adv, za + 2 * zb)
     assert zero.tolist() == [False] * 4  # group 1 varies in 'small'
     assert best_of_n(torch.tensor([3.0, 1.0, 2.0, 0.0, 9.0, 8.0]), torch.tensor([0, 0, 0, 0, 1, 1]), 2).tolist() == [
-        True, False, False, True, True, True]
+        True,
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]

@@ -8,15 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, assert_resume_is_exact, shape_overrides, tiny_overrides
+
 from flowrl.config import ConfigError, load_config
 from flowrl.models import WanModel, load_model, model_class
 from flowrl.trainer import Trainer
 
 PROMPTS = ["a red circle moving left", "two blue squares moving up"]
-WORDS = "a an the photo of red blue green yellow circle circles square squares star stars moving left right up down two " \
-        "three then appears and".split()
+WORDS = (
+    "a an the photo of red blue green yellow circle circles square squares star stars moving left right up down two "
+    "three then appears and".split()
+)
 SIDE, FRAMES = 16, 5  # 16 px, 5 frames: latents (4, 2, 4, 4)
 
 
@@ -37,23 +39,61 @@ def build_random_wan_pipeline(folder: Path, two_experts: bool = False, expand_ti
     from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(0)
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [("\u2581" + w, -1.0 - 0.01 * i) for i, w in enumerate(WORDS)]
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [
+        ("\u2581" + w, -1.0 - 0.01 * i) for i, w in enumerate(WORDS)
+    ]
     vocab += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"] + [("\u2581", -6.0)]
     tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0)
-    encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(vocab), d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
-                                          relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1))
-    vae = AutoencoderKLWan(base_dim=4, z_dim=4, dim_mult=[1, 1, 1], num_res_blocks=0, temperal_downsample=[True, True],
-                           scale_factor_spatial=4, latents_mean=[0.1, -0.2, 0.05, 0.0], latents_std=[1.5, 0.8, 1.2, 1.0])
+    encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(vocab),
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=1,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    )
+    vae = AutoencoderKLWan(
+        base_dim=4,
+        z_dim=4,
+        dim_mult=[1, 1, 1],
+        num_res_blocks=0,
+        temperal_downsample=[True, True],
+        scale_factor_spatial=4,
+        latents_mean=[0.1, -0.2, 0.05, 0.0],
+        latents_std=[1.5, 0.8, 1.2, 1.0],
+    )
 
     def transformer():
-        return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
-                                     out_channels=4, text_dim=32, freq_dim=16, ffn_dim=32, num_layers=2,
-                                     cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=8,
+            in_channels=4,
+            out_channels=4,
+            text_dim=32,
+            freq_dim=16,
+            ffn_dim=32,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        )
 
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=encoder, vae=vae, transformer=transformer(),
-                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-                       transformer_2=transformer() if two_experts else None,
-                       boundary_ratio=0.5 if two_experts else None, expand_timesteps=expand_timesteps)
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=encoder,
+        vae=vae,
+        transformer=transformer(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer_2=transformer() if two_experts else None,
+        boundary_ratio=0.5 if two_experts else None,
+        expand_timesteps=expand_timesteps,
+    )
     pipe.save_pretrained(folder)
     return folder
 
@@ -90,16 +130,39 @@ def _stock_videos(folder: Path, model: WanModel, num_steps: int, guidance_scale:
     pipe.set_progress_bar_config(disable=True)
     noise = torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
     with torch.no_grad():
-        return pipe(PROMPTS, latents=noise, num_frames=FRAMES, height=SIDE, width=SIDE, num_inference_steps=num_steps,
-                    guidance_scale=guidance_scale, max_sequence_length=16, output_type="pt", **kwargs).frames
+        return pipe(
+            PROMPTS,
+            latents=noise,
+            num_frames=FRAMES,
+            height=SIDE,
+            width=SIDE,
+            num_inference_steps=num_steps,
+            guidance_scale=guidance_scale,
+            max_sequence_length=16,
+            output_type="pt",
+            **kwargs,
+        ).frames
 
 
 def _video_overrides(folder: Path, prompts: tuple[Path, Path], out: Path, **extra) -> list[str]:
     train, test = prompts
-    return tiny_overrides(folder, train, test, out, **{
-        "run.mixed_precision": "no", "model.resolution": SIDE, "model.num_frames": FRAMES,
-        "model.max_sequence_length": 16, "rewards.geneval": "null", "rewards.test_wan:brightness.weight": 1.0,
-        "sampling.guidance_scale": 4.0, "eval.guidance_scale": 4.0, **extra})
+    return tiny_overrides(
+        folder,
+        train,
+        test,
+        out,
+        **{
+            "run.mixed_precision": "no",
+            "model.resolution": SIDE,
+            "model.num_frames": FRAMES,
+            "model.max_sequence_length": 16,
+            "rewards.geneval": "null",
+            "rewards.test_wan:brightness.weight": 1.0,
+            "sampling.guidance_scale": 4.0,
+            "eval.guidance_scale": 4.0,
+            **extra,
+        },
+    )
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -112,7 +175,9 @@ def test_folder_checks_name_the_setting(wan, tmp_path, random_pipeline, prompt_f
     assert WanModel.check_num_frames(wan, None) == 81 and WanModel.check_num_frames(wan, 9) == 9
     with pytest.raises(ValueError, match=r"num_frames 10 does not fit .*expected 4k\+1 frames .* e\.g\. 9"):
         WanModel.check_num_frames(wan, 10)
-    with pytest.raises(ValueError, match="resolution 36 px .*multiple of 8 \\(VAE spatial compression 4 x patch size 2\\)"):
+    with pytest.raises(
+        ValueError, match="resolution 36 px .*multiple of 8 \\(VAE spatial compression 4 x patch size 2\\)"
+    ):
         WanModel.check_resolution(wan, 36)
     assert WanModel.check_resolution(wan, None) == 480
     assert WanModel.scheduler_shift(wan) == 3.0
@@ -122,9 +187,17 @@ def test_folder_checks_name_the_setting(wan, tmp_path, random_pipeline, prompt_f
     unipc = tmp_path / "unipc"
     shutil.copytree(wan, unipc)
     config = json.loads((unipc / "scheduler/scheduler_config.json").read_text())
-    (unipc / "scheduler/scheduler_config.json").write_text(json.dumps({
-        "_class_name": "UniPCMultistepScheduler", "flow_shift": 5.0, "use_flow_sigmas": True,
-        "prediction_type": "flow_prediction", "num_train_timesteps": config["num_train_timesteps"]}))
+    (unipc / "scheduler/scheduler_config.json").write_text(
+        json.dumps(
+            {
+                "_class_name": "UniPCMultistepScheduler",
+                "flow_shift": 5.0,
+                "use_flow_sigmas": True,
+                "prediction_type": "flow_prediction",
+                "num_train_timesteps": config["num_train_timesteps"],
+            }
+        )
+    )
     assert WanModel.scheduler_shift(unipc) == 5.0
     assert _model(unipc).shift == 5.0
     (unipc / "scheduler/scheduler_config.json").write_text(json.dumps({"_class_name": "UniPCMultistepScheduler"}))
@@ -133,10 +206,16 @@ def test_folder_checks_name_the_setting(wan, tmp_path, random_pipeline, prompt_f
     # config keys: the frame count is checked against the VAE before weights load; image models refuse it
     train, test = prompt_files
     with pytest.raises(ConfigError, match=r"'model.num_frames'.*4k\+1 frames"):
-        Trainer(load_config(None, tiny_overrides(wan, train, test, tmp_path / "r", **{"model.num_frames": 6,
-                                                                                      "model.resolution": SIDE})))
+        Trainer(
+            load_config(
+                None,
+                tiny_overrides(wan, train, test, tmp_path / "r", **{"model.num_frames": 6, "model.resolution": SIDE}),
+            )
+        )
     with pytest.raises(ConfigError, match="'model.num_frames'.*StableDiffusion3Pipeline, which draws images"):
-        Trainer(load_config(None, tiny_overrides(random_pipeline, train, test, tmp_path / "r", **{"model.num_frames": 5})))
+        Trainer(
+            load_config(None, tiny_overrides(random_pipeline, train, test, tmp_path / "r", **{"model.num_frames": 5}))
+        )
 
 
 def test_ode_sampling_equals_the_stock_pipeline(wan):
@@ -170,8 +249,12 @@ def test_two_experts_sample_as_the_stock_pipeline_and_train_the_chosen_one(wan22
     ours = generate(model, PROMPTS, [0, 1], num_steps=4, guidance_scale=4.0)
     torch.testing.assert_close(ours, _stock_videos(wan22, model, 4, 4.0), rtol=0, atol=1e-4)
 
-    over = _video_overrides(wan22, video_prompts, tmp_path / "run", **{"model.expert": "low", "run.iterations": 1,
-                                                                          "sampling.num_steps": 5, "sampling.shift": 1.0})
+    over = _video_overrides(
+        wan22,
+        video_prompts,
+        tmp_path / "run",
+        **{"model.expert": "low", "run.iterations": 1, "sampling.num_steps": 5, "sampling.shift": 1.0},
+    )
     # sigmas 1, 0.8, 0.6, 0.4, 0.2, 0: steps 3 and 4 are the low-noise expert's (step 3 trained)
     trainer = Trainer(load_config(REPO / "configs" / "flow_grpo.yaml", over))
     high = {n: p.detach().clone() for n, p in trainer.model.frozen.named_parameters()}
@@ -190,8 +273,9 @@ def test_two_experts_sample_as_the_stock_pipeline_and_train_the_chosen_one(wan22
     with torch.no_grad():
         base = stock.velocity(x, t, emb, None, 1.0)
         pipe.load_lora_weights(str(tmp_path / "run" / "lora"), load_into_transformer_2=True)
-        loaded = pipe.transformer_2(hidden_states=x, timestep=t * 1000, encoder_hidden_states=emb.embeds,
-                                    return_dict=False)[0]
+        loaded = pipe.transformer_2(
+            hidden_states=x, timestep=t * 1000, encoder_hidden_states=emb.embeds, return_dict=False
+        )[0]
         ours = trainer.model.velocity(x, t, emb, None, 1.0)
     assert not torch.allclose(base, ours)
     torch.testing.assert_close(loaded, ours, rtol=1e-4, atol=1e-5)
@@ -202,8 +286,14 @@ def test_two_experts_sample_as_the_stock_pipeline_and_train_the_chosen_one(wan22
 
 
 # ------------------------------------------------------------------------------------------------- training
-@pytest.mark.parametrize("preset", ["flow_grpo", "diffusion_nft", *(pytest.param(p, marks=pytest.mark.slow)
-                                                                 for p in ("mix_grpo", "branch_grpo", "tempflow_grpo"))])
+@pytest.mark.parametrize(
+    "preset",
+    [
+        "flow_grpo",
+        "diffusion_nft",
+        *(pytest.param(p, marks=pytest.mark.slow) for p in ("mix_grpo", "branch_grpo", "tempflow_grpo")),
+    ],
+)
 def test_presets_train_on_video_latents(preset, tmp_path, wan, video_prompts):
     """Every rollout shape on 5-D latents: full SDE, a MixGRPO window, a BranchGRPO tree, TempFlow probes; the PPO
     ratio is exactly 1 before the first optimizer step; DiffusionNFT changes the LoRA."""
@@ -224,8 +314,9 @@ def test_presets_train_on_video_latents(preset, tmp_path, wan, video_prompts):
 def test_a_video_run_resumes_exactly(tmp_path, wan, video_prompts):
     """flow_grpo on video latents: 2 iterations straight and 1 iteration + a resume for the second end on the same
     weights and log the same second iteration (rollout noise, prompts and optimizer state restored)."""
-    assert_resume_is_exact(REPO / "configs" / "flow_grpo.yaml",
-                           lambda out: _video_overrides(wan, video_prompts, out), tmp_path)
+    assert_resume_is_exact(
+        REPO / "configs" / "flow_grpo.yaml", lambda out: _video_overrides(wan, video_prompts, out), tmp_path
+    )
 
 
 def test_wan_flow_grpo_recipe_trains_and_the_lora_loads_in_stock_diffusers(tmp_path, wan, video_prompts):
@@ -235,10 +326,23 @@ def test_wan_flow_grpo_recipe_trains_and_the_lora_loads_in_stock_diffusers(tmp_p
     recipe = load_config(REPO / "configs" / "wan_flow_grpo.yaml")
     assert (recipe.model.num_frames, recipe.model.resolution, recipe.sampling.num_steps) == (33, 320, 20)
     assert recipe.sampling.kernel == "flow_sde" and recipe.sampling.guidance_scale == 4.5
-    over = _video_overrides(wan, video_prompts, tmp_path / "run", **{
-        "rewards.frames": "null", "model.dtype": "float32", "model.lora_rank": 2, "sampling.group_size": 2,
-        "sampling.prompts_per_iteration": 2, "sampling.batch_size": 4, "train.minibatch_size": 4,
-        "train.micro_batch_size": 2, "eval.num_steps": 2, "sampling.num_steps": 3})
+    over = _video_overrides(
+        wan,
+        video_prompts,
+        tmp_path / "run",
+        **{
+            "rewards.frames": "null",
+            "model.dtype": "float32",
+            "model.lora_rank": 2,
+            "sampling.group_size": 2,
+            "sampling.prompts_per_iteration": 2,
+            "sampling.batch_size": 4,
+            "train.minibatch_size": 4,
+            "train.micro_batch_size": 2,
+            "eval.num_steps": 2,
+            "sampling.num_steps": 3,
+        },
+    )
     trainer = Trainer(load_config(REPO / "configs" / "wan_flow_grpo.yaml", over))
     assert isinstance(trainer.model, WanModel) and trainer.model.shift == 3.0
     trainer.train()
@@ -250,9 +354,13 @@ def test_wan_flow_grpo_recipe_trains_and_the_lora_loads_in_stock_diffusers(tmp_p
     t, emb = torch.tensor([0.9, 0.4]), model.encode(PROMPTS)
     pipe = WanPipeline.from_pretrained(wan)
     with torch.no_grad():
-        base = pipe.transformer(hidden_states=x, timestep=t * 1000, encoder_hidden_states=emb.embeds, return_dict=False)[0]
+        base = pipe.transformer(
+            hidden_states=x, timestep=t * 1000, encoder_hidden_states=emb.embeds, return_dict=False
+        )[0]
         pipe.load_lora_weights(str(tmp_path / "run" / "lora"))
-        loaded = pipe.transformer(hidden_states=x, timestep=t * 1000, encoder_hidden_states=emb.embeds, return_dict=False)[0]
+        loaded = pipe.transformer(
+            hidden_states=x, timestep=t * 1000, encoder_hidden_states=emb.embeds, return_dict=False
+        )[0]
         with trainer.policy.ema_weights():  # the recipe's EMA: the saved LoRA is the averaged one
             ours = model.velocity(x, t, emb, None, 1.0)
     assert not torch.allclose(base, ours)
@@ -267,8 +375,14 @@ def test_videos_come_out_as_mp4_and_a_contact_sheet(tmp_path):
 
     t = torch.linspace(0, 1, 9)
     ramp = torch.linspace(0.1, 0.9, 32)
-    videos = torch.stack([(ramp[None, None, None, :] * (1 - t[:, None, None, None]) + 0.5 * t[:, None, None, None])
-                          .expand(9, 3, 24, 32).clone(), torch.full((9, 3, 24, 32), 0.25)])  # (2, 9, 3, 24, 32)
+    videos = torch.stack(
+        [
+            (ramp[None, None, None, :] * (1 - t[:, None, None, None]) + 0.5 * t[:, None, None, None])
+            .expand(9, 3, 24, 32)
+            .clone(),
+            torch.full((9, 3, 24, 32), 0.25),
+        ]
+    )  # (2, 9, 3, 24, 32)
     written = read_video(write_mp4(videos[0], tmp_path / "one.mp4", fps=8))
     assert written.shape == (9, 3, 24, 32)
     assert (written - videos[0]).abs().mean() < 0.02  # H.264 at crf 18: visually lossless
@@ -287,17 +401,37 @@ def test_cli_samples_a_wan_folder_to_mp4(tmp_path, wan, capsys):
     from flowrl.video import read_video
 
     out = tmp_path / "sheet.png"
-    main(["sample", "--model", str(wan), "--prompt", PROMPTS[0], "-n", "2", "--resolution", str(SIDE), "--num-frames",
-          str(FRAMES), "--max-sequence-length", "16", "--num-steps", "2", "--device", "cpu", "--out", str(out)])
+    main(
+        [
+            "sample",
+            "--model",
+            str(wan),
+            "--prompt",
+            PROMPTS[0],
+            "-n",
+            "2",
+            "--resolution",
+            str(SIDE),
+            "--num-frames",
+            str(FRAMES),
+            "--max-sequence-length",
+            "16",
+            "--num-steps",
+            "2",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     assert "wrote 2 videos" in capsys.readouterr().out
     assert read_video(out.with_suffix(".mp4")).shape == (FRAMES, 3, SIDE + 2, 2 * (SIDE + 1) + 2)
 
 
 def test_generate_writes_an_mp4_per_video(tmp_path, wan):
+    from flowrl.evaluation import generate
     from flowrl.image_folders import generate_folder
     from flowrl.video import read_video
-
-    from flowrl.evaluation import generate
 
     model = _model(wan)
     assert generate_folder(model, [{"prompt": PROMPTS[0]}], tmp_path / "out", k=2, layout="flat", num_steps=2) == 2

@@ -5,8 +5,16 @@ import math
 import pytest
 import torch
 
-from flowrl.samplers import (SlidingWindow, StepPlan, dpm_solver_2m_step, flow_sigmas, mix_plan, ode_step, respace_tail,
-                      sample)
+from flowrl.samplers import (
+    SlidingWindow,
+    StepPlan,
+    dpm_solver_2m_step,
+    flow_sigmas,
+    mix_plan,
+    ode_step,
+    respace_tail,
+    sample,
+)
 
 
 def _starts(window: SlidingWindow, iterations: int) -> list[int]:
@@ -122,8 +130,14 @@ def test_dpm_first_order_from_one_is_euler():
 def test_dpm_solver_matches_diffusers():
     from diffusers import DPMSolverMultistepScheduler
 
-    sched = DPMSolverMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0,
-                                        solver_order=2, algorithm_type="dpmsolver++", solver_type="midpoint")
+    sched = DPMSolverMultistepScheduler(
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=3.0,
+        solver_order=2,
+        algorithm_type="dpmsolver++",
+        solver_type="midpoint",
+    )
     sched.set_timesteps(6)
     sigmas = sched.sigmas.float()  # (7,), ends at 0
 
@@ -131,8 +145,14 @@ def test_dpm_solver_matches_diffusers():
         return torch.tanh(x) * (1 + t.view(-1, 1, 1, 1)) - 0.3
 
     x = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0))
-    ours = sample(velocity, x, torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), sigmas,
-                  StepPlan(["dpm_solver_2m"] * 6, [0.0] * 6, [False] * 6)).final
+    ours = sample(
+        velocity,
+        x,
+        torch.zeros(2, dtype=torch.long),
+        torch.zeros(2, dtype=torch.long),
+        sigmas,
+        StepPlan(["dpm_solver_2m"] * 6, [0.0] * 6, [False] * 6),
+    ).final
     ref = x.clone()
     for k, timestep in enumerate(sched.timesteps):
         ref = sched.step(velocity(ref, sigmas[k].expand(2), None), timestep, ref).prev_sample

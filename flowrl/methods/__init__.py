@@ -8,13 +8,28 @@ with a :class:`Method` subclass and its settings, imported here (docs/methods.md
 
 from __future__ import annotations
 
-from .base import (METHODS, FinalSamples, Method, ProbeSamples, Rewards, Samples, SDESamples, register_method)
+from .base import METHODS, FinalSamples, Method, ProbeSamples, Rewards, Samples, SDESamples, register_method
 from .grpo import GRPO
 from .nft import DiffusionNFT, NFTConfig
 from .shapes import SHAPES, RolloutShape, register_shape
 
-__all__ = ["METHODS", "SHAPES", "DiffusionNFT", "FinalSamples", "GRPO", "Method", "NFTConfig", "ProbeSamples",
-           "Rewards", "RolloutShape", "SDESamples", "Samples", "build_method", "register_method", "register_shape"]
+__all__ = [
+    "METHODS",
+    "SHAPES",
+    "DiffusionNFT",
+    "FinalSamples",
+    "GRPO",
+    "Method",
+    "NFTConfig",
+    "ProbeSamples",
+    "Rewards",
+    "RolloutShape",
+    "SDESamples",
+    "Samples",
+    "build_method",
+    "register_method",
+    "register_shape",
+]
 
 
 def build_method(cfg, model, policy, rewards) -> Method:
@@ -24,5 +39,7 @@ def build_method(cfg, model, policy, rewards) -> Method:
         ValueError: naming ``train.method`` and the known names, for an unknown method.
     """
     if cfg.train.method not in METHODS:
-        raise ValueError(f"config key 'train.method': unknown method {cfg.train.method!r}; expected one of {sorted(METHODS)}")
+        raise ValueError(
+            f"config key 'train.method': unknown method {cfg.train.method!r}; expected one of {sorted(METHODS)}"
+        )
     return METHODS[cfg.train.method](cfg, model, policy, rewards)

@@ -36,6 +36,7 @@ def register_method(name: str):
     Raises:
         ValueError: `name` is registered already.
     """
+
     def register(cls: type[Method]) -> type[Method]:
         if name in METHODS:
             raise ValueError(f"method {name!r} is registered already ({METHODS[name].__name__})")
@@ -187,7 +188,10 @@ class Method:
         size = size or self.cfg.sampling.batch_size
 
         def chunked(x, t, cond):
-            return torch.cat([fn(x[i:i + size], t[i:i + size], cond[i:i + size]) for i in range(0, len(x), size)])
+            return torch.cat(
+                [fn(x[i : i + size], t[i : i + size], cond[i : i + size]) for i in range(0, len(x), size)]
+            )
+
         return chunked
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -195,7 +199,9 @@ class Method:
         (bf16 autocast if ``sampling.decode_precision`` says so: the images never enter a log-prob)."""
         size = self.cfg.sampling.batch_size
         with self.policy.autocast(self.cfg.sampling.decode_precision):
-            return torch.cat([self.model.decode(latents[i:i + size]) for i in range(0, latents.shape[0], size)]).cpu()
+            return torch.cat(
+                [self.model.decode(latents[i : i + size]) for i in range(0, latents.shape[0], size)]
+            ).cpu()
 
     def group_advantages(self, rewards: Rewards) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """Group-relative advantages over every process's images (flat groups: GRPO and DiffusionNFT;
@@ -210,7 +216,9 @@ class Method:
             {"advantage/zero_variance_frac", "advantage/abs_mean"})``.
         """
         t, group = self.cfg.train, rewards.group
-        rank = rewards.total  # best-of-n ranks by the unclipped advantage, as DanceGRPO; within a group the total orders alike
+        rank = (
+            rewards.total
+        )  # best-of-n ranks by the unclipped advantage, as DanceGRPO; within a group the total orders alike
         if t.reward_aggregation == "advantage" and len(rewards.per_reward) > 1:
             weights = {k: w for k, (_, w) in self.rewards.rewards.items()}
             adv, zero = aggregate_advantages(rewards.per_reward, weights, group, t.adv_std, t.adv_clip_max)
@@ -220,5 +228,11 @@ class Method:
             adv, zero = group_advantages(rewards.total, group, t.adv_std, t.adv_clip_max)
         if t.best_of_n:
             zero = zero | ~best_of_n(rank, group, t.best_of_n)
-        return adv, zero, {"advantage/zero_variance_frac": zero.float().mean().item(),
-                           "advantage/abs_mean": adv.abs().mean().item()}
+        return (
+            adv,
+            zero,
+            {
+                "advantage/zero_variance_frac": zero.float().mean().item(),
+                "advantage/abs_mean": adv.abs().mean().item(),
+            },
+        )

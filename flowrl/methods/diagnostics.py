@@ -13,8 +13,9 @@ from collections import defaultdict
 import torch
 
 
-def step_diagnostics(ratios: dict[int, list[torch.Tensor]], grad_norms: dict[int, list[torch.Tensor]],
-                     clip_range: float) -> dict[str, float]:
+def step_diagnostics(
+    ratios: dict[int, list[torch.Tensor]], grad_norms: dict[int, list[torch.Tensor]], clip_range: float
+) -> dict[str, float]:
     """Summaries of an iteration's first PPO epoch, per denoising step.
 
     Args:

@@ -68,7 +68,9 @@ class GRPO(Method):
         self.shape.load_state_dict(state)
 
     # ------------------------------------------------------------------------------ the update
-    def optimize(self, ro, adv_all: torch.Tensor, keep: torch.Tensor, table, generator: torch.Generator) -> dict[str, float]:
+    def optimize(
+        self, ro, adv_all: torch.Tensor, keep: torch.Tensor, table, generator: torch.Generator
+    ) -> dict[str, float]:
         """Inner PPO epochs over the kept transitions, each with its advantage ``adv_all[m]``.
 
         Flow-GRPO's clipped surrogate (arXiv 2505.05470, its GRPO objective without the KL term, which is added here
@@ -117,13 +119,17 @@ class GRPO(Method):
             share = len(mb) / total_rows  # this process's part of the global mean (1 with one process)
             parts: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (value, fraction of the minibatch)
             for c, idx, frac in policy.micro_batches(mb):  # gradient accumulation over micro-batches
-                w = None if weights is None else weights[c:c + len(idx)]
+                w = None if weights is None else weights[c : c + len(idx)]
                 diag = diagnostics if epoch == 0 else None
-                micro = self.micro_batch_loss(velocity, tv.select(idx), adv[idx], w, frac * share, diag, j == 0 and c == 0)
+                micro = self.micro_batch_loss(
+                    velocity, tv.select(idx), adv[idx], w, frac * share, diag, j == 0 and c == 0
+                )
                 for k, x in micro.items():
                     parts[k].append((x, frac))
-            merged = {k: max(x for x, _ in vals) if k == "policy/ratio_max_dev" else sum(x * f for x, f in vals)
-                      for k, vals in parts.items()}  # the minibatch's statistics
+            merged = {
+                k: max(x for x, _ in vals) if k == "policy/ratio_max_dev" else sum(x * f for x, f in vals)
+                for k, vals in parts.items()
+            }  # the minibatch's statistics
             if optimizer_steps == 0:  # before any update (absent where this process's first step had no transitions)
                 stats["policy/ratio_first_max_dev"].append(merged["policy/ratio_max_dev"])
             policy.step(merged["policy/loss"], stats)
@@ -138,8 +144,16 @@ class GRPO(Method):
         out["cost/trained_transitions"] = len(tv) * t.inner_epochs
         return out
 
-    def micro_batch_loss(self, velocity, sub, adv: torch.Tensor, weights: torch.Tensor | None, scale: float,
-                         diag: StepDiagnostics | None, first: bool) -> dict[str, float]:
+    def micro_batch_loss(
+        self,
+        velocity,
+        sub,
+        adv: torch.Tensor,
+        weights: torch.Tensor | None,
+        scale: float,
+        diag: StepDiagnostics | None,
+        first: bool,
+    ) -> dict[str, float]:
         """Forward and backward of one micro-batch of :meth:`optimize`: the clipped surrogate (plus the KL term)
         of the `m` transitions `sub`, back-propagated with weight `scale` (their share of the global minibatch).
 
@@ -196,8 +210,9 @@ class GRPO(Method):
             std = std / (sub.sigma - sub.sigma_next).abs().sqrt()
         return kl_to_reference(mean, recompute_log_prob(sub, v_ref)[1], std)
 
-    def param_grad_norms(self, sub, log_prob: torch.Tensor, adv: torch.Tensor,
-                         weights: torch.Tensor | None) -> dict[int, list[torch.Tensor]]:
+    def param_grad_norms(
+        self, sub, log_prob: torch.Tensor, adv: torch.Tensor, weights: torch.Tensor | None
+    ) -> dict[int, list[torch.Tensor]]:
         """Norm of the gradient of each denoising step's mean PPO loss w.r.t. the trained parameters, on the
         first (micro-)batch of an iteration (``train.step_grad_norms: params``; one extra backward per step present)."""
         t = self.cfg.train
@@ -205,8 +220,9 @@ class GRPO(Method):
         out = {}
         for k in sub.step.unique().tolist():
             m = sub.step == k
-            loss_k, _ = ppo_loss(log_prob[m], sub.log_prob[m], adv[m], t.clip_range,
-                                 None if weights is None else weights[m])
+            loss_k, _ = ppo_loss(
+                log_prob[m], sub.log_prob[m], adv[m], t.clip_range, None if weights is None else weights[m]
+            )
             grads = torch.autograd.grad(loss_k, params, retain_graph=True, allow_unused=True)
             sq = sum(g.float().pow(2).sum() for g in grads if g is not None)
             out[k] = [torch.as_tensor(sq).sqrt().reshape(1).cpu()]

@@ -24,26 +24,40 @@ class NFTConfig:
 
     beta: float = setting(1.0, "step of the implicit positive / negative policies (the paper's GenEval setting)")
     timesteps: int = setting(4, "noised copies of each image per iteration, at times of the sampler's grid")
-    old_decay: float = setting(0.0, "soft update of the sampling policy, theta_old <- d theta_old + (1 - d) theta "
-                                    "(0: it follows theta)")
-    min_time: float = setting(0.0, "noised copies only at grid times t >= min_time (1 = noise): weights training "
-                                   "towards layout")
-    guidance_scale: float | None = setting(None, "CFG of the trained velocity (null: sampling.guidance_scale); 1 with "
-                                                 "guided sampling trains the conditional velocity off-policy")
-    keep_flat_groups: bool = setting(False, "also train groups without reward variance, at r = 1/2 (the published "
-                                            "code's); false drops them")
-    solver: str = setting("euler", "the deterministic rollout sampler: euler | dpm_solver_2m (the published code's, "
-                                   "DPM-Solver++ 2M)")
-    decay_ramp: float = setting(0.0, "> 0: the soft update's decay is min(decay_ramp * optimizer steps so far, "
-                                     "old_decay) (the published code's 0.001)")
+    old_decay: float = setting(
+        0.0, "soft update of the sampling policy, theta_old <- d theta_old + (1 - d) theta (0: it follows theta)"
+    )
+    min_time: float = setting(
+        0.0, "noised copies only at grid times t >= min_time (1 = noise): weights training towards layout"
+    )
+    guidance_scale: float | None = setting(
+        None,
+        "CFG of the trained velocity (null: sampling.guidance_scale); 1 with "
+        "guided sampling trains the conditional velocity off-policy",
+    )
+    keep_flat_groups: bool = setting(
+        False, "also train groups without reward variance, at r = 1/2 (the published code's); false drops them"
+    )
+    solver: str = setting(
+        "euler", "the deterministic rollout sampler: euler | dpm_solver_2m (the published code's, DPM-Solver++ 2M)"
+    )
+    decay_ramp: float = setting(
+        0.0,
+        "> 0: the soft update's decay is min(decay_ramp * optimizer steps so far, "
+        "old_decay) (the published code's 0.001)",
+    )
 
     def __post_init__(self):
         check(self.beta > 0, "train.nft.beta", "> 0", self.beta)
         check(self.timesteps >= 1, "train.nft.timesteps", ">= 1", self.timesteps)
         check(0 <= self.old_decay < 1, "train.nft.old_decay", "in [0, 1)", self.old_decay)
         check(0 <= self.min_time < 1, "train.nft.min_time", "in [0, 1)", self.min_time)
-        check(self.guidance_scale is None or self.guidance_scale >= 1, "train.nft.guidance_scale", ">= 1 or null",
-              self.guidance_scale)
+        check(
+            self.guidance_scale is None or self.guidance_scale >= 1,
+            "train.nft.guidance_scale",
+            ">= 1 or null",
+            self.guidance_scale,
+        )
         check(self.decay_ramp >= 0, "train.nft.decay_ramp", ">= 0", self.decay_ramp)
         check(self.solver in ("euler", "dpm_solver_2m"), "train.nft.solver", "euler|dpm_solver_2m", self.solver)
 
@@ -79,11 +93,19 @@ class DiffusionNFT(Method):
         """DiffusionNFT samples plain ODE groups: no rollout shape but ``flat`` without a window, no shared noise, no
         KL (it trains on final samples)."""
         s = cfg.sampling
-        for key, value, off in (("sampling.shape", s.shape, "flat"), ("sampling.window.size", s.window.size, 0),
-                                ("sampling.shared_noise", s.shared_noise, False), ("train.kl_beta", cfg.train.kl_beta, 0.0)):
+        for key, value, off in (
+            ("sampling.shape", s.shape, "flat"),
+            ("sampling.window.size", s.window.size, 0),
+            ("sampling.shared_noise", s.shared_noise, False),
+            ("train.kl_beta", cfg.train.kl_beta, 0.0),
+        ):
             check(value == off, key, f"{off!r} with train.method 'nft' (it trains on final samples)", value)
-        check(not (cfg.train.nft.keep_flat_groups and cfg.train.best_of_n), "train.nft.keep_flat_groups",
-              "false with train.best_of_n (which drops samples)", cfg.train.nft.keep_flat_groups)
+        check(
+            not (cfg.train.nft.keep_flat_groups and cfg.train.best_of_n),
+            "train.nft.keep_flat_groups",
+            "false with train.best_of_n (which drops samples)",
+            cfg.train.nft.keep_flat_groups,
+        )
 
     def sampling_weights(self) -> dict[str, torch.Tensor] | None:
         return self.old_policy
@@ -108,7 +130,9 @@ class DiffusionNFT(Method):
         (every image kept with ``train.nft.keep_flat_groups``)."""
         adv, zero, stats = self.group_advantages(rewards)
         adv, keep = adv[rewards.mine], ~zero[rewards.mine]
-        if self.cfg.train.nft.keep_flat_groups:  # a flat group's advantages are 0: r = 1/2 pulls theta towards the old policy
+        if (
+            self.cfg.train.nft.keep_flat_groups
+        ):  # a flat group's advantages are 0: r = 1/2 pulls theta towards the old policy
             keep = torch.ones_like(keep)
         return adv, keep, stats
 
@@ -149,7 +173,9 @@ class DiffusionNFT(Method):
         if self.old_policy is not None:
             from safetensors.torch import save_file
 
-            save_file({n: v.detach().cpu().contiguous() for n, v in self.old_policy.items()}, folder / self.OLD_POLICY_FILE)
+            save_file(
+                {n: v.detach().cpu().contiguous() for n, v in self.old_policy.items()}, folder / self.OLD_POLICY_FILE
+            )
 
     def load_files(self, folder: Path) -> None:
         if self.old_policy is None:
@@ -158,8 +184,10 @@ class DiffusionNFT(Method):
 
         file = folder / self.OLD_POLICY_FILE
         if not file.is_file():
-            raise ValueError(f"checkpoint {folder} has no {self.OLD_POLICY_FILE}: it was not written with "
-                             "train.nft.old_decay > 0, which this run sets")
+            raise ValueError(
+                f"checkpoint {folder} has no {self.OLD_POLICY_FILE}: it was not written with "
+                "train.nft.old_decay > 0, which this run sets"
+            )
         for n, v in load_file(file).items():
             self.old_policy[n].copy_(v)
 
@@ -173,8 +201,17 @@ class DiffusionNFT(Method):
         state = next(iter(self.policy.optimizer.state.values()), {})  # AdamW counts its steps (restored on resume)
         return min(nft.decay_ramp * float(state.get("step", 0)), nft.old_decay)
 
-    def optimize(self, velocity, x_t: torch.Tensor, times: torch.Tensor, cond: torch.Tensor, x_0: torch.Tensor,
-                 v_old: torch.Tensor, r: torch.Tensor, generator: torch.Generator) -> dict[str, float]:
+    def optimize(
+        self,
+        velocity,
+        x_t: torch.Tensor,
+        times: torch.Tensor,
+        cond: torch.Tensor,
+        x_0: torch.Tensor,
+        v_old: torch.Tensor,
+        r: torch.Tensor,
+        generator: torch.Generator,
+    ) -> dict[str, float]:
         """DiffusionNFT's optimizer steps (arXiv 2509.16117, Eq. 8: :func:`losses.nft_loss`) on `N` noised rows:
         ``train.inner_epochs`` passes of minibatches (:meth:`flowrl.policy.Policy.minibatches`, micro-batched).
 

@@ -28,14 +28,38 @@ from .sd15 import SD15Model
 from .sdxl import SDXLModel
 from .wan import WanModel
 
-ADAPTERS: tuple[type[FlowModel], ...] = (SD3Model, FluxModel, SD15Model, SDXLModel, WanModel, QwenImageModel,
-                                         FluxKontextModel, HunyuanVideoModel)
+ADAPTERS: tuple[type[FlowModel], ...] = (
+    SD3Model,
+    FluxModel,
+    SD15Model,
+    SDXLModel,
+    WanModel,
+    QwenImageModel,
+    FluxKontextModel,
+    HunyuanVideoModel,
+)
 """Every adapter, looked up by its ``PIPELINE`` (the ``_class_name`` of a folder's ``model_index.json``); each names
 its LoRA targets as ``LORA_TARGETS``."""
 
-__all__ = ["ADAPTERS", "FlowModel", "FluxKontextModel", "FluxModel", "HunyuanVideoModel", "PromptEmbeds",
-           "QwenImageModel", "SD15Model", "SD3Model", "SDXLModel", "WanModel", "check_guidance", "load_model",
-           "make_batch_invariant", "model_class", "resolve_device", "resolve_model"]
+__all__ = [
+    "ADAPTERS",
+    "FlowModel",
+    "FluxKontextModel",
+    "FluxModel",
+    "HunyuanVideoModel",
+    "PromptEmbeds",
+    "QwenImageModel",
+    "SD15Model",
+    "SD3Model",
+    "SDXLModel",
+    "WanModel",
+    "check_guidance",
+    "load_model",
+    "make_batch_invariant",
+    "model_class",
+    "resolve_device",
+    "resolve_model",
+]
 
 
 def model_class(path: str | Path) -> type[FlowModel]:
@@ -55,8 +79,14 @@ def model_class(path: str | Path) -> type[FlowModel]:
     raise ValueError(f"{Path(path) / 'model_index.json'} names pipeline {name!r}; flowrl adapts {known}")
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               max_sequence_length: int | None = None, resolution: int | None = None, **options) -> FlowModel:
+def load_model(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    max_sequence_length: int | None = None,
+    resolution: int | None = None,
+    **options,
+) -> FlowModel:
     """Load the pipeline folder ``path`` with the adapter its ``model_index.json`` names (:func:`model_class`); the
     arguments are :class:`FlowModel`'s; ``options`` go to the family's constructor (a video family's ``num_frames``,
     ``expert``, ``negative_prompt``: :class:`WanModel`).
@@ -91,13 +121,17 @@ def resolve_model(cfg):
             cfg.sampling.shift = adapter.scheduler_shift(path, cfg.model.resolution)
     for key in ("num_frames", "expert", "negative_prompt"):  # video settings: refused by the image families
         if not adapter.VIDEO and getattr(cfg.model, key) not in (None, ""):
-            raise ConfigError(f"config key 'model.{key}': {path} holds a {adapter.PIPELINE}, which draws images; "
-                              f"leave it unset (got {getattr(cfg.model, key)!r})")
+            raise ConfigError(
+                f"config key 'model.{key}': {path} holds a {adapter.PIPELINE}, which draws images; "
+                f"leave it unset (got {getattr(cfg.model, key)!r})"
+            )
     for key in cfg.model.options:  # the family's own constructor settings
         if key not in adapter.OPTIONS:
             takes = ", ".join(adapter.OPTIONS) or "none"
-            raise ConfigError(f"config key 'model.options.{key}': {adapter.__name__} ({path}) takes no option {key!r}; "
-                              f"its options: {takes}")
+            raise ConfigError(
+                f"config key 'model.options.{key}': {adapter.__name__} ({path}) takes no option {key!r}; "
+                f"its options: {takes}"
+            )
     adapter.check_config(cfg)  # what the family cannot run (the DDPM family: DiffusionNFT, Flash re-spacing)
     if cfg.model.max_sequence_length is None:  # SD3: 256 with a T5 encoder, 0 without (the tiny model); FLUX 512
         cfg.model.max_sequence_length = adapter.default_max_sequence_length(path)

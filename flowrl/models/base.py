@@ -90,8 +90,13 @@ def make_batch_invariant(module: torch.nn.Module, probe: Callable[[], object] | 
         `int`: the number of layers newly padded (a layer already padded is skipped, so calling it again
         after adding an adapter pads only the adapter's per-sample layers).
     """
-    rules = {m: rule for m in module.modules() if not hasattr(m, "_flowrl_min_rows")
-             for kind, rule in MIN_ROWS.items() if isinstance(m, kind)}  # layer -> (rank, min rows)
+    rules = {
+        m: rule
+        for m in module.modules()
+        if not hasattr(m, "_flowrl_min_rows")
+        for kind, rule in MIN_ROWS.items()
+        if isinstance(m, kind)
+    }  # layer -> (rank, min rows)
     seen: set[torch.nn.Module] = set()
 
     def record(layer, args):
@@ -248,6 +253,7 @@ class FlowModel:
     def network_name(cls, expert: str | None = None) -> str:
         """The pipeline component trained for ``model.expert`` (:attr:`NETWORK`; Wan 2.2 overrides it per expert)."""
         return cls.NETWORK
+
     OPTIONS: tuple[str, ...] = ()
     """Keyword arguments of the family's constructor that ``model.options`` may set (e.g. HunyuanVideo's
     ``true_cfg_scale``, SDXL's ``guidance_rescale``)."""
@@ -261,8 +267,14 @@ class FlowModel:
     ``"longest"`` (to the batch's longest prompt, marked by a ``mask`` field: Qwen-Image); the prompt cache
     (:mod:`flowrl.models.memory`) stores a ``"longest"`` row without its padding."""
 
-    def __init__(self, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 max_sequence_length: int | None = None, resolution: int | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_sequence_length: int | None = None,
+        resolution: int | None = None,
+    ):
         import diffusers
         from diffusers.utils import logging as diffusers_logging
         from transformers.utils import logging as transformers_logging
@@ -270,19 +282,26 @@ class FlowModel:
         path = Path(path)
         index = _model_index(path)  # the folder, its pipeline class and resolution are checked before weights load
         if self.PIPELINE is None:
-            raise TypeError("FlowModel is the adapters' base: construct a family (SD3Model, FluxModel) or use "
-                            "flowrl.models.load_model")
+            raise TypeError(
+                "FlowModel is the adapters' base: construct a family (SD3Model, FluxModel) or use "
+                "flowrl.models.load_model"
+            )
         if index.get("_class_name") != self.PIPELINE:
-            raise ValueError(f"{path / 'model_index.json'} names pipeline {index.get('_class_name')!r}, not "
-                             f"{self.PIPELINE}: load it with flowrl.models.load_model")
+            raise ValueError(
+                f"{path / 'model_index.json'} names pipeline {index.get('_class_name')!r}, not "
+                f"{self.PIPELINE}: load it with flowrl.models.load_model"
+            )
         self.resolution = self.check_resolution(path, resolution)
         self.max_sequence_length = self._default_length(index) if max_sequence_length is None else max_sequence_length
         self.check_max_sequence_length(self.max_sequence_length)
         kwargs = {name: None for name in self.OPTIONAL if _absent(index, name)}  # optional parts the folder leaves out
         diffusers_logging.disable_progress_bar()
         transformers_logging.disable_progress_bar()
-        self.pipe = getattr(diffusers, self.PIPELINE).from_pretrained(path, dtype=dtype, use_safetensors=True,
-                                                                     **kwargs).to(device)
+        self.pipe = (
+            getattr(diffusers, self.PIPELINE)
+            .from_pretrained(path, dtype=dtype, use_safetensors=True, **kwargs)
+            .to(device)
+        )
         self.pipe.set_progress_bar_config(disable=True)
         self.transformer = getattr(self.pipe, self.NETWORK)  # the trained network (a transformer, or a UNet)
         train_dtype = torch.float32 if torch.device(device).type == "cpu" else dtype
@@ -345,8 +364,10 @@ class FlowModel:
             return default
         if resolution < unit or resolution % unit or (largest is not None and resolution > largest):
             span = "" if largest is None else f" from {unit} to {largest}"
-            raise ValueError(f"resolution {resolution} px does not fit the model at {path}: expected a multiple of "
-                             f"{unit} ({why}){span}")
+            raise ValueError(
+                f"resolution {resolution} px does not fit the model at {path}: expected a multiple of "
+                f"{unit} ({why}){span}"
+            )
         return resolution
 
     @classmethod
@@ -423,8 +444,9 @@ class FlowModel:
         """
         from peft import LoraConfig
 
-        config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian",
-                            target_modules=list(targets or self.LORA_TARGETS))
+        config = LoraConfig(
+            r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(targets or self.LORA_TARGETS)
+        )
         self.transformer.add_adapter(config)
         make_batch_invariant(self.transformer, self._probe)  # the adapter's own per-sample layers, if any
         params = [p for p in self.transformer.parameters() if p.requires_grad]
@@ -452,8 +474,9 @@ class FlowModel:
         finally:
             self.transformer.enable_adapters()
 
-    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None,
-                 guidance_scale: float) -> torch.Tensor:
+    def velocity(
+        self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None, guidance_scale: float
+    ) -> torch.Tensor:
         """Velocity with classifier-free guidance: v = v_u + w (v_c - v_u) (one batched forward).
 
         Args:
@@ -552,8 +575,9 @@ class FlowModel:
         :meth:`lora_state`."""
         state = self.lora_state(weights)
         metadata = self.transformer.peft_config["default"].to_dict()  # carries lora_alpha: without it alpha = rank
-        type(self.pipe).save_lora_weights(directory, transformer_lora_layers=state,
-                                          transformer_lora_adapter_metadata=metadata)
+        type(self.pipe).save_lora_weights(
+            directory, transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata
+        )
 
     def save_pipeline(self, directory: str | Path, plain_copy: bool = False) -> None:
         """Write the whole pipeline, with the transformer as it is now (float32 on CPU), as a diffusers
@@ -607,5 +631,3 @@ class FlowModel:
             diffusers_logging.set_verbosity(verbosity)
         if {n for n, _ in self.transformer.named_parameters() if "lora_" in n} == before:
             raise ValueError(f"{file} holds no LoRA weights for this model's transformer")
-
-

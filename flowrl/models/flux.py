@@ -10,9 +10,20 @@ import torch
 
 from .base import FlowModel, PromptEmbeds, _config_shift, _scheduler_file, _vae_factor, check_guidance
 
-FLUX_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
-                     "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-                     "ff_context.net.2")
+FLUX_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+)
 """LoRA targets for FLUX.1 transformers, as diffusers' FLUX LoRA training script: both streams' attention and
 feed-forward layers of the dual-stream blocks; the attention suffixes also match the single-stream blocks'
 ``attn.to_q / to_k / to_v``."""
@@ -32,11 +43,18 @@ def _dynamic_shift(cfg: dict, where: str | Path, image_tokens: int) -> float:
     if not cfg.get("use_dynamic_shifting"):
         return _config_shift(cfg, where)
     if cfg.get("time_shift_type", "exponential") != "exponential":
-        raise ValueError(f"{where} has time_shift_type {cfg['time_shift_type']!r}; flowrl supports 'exponential' (FLUX's)")
+        raise ValueError(
+            f"{where} has time_shift_type {cfg['time_shift_type']!r}; flowrl supports 'exponential' (FLUX's)"
+        )
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-    mu = calculate_shift(image_tokens, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
-                         cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+    mu = calculate_shift(
+        image_tokens,
+        cfg.get("base_image_seq_len", 256),
+        cfg.get("max_image_seq_len", 4096),
+        cfg.get("base_shift", 0.5),
+        cfg.get("max_shift", 1.15),
+    )
     return math.exp(mu)
 
 
@@ -78,7 +96,9 @@ class FluxModel(FlowModel):
     def check_max_sequence_length(length: int) -> None:
         """Raise ValueError for a T5 prompt length below 1 (FLUX's T5 tokens condition every block)."""
         if length < 1:
-            raise ValueError(f"max_sequence_length must be >= 1 for FLUX (its T5 tokens condition every block), got {length}")
+            raise ValueError(
+                f"max_sequence_length must be >= 1 for FLUX (its T5 tokens condition every block), got {length}"
+            )
 
     @classmethod
     def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
@@ -126,12 +146,14 @@ class FluxModel(FlowModel):
     def encode(self, prompts: list[str]) -> PromptEmbeds:
         """Encode prompts with ``FluxPipeline.encode_prompt``: T5 tokens ``(P, max_sequence_length, D_t5)`` and CLIP-L's
         pooled output ``(P, D_clip)``, float32."""
-        embeds, pooled, _ = self.pipe.encode_prompt(prompts, prompts, device=self.device,
-                                                    max_sequence_length=self.max_sequence_length)
+        embeds, pooled, _ = self.pipe.encode_prompt(
+            prompts, prompts, device=self.device, max_sequence_length=self.max_sequence_length
+        )
         return PromptEmbeds(embeds.float(), pooled.float())
 
-    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None,
-                 guidance_scale: float) -> torch.Tensor:
+    def velocity(
+        self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None, guidance_scale: float
+    ) -> torch.Tensor:
         """Velocity ``(N, C, H, W)`` float32 of latents ``x (N, C, H, W)`` at times ``t (N,)`` in [0, 1]: with the
         guidance scale as the transformer's input if it is guidance-distilled (``uncond`` unused), else with
         classifier-free guidance as :meth:`FlowModel.velocity`.
@@ -155,9 +177,15 @@ class FluxModel(FlowModel):
         img_ids = pipe._prepare_latent_image_ids(n, h // 2, w // 2, x.device, dtype)
         txt_ids = torch.zeros(cond.embeds.shape[1], 3, device=x.device, dtype=dtype)
         g = torch.full((n,), float(guidance), device=x.device) if self.guidance_embeds else None
-        out = self.network()(hidden_states=tokens, timestep=t.to(dtype), guidance=g,
-                               pooled_projections=cond.pooled.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),
-                               txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+        out = self.network()(
+            hidden_states=tokens,
+            timestep=t.to(dtype),
+            guidance=g,
+            pooled_projections=cond.pooled.to(dtype),
+            encoder_hidden_states=cond.embeds.to(dtype),
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
         factor = pipe.vae_scale_factor
         return pipe._unpack_latents(out, h * factor, w * factor, factor)
-

@@ -94,8 +94,9 @@ class FluxKontextModel(FluxModel):
         tokens[rows] = pipe._pack_latents(latents, len(rows), c, h, w).float()  # (k, L, 4C)
         return tokens, has_image
 
-    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None,
-                 guidance_scale: float) -> torch.Tensor:
+    def velocity(
+        self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None, guidance_scale: float
+    ) -> torch.Tensor:
         """:meth:`FluxModel.velocity`; under classifier-free guidance the negative (``uncond``'s text) is given the
         source images of ``cond``, as ``FluxKontextPipeline(true_cfg_scale=w)``. Shapes as there.
 
@@ -103,10 +104,19 @@ class FluxKontextModel(FluxModel):
             ValueError: if ``guidance_scale < 1``.
         """
         check_guidance(guidance_scale)
-        if self.guidance_embeds or uncond is None or guidance_scale == 1.0 or not isinstance(cond, KontextPromptEmbeds):
+        if (
+            self.guidance_embeds
+            or uncond is None
+            or guidance_scale == 1.0
+            or not isinstance(cond, KontextPromptEmbeds)
+        ):
             return super().velocity(x, t, cond, uncond, guidance_scale)
-        both = KontextPromptEmbeds(torch.cat([uncond.embeds, cond.embeds]), torch.cat([uncond.pooled, cond.pooled]),
-                                   torch.cat([cond.image, cond.image]), torch.cat([cond.has_image, cond.has_image]))
+        both = KontextPromptEmbeds(
+            torch.cat([uncond.embeds, cond.embeds]),
+            torch.cat([uncond.pooled, cond.pooled]),
+            torch.cat([cond.image, cond.image]),
+            torch.cat([cond.has_image, cond.has_image]),
+        )
         dtype = next(self.transformer.parameters()).dtype
         v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
         return v_u + guidance_scale * (v_c - v_u)
@@ -129,8 +139,17 @@ class FluxKontextModel(FluxModel):
         source_ids[:, 0] = 1  # the pipeline's image_ids: the latent ids with first coordinate 1
         txt_ids = torch.zeros(cond.embeds.shape[1], 3, device=x.device, dtype=dtype)
         g = torch.full((n,), float(guidance), device=x.device) if self.guidance_embeds else None
-        out = self.network()(hidden_states=hidden, timestep=t.to(dtype), guidance=g,
-                               pooled_projections=cond.pooled.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),
-                               txt_ids=txt_ids, img_ids=torch.cat([ids, source_ids]), return_dict=False)[0]
+        out = self.network()(
+            hidden_states=hidden,
+            timestep=t.to(dtype),
+            guidance=g,
+            pooled_projections=cond.pooled.to(dtype),
+            encoder_hidden_states=cond.embeds.to(dtype),
+            txt_ids=txt_ids,
+            img_ids=torch.cat([ids, source_ids]),
+            return_dict=False,
+        )[0]
         factor = pipe.vae_scale_factor
-        return pipe._unpack_latents(out[:, :tokens.shape[1]], h * factor, w * factor, factor)  # the noisy tokens' part
+        return pipe._unpack_latents(
+            out[:, : tokens.shape[1]], h * factor, w * factor, factor
+        )  # the noisy tokens' part

@@ -22,8 +22,16 @@ import torch
 
 from .base import FlowModel, PromptEmbeds, _pipeline_folder, check_guidance
 
-HUNYUAN_VIDEO_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
-                              "to_add_out")
+HUNYUAN_VIDEO_LORA_TARGETS = (
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+)
 """LoRA targets for HunyuanVideo transformers: the attention projections of both streams of every dual-stream block
 and of every single-stream block, as finetrainers' HunyuanVideo LoRA recipe
 (``examples/training/sft/hunyuan_video/modal_labs_dissolve/train.sh``); the suffixes also match the attention of the
@@ -45,8 +53,9 @@ class HunyuanPromptEmbeds(PromptEmbeds):
 
 def _cat(parts: list[HunyuanPromptEmbeds]) -> HunyuanPromptEmbeds:
     """Rows of several tables, stacked in order."""
-    return HunyuanPromptEmbeds(torch.cat([p.embeds for p in parts]), torch.cat([p.pooled for p in parts]),
-                               torch.cat([p.mask for p in parts]))
+    return HunyuanPromptEmbeds(
+        torch.cat([p.embeds for p in parts]), torch.cat([p.pooled for p in parts]), torch.cat([p.mask for p in parts])
+    )
 
 
 def _json(path: Path) -> dict:
@@ -117,24 +126,37 @@ class HunyuanVideoModel(FlowModel):
             ValueError: for anything else.
         """
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
-            raise ValueError(f"true_cfg_scale must be a number >= 1 (1 = off, the embedded guidance alone), "
-                             f"got {value!r}")
+            raise ValueError(
+                f"true_cfg_scale must be a number >= 1 (1 = off, the embedded guidance alone), got {value!r}"
+            )
         return float(value)
 
-    def __init__(self, path, device="cpu", dtype=torch.float32, max_sequence_length=None, resolution=None,
-                 num_frames: int | None = None, expert: str | None = None, negative_prompt: str = "",
-                 true_cfg_scale: float = 1.0):
+    def __init__(
+        self,
+        path,
+        device="cpu",
+        dtype=torch.float32,
+        max_sequence_length=None,
+        resolution=None,
+        num_frames: int | None = None,
+        expert: str | None = None,
+        negative_prompt: str = "",
+        true_cfg_scale: float = 1.0,
+    ):
         if expert is not None:
-            raise ValueError(f"{Path(path)} is a HunyuanVideo model (one transformer): leave the expert unset, got "
-                             f"{expert!r}")
+            raise ValueError(
+                f"{Path(path)} is a HunyuanVideo model (one transformer): leave the expert unset, got {expert!r}"
+            )
         self.true_cfg_scale = self.check_true_cfg_scale(true_cfg_scale)
         self.num_frames = self.check_num_frames(path, num_frames)
         self.expert, self.negative_prompt = None, negative_prompt
         self._negative: tuple[str, HunyuanPromptEmbeds] | None = None  # (prompt, its encoding), made on first use
         super().__init__(path, device, dtype, max_sequence_length, resolution)
         if self.pipe.tokenizer.padding_side != "right":
-            raise ValueError(f"{Path(path) / 'tokenizer'} pads on the {self.pipe.tokenizer.padding_side}; "
-                             "HunyuanVideo's transformer needs the prompt tokens first: set padding_side 'right'")
+            raise ValueError(
+                f"{Path(path) / 'tokenizer'} pads on the {self.pipe.tokenizer.padding_side}; "
+                "HunyuanVideo's transformer needs the prompt tokens first: set padding_side 'right'"
+            )
         self.decode_chunk = 4  # videos per VAE decode call
 
     # ------------------------------------------------------------------------------ folder checks
@@ -147,8 +169,10 @@ class HunyuanVideoModel(FlowModel):
     def check_max_sequence_length(length: int) -> None:
         """Raise ValueError for a Llama prompt length below 1."""
         if length < 1:
-            raise ValueError(f"max_sequence_length must be >= 1 for HunyuanVideo (its Llama tokens condition every "
-                             f"block), got {length}")
+            raise ValueError(
+                f"max_sequence_length must be >= 1 for HunyuanVideo (its Llama tokens condition every "
+                f"block), got {length}"
+            )
 
     @classmethod
     def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
@@ -175,9 +199,11 @@ class HunyuanVideoModel(FlowModel):
         frames = cls.DEFAULT_FRAMES if num_frames is None else num_frames
         if frames < 1 or (frames - 1) % t or ((frames - 1) // t + 1) % p_t:
             latent = max(((max(frames, 1) - 1) // t + 1) // p_t, 1) * p_t  # the nearest fitting latent frame count
-            raise ValueError(f"num_frames {frames} does not fit the model at {path}: expected {t}k+1 frames (the VAE "
-                             f"compresses time {t}x) with latent frames divisible by the temporal patch {p_t}, e.g. "
-                             f"{t * (latent - 1) + 1}")
+            raise ValueError(
+                f"num_frames {frames} does not fit the model at {path}: expected {t}k+1 frames (the VAE "
+                f"compresses time {t}x) with latent frames divisible by the temporal patch {p_t}, e.g. "
+                f"{t * (latent - 1) + 1}"
+            )
         return frames
 
     @classmethod
@@ -194,14 +220,18 @@ class HunyuanVideoModel(FlowModel):
         with config_key("model.num_frames"):
             cls.check_num_frames(path, cfg.model.num_frames)
         if cfg.model.expert is not None:
-            raise ConfigError(f"config key 'model.expert': {path} is a HunyuanVideo model (one transformer); leave it "
-                              f"unset (got {cfg.model.expert!r})")
+            raise ConfigError(
+                f"config key 'model.expert': {path} is a HunyuanVideo model (one transformer); leave it "
+                f"unset (got {cfg.model.expert!r})"
+            )
         with config_key("model.options.true_cfg_scale"):
             true_cfg = cls.check_true_cfg_scale(cfg.model.options.get("true_cfg_scale", 1.0))
         if cfg.model.negative_prompt and true_cfg == 1:
-            raise ConfigError(f"config key 'model.negative_prompt': HunyuanVideo ({path}) samples with embedded "
-                              f"guidance (sampling.guidance_scale), which uses no negative prompt; leave it empty, or "
-                              f"turn true CFG on with model.options.true_cfg_scale > 1")
+            raise ConfigError(
+                f"config key 'model.negative_prompt': HunyuanVideo ({path}) samples with embedded "
+                f"guidance (sampling.guidance_scale), which uses no negative prompt; leave it empty, or "
+                f"turn true CFG on with model.options.true_cfg_scale > 1"
+            )
 
     # ------------------------------------------------------------------------------ the model
     @property
@@ -223,8 +253,9 @@ class HunyuanVideoModel(FlowModel):
         """Encode prompts with ``HunyuanVideoPipeline.encode_prompt``: Llama states ``(P, max_sequence_length, D)``
         float32 (the template's ``crop_start`` tokens dropped), their padding mask ``(P, max_sequence_length)`` long and
         CLIP's pooled output ``(P, D_clip)`` float32."""
-        embeds, pooled, mask = self.pipe.encode_prompt(prompts, device=self.device,
-                                                       max_sequence_length=self.max_sequence_length)
+        embeds, pooled, mask = self.pipe.encode_prompt(
+            prompts, device=self.device, max_sequence_length=self.max_sequence_length
+        )
         return HunyuanPromptEmbeds(embeds.float(), pooled.float(), mask.long())
 
     def cfg_rows(self, guidance_scale: float) -> int:
@@ -246,8 +277,14 @@ class HunyuanVideoModel(FlowModel):
 
         return fn
 
-    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: HunyuanPromptEmbeds, uncond: HunyuanPromptEmbeds | None,
-                 guidance_scale: float) -> torch.Tensor:
+    def velocity(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        cond: HunyuanPromptEmbeds,
+        uncond: HunyuanPromptEmbeds | None,
+        guidance_scale: float,
+    ) -> torch.Tensor:
         """Velocity ``(N, C, F, H, W)`` float32 of latents ``x (N, C, F, H, W)`` at times ``t (N,)`` in [0, 1] with the
         guidance scale ``guidance_scale`` embedded, and with true CFG against ``uncond`` (None: the encoded
         :attr:`negative_prompt`) when :attr:`true_cfg_scale` ``> 1`` (one batched forward of both rows).
@@ -272,9 +309,15 @@ class HunyuanVideoModel(FlowModel):
         """One transformer call on ``x (N, C, F, H, W)`` at times ``t (N,)``: timestep ``1000 t``, embedded guidance
         ``1000 guidance`` per row, as ``HunyuanVideoPipeline`` gives them."""
         g = torch.full((len(x),), float(guidance), device=x.device, dtype=dtype) * 1000.0  # (N,)
-        return self.network()(hidden_states=x.to(dtype), timestep=t.to(dtype) * 1000,
-                              encoder_hidden_states=cond.embeds.to(dtype), encoder_attention_mask=cond.mask.to(dtype),
-                              pooled_projections=cond.pooled.to(dtype), guidance=g, return_dict=False)[0]
+        return self.network()(
+            hidden_states=x.to(dtype),
+            timestep=t.to(dtype) * 1000,
+            encoder_hidden_states=cond.embeds.to(dtype),
+            encoder_attention_mask=cond.mask.to(dtype),
+            pooled_projections=cond.pooled.to(dtype),
+            guidance=g,
+            return_dict=False,
+        )[0]
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

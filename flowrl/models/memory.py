@@ -40,8 +40,11 @@ the same bits whatever batch it is encoded in, on every CPU kind."""
 
 def text_encoder_names(pipe) -> list[str]:
     """The pipeline's text-encoder components present (``text_encoder``, ``text_encoder_2``, ...), sorted."""
-    return sorted(name for name, module in pipe.components.items()
-                  if name.startswith("text_encoder") and isinstance(module, torch.nn.Module))
+    return sorted(
+        name
+        for name, module in pipe.components.items()
+        if name.startswith("text_encoder") and isinstance(module, torch.nn.Module)
+    )
 
 
 def encoder_identity(model: FlowModel) -> str:
@@ -53,13 +56,24 @@ def encoder_identity(model: FlowModel) -> str:
     import transformers
 
     folder = Path(model.path)
-    files = [[p.relative_to(folder).as_posix(), p.stat().st_size, p.stat().st_mtime_ns]
-             for sub in sorted(folder.iterdir()) if sub.is_dir() and sub.name.startswith(("text_encoder", "tokenizer"))
-             for p in sorted(sub.rglob("*")) if p.is_file()]
-    record = {"version": CACHE_VERSION, "family": type(model).__qualname__, "pipeline": model.PIPELINE,
-              "max_sequence_length": model.max_sequence_length, "dtype": str(model.dtype),
-              "device": model.device.type, "torch": torch.__version__, "transformers": transformers.__version__,
-              "files": files}
+    files = [
+        [p.relative_to(folder).as_posix(), p.stat().st_size, p.stat().st_mtime_ns]
+        for sub in sorted(folder.iterdir())
+        if sub.is_dir() and sub.name.startswith(("text_encoder", "tokenizer"))
+        for p in sorted(sub.rglob("*"))
+        if p.is_file()
+    ]
+    record = {
+        "version": CACHE_VERSION,
+        "family": type(model).__qualname__,
+        "pipeline": model.PIPELINE,
+        "max_sequence_length": model.max_sequence_length,
+        "dtype": str(model.dtype),
+        "device": model.device.type,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "files": files,
+    }
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
@@ -161,9 +175,11 @@ class PromptCache:
         """The family's ``encode`` with the text encoders on the device for the call."""
         if self.dropped:
             first = (prompts or [""])[0]
-            raise RuntimeError(f"prompt {first!r} is not in the prompt cache {self.folder} and the text encoders were "
-                               "freed (model.text_encoders=drop_after_cache): every prompt must be encoded before; use "
-                               "model.text_encoders=keep or cpu")
+            raise RuntimeError(
+                f"prompt {first!r} is not in the prompt cache {self.folder} and the text encoders were "
+                "freed (model.text_encoders=drop_after_cache): every prompt must be encoded before; use "
+                "model.text_encoders=keep or cpu"
+            )
         self.encoder_calls += 1
         modules = [getattr(self.model.pipe, n) for n in text_encoder_names(self.model.pipe)]
         with on_device(modules, self.model.device) if self.placement == "cpu" else contextlib.nullcontext():
@@ -173,7 +189,7 @@ class PromptCache:
         """Encode into the cache every one of ``prompts`` it does not hold yet, ``chunk`` prompts per call."""
         unique = list(dict.fromkeys(prompts))
         for start in range(0, len(unique), chunk):
-            self(unique[start:start + chunk])
+            self(unique[start : start + chunk])
 
     def drop_encoders(self) -> None:
         """Free the text encoders (set to None in the pipeline): from now on only cached prompts can be encoded."""
@@ -192,8 +208,11 @@ class PromptCache:
     def _row(self, table: PromptEmbeds, i: int) -> dict[str, torch.Tensor]:
         """Row ``i`` of every tensor field of ``table``, on the CPU; a family padding to the batch's longest prompt
         (:attr:`FlowModel.PROMPT_PADDING` ``"longest"``) loses its padding tokens (its ``mask``'s zeros)."""
-        row = {f.name: getattr(table, f.name)[i].detach().cpu() for f in dataclasses.fields(table)
-               if torch.is_tensor(getattr(table, f.name))}
+        row = {
+            f.name: getattr(table, f.name)[i].detach().cpu()
+            for f in dataclasses.fields(table)
+            if torch.is_tensor(getattr(table, f.name))
+        }
         if self.model.PROMPT_PADDING == "longest":
             length = int(row["mask"].sum())
             row = {k: v[:length] if k in ("embeds", "mask") else v for k, v in row.items()}
@@ -212,8 +231,13 @@ class PromptCache:
             small = t.to(self.model.dtype) if t.dtype == torch.float32 and self.model.dtype != torch.float32 else t
             exact = small is not t and torch.equal(small.float(), t)
             stored[name], dtypes[name] = (small, "float32") if exact else (t, "")
-        metadata = {"prompt": prompt, "identity": self.identity, "class": type(table).__qualname__,
-                    "upcast": json.dumps({k: v for k, v in dtypes.items() if v}), "sha256": _digest(stored)}
+        metadata = {
+            "prompt": prompt,
+            "identity": self.identity,
+            "class": type(table).__qualname__,
+            "upcast": json.dumps({k: v for k, v in dtypes.items() if v}),
+            "sha256": _digest(stored),
+        }
         with atomic_output(self.file(prompt)) as tmp:
             save_file({k: v.contiguous() for k, v in stored.items()}, tmp, metadata=metadata)
         return type(table), row
@@ -246,8 +270,9 @@ class PromptCache:
     @staticmethod
     def _damaged(file: Path, why: str) -> None:
         """Warn that ``file`` is not used (it is encoded again and replaced); returns None (a miss)."""
-        warnings.warn(f"prompt cache file {file} is damaged ({why}): encoding the prompt again", UserWarning,
-                      stacklevel=4)
+        warnings.warn(
+            f"prompt cache file {file} is damaged ({why}): encoding the prompt again", UserWarning, stacklevel=4
+        )
         return None
 
     def _assemble(self, rows: list[tuple[type, dict[str, torch.Tensor]]]) -> PromptEmbeds:
@@ -257,13 +282,24 @@ class PromptCache:
         fields = rows[0][1].keys()
         if self.model.PROMPT_PADDING == "longest":
             length = max(r["mask"].shape[0] for _, r in rows)
-            rows = [(c, {k: torch.nn.functional.pad(v, (0, 0) * (v.ndim - 1) + (0, length - v.shape[0]))
-                         if k in ("embeds", "mask") else v for k, v in r.items()}) for c, r in rows]
+            rows = [
+                (
+                    c,
+                    {
+                        k: torch.nn.functional.pad(v, (0, 0) * (v.ndim - 1) + (0, length - v.shape[0]))
+                        if k in ("embeds", "mask")
+                        else v
+                        for k, v in r.items()
+                    },
+                )
+                for c, r in rows
+            ]
         return cls(**{k: torch.stack([r[k] for _, r in rows]).to(self.model.device) for k in fields})
 
 
-def place_text_encoders(model: FlowModel, directory: str | Path | None = None, text_encoders: str = "keep",
-                        prompts: list[str] = ()) -> PromptCache | None:
+def place_text_encoders(
+    model: FlowModel, directory: str | Path | None = None, text_encoders: str = "keep", prompts: list[str] = ()
+) -> PromptCache | None:
     """Install a :class:`PromptCache` as ``model.encode`` (None and nothing installed for no directory and ``keep``);
     with ``drop_after_cache``, encode ``prompts`` (and the empty prompt) into the cache first, then free the text
     encoders.
@@ -306,8 +342,13 @@ def place_vae(model: FlowModel, placement: str = "keep") -> None:
         setattr(model, name, moved)
 
 
-def place_frozen(model: FlowModel, prompt_cache: str | Path | None = None, text_encoders: str = "keep",
-                 vae: str = "keep", prompts: list[str] = ()) -> PromptCache | None:
+def place_frozen(
+    model: FlowModel,
+    prompt_cache: str | Path | None = None,
+    text_encoders: str = "keep",
+    vae: str = "keep",
+    prompts: list[str] = (),
+) -> PromptCache | None:
     """Place the frozen parts of ``model`` (``model.prompt_cache``, ``model.text_encoders``, ``model.vae_placement``):
     cache encoded prompts in the folder ``prompt_cache`` and keep the text encoders on the device (``keep``), on the
     CPU but while they encode (``cpu``) or free them once ``prompts`` are cached (``drop_after_cache``); keep the VAE

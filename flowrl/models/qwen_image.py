@@ -13,13 +13,23 @@ from pathlib import Path
 import torch
 
 from ..samplers import flow_sigmas
-
 from .base import FlowModel, PromptEmbeds, _scheduler_file, check_guidance
 from .flux import _dynamic_shift
 
-QWEN_IMAGE_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
-                           "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2",
-                           "txt_mlp.net.0.proj", "txt_mlp.net.2")
+QWEN_IMAGE_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "img_mlp.net.0.proj",
+    "img_mlp.net.2",
+    "txt_mlp.net.0.proj",
+    "txt_mlp.net.2",
+)
 """Flow-GRPO's LoRA targets for Qwen-Image transformers (its ``scripts/train_qwenimage_edit_plus.py``): both streams'
 attention projections and feed-forward layers of every dual-stream block."""
 
@@ -95,8 +105,9 @@ class QwenImageModel(FlowModel):
     def check_max_sequence_length(length: int) -> None:
         """Raise ValueError for a prompt length outside 1..1024 (``QwenImagePipeline.check_inputs``' limit)."""
         if not 1 <= length <= 1024:
-            raise ValueError(f"max_sequence_length must be in 1..1024 for Qwen-Image (QwenImagePipeline's limit), got "
-                             f"{length}")
+            raise ValueError(
+                f"max_sequence_length must be in 1..1024 for Qwen-Image (QwenImagePipeline's limit), got {length}"
+            )
 
     @classmethod
     def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
@@ -149,14 +160,21 @@ class QwenImageModel(FlowModel):
     def encode(self, prompts: list[str]) -> QwenPromptEmbeds:
         """Encode prompts with ``QwenImagePipeline.encode_prompt``: ``embeds (P, T, D)`` float32 with ``T`` the longest
         prompt's tokens (at most ``max_sequence_length``), its padding ``mask (P, T)``."""
-        embeds, mask = self.pipe.encode_prompt(prompts, device=self.device,
-                                               max_sequence_length=self.max_sequence_length)
+        embeds, mask = self.pipe.encode_prompt(
+            prompts, device=self.device, max_sequence_length=self.max_sequence_length
+        )
         if mask is None:  # the pipeline drops an all-ones mask
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
         return QwenPromptEmbeds(embeds.float(), embeds.new_zeros(len(prompts), 0, dtype=torch.float32), mask)
 
-    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: QwenPromptEmbeds, uncond: QwenPromptEmbeds | None,
-                 guidance_scale: float) -> torch.Tensor:
+    def velocity(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        cond: QwenPromptEmbeds,
+        uncond: QwenPromptEmbeds | None,
+        guidance_scale: float,
+    ) -> torch.Tensor:
         """Velocity ``(N, C, H, W)`` float32 of latents ``x (N, C, H, W)`` at times ``t (N,)`` in [0, 1], with
         Qwen-Image's true CFG when ``guidance_scale > 1``: ``v = v_u + w (v_c - v_u)``, rescaled per 2x2 token to
         ``|v_c|`` (the norm over the token's ``4 C`` packed channels), as ``QwenImagePipeline``; one batched forward of
@@ -169,8 +187,11 @@ class QwenImageModel(FlowModel):
         dtype = next(self.transformer.parameters()).dtype
         if uncond is None or guidance_scale == 1.0:
             return self._forward(x, t, cond, dtype).float()
-        both = QwenPromptEmbeds(torch.cat([uncond.embeds, cond.embeds]), torch.cat([uncond.pooled, cond.pooled]),
-                                torch.cat([uncond.mask, cond.mask]))
+        both = QwenPromptEmbeds(
+            torch.cat([uncond.embeds, cond.embeds]),
+            torch.cat([uncond.pooled, cond.pooled]),
+            torch.cat([uncond.mask, cond.mask]),
+        )
         v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
         combined = v_u + guidance_scale * (v_c - v_u)
         return combined * (_token_norm(v_c) / _token_norm(combined))
@@ -179,9 +200,14 @@ class QwenImageModel(FlowModel):
         n, c, h, w = x.shape
         pipe = self.pipe
         tokens = pipe._pack_latents(x.to(dtype).contiguous(), n, c, h, w)  # (N, h/2 * w/2, 4C)
-        out = self.network()(hidden_states=tokens, timestep=t.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),
-                               encoder_hidden_states_mask=cond.mask, img_shapes=[[(1, h // 2, w // 2)]] * n,
-                               return_dict=False)[0]  # (N, h/2 * w/2, 4C)
+        out = self.network()(
+            hidden_states=tokens,
+            timestep=t.to(dtype),
+            encoder_hidden_states=cond.embeds.to(dtype),
+            encoder_hidden_states_mask=cond.mask,
+            img_shapes=[[(1, h // 2, w // 2)]] * n,
+            return_dict=False,
+        )[0]  # (N, h/2 * w/2, 4C)
         factor = pipe.vae_scale_factor
         return pipe._unpack_latents(out, h * factor, w * factor, factor)[:, :, 0]  # (N, C, 1, h, w) -> (N, C, h, w)
 

@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 
 from ..samplers import flow_sigma, flow_velocity, vp_scale
-
 from .base import FlowModel, PromptEmbeds, _scheduler_file, _vae_factor
 
 SD15_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
@@ -41,8 +40,10 @@ def _check_scheduler(cfg: dict, where) -> None:
         key = "clip_sample" if cfg.get("clip_sample") else "thresholding"
         raise ValueError(f"{where} sets {key}: true; flowrl's DDIM kernels do not clip x0_hat (set it false)")
     if cfg.get("prediction_type", "epsilon") not in ("epsilon", "v_prediction"):
-        raise ValueError(f"{where} has prediction_type {cfg.get('prediction_type')!r}; SD 1.x/2.x UNets predict "
-                         "'epsilon' or 'v_prediction'")
+        raise ValueError(
+            f"{where} has prediction_type {cfg.get('prediction_type')!r}; SD 1.x/2.x UNets predict "
+            "'epsilon' or 'v_prediction'"
+        )
 
 
 class SD15Model(FlowModel):
@@ -91,7 +92,9 @@ class SD15Model(FlowModel):
             ValueError: for any other length.
         """
         if length != 0:
-            raise ValueError(f"SD 1.x encodes prompts with CLIP at the tokenizer's length; leave it unset (got {length})")
+            raise ValueError(
+                f"SD 1.x encodes prompts with CLIP at the tokenizer's length; leave it unset (got {length})"
+            )
 
     @classmethod
     def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
@@ -136,10 +139,14 @@ class SD15Model(FlowModel):
             _check_scheduler(json.loads(file.read_text()), file)
         where = f"model.path {cfg.model.path} is a {cls.PIPELINE} (DDPM)"
         if cfg.train.method == "nft":
-            raise ConfigError(f"config key 'train.method': 'nft' (DiffusionNFT) needs a flow-matching model; {where}: "
-                              "use train.method grpo")
-        for key, value in (("sampling.window.flash_ratio", cfg.sampling.window.flash_ratio),
-                           ("sampling.tree.flash_ratio", cfg.sampling.tree.flash_ratio)):
+            raise ConfigError(
+                f"config key 'train.method': 'nft' (DiffusionNFT) needs a flow-matching model; {where}: "
+                "use train.method grpo"
+            )
+        for key, value in (
+            ("sampling.window.flash_ratio", cfg.sampling.window.flash_ratio),
+            ("sampling.tree.flash_ratio", cfg.sampling.tree.flash_ratio),
+        ):
             if value > 0:
                 raise ConfigError(f"config key '{key}': Flash re-spacing is a flow-matching schedule; {where}: set 0")
         if cfg.sampling.shift not in (None, 1.0):
@@ -214,8 +221,12 @@ class SD15Model(FlowModel):
         """The UNet's own output (epsilon or v, ``(N, C, H, W)`` in ``dtype``) on the VP state ``s(t) x`` at the
         timestep of the (clamped) flow times ``t`` `(N,)`, conditioned by :meth:`_conditions`."""
         scale = vp_scale(t).reshape(-1, *([1] * (x.ndim - 1)))  # (N, 1, 1, 1)
-        return self.network()(sample=(x.float() * scale).to(dtype), timestep=self.timesteps(t), return_dict=False,
-                              **self._conditions(cond, dtype))[0]
+        return self.network()(
+            sample=(x.float() * scale).to(dtype),
+            timestep=self.timesteps(t),
+            return_dict=False,
+            **self._conditions(cond, dtype),
+        )[0]
 
     def _conditions(self, cond: PromptEmbeds, dtype) -> dict:
         """The UNet's prompt inputs: ``encoder_hidden_states`` ``(N, 77, D)`` in ``dtype``."""

@@ -9,8 +9,16 @@ import torch
 
 from .base import FlowModel, PromptEmbeds, _absent, _vae_factor
 
-SD3_LORA_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
+SD3_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
 """Flow-GRPO's LoRA targets for SD3 transformers: both streams of every joint attention block."""
 
 
@@ -33,6 +41,7 @@ class SD3Model(FlowModel):
     LORA_TARGETS = SD3_LORA_TARGETS
     SIGMA_SPACING = "sd3"
     """How the stock pipeline spaces its steps (:func:`samplers.flow_sigmas`' ``spacing``)."""
+
     @staticmethod
     def _default_length(index: dict) -> int:
         """:meth:`default_max_sequence_length` of a parsed ``model_index.json``."""
@@ -62,12 +71,20 @@ class SD3Model(FlowModel):
             :class:`PromptEmbeds` with ``P = len(prompts)`` rows, float32.
         """
         embeds, _, pooled, _ = self.pipe.encode_prompt(
-            prompts, prompts, prompts, device=self.device, do_classifier_free_guidance=False,
-            max_sequence_length=self.max_sequence_length)
+            prompts,
+            prompts,
+            prompts,
+            device=self.device,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+        )
         return PromptEmbeds(embeds.float(), pooled.float())
 
     def _forward(self, x, t, cond: PromptEmbeds, dtype) -> torch.Tensor:
-        return self.network()(hidden_states=x.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),
-                                pooled_projections=cond.pooled.to(dtype), timestep=t * 1000,
-                                return_dict=False)[0]
-
+        return self.network()(
+            hidden_states=x.to(dtype),
+            encoder_hidden_states=cond.embeds.to(dtype),
+            pooled_projections=cond.pooled.to(dtype),
+            timestep=t * 1000,
+            return_dict=False,
+        )[0]

@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 
 from ..samplers import flow_velocity
-
 from .base import PromptEmbeds, check_guidance
 from .sd15 import SD15_LORA_TARGETS, SD15Model
 
@@ -85,14 +84,23 @@ class SDXLModel(SD15Model):
             with config_key("model.options"):
                 cls.check_guidance_rescale(cfg.model.options["guidance_rescale"])
 
-    def __init__(self, path, device="cpu", dtype=torch.float32, max_sequence_length=None, resolution=None,
-                 guidance_rescale: float = 0.0):
+    def __init__(
+        self,
+        path,
+        device="cpu",
+        dtype=torch.float32,
+        max_sequence_length=None,
+        resolution=None,
+        guidance_rescale: float = 0.0,
+    ):
         self.guidance_rescale = self.check_guidance_rescale(guidance_rescale)
         super().__init__(path, device, dtype, max_sequence_length, resolution)
         vae = self.pipe.vae
         if any(getattr(vae.config, key, None) is not None for key in ("latents_mean", "latents_std")):
-            raise ValueError(f"{self.path / 'vae'} sets latents_mean/latents_std (an EDM-style model); flowrl's SDXL "
-                             "adapter decodes with scaling_factor only")
+            raise ValueError(
+                f"{self.path / 'vae'} sets latents_mean/latents_std (an EDM-style model); flowrl's SDXL "
+                "adapter decodes with scaling_factor only"
+            )
         if vae.dtype == torch.float16 and vae.config.force_upcast:
             vae.to(torch.float32)  # as the stock pipeline decodes: SDXL's VAE overflows in float16
 
@@ -107,9 +115,11 @@ class SDXLModel(SD15Model):
         expected = unet.add_embedding.linear_1.in_features
         passed = unet.config.addition_time_embed_dim * 6 + projection
         if expected != passed:
-            raise ValueError(f"{self.path / 'unet'}: the added embedding takes {expected} features, but 6 time ids x "
-                             f"addition_time_embed_dim {unet.config.addition_time_embed_dim} + text_encoder_2's "
-                             f"projection_dim {projection} give {passed}")
+            raise ValueError(
+                f"{self.path / 'unet'}: the added embedding takes {expected} features, but 6 time ids x "
+                f"addition_time_embed_dim {unet.config.addition_time_embed_dim} + text_encoder_2's "
+                f"projection_dim {projection} give {passed}"
+            )
         super()._probe()
 
     @torch.no_grad()
@@ -120,8 +130,9 @@ class SDXLModel(SD15Model):
             :class:`PromptEmbeds` with ``P = len(prompts)`` rows: ``embeds (P, 77, D1 + D2)`` and ``pooled
             (P, D_pooled)``, float32.
         """
-        embeds, _, pooled, _ = self.pipe.encode_prompt(prompts, device=self.device, num_images_per_prompt=1,
-                                                       do_classifier_free_guidance=False)
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompts, device=self.device, num_images_per_prompt=1, do_classifier_free_guidance=False
+        )
         return PromptEmbeds(embeds.float(), pooled.float())
 
     def time_ids(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
@@ -137,8 +148,9 @@ class SDXLModel(SD15Model):
         added = {"text_embeds": cond.pooled.to(dtype), "time_ids": self.time_ids(rows, dtype)}
         return {"encoder_hidden_states": cond.embeds.to(dtype), "added_cond_kwargs": added}
 
-    def velocity(self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None,
-                 guidance_scale: float) -> torch.Tensor:
+    def velocity(
+        self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None, guidance_scale: float
+    ) -> torch.Tensor:
         """Velocity with classifier-free guidance as the stock SDXL pipeline guides (one batched forward).
 
         The negative is zero embeddings when the pipeline sets ``force_zeros_for_empty_prompt`` (``uncond``, the empty

@@ -22,8 +22,15 @@ from pathlib import Path
 
 import torch
 
-from .base import (FlowModel, PromptEmbeds, _config_shift, _model_index, _pipeline_folder, _scheduler_file,
-                   make_batch_invariant)
+from .base import (
+    FlowModel,
+    PromptEmbeds,
+    _config_shift,
+    _model_index,
+    _pipeline_folder,
+    _scheduler_file,
+    make_batch_invariant,
+)
 
 WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 """Flow-GRPO's LoRA targets for Wan (``scripts/train_wan2_1.py``): the query, key, value and output projections of
@@ -109,8 +116,17 @@ class WanModel(FlowModel):
     DEFAULT_SIDE = 480
     """Video side in px when no resolution is given (Wan 480P's short side)."""
 
-    def __init__(self, path, device="cpu", dtype=torch.float32, max_sequence_length=None, resolution=None,
-                 num_frames: int | None = None, expert: str | None = None, negative_prompt: str = ""):
+    def __init__(
+        self,
+        path,
+        device="cpu",
+        dtype=torch.float32,
+        max_sequence_length=None,
+        resolution=None,
+        num_frames: int | None = None,
+        expert: str | None = None,
+        negative_prompt: str = "",
+    ):
         self.num_frames = self.check_num_frames(path, num_frames)
         self.expert = self.check_expert(path, expert)
         self.NETWORK = self.network_name(self.expert)  # the trained network; base loading holds it as self.transformer
@@ -136,8 +152,9 @@ class WanModel(FlowModel):
     def check_max_sequence_length(length: int) -> None:
         """Raise ValueError for a UMT5 prompt length below 1."""
         if length < 1:
-            raise ValueError(f"max_sequence_length must be >= 1 for Wan (its UMT5 tokens condition every block), "
-                             f"got {length}")
+            raise ValueError(
+                f"max_sequence_length must be >= 1 for Wan (its UMT5 tokens condition every block), got {length}"
+            )
 
     @staticmethod
     def _transformer_config(path: Path) -> dict:
@@ -170,8 +187,10 @@ class WanModel(FlowModel):
         frames = cls.DEFAULT_FRAMES if num_frames is None else num_frames
         largest = (cls._transformer_config(path).get("rope_max_seq_len", 1024) - 1) * t + 1
         if frames < 1 or (frames - 1) % t or frames > largest:
-            raise ValueError(f"num_frames {frames} does not fit the model at {path}: expected {t}k+1 frames (the VAE "
-                             f"compresses time {t}x), from 1 to {largest}, e.g. {(max(frames, 1) - 1) // t * t + 1}")
+            raise ValueError(
+                f"num_frames {frames} does not fit the model at {path}: expected {t}k+1 frames (the VAE "
+                f"compresses time {t}x), from 1 to {largest}, e.g. {(max(frames, 1) - 1) // t * t + 1}"
+            )
         return frames
 
     @classmethod
@@ -193,11 +212,15 @@ class WanModel(FlowModel):
         index = _model_index(path)
         two = bool((index.get("transformer_2") or [None])[0]) and index.get("boundary_ratio") is not None
         if two and expert not in EXPERTS:
-            raise ValueError(f"{Path(path)} is a two-expert Wan 2.2 model (boundary_ratio {index['boundary_ratio']}): "
-                             f"choose the trained expert, high (transformer) or low (transformer_2); got {expert!r}")
+            raise ValueError(
+                f"{Path(path)} is a two-expert Wan 2.2 model (boundary_ratio {index['boundary_ratio']}): "
+                f"choose the trained expert, high (transformer) or low (transformer_2); got {expert!r}"
+            )
         if not two and expert is not None:
-            raise ValueError(f"{Path(path)} has one transformer (no transformer_2 and boundary_ratio): leave the expert "
-                             f"unset, got {expert!r}")
+            raise ValueError(
+                f"{Path(path)} has one transformer (no transformer_2 and boundary_ratio): leave the expert "
+                f"unset, got {expert!r}"
+            )
         return expert
 
     @classmethod
@@ -247,8 +270,12 @@ class WanModel(FlowModel):
     def encode(self, prompts: list[str]) -> PromptEmbeds:
         """Encode prompts with ``WanPipeline.encode_prompt``: UMT5 states ``(P, max_sequence_length, D)`` float32 (zero
         past each prompt's tokens) and an empty pooled ``(P, 0)``."""
-        embeds, _ = self.pipe.encode_prompt(prompts, do_classifier_free_guidance=False,
-                                            max_sequence_length=self.max_sequence_length, device=self.device)
+        embeds, _ = self.pipe.encode_prompt(
+            prompts,
+            do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+            device=self.device,
+        )
         return PromptEmbeds(embeds.float(), embeds.new_zeros(len(prompts), 0).float())
 
     def velocity_fn(self, table: PromptEmbeds, guidance_scale: float):
@@ -257,12 +284,15 @@ class WanModel(FlowModel):
         if self.negative_prompt and guidance_scale != 1.0:
             if self._negative is None:
                 self._negative = self.encode([self.negative_prompt])
-            table = PromptEmbeds(torch.cat([self._negative.embeds, table.embeds[1:]]),
-                                 torch.cat([self._negative.pooled, table.pooled[1:]]))
+            table = PromptEmbeds(
+                torch.cat([self._negative.embeds, table.embeds[1:]]),
+                torch.cat([self._negative.pooled, table.pooled[1:]]),
+            )
         return super().velocity_fn(table, guidance_scale)
 
-    def _call(self, net: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds,
-              dtype: torch.dtype) -> torch.Tensor:
+    def _call(
+        self, net: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, dtype: torch.dtype
+    ) -> torch.Tensor:
         """One expert on rows ``x (N, C, F, H, W)`` at times ``t (N,)``: timestep ``1000 t`` per row, or per latent token
         (``expand_timesteps``, Wan 2.2 TI2V-5B: ``(N, F * H/2 * W/2)``), as ``WanPipeline`` gives it."""
         timestep = t.to(dtype) * 1000
@@ -270,8 +300,12 @@ class WanModel(FlowModel):
             p_f, p_h, p_w = net.config.patch_size
             tokens = (x.shape[2] // p_f) * (x.shape[3] // p_h) * (x.shape[4] // p_w)
             timestep = timestep[:, None].expand(-1, tokens)  # (N, tokens)
-        return net(hidden_states=x.to(dtype), timestep=timestep, encoder_hidden_states=cond.embeds.to(dtype),
-                   return_dict=False)[0]
+        return net(
+            hidden_states=x.to(dtype),
+            timestep=timestep,
+            encoder_hidden_states=cond.embeds.to(dtype),
+            return_dict=False,
+        )[0]
 
     def trainable_times(self, sigmas: torch.Tensor) -> torch.Tensor | None:
         """Two experts: the times on the trained expert's side of the boundary, as :meth:`_forward` switches."""
@@ -287,8 +321,10 @@ class WanModel(FlowModel):
         mine = high if self.expert == "high" else ~high
         rows = [torch.nonzero(mine).flatten(), torch.nonzero(~mine).flatten()]  # trained rows, frozen rows
         nets = [(self.network(), dtype), (self.frozen, next(self.frozen.parameters()).dtype)]
-        parts = [self._call(net, x[r], t[r], cond[r], net_dtype).float() if len(r) else None
-                 for r, (net, net_dtype) in zip(rows, nets)]  # (n_trained, ...), (n_frozen, ...)
+        parts = [
+            self._call(net, x[r], t[r], cond[r], net_dtype).float() if len(r) else None
+            for r, (net, net_dtype) in zip(rows, nets)
+        ]  # (n_trained, ...), (n_frozen, ...)
         out = torch.cat([p for p in parts if p is not None])  # (N, C, F, H, W) in the order of `rows`
         if parts[0] is None and torch.is_grad_enabled():  # only the frozen expert's times: a zero gradient, not none
             out = out + 0.0 * sum(p.sum() for p in self.transformer.parameters() if p.requires_grad)

@@ -10,6 +10,7 @@ with `build_reward("clipscore", model_path=...)`, or a user's own with
 entry-point group by its name. `serve` and the `remote` reward run a reward in another process over HTTP.
 """
 
+from .aesthetic import AestheticScore, aesthetic
 from .base import (
     REWARDS,
     CombinedScores,
@@ -25,20 +26,18 @@ from .base import (
     reward_name,
 )
 from .clipscore import ClipScore, clipscore
-from .pickscore import PickScore, pickscore
-from .hps import HPSv2, hpsv2
-from .aesthetic import AestheticScore, aesthetic
-from .jpeg import jpeg_compressibility, jpeg_incompressibility, jpeg_size_kb
-from .imagereward import ImageReward, imagereward
-from .ocr import OcrReward, ocr
-
 from .geneval import geneval, geneval_strict
+from .hps import HPSv2, hpsv2
+from .imagereward import ImageReward, imagereward
+from .jpeg import jpeg_compressibility, jpeg_incompressibility, jpeg_size_kb
+from .motion_world import MotionWorld, motion_world, motion_world_direction, motion_world_strict
+from .ocr import OcrReward, ocr
 from .pairwise import PrefWinRate, VLMJudge, bradley_terry_judge, pref_winrate, win_rates
+from .pickscore import PickScore, pickscore
 from .server import RemoteReward, RewardServer, remote, serve
-from .vlm import VLMScore, unifiedreward
 from .video import ClipTemporal, Frames, Motion, clip_temporal, frames, motion
 from .videoalign import VideoAlign, videoalign
-from .motion_world import MotionWorld, motion_world, motion_world_direction, motion_world_strict
+from .vlm import VLMScore, unifiedreward
 
 __all__ = [
     "REWARDS",

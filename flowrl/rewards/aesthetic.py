@@ -90,7 +90,9 @@ class AestheticScore:
         batch_size: int | None = None,
     ):
         if len(image_mean) != 3 or len(image_std) != 3:
-            raise ValueError(f"aesthetic: image_mean and image_std need 3 values, got {image_mean!r} and {image_std!r}")
+            raise ValueError(
+                f"aesthetic: image_mean and image_std need 3 values, got {image_mean!r} and {image_std!r}"
+            )
         embed_dim, head_dim = int(clip.config.projection_dim), layers[0].in_features
         if embed_dim != head_dim:
             raise ValueError(
@@ -121,13 +123,16 @@ class AestheticScore:
     ) -> torch.Tensor:
         check_inputs(images, prompts, metadata)
         size = self.batch_size or max(1, images.shape[0])
-        chunks = [self.layers(self.embed(images[i : i + size])).squeeze(-1).cpu()  # (b,)
-                  for i in range(0, images.shape[0], size)]
+        chunks = [
+            self.layers(self.embed(images[i : i + size])).squeeze(-1).cpu()  # (b,)
+            for i in range(0, images.shape[0], size)
+        ]
         return torch.cat(chunks) if chunks else torch.zeros(0)
 
 
 @register_reward(
-    "aesthetic", modality="image",
+    "aesthetic",
+    modality="image",
     weights="sac+logos+ava1-l14-linearMSE.pth + openai/clip-vit-large-patch14",
 )
 def aesthetic(

@@ -117,8 +117,9 @@ def register_reward(
     if not name or ":" in name:
         raise ValueError(f"reward name must be non-empty and contain no ':' (got {name!r})")
     if modality is not None and modality not in MODALITIES:
-        raise ValueError(f"reward {name!r}: modality must be one of {', '.join(map(repr, MODALITIES))}, "
-                         f"got {modality!r}")
+        raise ValueError(
+            f"reward {name!r}: modality must be one of {', '.join(map(repr, MODALITIES))}, got {modality!r}"
+        )
 
     def decorator(factory: RewardFactory) -> RewardFactory:
         if REWARDS.get(name, factory) is not factory:
@@ -152,8 +153,12 @@ def check_batch_size(batch_size: Any, reward: str) -> int | None:
     return batch_size
 
 
-def score_in_chunks(score: Callable[[torch.Tensor, Sequence[str]], torch.Tensor], images: torch.Tensor,
-                    prompts: Sequence[str], batch_size: int | None) -> torch.Tensor:
+def score_in_chunks(
+    score: Callable[[torch.Tensor, Sequence[str]], torch.Tensor],
+    images: torch.Tensor,
+    prompts: Sequence[str],
+    batch_size: int | None,
+) -> torch.Tensor:
     """``score(images, prompts)`` over consecutive chunks of `batch_size` images (None: one call), concatenated.
 
     Args:
@@ -188,7 +193,9 @@ def _import_dotted(spec: str) -> Any:
         raise ValueError(f"reward spec {spec!r}: module {module_name!r} not found ({err})") from err
     for part in attr_path.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"reward spec {spec!r}: {getattr(obj, '__name__', type(obj).__name__)!r} has no attribute {part!r}")
+            raise ValueError(
+                f"reward spec {spec!r}: {getattr(obj, '__name__', type(obj).__name__)!r} has no attribute {part!r}"
+            )
         obj = getattr(obj, part)
     return obj
 
@@ -215,16 +222,21 @@ def _entry_point(name: str) -> Any:
     if not found:
         return None
     if len({ep.value for ep in found}) > 1:
-        raise ValueError(f"reward {name!r} is declared by several '{ENTRY_POINT_GROUP}' entry points: "
-                         f"{sorted({ep.value for ep in found})}; uninstall one or use 'package.module:function'")
+        raise ValueError(
+            f"reward {name!r} is declared by several '{ENTRY_POINT_GROUP}' entry points: "
+            f"{sorted({ep.value for ep in found})}; uninstall one or use 'package.module:function'"
+        )
     try:
         target = found[0].load()
     except (ImportError, AttributeError) as err:
-        raise ValueError(f"reward {name!r}: entry point {found[0].value!r} ({ENTRY_POINT_GROUP}) does not load: "
-                         f"{type(err).__name__}: {err}") from err
+        raise ValueError(
+            f"reward {name!r}: entry point {found[0].value!r} ({ENTRY_POINT_GROUP}) does not load: "
+            f"{type(err).__name__}: {err}"
+        ) from err
     if not callable(target):
-        raise RewardTypeError(f"reward {name!r}: entry point {found[0].value!r} names a {type(target).__name__}, "
-                              "not a callable")
+        raise RewardTypeError(
+            f"reward {name!r}: entry point {found[0].value!r} names a {type(target).__name__}, not a callable"
+        )
     return target
 
 
@@ -321,7 +333,9 @@ def check_inputs(
     if video and (images.ndim != 5 or images.shape[2] != 3 or images.shape[1] < 1):
         raise ValueError(f"videos must have shape (B, F, 3, H, W) with F >= 1, got {tuple(images.shape)}")
     if not video and (images.ndim != 4 or images.shape[1] != 3):
-        hint = "; videos go to rewards that accept them, or wrap an image reward in 'frames'" if images.ndim == 5 else ""
+        hint = (
+            "; videos go to rewards that accept them, or wrap an image reward in 'frames'" if images.ndim == 5 else ""
+        )
         raise ValueError(f"images must have shape (B, 3, H, W), got {tuple(images.shape)}{hint}")
     batch = images.shape[0]
     if len(prompts) != batch or len(metadata) != batch:
@@ -336,7 +350,9 @@ def check_inputs(
             raise TypeError(f"metadata[{i}] must be a dict (use {{}} when there is none), got {type(meta).__name__}")
     if batch and images.numel():
         if not bool(torch.isfinite(images).all()):
-            raise ValueError("images contain NaN or inf (a diverged policy or decoder?); rewards need values in [0, 1]")
+            raise ValueError(
+                "images contain NaN or inf (a diverged policy or decoder?); rewards need values in [0, 1]"
+            )
         low, high = images.aminmax()
         if low < 0 or high > 1:
             raise ValueError(
@@ -420,7 +436,11 @@ class WeightedSum:
         for key, (reward, weight) in rewards.items():
             if not callable(reward):
                 raise RewardTypeError(f"reward {key!r} is a {type(reward).__name__}, not a callable")
-            if isinstance(weight, (bool, np.bool_)) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
+            if (
+                isinstance(weight, (bool, np.bool_))
+                or not isinstance(weight, numbers.Real)
+                or not math.isfinite(weight)
+            ):
                 raise ValueError(f"reward {key!r} has weight {weight!r}; weights must be finite numbers")
             self.rewards[key] = (reward, float(weight))
 

@@ -88,15 +88,12 @@ def _load_clip(
     except (OSError, ValueError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise OSError(
-            f"{reward}: cannot load a CLIP tokenizer and image processor from '{processor_path}' "
-            f"({first_line})"
+            f"{reward}: cannot load a CLIP tokenizer and image processor from '{processor_path}' ({first_line})"
         ) from err
     return CLIPModel.from_pretrained(model_dir, local_files_only=True), tokenizer, image_processor
 
 
-def clip_preprocess(
-    images: torch.Tensor, size: int, mean: torch.Tensor, std: torch.Tensor
-) -> torch.Tensor:
+def clip_preprocess(images: torch.Tensor, size: int, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """Resize the shorter side to `size` (bicubic, antialiased), centre crop `size x size`, normalise.
 
     The tensor counterpart of transformers' `CLIPImageProcessor` (shortest edge and crop both `size`),
@@ -244,4 +241,6 @@ def clipscore(
         ValueError: `dtype` is not a floating torch dtype, or `batch_size` is not an integer >= 1.
     """
     model, tokenizer, image_processor = _load_clip(model_path, processor_path, "clipscore")
-    return ClipScore(model, tokenizer, image_processor.image_mean, image_processor.image_std, device, dtype, batch_size)
+    return ClipScore(
+        model, tokenizer, image_processor.image_mean, image_processor.image_std, device, dtype, batch_size
+    )

@@ -62,8 +62,10 @@ def load_state_dict(path: str | os.PathLike, reward: str = "convert") -> dict[st
         raise ValueError(f"{reward}: cannot read weights file '{path}' ({first_line})") from err
     if isinstance(checkpoint, dict) and isinstance(checkpoint.get("state_dict"), dict):
         checkpoint = checkpoint["state_dict"]
-    if not isinstance(checkpoint, dict) or not checkpoint or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in checkpoint.items()
+    if (
+        not isinstance(checkpoint, dict)
+        or not checkpoint
+        or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in checkpoint.items())
     ):
         raise ValueError(f"{reward}: '{path}' does not hold a state dict (a non-empty mapping of names to tensors)")
     if all(key.startswith("module.") for key in checkpoint):

@@ -163,7 +163,8 @@ def _checkpoint_file(model_path: str | os.PathLike | None, version: str) -> Path
 
 
 @register_reward(
-    "hpsv2", modality="image",
+    "hpsv2",
+    modality="image",
     weights="HPS_v2.1_compressed.pt (xswu/HPSv2; open_clip ViT-H-14 built from config)",
 )
 def hpsv2(

@@ -71,11 +71,31 @@ def imagereward_config(**text_overrides: Any):
     """
     from transformers import BlipConfig
 
-    vision = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                  image_size=224, patch_size=16, hidden_act="gelu", layer_norm_eps=1e-6)
-    text = dict(vocab_size=30524, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                intermediate_size=3072, max_position_embeddings=512, hidden_act="gelu", layer_norm_eps=1e-12,
-                pad_token_id=0, bos_token_id=30522, sep_token_id=102, encoder_hidden_size=1024, is_decoder=True)
+    vision = dict(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        image_size=224,
+        patch_size=16,
+        hidden_act="gelu",
+        layer_norm_eps=1e-6,
+    )
+    text = dict(
+        vocab_size=30524,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        max_position_embeddings=512,
+        hidden_act="gelu",
+        layer_norm_eps=1e-12,
+        pad_token_id=0,
+        bos_token_id=30522,
+        sep_token_id=102,
+        encoder_hidden_size=1024,
+        is_decoder=True,
+    )
     return BlipConfig(text_config={**text, **text_overrides}, vision_config=vision)
 
 
@@ -111,7 +131,9 @@ class ImageRewardModel(nn.Module):
         sizes = (text.hidden_size, *HEAD_SIZES)
         self.head = nn.Sequential(*(nn.Linear(n_in, n_out) for n_in, n_out in zip(sizes[:-1], sizes[1:])))
 
-    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, pixel_values: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor:
         """Standardised ImageReward scores.
 
         Args:
@@ -123,10 +145,15 @@ class ImageRewardModel(nn.Module):
             `torch.Tensor` of shape `(B,)`, float32: `(head(text [CLS] feature) - IMAGEREWARD_MEAN) / IMAGEREWARD_STD`.
         """
         image_embeds = self.vision_model(pixel_values=pixel_values).last_hidden_state  # (B, 1 + patches, Dv)
-        image_mask = torch.ones(image_embeds.shape[:-1], dtype=torch.long, device=image_embeds.device)  # (B, 1 + patches)
+        image_mask = torch.ones(
+            image_embeds.shape[:-1], dtype=torch.long, device=image_embeds.device
+        )  # (B, 1 + patches)
         text = self.text_encoder(
-            input_ids=input_ids, attention_mask=attention_mask, encoder_hidden_states=image_embeds,
-            encoder_attention_mask=image_mask, is_decoder=False,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            encoder_hidden_states=image_embeds,
+            encoder_attention_mask=image_mask,
+            is_decoder=False,
         ).last_hidden_state  # (B, L, Dt)
         raw = self.head(text[:, 0]).squeeze(-1).float()  # (B,)
         return (raw - IMAGEREWARD_MEAN) / IMAGEREWARD_STD
@@ -135,8 +162,14 @@ class ImageRewardModel(nn.Module):
 _BLOCK_KEY = re.compile(
     r"blip\.visual_encoder\.blocks\.(\d+)\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.(weight|bias)"
 )
-_BLOCK_NAMES = {"norm1": "layer_norm1", "norm2": "layer_norm2", "attn.qkv": "self_attn.qkv",
-                "attn.proj": "self_attn.projection", "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2"}
+_BLOCK_NAMES = {
+    "norm1": "layer_norm1",
+    "norm2": "layer_norm2",
+    "attn.qkv": "self_attn.qkv",
+    "attn.proj": "self_attn.projection",
+    "mlp.fc1": "mlp.fc1",
+    "mlp.fc2": "mlp.fc2",
+}
 _VISION_NAMES = {
     "blip.visual_encoder.cls_token": "vision_model.embeddings.class_embedding",
     "blip.visual_encoder.pos_embed": "vision_model.embeddings.position_embedding",
@@ -203,7 +236,9 @@ def convert_imagereward_state_dict(state_dict: Mapping[str, torch.Tensor]) -> di
     return converted
 
 
-def load_converted(model: ImageRewardModel, state_dict: Mapping[str, torch.Tensor], source: str = "checkpoint") -> None:
+def load_converted(
+    model: ImageRewardModel, state_dict: Mapping[str, torch.Tensor], source: str = "checkpoint"
+) -> None:
     """Convert `state_dict` and load it into `model` strictly (every weight present, none left over).
 
     Raises:
@@ -214,8 +249,11 @@ def load_converted(model: ImageRewardModel, state_dict: Mapping[str, torch.Tenso
     expected = model.state_dict()
     missing = [k for k in expected if k not in converted]
     unexpected = [k for k in converted if k not in expected]
-    shapes = [f"{k}: {tuple(converted[k].shape)} vs {tuple(expected[k].shape)}"
-              for k in expected if k in converted and converted[k].shape != expected[k].shape]
+    shapes = [
+        f"{k}: {tuple(converted[k].shape)} vs {tuple(expected[k].shape)}"
+        for k in expected
+        if k in converted and converted[k].shape != expected[k].shape
+    ]
     if missing or unexpected or shapes:
         raise ValueError(
             f"imagereward: {source} does not fit the ImageReward-v1.0 architecture: missing {missing[:5]}, "
@@ -251,13 +289,21 @@ class ImageReward:
 
     name = "imagereward"
 
-    def __init__(self, model: ImageRewardModel, tokenizer: Any, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | str = torch.float32, batch_size: int | None = None):
+    def __init__(
+        self,
+        model: ImageRewardModel,
+        tokenizer: Any,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        batch_size: int | None = None,
+    ):
         check_batch_size(batch_size, "imagereward")
         vocab = model.config.text_config.vocab_size
         if len(tokenizer) > vocab:
-            raise ValueError(f"imagereward: the tokenizer has {len(tokenizer)} tokens, the model only {vocab}; "
-                             "use bert-base-uncased's tokenizer")
+            raise ValueError(
+                f"imagereward: the tokenizer has {len(tokenizer)} tokens, the model only {vocab}; "
+                "use bert-base-uncased's tokenizer"
+            )
         self.batch_size = batch_size
         self.device = torch.device(device)
         self.dtype = _as_dtype(dtype)
@@ -292,19 +338,23 @@ class ImageReward:
         return ((pixels - self.image_mean) / self.image_std).to(self.dtype)
 
     @torch.no_grad()
-    def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> torch.Tensor:
+    def __call__(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> torch.Tensor:
         check_inputs(images, prompts, metadata)
         return score_in_chunks(self._score, images, prompts, self.batch_size)
 
     def _score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """One chunk: `(b, 3, H, W)` images and `b` prompts -> `(b,)` float32 CPU scores."""
-        tokens = self.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=MAX_LENGTH,
-                                return_tensors="pt").to(self.device)
+        tokens = self.tokenizer(
+            list(prompts), padding="max_length", truncation=True, max_length=MAX_LENGTH, return_tensors="pt"
+        ).to(self.device)
         return self.model(self.preprocess(images), tokens["input_ids"], tokens["attention_mask"]).cpu()
 
 
 @register_reward(
-    "imagereward", modality="image",
+    "imagereward",
+    modality="image",
     weights="ImageReward.pt (THUDM/ImageReward) + bert-base-uncased tokenizer",
 )
 def imagereward(

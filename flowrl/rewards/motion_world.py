@@ -42,8 +42,16 @@ from .geneval.detector import classify, objects, shape_features
 from .geneval.world import COLORS, SHAPES
 
 __all__ = [
-    "DIRECTIONS", "MotionWorld", "NUM_FRAMES", "SPEED", "VIDEO_SIZE", "check_motion_metadata", "judge_video",
-    "motion_world", "motion_world_direction", "motion_world_strict",
+    "DIRECTIONS",
+    "MotionWorld",
+    "NUM_FRAMES",
+    "SPEED",
+    "VIDEO_SIZE",
+    "check_motion_metadata",
+    "judge_video",
+    "motion_world",
+    "motion_world_direction",
+    "motion_world_strict",
 ]
 
 VIDEO_SIZE = 32
@@ -157,7 +165,7 @@ def judge_video(video: np.ndarray, metadata: Mapping[str, Any]) -> Judgement:
     dx, dy = DIRECTIONS[metadata["direction"]]
     along = (velocity[0] * dx + velocity[1] * dy) / metadata["speed"]  # in multiples of the prompted speed
     across = abs(velocity[0] * dy - velocity[1] * dx) / metadata["speed"]
-    motion = (len(found) >= max(2, MIN_PRESENT * n) and MIN_SPEED <= along <= MAX_SPEED and across <= MAX_DRIFT * along)
+    motion = len(found) >= max(2, MIN_PRESENT * n) and MIN_SPEED <= along <= MAX_SPEED and across <= MAX_DRIFT * along
     strict = motion and len(found) == n and shape >= 0.5
     grade = float(np.clip(along, 0, 1) * np.clip(3 - along, 0, 1) * np.clip(1 - across, 0, 1))
     return Judgement(float(strict), (presence + shape + 2 * grade) / 4, float(motion), presence, shape, velocity)
@@ -180,10 +188,15 @@ class MotionWorld:
         if score not in SCORES:
             raise ValueError(f"motion_world: score must be one of {SCORES}, got {score!r}")
         self.score = score
-        self.name = "motion_world" if score == "dense" else {"strict": "motion_world_strict",
-                                                               "motion": "motion_world_direction"}[score]
+        self.name = (
+            "motion_world"
+            if score == "dense"
+            else {"strict": "motion_world_strict", "motion": "motion_world_direction"}[score]
+        )
 
-    def judge(self, videos: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> list[Judgement]:
+    def judge(
+        self, videos: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> list[Judgement]:
         """Read every video.
 
         Args:
@@ -206,7 +219,9 @@ class MotionWorld:
         frames = (videos.detach().float().cpu() * 255).round().to(torch.uint8).permute(0, 1, 3, 4, 2).numpy()
         return [judge_video(v, m) for v, m in zip(frames, metadata)]  # (F, H, W, 3) each
 
-    def __call__(self, videos: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> torch.Tensor:
+    def __call__(
+        self, videos: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> torch.Tensor:
         """Score each video: :meth:`judge`'s ``score`` field.
 
         Returns:
@@ -215,7 +230,9 @@ class MotionWorld:
         Raises:
             As :meth:`judge`.
         """
-        return torch.tensor([getattr(j, self.score) for j in self.judge(videos, prompts, metadata)], dtype=torch.float32)
+        return torch.tensor(
+            [getattr(j, self.score) for j in self.judge(videos, prompts, metadata)], dtype=torch.float32
+        )
 
 
 @register_reward("motion_world", modality="video", weights="none (the tiny video world's checker)")
@@ -239,4 +256,3 @@ def motion_world_direction() -> MotionWorld:
     """The tiny video world's 0/1 motion score: the prompted colour moves in the prompted direction at about the
     prompted speed."""
     return MotionWorld("motion")
-

@@ -136,7 +136,9 @@ class RapidOcrEngine:
         try:
             from rapidocr import RapidOCR
         except ImportError as err:
-            raise ImportError("ocr: the default engine needs `pip install rapidocr onnxruntime` (flowrl[ocr])") from err
+            raise ImportError(
+                "ocr: the default engine needs `pip install rapidocr onnxruntime` (flowrl[ocr])"
+            ) from err
         if not 0 <= text_score <= 1:
             raise ValueError(f"ocr: text_score must lie in [0, 1], got {text_score!r}")
         settings = {
@@ -198,7 +200,7 @@ class OcrReward:
             target = quoted_text(prompt)
             if target is None and self.unquoted == "error":
                 raise ValueError(
-                    f'ocr: prompts[{i}] has no text in double quotes to read back: {prompt!r}; write the text as '
+                    f"ocr: prompts[{i}] has no text in double quotes to read back: {prompt!r}; write the text as "
                     '"..." in the prompt, or set unquoted: zero to score such prompts 0'
                 )
             if target is not None and not normalize_text(target):
@@ -258,7 +260,9 @@ def ocr(
     if isinstance(engine, str):
         engine = _import_dotted(engine)
     elif engine is not None and not callable(engine):
-        raise TypeError(f"ocr: engine must be null, 'package.module:function' or a callable, got {type(engine).__name__}")
+        raise TypeError(
+            f"ocr: engine must be null, 'package.module:function' or a callable, got {type(engine).__name__}"
+        )
     if engine is None:
         engine = RapidOcrEngine(text_score=text_score)
     elif text_score != 0.5:

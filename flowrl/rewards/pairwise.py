@@ -51,7 +51,7 @@ class _BradleyTerryJudge:
 
     def __call__(self, images_a, images_b, prompts, metadata) -> torch.Tensor:
         both = self.scores(torch.cat([images_a, images_b]), list(prompts) * 2, list(metadata) * 2)
-        return self.prob(both[: len(prompts)], both[len(prompts):])
+        return self.prob(both[: len(prompts)], both[len(prompts) :])
 
 
 def bradley_terry_judge(reward: Callable, temperature: float = 1.0) -> PairwiseJudge:
@@ -76,8 +76,15 @@ def bradley_terry_judge(reward: Callable, temperature: float = 1.0) -> PairwiseJ
     return _BradleyTerryJudge(reward, temperature)
 
 
-def win_rates(judge: PairwiseJudge, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]],
-              group: torch.Tensor, both_orders: bool = True, soft: bool = False) -> torch.Tensor:
+def win_rates(
+    judge: PairwiseJudge,
+    images: torch.Tensor,
+    prompts: Sequence[str],
+    metadata: Sequence[Mapping[str, Any]],
+    group: torch.Tensor,
+    both_orders: bool = True,
+    soft: bool = False,
+) -> torch.Tensor:
     """Pref-GRPO win rates (arXiv 2508.20751, Sec. 3.2) of every image against the rest of its group.
 
     All pairs ``(i, j), i < j`` of every group go to the judge in one call (and the swapped pairs in a
@@ -109,8 +116,13 @@ def _win_rates(judge, images, prompts, metadata, group, both_orders, soft) -> tu
     group = torch.as_tensor(group).cpu()
     if group.shape != (len(prompts),):
         raise ValueError(f"win_rates: group must have shape ({len(prompts)},); got {tuple(group.shape)}")
-    pairs = [(i, j) for g in group.unique().tolist() for idx in [(group == g).nonzero().squeeze(1).tolist()]
-             for a, i in enumerate(idx) for j in idx[a + 1:]]
+    pairs = [
+        (i, j)
+        for g in group.unique().tolist()
+        for idx in [(group == g).nonzero().squeeze(1).tolist()]
+        for a, i in enumerate(idx)
+        for j in idx[a + 1 :]
+    ]
     points = torch.zeros(len(prompts), dtype=torch.float32)
     inverse = torch.unique(group, return_inverse=True)[1]
     size = torch.bincount(inverse).float()[inverse]  # (B,) size of each image's group
@@ -135,11 +147,14 @@ def _win_rates(judge, images, prompts, metadata, group, both_orders, soft) -> tu
         def ask(x, y):
             return check(judge.prob(r[x], r[y]), len(x))
     else:
+
         def ask(x, y):
             nonlocal calls
             calls += len(x)
-            return check(judge(images[x], images[y], [prompts[k] for k in x.tolist()], [metadata[k] for k in x.tolist()]),
-                         len(x))
+            return check(
+                judge(images[x], images[y], [prompts[k] for k in x.tolist()], [metadata[k] for k in x.tolist()]),
+                len(x),
+            )
 
     p = ask(a, b)
     if both_orders and not getattr(judge, "antisymmetric", False):
@@ -167,8 +182,9 @@ def parse_choice(text: str) -> float:
     tagged = re.findall(r"<answer>(.*?)</answer>", text, flags=re.IGNORECASE | re.DOTALL)
     parts = re.split(r"answer", text, flags=re.IGNORECASE)
     tail = tagged[-1] if tagged else parts[-1]
-    better = re.findall(r"image\s*([12])\s+is\s+(?:better|preferred|superior)|prefer(?:s|red)?\s+image\s*([12])\b",
-                        tail, re.IGNORECASE)
+    better = re.findall(
+        r"image\s*([12])\s+is\s+(?:better|preferred|superior)|prefer(?:s|red)?\s+image\s*([12])\b", tail, re.IGNORECASE
+    )
     if better:
         return 1.0 if "1" in better[-1] else 0.0
     if not tagged and len(parts) == 1:  # no answer marked: naming an image is not choosing it
@@ -220,8 +236,17 @@ class VLMJudge:
 
     name = "vlm_judge"
 
-    def __init__(self, base_url: str, model: str, api_key: str = "EMPTY", timeout: float = 60.0, max_retries: int = 3,
-                 concurrency: int = 8, max_tokens: int = 512, question: str = DEFAULT_QUESTION):
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str = "EMPTY",
+        timeout: float = 60.0,
+        max_retries: int = 3,
+        concurrency: int = 8,
+        max_tokens: int = 512,
+        question: str = DEFAULT_QUESTION,
+    ):
         from openai import OpenAI
 
         for key, value in (("concurrency", concurrency), ("max_tokens", max_tokens)):
@@ -230,22 +255,31 @@ class VLMJudge:
         try:
             question.format(prompt="")
         except (KeyError, IndexError, ValueError) as err:
-            raise ValueError(f"{self.name}: question may hold only the placeholder {{prompt}} (write other braces "
-                             f"as {{{{ }}}}); {type(err).__name__}: {err}") from None
+            raise ValueError(
+                f"{self.name}: question may hold only the placeholder {{prompt}} (write other braces "
+                f"as {{{{ }}}}); {type(err).__name__}: {err}"
+            ) from None
         self.client = OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries)
         self.base_url, self.model, self.concurrency = base_url, model, concurrency
         self.max_tokens, self.question = max_tokens, question
 
     def _one(self, image_a: torch.Tensor, image_b: torch.Tensor, prompt: str) -> float:
-        content = [{"type": "text", "text": self.question.format(prompt=prompt)},
-                   {"type": "image_url", "image_url": {"url": _data_url(image_a)}},
-                   {"type": "image_url", "image_url": {"url": _data_url(image_b)}}]
+        content = [
+            {"type": "text", "text": self.question.format(prompt=prompt)},
+            {"type": "image_url", "image_url": {"url": _data_url(image_a)}},
+            {"type": "image_url", "image_url": {"url": _data_url(image_b)}},
+        ]
         try:
-            reply = self.client.chat.completions.create(model=self.model, max_tokens=self.max_tokens, temperature=0.0,
-                                                        messages=[{"role": "user", "content": content}])
+            reply = self.client.chat.completions.create(
+                model=self.model,
+                max_tokens=self.max_tokens,
+                temperature=0.0,
+                messages=[{"role": "user", "content": content}],
+            )
         except Exception as e:  # the openai client has already retried
-            raise RuntimeError(f"{self.name}: request to {self.base_url} for prompt {prompt!r} failed: "
-                               f"{type(e).__name__}: {e}") from e
+            raise RuntimeError(
+                f"{self.name}: request to {self.base_url} for prompt {prompt!r} failed: {type(e).__name__}: {e}"
+            ) from e
         return parse_choice(reply.choices[0].message.content or "")
 
     def __call__(self, images_a, images_b, prompts, metadata) -> torch.Tensor:
@@ -286,8 +320,10 @@ class PrefWinRate:
         check_inputs(images, prompts, metadata)
         with_group = sum("group" in m for m in metadata)
         if 0 < with_group < len(metadata):
-            raise ValueError(f"{self.name}: metadata 'group' is set in {with_group} of {len(metadata)} records; "
-                             "set it in all (the trainer does) or in none (group by prompt)")
+            raise ValueError(
+                f"{self.name}: metadata 'group' is set in {with_group} of {len(metadata)} records; "
+                "set it in all (the trainer does) or in none (group by prompt)"
+            )
         keys = [m["group"] for m in metadata] if with_group else list(prompts)
         ids = {k: i for i, k in enumerate(dict.fromkeys(keys))}
         group = torch.tensor([ids[k] for k in keys], dtype=torch.long)
@@ -297,11 +333,19 @@ class PrefWinRate:
 
 
 @register_reward(
-    "pref_winrate", modality="image",
+    "pref_winrate",
+    modality="image",
     weights="its judge's: a pointwise reward's (bt), or a VLM server (vlm)",
 )
-def pref_winrate(judge: str = "bt", reward: str = "clipscore", reward_options: dict | None = None,
-                 temperature: float | None = None, both_orders: bool = True, soft: bool = False, **vlm_options) -> PrefWinRate:
+def pref_winrate(
+    judge: str = "bt",
+    reward: str = "clipscore",
+    reward_options: dict | None = None,
+    temperature: float | None = None,
+    both_orders: bool = True,
+    soft: bool = False,
+    **vlm_options,
+) -> PrefWinRate:
     """Pref-GRPO win-rate reward.
 
     Args:
@@ -319,15 +363,23 @@ def pref_winrate(judge: str = "bt", reward: str = "clipscore", reward_options: d
     """
     if judge == "bt":
         if vlm_options:
-            raise RewardTypeError(f"pref_winrate: options {sorted(vlm_options)} are not accepted with judge='bt' "
-                            "(accepted: reward, reward_options, temperature, both_orders, soft)")
+            raise RewardTypeError(
+                f"pref_winrate: options {sorted(vlm_options)} are not accepted with judge='bt' "
+                "(accepted: reward, reward_options, temperature, both_orders, soft)"
+            )
         if temperature is not None and not soft:
-            raise ValueError(f"pref_winrate: temperature={temperature} has no effect with soft=false (a hard win only "
-                             "compares the two rewards); set soft=true or drop temperature")
-        bt = bradley_terry_judge(build_reward(reward, **(reward_options or {})), 1.0 if temperature is None else temperature)
+            raise ValueError(
+                f"pref_winrate: temperature={temperature} has no effect with soft=false (a hard win only "
+                "compares the two rewards); set soft=true or drop temperature"
+            )
+        bt = bradley_terry_judge(
+            build_reward(reward, **(reward_options or {})), 1.0 if temperature is None else temperature
+        )
         return PrefWinRate(bt, both_orders, soft)
     if judge == "vlm":
         if temperature is not None:
-            raise RewardTypeError("pref_winrate: temperature is an option of judge='bt' only (the VLM judge samples at 0)")
+            raise RewardTypeError(
+                "pref_winrate: temperature is an option of judge='bt' only (the VLM judge samples at 0)"
+            )
         return PrefWinRate(VLMJudge(**vlm_options), both_orders, soft)
     raise ValueError(f"pref_winrate judge must be 'bt' or 'vlm', got {judge!r}")

@@ -65,7 +65,8 @@ class PickScore(ClipScore):
 
 
 @register_reward(
-    "pickscore", modality="image",
+    "pickscore",
+    modality="image",
     weights="yuvalkirstain/PickScore_v1 + laion/CLIP-ViT-H-14-laion2B-s32B-b79K processor (hub ids)",
 )
 def pickscore(
@@ -108,6 +109,12 @@ def pickscore(
     _check_scale(scale)  # before loading a ViT-H
     model, tokenizer, image_processor = _load_clip(model_path, processor_path, "pickscore")
     return PickScore(
-        model, tokenizer, image_processor.image_mean, image_processor.image_std, device, dtype, batch_size,
+        model,
+        tokenizer,
+        image_processor.image_mean,
+        image_processor.image_std,
+        device,
+        dtype,
+        batch_size,
         scale=scale,
     )

@@ -99,9 +99,15 @@ def decode_images(payload: Any) -> torch.Tensor:
     encoding, shape, data = payload.get("encoding"), payload.get("shape"), payload.get("data")
     if encoding not in ENCODINGS:
         raise ValueError(f"'images.encoding' must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
-    if (not isinstance(shape, list) or len(shape) not in (4, 5) or not all(is_integer(s) and s >= 0 for s in shape)
-            or shape[-3] != 3):
-        raise ValueError(f"'images.shape' must be [B, 3, H, W] or [B, F, 3, H, W] (non-negative integers), got {shape!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) not in (4, 5)
+        or not all(is_integer(s) and s >= 0 for s in shape)
+        or shape[-3] != 3
+    ):
+        raise ValueError(
+            f"'images.shape' must be [B, 3, H, W] or [B, F, 3, H, W] (non-negative integers), got {shape!r}"
+        )
     count = math.prod(shape)
     if encoding == "png":
         frames = math.prod(shape[:-3])
@@ -118,8 +124,10 @@ def decode_images(payload: Any) -> torch.Tensor:
                 raise ValueError(f"'images.data[{i}]' is not a base64 PNG: {type(e).__name__}: {e}") from None
             array = np.asarray(image.convert("RGB"))  # (H, W, 3) uint8
             if array.shape != (shape[-2], shape[-1], 3):
-                raise ValueError(f"'images.data[{i}]' is {array.shape[1]}x{array.shape[0]} px; 'images.shape' says "
-                                 f"{shape[-1]}x{shape[-2]}")
+                raise ValueError(
+                    f"'images.data[{i}]' is {array.shape[1]}x{array.shape[0]} px; 'images.shape' says "
+                    f"{shape[-1]}x{shape[-2]}"
+                )
             arrays.append(array)
         stacked = np.stack(arrays) if arrays else np.zeros((0, shape[-2], shape[-1], 3), np.uint8)
         return (torch.from_numpy(stacked).permute(0, 3, 1, 2).float() / 255).reshape(shape)  # (B, [F,] 3, H, W)
@@ -166,8 +174,15 @@ class RewardServer:
         ValueError: a bad `port` or `batch_size`; OSError: the port cannot be bound (e.g. in use).
     """
 
-    def __init__(self, reward, host: str = "127.0.0.1", port: int = 8000, batch_size: int | None = None,
-                 max_request_mb: float = 2048.0, name: str | None = None):
+    def __init__(
+        self,
+        reward,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        batch_size: int | None = None,
+        max_request_mb: float = 2048.0,
+        name: str | None = None,
+    ):
         if not is_integer(port) or not 0 <= port <= 65535:
             raise ValueError(f"reward server: port must be an integer in [0, 65535], got {port!r}")
         if batch_size is not None and (not is_integer(batch_size) or batch_size < 1):
@@ -214,17 +229,30 @@ class RewardServer:
             def do_GET(self):
                 if self.path.rstrip("/") != "/health":
                     return self._reply(404, {"error": f"no such endpoint {self.path!r}; use GET /health, POST /score"})
-                self._reply(200, {"status": "ok", "reward": server.name, "protocol": PROTOCOL,
-                                  "encodings": list(ENCODINGS), "accepts_video": server.accepts_video,
-                                  "requests": server.requests})
+                self._reply(
+                    200,
+                    {
+                        "status": "ok",
+                        "reward": server.name,
+                        "protocol": PROTOCOL,
+                        "encodings": list(ENCODINGS),
+                        "accepts_video": server.accepts_video,
+                        "requests": server.requests,
+                    },
+                )
 
             def do_POST(self):
                 if self.path.rstrip("/") != "/score":
                     return self._reply(404, {"error": f"no such endpoint {self.path!r}; use POST /score"})
                 length = int(self.headers.get("Content-Length") or 0)
                 if length > server.max_bytes:
-                    return self._reply(413, {"error": f"request of {length / 2**20:.0f} MB is over the server's "
-                                                      f"max_request_mb={server.max_bytes / 2**20:g}"})
+                    return self._reply(
+                        413,
+                        {
+                            "error": f"request of {length / 2**20:.0f} MB is over the server's "
+                            f"max_request_mb={server.max_bytes / 2**20:g}"
+                        },
+                    )
                 try:
                     images, prompts, metadata = _read_request(self.rfile.read(length))
                     if images.ndim == 5 and not server.accepts_video:
@@ -236,16 +264,21 @@ class RewardServer:
                 try:
                     scores = server.score(images, prompts, metadata)
                 except Exception as e:  # the reward's failure: reported to the client, the server stays up
-                    return self._reply(500, {"error": f"reward {server.name} raised {type(e).__name__}: {_one_line(e)}"})
+                    return self._reply(
+                        500, {"error": f"reward {server.name} raised {type(e).__name__}: {_one_line(e)}"}
+                    )
                 server.requests += 1
-                self._reply(200, {"scores": scores.tolist(), "reward": server.name,
-                                  "seconds": time.perf_counter() - start})
+                self._reply(
+                    200, {"scores": scores.tolist(), "reward": server.name, "seconds": time.perf_counter() - start}
+                )
 
         return Handler
 
     def start(self) -> RewardServer:
         """Serve on a background (daemon) thread; returns `self` (for ``server = RewardServer(...).start()``)."""
-        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True, name=f"reward-server-{self.name}")
+        self._thread = threading.Thread(
+            target=self.httpd.serve_forever, daemon=True, name=f"reward-server-{self.name}"
+        )
         self._thread.start()
         return self
 
@@ -291,8 +324,14 @@ def _read_request(body: bytes) -> tuple[torch.Tensor, list[str], list[dict]]:
     return decode_images(request.get("images")), prompts, metadata
 
 
-def serve(reward, host: str = "127.0.0.1", port: int = 8000, batch_size: int | None = None,
-          max_request_mb: float = 2048.0, **options) -> None:
+def serve(
+    reward,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    batch_size: int | None = None,
+    max_request_mb: float = 2048.0,
+    **options,
+) -> None:
     """Serve a reward over HTTP until interrupted: the Python side of ``flowrl serve-reward``.
 
     Example::
@@ -347,12 +386,21 @@ class RemoteReward:
 
     name = "remote"
 
-    def __init__(self, url: str, timeout: float = 120.0, retries: int = 2, encoding: str = "float32",
-                 batch_size: int | None = None, video: bool = False):
+    def __init__(
+        self,
+        url: str,
+        timeout: float = 120.0,
+        retries: int = 2,
+        encoding: str = "float32",
+        batch_size: int | None = None,
+        video: bool = False,
+    ):
         parsed = urllib.parse.urlparse(url if isinstance(url, str) else "")
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise ValueError(f"remote reward: url must look like http://HOST:PORT (the address flowrl serve-reward "
-                             f"prints), got {url!r}")
+            raise ValueError(
+                f"remote reward: url must look like http://HOST:PORT (the address flowrl serve-reward "
+                f"prints), got {url!r}"
+            )
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise ValueError(f"remote reward: timeout must be a number of seconds > 0, got {timeout!r}")
         if not is_integer(retries) or retries < 0:
@@ -389,22 +437,29 @@ class RemoteReward:
                     reason = f"status {e.code}: {detail}"
                     continue
                 raise RuntimeError(f"remote reward: {target} answered status {e.code}: {detail}") from None
-            except (urllib.error.URLError, TimeoutError, socket.timeout, ConnectionError,
-                    http.client.HTTPException) as e:
+            except (
+                urllib.error.URLError,
+                TimeoutError,
+                socket.timeout,
+                ConnectionError,
+                http.client.HTTPException,
+            ) as e:
                 cause = getattr(e, "reason", e)
                 reason = f"{type(cause).__name__}: {_one_line(cause)}" if str(cause) else type(cause).__name__
         else:
-            raise ConnectionError(f"remote reward: reward server {self.url} is unreachable after "
-                                  f"{self.retries + 1} attempt(s) ({reason}); start it with "
-                                  "`flowrl serve-reward NAME --port PORT` or fix the url option")
+            raise ConnectionError(
+                f"remote reward: reward server {self.url} is unreachable after "
+                f"{self.retries + 1} attempt(s) ({reason}); start it with "
+                "`flowrl serve-reward NAME --port PORT` or fix the url option"
+            )
         try:
             reply = json.loads(raw)
         except ValueError:
-            raise RuntimeError(f"remote reward: malformed reply from {target}: not JSON "
-                               f"({raw[:80]!r})") from None
+            raise RuntimeError(f"remote reward: malformed reply from {target}: not JSON ({raw[:80]!r})") from None
         if not isinstance(reply, dict):
-            raise RuntimeError(f"remote reward: malformed reply from {target}: expected a JSON object, got "
-                               f"{type(reply).__name__}")
+            raise RuntimeError(
+                f"remote reward: malformed reply from {target}: expected a JSON object, got {type(reply).__name__}"
+            )
         return reply
 
     def health(self) -> dict:
@@ -417,18 +472,26 @@ class RemoteReward:
         return self._request("/health")
 
     def _score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
-        body = json.dumps({"images": encode_images(images, self.encoding), "prompts": prompts,
-                           "metadata": metadata}).encode()
+        body = json.dumps(
+            {"images": encode_images(images, self.encoding), "prompts": prompts, "metadata": metadata}
+        ).encode()
         reply = self._request("/score", body)
         scores = reply.get("scores")
-        if (not isinstance(scores, list) or len(scores) != len(prompts)
-                or not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores)):
+        if (
+            not isinstance(scores, list)
+            or len(scores) != len(prompts)
+            or not all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scores)
+        ):
             shown = json.dumps(reply)[:120]
-            raise RuntimeError(f"remote reward: malformed reply from {self.url}/score: expected 'scores', a list of "
-                               f"{len(prompts)} numbers; got {shown}")
+            raise RuntimeError(
+                f"remote reward: malformed reply from {self.url}/score: expected 'scores', a list of "
+                f"{len(prompts)} numbers; got {shown}"
+            )
         return torch.tensor(scores, dtype=torch.float32)
 
-    def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> torch.Tensor:
+    def __call__(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> torch.Tensor:
         """Scores `(B,)` float32 on CPU, in the served reward's units.
 
         Args:
@@ -442,8 +505,10 @@ class RemoteReward:
         check_inputs(images, prompts, metadata, video=self.accepts_video)
         prompts, metadata = list(prompts), [dict(m) for m in metadata]
         step = self.batch_size or max(len(prompts), 1)
-        parts = [self._score(images[i:i + step], prompts[i:i + step], metadata[i:i + step])
-                 for i in range(0, len(prompts), step)]
+        parts = [
+            self._score(images[i : i + step], prompts[i : i + step], metadata[i : i + step])
+            for i in range(0, len(prompts), step)
+        ]
         return torch.cat(parts) if parts else torch.zeros(0)
 
     def __repr__(self) -> str:
@@ -463,8 +528,14 @@ def _error_message(error: urllib.error.HTTPError) -> str:
 
 
 @register_reward("remote", modality="image, video", weights="none here: the served reward's, in the server's process")
-def remote(url: str, timeout: float = 120.0, retries: int = 2, encoding: str = "float32",
-           batch_size: int | None = None, video: bool = False) -> RemoteReward:
+def remote(
+    url: str,
+    timeout: float = 120.0,
+    retries: int = 2,
+    encoding: str = "float32",
+    batch_size: int | None = None,
+    video: bool = False,
+) -> RemoteReward:
     """A reward served by another process: ``flowrl serve-reward NAME --port PORT`` there, ``url`` here.
 
     Args:

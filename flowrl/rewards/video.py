@@ -257,7 +257,9 @@ class ClipTemporal:
 def _check_folder(name: str, path: str | os.PathLike, what: str, need_config: bool) -> Path:
     folder = Path(path)
     if not folder.is_dir():
-        raise FileNotFoundError(f"{name}: {what} '{path}' is not a local folder; download it first and pass the folder")
+        raise FileNotFoundError(
+            f"{name}: {what} '{path}' is not a local folder; download it first and pass the folder"
+        )
     if need_config and not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{name}: {what} '{path}' has no config.json (save the model with save_pretrained)")
     return folder
@@ -296,7 +298,9 @@ def clip_temporal(
         image_processor = AutoImageProcessor.from_pretrained(processor_dir, local_files_only=True)
     except (OSError, ValueError) as err:
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise OSError(f"clip_temporal: cannot load a CLIP image processor from '{processor_dir}' ({first_line})") from err
+        raise OSError(
+            f"clip_temporal: cannot load a CLIP image processor from '{processor_dir}' ({first_line})"
+        ) from err
     model = CLIPModel.from_pretrained(model_dir, local_files_only=True)
     return ClipTemporal(model, image_processor.image_mean, image_processor.image_std, device, dtype, batch_size)
 
@@ -364,7 +368,9 @@ class Motion:
         if size is not None and (
             len(size) != 2 or not all(is_integer(s) and s % 8 == 0 and s >= RAFT_MIN_SIDE for s in size)
         ):
-            raise ValueError(f"motion: size must be [height, width], multiples of 8 and >= {RAFT_MIN_SIDE}, got {size!r}")
+            raise ValueError(
+                f"motion: size must be [height, width], multiples of 8 and >= {RAFT_MIN_SIDE}, got {size!r}"
+            )
         if not is_integer(num_flow_updates) or num_flow_updates < 1:
             raise ValueError(f"motion: num_flow_updates must be an integer >= 1, got {num_flow_updates!r}")
         if direction not in DIRECTIONS:
@@ -398,8 +404,11 @@ class Motion:
         second = videos[:, 1:].flatten(0, 1)  # (B*(F-1), 3, H, W)
         flows = []
         for part in _chunks(first.shape[0], self.batch_size):
-            predictions = self.model(self.prepare(first[part], size), self.prepare(second[part], size),
-                                     num_flow_updates=self.num_flow_updates)
+            predictions = self.model(
+                self.prepare(first[part], size),
+                self.prepare(second[part], size),
+                num_flow_updates=self.num_flow_updates,
+            )
             flows.append(predictions[-1].float())  # (n, 2, H', W'): the last refinement
         scale = torch.tensor([width / size[1], height / size[0]], device=self.device).view(1, 2, 1, 1)
         return (torch.cat(flows) * scale).view(batch, total - 1, 2, *size)
@@ -436,7 +445,9 @@ def _load_raft(model_path: str | os.PathLike, arch: str | None) -> torch.nn.Modu
         )
     state = torch.load(model_path, map_location="cpu", weights_only=True)
     if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"motion: model_path '{model_path}' is not a state dict of tensors (got {type(state).__name__})")
+        raise ValueError(
+            f"motion: model_path '{model_path}' is not a state dict of tensors (got {type(state).__name__})"
+        )
     for name in [arch] if arch else RAFT_ARCHS:
         model = getattr(optical_flow, name)(weights=None)
         if set(model.state_dict()) == set(state):

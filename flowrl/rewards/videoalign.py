@@ -103,7 +103,9 @@ class VideoAlign:
             if unknown:
                 raise ValueError(f"videoalign: {option} has unknown dimensions {unknown}; use {', '.join(DIMENSIONS)}")
         weights = {d: 1.0 for d in DIMENSIONS} if weights is None else weights
-        if not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in weights.values()):
+        if not all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in weights.values()
+        ):
             raise ValueError(f"videoalign: weights must be finite numbers, got {dict(weights)!r}")
         if std and not all(s > 0 for s in std.values()):
             raise ValueError(f"videoalign: std values must be > 0, got {dict(std)!r}")
@@ -112,7 +114,12 @@ class VideoAlign:
                 raise ValueError(f"videoalign: {option} must be an integer >= 1 or null, got {value!r}")
         check_batch_size(batch_size, self.name)
         self.reward_token, self.prompt_template = reward_token, prompt_template
-        self.processor, self.num_frames, self.max_pixels, self.batch_size = processor, num_frames, max_pixels, batch_size
+        self.processor, self.num_frames, self.max_pixels, self.batch_size = (
+            processor,
+            num_frames,
+            max_pixels,
+            batch_size,
+        )
         self.device, self.dtype = torch.device(device), _as_dtype(dtype)
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         self.rm_head = rm_head.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
@@ -123,10 +130,14 @@ class VideoAlign:
         if reward_token == "special":
             ids = processor.tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))
             if processor.tokenizer.unk_token_id in ids or None in ids:
-                raise ValueError(f"videoalign: the tokenizer lacks the reward tokens {', '.join(SPECIAL_TOKENS)}; "
-                                 "use the checkpoint's processor, or reward_token='last'")
+                raise ValueError(
+                    f"videoalign: the tokenizer lacks the reward tokens {', '.join(SPECIAL_TOKENS)}; "
+                    "use the checkpoint's processor, or reward_token='last'"
+                )
             if not all(token in prompt_template for token in SPECIAL_TOKENS):
-                raise ValueError(f"videoalign: reward_token='special' needs {', '.join(SPECIAL_TOKENS)} in prompt_template")
+                raise ValueError(
+                    f"videoalign: reward_token='special' needs {', '.join(SPECIAL_TOKENS)} in prompt_template"
+                )
             self.special_ids = torch.tensor(ids)  # (3,)
         self.last_scores = torch.zeros(0, 3)
 
@@ -135,15 +146,26 @@ class VideoAlign:
         `num_frames` evenly spaced frames, the video processor's resize and normalisation), on `device`."""
         index = frame_indices(videos.shape[1], self.num_frames).to(videos.device)
         clips = [video[index].float().cpu() for video in videos]  # B x (k, 3, H, W) in [0, 1]
-        messages = [[{"role": "user", "content": [
-            {"type": "video"}, {"type": "text", "text": self.prompt_template.format(text_prompt=prompt)},
-        ]}] for prompt in prompts]
+        messages = [
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "video"},
+                        {"type": "text", "text": self.prompt_template.format(text_prompt=prompt)},
+                    ],
+                }
+            ]
+            for prompt in prompts
+        ]
         texts = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         video_options: dict[str, Any] = {"do_rescale": False, "do_sample_frames": False}
         if self.max_pixels is not None:
             shortest = self.processor.video_processor.size.shortest_edge
             video_options["size"] = {"shortest_edge": min(shortest, self.max_pixels), "longest_edge": self.max_pixels}
-        batch = self.processor(text=texts, videos=clips, padding=True, return_tensors="pt", videos_kwargs=video_options)
+        batch = self.processor(
+            text=texts, videos=clips, padding=True, return_tensors="pt", videos_kwargs=video_options
+        )
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def raw_scores(self, videos: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
@@ -182,7 +204,8 @@ def _first(mask: torch.Tensor) -> torch.Tensor:
 
 
 @register_reward(
-    "videoalign", modality="video",
+    "videoalign",
+    modality="video",
     weights="a VideoReward folder (KwaiVGI/VideoReward, Qwen2-VL-2B with its LoRA merged + rm_head)",
 )
 def videoalign(
@@ -226,11 +249,15 @@ def videoalign(
     folder = _check_folder("videoalign", model_path, "model_path", need_config=True)
     if prompt_template is None:
         if not (folder / PROMPT_FILE).is_file():
-            raise FileNotFoundError(f"videoalign: no prompt_template given and no {PROMPT_FILE} in '{model_path}'; save "
-                                    "the checkpoint's template there (VideoAlign's prompt_template.py)")
+            raise FileNotFoundError(
+                f"videoalign: no prompt_template given and no {PROMPT_FILE} in '{model_path}'; save "
+                "the checkpoint's template there (VideoAlign's prompt_template.py)"
+            )
         prompt_template = (folder / PROMPT_FILE).read_text(encoding="utf-8")
     if not (folder / HEAD_FILE).is_file():
-        raise FileNotFoundError(f"videoalign: '{model_path}' has no {HEAD_FILE} (the reward head's weight, (3, hidden))")
+        raise FileNotFoundError(
+            f"videoalign: '{model_path}' has no {HEAD_FILE} (the reward head's weight, (3, hidden))"
+        )
     config = json.loads((folder / "model_config.json").read_text()) if (folder / "model_config.json").is_file() else {}
     data_config, stats = config.get("data_config") or {}, config.get("inference_config") or {}
     model = Qwen2VLForConditionalGeneration.from_pretrained(folder, local_files_only=True)
@@ -245,5 +272,18 @@ def videoalign(
     std = {d: stats[f"{d}_std"] for d in DIMENSIONS} if normalize and stats else None
     num_frames = data_config.get("num_frames") if num_frames is None else num_frames
     max_pixels = data_config.get("max_frame_pixels") if max_pixels is None else max_pixels
-    return VideoAlign(model, rm_head, processor, prompt_template, reward_token, weights, mean, std, num_frames,
-                      max_pixels, device, dtype, batch_size)
+    return VideoAlign(
+        model,
+        rm_head,
+        processor,
+        prompt_template,
+        reward_token,
+        weights,
+        mean,
+        std,
+        num_frames,
+        max_pixels,
+        device,
+        dtype,
+        batch_size,
+    )

@@ -104,11 +104,25 @@ class VLMScore:
 
     name = "vlm_score"
 
-    def __init__(self, base_url: str, model: str, api_key: str = "EMPTY", timeout: float = 60.0, max_retries: int = 3,
-                 concurrency: int = 8, max_tokens: int = 512, question: str = UNIFIEDREWARD_QUESTION,
-                 score_range: Sequence[float] = (1.0, 5.0), normalize: str = "max", unparsed: str = "raise"):
-        for key, value, least in (("concurrency", concurrency, 1), ("max_tokens", max_tokens, 1),
-                                  ("max_retries", max_retries, 0)):
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str = "EMPTY",
+        timeout: float = 60.0,
+        max_retries: int = 3,
+        concurrency: int = 8,
+        max_tokens: int = 512,
+        question: str = UNIFIEDREWARD_QUESTION,
+        score_range: Sequence[float] = (1.0, 5.0),
+        normalize: str = "max",
+        unparsed: str = "raise",
+    ):
+        for key, value, least in (
+            ("concurrency", concurrency, 1),
+            ("max_tokens", max_tokens, 1),
+            ("max_retries", max_retries, 0),
+        ):
             if not is_integer(value) or value < least:
                 raise ValueError(f"{self.name}: {key} must be an integer >= {least}, got {value!r}")
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
@@ -120,15 +134,21 @@ class VLMScore:
         try:
             low, high = (float(v) for v in score_range)
         except (TypeError, ValueError):
-            raise ValueError(f"{self.name}: score_range must be two numbers [low, high], got {score_range!r}") from None
+            raise ValueError(
+                f"{self.name}: score_range must be two numbers [low, high], got {score_range!r}"
+            ) from None
         if not low < high or (normalize == "max" and not high > 0):
-            raise ValueError(f"{self.name}: score_range must have low < high (and high > 0 with normalize='max'), "
-                             f"got {score_range!r}")
+            raise ValueError(
+                f"{self.name}: score_range must have low < high (and high > 0 with normalize='max'), "
+                f"got {score_range!r}"
+            )
         try:
             question.format(prompt="")
         except (KeyError, IndexError, ValueError) as err:
-            raise ValueError(f"{self.name}: question may hold only the placeholder {{prompt}} (write other braces "
-                             f"as {{{{ }}}}); {type(err).__name__}: {err}") from None
+            raise ValueError(
+                f"{self.name}: question may hold only the placeholder {{prompt}} (write other braces "
+                f"as {{{{ }}}}); {type(err).__name__}: {err}"
+            ) from None
         try:
             from openai import OpenAI
         except ImportError as err:
@@ -147,27 +167,39 @@ class VLMScore:
         return score
 
     def _one(self, image: torch.Tensor, prompt: str) -> float:
-        content = [{"type": "image_url", "image_url": {"url": _data_url(image)}},
-                   {"type": "text", "text": self.question.format(prompt=prompt)}]
+        content = [
+            {"type": "image_url", "image_url": {"url": _data_url(image)}},
+            {"type": "text", "text": self.question.format(prompt=prompt)},
+        ]
         try:
-            reply = self.client.chat.completions.create(model=self.model, max_tokens=self.max_tokens, temperature=0.0,
-                                                        messages=[{"role": "user", "content": content}])
+            reply = self.client.chat.completions.create(
+                model=self.model,
+                max_tokens=self.max_tokens,
+                temperature=0.0,
+                messages=[{"role": "user", "content": content}],
+            )
             text = reply.choices[0].message.content or ""
         except Exception as e:  # the openai client has already retried
-            raise RuntimeError(f"{self.name}: request to {self.base_url} for prompt {prompt!r} failed: "
-                               f"{type(e).__name__}: {' '.join(str(e).split())}") from e
+            raise RuntimeError(
+                f"{self.name}: request to {self.base_url} for prompt {prompt!r} failed: "
+                f"{type(e).__name__}: {' '.join(str(e).split())}"
+            ) from e
         score = parse_score(text, self.low, self.high)
         if score is None:
             if self.unparsed == "raise":
                 shown = " ".join(text.split())[:200]
-                raise ValueError(f"{self.name}: the reply of {self.base_url} for prompt {prompt!r} holds no score in "
-                                 f"[{self.low:g}, {self.high:g}]: {shown!r} (set unparsed: lowest to score such "
-                                 "replies lowest)")
+                raise ValueError(
+                    f"{self.name}: the reply of {self.base_url} for prompt {prompt!r} holds no score in "
+                    f"[{self.low:g}, {self.high:g}]: {shown!r} (set unparsed: lowest to score such "
+                    "replies lowest)"
+                )
             self.unparsed_count += 1
             score = self.low
         return self._scale(score)
 
-    def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> torch.Tensor:
+    def __call__(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> torch.Tensor:
         """Scores `(B,)` float32 on CPU: the parsed score, normalised (``"max"``: in ``[low / high, 1]``,
         ``"minmax"``: in ``[0, 1]``, ``"none"``: in ``[low, high]``).
 
@@ -185,14 +217,23 @@ class VLMScore:
 
 
 @register_reward(
-    "unifiedreward", modality="image",
+    "unifiedreward",
+    modality="image",
     weights="a UnifiedReward VLM behind an OpenAI-compatible server (vLLM, SGLang)",
 )
-def unifiedreward(base_url: str = "http://127.0.0.1:8000/v1", model: str = "UnifiedReward-7b-v1.5",
-                  api_key: str = "EMPTY", timeout: float = 60.0, max_retries: int = 3, concurrency: int = 8,
-                  max_tokens: int = 512, question: str = UNIFIEDREWARD_QUESTION,
-                  score_range: Sequence[float] = (1.0, 5.0), normalize: str = "max",
-                  unparsed: str = "raise") -> VLMScore:
+def unifiedreward(
+    base_url: str = "http://127.0.0.1:8000/v1",
+    model: str = "UnifiedReward-7b-v1.5",
+    api_key: str = "EMPTY",
+    timeout: float = 60.0,
+    max_retries: int = 3,
+    concurrency: int = 8,
+    max_tokens: int = 512,
+    question: str = UNIFIEDREWARD_QUESTION,
+    score_range: Sequence[float] = (1.0, 5.0),
+    normalize: str = "max",
+    unparsed: str = "raise",
+) -> VLMScore:
     """UnifiedReward pointwise image score (arXiv 2503.05236) from a model served behind an OpenAI-compatible API.
 
     Serve the weights (e.g. ``CodeGoat24/UnifiedReward-7b-v1.5``, a Qwen2.5-VL fine-tune) with vLLM or SGLang,
@@ -208,7 +249,18 @@ def unifiedreward(base_url: str = "http://127.0.0.1:8000/v1", model: str = "Unif
         ValueError: an option out of range; on call, a reply without a score (unless ``unparsed="lowest"``).
         RuntimeError (on call): naming the server URL and the prompt, when the server is down or keeps failing.
     """
-    reward = VLMScore(base_url, model, api_key, timeout, max_retries, concurrency, max_tokens, question, score_range,
-                      normalize, unparsed)
+    reward = VLMScore(
+        base_url,
+        model,
+        api_key,
+        timeout,
+        max_retries,
+        concurrency,
+        max_tokens,
+        question,
+        score_range,
+        normalize,
+        unparsed,
+    )
     reward.name = "unifiedreward"
     return reward

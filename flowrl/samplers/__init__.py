@@ -4,13 +4,27 @@ variables of :mod:`samplers.ddim`, for variance-preserving DDPM models).
 Importable on its own (torch only): it never imports ``flowrl``, ``rewards`` or diffusers models.
 """
 
+from .ddim import (
+    PREDICTION_TYPES,
+    ddim_std,
+    ddim_step,
+    ddpm_step,
+    flow_ddim_step,
+    flow_ddpm_step,
+    flow_sigma,
+    flow_velocity,
+    start_latents,
+    vp_alpha,
+    vp_predictions,
+    vp_scale,
+)
 from .kernels import (
     KERNEL_SPECS,
     KERNELS,
     MULTISTEP_KERNELS,
-    KernelSpec,
     STOCHASTIC_KERNELS,
     UNIT_ETA_KERNELS,
+    KernelSpec,
     StepOutput,
     cps_step,
     dance_sde_step,
@@ -20,6 +34,7 @@ from .kernels import (
     ode_step,
     register_kernel,
 )
+from .probes import ProbeRollout, sample_probes
 from .rollout import (
     Rollout,
     StepPlan,
@@ -32,10 +47,7 @@ from .rollout import (
     sample,
     velocity_gain,
 )
-from .ddim import (PREDICTION_TYPES, ddim_std, ddim_step, ddpm_step, flow_ddim_step, flow_ddpm_step, flow_sigma,
-                   flow_velocity, start_latents, vp_alpha, vp_predictions, vp_scale)
 from .schedule import flow_sigmas, respace_tail
-from .probes import ProbeRollout, sample_probes
 from .tree import leaf_incidence, sample_shared_noise, sample_tree
 from .windows import WINDOW_SCHEDULES, SlidingWindow, mix_plan
 

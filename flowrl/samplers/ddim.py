@@ -62,8 +62,20 @@ import torch
 
 from .gaussian import StepOutput, _draw, _per_sample
 
-__all__ = ["PREDICTION_TYPES", "ddim_std", "ddim_step", "ddpm_step", "flow_ddim_step", "flow_ddpm_step", "flow_sigma",
-           "flow_velocity", "start_latents", "vp_alpha", "vp_predictions", "vp_scale"]
+__all__ = [
+    "PREDICTION_TYPES",
+    "ddim_std",
+    "ddim_step",
+    "ddpm_step",
+    "flow_ddim_step",
+    "flow_ddpm_step",
+    "flow_sigma",
+    "flow_velocity",
+    "start_latents",
+    "vp_alpha",
+    "vp_predictions",
+    "vp_scale",
+]
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 """What a VP model's network predicts (diffusers' ``prediction_type``)."""
@@ -131,8 +143,9 @@ def start_latents(noise: torch.Tensor, sigma) -> torch.Tensor:
     return noise * float(vp_scale(torch.tensor(value, dtype=torch.float64)).reciprocal())
 
 
-def vp_predictions(sample: torch.Tensor, model_output: torch.Tensor, alpha_prod, prediction_type: str
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def vp_predictions(
+    sample: torch.Tensor, model_output: torch.Tensor, alpha_prod, prediction_type: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x0_hat, eps_hat)`` of a VP model's output, as ``DDIMScheduler.step`` derives them.
 
     ``"epsilon"``: ``x0 = (x - sqrt(1 - a) eps) / sqrt(a)``; ``"sample"``: ``eps = (x - sqrt(a) x0) / sqrt(1 - a)``;
@@ -330,8 +343,9 @@ def _ddpm_posterior(x0_hat, sample, alpha_prod, alpha_prod_prev):
     float32."""
     alpha_t = alpha_prod / alpha_prod_prev  # (B, 1, 1, 1) one step's alpha
     beta_t = 1 - alpha_t
-    mean = ((alpha_prod_prev.sqrt() * beta_t / (1 - alpha_prod)) * x0_hat
-            + (alpha_t.sqrt() * (1 - alpha_prod_prev) / (1 - alpha_prod)) * sample)  # (B, C, H, W)
+    mean = (alpha_prod_prev.sqrt() * beta_t / (1 - alpha_prod)) * x0_hat + (
+        alpha_t.sqrt() * (1 - alpha_prod_prev) / (1 - alpha_prod)
+    ) * sample  # (B, C, H, W)
     std = ((1 - alpha_prod_prev) / (1 - alpha_prod) * beta_t).clamp(min=0).sqrt()  # (B, 1, 1, 1)
     return mean, std
 

@@ -103,9 +103,13 @@ def _draw(sample, mean, std, generator, prev_sample, noise) -> StepOutput:
         raise ValueError(f"prev_sample must have shape {tuple(sample.shape)}; got {tuple(prev_sample.shape)}")
     prev_sample = prev_sample.float()
     std = std.reshape(-1)  # (B,)
-    if std.device.type == "cpu" and not bool((std >= 0).all()):  # also catches NaN: e.g. sigma_next > sigma, a negative noise level or eta > 1
-        raise ValueError(f"the step's std must be finite and >= 0; got {std.detach().cpu().tolist()[:8]} "
-                         "(check that sigma_next < sigma and that noise_level / eta is in range)")
+    if std.device.type == "cpu" and not bool(
+        (std >= 0).all()
+    ):  # also catches NaN: e.g. sigma_next > sigma, a negative noise level or eta > 1
+        raise ValueError(
+            f"the step's std must be finite and >= 0; got {std.detach().cpu().tolist()[:8]} "
+            "(check that sigma_next < sigma and that noise_level / eta is in range)"
+        )
     safe = torch.where(std > 0, std, torch.ones_like(std))
     log_prob = torch.where(std > 0, gaussian_log_prob(prev_sample, mean, safe), torch.zeros_like(std))
     return StepOutput(prev_sample, mean, std, log_prob)

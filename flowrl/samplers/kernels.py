@@ -47,6 +47,7 @@ __all__ = [
     "register_kernel",
 ]
 
+
 def ode_step(
     sample: torch.Tensor,
     velocity: torch.Tensor,
@@ -281,14 +282,17 @@ def dpm_solver_2m_step(
     sample, velocity = sample.float(), velocity.float()
     for name, value in (("sigma", sigma), ("sigma_next", sigma_next), ("prev_sigma", prev_sigma)):
         if torch.is_tensor(value) and value.numel() != 1:
-            raise ValueError(f"dpm_solver_2m_step: {name} must be one time for the whole batch (a float or 0-d "
-                             f"tensor); got shape {tuple(value.shape)}")
+            raise ValueError(
+                f"dpm_solver_2m_step: {name} must be one time for the whole batch (a float or 0-d "
+                f"tensor); got shape {tuple(value.shape)}"
+            )
     t, t_next = float(sigma), float(sigma_next)
     if not t_next < t:
         raise ValueError(f"dpm_solver_2m_step: sigma_next={t_next} must be < sigma={t}")
     if prev_sigma is not None and not float(prev_sigma) > t:
-        raise ValueError(f"dpm_solver_2m_step: prev_sigma={float(prev_sigma)} (the previous step's time) must be "
-                         f"> sigma={t}")
+        raise ValueError(
+            f"dpm_solver_2m_step: prev_sigma={float(prev_sigma)} (the previous step's time) must be > sigma={t}"
+        )
     x0 = sample - t * velocity  # (B, C, H, W)
 
     def lam(u: float) -> float:
@@ -302,7 +306,6 @@ def dpm_solver_2m_step(
         r = (lam(t) - lam(float(prev_sigma))) / h
         d = x0 + (x0 - prev_x0.float()) / (2 * r)
     return StepOutput(prev_sample=ratio * sample - (1 - t_next) * decay * d)
-
 
 
 @dataclass(frozen=True)
@@ -327,8 +330,9 @@ KERNEL_SPECS: dict[str, KernelSpec] = {}
 """Kernel name -> :class:`KernelSpec`: the one registry of kernels; :data:`KERNELS` and the sets below are views."""
 
 
-def register_kernel(name: str, fn: Callable, *, stochastic: bool = False, unit_eta: bool = False,
-                    multistep: bool = False) -> Callable:
+def register_kernel(
+    name: str, fn: Callable, *, stochastic: bool = False, unit_eta: bool = False, multistep: bool = False
+) -> Callable:
     """Register a transition kernel under `name` with its properties (see :class:`KernelSpec`); returns `fn`.
     ``sampling.kernel`` and step plans validate names against this registry.
 
@@ -376,9 +380,14 @@ register_kernel("ddpm", flow_ddpm_step, stochastic=True, unit_eta=True)  # arXiv
 register_kernel("dpm_solver_2m", dpm_solver_2m_step, multistep=True)  # MixGRPO-Flash's tail, arXiv 2507.21802
 
 KERNELS = _KernelView(lambda k: not k.multistep, "Single-step kernel name -> function (signature of flow_sde_step).")
-MULTISTEP_KERNELS = _KernelView(lambda k: k.multistep, "Deterministic kernels that also read the previous step's data "
-                                "prediction (the sampler passes it).")
-STOCHASTIC_KERNELS = _KernelView(lambda k: k.stochastic, "Kernels whose step is a Gaussian with a log-prob (the only "
-                                 "trainable ones).")
-UNIT_ETA_KERNELS = _KernelView(lambda k: k.unit_eta, "Stochastic kernels whose noise level is an eta in (0, 1] and "
-                               "whose step onto t' = 0 has std 0.")
+MULTISTEP_KERNELS = _KernelView(
+    lambda k: k.multistep,
+    "Deterministic kernels that also read the previous step's data prediction (the sampler passes it).",
+)
+STOCHASTIC_KERNELS = _KernelView(
+    lambda k: k.stochastic, "Kernels whose step is a Gaussian with a log-prob (the only trainable ones)."
+)
+UNIT_ETA_KERNELS = _KernelView(
+    lambda k: k.unit_eta,
+    "Stochastic kernels whose noise level is an eta in (0, 1] and whose step onto t' = 0 has std 0.",
+)

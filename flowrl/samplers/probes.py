@@ -61,8 +61,18 @@ class ProbeRollout:
     cost: dict
 
 
-def _check_probe_inputs(noise, cond, group, sigmas, plan: StepPlan, probe_steps: list[int], children: int,
-                        child_kernel: str, child_noise_level: float, granularities: tuple[int, ...]) -> None:
+def _check_probe_inputs(
+    noise,
+    cond,
+    group,
+    sigmas,
+    plan: StepPlan,
+    probe_steps: list[int],
+    children: int,
+    child_kernel: str,
+    child_noise_level: float,
+    granularities: tuple[int, ...],
+) -> None:
     """Validate :func:`sample_probes`'s arguments (shapes as :func:`samplers.sample`).
 
     Raises:
@@ -75,15 +85,21 @@ def _check_probe_inputs(noise, cond, group, sigmas, plan: StepPlan, probe_steps:
         raise ValueError(f"children must be an integer >= 0 (0 = probe the main path's own state); got {children!r}")
     multistep = sorted({k for k in plan.kernels if k not in KERNELS})
     if multistep:
-        raise ValueError(f"sample_probes runs single-step kernels only; the plan uses {multistep} (no Flash plan here)")
+        raise ValueError(
+            f"sample_probes runs single-step kernels only; the plan uses {multistep} (no Flash plan here)"
+        )
     n = plan.num_steps
     if any(not 0 <= i < n - 1 for i in probe_steps):
-        raise ValueError(f"probe steps must lie in [0, {n - 1}) (a probe needs a step left to complete); got {probe_steps}")
+        raise ValueError(
+            f"probe steps must lie in [0, {n - 1}) (a probe needs a step left to complete); got {probe_steps}"
+        )
     if children and child_kernel not in STOCHASTIC_KERNELS:
         raise ValueError(f"child_kernel={child_kernel!r} must be stochastic, one of {sorted(STOCHASTIC_KERNELS)}")
     if children and not (child_noise_level > 0 and (child_kernel not in UNIT_ETA_KERNELS or child_noise_level <= 1)):
-        raise ValueError(f"child_noise_level={child_noise_level} must be > 0 (and <= 1 for 'cps', 'ddim'): the children "
-                         "are trained transitions and a zero noise level gives them std 0 and no log-prob")
+        raise ValueError(
+            f"child_noise_level={child_noise_level} must be > 0 (and <= 1 for 'cps', 'ddim'): the children "
+            "are trained transitions and a zero noise level gives them std 0 and no log-prob"
+        )
     if not granularities or min(granularities) < 1:
         raise ValueError(f"granularities must be >= 1; got {granularities}")
 
@@ -91,27 +107,56 @@ def _check_probe_inputs(noise, cond, group, sigmas, plan: StepPlan, probe_steps:
 def _new_pool(x: torch.Tensor, cond: torch.Tensor) -> dict[str, torch.Tensor]:
     """An empty completion pool: ``x`` `(0, C, H, W)` float32, and `(0,)` long ``idx`` (grid index the row
     sits at), ``g``, ``root``, ``step``, ``child``, ``node`` (as the :class:`ProbeRollout` fields)."""
-    return dict(x=x.new_empty((0, *x.shape[1:])), idx=cond.new_empty(0), g=cond.new_empty(0), root=cond.new_empty(0),
-                step=cond.new_empty(0), child=cond.new_empty(0), node=cond.new_empty(0))
+    return dict(
+        x=x.new_empty((0, *x.shape[1:])),
+        idx=cond.new_empty(0),
+        g=cond.new_empty(0),
+        root=cond.new_empty(0),
+        step=cond.new_empty(0),
+        child=cond.new_empty(0),
+        node=cond.new_empty(0),
+    )
 
 
-def _spawn(pool: dict, granularities: tuple[int, ...], states: torch.Tensor, root: torch.Tensor, step: torch.Tensor,
-           child: torch.Tensor, node: torch.Tensor, start: int) -> None:
+def _spawn(
+    pool: dict,
+    granularities: tuple[int, ...],
+    states: torch.Tensor,
+    root: torch.Tensor,
+    step: torch.Tensor,
+    child: torch.Tensor,
+    node: torch.Tensor,
+    start: int,
+) -> None:
     """Append `K` new completions per granularity to `pool` (in place), all sitting at grid index `start`.
 
     `states` is `(K, C, H, W)` float32; `root`, `step`, `child`, `node` are `(K,)` long.
     """
     for g in granularities:
         k = len(states)
-        new = dict(x=states, idx=torch.full((k,), start, dtype=torch.long, device=states.device),
-                   g=torch.full((k,), g, dtype=torch.long, device=states.device), root=root, step=step, child=child,
-                   node=node)
+        new = dict(
+            x=states,
+            idx=torch.full((k,), start, dtype=torch.long, device=states.device),
+            g=torch.full((k,), g, dtype=torch.long, device=states.device),
+            root=root,
+            step=step,
+            child=child,
+            node=node,
+        )
         for name in pool:
             pool[name] = torch.cat([pool[name], new[name]])
 
 
-def _velocity(velocity_fn: VelocityFn, ode_velocity_fn: VelocityFn | None, exact: bool, x: torch.Tensor,
-              cond: torch.Tensor, batch_x: torch.Tensor, batch_c: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+def _velocity(
+    velocity_fn: VelocityFn,
+    ode_velocity_fn: VelocityFn | None,
+    exact: bool,
+    x: torch.Tensor,
+    cond: torch.Tensor,
+    batch_x: torch.Tensor,
+    batch_c: torch.Tensor,
+    t: torch.Tensor,
+) -> torch.Tensor:
     """Velocity `(B, C, H, W)` float32 of `batch_x` `(B, C, H, W)` (the `R` main rows `x` first, then the
     completions), `batch_c` `(B,)` long, at `t` `(B,)`.
 
@@ -123,9 +168,10 @@ def _velocity(velocity_fn: VelocityFn, ode_velocity_fn: VelocityFn | None, exact
     if not exact:
         return ode_velocity_fn(batch_x, t, batch_c).float()
     roots = x.shape[0]
-    return torch.cat([velocity_fn(x, t[:roots], cond).float()]
-                     + ([ode_velocity_fn(batch_x[roots:], t[roots:], batch_c[roots:]).float()]
-                        if batch_x.shape[0] > roots else []))
+    return torch.cat(
+        [velocity_fn(x, t[:roots], cond).float()]
+        + ([ode_velocity_fn(batch_x[roots:], t[roots:], batch_c[roots:]).float()] if batch_x.shape[0] > roots else [])
+    )
 
 
 def _euler_pool(pool: dict, here: torch.Tensor, v_pool: torch.Tensor, sigmas: torch.Tensor, j: int, n: int) -> None:
@@ -140,8 +186,17 @@ def _euler_pool(pool: dict, here: torch.Tensor, v_pool: torch.Tensor, sigmas: to
     pool["idx"][here] = target
 
 
-def _evaluate(pool: dict, x: torch.Tensor, cond: torch.Tensor, sigmas: torch.Tensor, j: int, n: int,
-              velocity_fn: VelocityFn, ode_velocity_fn: VelocityFn | None, exact: bool) -> tuple[torch.Tensor, int]:
+def _evaluate(
+    pool: dict,
+    x: torch.Tensor,
+    cond: torch.Tensor,
+    sigmas: torch.Tensor,
+    j: int,
+    n: int,
+    velocity_fn: VelocityFn,
+    ode_velocity_fn: VelocityFn | None,
+    exact: bool,
+) -> tuple[torch.Tensor, int]:
     """Evaluate the main rows `x` `(R, C, H, W)` and the completions at grid index `j` together, and advance
     those completions one Euler step (see :func:`_euler_pool`).
 
@@ -227,8 +282,9 @@ def sample_probes(
             `child_kernel` or a `child_noise_level <= 0` (`> 1` for ``"cps"``) with children, a granularity
             `< 1`, a plan with a multistep kernel (DPM-Solver++), or bad shapes (as :func:`samplers.sample`).
     """
-    _check_probe_inputs(noise, cond, group, sigmas, plan, probe_steps, children, child_kernel, child_noise_level,
-                        granularities)
+    _check_probe_inputs(
+        noise, cond, group, sigmas, plan, probe_steps, children, child_kernel, child_noise_level, granularities
+    )
     x = noise.float()
     device, roots, n = x.device, x.shape[0], plan.num_steps
     sigmas = sigmas.to(device=device, dtype=torch.float32)
@@ -249,28 +305,62 @@ def sample_probes(
         v_main, width = _evaluate(pool, x, cond, sigmas, j, n, velocity_fn, ode_velocity_fn, exact)  # (R, C, H, W)
         nfe += width
         before = last  # the main-path transition that produced x (the parent of this step's children)
-        out = KERNELS[kernel](x, v_main, sigmas[j], sigmas[j + 1], plan.noise_levels[j], sigmas[1], generator=generator)
+        out = KERNELS[kernel](
+            x, v_main, sigmas[j], sigmas[j + 1], plan.noise_levels[j], sigmas[1], generator=generator
+        )
         if kernel in STOCHASTIC_KERNELS:
-            last = buffer.append(x, out, j, kernel, plan.noise_levels[j], plan.trained[j], parent=last, leaf=leaves,
-                                 cond=cond)  # (R,)
+            last = buffer.append(
+                x, out, j, kernel, plan.noise_levels[j], plan.trained[j], parent=last, leaf=leaves, cond=cond
+            )  # (R,)
         if j in probes and children:
-            child_out = KERNELS[child_kernel](_repeat(x, children), _repeat(v_main, children), sigmas[j], sigmas[j + 1],
-                                              child_noise_level, sigmas[1], generator=generator)
-            node = buffer.append(_repeat(x, children), child_out, j, child_kernel, child_noise_level, True,
-                                 parent=_repeat(before, children), leaf=_repeat(leaves, children),
-                                 cond=_repeat(cond, children))  # (R * children,)
-            _spawn(pool, granularities, child_out.prev_sample, _repeat(leaves, children),
-                   torch.full_like(node, j), torch.arange(children, device=device).repeat(roots), node, j + 1)
+            child_out = KERNELS[child_kernel](
+                _repeat(x, children),
+                _repeat(v_main, children),
+                sigmas[j],
+                sigmas[j + 1],
+                child_noise_level,
+                sigmas[1],
+                generator=generator,
+            )
+            node = buffer.append(
+                _repeat(x, children),
+                child_out,
+                j,
+                child_kernel,
+                child_noise_level,
+                True,
+                parent=_repeat(before, children),
+                leaf=_repeat(leaves, children),
+                cond=_repeat(cond, children),
+            )  # (R * children,)
+            _spawn(
+                pool,
+                granularities,
+                child_out.prev_sample,
+                _repeat(leaves, children),
+                torch.full_like(node, j),
+                torch.arange(children, device=device).repeat(roots),
+                node,
+                j + 1,
+            )
         elif j in probes:
             main_node = last if kernel in STOCHASTIC_KERNELS else no_node
             # with only Euler steps left, the main path's own continuation is the stride-1 completion: reuse its final
-            same = 1 in granularities and all(k == "ode" for k in plan.kernels[j + 1:])
+            same = 1 in granularities and all(k == "ode" for k in plan.kernels[j + 1 :])
             if same:
                 follows.append((j, main_node))
             rest = tuple(g for g in granularities if not (same and g == 1))
             if rest:
-                _spawn(pool, rest, out.prev_sample.clone(), leaves, torch.full_like(cond, j), torch.zeros_like(cond),
-                       main_node, j + 1)
+                _spawn(
+                    pool,
+                    rest,
+                    out.prev_sample.clone(),
+                    leaves,
+                    torch.full_like(cond, j),
+                    torch.zeros_like(cond),
+                    main_node,
+                    j + 1,
+                )
         x = out.prev_sample
         _retire(pool, done, n)
     for j, main_node in follows:  # the main path's final, as a probe of step j at stride 1
@@ -282,5 +372,6 @@ def sample_probes(
     found = _sorted_probes(done)
     cost = dict(rollout.cost, probes=found["x"].shape[0])
     rollout.cost = dict(cost)
-    return ProbeRollout(rollout, found["x"], found["root"], found["step"], found["child"], found["g"], found["node"],
-                        cost)
+    return ProbeRollout(
+        rollout, found["x"], found["root"], found["step"], found["child"], found["g"], found["node"], cost
+    )

@@ -134,8 +134,10 @@ class StepPlan:
                 )
         for k, (kernel, level, trained) in enumerate(zip(self.kernels, self.noise_levels, self.trained)):
             if kernel not in KERNELS and kernel not in MULTISTEP_KERNELS:
-                raise ValueError(f"StepPlan.kernels[{k}]={kernel!r} is not a kernel; "
-                                 f"choose from {sorted(KERNELS) + sorted(MULTISTEP_KERNELS)}")
+                raise ValueError(
+                    f"StepPlan.kernels[{k}]={kernel!r} is not a kernel; "
+                    f"choose from {sorted(KERNELS) + sorted(MULTISTEP_KERNELS)}"
+                )
             stochastic = kernel in STOCHASTIC_KERNELS
             if stochastic and not level > 0:
                 raise ValueError(f"StepPlan.noise_levels[{k}]={level} must be > 0 for stochastic kernel {kernel!r}")
@@ -184,7 +186,6 @@ class StepPlan:
         if not train_last:
             trained[-1] = False
         return cls([kernel] * num_steps, [noise_level] * num_steps, trained)
-
 
     @classmethod
     def window(cls, num_steps: int, steps, kernel: str = "flow_sde", noise_level: float = 0.7) -> StepPlan:
@@ -272,8 +273,14 @@ class Rollout:
     cost: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def without_transitions(cls, final: torch.Tensor, leaf_cond: torch.Tensor, group: torch.Tensor,
-                            kernel_names: tuple[str, ...] = (), cost: dict[str, int] | None = None) -> Rollout:
+    def without_transitions(
+        cls,
+        final: torch.Tensor,
+        leaf_cond: torch.Tensor,
+        group: torch.Tensor,
+        kernel_names: tuple[str, ...] = (),
+        cost: dict[str, int] | None = None,
+    ) -> Rollout:
         """A rollout of `B` leaves that stored no transition (an all-deterministic plan): every per-transition
         field has `M = 0` rows and ``leaf_node`` is `-1`; ``cost`` as given (default empty).
 
@@ -282,11 +289,31 @@ class Rollout:
             leaf_cond, group (`torch.Tensor` of shape `(B,)`, long): conditioning index and group id per leaf.
         """
         empty, none, z = final.new_empty((0, *final.shape[1:])), final.new_empty(0), leaf_cond.new_empty(0)
-        return cls(state=empty, next_state=empty, mean=empty, std=none, log_prob=none, sigma=none, sigma_next=none,
-                   sigma_max=none, noise_level=none, kernel_id=z, step=z, leaf=z, node=z, parent=z, depth=z, cond=z,
-                   trained=torch.zeros(0, dtype=torch.bool, device=final.device), final=final, leaf_cond=leaf_cond,
-                   group=group, leaf_node=torch.full_like(leaf_cond, -1), kernel_names=kernel_names,
-                   cost=dict(cost or {}))
+        return cls(
+            state=empty,
+            next_state=empty,
+            mean=empty,
+            std=none,
+            log_prob=none,
+            sigma=none,
+            sigma_next=none,
+            sigma_max=none,
+            noise_level=none,
+            kernel_id=z,
+            step=z,
+            leaf=z,
+            node=z,
+            parent=z,
+            depth=z,
+            cond=z,
+            trained=torch.zeros(0, dtype=torch.bool, device=final.device),
+            final=final,
+            leaf_cond=leaf_cond,
+            group=group,
+            leaf_node=torch.full_like(leaf_cond, -1),
+            kernel_names=kernel_names,
+            cost=dict(cost or {}),
+        )
 
     def __len__(self) -> int:
         """Number of stored transitions `M`."""
@@ -321,8 +348,16 @@ class Rollout:
         return self._map(("transition", "leaf"), lambda tensor: tensor.to(device))
 
 
-def plan_step(plan: StepPlan, k: int, x: torch.Tensor, velocity: torch.Tensor, sigmas: torch.Tensor,
-              prev_x0: torch.Tensor | None, prev_sigma, generator: torch.Generator | None):
+def plan_step(
+    plan: StepPlan,
+    k: int,
+    x: torch.Tensor,
+    velocity: torch.Tensor,
+    sigmas: torch.Tensor,
+    prev_x0: torch.Tensor | None,
+    prev_sigma,
+    generator: torch.Generator | None,
+):
     """Step ``k`` of `plan` from ``sigmas[k]`` to ``sigmas[k + 1]`` with the step's kernel.
 
     Multistep kernels also get the previous step's data prediction `prev_x0` and time `prev_sigma`
@@ -342,8 +377,9 @@ def plan_step(plan: StepPlan, k: int, x: torch.Tensor, velocity: torch.Tensor, s
     """
     kernel = plan.kernels[k]
     if kernel in MULTISTEP_KERNELS:
-        return MULTISTEP_KERNELS[kernel](x, velocity, sigmas[k], sigmas[k + 1], prev_x0, prev_sigma,
-                                         final=k == plan.num_steps - 1)
+        return MULTISTEP_KERNELS[kernel](
+            x, velocity, sigmas[k], sigmas[k + 1], prev_x0, prev_sigma, final=k == plan.num_steps - 1
+        )
     return KERNELS[kernel](x, velocity, sigmas[k], sigmas[k + 1], plan.noise_levels[k], sigmas[1], generator=generator)
 
 
@@ -363,15 +399,19 @@ def _check_sample_inputs(noise, cond, group, sigmas, plan: StepPlan) -> None:
                 f"{name} must be a long tensor of shape ({batch},); got {tensor.dtype} {tuple(tensor.shape)}"
             )
     if sigmas.shape != (plan.num_steps + 1,):
-        raise ValueError(f"sigmas must have shape ({plan.num_steps + 1},) for a {plan.num_steps}-step plan; "
-                         f"got {tuple(sigmas.shape)}")
+        raise ValueError(
+            f"sigmas must have shape ({plan.num_steps + 1},) for a {plan.num_steps}-step plan; "
+            f"got {tuple(sigmas.shape)}"
+        )
     values = sigmas.detach().cpu()
     if not (bool((values[1:] < values[:-1]).all()) and values[0] <= 1 and values[-1] >= 0):
         raise ValueError(f"sigmas must decrease strictly within [0, 1]; got {values.tolist()}")
     for k, (kernel, trained) in enumerate(zip(plan.kernels, plan.trained)):
         if kernel in UNIT_ETA_KERNELS and trained and float(values[k + 1]) == 0:
-            raise ValueError(f"StepPlan.trained[{k}] is True but the {kernel} step onto t'=0 has std 0 and no log-prob "
-                             f"(train_last / sampling.train_last_step must be False with kernel '{kernel}')")
+            raise ValueError(
+                f"StepPlan.trained[{k}] is True but the {kernel} step onto t'=0 has std 0 and no log-prob "
+                f"(train_last / sampling.train_last_step must be False with kernel '{kernel}')"
+            )
 
 
 class TransitionBuffer:
@@ -393,9 +433,20 @@ class TransitionBuffer:
         self.sigmas, self.kernel_names, self.rows = sigmas, tuple(kernel_names), 0
         self._parts: dict[str, list[torch.Tensor]] = {}
 
-    def append(self, x: torch.Tensor, out, step: int, kernel: str, noise_level: float, trained: bool, *,
-               parent: torch.Tensor, leaf: torch.Tensor, cond: torch.Tensor, depth: torch.Tensor | None = None
-               ) -> torch.Tensor:
+    def append(
+        self,
+        x: torch.Tensor,
+        out,
+        step: int,
+        kernel: str,
+        noise_level: float,
+        trained: bool,
+        *,
+        parent: torch.Tensor,
+        leaf: torch.Tensor,
+        cond: torch.Tensor,
+        depth: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Record the `F` transitions of one stochastic kernel call from the states `x`.
 
         Args:
@@ -416,18 +467,29 @@ class TransitionBuffer:
         def full(value, dtype):  # a per-step constant -> (F,)
             return torch.full((n,), value, dtype=dtype, device=device)
 
-        columns = dict(state=x, next_state=out.prev_sample, mean=out.mean, std=out.std, log_prob=out.log_prob,
-                       noise_level=full(noise_level, torch.float32),
-                       kernel_id=full(self.kernel_names.index(kernel), torch.long), step=full(step, torch.long),
-                       leaf=leaf, parent=parent, depth=full(1, torch.long) if depth is None else depth, cond=cond,
-                       trained=full(trained, torch.bool))
+        columns = dict(
+            state=x,
+            next_state=out.prev_sample,
+            mean=out.mean,
+            std=out.std,
+            log_prob=out.log_prob,
+            noise_level=full(noise_level, torch.float32),
+            kernel_id=full(self.kernel_names.index(kernel), torch.long),
+            step=full(step, torch.long),
+            leaf=leaf,
+            parent=parent,
+            depth=full(1, torch.long) if depth is None else depth,
+            cond=cond,
+            trained=full(trained, torch.bool),
+        )
         for name, value in columns.items():
             self._parts.setdefault(name, []).append(value)
         self.rows += n
         return torch.arange(self.rows - n, self.rows, device=device)  # (F,)
 
-    def to_rollout(self, final: torch.Tensor, leaf_cond: torch.Tensor, group: torch.Tensor, leaf_node: torch.Tensor,
-                   nfe: int) -> Rollout:
+    def to_rollout(
+        self, final: torch.Tensor, leaf_cond: torch.Tensor, group: torch.Tensor, leaf_node: torch.Tensor, nfe: int
+    ) -> Rollout:
         """The :class:`Rollout` of the appended rows (`M` of them, possibly none) and `B` leaves.
 
         Args:
@@ -445,10 +507,19 @@ class TransitionBuffer:
         cat = {name: torch.cat(parts) for name, parts in self._parts.items()}  # (M, ...) each
         cost["trained_transitions"] = int(cat["trained"].sum())
         m, step = self.rows, cat["step"]
-        return Rollout(**cat, sigma=self.sigmas[step], sigma_next=self.sigmas[step + 1],  # (M,), (M,)
-                       sigma_max=self.sigmas[1].expand(m).clone(), node=torch.arange(m, device=final.device),  # (M,)
-                       final=final, leaf_cond=leaf_cond, group=group, leaf_node=leaf_node,
-                       kernel_names=self.kernel_names, cost=cost)
+        return Rollout(
+            **cat,
+            sigma=self.sigmas[step],
+            sigma_next=self.sigmas[step + 1],  # (M,), (M,)
+            sigma_max=self.sigmas[1].expand(m).clone(),
+            node=torch.arange(m, device=final.device),  # (M,)
+            final=final,
+            leaf_cond=leaf_cond,
+            group=group,
+            leaf_node=leaf_node,
+            kernel_names=self.kernel_names,
+            cost=cost,
+        )
 
 
 @torch.no_grad()
@@ -506,14 +577,16 @@ def sample(
         # DPM-Solver++ step is second order, as in MixGRPO's code (its x0 history is updated on SDE steps too)
         prev_x0, prev_sigma = x - sigmas[k] * velocity.float(), sigmas[k]
         if kernel in STOCHASTIC_KERNELS:
-            last = buffer.append(x, out, k, kernel, plan.noise_levels[k], plan.trained[k], parent=last, leaf=leaves,
-                                 cond=cond)  # (B,)
+            last = buffer.append(
+                x, out, k, kernel, plan.noise_levels[k], plan.trained[k], parent=last, leaf=leaves, cond=cond
+            )  # (B,)
         x = out.prev_sample
     return buffer.to_rollout(x, cond, group, last, nfe=plan.num_steps * batch)
 
 
-def ode_sample(velocity_fn: VelocityFn, noise: torch.Tensor, cond: torch.Tensor, sigmas: torch.Tensor,
-               kernel: str = "ode") -> torch.Tensor:
+def ode_sample(
+    velocity_fn: VelocityFn, noise: torch.Tensor, cond: torch.Tensor, sigmas: torch.Tensor, kernel: str = "ode"
+) -> torch.Tensor:
     """Deterministic sampling, for evaluation: Euler (``x' = x + dt v`` at every step) or another deterministic
     `kernel` (``"dpm_solver_2m"``, DPM-Solver++ 2M) at every step.
 
@@ -559,7 +632,12 @@ def recompute_log_prob(transitions: Rollout, velocity: torch.Tensor) -> tuple[to
         rows = (transitions.kernel_id == kernel_id).nonzero().squeeze(1)  # (K,)
         part = transitions.select(rows)
         out = KERNELS[transitions.kernel_names[kernel_id]](
-            part.state, velocity[rows], part.sigma, part.sigma_next, part.noise_level, part.sigma_max,
+            part.state,
+            velocity[rows],
+            part.sigma,
+            part.sigma_next,
+            part.noise_level,
+            part.sigma_max,
             prev_sample=part.next_state,
         )
         if rows.shape[0] == len(transitions):
@@ -588,7 +666,8 @@ def velocity_gain(transitions: Rollout) -> torch.Tensor:
         rows = (transitions.kernel_id == kernel_id).nonzero().squeeze(1)
         part = transitions.select(rows)
         zeros = part.sigma.new_zeros((rows.shape[0], 1), dtype=torch.float32)
-        out = KERNELS[transitions.kernel_names[kernel_id]](zeros, zeros + 1, part.sigma, part.sigma_next, part.noise_level,
-                                                           part.sigma_max, prev_sample=zeros)
+        out = KERNELS[transitions.kernel_names[kernel_id]](
+            zeros, zeros + 1, part.sigma, part.sigma_next, part.noise_level, part.sigma_max, prev_sample=zeros
+        )
         gain[rows] = out.mean.reshape(-1).abs()
     return gain

@@ -16,7 +16,9 @@ SPACINGS = ("sd3", "flux")
 """Step spacings of :func:`flow_sigmas`: those of diffusers' SD3 and FLUX pipelines."""
 
 
-def flow_sigmas(num_steps: int, shift: float = 3.0, num_train_timesteps: int = 1000, spacing: str = "sd3") -> torch.Tensor:
+def flow_sigmas(
+    num_steps: int, shift: float = 3.0, num_train_timesteps: int = 1000, spacing: str = "sd3"
+) -> torch.Tensor:
     """Shifted sigma schedule ``t_0 = 1 > t_1 > ... > t_N = 0``, as diffusers builds it for SD3 or FLUX.
 
     The shift is SD3's timestep shift (Esser et al., arXiv 2403.03206, "resolution-dependent shifting"),
@@ -101,5 +103,7 @@ def respace_tail(sigmas: torch.Tensor, keep: int, num_tail: int, shift: float = 
     if not shift > 0:
         raise ValueError(f"shift must be > 0; got {shift}")
     start = _unshift(sigmas[keep].double(), shift)
-    tail = _shift(torch.linspace(float(start), 0.0, num_tail + 1, dtype=torch.float64), shift).float()  # (num_tail + 1,)
+    tail = _shift(
+        torch.linspace(float(start), 0.0, num_tail + 1, dtype=torch.float64), shift
+    ).float()  # (num_tail + 1,)
     return torch.cat([sigmas[:keep].float(), tail])

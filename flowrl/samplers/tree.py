@@ -16,8 +16,16 @@ from __future__ import annotations
 import torch
 
 from .kernels import STOCHASTIC_KERNELS, UNIT_ETA_KERNELS
-from .rollout import (Rollout, StepPlan, TransitionBuffer, VelocityFn, _check_sample_inputs, _step_policy, plan_step,
-                      sample)
+from .rollout import (
+    Rollout,
+    StepPlan,
+    TransitionBuffer,
+    VelocityFn,
+    _check_sample_inputs,
+    _step_policy,
+    plan_step,
+    sample,
+)
 
 __all__ = ["leaf_incidence", "sample_shared_noise", "sample_tree"]
 
@@ -33,8 +41,9 @@ def _check_branch(plan: StepPlan, branch: list[int], sigmas: torch.Tensor) -> No
         if b > 1 and kernel not in STOCHASTIC_KERNELS:
             raise ValueError(f"branch[{k}]={b} splits at a deterministic step ({kernel!r}); children would be equal")
         if b > 1 and kernel in UNIT_ETA_KERNELS and float(sigmas[k + 1]) == 0:
-            raise ValueError(f"branch[{k}]={b} splits at the {kernel} step onto t'=0, whose std is 0; children would "
-                             "be equal")
+            raise ValueError(
+                f"branch[{k}]={b} splits at the {kernel} step onto t'=0, whose std is 0; children would be equal"
+            )
 
 
 @torch.no_grad()
@@ -109,14 +118,25 @@ def sample_tree(
         prev_x0, prev_sigma = x - sigmas[k] * velocity, sigmas[k]
         if kernel in STOCHASTIC_KERNELS:
             leaf = torch.arange(x.shape[0], device=device) * below[k]  # (F,) the first leaf below each node
-            last = buffer.append(x, out, k, kernel, plan.noise_levels[k], plan.trained[k], parent=last, leaf=leaf,
-                                 cond=cond, depth=depth)  # (F,) the new nodes' ids
+            last = buffer.append(
+                x,
+                out,
+                k,
+                kernel,
+                plan.noise_levels[k],
+                plan.trained[k],
+                parent=last,
+                leaf=leaf,
+                cond=cond,
+                depth=depth,
+            )  # (F,) the new nodes' ids
         x = out.prev_sample
     return buffer.to_rollout(x, cond, group, last, nfe)
 
 
-def _frontier_velocity(fn: VelocityFn, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor,
-                       batched: bool) -> torch.Tensor:
+def _frontier_velocity(
+    fn: VelocityFn, x: torch.Tensor, sigma: torch.Tensor, cond: torch.Tensor, batched: bool
+) -> torch.Tensor:
     """Velocity `(F, C, H, W)` float32 of the frontier `x` `(F, C, H, W)` at time `sigma` (a scalar tensor),
     in one call (`batched`) or one call per node.
 
@@ -127,7 +147,7 @@ def _frontier_velocity(fn: VelocityFn, x: torch.Tensor, sigma: torch.Tensor, con
     if batched:
         velocity = fn(x, t, cond).float()
     else:
-        velocity = torch.cat([fn(x[i:i + 1], t[i:i + 1], cond[i:i + 1]).float() for i in range(x.shape[0])])
+        velocity = torch.cat([fn(x[i : i + 1], t[i : i + 1], cond[i : i + 1]).float() for i in range(x.shape[0])])
     if velocity.shape != x.shape:
         raise ValueError(f"velocity_fn returned shape {tuple(velocity.shape)}; expected {tuple(x.shape)}")
     return velocity
@@ -216,5 +236,6 @@ def sample_shared_noise(
         return sample(velocity_fn, *rep, sigmas, plan, generator=generator, ode_velocity_fn=ode_velocity_fn)
     branch = [1] * plan.num_steps
     branch[plan.stochastic_steps[0]] = group_size
-    return sample_tree(velocity_fn, noise, cond, group, sigmas, plan, branch, generator=generator,
-                       ode_velocity_fn=ode_velocity_fn)
+    return sample_tree(
+        velocity_fn, noise, cond, group, sigmas, plan, branch, generator=generator, ode_velocity_fn=ode_velocity_fn
+    )

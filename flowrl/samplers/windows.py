@@ -77,18 +77,31 @@ class SlidingWindow:
     def __post_init__(self):
         if self.schedule not in WINDOW_SCHEDULES:
             raise ValueError(f"SlidingWindow.schedule={self.schedule!r}; expected one of {WINDOW_SCHEDULES}")
-        for name, low in (("num_steps", 2), ("size", 1), ("stride", 0), ("interval", 1), ("min_interval", 1),
-                          ("exp_threshold", 0), ("start", 0), ("count", 0), ("iteration", 0)):
+        for name, low in (
+            ("num_steps", 2),
+            ("size", 1),
+            ("stride", 0),
+            ("interval", 1),
+            ("min_interval", 1),
+            ("exp_threshold", 0),
+            ("start", 0),
+            ("count", 0),
+            ("iteration", 0),
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"SlidingWindow.{name}={value!r} must be an integer >= {low}")
         if self.size > self.last + 1:
-            raise ValueError(f"SlidingWindow.size={self.size} must be <= {self.last + 1} (the trainable steps 0..N-2 "
-                             f"of {self.num_steps} steps)")
+            raise ValueError(
+                f"SlidingWindow.size={self.size} must be <= {self.last + 1} (the trainable steps 0..N-2 "
+                f"of {self.num_steps} steps)"
+            )
         if not (math.isfinite(self.exp_k) and self.exp_k >= 0):
             raise ValueError(f"SlidingWindow.exp_k={self.exp_k} must be finite and >= 0")
         if not 0 <= self.start <= self.last:
-            raise ValueError(f"SlidingWindow.start={self.start} must lie in [0, {self.last}] for {self.num_steps} steps")
+            raise ValueError(
+                f"SlidingWindow.start={self.start} must lie in [0, {self.last}] for {self.num_steps} steps"
+            )
         if self.schedule == "random" and self.iteration == 0 and self.count == 0:
             self.start = self._random_start(0)
 
@@ -146,8 +159,14 @@ class SlidingWindow:
         self.start, self.count, self.iteration = start, int(state["count"]), int(state["iteration"])
 
 
-def mix_plan(sigmas: torch.Tensor, window: list[int], kernel: str = "flow_sde", noise_level: float = 0.7,
-             flash_ratio: float | None = None, shift: float = 3.0) -> tuple[torch.Tensor, StepPlan]:
+def mix_plan(
+    sigmas: torch.Tensor,
+    window: list[int],
+    kernel: str = "flow_sde",
+    noise_level: float = 0.7,
+    flash_ratio: float | None = None,
+    shift: float = 3.0,
+) -> tuple[torch.Tensor, StepPlan]:
     """The MixGRPO rollout for a window: schedule and step plan (arXiv 2507.21802, Sec. 3.2-3.3).
 
     Without `flash_ratio`: the original schedule, `kernel` on the window, Euler ODE elsewhere. With it
@@ -182,10 +201,14 @@ def mix_plan(sigmas: torch.Tensor, window: list[int], kernel: str = "flow_sde", 
         raise ValueError(f"flash_ratio must lie in (0, 1]; got {flash_ratio}")
     end = max(window)
     if end >= num_steps - 1:
-        raise ValueError(f"window {sorted(window)} reaches the last step {num_steps - 1}; MixGRPO-Flash needs at "
-                         "least one step after the window to re-space")
+        raise ValueError(
+            f"window {sorted(window)} reaches the last step {num_steps - 1}; MixGRPO-Flash needs at "
+            "least one step after the window to re-space"
+        )
     tail = max(1, round((num_steps - 1 - end) * flash_ratio))
     keep = end + 1
     return respace_tail(sigmas, keep, tail, shift), StepPlan(
-        plan.kernels[:keep] + ["dpm_solver_2m"] * tail, plan.noise_levels[:keep] + [0.0] * tail,
-        plan.trained[:keep] + [False] * tail)
+        plan.kernels[:keep] + ["dpm_solver_2m"] * tail,
+        plan.noise_levels[:keep] + [0.0] * tail,
+        plan.trained[:keep] + [False] * tail,
+    )

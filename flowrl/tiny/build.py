@@ -33,6 +33,7 @@ from tqdm import tqdm
 from flowrl.data import write_jsonl
 from flowrl.tiny.prompts import all_metadata, split
 from flowrl.tiny.render import render, sample_scene
+
 from ..rewards.geneval.world import BACKGROUND, IMAGE_SIZE, TAGS
 
 VAE_FACTOR = 4
@@ -72,7 +73,9 @@ def build_tokenizer():
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2/CLIP's reversible byte -> printable unicode map (the BPE alphabet, in CLIP's order)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -98,8 +101,9 @@ def render_dataset(n: int, seed: int, tag_weights: dict[str, float] | None = Non
     if tag_weights is not None:
         unknown = set(tag_weights) - set(TAGS)
         if unknown or min(tag_weights.values(), default=0) < 0 or sum(tag_weights.values()) <= 0:
-            raise ValueError(f"tag_weights must give tags of {list(TAGS)} weights >= 0 with a positive sum; "
-                             f"got {tag_weights}")
+            raise ValueError(
+                f"tag_weights must give tags of {list(TAGS)} weights >= 0 with a positive sum; got {tag_weights}"
+            )
     rng = random.Random(seed)
     by_tag = {t: [m for m in all_metadata() if m["tag"] == t] for t in TAGS}
     weights = None if tag_weights is None else [tag_weights.get(t, 0.0) for t in TAGS]
@@ -147,14 +151,30 @@ def train_clip(images, captions, tokenizer, steps: int, seed: int, batch: int = 
     from transformers import CLIPConfig, CLIPModel
 
     torch.manual_seed(seed)
-    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=256, num_hidden_layers=4,
-                num_attention_heads=4, max_position_embeddings=MAX_TOKENS, bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    vision = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                  image_size=IMAGE_SIZE, patch_size=8)
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=MAX_TOKENS,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = dict(
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        image_size=IMAGE_SIZE,
+        patch_size=8,
+    )
     model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=64))
     unique = sorted(set(captions))
-    ids = tokenizer(unique, padding="max_length", max_length=MAX_TOKENS, truncation=True, return_tensors="pt").input_ids
+    ids = tokenizer(
+        unique, padding="max_length", max_length=MAX_TOKENS, truncation=True, return_tensors="pt"
+    ).input_ids
     index = {c: i for i, c in enumerate(unique)}
     cap_idx = torch.tensor([index[c] for c in captions])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
@@ -189,9 +209,17 @@ def train_vae(images, steps: int, seed: int, batch: int = 32):
 
     torch.manual_seed(seed)
     levels = int(math.log2(VAE_FACTOR)) + 1
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * levels,
-                        up_block_types=("UpDecoderBlock2D",) * levels, block_out_channels=(32, 64, 64, 64)[:levels],
-                        layers_per_block=1, latent_channels=LATENT_CHANNELS, norm_num_groups=16, sample_size=IMAGE_SIZE)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels,
+        block_out_channels=(32, 64, 64, 64)[:levels],
+        layers_per_block=1,
+        latent_channels=LATENT_CHANNELS,
+        norm_num_groups=16,
+        sample_size=IMAGE_SIZE,
+    )
     background = _to_float(torch.tensor(BACKGROUND, dtype=torch.uint8).view(1, 3, 1, 1))
     opt = torch.optim.AdamW(vae.parameters(), lr=1e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps, pct_start=0.05)
@@ -218,8 +246,12 @@ def train_vae(images, steps: int, seed: int, batch: int = 32):
 @torch.no_grad()
 def encode_latents(vae, images: torch.Tensor, batch: int = 256) -> torch.Tensor:
     """Unscaled latent means of uint8 images ``(N, 3, 64, 64)`` -> float32 ``(N, LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE)``."""
-    return torch.cat([vae.encode(_to_float(images[i : i + batch]).to(vae.device)).latent_dist.mean.cpu()
-                      for i in range(0, len(images), batch)])
+    return torch.cat(
+        [
+            vae.encode(_to_float(images[i : i + batch]).to(vae.device)).latent_dist.mean.cpu()
+            for i in range(0, len(images), batch)
+        ]
+    )
 
 
 def check_transformer_size(num_layers: int, width: int) -> None:
@@ -229,12 +261,15 @@ def check_transformer_size(num_layers: int, width: int) -> None:
         ValueError: if ``num_layers < 1`` or ``width`` is not a positive multiple of 32 (heads of 32 features).
     """
     if width < 32 or width % 32 or num_layers < 1:
-        raise ValueError(f"the transformer needs num_layers >= 1 and a width that is a positive multiple of 32; "
-                         f"got num_layers={num_layers}, width={width}")
+        raise ValueError(
+            f"the transformer needs num_layers >= 1 and a width that is a positive multiple of 32; "
+            f"got num_layers={num_layers}, width={width}"
+        )
 
 
-def tiny_transformer(joint_attention_dim: int, pooled_projection_dim: int, seed: int, num_layers: int = 5,
-                     width: int = 128):
+def tiny_transformer(
+    joint_attention_dim: int, pooled_projection_dim: int, seed: int, num_layers: int = 5, width: int = 128
+):
     """A freshly initialised tiny ``SD3Transformer2DModel`` (8x8 image tokens, attention heads of 32 features).
 
     Args:
@@ -248,11 +283,20 @@ def tiny_transformer(joint_attention_dim: int, pooled_projection_dim: int, seed:
 
     check_transformer_size(num_layers, width)
     torch.manual_seed(seed)
-    return SD3Transformer2DModel(sample_size=LATENT_SIZE, patch_size=PATCH_SIZE, in_channels=LATENT_CHANNELS,
-                                 num_layers=num_layers, attention_head_dim=32,
-                                 num_attention_heads=width // 32, joint_attention_dim=joint_attention_dim,
-                                 caption_projection_dim=width, pooled_projection_dim=pooled_projection_dim,
-                                 out_channels=LATENT_CHANNELS, pos_embed_max_size=LATENT_SIZE, qk_norm="rms_norm")
+    return SD3Transformer2DModel(
+        sample_size=LATENT_SIZE,
+        patch_size=PATCH_SIZE,
+        in_channels=LATENT_CHANNELS,
+        num_layers=num_layers,
+        attention_head_dim=32,
+        num_attention_heads=width // 32,
+        joint_attention_dim=joint_attention_dim,
+        caption_projection_dim=width,
+        pooled_projection_dim=pooled_projection_dim,
+        out_channels=LATENT_CHANNELS,
+        pos_embed_max_size=LATENT_SIZE,
+        qk_norm="rms_norm",
+    )
 
 
 def clip_condition(text_encoder, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,10 +318,26 @@ def clip_condition(text_encoder, input_ids: torch.Tensor) -> tuple[torch.Tensor,
     return torch.cat([hidden, hidden], dim=-1), torch.cat([out.text_embeds, out.text_embeds], dim=-1)
 
 
-def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: int, batch: int = 128,
-                      uncond_p: float = 0.1, lr: float = 1e-3, checkpoints: Path | None = None, t_mean: float = 0.0,
-                      ema_decay: float = 0.0, checkpoint_every: int = 1200, text_encoder=None,
-                      input_ids: torch.Tensor | None = None, text_lr: float = 0.0, device: str | torch.device = "cpu"):
+def train_transformer(
+    model,
+    latents,
+    cond,
+    pooled,
+    cap_idx,
+    steps: int,
+    seed: int,
+    batch: int = 128,
+    uncond_p: float = 0.1,
+    lr: float = 1e-3,
+    checkpoints: Path | None = None,
+    t_mean: float = 0.0,
+    ema_decay: float = 0.0,
+    checkpoint_every: int = 1200,
+    text_encoder=None,
+    input_ids: torch.Tensor | None = None,
+    text_lr: float = 0.0,
+    device: str | torch.device = "cpu",
+):
     """Rectified-flow training (SD3, arXiv 2403.03206) of a tiny ``SD3Transformer2DModel``.
 
     x_t = (1 - t) x_0 + t eps, t ~ logit-normal(t_mean, 1); loss = |v_theta(x_t, t) - (eps - x_0)|^2. Captions
@@ -323,8 +383,9 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
     model.to(device)
     if joint:
         text_encoder.to(device)
-    latents, cap_idx, cond, pooled, input_ids = (None if x is None else x.to(device)
-                                                 for x in (latents, cap_idx, cond, pooled, input_ids))
+    latents, cap_idx, cond, pooled, input_ids = (
+        None if x is None else x.to(device) for x in (latents, cap_idx, cond, pooled, input_ids)
+    )
     groups = [{"params": list(model.parameters()), "lr": lr}]
     if joint:
         text_encoder.train().requires_grad_(True)
@@ -332,8 +393,9 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
     params = [q for g in groups for q in g["params"]]
     ema = EMAModel(params, decay=ema_decay, use_ema_warmup=True) if ema_decay > 0 else None
     opt = torch.optim.AdamW(groups, weight_decay=0.0, betas=(0.9, 0.99))
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[g["lr"] for g in groups], total_steps=steps,
-                                                pct_start=0.05)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=[g["lr"] for g in groups], total_steps=steps, pct_start=0.05
+    )
     gen = torch.Generator().manual_seed(seed)
     model.train()
     done = 0
@@ -342,7 +404,9 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
         x0, eps, t, xt, rows = _noised_batch(latents, cap_idx, idx.to(device), gen, t_mean, uncond_p)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             c, p = clip_condition(text_encoder, input_ids[rows]) if joint else (cond[rows], pooled[rows])
-            v = model(hidden_states=xt, encoder_hidden_states=c, pooled_projections=p, timestep=t * 1000).sample.float()
+            v = model(
+                hidden_states=xt, encoder_hidden_states=c, pooled_projections=p, timestep=t * 1000
+            ).sample.float()
         loss = F.mse_loss(v, eps - x0)
         _optimizer_step(loss, params, opt, sched, bar, max_grad_norm=1.0)
         if ema is not None:
@@ -357,8 +421,14 @@ def train_transformer(model, latents, cond, pooled, cap_idx, steps: int, seed: i
     return model.eval()
 
 
-def _noised_batch(latents: torch.Tensor, cap_idx: torch.Tensor, idx: torch.Tensor, gen: torch.Generator,
-                  t_mean: float, uncond_p: float):
+def _noised_batch(
+    latents: torch.Tensor,
+    cap_idx: torch.Tensor,
+    idx: torch.Tensor,
+    gen: torch.Generator,
+    t_mean: float,
+    uncond_p: float,
+):
     """One rectified-flow training batch, drawn from the CPU generator ``gen`` (noise, then times, then the
     caption drop) and placed on the latents' device.
 
@@ -408,18 +478,39 @@ def text_tower(folder: Path):
 def _save_clip(clip, tokenizer, folder: Path) -> None:
     from transformers import CLIPImageProcessor, CLIPProcessor
 
-    processor = CLIPProcessor(image_processor=CLIPImageProcessor(
-        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]), tokenizer=tokenizer)
+    processor = CLIPProcessor(
+        image_processor=CLIPImageProcessor(
+            size={"shortest_edge": IMAGE_SIZE},
+            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+            image_mean=[0.5, 0.5, 0.5],
+            image_std=[0.5, 0.5, 0.5],
+        ),
+        tokenizer=tokenizer,
+    )
     clip.half().save_pretrained(folder)  # float16 on disk: the 49408-token embeddings dominate the size
     processor.save_pretrained(folder)
 
 
-def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int = 600, vae_steps: int = 900,
-          dit_steps: int = 3000, resume: bool = False, init: str | Path | None = None, dit_lr: float = 1e-3,
-          dit_t_mean: float = 0.0, dit_batch: int = 128, dit_ema: float = 0.0, text_lr: float = 0.0,
-          tag_weights: dict[str, float] | None = None, device: str = "cpu", fresh_transformer: bool = False,
-          dit_layers: int = 5, dit_width: int = 128) -> dict:
+def build(
+    out: str | Path,
+    seed: int = 0,
+    n_scenes: int = 20000,
+    clip_steps: int = 600,
+    vae_steps: int = 900,
+    dit_steps: int = 3000,
+    resume: bool = False,
+    init: str | Path | None = None,
+    dit_lr: float = 1e-3,
+    dit_t_mean: float = 0.0,
+    dit_batch: int = 128,
+    dit_ema: float = 0.0,
+    text_lr: float = 0.0,
+    tag_weights: dict[str, float] | None = None,
+    device: str = "cpu",
+    fresh_transformer: bool = False,
+    dit_layers: int = 5,
+    dit_width: int = 128,
+) -> dict:
     """Regenerate every asset under ``out`` (see the module docstring); returns the wall times in seconds.
 
     ``resume`` keeps the stages an interrupted build finished (``out/tiny-clip``, the VAE in
@@ -441,17 +532,45 @@ def build(out: str | Path, seed: int = 0, n_scenes: int = 20000, clip_steps: int
     with _timed(times, "vae_s"):
         vae = _vae_stage(out, images, vae_steps, seed, resume, init)
     with _timed(times, "transformer_s"):
-        text_encoder, transformer = _transformer_stage(out, images, captions, tokenizer, vae, init, dit_steps, seed,
-                                                       batch=dit_batch, lr=dit_lr, t_mean=dit_t_mean,
-                                                       ema_decay=dit_ema, text_lr=text_lr, device=device,
-                                                       fresh=fresh_transformer, layers=dit_layers, width=dit_width)
+        text_encoder, transformer = _transformer_stage(
+            out,
+            images,
+            captions,
+            tokenizer,
+            vae,
+            init,
+            dit_steps,
+            seed,
+            batch=dit_batch,
+            lr=dit_lr,
+            t_mean=dit_t_mean,
+            ema_decay=dit_ema,
+            text_lr=text_lr,
+            device=device,
+            fresh=fresh_transformer,
+            layers=dit_layers,
+            width=dit_width,
+        )
     _save_pipeline(out / "tiny-sd3", transformer, vae, text_encoder, tokenizer)
-    settings = {"seed": seed, "n_scenes": n_scenes, "clip_steps": clip_steps, "reused_clip": resume,
-                "vae_steps": vae_steps, "dit_steps": dit_steps, "dit_lr": dit_lr, "dit_t_mean": dit_t_mean,
-                "dit_batch": dit_batch, "dit_ema": dit_ema, "text_lr": text_lr, "tag_weights": tag_weights,
-                "fresh_transformer": fresh_transformer, "dit_layers": transformer.config.num_layers,
-                "dit_width": transformer.config.caption_projection_dim, "device": device,
-                "init": None if init is None else str(init)}
+    settings = {
+        "seed": seed,
+        "n_scenes": n_scenes,
+        "clip_steps": clip_steps,
+        "reused_clip": resume,
+        "vae_steps": vae_steps,
+        "dit_steps": dit_steps,
+        "dit_lr": dit_lr,
+        "dit_t_mean": dit_t_mean,
+        "dit_batch": dit_batch,
+        "dit_ema": dit_ema,
+        "text_lr": text_lr,
+        "tag_weights": tag_weights,
+        "fresh_transformer": fresh_transformer,
+        "dit_layers": transformer.config.num_layers,
+        "dit_width": transformer.config.caption_projection_dim,
+        "device": device,
+        "init": None if init is None else str(init),
+    }
     _write_build_json(out / "tiny-sd3", settings, times, init)
     return times
 
@@ -519,9 +638,26 @@ def _vae_stage(out: Path, images: torch.Tensor, steps: int, seed: int, resume: b
     return vae
 
 
-def _transformer_stage(out: Path, images: torch.Tensor, captions: list[str], tokenizer, vae, init: str | Path | None,
-                       steps: int, seed: int, *, batch: int, lr: float, t_mean: float, ema_decay: float,
-                       text_lr: float, device: str = "cpu", fresh: bool = False, layers: int = 5, width: int = 128):
+def _transformer_stage(
+    out: Path,
+    images: torch.Tensor,
+    captions: list[str],
+    tokenizer,
+    vae,
+    init: str | Path | None,
+    steps: int,
+    seed: int,
+    *,
+    batch: int,
+    lr: float,
+    t_mean: float,
+    ema_decay: float,
+    text_lr: float,
+    device: str = "cpu",
+    fresh: bool = False,
+    layers: int = 5,
+    width: int = 128,
+):
     """The transformer stage: rectified-flow training (:func:`train_transformer`) on the scenes' VAE latents.
 
     The text tower and transformer come from :func:`_text_encoder_and_transformer`; checkpoints go to
@@ -544,15 +680,31 @@ def _transformer_stage(out: Path, images: torch.Tensor, captions: list[str], tok
     latents = encode_latents(vae.to(device), images)
     vae.cpu()
     latents = (latents - vae.config.shift_factor) * vae.config.scaling_factor  # (N, C, h, w)
-    train_transformer(transformer, latents, cond.float(), pooled.float(), cap_idx, steps, seed, batch=batch,
-                      lr=lr, checkpoints=out / ".build-cache" / "transformer", t_mean=t_mean, ema_decay=ema_decay,
-                      checkpoint_every=max(1, steps // 6), text_encoder=text_encoder, input_ids=input_ids,
-                      text_lr=text_lr, device=device)
+    train_transformer(
+        transformer,
+        latents,
+        cond.float(),
+        pooled.float(),
+        cap_idx,
+        steps,
+        seed,
+        batch=batch,
+        lr=lr,
+        checkpoints=out / ".build-cache" / "transformer",
+        t_mean=t_mean,
+        ema_decay=ema_decay,
+        checkpoint_every=max(1, steps // 6),
+        text_encoder=text_encoder,
+        input_ids=input_ids,
+        text_lr=text_lr,
+        device=device,
+    )
     return text_encoder.cpu(), transformer.cpu()
 
 
-def _text_encoder_and_transformer(out: Path, init: str | Path | None, seed: int, fresh: bool = False,
-                                  layers: int = 5, width: int = 128):
+def _text_encoder_and_transformer(
+    out: Path, init: str | Path | None, seed: int, fresh: bool = False, layers: int = 5, width: int = 128
+):
     """The pipeline's text tower and transformer before training, both float32.
 
     With ``init``: its ``text_encoder`` (eval mode) and ``transformer``, to train on (with ``fresh``, a new
@@ -567,7 +719,9 @@ def _text_encoder_and_transformer(out: Path, init: str | Path | None, seed: int,
         from diffusers import SD3Transformer2DModel
         from transformers import CLIPTextModelWithProjection
 
-        text_encoder = CLIPTextModelWithProjection.from_pretrained(Path(init) / "text_encoder", dtype=torch.float32).eval()
+        text_encoder = CLIPTextModelWithProjection.from_pretrained(
+            Path(init) / "text_encoder", dtype=torch.float32
+        ).eval()
         if not fresh:
             return text_encoder, SD3Transformer2DModel.from_pretrained(Path(init) / "transformer", dtype=torch.float32)
     else:
@@ -584,8 +738,9 @@ def _caption_rows(tokenizer, captions: list[str]) -> tuple[torch.Tensor, torch.T
         guidance), and long ``(N,)`` row of each of the ``N`` captions.
     """
     unique = [""] + sorted(set(captions))
-    input_ids = tokenizer(unique, padding="max_length", max_length=MAX_TOKENS, truncation=True,
-                          return_tensors="pt").input_ids  # (P, MAX_TOKENS)
+    input_ids = tokenizer(
+        unique, padding="max_length", max_length=MAX_TOKENS, truncation=True, return_tensors="pt"
+    ).input_ids  # (P, MAX_TOKENS)
     index = {c: i for i, c in enumerate(unique)}
     return input_ids, torch.tensor([index[c] for c in captions])
 
@@ -602,17 +757,28 @@ def _save_pipeline(folder: Path, transformer, vae, text_encoder, tokenizer) -> N
     from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
 
     pipe = StableDiffusion3Pipeline(
-        transformer=transformer.half(), scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=vae.half(),
-        text_encoder=text_encoder.float(), tokenizer=tokenizer, text_encoder_2=text_encoder, tokenizer_2=tokenizer,
-        text_encoder_3=None, tokenizer_3=None)
+        transformer=transformer.half(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
+        vae=vae.half(),
+        text_encoder=text_encoder.float(),
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder,
+        tokenizer_2=tokenizer,
+        text_encoder_3=None,
+        tokenizer_3=None,
+    )
     pipe.save_pretrained(folder)
 
 
 def _write_build_json(folder: Path, settings: dict, times: dict[str, float], init: str | Path | None) -> None:
     """Write ``folder/build.json``: ``settings`` in their order, then ``times_s`` (stage wall times in seconds),
     the ``command`` line and ``init_build``, the ``init`` pipeline's own ``build.json`` (or None)."""
-    record = {**settings, "times_s": times, "command": "python -m flowrl.tiny.build " + " ".join(sys.argv[1:]),
-              "init_build": _read_build(init)}
+    record = {
+        **settings,
+        "times_s": times,
+        "command": "python -m flowrl.tiny.build " + " ".join(sys.argv[1:]),
+        "init_build": _read_build(init),
+    }
     (folder / "build.json").write_text(json.dumps(record, indent=1))
 
 
@@ -625,8 +791,11 @@ def _read_build(init: str | Path | None) -> dict | None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="assets", help="folder of the built assets (tiny-sd3 inside it)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace a finished build in --out (the shipped model, with the default --out)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a finished build in --out (the shipped model, with the default --out)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n-scenes", type=int, default=20000)
     p.add_argument("--clip-steps", type=int, default=600)
@@ -636,22 +805,40 @@ def main(argv=None) -> None:
     p.add_argument("--dit-t-mean", type=float, default=0.0, help="logit-normal mean of the training times")
     p.add_argument("--dit-batch", type=int, default=128, help="scenes per transformer optimizer step")
     p.add_argument("--dit-ema", type=float, default=0.0, help="EMA decay of the transformer weights (0: none)")
-    p.add_argument("--text-lr", type=float, default=0.0,
-                   help="peak learning rate of the pipeline's text tower, trained jointly with the transformer (0: frozen)")
-    p.add_argument("--tag-weights", nargs="+", default=None, metavar="TAG=W",
-                   help="draw the scenes' tags with these relative weights (tags left out: 0; default: uniform)")
+    p.add_argument(
+        "--text-lr",
+        type=float,
+        default=0.0,
+        help="peak learning rate of the pipeline's text tower, trained jointly with the transformer (0: frozen)",
+    )
+    p.add_argument(
+        "--tag-weights",
+        nargs="+",
+        default=None,
+        metavar="TAG=W",
+        help="draw the scenes' tags with these relative weights (tags left out: 0; default: uniform)",
+    )
     p.add_argument("--resume", action="store_true", help="keep the stages an interrupted build finished")
     p.add_argument("--init", default=None, help="a finished tiny-sd3 folder: keep its VAE, continue its transformer")
-    p.add_argument("--fresh-transformer", action="store_true",
-                   help="with --init: keep its VAE and text tower but train a new transformer")
+    p.add_argument(
+        "--fresh-transformer",
+        action="store_true",
+        help="with --init: keep its VAE and text tower but train a new transformer",
+    )
     p.add_argument("--dit-layers", type=int, default=5, help="blocks of a new transformer")
     p.add_argument("--dit-width", type=int, default=128, help="hidden size of a new transformer (a multiple of 32)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where the transformer trains (auto: cuda when available)")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the transformer trains (auto: cuda when available)",
+    )
     a = p.parse_args(argv)
     if (Path(a.out) / "tiny-sd3" / "model_index.json").is_file() and not (a.overwrite or a.resume):
-        p.error(f"--out {a.out} holds a finished build ({Path(a.out) / 'tiny-sd3'}, the shipped model with the default "
-                "--out): pass --overwrite to replace it (or --resume to continue it), or --out another folder")
+        p.error(
+            f"--out {a.out} holds a finished build ({Path(a.out) / 'tiny-sd3'}, the shipped model with the default "
+            "--out): pass --overwrite to replace it (or --resume to continue it), or --out another folder"
+        )
     if a.fresh_transformer and a.init is None:
         p.error("--fresh-transformer keeps the VAE and text tower of an --init pipeline folder; pass --init")
     if a.init is not None and not a.fresh_transformer and (a.dit_layers, a.dit_width) != (5, 128):
@@ -672,8 +859,28 @@ def main(argv=None) -> None:
             weights = {k: float(v) for k, v in (item.split("=", 1) for item in a.tag_weights)}
         except ValueError:
             p.error(f"--tag-weights takes TAG=WEIGHT items, e.g. two_object=2; got {a.tag_weights}")
-    print(build(a.out, a.seed, a.n_scenes, a.clip_steps, a.vae_steps, a.dit_steps, a.resume, a.init, a.dit_lr, a.dit_t_mean,
-                a.dit_batch, a.dit_ema, a.text_lr, weights, device, a.fresh_transformer, a.dit_layers, a.dit_width))
+    print(
+        build(
+            a.out,
+            a.seed,
+            a.n_scenes,
+            a.clip_steps,
+            a.vae_steps,
+            a.dit_steps,
+            a.resume,
+            a.init,
+            a.dit_lr,
+            a.dit_t_mean,
+            a.dit_batch,
+            a.dit_ema,
+            a.text_lr,
+            weights,
+            device,
+            a.fresh_transformer,
+            a.dit_layers,
+            a.dit_width,
+        )
+    )
 
 
 if __name__ == "__main__":

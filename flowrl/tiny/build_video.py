@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from flowrl.data import write_jsonl
 from flowrl.tiny.video import all_metadata, render_dataset, split
+
 from ..rewards.geneval.world import BACKGROUND, COLORS, SHAPES
 from ..rewards.motion_world import DIRECTIONS
 
@@ -53,7 +54,9 @@ def build_tokenizer():
     from transformers import T5Tokenizer
 
     words = ["a", "an", "moving", *SHAPES, *COLORS, *DIRECTIONS]
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [("\u2581" + w, -1.0 - 0.01 * i) for i, w in enumerate(words)]
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [
+        ("\u2581" + w, -1.0 - 0.01 * i) for i, w in enumerate(words)
+    ]
     vocab += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"] + [("\u2581", -6.0)]
     return T5Tokenizer(vocab=vocab, extra_ids=0)
 
@@ -63,8 +66,19 @@ def tiny_text_encoder(vocab_size: int, seed: int):
     from transformers import UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(seed)
-    return UMT5EncoderModel(UMT5Config(vocab_size=vocab_size, d_model=TEXT_DIM, d_kv=16, d_ff=128, num_layers=2,
-                                       num_heads=4, relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1))
+    return UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=vocab_size,
+            d_model=TEXT_DIM,
+            d_kv=16,
+            d_ff=128,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    )
 
 
 def tiny_vae(seed: int):
@@ -73,9 +87,17 @@ def tiny_vae(seed: int):
     from diffusers import AutoencoderKLWan
 
     torch.manual_seed(seed)
-    return AutoencoderKLWan(base_dim=8, z_dim=LATENT_CHANNELS, dim_mult=[1, 2, 2], num_res_blocks=1,
-                            temperal_downsample=[True, True], scale_factor_spatial=4, scale_factor_temporal=4,
-                            latents_mean=[0.0] * LATENT_CHANNELS, latents_std=[1.0] * LATENT_CHANNELS)
+    return AutoencoderKLWan(
+        base_dim=8,
+        z_dim=LATENT_CHANNELS,
+        dim_mult=[1, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[True, True],
+        scale_factor_spatial=4,
+        scale_factor_temporal=4,
+        latents_mean=[0.0] * LATENT_CHANNELS,
+        latents_std=[1.0] * LATENT_CHANNELS,
+    )
 
 
 def tiny_transformer(seed: int, num_layers: int = 4, width: int = 64):
@@ -88,12 +110,24 @@ def tiny_transformer(seed: int, num_layers: int = 4, width: int = 64):
     from diffusers import WanTransformer3DModel
 
     if width < 32 or width % 32 or num_layers < 1:
-        raise ValueError(f"--dit-layers must be >= 1 and --dit-width a positive multiple of 32; got {num_layers}, {width}")
+        raise ValueError(
+            f"--dit-layers must be >= 1 and --dit-width a positive multiple of 32; got {num_layers}, {width}"
+        )
     torch.manual_seed(seed)
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=width // 32, attention_head_dim=32,
-                                 in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, text_dim=TEXT_DIM,
-                                 freq_dim=64, ffn_dim=4 * width, num_layers=num_layers, cross_attn_norm=True,
-                                 qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=width // 32,
+        attention_head_dim=32,
+        in_channels=LATENT_CHANNELS,
+        out_channels=LATENT_CHANNELS,
+        text_dim=TEXT_DIM,
+        freq_dim=64,
+        ffn_dim=4 * width,
+        num_layers=num_layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
 
 
 def umt5_condition(text_encoder, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -159,12 +193,25 @@ def train_vae(vae, videos: torch.Tensor, steps: int, seed: int, batch: int = 8, 
 @torch.no_grad()
 def encode_latents(vae, videos: torch.Tensor, batch: int = 64) -> torch.Tensor:
     """Unnormalised latent means of uint8 clips ``(N, F, H, W, 3)`` -> float32 ``(N, C, (F - 1) / 4 + 1, H / 4, W / 4)``."""
-    return torch.cat([vae.encode(_to_float(videos[i : i + batch])).latent_dist.mean for i in range(0, len(videos), batch)])
+    return torch.cat(
+        [vae.encode(_to_float(videos[i : i + batch])).latent_dist.mean for i in range(0, len(videos), batch)]
+    )
 
 
-def train_transformer(transformer, text_encoder, latents: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
-                      cap_idx: torch.Tensor, steps: int, seed: int, batch: int = 64, lr: float = 1e-3,
-                      text_lr: float = 1e-3, uncond_p: float = 0.1):
+def train_transformer(
+    transformer,
+    text_encoder,
+    latents: torch.Tensor,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    cap_idx: torch.Tensor,
+    steps: int,
+    seed: int,
+    batch: int = 64,
+    lr: float = 1e-3,
+    text_lr: float = 1e-3,
+    uncond_p: float = 0.1,
+):
     """Rectified-flow training of the tiny Wan transformer, jointly with the text encoder.
 
     x_t = (1 - t) x_0 + t eps with t ~ logit-normal(0, 1); loss = |v(x_t, 1000 t, c) - (eps - x_0)|^2 (the velocity
@@ -185,8 +232,9 @@ def train_transformer(transformer, text_encoder, latents: torch.Tensor, input_id
     text_encoder.requires_grad_(text_lr > 0)
     params = [p for g in groups for p in g["params"]]
     opt = torch.optim.AdamW(groups, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[g["lr"] for g in groups], total_steps=max(steps, 1),
-                                                pct_start=0.05)
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=[g["lr"] for g in groups], total_steps=max(steps, 1), pct_start=0.05
+    )
     gen = torch.Generator().manual_seed(seed)
     transformer.train()
     text_encoder.train(text_lr > 0)
@@ -199,16 +247,28 @@ def train_transformer(transformer, text_encoder, latents: torch.Tensor, input_id
         t = torch.sigmoid(torch.randn(batch, generator=gen))  # (B,) logit-normal
         eps = torch.randn(x0.shape, generator=gen)
         tt = t.view(-1, 1, 1, 1, 1)
-        v = transformer(hidden_states=(1 - tt) * x0 + tt * eps, timestep=t * 1000, encoder_hidden_states=cond,
-                        return_dict=False)[0]
+        v = transformer(
+            hidden_states=(1 - tt) * x0 + tt * eps, timestep=t * 1000, encoder_hidden_states=cond, return_dict=False
+        )[0]
         _step(F.mse_loss(v, eps - x0), params, opt, sched, bar)
     return transformer.eval(), text_encoder.eval()
 
 
-def build(out: str | Path, seed: int = 0, n_clips: int = 2000, vae_steps: int = 200, dit_steps: int = 1000,
-          dit_batch: int = 64, dit_lr: float = 1e-3, text_lr: float = 1e-3, dit_layers: int = 4,
-          dit_width: int = 64, vae_batch: int = 8, vae_from: str | Path | None = None,
-          vae_clips: int | None = None) -> dict:
+def build(
+    out: str | Path,
+    seed: int = 0,
+    n_clips: int = 2000,
+    vae_steps: int = 200,
+    dit_steps: int = 1000,
+    dit_batch: int = 64,
+    dit_lr: float = 1e-3,
+    text_lr: float = 1e-3,
+    dit_layers: int = 4,
+    dit_width: int = 64,
+    vae_batch: int = 8,
+    vae_from: str | Path | None = None,
+    vae_clips: int | None = None,
+) -> dict:
     """Regenerate the prompt files and ``out/tiny-wan`` (module docstring); returns the stage wall times in seconds.
 
     ``vae_from``: take the trained VAE of an earlier build (a ``tiny-wan`` folder) instead of training one, to try
@@ -246,25 +306,59 @@ def build(out: str | Path, seed: int = 0, n_clips: int = 2000, vae_steps: int = 
     text_encoder = tiny_text_encoder(len(tokenizer), seed)
     transformer = tiny_transformer(seed, dit_layers, dit_width)
     captions = [""] + sorted({m["prompt"] for m in drawn})
-    tokens = tokenizer(captions, padding="max_length", max_length=MAX_TOKENS, truncation=True, add_special_tokens=True,
-                       return_attention_mask=True, return_tensors="pt")
+    tokens = tokenizer(
+        captions,
+        padding="max_length",
+        max_length=MAX_TOKENS,
+        truncation=True,
+        add_special_tokens=True,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
     row = {c: i for i, c in enumerate(captions)}
     cap_idx = torch.tensor([row[m["prompt"]] for m in drawn])
     z = encode_latents(vae, videos)
     stats = [torch.tensor(vae.config[k]).view(1, -1, 1, 1, 1) for k in ("latents_mean", "latents_std")]
     latents = (z - stats[0]) / stats[1]  # (N, C, f, h, w), as WanPipeline's latents
-    train_transformer(transformer, text_encoder, latents, tokens.input_ids, tokens.attention_mask, cap_idx, dit_steps,
-                      seed, batch=dit_batch, lr=dit_lr, text_lr=text_lr)
+    train_transformer(
+        transformer,
+        text_encoder,
+        latents,
+        tokens.input_ids,
+        tokens.attention_mask,
+        cap_idx,
+        dit_steps,
+        seed,
+        batch=dit_batch,
+        lr=dit_lr,
+        text_lr=text_lr,
+    )
     times["transformer_s"] = time.time() - t0
 
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                       scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0))
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
+    )
     pipe.save_pretrained(out / "tiny-wan")
-    record = {"seed": seed, "n_clips": n_clips, "vae_steps": vae_steps, "vae_batch": vae_batch,
-              "vae_from": None if vae_from is None else str(vae_from), "vae_clips": vae_clips, "dit_steps": dit_steps,
-              "dit_batch": dit_batch, "dit_lr": dit_lr, "text_lr": text_lr, "dit_layers": dit_layers,
-              "dit_width": dit_width, "times_s": times,
-              "command": "python -m flowrl.tiny.build_video " + " ".join(sys.argv[1:])}
+    record = {
+        "seed": seed,
+        "n_clips": n_clips,
+        "vae_steps": vae_steps,
+        "vae_batch": vae_batch,
+        "vae_from": None if vae_from is None else str(vae_from),
+        "vae_clips": vae_clips,
+        "dit_steps": dit_steps,
+        "dit_batch": dit_batch,
+        "dit_lr": dit_lr,
+        "text_lr": text_lr,
+        "dit_layers": dit_layers,
+        "dit_width": dit_width,
+        "times_s": times,
+        "command": "python -m flowrl.tiny.build_video " + " ".join(sys.argv[1:]),
+    }
     (out / "tiny-wan" / "build.json").write_text(json.dumps(record, indent=1))
     return times
 
@@ -272,8 +366,11 @@ def build(out: str | Path, seed: int = 0, n_clips: int = 2000, vae_steps: int = 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="assets", help="folder of the built assets (tiny-wan inside it)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace a finished build in --out (the shipped model, with the default --out)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a finished build in --out (the shipped model, with the default --out)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n-clips", type=int, default=2000, help="rendered pre-training clips")
     p.add_argument("--vae-steps", type=int, default=200)
@@ -285,11 +382,15 @@ def main(argv=None) -> None:
     p.add_argument("--dit-layers", type=int, default=4)
     p.add_argument("--dit-width", type=int, default=64, help="hidden size (a multiple of 32)")
     p.add_argument("--vae-from", default=None, help="reuse the VAE of an earlier build's tiny-wan folder")
-    p.add_argument("--vae-clips", type=int, default=None, help="train the VAE on the first N clips only (default: all)")
+    p.add_argument(
+        "--vae-clips", type=int, default=None, help="train the VAE on the first N clips only (default: all)"
+    )
     a = p.parse_args(argv)
     if (Path(a.out) / "tiny-wan" / "model_index.json").is_file() and not a.overwrite:
-        p.error(f"--out {a.out} holds a finished build ({Path(a.out) / 'tiny-wan'}, the shipped model with the default "
-                "--out): pass --overwrite to replace it, or --out another folder")
+        p.error(
+            f"--out {a.out} holds a finished build ({Path(a.out) / 'tiny-wan'}, the shipped model with the default "
+            "--out): pass --overwrite to replace it, or --out another folder"
+        )
     for key in ("n_clips", "vae_steps", "vae_batch", "dit_steps", "dit_batch", "vae_clips"):
         if getattr(a, key) is not None and getattr(a, key) < 1:
             p.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(a, key)}")
@@ -298,8 +399,23 @@ def main(argv=None) -> None:
     except ValueError as e:
         p.error(str(e))
     random.seed(a.seed)
-    print(build(a.out, a.seed, a.n_clips, a.vae_steps, a.dit_steps, a.dit_batch, a.dit_lr, a.text_lr, a.dit_layers,
-                a.dit_width, a.vae_batch, a.vae_from, a.vae_clips))
+    print(
+        build(
+            a.out,
+            a.seed,
+            a.n_clips,
+            a.vae_steps,
+            a.dit_steps,
+            a.dit_batch,
+            a.dit_lr,
+            a.text_lr,
+            a.dit_layers,
+            a.dit_width,
+            a.vae_batch,
+            a.vae_from,
+            a.vae_clips,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -13,8 +13,16 @@ import random
 from ..rewards.geneval.world import COLORS, COUNT_WORDS, COUNTING_RANGE, PLURALS, RELATIONS, SHAPES, TAGS
 
 HELD_OUT_COLOR_PAIRS = {
-    ("circle", "blue"), ("circle", "white"), ("square", "red"), ("square", "purple"), ("triangle", "green"),
-    ("triangle", "black"), ("star", "orange"), ("star", "blue"), ("cross", "yellow"), ("cross", "purple"),
+    ("circle", "blue"),
+    ("circle", "white"),
+    ("square", "red"),
+    ("square", "purple"),
+    ("triangle", "green"),
+    ("triangle", "black"),
+    ("star", "orange"),
+    ("star", "blue"),
+    ("cross", "yellow"),
+    ("cross", "purple"),
 }
 HELD_OUT_SHAPE_PAIRS = {frozenset(p) for p in (("circle", "star"), ("square", "triangle"), ("cross", "star"))}
 HELD_OUT_COUNTS = {("circle", 3), ("square", 4), ("triangle", 2), ("star", 3), ("cross", 2)}
@@ -24,8 +32,9 @@ def _a(word: str) -> str:
     return ("an " if word[0] in "aeiou" else "a ") + word
 
 
-def make_metadata(tag: str, shapes: tuple[str, ...], colors: tuple[str, ...] = (), count: int = 1,
-                  relation: str | None = None) -> dict:
+def make_metadata(
+    tag: str, shapes: tuple[str, ...], colors: tuple[str, ...] = (), count: int = 1, relation: str | None = None
+) -> dict:
     """Build one prompt's metadata in GenEval's schema.
 
     Args:
@@ -43,26 +52,51 @@ def make_metadata(tag: str, shapes: tuple[str, ...], colors: tuple[str, ...] = (
         ValueError: for an unknown tag.
     """
     if tag == "single_object":
-        return {"tag": tag, "prompt": f"a photo of {_a(shapes[0])}", "include": [{"class": shapes[0], "count": 1}], "exclude": []}
+        return {
+            "tag": tag,
+            "prompt": f"a photo of {_a(shapes[0])}",
+            "include": [{"class": shapes[0], "count": 1}],
+            "exclude": [],
+        }
     if tag == "two_object":
         a, b = shapes
-        return {"tag": tag, "prompt": f"a photo of {_a(a)} and {_a(b)}",
-                "include": [{"class": a, "count": 1}, {"class": b, "count": 1}], "exclude": []}
+        return {
+            "tag": tag,
+            "prompt": f"a photo of {_a(a)} and {_a(b)}",
+            "include": [{"class": a, "count": 1}, {"class": b, "count": 1}],
+            "exclude": [],
+        }
     if tag == "counting":
         s = shapes[0]
-        return {"tag": tag, "prompt": f"a photo of {COUNT_WORDS[count]} {PLURALS[s]}",
-                "include": [{"class": s, "count": count}], "exclude": [{"class": s, "count": count + 1}]}
+        return {
+            "tag": tag,
+            "prompt": f"a photo of {COUNT_WORDS[count]} {PLURALS[s]}",
+            "include": [{"class": s, "count": count}],
+            "exclude": [{"class": s, "count": count + 1}],
+        }
     if tag == "colors":
-        return {"tag": tag, "prompt": f"a photo of {_a(colors[0] + ' ' + shapes[0])}",
-                "include": [{"class": shapes[0], "count": 1, "color": colors[0]}], "exclude": []}
+        return {
+            "tag": tag,
+            "prompt": f"a photo of {_a(colors[0] + ' ' + shapes[0])}",
+            "include": [{"class": shapes[0], "count": 1, "color": colors[0]}],
+            "exclude": [],
+        }
     if tag == "position":
         a, b = shapes
-        return {"tag": tag, "prompt": f"a photo of {_a(a)} {relation} {_a(b)}",
-                "include": [{"class": b, "count": 1}, {"class": a, "count": 1, "position": [relation, 0]}], "exclude": []}
+        return {
+            "tag": tag,
+            "prompt": f"a photo of {_a(a)} {relation} {_a(b)}",
+            "include": [{"class": b, "count": 1}, {"class": a, "count": 1, "position": [relation, 0]}],
+            "exclude": [],
+        }
     if tag == "color_attr":
         (a, b), (ca, cb) = shapes, colors
-        return {"tag": tag, "prompt": f"a photo of {_a(ca + ' ' + a)} and {_a(cb + ' ' + b)}",
-                "include": [{"class": a, "count": 1, "color": ca}, {"class": b, "count": 1, "color": cb}], "exclude": []}
+        return {
+            "tag": tag,
+            "prompt": f"a photo of {_a(ca + ' ' + a)} and {_a(cb + ' ' + b)}",
+            "include": [{"class": a, "count": 1, "color": ca}, {"class": b, "count": 1, "color": cb}],
+            "exclude": [],
+        }
     raise ValueError(f"unknown tag {tag!r}; expected one of {TAGS}")
 
 

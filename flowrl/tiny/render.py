@@ -28,7 +28,8 @@ def _holds(relation: str, a: "Obj", b: "Obj") -> bool:
     m = POSITION_MARGIN
     return all(
         relation in relative_position((a.box[0] + dx, a.box[1] + dy, a.box[2] + dx, a.box[3] + dy), b.box)
-        for dx in (-m, 0.0, m) for dy in (-m, 0.0, m)
+        for dx in (-m, 0.0, m)
+        for dy in (-m, 0.0, m)
     )
 
 
@@ -63,9 +64,18 @@ def _polygon(shape: str, cx: float, cy: float, size: int) -> list[tuple[float, f
     if shape == "cross":
         t = size / 6
         return [
-            (cx - t, cy - h), (cx + t, cy - h), (cx + t, cy - t), (cx + h, cy - t), (cx + h, cy + t),
-            (cx + t, cy + t), (cx + t, cy + h), (cx - t, cy + h), (cx - t, cy + t), (cx - h, cy + t),
-            (cx - h, cy - t), (cx - t, cy - t),
+            (cx - t, cy - h),
+            (cx + t, cy - h),
+            (cx + t, cy - t),
+            (cx + h, cy - t),
+            (cx + h, cy + t),
+            (cx + t, cy + t),
+            (cx + t, cy + h),
+            (cx - t, cy + h),
+            (cx - t, cy + t),
+            (cx - h, cy + t),
+            (cx - h, cy - t),
+            (cx - t, cy - t),
         ]
     return None
 
@@ -141,7 +151,10 @@ def sample_scene(metadata: dict, rng: random.Random) -> list[Obj]:
                     accept = None
                     if "position" in clause:
                         relation, j = clause["position"]
-                        accept = lambda o, r=relation, t=groups[j]: all(_holds(r, o, b) for b in t)
+
+                        def accept(o, r=relation, t=groups[j]):
+                            return all(_holds(r, o, b) for b in t)
+
                     obj = _place(clause["class"], color, placed, rng, accept=accept)
                     placed.append(obj)
                     group.append(obj)

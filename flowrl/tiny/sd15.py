@@ -15,16 +15,23 @@ import torch
 
 from flowrl.config import REPO_ROOT
 
-SD15_SCHEDULER = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
-                      set_alpha_to_one=False, steps_offset=1)
+SD15_SCHEDULER = dict(
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    clip_sample=False,
+    set_alpha_to_one=False,
+    steps_offset=1,
+)
 """Stable Diffusion 1.5's scheduler settings (runwayml/stable-diffusion-v1-5 ``scheduler_config.json``), for DDIM."""
 
 TOKENIZER = REPO_ROOT / "assets" / "tiny-sd3" / "tokenizer"
 """The real CLIP BPE tokenizer of the tiny world (``model_max_length`` 16), shipped in the repository."""
 
 
-def build_random_sd15_pipeline(folder: str | Path, prediction_type: str = "epsilon", seed: int = 0,
-                               sample_size: int = 8) -> Path:
+def build_random_sd15_pipeline(
+    folder: str | Path, prediction_type: str = "epsilon", seed: int = 0, sample_size: int = 8
+) -> Path:
     """Save a random-weight ``StableDiffusionPipeline`` to ``folder`` (created if missing) and return its path.
 
     Args:
@@ -49,19 +56,52 @@ def build_random_sd15_pipeline(folder: str | Path, prediction_type: str = "epsil
         raise ValueError(f"sample_size must be a positive even number of latent pixels; got {sample_size}")
     torch.manual_seed(seed)
     tok = CLIPTokenizer.from_pretrained(TOKENIZER)
-    clip = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        max_position_embeddings=tok.model_max_length, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id))
-    unet = UNet2DConditionModel(sample_size=sample_size, in_channels=4, out_channels=4, layers_per_block=1,
-                                block_out_channels=(8, 16), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
-                                attention_head_dim=4, norm_num_groups=8)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
-                        up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 16, 16), layers_per_block=1,
-                        latent_channels=4, norm_num_groups=8, sample_size=4 * sample_size)
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=tok.model_max_length,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
+    unet = UNet2DConditionModel(
+        sample_size=sample_size,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=4,
+        norm_num_groups=8,
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(8, 16, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=4 * sample_size,
+    )
     scheduler = DDIMScheduler(**SD15_SCHEDULER, prediction_type=prediction_type)
-    pipe = StableDiffusionPipeline(vae=vae, text_encoder=clip, tokenizer=tok, unet=unet, scheduler=scheduler,
-                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=clip,
+        tokenizer=tok,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
     pipe.save_pretrained(folder)
     return Path(folder)

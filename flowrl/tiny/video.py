@@ -16,14 +16,30 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowrl.tiny.render import Obj, render
-from ..rewards.motion_world import DIRECTIONS, MAX_SIZE, MIN_SIZE, NUM_FRAMES, SPEED, VIDEO_SIZE, check_motion_metadata
-from ..rewards.geneval.world import COLORS, SHAPES
 
-HELD_OUT_PAIRS: frozenset[tuple[str, str]] = frozenset({
-    ("red", "left"), ("red", "up"), ("orange", "right"), ("orange", "down"), ("yellow", "left"), ("yellow", "down"),
-    ("green", "right"), ("green", "up"), ("blue", "left"), ("blue", "up"), ("purple", "right"), ("purple", "down"),
-    ("white", "left"), ("white", "down"), ("black", "right"), ("black", "up"),
-})
+from ..rewards.geneval.world import COLORS, SHAPES
+from ..rewards.motion_world import DIRECTIONS, MAX_SIZE, MIN_SIZE, NUM_FRAMES, SPEED, VIDEO_SIZE, check_motion_metadata
+
+HELD_OUT_PAIRS: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("red", "left"),
+        ("red", "up"),
+        ("orange", "right"),
+        ("orange", "down"),
+        ("yellow", "left"),
+        ("yellow", "down"),
+        ("green", "right"),
+        ("green", "up"),
+        ("blue", "left"),
+        ("blue", "up"),
+        ("purple", "right"),
+        ("purple", "down"),
+        ("white", "left"),
+        ("white", "down"),
+        ("black", "right"),
+        ("black", "up"),
+    }
+)
 """(colour, direction) pairs of the test split."""
 
 
@@ -37,8 +53,14 @@ def make_metadata(shape: str, color: str, direction: str, speed: float = SPEED) 
     Raises:
         ValueError: for a shape, colour, direction or speed outside the world (``check_motion_metadata``).
     """
-    meta = {"prompt": f"{_a(color)} {shape} moving {direction}", "tag": direction, "shape": shape, "color": color,
-            "direction": direction, "speed": speed}
+    meta = {
+        "prompt": f"{_a(color)} {shape} moving {direction}",
+        "tag": direction,
+        "shape": shape,
+        "color": color,
+        "direction": direction,
+        "speed": speed,
+    }
     check_motion_metadata(meta)
     return meta
 
@@ -96,8 +118,10 @@ def sample_clip(meta: dict, rng: random.Random, frames: int = NUM_FRAMES, side: 
     lo, hi = size / 2 + 1, side - size / 2 - 1
     travel = meta["speed"] * (frames - 1)
     if travel > hi - lo:
-        raise ValueError(f"speed {meta['speed']} over {frames} frames moves {travel} px: more than the {hi - lo} px a "
-                         f"{size} px shape has in a {side} px frame")
+        raise ValueError(
+            f"speed {meta['speed']} over {frames} frames moves {travel} px: more than the {hi - lo} px a "
+            f"{size} px shape has in a {side} px frame"
+        )
 
     def start(v: float) -> float:  # whole pixels keeping every frame inside
         first, last = (lo, hi - travel) if v > 0 else (lo + travel, hi) if v < 0 else (lo, hi)
@@ -115,8 +139,9 @@ def render_clip(clip: Clip, frames: int = NUM_FRAMES, side: int = VIDEO_SIZE) ->
     return np.stack([render([clip.at(f)], side) for f in range(frames)])
 
 
-def render_dataset(metas: list[dict], n: int, seed: int, frames: int = NUM_FRAMES,
-                   side: int = VIDEO_SIZE) -> tuple[np.ndarray, list[dict]]:
+def render_dataset(
+    metas: list[dict], n: int, seed: int, frames: int = NUM_FRAMES, side: int = VIDEO_SIZE
+) -> tuple[np.ndarray, list[dict]]:
     """Render ``n`` clips of prompts drawn uniformly from ``metas``.
 
     Returns:

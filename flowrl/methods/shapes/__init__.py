@@ -8,5 +8,18 @@ from .flat import FlatShape, WindowConfig
 from .probe import G2RPOShape, ProbeConfig, ProbeShape, TempFlowShape, TPGRPOShape
 from .tree import TreeConfig, TreeShape
 
-__all__ = ["SHAPES", "FlatShape", "G2RPOShape", "ProbeConfig", "ProbeShape", "RolloutShape", "TPGRPOShape",
-           "TempFlowShape", "TreeConfig", "TreeShape", "WindowConfig", "register_shape", "step_subset"]
+__all__ = [
+    "SHAPES",
+    "FlatShape",
+    "G2RPOShape",
+    "ProbeConfig",
+    "ProbeShape",
+    "RolloutShape",
+    "TPGRPOShape",
+    "TempFlowShape",
+    "TreeConfig",
+    "TreeShape",
+    "WindowConfig",
+    "register_shape",
+    "step_subset",
+]

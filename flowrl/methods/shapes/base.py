@@ -27,6 +27,7 @@ def register_shape(name: str):
     Raises:
         ValueError: `name` is registered already.
     """
+
     def register(cls: type[RolloutShape]) -> type[RolloutShape]:
         if name in SHAPES:
             raise ValueError(f"rollout shape {name!r} is registered already ({SHAPES[name].__name__})")

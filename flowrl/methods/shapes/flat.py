@@ -22,14 +22,19 @@ class WindowConfig:
     elsewhere (flat groups only)."""
 
     size: int = setting(0, "steps in the window; 0 = no window (every step SDE, Flow-GRPO / DanceGRPO)")
-    schedule: str = setting("progressive", "how the window moves: progressive | decay | exp_decay | random | fixed "
-                                           "(flowrl.samplers.windows)")
+    schedule: str = setting(
+        "progressive",
+        "how the window moves: progressive | decay | exp_decay | random | fixed (flowrl.samplers.windows)",
+    )
     stride: int = setting(1, "steps the window moves per shift (0 keeps it where it starts)")
     interval: int = setting(25, "iterations per shift (MixGRPO's tau)")
     min_interval: int = setting(1, "the smallest tau of the 'decay' schedule")
     roll_back: bool = setting(True, "return to step 0 after the last step")
-    flash_ratio: float = setting(0.0, "MixGRPO-Flash: > 0 re-spaces the steps after the window into this fraction of "
-                                      "them, solved with DPM-Solver++(2M)")
+    flash_ratio: float = setting(
+        0.0,
+        "MixGRPO-Flash: > 0 re-spaces the steps after the window into this fraction of "
+        "them, solved with DPM-Solver++(2M)",
+    )
 
     def __post_init__(self):
         check(self.size >= 0, "sampling.window.size", ">= 0", self.size)
@@ -48,16 +53,29 @@ class FlatShape(RolloutShape):
     @classmethod
     def check_config(cls, cfg) -> None:
         s = cfg.sampling
-        check(s.window.size < s.num_steps, "sampling.window.size", f"< sampling.num_steps ({s.num_steps})",
-              s.window.size)
+        check(
+            s.window.size < s.num_steps, "sampling.window.size", f"< sampling.num_steps ({s.num_steps})", s.window.size
+        )
 
     def __init__(self, method):
         super().__init__(method)
         s = self.cfg.sampling
         self.plan = self.only_trainable(self.sigmas, self.sde_plan())
         w = s.window
-        self.window = None if w.size == 0 else SlidingWindow(
-            s.num_steps, w.size, w.schedule, w.stride, w.interval, w.min_interval, w.roll_back, seed=self.cfg.run.seed)
+        self.window = (
+            None
+            if w.size == 0
+            else SlidingWindow(
+                s.num_steps,
+                w.size,
+                w.schedule,
+                w.stride,
+                w.interval,
+                w.min_interval,
+                w.roll_back,
+                seed=self.cfg.run.seed,
+            )
+        )
 
     def current_plan(self):
         """This iteration's ``(sigmas (N' + 1,), plan)``: every step SDE, or the MixGRPO window (with its Flash
@@ -65,8 +83,9 @@ class FlatShape(RolloutShape):
         if self.window is None:
             return self.sigmas, self.plan
         s = self.cfg.sampling
-        sigmas, plan = mix_plan(self.sigmas, self.window.steps, s.kernel, s.noise_level, s.window.flash_ratio or None,
-                                s.shift)
+        sigmas, plan = mix_plan(
+            self.sigmas, self.window.steps, s.kernel, s.noise_level, s.window.flash_ratio or None, s.shift
+        )
         return sigmas, self.only_trainable(sigmas, plan)
 
     @torch.no_grad()
@@ -82,14 +101,31 @@ class FlatShape(RolloutShape):
         sigmas = sigmas.to(self.device)
         with self.policy.autocast():
             if s.shared_noise:  # the group's deterministic prefix once per group
-                ro = sample_shared_noise(velocity, noise, table.rows(roots), roots, sigmas, plan, s.group_size,
-                                         generator=generator, ode_velocity_fn=self.ode_velocity(velocity))
+                ro = sample_shared_noise(
+                    velocity,
+                    noise,
+                    table.rows(roots),
+                    roots,
+                    sigmas,
+                    plan,
+                    s.group_size,
+                    generator=generator,
+                    ode_velocity_fn=self.ode_velocity(velocity),
+                )
             else:
                 prompt_index = roots.repeat_interleave(s.group_size)  # (B,)
                 noise = torch.randn((len(prompt_index), *self.model.latent_shape), generator=generator)
                 noise = start_latents(noise, self.sigmas[0])
-                ro = sample(velocity, noise.to(self.device), table.rows(prompt_index), prompt_index, sigmas, plan,
-                            generator=generator, ode_velocity_fn=self.ode_velocity(velocity))
+                ro = sample(
+                    velocity,
+                    noise.to(self.device),
+                    table.rows(prompt_index),
+                    prompt_index,
+                    sigmas,
+                    plan,
+                    generator=generator,
+                    ode_velocity_fn=self.ode_velocity(velocity),
+                )
         return SDESamples(self.method.decode(ro.final), ro.group.cpu(), self.nfe(ro), ro, table)
 
     def advantages(self, samples: SDESamples, rewards: Rewards):

@@ -27,13 +27,18 @@ class ProbeConfig:
     children: int = setting(4, "tempflow: SDE children per trunk and probe step (g2rpo uses group_size, tp_grpo none)")
     granularities: list[int] = setting(factory=lambda: [1], help="g2rpo: the ODE-completion strides, each scored")
     adv_group: str = setting("prompt", "tempflow: normalise over the prompt's branches (prompt) or one trunk's (seed)")
-    balance: bool = setting(True, "tp_grpo: as many positive as negative turning points (the largest |R_n - R_0| "
-                                  "of each)")
+    balance: bool = setting(
+        True, "tp_grpo: as many positive as negative turning points (the largest |R_n - R_0| of each)"
+    )
 
     def __post_init__(self):
         check(self.children >= 1, "sampling.probe.children", ">= 1", self.children)
-        check(bool(self.granularities) and min(self.granularities) >= 1, "sampling.probe.granularities",
-              "a non-empty list of strides >= 1", self.granularities)
+        check(
+            bool(self.granularities) and min(self.granularities) >= 1,
+            "sampling.probe.granularities",
+            "a non-empty list of strides >= 1",
+            self.granularities,
+        )
         check(self.adv_group in ("prompt", "seed"), "sampling.probe.adv_group", "prompt|seed", self.adv_group)
 
 
@@ -47,10 +52,18 @@ class ProbeShape(RolloutShape):
     @classmethod
     def check_config(cls, cfg) -> None:
         s = cfg.sampling
-        check(all(0 <= k < s.num_steps - 1 for k in s.probe.steps), "sampling.probe.steps",
-              f"steps in [0, {s.num_steps - 1})", s.probe.steps)
-        check(not s.tree.split_steps and s.window.size == 0, "sampling.shape",
-              "a probe shape without sampling.tree / sampling.window", s.shape)
+        check(
+            all(0 <= k < s.num_steps - 1 for k in s.probe.steps),
+            "sampling.probe.steps",
+            f"steps in [0, {s.num_steps - 1})",
+            s.probe.steps,
+        )
+        check(
+            not s.tree.split_steps and s.window.size == 0,
+            "sampling.shape",
+            "a probe shape without sampling.tree / sampling.window",
+            s.shape,
+        )
 
     def trunks(self) -> int:
         """Main paths per prompt."""
@@ -85,11 +98,22 @@ class ProbeShape(RolloutShape):
         steps = list(p.steps) or list(range(s.num_steps - 1))
         velocity = self.velocity(table)
         with self.policy.autocast():
-            pr = sample_probes(velocity, noise.to(self.device), table.rows(roots).to(self.device),
-                               roots.to(self.device), self.sigmas.to(self.device), self.trunk_plan(steps), steps,
-                               self.children(), s.kernel, s.noise_level, tuple(p.granularities),
-                               include_start=self.INCLUDE_START, generator=generator,
-                               ode_velocity_fn=self.ode_velocity(velocity))
+            pr = sample_probes(
+                velocity,
+                noise.to(self.device),
+                table.rows(roots).to(self.device),
+                roots.to(self.device),
+                self.sigmas.to(self.device),
+                self.trunk_plan(steps),
+                steps,
+                self.children(),
+                s.kernel,
+                s.noise_level,
+                tuple(p.granularities),
+                include_start=self.INCLUDE_START,
+                generator=generator,
+                ode_velocity_fn=self.ode_velocity(velocity),
+            )
         ro = pr.rollout
         return ProbeSamples(self.method.decode(pr.final), roots[pr.root.cpu()], self.nfe(ro), ro, table, pr)
 
@@ -101,8 +125,14 @@ class ProbeShape(RolloutShape):
         adv_p = self.process_advantages(pr, rewards.local.total, samples.image_prompt)
         adv = sum_by_node(adv_p, pr.node.cpu(), len(ro)).clamp(-clip, clip)
         keep = ro.trained.cpu() & (adv != 0)
-        return adv.to(self.device), keep.to(self.device), {"advantage/abs_mean": adv_p.abs().mean().item(),
-                                                           "advantage/zero_frac": (adv_p == 0).float().mean().item()}
+        return (
+            adv.to(self.device),
+            keep.to(self.device),
+            {
+                "advantage/abs_mean": adv_p.abs().mean().item(),
+                "advantage/zero_frac": (adv_p == 0).float().mean().item(),
+            },
+        )
 
 
 @register_shape("tempflow")
@@ -116,8 +146,9 @@ class TempFlowShape(ProbeShape):
     def process_advantages(self, probes, rewards, image_prompt):
         p = self.cfg.sampling.probe
         group = probes.root.cpu() if p.adv_group == "seed" else image_prompt
-        return process_advantages(rewards, group, probes.step.cpu(), probes.granularity.cpu(),
-                                  self.cfg.train.adv_clip_max)
+        return process_advantages(
+            rewards, group, probes.step.cpu(), probes.granularity.cpu(), self.cfg.train.adv_clip_max
+        )
 
 
 @register_shape("g2rpo")
@@ -132,8 +163,9 @@ class G2RPOShape(ProbeShape):
         return self.cfg.sampling.group_size
 
     def process_advantages(self, probes, rewards, image_prompt):
-        return process_advantages(rewards, image_prompt, probes.step.cpu(), probes.granularity.cpu(),
-                                  self.cfg.train.adv_clip_max)
+        return process_advantages(
+            rewards, image_prompt, probes.step.cpu(), probes.granularity.cpu(), self.cfg.train.adv_clip_max
+        )
 
 
 @register_shape("tp_grpo")
@@ -146,8 +178,12 @@ class TPGRPOShape(ProbeShape):
     @classmethod
     def check_config(cls, cfg) -> None:
         super().check_config(cfg)
-        check(len(cfg.sampling.probe.granularities) == 1, "sampling.probe.granularities",
-              "one stride for tp_grpo (one ODE completion per SDE step)", cfg.sampling.probe.granularities)
+        check(
+            len(cfg.sampling.probe.granularities) == 1,
+            "sampling.probe.granularities",
+            "one stride for tp_grpo (one ODE completion per SDE step)",
+            cfg.sampling.probe.granularities,
+        )
 
     def children(self) -> int:
         return 0
@@ -165,6 +201,7 @@ class TPGRPOShape(ProbeShape):
         later = step >= 0
         values = step_rewards[root[later], torch.tensor([probe_steps.index(k) - 1 for k in step[later].tolist()])]
         adv_p = torch.zeros_like(rewards, dtype=torch.float32)
-        adv_p[later] = process_advantages(values, image_prompt[later], step[later], torch.ones_like(step[later]),
-                                          self.cfg.train.adv_clip_max)
+        adv_p[later] = process_advantages(
+            values, image_prompt[later], step[later], torch.ones_like(step[later]), self.cfg.train.adv_clip_max
+        )
         return adv_p

@@ -24,22 +24,31 @@ class TreeConfig:
 
     split_steps: list[int] = setting(factory=list, help="steps where every node splits into `branch` children")
     branch: int = setting(2, "children per split; sampling.group_size must be branch ** len(split_steps)")
-    sde_steps: list[int] = setting(factory=list, help="BranchGRPO-Mix: SDE only here and at the splits, ODE elsewhere "
-                                                       "(empty: every step SDE)")
+    sde_steps: list[int] = setting(
+        factory=list, help="BranchGRPO-Mix: SDE only here and at the splits, ODE elsewhere (empty: every step SDE)"
+    )
     fusion: str = setting("mean", "leaf-reward fusion into inner nodes: mean | prob (softmax of the path log-prob)")
-    width_keep: int = setting(0, "width pruning: train only the chains of the best and worst `width_keep` leaves "
-                                 "(0 = off)")
+    width_keep: int = setting(
+        0, "width pruning: train only the chains of the best and worst `width_keep` leaves (0 = off)"
+    )
     depth_prune: list[int] = setting(factory=list, help="steps left out of the backward pass (depth pruning)")
-    flash_ratio: float = setting(0.0, "with sde_steps: > 0 re-spaces the steps after the last SDE step into this "
-                                      "fraction of them (DPM-Solver++(2M))")
+    flash_ratio: float = setting(
+        0.0,
+        "with sde_steps: > 0 re-spaces the steps after the last SDE step into this "
+        "fraction of them (DPM-Solver++(2M))",
+    )
 
     def __post_init__(self):
         check(self.branch >= 2, "sampling.tree.branch", ">= 2", self.branch)
         check(self.fusion in ("mean", "prob"), "sampling.tree.fusion", "mean|prob", self.fusion)
         check(self.width_keep >= 0, "sampling.tree.width_keep", ">= 0", self.width_keep)
         check(0 <= self.flash_ratio <= 1, "sampling.tree.flash_ratio", "in [0, 1]", self.flash_ratio)
-        check(len(set(self.split_steps)) == len(self.split_steps), "sampling.tree.split_steps", "distinct steps",
-              self.split_steps)
+        check(
+            len(set(self.split_steps)) == len(self.split_steps),
+            "sampling.tree.split_steps",
+            "distinct steps",
+            self.split_steps,
+        )
 
 
 @register_shape("tree")
@@ -50,28 +59,50 @@ class TreeShape(RolloutShape):
     @classmethod
     def check_config(cls, cfg) -> None:
         s, t = cfg.sampling, cfg.sampling.tree
-        check(bool(t.split_steps), "sampling.tree.split_steps", "a non-empty list of steps with sampling.shape 'tree'",
-              t.split_steps)
-        check(s.group_size == t.branch ** len(t.split_steps), "sampling.group_size",
-              f"branch ** len(split_steps) = {t.branch ** len(t.split_steps)} for a tree", s.group_size)
+        check(
+            bool(t.split_steps),
+            "sampling.tree.split_steps",
+            "a non-empty list of steps with sampling.shape 'tree'",
+            t.split_steps,
+        )
+        check(
+            s.group_size == t.branch ** len(t.split_steps),
+            "sampling.group_size",
+            f"branch ** len(split_steps) = {t.branch ** len(t.split_steps)} for a tree",
+            s.group_size,
+        )
         for key, steps in (("split_steps", t.split_steps), ("sde_steps", t.sde_steps), ("depth_prune", t.depth_prune)):
-            check(all(0 <= k < s.num_steps for k in steps), f"sampling.tree.{key}", f"steps in [0, {s.num_steps})",
-                  steps)
+            check(
+                all(0 <= k < s.num_steps for k in steps), f"sampling.tree.{key}", f"steps in [0, {s.num_steps})", steps
+            )
         check(s.window.size == 0, "sampling.window.size", "0 with a tree (use sampling.tree.sde_steps)", s.window.size)
         if t.flash_ratio > 0:  # the deterministic tail after the last SDE step is what gets re-spaced
             last = max(t.sde_steps + t.split_steps)
-            check(bool(t.sde_steps) and last < s.num_steps - 1, "sampling.tree.flash_ratio",
-                  "0 unless sampling.tree.sde_steps leaves deterministic steps after the last SDE step "
-                  + (f"(the last SDE step is {last}, the last step {s.num_steps - 1})" if t.sde_steps
-                     else "(sde_steps is empty: every step is SDE)"), t.flash_ratio)
+            check(
+                bool(t.sde_steps) and last < s.num_steps - 1,
+                "sampling.tree.flash_ratio",
+                "0 unless sampling.tree.sde_steps leaves deterministic steps after the last SDE step "
+                + (
+                    f"(the last SDE step is {last}, the last step {s.num_steps - 1})"
+                    if t.sde_steps
+                    else "(sde_steps is empty: every step is SDE)"
+                ),
+                t.flash_ratio,
+            )
 
     def __init__(self, method):
         super().__init__(method)
         s, t = self.cfg.sampling, self.cfg.sampling.tree
         self.plan_sigmas, self.plan = self.sigmas, self.sde_plan()
         if t.sde_steps:  # BranchGRPO-Mix, optionally with MixGRPO-Flash's DPM-Solver++ 2M tail
-            self.plan_sigmas, self.plan = mix_plan(self.sigmas, sorted(set(t.sde_steps) | set(t.split_steps)),
-                                                   s.kernel, s.noise_level, t.flash_ratio or None, s.shift)
+            self.plan_sigmas, self.plan = mix_plan(
+                self.sigmas,
+                sorted(set(t.sde_steps) | set(t.split_steps)),
+                s.kernel,
+                s.noise_level,
+                t.flash_ratio or None,
+                s.shift,
+            )
         self.branch = [t.branch if k in t.split_steps else 1 for k in range(self.plan.num_steps)]
         self.plan = self.only_trainable(self.plan_sigmas, self.plan)
 
@@ -84,8 +115,9 @@ class TreeShape(RolloutShape):
         ro = self.tree(velocity, table, noise, generator, self.ode_velocity(velocity))
         return SDESamples(self.method.decode(ro.final), ro.group.cpu(), self.nfe(ro), ro, table)
 
-    def tree(self, velocity, table, noise: torch.Tensor, generator: torch.Generator, ode_velocity=None,
-             batched: bool = True):
+    def tree(
+        self, velocity, table, noise: torch.Tensor, generator: torch.Generator, ode_velocity=None, batched: bool = True
+    ):
         """The tree (``self.plan`` on ``self.plan_sigmas``, split by ``self.branch``) from one root per prompt, under
         the rollout's autocast.
 
@@ -102,8 +134,18 @@ class TreeShape(RolloutShape):
         """
         roots = torch.arange(len(noise), device=self.device)
         with self.policy.autocast():
-            return sample_tree(velocity, noise, table.rows(roots), roots, self.plan_sigmas.to(self.device), self.plan,
-                               self.branch, generator=generator, batched=batched, ode_velocity_fn=ode_velocity)
+            return sample_tree(
+                velocity,
+                noise,
+                table.rows(roots),
+                roots,
+                self.plan_sigmas.to(self.device),
+                self.plan,
+                self.branch,
+                generator=generator,
+                batched=batched,
+                ode_velocity_fn=ode_velocity,
+            )
 
     def advantages(self, samples: SDESamples, rewards: Rewards):
         """Fused node rewards, depth-wise z-scores, then width and depth pruning of the backward pass. A tree is one
@@ -115,10 +157,17 @@ class TreeShape(RolloutShape):
         adv = depthwise_advantages(nodes, ro.group.cpu()[ro.leaf.cpu()], ro.step.cpu(), t.adv_clip_max)
         keep = ro.trained.cpu() & (adv != 0)
         if tree.width_keep:
-            keep &= width_prune(inc, leaf_rewards, ro.group.cpu(), ro.step.cpu(), max(tree.split_steps),
-                                tree.width_keep)
+            keep &= width_prune(
+                inc, leaf_rewards, ro.group.cpu(), ro.step.cpu(), max(tree.split_steps), tree.width_keep
+            )
         if tree.depth_prune:
             keep &= ~torch.isin(ro.step.cpu(), torch.tensor(tree.depth_prune))
         _, zero = group_advantages(leaf_rewards, ro.group.cpu(), t.adv_std, t.adv_clip_max)
-        return adv.to(self.device), keep.to(self.device), {"advantage/zero_variance_frac": zero.float().mean().item(),
-                                                           "advantage/abs_mean": adv[ro.trained.cpu()].abs().mean().item()}
+        return (
+            adv.to(self.device),
+            keep.to(self.device),
+            {
+                "advantage/zero_variance_frac": zero.float().mean().item(),
+                "advantage/abs_mean": adv[ro.trained.cpu()].abs().mean().item(),
+            },
+        )

@@ -169,7 +169,8 @@ class GenEval:
 
 
 @register_reward(
-    "geneval", modality="image",
+    "geneval",
+    modality="image",
     weights="none (tiny world); real images: Mask2Former COCO instance + openai/clip-vit-large-patch14",
 )
 def geneval(
@@ -220,9 +221,16 @@ def geneval(
         FileNotFoundError, OSError: as ``real.load_real_detector`` (missing or unloadable folders).
     """
     name = "geneval_strict" if strict else "geneval"
-    real_options = {"segmenter_path": segmenter_path, "clip_path": clip_path, "device": device, "dtype": dtype,
-                    "segmenter_size": segmenter_size, "max_objects": max_objects, "nms_threshold": nms_threshold,
-                    "batch_size": batch_size}
+    real_options = {
+        "segmenter_path": segmenter_path,
+        "clip_path": clip_path,
+        "device": device,
+        "dtype": dtype,
+        "segmenter_size": segmenter_size,
+        "max_objects": max_objects,
+        "nms_threshold": nms_threshold,
+        "batch_size": batch_size,
+    }
     if backend is None:
         backend = "real" if segmenter_path is not None or clip_path is not None else "tiny"
     if backend not in ("tiny", "real"):
@@ -239,15 +247,21 @@ def geneval(
     from .real import MAX_OBJECTS, load_real_detector
 
     detector = load_real_detector(
-        segmenter_path, clip_path, device or "cpu", dtype or "float32", segmenter_size,
-        MAX_OBJECTS if max_objects is None else max_objects, 1.0 if nms_threshold is None else nms_threshold,
+        segmenter_path,
+        clip_path,
+        device or "cpu",
+        dtype or "float32",
+        segmenter_size,
+        MAX_OBJECTS if max_objects is None else max_objects,
+        1.0 if nms_threshold is None else nms_threshold,
         batch_size,
     )
     return GenEval(strict=strict, name=name, detector=detector)
 
 
 @register_reward(
-    "geneval_strict", modality="image",
+    "geneval_strict",
+    modality="image",
     weights="none (tiny world); real images: Mask2Former COCO instance + openai/clip-vit-large-patch14",
 )
 def geneval_strict(**options: Any) -> GenEval:

@@ -49,8 +49,16 @@ MIN_AREA = 20
 """Smallest object, in pixels of a 64x64 image (scaled with the image area)."""
 
 FEATURES: tuple[str, ...] = (
-    "fill", "solidity", "centroid_offset", "log_aspect", "flip_iou", "corners",
-    "lobes_low", "lobes3", "lobes4", "lobes5",
+    "fill",
+    "solidity",
+    "centroid_offset",
+    "log_aspect",
+    "flip_iou",
+    "corners",
+    "lobes_low",
+    "lobes3",
+    "lobes4",
+    "lobes5",
 )
 PROTOTYPES: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     # shape: ((mean of FEATURES), (spread of FEATURES)), measured on flowrl.tiny renders: clean, blurred
@@ -198,7 +206,9 @@ def classify(features: np.ndarray, lenient: bool = False) -> tuple[str, float]:
     log_lik = -0.5 * d**2 - np.log(_SPREADS).sum(1)  # (S,) diagonal Gaussians, equal priors
     k = int(log_lik.argmax())
     posterior = 1.0 / np.exp(log_lik - log_lik[k]).sum()
-    reject_d, reject_dev = (LENIENT_REJECT_DISTANCE, LENIENT_REJECT_DEVIATION) if lenient else (REJECT_DISTANCE, REJECT_DEVIATION)
+    reject_d, reject_dev = (
+        (LENIENT_REJECT_DISTANCE, LENIENT_REJECT_DEVIATION) if lenient else (REJECT_DISTANCE, REJECT_DEVIATION)
+    )
     fit = _ramp(d[k], FIT_DISTANCE, reject_d) * _ramp(np.abs(z[k]).max(), FIT_DEVIATION, reject_dev)
     return list(PROTOTYPES)[k], float(posterior * fit)
 

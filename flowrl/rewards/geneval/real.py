@@ -65,15 +65,86 @@ __all__ = [
 ]
 
 CLASSES: tuple[str, ...] = (
-    "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",
-    "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse", "sheep", "cow",
-    "elephant", "bear", "zebra", "giraffe", "backpack", "umbrella", "handbag", "tie", "suitcase", "frisbee",
-    "skis", "snowboard", "sports ball", "kite", "baseball bat", "baseball glove", "skateboard", "surfboard",
-    "tennis racket", "bottle", "wine glass", "cup", "fork", "knife", "spoon", "bowl", "banana", "apple",
-    "sandwich", "orange", "broccoli", "carrot", "hot dog", "pizza", "donut", "cake", "chair", "couch",
-    "potted plant", "bed", "dining table", "toilet", "tv", "laptop", "computer mouse", "tv remote",
-    "computer keyboard", "cell phone", "microwave", "oven", "toaster", "sink", "refrigerator", "book",
-    "clock", "vase", "scissors", "teddy bear", "hair drier", "toothbrush",
+    "person",
+    "bicycle",
+    "car",
+    "motorcycle",
+    "airplane",
+    "bus",
+    "train",
+    "truck",
+    "boat",
+    "traffic light",
+    "fire hydrant",
+    "stop sign",
+    "parking meter",
+    "bench",
+    "bird",
+    "cat",
+    "dog",
+    "horse",
+    "sheep",
+    "cow",
+    "elephant",
+    "bear",
+    "zebra",
+    "giraffe",
+    "backpack",
+    "umbrella",
+    "handbag",
+    "tie",
+    "suitcase",
+    "frisbee",
+    "skis",
+    "snowboard",
+    "sports ball",
+    "kite",
+    "baseball bat",
+    "baseball glove",
+    "skateboard",
+    "surfboard",
+    "tennis racket",
+    "bottle",
+    "wine glass",
+    "cup",
+    "fork",
+    "knife",
+    "spoon",
+    "bowl",
+    "banana",
+    "apple",
+    "sandwich",
+    "orange",
+    "broccoli",
+    "carrot",
+    "hot dog",
+    "pizza",
+    "donut",
+    "cake",
+    "chair",
+    "couch",
+    "potted plant",
+    "bed",
+    "dining table",
+    "toilet",
+    "tv",
+    "laptop",
+    "computer mouse",
+    "tv remote",
+    "computer keyboard",
+    "cell phone",
+    "microwave",
+    "oven",
+    "toaster",
+    "sink",
+    "refrigerator",
+    "book",
+    "clock",
+    "vase",
+    "scissors",
+    "teddy bear",
+    "hair drier",
+    "toothbrush",
 )
 """GenEval's 80 object names (its ``object_names.txt``): COCO's thing classes in COCO order, three renamed."""
 
@@ -169,6 +240,7 @@ def box_iou(a: Sequence[float], b: Sequence[float]) -> float:
     Returns:
         Intersection over union in [0, 1] (0 when the union is empty).
     """
+
     def area(box: Sequence[float]) -> float:
         return max(box[2] - box[0] + 1, 0) * max(box[3] - box[1] + 1, 0)
 
@@ -277,9 +349,16 @@ class Mask2FormerSegmenter:
         ValueError: ``model.config.id2label`` names none of GenEval's ``CLASSES``.
     """
 
-    def __init__(self, model: torch.nn.Module, processor: Any, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | str = torch.float32, size: int | None = None, threshold: float = THRESHOLD,
-                 batch_size: int | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        processor: Any,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        size: int | None = None,
+        threshold: float = THRESHOLD,
+        batch_size: int | None = None,
+    ):
         self.device, self.dtype = torch.device(device), _as_dtype(dtype)
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         self.processor = processor
@@ -310,10 +389,17 @@ class Mask2FormerSegmenter:
             ``masks_queries_logits`` `(B, Q, h, w)`, float32, on CPU (``h, w``: the model input's over 4).
         """
         kwargs = {} if self.size is None else {"size": self.size}
-        inputs = self.processor(images=images.to(self.device), do_rescale=False, return_tensors="pt",
-                                input_data_format="channels_first", **kwargs)
-        out = self.model(pixel_values=inputs["pixel_values"].to(self.device, self.dtype),
-                         pixel_mask=inputs["pixel_mask"].to(self.device))
+        inputs = self.processor(
+            images=images.to(self.device),
+            do_rescale=False,
+            return_tensors="pt",
+            input_data_format="channels_first",
+            **kwargs,
+        )
+        out = self.model(
+            pixel_values=inputs["pixel_values"].to(self.device, self.dtype),
+            pixel_mask=inputs["pixel_mask"].to(self.device),
+        )
         # post-processing indexes CPU tensors with these, so it runs on CPU
         out.class_queries_logits = out.class_queries_logits.float().cpu()
         out.masks_queries_logits = out.masks_queries_logits.float().cpu()
@@ -372,9 +458,15 @@ class ColorClassifier:
         batch_size (`int`, *optional*): crops per forward; None: all at once.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, image_processor: Any,
-                 device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
-                 batch_size: int | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        image_processor: Any,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        batch_size: int | None = None,
+    ):
         self.device, self.dtype = torch.device(device), _as_dtype(dtype)
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         self.tokenizer, self.image_processor, self.batch_size = tokenizer, image_processor, batch_size
@@ -391,8 +483,9 @@ class ColorClassifier:
         """
         if object_name not in self._weights:
             texts = [t.format(color=c, object=object_name) for c in COLORS for t in COLOR_TEMPLATES]
-            tokens = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length,
-                                    return_tensors="pt").to(self.device)
+            tokens = self.tokenizer(
+                texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+            ).to(self.device)
             emb = _pooled(self.model.get_text_features(tokens["input_ids"], tokens["attention_mask"])).float()
             emb = F.normalize(emb, dim=-1).view(len(COLORS), len(COLOR_TEMPLATES), -1).mean(1)  # (K, D)
             self._weights[object_name] = F.normalize(emb, dim=-1)
@@ -411,8 +504,12 @@ class ColorClassifier:
         """
         rows = []
         for chunk in _chunks(len(crops), self.batch_size):
-            pixels = self.image_processor(images=[c.float().cpu() for c in crops[chunk]], do_rescale=False,
-                                          return_tensors="pt", input_data_format="channels_first")["pixel_values"]
+            pixels = self.image_processor(
+                images=[c.float().cpu() for c in crops[chunk]],
+                do_rescale=False,
+                return_tensors="pt",
+                input_data_format="channels_first",
+            )["pixel_values"]
             image = _pooled(self.model.get_image_features(pixel_values=pixels.to(self.device, self.dtype)))
             image = F.normalize(image.float(), dim=-1)  # (n, D)
             weights = torch.stack([self.text_weights(n) for n in object_names[chunk]])  # (n, K, D)
@@ -455,16 +552,18 @@ class RealDetector:
         if not is_integer(self.max_objects) or self.max_objects < 1:
             raise ValueError(f"geneval: max_objects must be an integer >= 1, got {self.max_objects!r}")
         if isinstance(self.nms_threshold, bool) or not 0 < float(self.nms_threshold) <= 1:
-            raise ValueError(f"geneval: nms_threshold must be a box IoU in (0, 1] (1 = no suppression), "
-                             f"got {self.nms_threshold!r}")
+            raise ValueError(
+                f"geneval: nms_threshold must be a box IoU in (0, 1] (1 = no suppression), got {self.nms_threshold!r}"
+            )
 
     @property
     def classes(self) -> tuple[str, ...]:
         """The GenEval object names the segmenter can detect."""
         return self.segmenter.classes
 
-    def finish(self, images: torch.Tensor, segments: Sequence[Sequence[Segment]],
-               metadata: Sequence[Mapping[str, Any]]) -> list[list[Detection]]:
+    def finish(
+        self, images: torch.Tensor, segments: Sequence[Sequence[Segment]], metadata: Sequence[Mapping[str, Any]]
+    ) -> list[list[Detection]]:
         """Select each image's segments as GenEval and set the colours its colour clauses read.
 
         Args:
@@ -475,8 +574,10 @@ class RealDetector:
         Returns:
             `B` lists of kept detections, ``color`` set on the first ``count`` of each colour clause's class.
         """
-        kept = [select_detections(s, m, max_objects=self.max_objects, nms_threshold=self.nms_threshold)
-                for s, m in zip(segments, metadata)]
+        kept = [
+            select_detections(s, m, max_objects=self.max_objects, nms_threshold=self.nms_threshold)
+            for s, m in zip(segments, metadata)
+        ]
         jobs = []  # (image index, index in kept, crop, object name)
         for b, (dets, meta) in enumerate(zip(kept, metadata)):
             for name, count in _color_needs(meta).items():
@@ -506,21 +607,28 @@ class RealDetector:
 def _config(path: str | os.PathLike | None, option: str, model_type: str, example: str) -> Path:
     """Check that ``path`` is a local folder holding a ``model_type`` checkpoint; one-line errors."""
     if path is None:
-        raise ValueError(f"geneval: the real-image backend needs {option}, a local {model_type} folder "
-                         f"such as {example}")
+        raise ValueError(
+            f"geneval: the real-image backend needs {option}, a local {model_type} folder such as {example}"
+        )
     folder = Path(path)
     if not folder.is_dir():
-        raise FileNotFoundError(f"geneval: {option} '{path}' is not a local folder; download it first "
-                                f"(`hf download {example} --local-dir <folder>`) and pass the folder")
+        raise FileNotFoundError(
+            f"geneval: {option} '{path}' is not a local folder; download it first "
+            f"(`hf download {example} --local-dir <folder>`) and pass the folder"
+        )
     config = folder / "config.json"
     try:
         found = json.loads(config.read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
-        raise FileNotFoundError(f"geneval: {option} '{path}' has no readable config.json; expected a {model_type} "
-                                f"checkpoint such as {example}") from None
+        raise FileNotFoundError(
+            f"geneval: {option} '{path}' has no readable config.json; expected a {model_type} "
+            f"checkpoint such as {example}"
+        ) from None
     if found != model_type:
-        raise ValueError(f"geneval: {option} '{path}' holds a {found!r} model, expected a {model_type!r} checkpoint "
-                         f"such as {example}")
+        raise ValueError(
+            f"geneval: {option} '{path}' holds a {found!r} model, expected a {model_type!r} checkpoint "
+            f"such as {example}"
+        )
     return folder
 
 
@@ -563,8 +671,7 @@ def load_real_detector(
         FileNotFoundError: a path is not a local folder or has no readable ``config.json``.
         OSError: the weights, tokenizer or image processor cannot be loaded (the option is named).
     """
-    from transformers import (AutoImageProcessor, AutoTokenizer, CLIPModel,
-                              Mask2FormerForUniversalSegmentation)
+    from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel, Mask2FormerForUniversalSegmentation
 
     if segmenter_size is not None and (not is_integer(segmenter_size) or segmenter_size < 32):
         raise ValueError(f"geneval: segmenter_size must be an integer >= 32 or null, got {segmenter_size!r}")

@@ -7,10 +7,9 @@ are checked on the first ``count`` detections of a class. The rules are those of
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
-
-import math
 
 from ..base import is_integer
 from .world import RELATIONS
@@ -78,10 +77,17 @@ def _check_clause(kind: str, i: int, clause: Any, metadata: dict) -> None:
         raise ValueError(f"{where}: 'count' must be an integer >= 1, got {count!r}")
     if "position" in clause:
         position = clause["position"]
-        if not (isinstance(position, (list, tuple)) and len(position) == 2 and position[0] in RELATIONS
-                and is_integer(position[1]) and 0 <= position[1] < i):
-            raise ValueError(f"{where}: 'position' must be [relation, index] with relation in {RELATIONS} and an "
-                             f"earlier clause's index in [0, {i}), got {position!r}")
+        if not (
+            isinstance(position, (list, tuple))
+            and len(position) == 2
+            and position[0] in RELATIONS
+            and is_integer(position[1])
+            and 0 <= position[1] < i
+        ):
+            raise ValueError(
+                f"{where}: 'position' must be [relation, index] with relation in {RELATIONS} and an "
+                f"earlier clause's index in [0, {i}), got {position!r}"
+            )
 
 
 def check_metadata(metadata: dict) -> None:
@@ -98,7 +104,9 @@ def check_metadata(metadata: dict) -> None:
     """
     include, exclude = metadata.get("include", []), metadata.get("exclude", [])
     if not include:
-        raise ValueError(f"metadata of {metadata.get('prompt', metadata)!r} has an empty 'include'; GenEval needs one clause")
+        raise ValueError(
+            f"metadata of {metadata.get('prompt', metadata)!r} has an empty 'include'; GenEval needs one clause"
+        )
     for kind, clauses in (("include", include), ("exclude", exclude)):
         for i, clause in enumerate(clauses):
             _check_clause(kind, i if kind == "include" else len(include), clause, metadata)

@@ -360,6 +360,57 @@ def aggregate_advantages(
     return total.clamp(-clip, clip), zero
 
 
+def gdpo_advantages(
+    per_reward: dict[str, torch.Tensor],
+    weights: dict[str, float],
+    group: torch.Tensor,
+    clip: float = 5.0,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO's multi-reward normalisation (Flow-Factory's ``advantage_aggregation: gdpo``,
+    ``flow_factory/advantage/advantage_processor.py`` ``compute_gdpo``): each reward z-scored within its group,
+    ``n_k = (r_k - mean_g r_k) / max(std_g r_k, eps)``; their weighted sum ``c = sum_k w_k n_k``; then ``c``
+    normalised over the whole batch, ``A = (c - mean c) / max(std c, eps)``, and clipped to ``+-clip``. A reward
+    with no variance in a group contributes 0 there (its numerator is 0), so one constant reward does not silence the
+    others, and the batch normalisation gives every aggregate the same scale whatever the number of rewards.
+
+    Args:
+        per_reward (`dict[str, torch.Tensor]`): name -> `(B,)` raw scores, finite.
+        weights (`dict[str, float]`): name -> weight.
+        group (`torch.Tensor` of shape `(B,)`, long): group ids.
+        clip (`float > 0`): the advantages' bound. eps (`float > 0`): the smallest std divided by.
+
+    Returns:
+        ``(advantages (B,) float32, zero_variance (B,) bool)``: zero-variance where every reward is constant in
+        the group (their advantage is the batch's offset, not a signal: they leave the loss as elsewhere).
+
+    Raises:
+        ValueError: if `per_reward` is empty, names a reward without a weight, or a tensor's shape is not `(B,)`.
+    """
+    if not per_reward:
+        raise ValueError("gdpo aggregation needs at least one reward in per_reward")
+    missing = sorted(set(per_reward) - set(weights))
+    if missing:
+        raise ValueError(f"gdpo aggregation: no weight for reward(s) {missing}; weights has {sorted(weights)}")
+    ids = torch.unique(group, return_inverse=True)[1]  # (B,) groups numbered 0..n-1
+    total = torch.zeros(len(group), dtype=torch.float64)
+    zero = torch.ones(len(group), dtype=torch.bool)
+    for name, scores in per_reward.items():
+        r = scores.double()
+        if r.shape != group.shape:
+            raise ValueError(
+                f"gdpo aggregation: reward {name!r} has shape {tuple(r.shape)}, groups {tuple(group.shape)}"
+            )
+        count = torch.zeros(int(ids.max()) + 1, dtype=torch.float64).index_add_(0, ids, torch.ones_like(r))
+        mean = torch.zeros_like(count).index_add_(0, ids, r) / count  # (n,)
+        var = torch.zeros_like(count).index_add_(0, ids, (r - mean[ids]) ** 2) / count  # population variance
+        std = var.sqrt()
+        total += weights[name] * (r - mean[ids]) / std[ids].clamp(min=eps)
+        zero &= std[ids] == 0
+    adv = (total - total.mean()) / total.std(unbiased=False).clamp(min=eps)
+    return adv.clamp(-clip, clip).float(), zero
+
+
 def best_of_n(rewards: torch.Tensor, group: torch.Tensor, keep: int) -> torch.Tensor:
     """Best-of-N selection (DanceGRPO, arXiv 2505.07818, Sec. 3.4 on video): in each group keep only the
     ``keep // 2`` highest- and ``keep - keep // 2`` lowest-reward samples for the backward pass.

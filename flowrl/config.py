@@ -19,7 +19,18 @@ from omegaconf.errors import OmegaConfBaseException
 from .fields import ConfigError, config_key, setting
 from .fields import check as _check
 from .fields import precision_value as _precision
-from .methods import METHODS, SHAPES, NFTConfig
+from .methods import (
+    METHODS,
+    SHAPES,
+    AWMConfig,
+    CRDConfig,
+    DGPOConfig,
+    DPOConfig,
+    FlowDPPOConfig,
+    GARDOConfig,
+    NFTConfig,
+    OfflineConfig,
+)
 from .methods.shapes import ProbeConfig, TreeConfig, WindowConfig
 from .precision import PRECISIONS
 from .samplers import STOCHASTIC_KERNELS, UNIT_ETA_KERNELS
@@ -223,10 +234,19 @@ class TrainConfig:
 
     method: str = setting(
         "grpo",
-        "the method (flowrl.methods.METHODS): grpo (SDE rollouts, PPO on log-prob ratios) "
-        "| nft (ODE samples, DiffusionNFT loss)",
+        "the method (flowrl.methods.METHODS): grpo (SDE rollouts, PPO on log-prob ratios) | flow_dppo | gardo "
+        "| nft (ODE samples, DiffusionNFT loss) | awm | dgpo | dpo | crd | offline: dpo_offline | sft",
     )
     nft: NFTConfig = setting(factory=NFTConfig, help="DiffusionNFT's settings (train.method nft)")
+    flow_dppo: FlowDPPOConfig = setting(factory=FlowDPPOConfig, help="Flow-DPPO's settings (train.method flow_dppo)")
+    dpo: DPOConfig = setting(factory=DPOConfig, help="online Diffusion-DPO's settings (train.method dpo)")
+    dgpo: DGPOConfig = setting(factory=DGPOConfig, help="DGPO's settings (train.method dgpo)")
+    awm: AWMConfig = setting(factory=AWMConfig, help="AWM's settings (train.method awm)")
+    crd: CRDConfig = setting(factory=CRDConfig, help="CRD's settings (train.method crd)")
+    gardo: GARDOConfig = setting(factory=GARDOConfig, help="GARDO's settings (train.method gardo)")
+    offline: OfflineConfig = setting(
+        factory=OfflineConfig, help="the data set of the offline methods (train.method dpo_offline, sft)"
+    )
     learning_rate: float = setting(3e-4, "AdamW learning rate")
     adam_betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas")
     weight_decay: float = setting(1e-4, "AdamW weight decay")
@@ -255,7 +275,9 @@ class TrainConfig:
         "|dt|) | velocity (squared velocity difference)",
     )
     reward_aggregation: str = setting(
-        "reward", "several rewards: z-score their weighted sum (reward) | sum their z-scores (advantage)"
+        "reward",
+        "several rewards: z-score their weighted sum (reward) | sum their z-scores (advantage, MixGRPO) | z-score each "
+        "in its group, sum, normalise over the batch (gdpo, Flow-Factory's GDPO)",
     )
     best_of_n: int = setting(0, "train only the best and worst best_of_n / 2 samples of each group (0 = all)")
     step_grad_norms: str = setting(
@@ -293,9 +315,9 @@ class TrainConfig:
             self.step_weighting,
         )
         _check(
-            self.reward_aggregation in ("reward", "advantage"),
+            self.reward_aggregation in ("reward", "advantage", "gdpo"),
             "train.reward_aggregation",
-            "reward|advantage",
+            "reward|advantage|gdpo",
             self.reward_aggregation,
         )
         _check(self.best_of_n == 0 or self.best_of_n >= 2, "train.best_of_n", "0 or >= 2", self.best_of_n)

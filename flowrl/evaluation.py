@@ -22,22 +22,25 @@ def machine() -> str:
     """One line naming the hardware and torch build a measurement ran on, recorded in result files
     (read once per process: every evaluation of a run records the same line).
 
-    E.g. ``"AMD EPYC (native bf16), 2 CPU cores, no GPU, torch 2.15.0+cu132"``. The CPU model comes from
-    ``/proc/cpuinfo`` where it exists (Linux), else from :mod:`platform`. "native bf16" marks a CPU whose
-    flags include AVX-512 BF16, AMX BF16 or Arm's BF16: bf16 autocast results (e.g. an evaluation's accuracy) can
-    differ by a few images between CPUs with and without it, so they are compared on one machine.
+    E.g. ``"AMD EPYC (AVX512, native bf16), 2 CPU cores, no GPU, torch 2.15.0+cu132"``. The CPU model comes from
+    ``/proc/cpuinfo`` where it exists (Linux), else from :mod:`platform`; the instruction set is the one torch
+    dispatches to (``torch.backends.cpu.get_cpu_capability()``) and "native bf16" is oneDNN's answer
+    (:func:`flowrl.precision.native_bf16`), both as this process sees them (``ATEN_CPU_CAPABILITY`` and
+    ``ONEDNN_MAX_CPU_ISA`` lower them: docs/reliability.md). float32 and bf16 results can differ in the last bits
+    between such CPUs, so they are compared on one machine.
     """
-    cpu, flags = "", set()
+    from .precision import native_bf16
+
+    cpu = ""
     info = Path("/proc/cpuinfo")
     for line in info.read_text(errors="replace").splitlines() if info.exists() else []:
         key, _, value = (part.strip() for part in line.partition(":"))
-        if key == "model name" and not cpu:
+        if key == "model name":
             cpu = value
-        elif key in ("flags", "Features"):
-            flags.update(value.split())
+            break
     cpu = cpu or platform.processor() or platform.machine()
-    if flags & {"avx512_bf16", "amx_bf16", "bf16"}:
-        cpu += " (native bf16)"
+    bf16 = "native bf16" if native_bf16("cpu") else "no native bf16"
+    cpu += f" ({torch.backends.cpu.get_cpu_capability()}, {bf16})"
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return f"{cpu}, {os.cpu_count()} CPU cores, {gpu}, torch {torch.__version__}"
 

@@ -264,3 +264,65 @@ def nft_loss(
     positive = weighted(beta * v + (1 - beta) * v_old)
     negative = weighted((1 + beta) * v_old - beta * v)
     return (adv_max / beta * (r * positive + (1 - r) * negative)).mean()
+
+
+def dppo_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mean: torch.Tensor,
+    old_mean: torch.Tensor,
+    std: torch.Tensor,
+    kl_threshold: float,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Flow-DPPO's masked policy-gradient loss (arXiv 2606.11025; Tencent-Hunyuan/UniRL ``unirl/algorithms/flowdppo.py``):
+    Flow-GRPO's objective with the ratio clip replaced by a trust-region mask on each transition::
+
+        kl = mean_d (mean - old_mean)^2 / (2 std^2)                     (the Gaussian steps' KL, mean over dims)
+        drop = kl >= kl_threshold and ((r > 1 and A > 0) or (r < 1 and A < 0))
+        loss = mean over all M transitions of (0 where drop, else -A r)
+
+    A transition that moved far (in KL) in the direction its advantage pushes it stops contributing (value and
+    gradient); one moving back (A > 0 with r < 1) or within the threshold always contributes. The ratio itself is not
+    clipped, and dropped transitions still count in the mean's denominator, as the official code.
+
+    Args:
+        log_prob, old_log_prob, advantages: ``(M,)`` float32, as :func:`ppo_loss` (log-probs mean over dims).
+        mean (`torch.Tensor` of shape `(M, ...)`): the current policy's step means (with gradient); old_mean the
+            rollout's, std `(M,)` the step stds.
+        kl_threshold (`float > 0`): the mask's KL bound (1e-5 in the official recipe).
+        weights: optional ``(M,)`` per-transition weights.
+
+    Returns:
+        ``(loss, stats)``: ``policy/ratio_mean``, ``policy/ratio_max_dev``, ``policy/maskfrac`` (the dropped
+        fraction), ``policy/kl_step_mean`` and ``policy/approx_kl``.
+
+    Raises:
+        ValueError: for shapes that do not match ``(M,)`` (a mean's first dimension included) or a threshold <= 0.
+    """
+    if log_prob.dim() != 1:
+        raise ValueError(f"log_prob must have shape (M,); got {tuple(log_prob.shape)}")
+    _check_per_row(len(log_prob), old_log_prob=old_log_prob, advantages=advantages, weights=weights, std=std)
+    if mean.shape != old_mean.shape or mean.shape[0] != len(log_prob):
+        raise ValueError(
+            f"mean {tuple(mean.shape)} and old_mean {tuple(old_mean.shape)} must be (M, ...), M = {len(log_prob)}"
+        )
+    if not kl_threshold > 0:
+        raise ValueError(f"kl_threshold must be > 0, got {kl_threshold}")
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    var = std.float().reshape(-1, *([1] * (mean.dim() - 1))) ** 2  # (M, 1, ...)
+    kl = ((mean.float() - old_mean.float()) ** 2 / (2 * var)).flatten(1).mean(dim=1)  # (M,)
+    with torch.no_grad():
+        drop = (kl >= kl_threshold) & (((ratio > 1) & (advantages > 0)) | ((ratio < 1) & (advantages < 0)))
+    per = torch.where(drop, torch.zeros_like(ratio), -advantages * ratio)  # (M,)
+    loss = (per if weights is None else per * weights).mean()
+    stats = {
+        "policy/ratio_mean": ratio.detach().mean(),
+        "policy/ratio_max_dev": (ratio.detach() - 1).abs().max(),
+        "policy/maskfrac": drop.float().mean(),
+        "policy/kl_step_mean": kl.detach().mean(),
+        "policy/approx_kl": (log_ratio.detach() ** 2).mean() / 2,
+    }
+    return loss, stats

@@ -245,9 +245,13 @@ class Policy:
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     # ------------------------------------------------------------------------------ minibatches
-    def minibatches(self, count: int, generator: torch.Generator) -> Iterator[tuple[int, int, torch.Tensor, int]]:
+    def minibatches(
+        self, count: int, generator: torch.Generator, unit: int = 1
+    ) -> Iterator[tuple[int, int, torch.Tensor, int]]:
         """The optimizer steps of ``train.inner_epochs`` passes over this process's `count` rows, each pass in a
-        random order drawn from `generator`.
+        random order drawn from `generator`. With ``unit > 1`` the `count` items are units of `unit` rows each that
+        stay together (CRD's groups): a minibatch holds ``max(1, train.minibatch_size // unit)`` of them, and the
+        indices and ``total_rows`` count units.
 
         Yields:
             ``(epoch, j, mb, total_rows)``: the pass, the step within it, this process's row indices of the
@@ -255,7 +259,7 @@ class Policy:
             the minibatch's size summed over all processes. Every process gets the same steps
             (:func:`minibatch_sizes`), so it must take each one, empty or not.
         """
-        size, micro = self.cfg.minibatch_size, self.cfg.micro_batch_size
+        size, micro = max(1, self.cfg.minibatch_size // unit), self._micro(unit)
         counts = torch.tensor([count])
         if self.accelerator.num_processes > 1:
             counts = self.accelerator.gather(counts.to(self.device)).cpu()
@@ -268,15 +272,21 @@ class Policy:
                 self._backwards = 0
                 yield epoch, j, order[j * size : (j + 1) * size], sizes[:, j].sum().item()
 
-    def micro_batches(self, mb: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, float]]:
+    def _micro(self, unit: int) -> int:
+        """Items per micro-batch for items of `unit` rows (0: no micro-batches)."""
+        micro = self.cfg.micro_batch_size
+        return max(1, micro // unit) if micro else 0
+
+    def micro_batches(self, mb: torch.Tensor, unit: int = 1) -> Iterator[tuple[int, torch.Tensor, float]]:
         """`mb` in chunks of ``train.micro_batch_size`` rows (one chunk when 0), for gradient accumulation: the
         consumer's forward and backward of every chunk but the last run under ``accelerator.no_sync`` (the
-        gradients are summed over processes once per minibatch, in the last chunk's backward).
+        gradients are summed over processes once per minibatch, in the last chunk's backward). With ``unit > 1``,
+        `mb` indexes units of `unit` rows (:meth:`minibatches`): a chunk holds ``max(1, micro_batch_size // unit)``.
 
         Yields:
             ``(start, idx, frac)``: the chunk's offset in `mb`, its row indices and its fraction of `mb`.
         """
-        micro = self.cfg.micro_batch_size or len(mb)
+        micro = self._micro(unit) or len(mb)
         for start in range(0, len(mb), micro):
             idx = mb[start : start + micro]
             last = start + micro >= len(mb)

@@ -276,7 +276,8 @@ class Trainer:
                 )
             self.run.log(metrics)
             self.trackers.log(metrics, it + 1)
-            bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}")
+            if "reward/total/mean" in metrics:  # offline methods score no rollouts
+                bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}")
             if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations:
                 self._save(it + 1, time.time() - t_start)
         if acc.is_main_process:
@@ -317,6 +318,8 @@ class Trainer:
         """
         method = self.method
         gen = self._generator(it)
+        if not method.online:
+            return self.offline_step(it, gen)
         metas = self.sample_prompts(it)
         t0 = time.time()
         samples = method.rollout(metas, gen)
@@ -347,6 +350,18 @@ class Trainer:
         metrics.update(
             {**adv_stats, "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2, **stats}
         )
+        metrics["cost/nfe"] = samples.nfe + stats.get("cost/nfe", 0)
+        metrics.update(self._peak_memory())
+        return metrics
+
+    def offline_step(self, it: int, gen: torch.Generator) -> dict[str, float]:
+        """One iteration of an offline method (``dpo_offline``, ``sft``): its rows of the data set and its update, no
+        rollouts and no rewards. Returns ``iteration``, ``time/train_s``, ``cost/nfe``, ``memory/*`` and ``policy/*``."""
+        t0 = time.time()
+        samples = self.method.rollout([], gen)
+        stats = self.method.update(samples, None, None, gen)
+        self.method.end_iteration(stats)
+        metrics = {"iteration": it + 1, "time/train_s": time.time() - t0, **stats}
         metrics["cost/nfe"] = samples.nfe + stats.get("cost/nfe", 0)
         metrics.update(self._peak_memory())
         return metrics

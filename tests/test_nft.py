@@ -53,7 +53,7 @@ def test_optimality_weights_map_the_clipped_advantage_to_zero_one():
         ("train.nft.old_decay", 1.0),
         ("train.nft.timesteps", 0),
         ("train.nft.min_time", 1.0),
-        ("train.method", "dpo"),
+        ("train.method", "ppo"),
     ],
 )
 def test_nft_refuses_what_it_cannot_use(key, value):

@@ -8,6 +8,7 @@ import pytest
 from conftest import shape_overrides, tiny_overrides
 
 from flowrl.config import ConfigError, load_config
+from flowrl.methods import GRPO, METHODS
 from flowrl.trainer import Trainer
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
@@ -52,8 +53,9 @@ def test_preset_runs(path, tmp_path, random_pipeline, prompt_files):
     ).train()
     assert result["after"]["n_images"] > 0
     metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    if load_config(path).train.method == "nft":  # no log-probs, no ratio, no per-step diagnostics
+    if not issubclass(METHODS[load_config(path).train.method], GRPO):  # forward-process and offline methods
         assert all(m["cost/trained_transitions"] > 0 and m["policy/optimizer_steps"] > 0 for m in metrics)
+        assert all(m.get("policy/ratio_first_max_dev", 0.0) == 0.0 for m in metrics)  # AWM's ratio
         return
     assert all(m["cost/trained_transitions"] > 0 and m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)
     if path.stem == "pref_grpo":  # the Bradley-Terry judge scores each image once

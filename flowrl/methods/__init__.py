@@ -2,19 +2,44 @@
 
 :data:`METHODS` maps ``train.method`` to its class, each registered in its own file with :func:`register_method`:
 ``grpo`` (:class:`GRPO`: SDE rollouts of any shape in :mod:`flowrl.methods.shapes`, PPO on log-prob ratios) and
-``nft`` (:class:`DiffusionNFT`: ODE samples and the negative-aware flow-matching loss). A new method is a new file
+``flow_dppo`` (:class:`FlowDPPO`: GRPO with a trust-region mask for the clip), and the forward-process methods
+(:mod:`flowrl.methods.forward`) ``nft`` (:class:`DiffusionNFT`), ``awm`` (:class:`AWM`), ``dgpo`` (:class:`DGPO`) and
+``dpo`` (:class:`DiffusionDPO`, online), ``crd`` (:class:`CRD`); ``gardo`` (:class:`GARDO`: GRPO with a gated,
+resetting KL); the offline ``dpo_offline`` (:class:`OfflineDPO`) and ``sft`` (:class:`SFT`) on a data set. A new method is a new file
 with a :class:`Method` subclass and its settings, imported here (docs/methods.md "Adding a method").
 """
 
 from __future__ import annotations
 
+from .awm import AWM, AWMConfig
 from .base import METHODS, FinalSamples, Method, ProbeSamples, Rewards, Samples, SDESamples, register_method
+from .crd import CRD, CRDConfig
+from .dgpo import DGPO, DGPOConfig
+from .dpo import DiffusionDPO, DPOConfig
+from .flow_dppo import FlowDPPO, FlowDPPOConfig
+from .gardo import GARDO, GARDOConfig
 from .grpo import GRPO
 from .nft import DiffusionNFT, NFTConfig
+from .offline import SFT, OfflineConfig, OfflineDPO
 from .shapes import SHAPES, RolloutShape, register_shape
 
 __all__ = [
     "METHODS",
+    "AWM",
+    "AWMConfig",
+    "CRD",
+    "CRDConfig",
+    "DGPO",
+    "DGPOConfig",
+    "DPOConfig",
+    "DiffusionDPO",
+    "FlowDPPO",
+    "FlowDPPOConfig",
+    "GARDO",
+    "GARDOConfig",
+    "OfflineConfig",
+    "OfflineDPO",
+    "SFT",
     "SHAPES",
     "DiffusionNFT",
     "FinalSamples",

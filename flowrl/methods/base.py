@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..advantages import aggregate_advantages, best_of_n, group_advantages
+from ..advantages import aggregate_advantages, best_of_n, gdpo_advantages, group_advantages
 
 METHODS: dict[str, type[Method]] = {}
 """``train.method`` -> the method class (:func:`register_method`)."""
@@ -138,6 +138,7 @@ class Method:
     """
 
     name = ""
+    online = True  # False: an offline method (its rollout reads a data set; the loop scores nothing)
 
     def __init__(self, cfg, model, policy, rewards):
         self.cfg, self.model, self.policy, self.rewards = cfg, model, policy, rewards
@@ -219,7 +220,10 @@ class Method:
         rank = (
             rewards.total
         )  # best-of-n ranks by the unclipped advantage, as DanceGRPO; within a group the total orders alike
-        if t.reward_aggregation == "advantage" and len(rewards.per_reward) > 1:
+        if t.reward_aggregation == "gdpo":
+            weights = {k: w for k, (_, w) in self.rewards.rewards.items()}
+            adv, zero = gdpo_advantages(rewards.per_reward, weights, group, t.adv_clip_max)
+        elif t.reward_aggregation == "advantage" and len(rewards.per_reward) > 1:
             weights = {k: w for k, (_, w) in self.rewards.rewards.items()}
             adv, zero = aggregate_advantages(rewards.per_reward, weights, group, t.adv_std, t.adv_clip_max)
             if t.best_of_n:  # sum_k w_k z_k may order a group unlike the total reward

@@ -97,15 +97,15 @@ class GRPO(Method):
             before the first optimizer step: 0 when the recomputation is exact), per-step ``diag/step_KK/*``
             and ``cost/trained_transitions``.
         """
-        t, policy = self.cfg.train, self.policy
+        train, policy = self.cfg.train, self.policy
         rows = keep.nonzero().squeeze(1)
         tv = ro.select(rows)
         adv = adv_all[rows]  # (M',)
         stats: dict[str, list[float]] = defaultdict(list)
-        diagnostics = StepDiagnostics(t.step_grad_norms, t.clip_range)  # filled in the first epoch
+        diagnostics = StepDiagnostics(train.step_grad_norms, train.clip_range)  # filled in the first epoch
         # step weights normalised over the plan's trained steps (the same on every process), then kept rows
-        gain = velocity_gain(ro) if t.step_weighting == "guard" else ro.std
-        step_w = step_weights(t.step_weighting, gain, ro.std, ro.step, ro.trained) if len(rows) else None  # (M,)
+        gain = velocity_gain(ro) if train.step_weighting == "guard" else ro.std
+        step_w = step_weights(train.step_weighting, gain, ro.std, ro.step, ro.trained) if len(rows) else None  # (M,)
         step_w = None if step_w is None else step_w[rows]  # (M',)
         velocity = self.model.velocity_fn(table, self.cfg.sampling.guidance_scale)  # CFG against table row 0
         optimizer_steps = 0
@@ -141,7 +141,7 @@ class GRPO(Method):
         out = {k: sum(v) / len(v) for k, v in stats.items()}
         out["policy/optimizer_steps"] = optimizer_steps
         out.update(diagnostics.metrics())
-        out["cost/trained_transitions"] = len(tv) * t.inner_epochs
+        out["cost/trained_transitions"] = len(tv) * train.inner_epochs
         return out
 
     def micro_batch_loss(
@@ -166,16 +166,16 @@ class GRPO(Method):
         Returns:
             This micro-batch's ``policy/kl`` (with ``train.kl_beta``), ``policy/loss`` and :func:`losses.ppo_loss`'s statistics.
         """
-        t = self.cfg.train
+        train = self.cfg.train
         v, log_prob, mean = self.policy_log_prob(velocity, sub)
         track_v = diag is not None and diag.track_velocity(v)
-        loss, st = ppo_loss(log_prob, sub.log_prob, adv, t.clip_range, weights)
+        loss, st = self.policy_loss(log_prob, mean, sub, adv, weights)
         out = {}
         if diag is not None:
             diag.record(sub, log_prob, first, lambda: self.param_grad_norms(sub, log_prob, adv, weights))
-        if t.kl_beta > 0:
+        if train.kl_beta > 0:
             kl = self.kl_to_reference(velocity, sub, v, mean)
-            loss = loss + t.kl_beta * kl
+            loss = loss + train.kl_beta * kl
             out["policy/kl"] = kl.item()
         self.policy.backward(loss, scale)
         if track_v:
@@ -183,6 +183,13 @@ class GRPO(Method):
         out["policy/loss"] = loss.item()
         out.update({k: x.item() for k, x in st.items()})
         return out
+
+    def policy_loss(
+        self, log_prob: torch.Tensor, mean: torch.Tensor, sub, adv: torch.Tensor, weights: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The policy-gradient loss of transitions `sub` from their recomputed log-probs `(m,)` and step means: Flow-GRPO's
+        clipped surrogate (:func:`losses.ppo_loss` at ``train.clip_range``); a variant (Flow-DPPO) overrides this."""
+        return ppo_loss(log_prob, sub.log_prob, adv, self.cfg.train.clip_range, weights)
 
     def policy_log_prob(self, velocity, sub) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The current policy's velocity `(M, C, H, W)` (under ``run.mixed_precision``) at transitions `sub`,
@@ -215,13 +222,13 @@ class GRPO(Method):
     ) -> dict[int, list[torch.Tensor]]:
         """Norm of the gradient of each denoising step's mean PPO loss w.r.t. the trained parameters, on the
         first (micro-)batch of an iteration (``train.step_grad_norms: params``; one extra backward per step present)."""
-        t = self.cfg.train
+        train = self.cfg.train
         params = [p for p in self.policy.params.values() if p.requires_grad]
         out = {}
         for k in sub.step.unique().tolist():
             m = sub.step == k
             loss_k, _ = ppo_loss(
-                log_prob[m], sub.log_prob[m], adv[m], t.clip_range, None if weights is None else weights[m]
+                log_prob[m], sub.log_prob[m], adv[m], train.clip_range, None if weights is None else weights[m]
             )
             grads = torch.autograd.grad(loss_k, params, retain_graph=True, allow_unused=True)
             sq = sum(g.float().pow(2).sum() for g in grads if g is not None)

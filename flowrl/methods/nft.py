@@ -14,8 +14,8 @@ import torch
 
 from ..fields import check, setting
 from ..losses import nft_loss, optimality_weights
-from ..samplers import ode_sample
-from .base import FinalSamples, Method, Rewards, register_method
+from .base import FinalSamples, Rewards, register_method
+from .forward import ForwardProcess
 
 
 @dataclass
@@ -63,7 +63,7 @@ class NFTConfig:
 
 
 @register_method("nft")
-class DiffusionNFT(Method):
+class DiffusionNFT(ForwardProcess):
     """``train.method: nft`` (arXiv 2509.16117, Algorithm 1): sample, score, train on the forward process.
 
     ``sampling.group_size`` deterministic samples (``sampling.num_steps`` steps of Euler, or of DPM-Solver++ 2M
@@ -111,30 +111,15 @@ class DiffusionNFT(Method):
         return self.old_policy
 
     # ------------------------------------------------------------------------------ the contract
-    def rollout(self, metas: list[dict], generator: torch.Generator) -> FinalSamples:
-        """``G`` ODE samples per prompt by the old policy: their final latents and prompt-table rows."""
-        cfg, model = self.cfg, self.model
-        table = model.prompt_table(metas)
-        prompt_index = torch.arange(len(metas), device=self.device).repeat_interleave(cfg.sampling.group_size)  # (B,)
-        cond = table.rows(prompt_index)  # (B,)
-        noise = torch.randn((len(cond), *model.latent_shape), generator=generator).to(self.device)
-        velocity = model.velocity_fn(table, cfg.sampling.guidance_scale)  # guided, against the empty prompt
-        kernel = "ode" if cfg.train.nft.solver == "euler" else cfg.train.nft.solver
-        with torch.no_grad(), self.policy.holding(self.old_policy), self.policy.autocast():
-            x0 = ode_sample(self.chunked(velocity), noise, cond, self.sigmas.to(self.device), kernel)
-        nfe = len(cond) * cfg.sampling.num_steps * model.cfg_rows(cfg.sampling.guidance_scale)
-        return FinalSamples(self.decode(x0), prompt_index.cpu(), nfe, x0, cond, table)
+    def solver(self) -> str:
+        """Euler, or ``train.nft.solver``'s DPM-Solver++ 2M (the published code's)."""
+        return "ode" if self.cfg.train.nft.solver == "euler" else self.cfg.train.nft.solver
 
     def advantages(self, samples: FinalSamples, rewards: Rewards, generator: torch.Generator):
-        """Group z-scores over every process's images; this process's share, ``(adv (B,), keep (B,) bool, stats)``
-        (every image kept with ``train.nft.keep_flat_groups``)."""
-        adv, zero, stats = self.group_advantages(rewards)
-        adv, keep = adv[rewards.mine], ~zero[rewards.mine]
-        if (
-            self.cfg.train.nft.keep_flat_groups
-        ):  # a flat group's advantages are 0: r = 1/2 pulls theta towards the old policy
-            keep = torch.ones_like(keep)
-        return adv, keep, stats
+        """Group z-scores over every process's images; this process's share, ``(adv (B,), keep (B,) bool, stats)``;
+        with ``train.nft.keep_flat_groups`` every image is kept (a flat group's r = 1/2 pulls towards the old policy)."""
+        adv, keep, stats = super().advantages(samples, rewards, generator)
+        return adv, torch.ones_like(keep) if self.cfg.train.nft.keep_flat_groups else keep, stats
 
     def update(self, samples: FinalSamples, adv: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> dict:
         """Noise the kept samples, compute the old policy's velocity on them and train (:meth:`optimize`).
@@ -143,24 +128,22 @@ class DiffusionNFT(Method):
             ``policy/loss``, ``policy/grad_norm``, ``policy/optimizer_steps``, ``cost/trained_transitions`` (noised
             rows x epochs) and ``cost/nfe`` (the old policy's rows of the loss, twice under CFG).
         """
-        t, model = self.cfg.train, self.model
+        train, model = self.cfg.train, self.model
         x0, cond, table = samples.x0, samples.cond, samples.table
-        rows = keep.nonzero().squeeze(1).repeat_interleave(t.nft.timesteps)  # (N,) noised copies of each kept image
-        grid = self.sigmas[:-1]  # the sampler's own times, in (0, 1]; it starts at 1, so the filter keeps one
-        grid = grid[grid >= t.nft.min_time]
-        times = grid[torch.randint(0, len(grid), (len(rows),), generator=generator)].to(self.device)
-        eps = torch.randn((len(rows), *model.latent_shape), generator=generator).to(self.device)
+        rows = keep.nonzero().squeeze(1).repeat_interleave(train.nft.timesteps)  # (N,) noised copies per kept image
+        times = self.grid_times(len(rows), generator, train.nft.min_time)  # the sampler's own times, in (0, 1]
         x_0, c = x0[rows.to(self.device)], cond[rows.to(self.device)]
-        expand = (-1,) + (1,) * (x_0.ndim - 1)  # times broadcast over any latent shape
-        x_t = (1 - times.view(expand)) * x_0 + times.view(expand) * eps
-        r = optimality_weights(adv[rows], t.adv_clip_max).to(self.device)
-        trained_scale = self.cfg.sampling.guidance_scale if t.nft.guidance_scale is None else t.nft.guidance_scale
+        x_t, _ = self.noised(x_0, times, generator)
+        r = optimality_weights(adv[rows], train.adv_clip_max).to(self.device)
+        trained_scale = (
+            self.cfg.sampling.guidance_scale if train.nft.guidance_scale is None else train.nft.guidance_scale
+        )
         trained = model.velocity_fn(table, trained_scale)
         with torch.no_grad(), self.policy.holding(self.old_policy), self.policy.autocast():
             v_old = self.chunked(trained)(x_t, times, c) if len(rows) else x_t
         stats = self.optimize(trained, x_t, times, c, x_0, v_old, r, generator)
         stats["cost/nfe"] = len(rows) * model.cfg_rows(trained_scale)
-        stats["cost/trained_transitions"] = len(rows) * t.inner_epochs
+        stats["cost/trained_transitions"] = len(rows) * train.inner_epochs
         return stats
 
     def end_iteration(self, stats: dict) -> None:
@@ -226,7 +209,7 @@ class DiffusionNFT(Method):
         Returns:
             ``policy/loss`` and ``policy/grad_norm`` (means over steps) and ``policy/optimizer_steps``.
         """
-        t, policy = self.cfg.train, self.policy
+        train, policy = self.cfg.train, self.policy
         stats: dict[str, list[float]] = defaultdict(list)
         steps = 0
         self.model.transformer.train()
@@ -240,7 +223,9 @@ class DiffusionNFT(Method):
             for _, idx, frac in policy.micro_batches(mb):  # gradient accumulation
                 with policy.autocast():
                     v = velocity(x_t[idx], times[idx], cond[idx])
-                loss = nft_loss(v, v_old[idx], x_t[idx], x_0[idx], times[idx], r[idx], t.nft.beta, t.adv_clip_max)
+                loss = nft_loss(
+                    v, v_old[idx], x_t[idx], x_0[idx], times[idx], r[idx], train.nft.beta, train.adv_clip_max
+                )
                 policy.backward(loss, frac * share)
                 parts.append(loss.item() * frac)
             policy.step(sum(parts), stats)

@@ -559,6 +559,25 @@ class FlowModel:
             images.append(vae.decode(z, return_dict=False)[0].float())
         return (torch.cat(images) / 2 + 0.5).clamp(0, 1)
 
+    @torch.no_grad()
+    def encode_latents(self, images: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`decode`: images ``(B, 3, H, W)`` in [0, 1] (``H = W = resolution``) to scaled latents
+        ``(B, *latent_shape)`` float32 on the model's device, ``(mode - shift_factor) * scaling_factor`` of the VAE's
+        posterior, :attr:`decode_chunk` images per call (the offline methods' data).
+
+        Raises:
+            NotImplementedError: for a family whose :meth:`decode` is its own (its latents are not the VAE's scaled).
+        """
+        if type(self).decode is not FlowModel.decode:
+            raise NotImplementedError(f"{type(self).__name__} decodes its own latents: encoding images is not built")
+        vae = self.pipe.vae
+        out = []
+        for chunk in images.split(self.decode_chunk):
+            x = (chunk.to(self.device, vae.dtype) * 2 - 1).contiguous()
+            z = vae.encode(x, return_dict=False)[0].mode()
+            out.append(((z - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor).float())
+        return torch.cat(out)
+
     def lora_state(self, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The LoRA tensors in peft's naming (adapter name stripped), from ``weights`` (trainable tensors by the
         transformer's parameter names, e.g. :meth:`flowrl.policy.Policy.weights` or its EMA) or, for None, the

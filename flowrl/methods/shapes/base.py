@@ -80,8 +80,13 @@ class RolloutShape:
     def sde_plan(self) -> StepPlan:
         """Every step ``sampling.kernel`` at ``sampling.noise_level`` (all but the last trained, unless
         ``sampling.train_last_step``)."""
-        s = self.cfg.sampling
-        return StepPlan.sde(s.num_steps, kernel=s.kernel, noise_level=s.noise_level, train_last=s.train_last_step)
+        sampling = self.cfg.sampling
+        return StepPlan.sde(
+            sampling.num_steps,
+            kernel=sampling.kernel,
+            noise_level=sampling.noise_level,
+            train_last=sampling.train_last_step,
+        )
 
     def only_trainable(self, sigmas: torch.Tensor, plan: StepPlan) -> StepPlan:
         """``plan`` on the grid ``sigmas`` (``(N + 1,)``) with its steps that run a frozen network untrained
@@ -94,8 +99,8 @@ class RolloutShape:
 
     def velocity(self, table):
         """The old policy over `table`, guided at ``sampling.guidance_scale``, in chunks of ``sampling.batch_size``."""
-        s = self.cfg.sampling
-        return self.method.chunked(self.model.velocity_fn(table, s.guidance_scale), s.batch_size)
+        sampling = self.cfg.sampling
+        return self.method.chunked(self.model.velocity_fn(table, sampling.guidance_scale), sampling.batch_size)
 
     def ode_velocity(self, velocity):
         """`velocity` under ``sampling.ode_precision`` for the rollout's deterministic steps (ODE prefixes

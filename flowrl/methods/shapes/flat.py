@@ -52,21 +52,24 @@ class FlatShape(RolloutShape):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        s = cfg.sampling
+        sampling = cfg.sampling
         check(
-            s.window.size < s.num_steps, "sampling.window.size", f"< sampling.num_steps ({s.num_steps})", s.window.size
+            sampling.window.size < sampling.num_steps,
+            "sampling.window.size",
+            f"< sampling.num_steps ({sampling.num_steps})",
+            sampling.window.size,
         )
 
     def __init__(self, method):
         super().__init__(method)
-        s = self.cfg.sampling
+        sampling = self.cfg.sampling
         self.plan = self.only_trainable(self.sigmas, self.sde_plan())
-        w = s.window
+        w = sampling.window
         self.window = (
             None
             if w.size == 0
             else SlidingWindow(
-                s.num_steps,
+                sampling.num_steps,
                 w.size,
                 w.schedule,
                 w.stride,
@@ -82,25 +85,30 @@ class FlatShape(RolloutShape):
         tail)."""
         if self.window is None:
             return self.sigmas, self.plan
-        s = self.cfg.sampling
+        sampling = self.cfg.sampling
         sigmas, plan = mix_plan(
-            self.sigmas, self.window.steps, s.kernel, s.noise_level, s.window.flash_ratio or None, s.shift
+            self.sigmas,
+            self.window.steps,
+            sampling.kernel,
+            sampling.noise_level,
+            sampling.window.flash_ratio or None,
+            sampling.shift,
         )
         return sigmas, self.only_trainable(sigmas, plan)
 
     @torch.no_grad()
     def rollout(self, metas: list[dict], generator: torch.Generator) -> SDESamples:
-        s = self.cfg.sampling
+        sampling = self.cfg.sampling
         table = self.model.prompt_table(metas)
         velocity = self.velocity(table)
         roots = torch.arange(len(metas), device=self.device)  # (P,) one group per prompt
-        if s.shared_noise:  # one initial noise per group
+        if sampling.shared_noise:  # one initial noise per group
             noise = torch.randn((len(metas), *self.model.latent_shape), generator=generator).to(self.device)
             noise = start_latents(noise, self.sigmas[0])  # the state at the first time (noise itself at sigma 1)
         sigmas, plan = self.current_plan()
         sigmas = sigmas.to(self.device)
         with self.policy.autocast():
-            if s.shared_noise:  # the group's deterministic prefix once per group
+            if sampling.shared_noise:  # the group's deterministic prefix once per group
                 ro = sample_shared_noise(
                     velocity,
                     noise,
@@ -108,12 +116,12 @@ class FlatShape(RolloutShape):
                     roots,
                     sigmas,
                     plan,
-                    s.group_size,
+                    sampling.group_size,
                     generator=generator,
                     ode_velocity_fn=self.ode_velocity(velocity),
                 )
             else:
-                prompt_index = roots.repeat_interleave(s.group_size)  # (B,)
+                prompt_index = roots.repeat_interleave(sampling.group_size)  # (B,)
                 noise = torch.randn((len(prompt_index), *self.model.latent_shape), generator=generator)
                 noise = start_latents(noise, self.sigmas[0])
                 ro = sample(

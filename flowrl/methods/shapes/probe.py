@@ -51,18 +51,18 @@ class ProbeShape(RolloutShape):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        s = cfg.sampling
+        sampling = cfg.sampling
         check(
-            all(0 <= k < s.num_steps - 1 for k in s.probe.steps),
+            all(0 <= k < sampling.num_steps - 1 for k in sampling.probe.steps),
             "sampling.probe.steps",
-            f"steps in [0, {s.num_steps - 1})",
-            s.probe.steps,
+            f"steps in [0, {sampling.num_steps - 1})",
+            sampling.probe.steps,
         )
         check(
-            not s.tree.split_steps and s.window.size == 0,
+            not sampling.tree.split_steps and sampling.window.size == 0,
             "sampling.shape",
             "a probe shape without sampling.tree / sampling.window",
-            s.shape,
+            sampling.shape,
         )
 
     def trunks(self) -> int:
@@ -85,17 +85,17 @@ class ProbeShape(RolloutShape):
     def rollout(self, metas: list[dict], generator: torch.Generator) -> ProbeSamples:
         """Main paths with probes completed by ODE (:func:`flowrl.samplers.sample_probes`); the images are the
         completions, each drawn for its trunk's prompt."""
-        s, p = self.cfg.sampling, self.cfg.sampling.probe
+        sampling, p = self.cfg.sampling, self.cfg.sampling.probe
         table = self.model.prompt_table(metas)
         trunks = self.trunks()
         roots = torch.arange(len(metas)).repeat_interleave(trunks)  # (R,)
         shape = self.model.latent_shape
-        if s.shared_noise or trunks == 1:
+        if sampling.shared_noise or trunks == 1:
             noise = torch.randn((len(metas), *shape), generator=generator).repeat_interleave(trunks, 0)
         else:
             noise = torch.randn((len(roots), *shape), generator=generator)
         noise = start_latents(noise, self.sigmas[0])  # the state at the first time (noise itself at sigma 1)
-        steps = list(p.steps) or list(range(s.num_steps - 1))
+        steps = list(p.steps) or list(range(sampling.num_steps - 1))
         velocity = self.velocity(table)
         with self.policy.autocast():
             pr = sample_probes(
@@ -107,8 +107,8 @@ class ProbeShape(RolloutShape):
                 self.trunk_plan(steps),
                 steps,
                 self.children(),
-                s.kernel,
-                s.noise_level,
+                sampling.kernel,
+                sampling.noise_level,
                 tuple(p.granularities),
                 include_start=self.INCLUDE_START,
                 generator=generator,
@@ -189,8 +189,8 @@ class TPGRPOShape(ProbeShape):
         return 0
 
     def trunk_plan(self, steps: list[int]) -> StepPlan:
-        s = self.cfg.sampling
-        return StepPlan.window(s.num_steps, steps, s.kernel, s.noise_level)
+        sampling = self.cfg.sampling
+        return StepPlan.window(sampling.num_steps, steps, sampling.kernel, sampling.noise_level)
 
     def process_advantages(self, probes, rewards, image_prompt):
         step, root = probes.step.cpu(), probes.root.cpu()

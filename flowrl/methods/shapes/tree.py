@@ -58,52 +58,64 @@ class TreeShape(RolloutShape):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        s, t = cfg.sampling, cfg.sampling.tree
+        sampling, tree = cfg.sampling, cfg.sampling.tree
         check(
-            bool(t.split_steps),
+            bool(tree.split_steps),
             "sampling.tree.split_steps",
             "a non-empty list of steps with sampling.shape 'tree'",
-            t.split_steps,
+            tree.split_steps,
         )
         check(
-            s.group_size == t.branch ** len(t.split_steps),
+            sampling.group_size == tree.branch ** len(tree.split_steps),
             "sampling.group_size",
-            f"branch ** len(split_steps) = {t.branch ** len(t.split_steps)} for a tree",
-            s.group_size,
+            f"branch ** len(split_steps) = {tree.branch ** len(tree.split_steps)} for a tree",
+            sampling.group_size,
         )
-        for key, steps in (("split_steps", t.split_steps), ("sde_steps", t.sde_steps), ("depth_prune", t.depth_prune)):
+        for key, steps in (
+            ("split_steps", tree.split_steps),
+            ("sde_steps", tree.sde_steps),
+            ("depth_prune", tree.depth_prune),
+        ):
             check(
-                all(0 <= k < s.num_steps for k in steps), f"sampling.tree.{key}", f"steps in [0, {s.num_steps})", steps
+                all(0 <= k < sampling.num_steps for k in steps),
+                f"sampling.tree.{key}",
+                f"steps in [0, {sampling.num_steps})",
+                steps,
             )
-        check(s.window.size == 0, "sampling.window.size", "0 with a tree (use sampling.tree.sde_steps)", s.window.size)
-        if t.flash_ratio > 0:  # the deterministic tail after the last SDE step is what gets re-spaced
-            last = max(t.sde_steps + t.split_steps)
+        check(
+            sampling.window.size == 0,
+            "sampling.window.size",
+            "0 with a tree (use sampling.tree.sde_steps)",
+            sampling.window.size,
+        )
+        if tree.flash_ratio > 0:  # the deterministic tail after the last SDE step is what gets re-spaced
+            last = max(tree.sde_steps + tree.split_steps)
             check(
-                bool(t.sde_steps) and last < s.num_steps - 1,
+                bool(tree.sde_steps) and last < sampling.num_steps - 1,
                 "sampling.tree.flash_ratio",
                 "0 unless sampling.tree.sde_steps leaves deterministic steps after the last SDE step "
                 + (
-                    f"(the last SDE step is {last}, the last step {s.num_steps - 1})"
-                    if t.sde_steps
+                    f"(the last SDE step is {last}, the last step {sampling.num_steps - 1})"
+                    if tree.sde_steps
                     else "(sde_steps is empty: every step is SDE)"
                 ),
-                t.flash_ratio,
+                tree.flash_ratio,
             )
 
     def __init__(self, method):
         super().__init__(method)
-        s, t = self.cfg.sampling, self.cfg.sampling.tree
+        sampling, tree = self.cfg.sampling, self.cfg.sampling.tree
         self.plan_sigmas, self.plan = self.sigmas, self.sde_plan()
-        if t.sde_steps:  # BranchGRPO-Mix, optionally with MixGRPO-Flash's DPM-Solver++ 2M tail
+        if tree.sde_steps:  # BranchGRPO-Mix, optionally with MixGRPO-Flash's DPM-Solver++ 2M tail
             self.plan_sigmas, self.plan = mix_plan(
                 self.sigmas,
-                sorted(set(t.sde_steps) | set(t.split_steps)),
-                s.kernel,
-                s.noise_level,
-                t.flash_ratio or None,
-                s.shift,
+                sorted(set(tree.sde_steps) | set(tree.split_steps)),
+                sampling.kernel,
+                sampling.noise_level,
+                tree.flash_ratio or None,
+                sampling.shift,
             )
-        self.branch = [t.branch if k in t.split_steps else 1 for k in range(self.plan.num_steps)]
+        self.branch = [tree.branch if k in tree.split_steps else 1 for k in range(self.plan.num_steps)]
         self.plan = self.only_trainable(self.plan_sigmas, self.plan)
 
     @torch.no_grad()
@@ -150,11 +162,11 @@ class TreeShape(RolloutShape):
     def advantages(self, samples: SDESamples, rewards: Rewards):
         """Fused node rewards, depth-wise z-scores, then width and depth pruning of the backward pass. A tree is one
         process's group: this process's rewards alone."""
-        ro, t, tree = samples.rollout, self.cfg.train, self.cfg.sampling.tree
+        ro, train, tree = samples.rollout, self.cfg.train, self.cfg.sampling.tree
         leaf_rewards = rewards.local.total
         inc = leaf_incidence(ro).cpu()
         nodes = tree_node_rewards(inc, leaf_rewards, tree.fusion, ro.parent.cpu(), ro.log_prob.cpu())
-        adv = depthwise_advantages(nodes, ro.group.cpu()[ro.leaf.cpu()], ro.step.cpu(), t.adv_clip_max)
+        adv = depthwise_advantages(nodes, ro.group.cpu()[ro.leaf.cpu()], ro.step.cpu(), train.adv_clip_max)
         keep = ro.trained.cpu() & (adv != 0)
         if tree.width_keep:
             keep &= width_prune(
@@ -162,7 +174,7 @@ class TreeShape(RolloutShape):
             )
         if tree.depth_prune:
             keep &= ~torch.isin(ro.step.cpu(), torch.tensor(tree.depth_prune))
-        _, zero = group_advantages(leaf_rewards, ro.group.cpu(), t.adv_std, t.adv_clip_max)
+        _, zero = group_advantages(leaf_rewards, ro.group.cpu(), train.adv_std, train.adv_clip_max)
         return (
             adv.to(self.device),
             keep.to(self.device),

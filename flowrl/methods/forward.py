@@ -1,0 +1,85 @@
+"""The parts the forward-process methods share (DiffusionNFT, AWM, DGPO, Diffusion-DPO, CRD): they train on clean
+samples, not on the sampler's transitions, so they need no log-probs and take samples from any sampler.
+
+- :meth:`ForwardProcess.rollout`: ``sampling.group_size`` deterministic samples per prompt (Euler, or DPM-Solver++ 2M),
+  drawn with :meth:`ForwardProcess.rollout_weights` (the current policy, or an old or reference copy);
+- :meth:`ForwardProcess.noised`: fresh noise and the forward process ``x_t = (1 - t) x0 + t eps`` at given times;
+- :meth:`ForwardProcess.grid_times`: times drawn from the sampler's own grid;
+- :func:`flow_matching_error`: the per-row velocity error ``mean_d (v - (eps - x0))^2``, the quantity DPO, DGPO, AWM and
+  CRD compare between policies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..samplers import ode_sample
+from .base import FinalSamples, Method, Rewards
+
+
+def flow_matching_error(velocity: torch.Tensor, x0: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """The per-row flow-matching error ``mean over (C, [F,] H, W) of (v - (eps - x0))^2`` in float32 (float64 inputs:
+    float64).
+
+    Args:
+        velocity, x0, eps (`torch.Tensor` of shape `(N, *latent_shape)`): a network's velocity at ``x_t = (1 - t) x0
+            + t eps``, the clean sample and the noise.
+
+    Returns:
+        `torch.Tensor` of shape `(N,)` (with the velocity's gradient).
+
+    Raises:
+        ValueError: if the shapes differ.
+    """
+    if not velocity.shape == x0.shape == eps.shape:
+        raise ValueError(f"velocity {tuple(velocity.shape)}, x0 {tuple(x0.shape)} and eps {tuple(eps.shape)} differ")
+    dtype = torch.promote_types(velocity.dtype, torch.float32)  # float32, or float64 for float64 inputs
+    return (velocity.to(dtype) - (eps.to(dtype) - x0.to(dtype))).pow(2).flatten(1).mean(dim=1)
+
+
+class ForwardProcess(Method):
+    """Base of the methods trained on clean samples (see the module docstring). Args: as :class:`Method`."""
+
+    def rollout_weights(self) -> dict[str, torch.Tensor] | None:
+        """The weights the rollouts are drawn with (None: the current policy)."""
+        return self.sampling_weights()
+
+    def solver(self) -> str:
+        """The deterministic sampler's kernel: ``ode`` (Euler) by default."""
+        return "ode"
+
+    def rollout(self, metas: list[dict], generator: torch.Generator) -> FinalSamples:
+        """``G`` deterministic samples per prompt by :meth:`rollout_weights`: their final latents and prompt-table rows."""
+        cfg, model = self.cfg, self.model
+        table = model.prompt_table(metas)
+        prompt_index = torch.arange(len(metas), device=self.device).repeat_interleave(cfg.sampling.group_size)  # (B,)
+        cond = table.rows(prompt_index)  # (B,)
+        noise = torch.randn((len(cond), *model.latent_shape), generator=generator).to(self.device)
+        velocity = model.velocity_fn(table, cfg.sampling.guidance_scale)  # guided, against the empty prompt
+        with torch.no_grad(), self.policy.holding(self.rollout_weights()), self.policy.autocast():
+            x0 = ode_sample(self.chunked(velocity), noise, cond, self.sigmas.to(self.device), self.solver())
+        nfe = len(cond) * cfg.sampling.num_steps * model.cfg_rows(cfg.sampling.guidance_scale)
+        return FinalSamples(self.decode(x0), prompt_index.cpu(), nfe, x0, cond, table)
+
+    def advantages(self, samples: FinalSamples, rewards: Rewards, generator: torch.Generator):
+        """Group z-scores over every process's images (:meth:`Method.group_advantages`); this process's share,
+        ``(adv (B,), keep (B,) bool: groups with reward variance, stats)``."""
+        adv, zero, stats = self.group_advantages(rewards)
+        return adv[rewards.mine], ~zero[rewards.mine], stats
+
+    def grid_times(self, count: int, generator: torch.Generator, min_time: float = 0.0) -> torch.Tensor:
+        """`count` times drawn uniformly from the sampler's grid ``sigmas[:-1]`` (in (0, 1], starting at 1) at or
+        above `min_time`, on the device."""
+        grid = self.sigmas[:-1]
+        grid = grid[grid >= min_time]
+        return grid[torch.randint(0, len(grid), (count,), generator=generator)].to(self.device)
+
+    def noised(self, x0: torch.Tensor, times: torch.Tensor, generator: torch.Generator):
+        """Fresh noise `eps` (drawn on the CPU from `generator`) and ``x_t = (1 - t) x0 + t eps`` at `times` `(N,)`.
+
+        Returns:
+            ``(x_t, eps)``, each of `x0`'s shape `(N, *latent_shape)`.
+        """
+        eps = torch.randn(x0.shape, generator=generator).to(x0.device)
+        t = times.view((-1,) + (1,) * (x0.ndim - 1))  # (N, 1, ...) over any latent shape
+        return (1 - t) * x0 + t * eps, eps

@@ -1,0 +1,290 @@
+"""GARDO, Gated and Adaptive Regularization with Diversity-aware Optimization (He et al., arXiv 2512.24138;
+yifan123/flow_grpo ``scripts/train_sd3_gardo.py``, ``flow_grpo/stat_tracking.py`` (``type='gardo'``) and
+``config/grpo_gardo.py``, commit 94e23ee).
+
+Flow-GRPO (:class:`flowrl.methods.grpo.GRPO`, flat groups) with three changes against reward hacking:
+
+- **Gated KL**: the KL term (weight ``train.kl_beta``) covers only the images whose reward is uncertain. With ranks
+  over the iteration's gathered images (1 = best), ``u_i = rank_total(i) - mean_k rank_k(i)`` over the auxiliary
+  rewards ``train.gardo.auxiliary`` (scored, usually with weight 0: the official trains on its main reward alone);
+  the images with ``u`` above the ``100 (1 - f)`` percentile of the non-negative ``u`` are gated. The fraction ``f``
+  adapts (the official ``RiskCompensator``): it starts at ``gate_fraction``, grows by ``gate_rate`` when the mean
+  non-negative ``u`` exceeds every one of the last ``gate_history`` iterations', shrinks alike when below all, and
+  stays in ``[gate_min, gate_max]``.
+- **Adaptive reference**: the KL's reference is a copy of the policy (no LoRA needed), reset to the policy after an
+  iteration in which a micro-batch's KL exceeded ``kl_threshold``, or ``reset_every`` iterations after the last reset.
+- **Diversity-aware advantages**: ``A_i = clip((r_i - mean_g r) d_i, +-train.adv_clip_max)``, no std normalisation,
+  with ``d_i = 1`` below the group mean and, above it, the image's distance to its nearest group mate (cosine
+  distance of image features) over the group's mean such distance.
+
+Deviations: the features are the images average-pooled to at most 32 x 32 pixels (the official uses DINOv3
+ViT-L/16, which flowrl does not ship); the official weights each transition's loss by its step std over the batch's
+mean std (not built); the reset test reads every micro-batch's KL (the official every optimizer step's mean).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..fields import check, setting
+from .base import Rewards, SDESamples, register_method
+from .grpo import GRPO
+
+
+@dataclass
+class GARDOConfig:
+    """``train.gardo.*``: GARDO (``train.method: gardo``)."""
+
+    auxiliary: list = setting(
+        factory=list,
+        help="reward names (in rewards:) whose ranks against the trained total measure uncertainty (official: "
+        "aesthetic and imagereward beside the main reward); empty: the KL covers every image",
+    )
+    gate_fraction: float = setting(0.1, "initial fraction of the non-negative uncertainties gated (official 0.1)")
+    gate_min: float = setting(0.02, "smallest gated fraction (official 0.02)")
+    gate_max: float = setting(0.2, "largest gated fraction (official 0.2)")
+    gate_rate: float = setting(0.1, "relative step of the gated fraction (official 0.1)")
+    gate_history: int = setting(20, "iterations of mean uncertainty the fraction compares with (official 20)")
+    kl_threshold: float = setting(3e-4, "a micro-batch KL above this resets the reference after the iteration (3e-4)")
+    reset_every: int = setting(15, "iterations after which the reference resets regardless (official 15)")
+    diversity: bool = setting(True, "scale above-mean advantages by the image's diversity in its group")
+
+    def __post_init__(self):
+        check(
+            isinstance(self.auxiliary, (list, tuple)) and all(isinstance(a, str) for a in self.auxiliary),
+            "train.gardo.auxiliary",
+            "a list of reward names",
+            self.auxiliary,
+        )
+        self.auxiliary = list(self.auxiliary)
+        check(0 < self.gate_min <= self.gate_max <= 1, "train.gardo.gate_min / gate_max", "0 < min <= max <= 1",
+              (self.gate_min, self.gate_max))  # fmt: skip
+        check(self.gate_min <= self.gate_fraction <= self.gate_max, "train.gardo.gate_fraction",
+              "in [gate_min, gate_max]", self.gate_fraction)  # fmt: skip
+        check(0 <= self.gate_rate < 1, "train.gardo.gate_rate", "in [0, 1)", self.gate_rate)
+        check(self.gate_history >= 1, "train.gardo.gate_history", ">= 1", self.gate_history)
+        check(self.kl_threshold > 0, "train.gardo.kl_threshold", "> 0", self.kl_threshold)
+        check(self.reset_every >= 1, "train.gardo.reset_every", ">= 1", self.reset_every)
+
+
+def descending_ranks(x: torch.Tensor) -> torch.Tensor:
+    """Ranks of `x` `(N,)`, 1 for the largest (ties by position), float64."""
+    ranks = torch.empty(len(x), dtype=torch.float64)
+    ranks[torch.sort(x, descending=True, stable=True).indices] = torch.arange(1, len(x) + 1, dtype=torch.float64)
+    return ranks
+
+
+def uncertainty(total: torch.Tensor, auxiliary: list[torch.Tensor]) -> torch.Tensor:
+    """GARDO's uncertainty ``rank(total) - mean_k rank(aux_k)`` per image (ranks 1 = best), float64 `(N,)`."""
+    return descending_ranks(total) - torch.stack([descending_ranks(a) for a in auxiliary]).mean(0)
+
+
+def diversity(features: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Each image's cosine distance to its nearest group mate, over its group's mean of those distances.
+
+    Args:
+        features (`torch.Tensor` of shape `(N, D)`): image features. group (`(N,)` long): group ids.
+
+    Returns:
+        `torch.Tensor` of shape `(N,)`, float64, >= 0 (1 for a group of one image or of identical images).
+    """
+    f = torch.nn.functional.normalize(features.double(), dim=1)
+    out = torch.ones(len(f), dtype=torch.float64)
+    for g in group.unique():
+        rows = (group == g).nonzero().squeeze(1)
+        if len(rows) < 2:
+            continue
+        dist = 1 - (f[rows] @ f[rows].T).clamp(-1, 1)
+        dist.fill_diagonal_(float("inf"))
+        nearest = dist.min(1).values  # (n,)
+        mean = nearest.mean()
+        out[rows] = nearest / mean if mean > 0 else torch.ones_like(nearest)
+    return out
+
+
+def gardo_advantages(
+    total: torch.Tensor, group: torch.Tensor, div: torch.Tensor | None, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``clip((r - mean_g r) d, +-clip)`` with ``d = 1`` below the group mean (module docstring); float32 `(N,)` and the
+    groups without reward variance `(N,)` bool."""
+    r = total.double()
+    adv, zero = torch.zeros_like(r), torch.zeros(len(r), dtype=torch.bool)
+    for g in group.unique():
+        rows = (group == g).nonzero().squeeze(1)
+        centred = r[rows] - r[rows].mean()
+        if div is not None:
+            centred = torch.where(centred < 0, centred, centred * div[rows])
+        adv[rows] = centred
+        zero[rows] = bool((r[rows] == r[rows][0]).all())
+    return adv.clamp(-clip, clip).float().masked_fill(zero, 0.0), zero
+
+
+@register_method("gardo")
+class GARDO(GRPO):
+    """``train.method: gardo`` (module docstring): GRPO on flat groups with a gated, resetting KL and diversity-aware
+    advantages.
+
+    Args: as :class:`flowrl.methods.base.Method`.
+    """
+
+    REFERENCE_FILE = "gardo_reference.safetensors"
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
+        check(cfg.sampling.shape == "flat", "sampling.shape", "'flat' with train.method 'gardo'", cfg.sampling.shape)
+        check(
+            cfg.train.reward_aggregation == "reward",
+            "train.reward_aggregation",
+            "'reward' with train.method 'gardo' (it centres the weighted total)",
+            cfg.train.reward_aggregation,
+        )
+        check(cfg.train.best_of_n == 0, "train.best_of_n", "0 with train.method 'gardo'", cfg.train.best_of_n)
+        for name in cfg.train.gardo.auxiliary:
+            check(name in cfg.rewards, "train.gardo.auxiliary", f"names of rewards in rewards: {sorted(cfg.rewards)}",
+                  name)  # fmt: skip
+
+    def __init__(self, cfg, model, policy, rewards):
+        super().__init__(cfg, model, policy, rewards)
+        g = cfg.train.gardo
+        self.reference = policy.copy() if cfg.train.kl_beta > 0 else None
+        self.fraction, self.history = g.gate_fraction, []  # the gated fraction and the recent mean uncertainties
+        self.iterations, self.last_reset, self.exceeded = 0, 0, False
+        self.gate = None  # (B,) bool per local image, set by advantages
+        self.v_ref = None
+
+    # ------------------------------------------------------------------------------ advantages
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        """Image features for the diversity: `(B, 3, H, W)` or `(B, F, 3, H, W)` images average-pooled to at most
+        32 x 32 and flattened, `(B, D)` float32."""
+        x = images.float().flatten(0, images.ndim - 4) if images.ndim == 5 else images.float()
+        size = (min(32, x.shape[-2]), min(32, x.shape[-1]))
+        pooled = torch.nn.functional.adaptive_avg_pool2d(x, size)
+        return pooled.reshape(len(images), -1)
+
+    def advantages(self, samples: SDESamples, rewards: Rewards, generator: torch.Generator):
+        """GARDO's advantages per transition (module docstring) and the gate of each local image; records
+        ``advantage/*``, ``gardo/gated_frac``, ``gardo/gate_fraction``."""
+        g = self.cfg.train.gardo
+        local = self.features(samples.images) if g.diversity else None
+        if local is not None and self.policy.accelerator.num_processes > 1:
+            local = self.policy.accelerator.gather(local.to(self.device)).cpu()
+        div = None if local is None else diversity(local, rewards.group)
+        self._adv = gardo_advantages(rewards.total, rewards.group, div, self.cfg.train.adv_clip_max)
+        gate = torch.ones(len(rewards.total), dtype=torch.bool)
+        if g.auxiliary:
+            u = uncertainty(rewards.total, [rewards.per_reward[name] for name in g.auxiliary])
+            nonneg = u[u >= 0].numpy()
+            self.update_fraction(float(nonneg.mean()))
+            gate = u > float(np.percentile(nonneg, 100 - self.fraction * 100))
+        self.gate = gate[rewards.mine].to(self.device)
+        adv, keep, stats = super().advantages(samples, rewards, generator)
+        stats["gardo/gated_frac"] = gate.float().mean().item()
+        stats["gardo/gate_fraction"] = self.fraction
+        return adv, keep, stats
+
+    def group_advantages(self, rewards: Rewards):
+        """The advantages :meth:`advantages` computed (the flat shape asks for them through this)."""
+        adv, zero = self._adv
+        return adv, zero, {"advantage/zero_variance_frac": zero.float().mean().item(), "advantage/abs_mean":
+                           adv.abs().mean().item()}  # fmt: skip
+
+    def update_fraction(self, mean_u: float) -> None:
+        """The official ``RiskCompensator``: the gated fraction follows the mean non-negative uncertainty."""
+        g = self.cfg.train.gardo
+        if self.history and mean_u > max(self.history):
+            self.fraction *= 1 + g.gate_rate
+        elif self.history and mean_u < min(self.history):
+            self.fraction *= 1 - g.gate_rate
+        self.fraction = float(min(max(self.fraction, g.gate_min), g.gate_max))
+        self.history = (self.history + [mean_u])[-g.gate_history :]
+
+    # ------------------------------------------------------------------------------ the gated KL
+    def policy_log_prob(self, velocity, sub):
+        """The reference's velocity at the gated transitions (before the policy's forward: the reference is held in
+        the same weights), then :meth:`GRPO.policy_log_prob`."""
+        self.v_ref = None
+        if self.reference is not None:
+            mask = self.gate[sub.leaf.to(self.gate.device)]
+            if bool(mask.any()):
+                rows = sub.select(mask.nonzero().squeeze(1).to(sub.leaf.device))
+                with torch.no_grad(), self.policy.holding(self.reference), self.policy.autocast():
+                    self.v_ref = (mask, rows, velocity(rows.state, rows.sigma, rows.cond))
+        return super().policy_log_prob(velocity, sub)
+
+    def kl_to_reference(self, velocity, sub, v: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+        """Flow-GRPO's KL (``train.kl_type``) of the gated transitions to the reference copy; 0 when none is gated."""
+        from ..losses import kl_to_reference, velocity_kl
+        from ..samplers import recompute_log_prob
+
+        if self.v_ref is None:
+            return v.new_zeros((), dtype=torch.float32)
+        mask, rows, v_ref = self.v_ref
+        if self.cfg.train.kl_type == "velocity":
+            kl = velocity_kl(v[mask], v_ref)
+        else:
+            std = (
+                rows.std
+                if self.cfg.train.kl_type != "flow_grpo"
+                else rows.std / (rows.sigma - rows.sigma_next).abs().sqrt()
+            )
+            kl = kl_to_reference(mean[mask], recompute_log_prob(rows, v_ref)[1], std)
+        self.exceeded = self.exceeded or kl.item() > self.cfg.train.gardo.kl_threshold
+        return kl
+
+    # ------------------------------------------------------------------------------ the reference
+    def end_iteration(self, stats: dict) -> None:
+        """The rollout shape's move, then the reference's reset (records ``gardo/reference_reset``)."""
+        super().end_iteration(stats)
+        self.iterations += 1
+        if self.reference is None:
+            return
+        reset = self.exceeded or self.iterations - self.last_reset > self.cfg.train.gardo.reset_every
+        if reset:
+            self.policy.move_towards(self.reference, 0.0)
+            self.last_reset = self.iterations
+        self.exceeded = False
+        stats["gardo/reference_reset"] = float(reset)
+
+    def state_dict(self) -> dict:
+        return {
+            **super().state_dict(),
+            "gardo": {
+                "fraction": self.fraction,
+                "history": list(self.history),
+                "iterations": self.iterations,
+                "last_reset": self.last_reset,
+            },
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        s = state.get("gardo", {})
+        self.fraction = float(s.get("fraction", self.cfg.train.gardo.gate_fraction))
+        self.history = [float(x) for x in s.get("history", [])]
+        self.iterations, self.last_reset = int(s.get("iterations", 0)), int(s.get("last_reset", 0))
+
+    def save_files(self, folder: Path) -> None:
+        if self.reference is not None:
+            from safetensors.torch import save_file
+
+            save_file(
+                {n: v.detach().cpu().contiguous() for n, v in self.reference.items()}, folder / self.REFERENCE_FILE
+            )
+
+    def load_files(self, folder: Path) -> None:
+        if self.reference is None:
+            return
+        from safetensors.torch import load_file
+
+        file = folder / self.REFERENCE_FILE
+        if not file.is_file():
+            raise ValueError(
+                f"checkpoint {folder} has no {self.REFERENCE_FILE}: it was not written by train.method gardo"
+            )
+        for n, v in load_file(file).items():
+            self.reference[n].copy_(v)

@@ -1,0 +1,288 @@
+"""Offline methods: Diffusion-DPO on a preference data set and supervised fine-tuning (SFT) on images, no rollouts
+(Wallace et al., arXiv 2311.12908; X-GenGroup/Flow-Factory ``src/flow_factory/trainers/offline/``; SalesforceAIResearch
+DiffusionDPO's Pick-a-Pic layout).
+
+The data set (``train.offline.data``) is a ``.jsonl`` file, or a ``.parquet`` file (needs ``pyarrow``), of rows:
+
+- preference pairs: ``{"prompt": ..., "image_w": PATH, "image_l": PATH}`` (flowrl's layout), or Pick-a-Pic's
+  ``{"caption": ..., "jpg_0": PATH or bytes, "jpg_1": ..., "label_0": 1 | 0 | 0.5}`` (``label_0`` 1: ``jpg_0``
+  preferred; ties are skipped);
+- SFT: ``{"prompt": ..., "image": PATH}``.
+
+Paths are relative to the data file's folder. Images are resized (shorter side) and centre-cropped to
+``model.resolution``, encoded once with the family's VAE (:meth:`FlowModel.encode_latents`) and kept in memory.
+Each iteration draws ``train.offline.batch_size`` rows with the iteration's generator (a resumed run draws the same).
+
+- ``dpo_offline``: :func:`flowrl.methods.dpo.dpo_loss` on each pair (one noise and time shared by the pair) against a
+  frozen reference, the initial policy (``train.dpo.*``: beta, timesteps, time sampling, guidance);
+- ``sft``: the flow-matching loss ``mean_d (v - (eps - x0))^2`` on each image at ``train.dpo.timesteps`` times.
+
+Evaluation, checkpoints and exports are the online methods'; the rewards only score the evaluation.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..fields import check, setting
+from .base import Samples, register_method
+from .dpo import DiffusionDPO
+from .forward import flow_matching_error
+
+
+@dataclass
+class OfflineConfig:
+    """``train.offline.*``: the data set of ``train.method: dpo_offline`` and ``sft``."""
+
+    data: str = setting("", "a .jsonl or .parquet file of preference pairs (dpo_offline) or images (sft)")
+    batch_size: int = setting(16, "rows (pairs or images) drawn per iteration")
+
+    def __post_init__(self):
+        check(self.batch_size >= 1, "train.offline.batch_size", ">= 1", self.batch_size)
+
+
+@dataclass
+class DataSamples(Samples):
+    """One iteration's rows of an offline data set (no images to score: ``images`` is empty).
+
+    Attributes:
+        x0 (`torch.Tensor` of shape `(R, K, *latent_shape)`, float32): the rows' latents, ``K`` = 2 (preferred,
+            other) for pairs, 1 for SFT, on the device.
+        cond (`torch.Tensor` of shape `(R,)`, long): each row's prompt row of `table`. table: the prompt table.
+    """
+
+    x0: torch.Tensor
+    cond: torch.Tensor
+    table: object
+
+
+def _read_rows(path: Path) -> list[dict]:
+    """The data file's rows as dicts (jsonl: one object per line; parquet: through pyarrow).
+
+    Raises:
+        ValueError: naming the file (and line), for a missing file, a bad line or a missing pyarrow.
+    """
+    if not path.is_file():
+        raise ValueError(f"config key 'train.offline.data': no file {path}")
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ValueError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+        return pq.read_table(path).to_pylist()
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {n}: not JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path} line {n}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def read_preference_rows(path: str | Path, pairs: bool) -> list[tuple]:
+    """Rows of a data set as ``(prompt, image_a, image_b)`` for `pairs` (a preferred first), else ``(prompt, image)``;
+    an image is a path (resolved against the file's folder) or encoded bytes.
+
+    Raises:
+        ValueError: naming the file and row, for a row without the fields of either layout, or an empty set.
+    """
+    path = Path(path)
+    folder, out = path.parent, []
+
+    def image(value):
+        return value if isinstance(value, (bytes, bytearray)) else str(folder / value)
+
+    for n, row in enumerate(_read_rows(path), 1):
+        if pairs and {"prompt", "image_w", "image_l"} <= row.keys():
+            out.append((row["prompt"], image(row["image_w"]), image(row["image_l"])))
+        elif pairs and {"caption", "jpg_0", "jpg_1", "label_0"} <= row.keys():
+            if row["label_0"] in (0, 1):  # Pick-a-Pic: ties (0.5) carry no preference
+                a, b = (row["jpg_0"], row["jpg_1"]) if row["label_0"] == 1 else (row["jpg_1"], row["jpg_0"])
+                out.append((row["caption"], image(a), image(b)))
+        elif not pairs and {"prompt", "image"} <= row.keys():
+            out.append((row["prompt"], image(row["image"])))
+        else:
+            need = (
+                "prompt, image_w, image_l (or Pick-a-Pic's caption, jpg_0, jpg_1, label_0)"
+                if pairs
+                else "prompt, image"
+            )
+            raise ValueError(f"{path} row {n}: expected fields {need}; got {sorted(row)}")
+    if not out:
+        raise ValueError(f"{path}: no usable rows")
+    return out
+
+
+def load_image(source, side: int) -> torch.Tensor:
+    """An image (path or bytes) as `(3, side, side)` float32 in [0, 1]: shorter side resized to `side`, centre crop.
+
+    Raises:
+        ValueError: naming the file, for one that cannot be read as an image.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source) as picture:
+            picture = picture.convert("RGB")
+    except (OSError, UnidentifiedImageError) as e:
+        name = "an image given as bytes" if isinstance(source, (bytes, bytearray)) else source
+        raise ValueError(f"{name} cannot be read as an image ({type(e).__name__})") from None
+    w, h = picture.size
+    scale = side / min(w, h)
+    picture = picture.resize((max(side, round(w * scale)), max(side, round(h * scale))), Image.BICUBIC)
+    w, h = picture.size
+    left, top = (w - side) // 2, (h - side) // 2
+    picture = picture.crop((left, top, left + side, top + side))
+    return (
+        torch.frombuffer(bytearray(picture.tobytes()), dtype=torch.uint8).view(side, side, 3).permute(2, 0, 1) / 255.0
+    )
+
+
+def _check_family(model, method: str) -> None:
+    """Refuse, in one line, a family whose latents are not the VAE's scaled ones (SD 1.x/XL's VP state, Qwen-Image's
+    and the video families' normalised latents)."""
+    from ..models.base import FlowModel
+
+    if type(model).decode is not FlowModel.decode:
+        raise ValueError(
+            f"train.method {method!r} encodes its images with the VAE; the {type(model).__name__} family's latents "
+            "are its own (built: the SD3 and FLUX families)"
+        )
+
+
+class OfflineData:
+    """An offline data set, its images encoded into latents once (module docstring).
+
+    Args:
+        rows: :func:`read_preference_rows`'s rows. model: the model adapter (``encode_latents``, ``resolution``).
+    """
+
+    def __init__(self, rows: list[tuple], model):
+        self.prompts = [r[0] for r in rows]
+        side = model.resolution
+        latents = []
+        for start in range(0, len(rows), 16):
+            chunk = rows[start : start + 16]
+            images = torch.stack([load_image(src, side) for r in chunk for src in r[1:]])  # (n K, 3, side, side)
+            latents.append(model.encode_latents(images).cpu().view(len(chunk), len(rows[0]) - 1, *model.latent_shape))
+        self.latents = torch.cat(latents)  # (R, K, *latent_shape)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def batch(self, size: int, generator: torch.Generator) -> tuple[list[str], torch.Tensor]:
+        """`size` rows drawn uniformly with replacement: their prompts and latents `(size, K, *latent_shape)`."""
+        idx = torch.randint(0, len(self), (size,), generator=generator)
+        return [self.prompts[i] for i in idx.tolist()], self.latents[idx]
+
+
+@register_method("dpo_offline")
+class OfflineDPO(DiffusionDPO):
+    """``train.method: dpo_offline``: Diffusion-DPO on the pairs of ``train.offline.data`` against the initial policy
+    (module docstring). Args: as :class:`flowrl.methods.base.Method`.
+    """
+
+    online = False
+    pairs = True
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        check(bool(cfg.train.offline.data), "train.offline.data", f"a data file with train.method {cls.name!r}", "")
+        check(cfg.train.kl_beta == 0.0, "train.kl_beta", f"0 with train.method {cls.name!r}", cfg.train.kl_beta)
+
+    def __init__(self, cfg, model, policy, rewards):
+        super().__init__(cfg, model, policy, rewards)
+        _check_family(model, self.name)
+        self.data = OfflineData(read_preference_rows(cfg.train.offline.data, self.pairs), model)
+
+    def rollout(self, metas: list[dict], generator: torch.Generator) -> DataSamples:
+        """The iteration's rows of the data set (`metas` unused: the data set holds the prompts)."""
+        prompts, latents = self.data.batch(self.cfg.train.offline.batch_size, generator)
+        table = self.model.prompt_table([{"prompt": p} for p in prompts])
+        cond = table.rows(torch.arange(len(prompts), device=self.device))
+        empty = torch.zeros(0, 3, 1, 1)
+        return DataSamples(empty, torch.zeros(0, dtype=torch.long), 0, latents.to(self.device), cond, table)
+
+    def update(self, samples: DataSamples, adv, keep, generator: torch.Generator) -> dict:
+        """DPO on the rows' pairs (:meth:`DiffusionDPO.update` with the data set's pairs)."""
+        from .base import FinalSamples
+
+        r = len(samples.cond)
+        x0 = samples.x0.transpose(0, 1).reshape(2 * r, *samples.x0.shape[2:])  # preferred rows, then the others
+        flat = FinalSamples(samples.images, torch.arange(r).repeat(2), 0, x0, samples.cond.repeat(2), samples.table)
+        adv = torch.cat([torch.ones(r), -torch.ones(r)])
+        return super().update(flat, adv, adv != 0, generator)
+
+    def end_iteration(self, stats: dict) -> None:
+        """The reference stays the initial policy."""
+
+
+@register_method("sft")
+class SFT(OfflineDPO):
+    """``train.method: sft``: flow matching on the images of ``train.offline.data`` (module docstring).
+    Args: as :class:`flowrl.methods.base.Method`.
+    """
+
+    pairs = False
+
+    def __init__(self, cfg, model, policy, rewards):
+        super(DiffusionDPO, self).__init__(cfg, model, policy, rewards)
+        _check_family(model, self.name)
+        self.data = OfflineData(read_preference_rows(cfg.train.offline.data, False), model)
+        self.reference = None
+
+    def sampling_weights(self):
+        return None
+
+    def update(self, samples: DataSamples, adv, keep, generator: torch.Generator) -> dict:
+        """Flow matching on the rows' images at ``train.dpo.timesteps`` times each; returns ``policy/loss``,
+        ``policy/grad_norm``, ``policy/optimizer_steps`` and ``cost/*``."""
+        d = self.cfg.train.dpo
+        x0 = samples.x0[:, 0].repeat(d.timesteps, *([1] * (samples.x0.ndim - 2)))  # (N, *latent)
+        cond = samples.cond.repeat(d.timesteps)
+        times = self.pair_times(len(x0), generator)
+        x_t, eps = self.noised(x0, times, generator)
+        velocity = self.model.velocity_fn(samples.table, d.guidance_scale)
+        stats: dict[str, list[float]] = defaultdict(list)
+        steps = 0
+        self.model.transformer.train()
+        for _, _, mb, total in self.policy.minibatches(len(x0), generator):
+            steps += 1
+            if len(mb) == 0:
+                self.policy.step(None, stats)
+                continue
+            parts = []
+            for _, idx, frac in self.policy.micro_batches(mb):
+                with self.policy.autocast():
+                    v = velocity(x_t[idx], times[idx], cond[idx])
+                loss = flow_matching_error(v, x0[idx], eps[idx]).mean()
+                self.policy.backward(loss, frac * len(mb) / total)
+                parts.append(loss.item() * frac)
+            self.policy.step(sum(parts), stats)
+        self.model.transformer.eval()
+        out = {k: sum(v) / len(v) for k, v in stats.items()}
+        out.update({"policy/optimizer_steps": steps, "cost/trained_transitions": len(x0) * self.cfg.train.inner_epochs,
+                    "cost/nfe": len(x0) * self.model.cfg_rows(d.guidance_scale)})  # fmt: skip
+        return out
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def save_files(self, folder: Path) -> None:
+        pass
+
+    def load_files(self, folder: Path) -> None:
+        pass

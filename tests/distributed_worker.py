@@ -165,17 +165,22 @@ def main() -> None:
     rank = trainer.accelerator.process_index
     split_grads, whole_grads = (
         ([], [])
-        if (trainer.cfg.train.method == "nft" or trainer.policy.engine or os.environ.get("FLOWRL_TEST_NO_SPLIT"))
+        if (
+            not hasattr(trainer.method, "optimize")  # not the GRPO update on stored transitions
+            or trainer.policy.engine
+            or os.environ.get("FLOWRL_TEST_NO_SPLIT")
+        )
         else split_gradient(trainer)
     )  # at the initial weights
-    optimize, peaks = trainer.method.optimize, []
+    optimize, peaks = getattr(trainer.method, "optimize", None), []
 
     def measured(*args, **kwargs):  # the peak resident memory up to the end of each policy update
         out = optimize(*args, **kwargs)
         peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         return out
 
-    trainer.method.optimize = measured
+    if optimize is not None:
+        trainer.method.optimize = measured
     result = trainer.train()
     save_file(
         {n: p.detach().contiguous() for n, p in trainer.policy.weights().items()}, f"{out}/rank{rank}.safetensors"

@@ -149,10 +149,24 @@ def test_flux_config_errors_name_the_key(tmp_path, random_flux_pipeline, prompt_
         Trainer(load_config(None, over))
 
 
-@pytest.mark.parametrize("preset", ["mix_grpo_flash", "branch_grpo_mix", "tempflow_grpo", "diffusion_nft_off_policy"])
+@pytest.mark.parametrize(
+    "preset",
+    [
+        "mix_grpo_flash",
+        "branch_grpo_mix",
+        "tempflow_grpo",
+        "diffusion_nft_off_policy",
+        "dpo_offline",
+        *(
+            pytest.param(p, marks=pytest.mark.slow)
+            for p in ("awm", "crd", "dgpo", "dpo_online", "flow_dppo", "gardo", "sft")
+        ),
+    ],
+)
 def test_rollout_shapes_and_nft_run_on_flux(preset, tmp_path, random_flux_pipeline, prompt_files):
-    """Windows with a DPM-Solver++ tail, trees, single-step probes and DiffusionNFT: model-agnostic, so unchanged on
-    FLUX (the presets' own shapes, shrunk as in test_presets)."""
+    """Windows with a DPM-Solver++ tail, trees, single-step probes, DiffusionNFT and the methods of 2026 (the offline
+    ones on the shipped data set, encoded by FLUX's VAE): model-agnostic, so unchanged on FLUX (the presets' own
+    shapes, shrunk as in test_presets)."""
     cfg = load_config(REPO / "configs" / f"{preset}.yaml")
     extra = {
         "run.mixed_precision": "no",
@@ -160,6 +174,7 @@ def test_rollout_shapes_and_nft_run_on_flux(preset, tmp_path, random_flux_pipeli
         "model.max_sequence_length": 8,
         "sampling.guidance_scale": 3.5,
         "rewards.jpeg_compressibility.weight": 1.0,
+        "train.offline.batch_size": 4,  # dpo_offline, sft: the shipped data set, encoded by FLUX's VAE
         **shape_overrides(cfg),
     }
     train, test = prompt_files

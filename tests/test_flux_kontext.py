@@ -212,3 +212,28 @@ def test_kontext_recipe_trains_rewards_see_the_source_and_the_lora_loads_in_stoc
     base = _stock_images(kontext, trainer.model, metas, 3, guidance_scale=2.5)
     assert (stock - base).abs().max() > 1e-4  # the LoRA changed the model
     torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "preset", ["dgpo", *(pytest.param(p, marks=pytest.mark.slow) for p in ("awm", "crd", "dpo_online", "gardo"))]
+)
+def test_new_methods_train_on_editing_prompts(preset, tmp_path, kontext, edit_prompts):
+    """The forward-process methods of 2026 and GARDO take Kontext's source images through the prompt table."""
+    extra = {
+        "run.mixed_precision": "no",
+        "model.dtype": "float32",
+        "model.resolution": SIDE,
+        "model.max_sequence_length": 8,
+        "rewards.geneval": "null",
+        "rewards.jpeg_compressibility.weight": 1.0,
+        "sampling.group_size": 4,
+        "sampling.guidance_scale": 2.5,
+        "train.minibatch_size": 8,
+        "train.gardo.auxiliary": "[]",
+    }
+    over = tiny_overrides(kontext, *edit_prompts, tmp_path / "run", **extra)
+    trainer = Trainer(load_config(REPO / "configs" / f"{preset}.yaml", over))
+    assert isinstance(trainer.model, FluxKontextModel)
+    trainer.train()
+    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(m["policy/optimizer_steps"] > 0 for m in metrics)

@@ -366,6 +366,14 @@ def test_offline_data_reads_pick_a_pic_rows_and_names_bad_rows(tmp_path):
     assert read_preference_rows(tmp_path / "p.jsonl", pairs=True) == [
         ("x", str(tmp_path / "b.png"), str(tmp_path / "a.png"))
     ]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pick = {"caption": ["g", "t"], "jpg_0": [png((0, 255, 0)), png((0, 0, 255))], "jpg_1": [png((0, 0, 255))] * 2,
+            "label_0": [1.0, 0.5]}  # fmt: skip
+    pq.write_table(pa.table(pick), tmp_path / "pick.parquet")  # Pick-a-Pic's parquet: images as bytes
+    (row,) = read_preference_rows(tmp_path / "pick.parquet", pairs=True)
+    assert row[0] == "g" and load_image(row[1], 8)[1].min() == 1.0 and load_image(row[2], 8)[2].min() == 1.0
     image = load_image(png((0, 255, 0)), 16)  # bytes, as Pick-a-Pic's parquet holds them: resized and centre-cropped
     assert image.shape == (3, 16, 16) and image[1].min() == 1.0 and image[0].max() == 0.0
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x", "image": "a.png"}\n')

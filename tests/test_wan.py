@@ -441,3 +441,27 @@ def test_generate_writes_an_mp4_per_video(tmp_path, wan):
         assert video.shape == (FRAMES, 3, SIDE, SIDE)
         assert (video - drawn[n]).abs().mean() < 0.05  # the video drawn for that seed, through H.264
         assert (tmp_path / "out" / f"{n:05d}.png").is_file()
+
+
+NEW_ONLINE = ["awm", "crd", "dgpo", "dpo_online", "flow_dppo", "gardo"]
+
+
+@pytest.mark.parametrize("preset", [p if p == "awm" else pytest.param(p, marks=pytest.mark.slow) for p in NEW_ONLINE])
+def test_new_methods_train_on_video_latents(preset, tmp_path, wan, video_prompts):
+    """The online methods of 2026 on 5-D latents for two iterations (GARDO's diversity from pooled frames, without
+    auxiliary rewards); the offline ones refuse the family in one line."""
+    extra = {"sampling.group_size": 4, "train.minibatch_size": 8, "train.gardo.auxiliary": "[]"}
+    extra.update({"rewards.clipscore": "null", "rewards.jpeg_compressibility": "null"})  # GARDO's image judges
+    over = _video_overrides(wan, video_prompts, tmp_path / "run", **extra)
+    trainer = Trainer(load_config(REPO / "configs" / f"{preset}.yaml", over))
+    before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
+    trainer.train()
+    metrics = _metrics(tmp_path / "run")
+    assert len(metrics) == 2 and all(m["policy/optimizer_steps"] > 0 for m in metrics)
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
+
+
+def test_offline_methods_refuse_video_latents(tmp_path, wan, video_prompts):
+    over = _video_overrides(wan, video_prompts, tmp_path / "run")
+    with pytest.raises(ValueError, match="WanModel family's latents are its own"):
+        Trainer(load_config(REPO / "configs" / "sft.yaml", over))

@@ -177,8 +177,8 @@ class CRD(ForwardProcess):
             raise RuntimeError(f"CRD trains whole groups of {g} samples; {len(rows)} kept rows are not")
         k, steps = len(rows), min(self.num_times(), len(self.sigmas) - 1)
         # per sample, `steps` distinct grid steps in a random order; draw j of every sample forms the units of draw j
-        order = torch.stack([torch.randperm(len(self.sigmas) - 1, generator=generator)[:steps] for _ in range(k)])
-        t = self.sigmas[order.T.reshape(-1)].to(self.device) if k else torch.zeros(0, device=self.device)  # (N,)
+        order = [torch.randperm(len(self.sigmas) - 1, generator=generator)[:steps] for _ in range(k)]
+        t = self.sigmas[torch.stack(order).T.reshape(-1)].to(self.device) if k else torch.zeros(0, device=self.device)
         r_idx = rows.repeat(steps).to(self.device)  # (N,) draw-major, groups contiguous within a draw
         x0, cond, a_n = samples.x0[r_idx], samples.cond[r_idx], adv.to(self.device)[r_idx]
         x_t, eps = self.noised(x0, t, generator)

@@ -209,7 +209,8 @@ class GARDO(GRPO):
         the same weights), then :meth:`GRPO.policy_log_prob`."""
         self.v_ref = None
         if self.reference is not None:
-            mask = self.gate[sub.leaf.to(self.gate.device)]
+            leaf = sub.leaf.to(self.device)
+            mask = torch.ones_like(leaf, dtype=torch.bool) if self.gate is None else self.gate[leaf]  # None: all
             if bool(mask.any()):
                 rows = sub.select(mask.nonzero().squeeze(1).to(sub.leaf.device))
                 with torch.no_grad(), self.policy.holding(self.reference), self.policy.autocast():

@@ -28,6 +28,7 @@ SCRIPTS = (
     "fsdp2_units_memory",
     "gpu_scale",
     "gradient_snr",
+    "methods_table",
     "nft_text_encoders",
     "policy_step_check",
     "step_influence",
@@ -378,3 +379,25 @@ def test_fsdp2_units_memory_on_a_tiny_sd3(tmp_path, monkeypatch):
     for run in result["runs"]:
         assert len(run["peak_rss_mib"]) == 2 and all(100 < x for x in run["peak_rss_mib"])
         assert all(100 < x <= y for x, y in zip(run["peak_rss_after_update_mib"], run["peak_rss_mib"]))
+
+
+def test_methods_table_runs_each_method_and_reruns_the_best(tmp_path, random_pipeline, monkeypatch):
+    out = tmp_path / "table.json"
+    over = ["model.path=" + str(random_pipeline), "run.device=cpu", "run.mixed_precision=no", "sampling.num_steps=2"]
+    over += ["sampling.group_size=2", "sampling.prompts_per_iteration=2", "eval.images_per_tag=1", "eval.num_steps=2"]
+    over += [
+        "eval.held_out_images_per_tag=1",
+        "train.minibatch_size=4",
+        "model.lora_rank=2",
+        "train.offline.batch_size=2",
+    ]
+    over += ["rewards.jpeg_compressibility.weight=1.0", "train.nft.timesteps=2"]
+    args = ["--methods", "quickstart", "awm", "sft", "--budget-s", 0.01, "--seeds-for-best", 1, "--extra-seeds", 1]
+    run_script("methods_table", [*args, "--overrides", *over, "--out", out], monkeypatch)
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["preset"], r["seed"]) for r in rows][:3] == [("quickstart", 0), ("awm", 0), ("sft", 0)]
+    assert len(rows) == 5 and {(r["preset"], r["seed"]) for r in rows[3:]} >= {("quickstart", 1)}
+    assert all(r["iterations"] == 1 and 0 <= r["held_out_accuracy"] <= 1 for r in rows)
+    assert rows[2]["reward_first"] is None and rows[1]["reward_first"] is not None  # SFT scores nothing
+    assert "| SFT (shipped images) | `sft` | 1 |" in out.with_suffix(".md").read_text()

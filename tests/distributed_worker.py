@@ -153,6 +153,7 @@ def split_gradient(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 def main() -> None:
     from flowrl.config import load_config
     from flowrl.evaluation import sharded
+    from flowrl.methods import GRPO
     from flowrl.trainer import Trainer
 
     if os.environ.get("FLOWRL_TEST_FSDP2") == "1":
@@ -166,13 +167,13 @@ def main() -> None:
     split_grads, whole_grads = (
         ([], [])
         if (
-            not hasattr(trainer.method, "optimize")  # not the GRPO update on stored transitions
+            not isinstance(trainer.method, GRPO)  # not the GRPO update on stored transitions
             or trainer.policy.engine
             or os.environ.get("FLOWRL_TEST_NO_SPLIT")
         )
         else split_gradient(trainer)
     )  # at the initial weights
-    optimize, peaks = getattr(trainer.method, "optimize", None), []
+    optimize, peaks = getattr(trainer.method, "optimize", None), []  # GRPO's and DiffusionNFT's update
 
     def measured(*args, **kwargs):  # the peak resident memory up to the end of each policy update
         out = optimize(*args, **kwargs)

@@ -330,7 +330,9 @@ def test_ode_sampling_equals_the_stock_pipeline(hunyuan):
     [
         "flow_grpo",
         "diffusion_nft",
+        "dgpo",
         *(pytest.param(p, marks=pytest.mark.slow) for p in ("mix_grpo", "branch_grpo", "tempflow_grpo")),
+        *(pytest.param(p, marks=pytest.mark.slow) for p in ("awm", "crd", "dpo_online", "flow_dppo", "gardo")),
     ],
 )
 def test_presets_train_on_video_latents(preset, tmp_path, hunyuan, video_prompts):
@@ -338,14 +340,15 @@ def test_presets_train_on_video_latents(preset, tmp_path, hunyuan, video_prompts
     PPO ratio is exactly 1 before the first optimizer step; DiffusionNFT changes the LoRA."""
     cfg = load_config(REPO / "configs" / f"{preset}.yaml")
     fewer = {"sampling.probe.steps": "[0,4]", "sampling.probe.children": 2} if cfg.sampling.shape == "tempflow" else {}
-    over = _video_overrides(hunyuan, video_prompts, tmp_path / "run", **shape_overrides(cfg), **fewer)
+    images = {"rewards.clipscore": "null", "rewards.jpeg_compressibility": "null", "train.gardo.auxiliary": "[]"}
+    over = _video_overrides(hunyuan, video_prompts, tmp_path / "run", **shape_overrides(cfg), **fewer, **images)
     trainer = Trainer(load_config(REPO / "configs" / f"{preset}.yaml", over))
     before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     trainer.train()
     metrics = _metrics(tmp_path / "run")
     assert len(metrics) == 2
     assert all(m["cost/trained_transitions"] > 0 and m["policy/optimizer_steps"] > 0 for m in metrics)
-    if cfg.train.method == "grpo":
+    if cfg.train.method in ("grpo", "flow_dppo", "gardo", "awm"):
         assert all(m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
     assert (tmp_path / "run" / "grid.png").is_file()

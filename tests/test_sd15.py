@@ -144,6 +144,9 @@ def test_unsupported_settings_are_one_clear_config_error(tmp_path, sd15, prompt_
     train, test = prompt_files
     cases = {
         "configs/diffusion_nft.yaml": ({}, "config key 'train.method': 'nft' (DiffusionNFT) needs a flow-matching"),
+        "configs/awm.yaml": ({}, "config key 'train.method': 'awm' (AWM) needs a flow-matching"),
+        "configs/crd.yaml": ({}, "config key 'train.method': 'crd' (CRD) needs a flow-matching"),
+        "configs/sft.yaml": ({}, "config key 'train.method': 'sft' (SFT) needs a flow-matching"),
         "configs/mix_grpo_flash.yaml": ({"sampling.num_steps": 5}, "config key 'sampling.window.flash_ratio'"),
         "configs/flow_grpo.yaml": ({"sampling.shift": 3.0}, "config key 'sampling.shift'"),
     }
@@ -212,3 +215,19 @@ def test_the_random_pipeline_is_seeded(tmp_path, sd15):
     assert not all(torch.equal(reference[k], other[k]) for k in reference)
     with pytest.raises(ValueError, match="sample_size must be a positive even number"):
         build_random_sd15_pipeline(tmp_path / "odd", sample_size=7)
+
+
+@pytest.mark.parametrize("preset", ["flow_dppo", pytest.param("gardo", marks=pytest.mark.slow)])
+def test_grpo_variants_of_2026_run_on_sd15(preset, tmp_path, sd15, prompt_files):
+    """Flow-DPPO and GARDO are the GRPO update on stored transitions: they run on the mapped UNet (the forward-process
+    methods are refused above); the ratio is exactly 1 before the first optimizer step."""
+    train, test = prompt_files
+    extra = {"run.mixed_precision": "no", "sampling.num_steps": 4, "sampling.group_size": 4}
+    extra.update(
+        {"rewards.geneval": "null", "rewards.jpeg_compressibility.weight": 1.0, "train.gardo.auxiliary": "[]"}
+    )
+    extra.update({"rewards.clipscore": "null"})
+    over = tiny_overrides(sd15, train, test, tmp_path / "run", **extra)
+    Trainer(load_config(REPO / "configs" / f"{preset}.yaml", over)).train()
+    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)

@@ -151,9 +151,7 @@ def load_image(source, side: int) -> torch.Tensor:
 def _check_family(model, method: str) -> None:
     """Refuse, in one line, a family whose latents are not the VAE's scaled ones (SD 1.x/XL's VP state, Qwen-Image's
     and the video families' normalised latents)."""
-    from ..models.base import FlowModel
-
-    if type(model).decode is not FlowModel.decode:
+    if not model.encodes_images():
         raise ValueError(
             f"train.method {method!r} encodes its images with the VAE; the {type(model).__name__} family's latents "
             "are its own (built: the SD3 and FLUX families)"

@@ -559,6 +559,11 @@ class FlowModel:
             images.append(vae.decode(z, return_dict=False)[0].float())
         return (torch.cat(images) / 2 + 0.5).clamp(0, 1)
 
+    def encodes_images(self) -> bool:
+        """Whether :meth:`encode_latents` is this family's inverse of :meth:`decode` (the families whose latents are the
+        VAE's scaled ones: SD3, FLUX)."""
+        return type(self).decode is FlowModel.decode
+
     @torch.no_grad()
     def encode_latents(self, images: torch.Tensor) -> torch.Tensor:
         """The inverse of :meth:`decode`: images ``(B, 3, H, W)`` in [0, 1] (``H = W = resolution``) to scaled latents
@@ -568,7 +573,7 @@ class FlowModel:
         Raises:
             NotImplementedError: for a family whose :meth:`decode` is its own (its latents are not the VAE's scaled).
         """
-        if type(self).decode is not FlowModel.decode:
+        if not self.encodes_images():
             raise NotImplementedError(f"{type(self).__name__} decodes its own latents: encoding images is not built")
         vae = self.pipe.vae
         out = []

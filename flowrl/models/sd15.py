@@ -122,8 +122,8 @@ class SD15Model(FlowModel):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """Refuse what the flow-variable mapping does not cover, naming the key: DiffusionNFT (``train.method: nft``
-        trains the flow-matching loss at arbitrary times from samples it takes as ``x_0``, but this family's samples
+        """Refuse what the flow-variable mapping does not cover, naming the key: the forward-process methods
+        (DiffusionNFT, AWM, DGPO, Diffusion-DPO, CRD, SFT: each trains the flow-matching loss at arbitrary times from samples it takes as ``x_0``, but this family's samples
         end at ``final_alpha_cumprod`` and its times at the largest training timestep), MixGRPO-Flash / BranchGRPO-Flash
         re-spacing (``sampling.window.flash_ratio``, ``sampling.tree.flash_ratio``: a shifted flow schedule ending at
         ``sigma = 0``), a ``sampling.shift`` other than 1, and (``model.path``) a scheduler config that clips or
@@ -133,15 +133,18 @@ class SD15Model(FlowModel):
             flowrl.config.ConfigError: naming the key.
         """
         from ..config import ConfigError, config_key, resolve_path
+        from ..methods import METHODS
+        from ..methods.forward import ForwardProcess
 
         file = _scheduler_file(resolve_path(cfg.model.path))
         with config_key("model.path"):
             _check_scheduler(json.loads(file.read_text()), file)
         where = f"model.path {cfg.model.path} is a {cls.PIPELINE} (DDPM)"
-        if cfg.train.method == "nft":
+        method = METHODS.get(cfg.train.method)
+        if method is not None and issubclass(method, ForwardProcess):  # NFT, AWM, DGPO, DPO, CRD, offline, SFT
             raise ConfigError(
-                f"config key 'train.method': 'nft' (DiffusionNFT) needs a flow-matching model; {where}: "
-                "use train.method grpo"
+                f"config key 'train.method': {cfg.train.method!r} ({method.__name__}) needs a flow-matching model "
+                f"(it trains the flow-matching loss on clean samples); {where}: use train.method grpo, flow_dppo or gardo"
             )
         for key, value in (
             ("sampling.window.flash_ratio", cfg.sampling.window.flash_ratio),

@@ -1,6 +1,7 @@
-"""The methods of 2026: AWM, DGPO, online Diffusion-DPO, Flow-DPPO and GDPO's aggregation. Each loss is checked against
-an independent derivation of the paper's and official code's equations written here (float64, 1e-6), each property the
-method promises is asserted, and each preset trains on the tiny random pipeline and resumes exactly."""
+"""The methods of 2026: AWM, DGPO, Diffusion-DPO (online and offline), SFT, CRD, Flow-DPPO, GARDO and GDPO's
+aggregation. Each loss is checked against an independent derivation of the paper's and official code's equations
+written here (float64, 1e-6), each property the method promises is asserted, and each preset trains on the tiny
+random pipeline and resumes exactly."""
 
 from __future__ import annotations
 

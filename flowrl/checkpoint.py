@@ -218,7 +218,7 @@ def save_checkpoint(
     return final
 
 
-def _iteration(path: Path) -> int:
+def checkpoint_iteration(path: Path) -> int:
     """The iteration a ``checkpoint-<iteration>`` folder is named after."""
     return int(path.name.split("-")[1])
 
@@ -228,7 +228,7 @@ def _checkpoint_folders(directory: str | Path) -> list[Path]:
     folders = [
         p for p in Path(directory).glob("checkpoint-*") if p.is_dir() and re.fullmatch(r"checkpoint-\d+", p.name)
     ]
-    return sorted(folders, key=_iteration, reverse=True)
+    return sorted(folders, key=checkpoint_iteration, reverse=True)
 
 
 def choose_checkpoint(directory: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -301,8 +301,8 @@ def prune_checkpoints(directory: str | Path, keep: int, just_saved: str | Path |
                 break
     if len(verified) < keep:
         return []
-    oldest_kept = _iteration(verified[-1])
-    doomed = [p for p in reversed(folders) if _iteration(p) < oldest_kept and p.name != saved]
+    oldest_kept = checkpoint_iteration(verified[-1])
+    doomed = [p for p in reversed(folders) if checkpoint_iteration(p) < oldest_kept and p.name != saved]
     for path in doomed:
         shutil.rmtree(path)
     return doomed

@@ -49,7 +49,7 @@ def _model(args):
             pipeline or holds damaged or pickled weights, a resolution the model cannot take, or a LoRA folder
             without weights.
     """
-    from .models import model_class, resolve_device
+    from .models import build_adapter, model_class, resolve_device
 
     device, path = resolve_device(args.device), resolve_path(args.model)
     check_model_folder(path)  # readable JSON, whole safetensors weights (no pickles), each file named
@@ -69,7 +69,9 @@ def _model(args):
             video["num_frames"] = adapter.check_num_frames(path, args.num_frames)
         except ValueError as e:
             raise ValueError(f"--num-frames: {e}") from None
-    model = adapter(path, device, max_sequence_length=args.max_sequence_length, resolution=args.resolution, **video)
+    model = build_adapter(
+        adapter, path, device, max_sequence_length=args.max_sequence_length, resolution=args.resolution, **video
+    )
     if args.lora:
         model.load_lora(args.lora)
     return model
@@ -146,6 +148,12 @@ def cmd_eval(args) -> dict:
     if args.format != "auto":
         raise ValueError("--format is for --reward; the GenEval accuracy reads GenEval metadata (.jsonl)")
     metas = read_jsonl(prompt_file(args.prompts))
+    bare = [i for i, m in enumerate(metas, 1) if "include" not in m]
+    if bare:  # before the model loads
+        raise ValueError(
+            f"--prompts {args.prompts}: line {bare[0]} (and {len(bare) - 1} more) has no GenEval metadata ('include'); "
+            "the GenEval accuracy needs it: score plain prompts with --reward NAME"
+        )
     probe_output(args.out, "--out", (".json",))  # before the work, not after it
     accelerator = _eval_accelerator(args)
     model = _model(args)
@@ -493,28 +501,24 @@ def cmd_overopt(args) -> dict:
     return results
 
 
-def _at_least(low: float, kind: type = int, strict: bool = False):
+def _at_least(low: float, kind: type = int, strict: bool = False, high: float | None = None):
     """An argparse ``type``: ``kind(text)``, refused (one line, naming the option) unless ``>= low`` (``> low``
-    with ``strict``), so that a bad value fails before the model loads."""
+    with ``strict``) and, with `high`, ``< high`` (inf refused for floats), so that a bad value fails before the model
+    loads."""
+    import math
 
     def parse(text: str):
         value = kind(text)  # a ValueError here is argparse's "invalid int value: 'x'"
         if not value >= low or (strict and value == low):  # NaN fails too
             raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low}, got {text}")
+        if (high is not None and not value < high) or (kind is float and not math.isfinite(value)):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number{f' below {high:g}' if high else ''}, got {text}"
+            )
         return value
 
     parse.__name__ = kind.__name__
     return parse
-
-
-def _finite(text: str) -> float:
-    """An argparse ``type``: a finite float (``nan`` and ``inf`` refused, naming the option)."""
-    import math
-
-    value = float(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
 
 
 def _non_empty(text: str) -> str:
@@ -558,14 +562,24 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         help="frames per video, video models only (Wan: 4k+1; default: the model's, 81 for Wan)",
     )
     p.add_argument("--num-steps", type=_at_least(1), default=20, help="Euler ODE steps")
-    p.add_argument("--guidance-scale", type=_finite, default=4.5, help="classifier-free guidance scale (1 = off)")
+    p.add_argument(
+        "--guidance-scale",
+        type=_at_least(1, float, high=100.0 + 1e-9),
+        default=4.5,
+        help="classifier-free guidance scale in [1, 100] (1 = off)",
+    )
     p.add_argument(
         "--shift",
         type=_at_least(0, float, strict=True),
         default=None,
         help="sigma-schedule shift (default: the model scheduler's)",
     )
-    p.add_argument("--seed", type=int, default=1234, help="seed of the first image's noise (then seed + 1, ...)")
+    p.add_argument(
+        "--seed",
+        type=_at_least(0, high=2**63 - 10**6),
+        default=1234,
+        help="seed of the first image's noise (then seed + 1, ...)",
+    )
     p.add_argument("--device", type=_device, default="auto", help="auto | cpu | cuda[:N]")
     p.add_argument(
         "--bf16",
@@ -801,6 +815,24 @@ def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 
+def _machine_error(error: BaseException) -> str | None:
+    """One line for an error of the machine rather than of flowrl: a read-only file system, a full disk or quota
+    (an ``OSError``, or a safetensors write that says so), naming the file where the error does; None otherwise."""
+    import errno
+
+    codes = {errno.EROFS: "the file system is read-only", errno.ENOSPC: "no space left on the device"}
+    codes[errno.EDQUOT] = "the disk quota is exceeded"
+    if isinstance(error, OSError) and error.errno in codes:
+        where = f"{error.filename}: " if error.filename else ""
+        return f"{where}{codes[error.errno]}; choose another output folder or free space (nothing else was changed)"
+    if "No space left on device" in str(error):
+        return (
+            "no space left on the device while writing; the files written before it (earlier checkpoints) stay "
+            "usable: free space and continue with run.resume=true"
+        )
+    return None
+
+
 def _run(args: argparse.Namespace) -> None:
     """Run ``args.fn(args)``; a :func:`user_errors` exception prints ``flowrl COMMAND: error: ...`` (one line) on
     stderr and exits with status 2 (``SystemExit``) instead of a traceback, unless ``FLOWRL_TRACEBACK=1`` is set.
@@ -810,10 +842,11 @@ def _run(args: argparse.Namespace) -> None:
     try:
         args.fn(args)
     except Exception as e:
-        if os.environ.get("FLOWRL_TRACEBACK") == "1" or not isinstance(e, user_errors()):
+        machine = _machine_error(e)
+        if os.environ.get("FLOWRL_TRACEBACK") == "1" or not (isinstance(e, user_errors()) or machine):
             raise
         if int(os.environ.get("RANK", "0")) == 0:  # under accelerate launch / torchrun every process fails alike
-            print(f"flowrl {args.command}: error: {_one_line(e)}", file=sys.stderr)
+            print(f"flowrl {args.command}: error: {machine or _one_line(e)}", file=sys.stderr)
         sys.exit(2)
 
 

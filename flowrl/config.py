@@ -193,7 +193,7 @@ class SamplingConfig:
             self.tree.split_steps,
         )
         _check(self.group_size >= 2, "sampling.group_size", ">= 2 (group-relative advantages)", self.group_size)
-        _check(self.guidance_scale >= 1.0, "sampling.guidance_scale", ">= 1", self.guidance_scale)
+        _check(1.0 <= self.guidance_scale <= 100.0, "sampling.guidance_scale", "in [1, 100]", self.guidance_scale)
         _check(
             self.kernel in STOCHASTIC_KERNELS,
             "sampling.kernel",
@@ -291,7 +291,7 @@ class TrainConfig:
     def __post_init__(self):
         _check(self.method in METHODS, "train.method", "|".join(METHODS), self.method)
         _check(self.adv_std in ("global", "group"), "train.adv_std", "global|group", self.adv_std)
-        _check(self.learning_rate > 0, "train.learning_rate", "> 0", self.learning_rate)
+        _check(0 < self.learning_rate <= 1, "train.learning_rate", "in (0, 1]", self.learning_rate)
         betas = list(self.adam_betas)
         _check(len(betas) == 2 and all(0 <= b < 1 for b in betas), "train.adam_betas", "two values in [0, 1)", betas)
         _check(self.weight_decay >= 0, "train.weight_decay", ">= 0", self.weight_decay)
@@ -357,7 +357,8 @@ class EvalConfig:
         _check(self.images_per_tag >= 1, "eval.images_per_tag", ">= 1", self.images_per_tag)
         _check(self.held_out_images_per_tag >= 1, "eval.held_out_images_per_tag", ">= 1", self.held_out_images_per_tag)
         _check(self.num_steps >= 1, "eval.num_steps", ">= 1", self.num_steps)
-        _check(self.guidance_scale >= 1.0, "eval.guidance_scale", ">= 1", self.guidance_scale)
+        _check(1.0 <= self.guidance_scale <= 100.0, "eval.guidance_scale", "in [1, 100]", self.guidance_scale)
+        _check(0 <= self.seed < 2**63, "eval.seed", "in [0, 2^63)", self.seed)
 
 
 @dataclass
@@ -395,6 +396,7 @@ class RunConfig:
             self.log_images_every,
         )
         _check(self.iterations >= 1, "run.iterations", ">= 1", self.iterations)
+        _check(0 <= self.seed < 2**63, "run.seed", "in [0, 2^63)", self.seed)
         _check(self.save_every >= 1, "run.save_every", ">= 1 (the last iteration is always saved)", self.save_every)
         _check(
             self.keep_checkpoints is None or self.keep_checkpoints >= 1,
@@ -451,6 +453,15 @@ def _load_yaml(path: Path, chain: tuple[Path, ...] = ()):
     if not path.is_file():
         raise FileNotFoundError(
             f"config file {path} does not exist" + (f" (the 'base' of {chain[-1]})" if chain else "")
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    if not text.strip() or all(not line.strip() or line.lstrip().startswith("#") for line in text.splitlines()):
+        raise ConfigError(
+            f"config file {path} is empty: it names no model and no rewards (start from a preset in configs/, or "
+            "write base: configs/quickstart.yaml and the keys to change)"
         )
     try:
         cfg = OmegaConf.load(path)

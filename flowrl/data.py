@@ -43,15 +43,19 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
     Raises:
         FileNotFoundError: naming the path.
-        ValueError: naming the file and line of a line that is not JSON, or not an object with a string
+        ValueError: naming the file, for a file that is not UTF-8; naming the file and line of a line that is not JSON, or not an object with a string
             ``prompt``, or whose ``image`` is not a string naming an existing file; naming the file when it holds no
             prompt at all.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompt file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     metas = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 meta = json.loads(line)

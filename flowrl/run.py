@@ -13,8 +13,21 @@ from pathlib import Path
 from .checkpoint import CheckpointError, choose_checkpoint, truncate_metrics
 from .files import RunLock, check_folder_writable, check_not_in_use
 
-RUN_FILES = ("config.yaml", "eval_before.json", "grid_before.safetensors", "metrics.jsonl", "checkpoints", "eval.json")
-"""What a run writes into its folder; any of them present means the folder holds a run."""
+RUN_FILES = (
+    "config.yaml",
+    "eval_before.json",
+    "grid_before.safetensors",
+    "metrics.jsonl",
+    "checkpoints",
+    "eval.json",
+    "lora",
+    "pipeline",
+    "grid.png",
+    "reward_curve.png",
+    "diagnostics.png",
+)
+"""What a run writes into its folder (its outputs too: a finished run's LoRA, exported pipeline and plots); any of
+them present means the folder holds a run."""
 
 
 class RunFolder:
@@ -40,10 +53,12 @@ class RunFolder:
         check_folder_writable(self.path, "config key 'run.output_dir'")
 
     def files(self) -> list[str]:
-        """The :data:`RUN_FILES` present in the folder (an empty ``checkpoints/`` does not count)."""
+        """The :data:`RUN_FILES` present in the folder (an empty ``checkpoints/``, ``lora/`` or ``pipeline/`` does not
+        count)."""
         present = [name for name in RUN_FILES if (self.path / name).exists()]
-        if "checkpoints" in present and not any((self.path / "checkpoints").iterdir()):
-            present.remove("checkpoints")
+        for folder in ("checkpoints", "lora", "pipeline"):
+            if folder in present and (self.path / folder).is_dir() and not any((self.path / folder).iterdir()):
+                present.remove(folder)
         return present
 
     def refuse_existing(self) -> None:

@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .checkpoint import prune_checkpoints
+from .checkpoint import checkpoint_iteration, prune_checkpoints
 from .config import Config, ConfigError, RewardConfig, config_key, resolve_path, save_config
 from .data import read_prompts
 from .evaluation import evaluate, evaluate_reward, expand_per_tag, generate
 from .files import atomic_output, write_text_atomic
 from .methods import Rewards, build_method
-from .models import resolve_model
+from .models import build_adapter, resolve_model
 from .models.memory import place_frozen
 from .plots import save_diagnostics, save_grid, save_reward_curve
 from .policy import Policy, check_accelerate_engine, check_accelerate_precision, check_optimizer
@@ -181,7 +181,8 @@ class Trainer:
             if adapter.VIDEO
             else {}
         )  # checked by resolve_model
-        self.model = adapter(
+        self.model = build_adapter(
+            adapter,
             resolve_path(cfg.model.path),
             self.device,
             DTYPES[cfg.model.dtype],
@@ -578,6 +579,12 @@ class Trainer:
         path = self.run.checkpoint_to_resume()
         if path is None:
             return 0, 0.0
+        done = checkpoint_iteration(path)
+        if done > self.cfg.run.iterations:  # before anything is loaded or rewritten
+            raise ConfigError(
+                f"config key 'run.iterations': {self.cfg.run.iterations} is below the iteration of the checkpoint "
+                f"run.resume continues ({path}: {done}); set run.iterations >= {done}"
+            )
         state = self.policy.load(path)
         self.method.load_state_dict(state["extra"])
         self.method.load_files(path)

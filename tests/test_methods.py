@@ -390,5 +390,9 @@ def test_offline_methods_refuse_a_missing_data_key_and_families_without_vae_late
 
     with pytest.raises(ConfigError, match=r"train\.offline\.data"):
         load_config(REPO / "configs" / "sft.yaml", ["train.offline.data="])
+    from flowrl.models.flux_kontext import FluxKontextModel
+
     with pytest.raises(ValueError, match="the SD15Model family's latents are its own"):
         _check_family(SD15Model.__new__(SD15Model), "sft")
+    with pytest.raises(ValueError, match="FluxKontextModel edits source images"):
+        _check_family(FluxKontextModel.__new__(FluxKontextModel), "dpo_offline")

@@ -150,11 +150,16 @@ def load_image(source, side: int) -> torch.Tensor:
 
 def _check_family(model, method: str) -> None:
     """Refuse, in one line, a family whose latents are not the VAE's scaled ones (SD 1.x/XL's VP state, Qwen-Image's
-    and the video families' normalised latents)."""
+    and the video families' normalised latents) and an editing family (its rows would need source images)."""
     if not model.encodes_images():
         raise ValueError(
             f"train.method {method!r} encodes its images with the VAE; the {type(model).__name__} family's latents "
             "are its own (built: the SD3 and FLUX families)"
+        )
+    if hasattr(model, "encode_images"):  # FLUX.1 Kontext: conditioned on a source image per prompt
+        raise ValueError(
+            f"train.method {method!r}: {type(model).__name__} edits source images; data sets with a source image per "
+            "row are not built (built: the SD3 and FLUX text-to-image families)"
         )
 
 

@@ -43,6 +43,7 @@ its LoRA targets as ``LORA_TARGETS``."""
 
 __all__ = [
     "ADAPTERS",
+    "build_adapter",
     "FlowModel",
     "FluxKontextModel",
     "FluxModel",
@@ -95,7 +96,29 @@ def load_model(
         FileNotFoundError, ValueError: as :func:`model_class` and the adapter's constructor; TypeError for an option
             the family does not take.
     """
-    return model_class(path)(path, device, dtype, max_sequence_length, resolution, **options)
+    import inspect
+
+    adapter = model_class(path)
+    inspect.signature(adapter).bind(path, device, dtype, max_sequence_length, resolution, **options)  # TypeError
+    return build_adapter(adapter, path, device, dtype, max_sequence_length, resolution, **options)
+
+
+def build_adapter(adapter: type[FlowModel], path, *args, **kwargs) -> FlowModel:
+    """``adapter(path, *args, **kwargs)``, with a component whose ``config.json`` does not fit its class (a missing key,
+    a string where a size belongs: diffusers' ``KeyError`` / ``TypeError`` while building it) reported as one
+    ValueError naming the folder.
+
+    Raises:
+        ValueError: naming `path` and the error, for a component config that does not build.
+    """
+    try:
+        return adapter(path, *args, **kwargs)
+    except (KeyError, TypeError) as e:
+        message = " ".join(str(e).split()) or "(no message)"
+        raise ValueError(
+            f"model folder {path}: a component's config.json does not build its {adapter.PIPELINE} component "
+            f"({type(e).__name__}: {message}); compare it with the model's published config"
+        ) from e
 
 
 def resolve_model(cfg):

@@ -54,10 +54,14 @@ def resolve_device(name: str, option: str = "--device") -> str:
     return name
 
 
+MAX_GUIDANCE = 100.0
+"""The largest classifier-free guidance scale accepted (the field's recipes use 1-15)."""
+
+
 def check_guidance(guidance_scale: float) -> None:
-    """Raise ValueError unless the CFG scale ``guidance_scale >= 1`` (1 = no guidance)."""
-    if guidance_scale < 1:
-        raise ValueError(f"guidance_scale must be >= 1 (1 = no guidance), got {guidance_scale}")
+    """Raise ValueError unless the CFG scale is in ``[1, 100]`` (1 = no guidance; above 100 the images saturate)."""
+    if not 1 <= guidance_scale <= MAX_GUIDANCE:
+        raise ValueError(f"guidance_scale must be in [1, {MAX_GUIDANCE:g}] (1 = no guidance), got {guidance_scale}")
 
 
 def make_batch_invariant(module: torch.nn.Module, probe: Callable[[], object] | None) -> int:
@@ -639,7 +643,13 @@ class FlowModel:
 
         file = Path(directory) / "pytorch_lora_weights.safetensors"
         if not file.is_file():
-            raise FileNotFoundError(f"LoRA folder {directory} has no pytorch_lora_weights.safetensors")
+            pickled = sorted(p.name for p in Path(directory).glob("*") if p.suffix in files.PICKLE_SUFFIXES)
+            why = (
+                f" (it holds {', '.join(pickled)}: pickles, which flowrl never loads; convert them to safetensors)"
+                if pickled
+                else ""
+            )
+            raise FileNotFoundError(f"LoRA folder {directory} has no pytorch_lora_weights.safetensors{why}")
         files.check_safetensors(file)
         before = {n for n, _ in self.transformer.named_parameters() if "lora_" in n}
         from diffusers.utils import logging as diffusers_logging

@@ -165,13 +165,15 @@ class WanModel(FlowModel):
 
     @classmethod
     def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
-        """Default 480 px; a multiple of the VAE's spatial compression x the patch size, up to ``rope_max_seq_len``
-        patches."""
+        """Default 480 px, or the largest side the folder's rotary embedding covers when that is smaller (a small
+        model's, such as the shipped tiny one); a multiple of the VAE's spatial compression x the patch size, up to
+        ``rope_max_seq_len`` patches."""
         vae, dit = _json(path / "vae" / "config.json"), cls._transformer_config(path)
         factor, patch = vae.get("scale_factor_spatial", 8), dit["patch_size"][1]
         unit = factor * patch
         largest = dit.get("rope_max_seq_len", 1024) * unit
-        return cls.DEFAULT_SIDE // unit * unit, unit, largest, f"VAE spatial compression {factor} x patch size {patch}"
+        default = min(cls.DEFAULT_SIDE // unit * unit, largest)
+        return default, unit, largest, f"VAE spatial compression {factor} x patch size {patch}"
 
     @classmethod
     def check_num_frames(cls, path: str | Path, num_frames: int | None) -> int:

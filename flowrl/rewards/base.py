@@ -14,6 +14,7 @@ import importlib
 import inspect
 import math
 import numbers
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -184,13 +185,23 @@ def _import_dotted(spec: str) -> Any:
     module_name, _, attr_path = spec.partition(":")
     if not module_name or not attr_path:
         raise ValueError(f"reward spec {spec!r} must look like 'package.module:function'")
+    top = module_name.split(".")[0]
+    if top in sys.stdlib_module_names or top == "builtins":  # a config is code, but a reward is never os:system
+        raise ValueError(
+            f"reward spec {spec!r} names a function of Python's standard library ({top}); a reward is a function of "
+            "your own module or package"
+        )
     try:
         obj = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
-        # Only translate the error when the module itself is missing, not one of its imports.
-        if err.name is None or not (module_name + ".").startswith(err.name + "."):
-            raise
+        if err.name is None or not (module_name + ".").startswith(err.name + "."):  # one of the module's imports
+            raise ValueError(f"reward spec {spec!r}: importing {module_name!r} failed: {err}") from err
         raise ValueError(f"reward spec {spec!r}: module {module_name!r} not found ({err})") from err
+    except Exception as err:  # the user's module raised while importing: named, in one line, chained
+        message = " ".join(str(err).split()) or "(no message)"
+        raise ValueError(
+            f"reward spec {spec!r}: importing {module_name!r} raised {type(err).__name__}: {message}"
+        ) from err
     for part in attr_path.split("."):
         if not hasattr(obj, part):
             raise ValueError(

@@ -90,7 +90,17 @@ def _load_clip(
         raise OSError(
             f"{reward}: cannot load a CLIP tokenizer and image processor from '{processor_path}' ({first_line})"
         ) from err
-    return CLIPModel.from_pretrained(model_dir, local_files_only=True), tokenizer, image_processor
+    from ..files import check_weights_folder
+
+    try:  # pickled weights (pytorch_model.bin) only: refused in one line, never unpickled
+        check_weights_folder(
+            model_dir,
+            "load it once in a trusted environment and save_pretrained() it (transformers writes safetensors)",
+        )
+    except ValueError as e:
+        raise ValueError(f"{reward}: {e}") from None
+    model = CLIPModel.from_pretrained(model_dir, local_files_only=True, use_safetensors=True)
+    return model, tokenizer, image_processor
 
 
 def clip_preprocess(images: torch.Tensor, size: int, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:

@@ -165,13 +165,16 @@ class RewardServer:
             groups in one call: leave it `None` there.
         max_request_mb (`float`): refuse larger requests (status 413).
         name (`str` or `None`): the name ``/health`` reports (default: the reward's).
+        read_timeout (`float`, `> 0`): seconds a connection may sit idle mid-request before its thread is freed (a
+            client that announces more bytes than it sends); a negative or non-numeric ``Content-Length`` is a 400,
+            a missing one a 411, at once.
 
     Attributes:
         url (`str`): ``http://HOST:PORT``, the value of the ``remote`` reward's ``url`` option.
         requests (`int`): ``/score`` requests answered so far.
 
     Raises:
-        ValueError: a bad `port` or `batch_size`; OSError: the port cannot be bound (e.g. in use).
+        ValueError: a bad `port`, `batch_size` or `read_timeout`, or a port that cannot be bound (in use), named.
     """
 
     def __init__(
@@ -182,18 +185,27 @@ class RewardServer:
         batch_size: int | None = None,
         max_request_mb: float = 2048.0,
         name: str | None = None,
+        read_timeout: float = 60.0,
     ):
         if not is_integer(port) or not 0 <= port <= 65535:
             raise ValueError(f"reward server: port must be an integer in [0, 65535], got {port!r}")
         if batch_size is not None and (not is_integer(batch_size) or batch_size < 1):
             raise ValueError(f"reward server: batch_size must be an integer >= 1 or None, got {batch_size!r}")
         self.reward, self.batch_size, self.max_bytes = reward, batch_size, int(max_request_mb * 2**20)
+        if not isinstance(read_timeout, (int, float)) or isinstance(read_timeout, bool) or not read_timeout > 0:
+            raise ValueError(f"reward server: read_timeout must be seconds > 0, got {read_timeout!r}")
+        self.read_timeout = float(read_timeout)
         self.name = name or reward_name(reward)
         self.accepts_video = accepts_video(reward)
         self.requests = 0
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        except OSError as e:  # the port is taken, the host is not this machine's, ...
+            raise ValueError(
+                f"reward server: cannot listen on {host}:{port} ({e.strerror or e}): choose another --port or --host"
+            ) from None
         self.httpd.daemon_threads = True
         bound_host, bound_port = self.httpd.server_address[:2]
         self.url = f"http://{bound_host if ':' not in bound_host else f'[{bound_host}]'}:{bound_port}"
@@ -213,6 +225,8 @@ class RewardServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = server.read_timeout  # a client that stops mid-request frees its thread after this many seconds
+
             def log_message(self, *args):  # quiet: one line per error is printed by _reply
                 pass
 
@@ -244,7 +258,16 @@ class RewardServer:
             def do_POST(self):
                 if self.path.rstrip("/") != "/score":
                     return self._reply(404, {"error": f"no such endpoint {self.path!r}; use POST /score"})
-                length = int(self.headers.get("Content-Length") or 0)
+                raw_length = self.headers.get("Content-Length")
+                try:
+                    length = int(raw_length)
+                except (TypeError, ValueError):
+                    length = -1
+                if length < 0:
+                    return self._reply(
+                        411 if raw_length is None else 400,
+                        {"error": f"bad request: Content-Length must be a byte count >= 0, got {raw_length!r}"},
+                    )
                 if length > server.max_bytes:
                     return self._reply(
                         413,
@@ -254,7 +277,14 @@ class RewardServer:
                         },
                     )
                 try:
-                    images, prompts, metadata = _read_request(self.rfile.read(length))
+                    body = self.rfile.read(length)
+                except (TimeoutError, OSError):  # the client sent less than it announced, then stopped
+                    self.close_connection = True
+                    return None
+                if len(body) < length:
+                    return self._reply(400, {"error": f"bad request: {len(body)} of {length} announced bytes arrived"})
+                try:
+                    images, prompts, metadata = _read_request(body)
                     if images.ndim == 5 and not server.accepts_video:
                         raise ValueError(f"reward {server.name} scores (B, 3, H, W) images, not videos")
                     check_inputs(images, prompts, metadata, video=images.ndim == 5)
@@ -373,7 +403,10 @@ class RemoteReward:
 
     Args:
         url (`str`): the server, ``http://HOST:PORT`` (as printed by ``flowrl serve-reward``).
-        timeout (`float`, `> 0`): seconds per request (scoring included).
+        timeout (`float`, `> 0`): seconds per request once connected (scoring included): a slow server fails after
+            ``(retries + 1) * timeout`` seconds and the backoff.
+        connect_timeout (`float`, `> 0`): seconds to open the connection: an unreachable server fails within
+            ``(retries + 1) * connect_timeout`` seconds and the backoff (about 10 s with the defaults).
         retries (`int`, `>= 0`): retries per request after the first attempt.
         encoding (`str`): how images travel, one of :data:`ENCODINGS`: ``float32`` (default; lossless, remote
             scores equal local ones exactly), ``uint8`` or ``png`` (8-bit, for slow links).
@@ -394,6 +427,7 @@ class RemoteReward:
         encoding: str = "float32",
         batch_size: int | None = None,
         video: bool = False,
+        connect_timeout: float = 2.0,
     ):
         parsed = urllib.parse.urlparse(url if isinstance(url, str) else "")
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -405,6 +439,12 @@ class RemoteReward:
             raise ValueError(f"remote reward: timeout must be a number of seconds > 0, got {timeout!r}")
         if not is_integer(retries) or retries < 0:
             raise ValueError(f"remote reward: retries must be an integer >= 0, got {retries!r}")
+        if (
+            not isinstance(connect_timeout, (int, float))
+            or isinstance(connect_timeout, bool)
+            or not connect_timeout > 0
+        ):
+            raise ValueError(f"remote reward: connect_timeout must be seconds > 0, got {connect_timeout!r}")
         if encoding not in ENCODINGS:
             raise ValueError(f"remote reward: encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
         if batch_size is not None and (not is_integer(batch_size) or batch_size < 1):
@@ -412,6 +452,8 @@ class RemoteReward:
         self.url = url.rstrip("/")
         self.timeout, self.retries, self.encoding, self.batch_size = float(timeout), retries, encoding, batch_size
         self.accepts_video = bool(video)
+        self.connect_timeout = float(connect_timeout)
+        self.address = (parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80))
 
     def _request(self, path: str, body: bytes | None = None) -> dict:
         """The JSON reply of ``GET`` (no body) or ``POST`` ``path``, retried as the class says.
@@ -428,6 +470,7 @@ class RemoteReward:
                 time.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
             request = urllib.request.Request(target, data=body, headers=headers, method="POST" if body else "GET")
             try:
+                socket.create_connection(self.address, timeout=self.connect_timeout).close()  # unreachable: fast
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
                     raw = response.read()
                 break
@@ -535,11 +578,12 @@ def remote(
     encoding: str = "float32",
     batch_size: int | None = None,
     video: bool = False,
+    connect_timeout: float = 2.0,
 ) -> RemoteReward:
     """A reward served by another process: ``flowrl serve-reward NAME --port PORT`` there, ``url`` here.
 
     Args:
-        url, timeout, retries, encoding, batch_size, video: see :class:`RemoteReward`.
+        url, timeout, retries, encoding, batch_size, video, connect_timeout: see :class:`RemoteReward`.
 
     Returns:
         A `Reward` whose scores are the served reward's, `(B,)` float32 on CPU (equal to local scoring with the
@@ -548,4 +592,4 @@ def remote(
     Raises:
         ValueError: a malformed `url` or option; on call, ConnectionError naming the URL when the server is down.
     """
-    return RemoteReward(url, timeout, retries, encoding, batch_size, video)
+    return RemoteReward(url, timeout, retries, encoding, batch_size, video, connect_timeout)

@@ -423,7 +423,15 @@ def cmd_serve_reward(args) -> None:
     """``flowrl serve-reward NAME``: serve a reward over HTTP until Ctrl-C (:func:`rewards.serve`)."""
     from .rewards import serve
 
-    serve(args.name, host=args.host, port=args.port, batch_size=args.batch_size, **_options(args.option))
+    serve(
+        args.name,
+        host=args.host,
+        port=args.port,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        max_queue=args.max_queue,
+        **_options(args.option),
+    )
 
 
 def cmd_rewards(args) -> list[dict]:
@@ -721,6 +729,10 @@ def _add_serve_reward(sub) -> None:
     r.add_argument("--host", default="127.0.0.1", help="address to bind (no authentication: keep it local)")
     r.add_argument("--port", type=_at_least(0), default=8000, help="port (0: a free one, printed)")
     r.add_argument("--batch-size", type=_at_least(1), default=None, help="images per reward call (default: a request)")
+    r.add_argument(
+        "--workers", type=_at_least(1), default=1, help="reward calls at once (>1: thread-safe rewards only)"
+    )
+    r.add_argument("--max-queue", type=_at_least(0), default=64, help="requests waiting beyond them before a 503")
     r.set_defaults(fn=cmd_serve_reward)
 
 

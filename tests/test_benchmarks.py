@@ -31,6 +31,7 @@ SCRIPTS = (
     "methods_table",
     "nft_text_encoders",
     "policy_step_check",
+    "reward_server_load",
     "step_influence",
     "tree_speedup",
     "video_vae_headroom",
@@ -194,6 +195,7 @@ def test_policy_step_check(tmp_path, preset, monkeypatch):
     out = tmp_path / "step.json"
     run_script(
         "policy_step_check",
+        "reward_server_load",
         [*preset, f"run.output_dir={tmp_path / 'run'}", "train.minibatch_size=1000", "--out", out],
         monkeypatch,
     )
@@ -401,3 +403,13 @@ def test_methods_table_runs_each_method_and_reruns_the_best(tmp_path, random_pip
     assert all(r["iterations"] == 1 and 0 <= r["held_out_accuracy"] <= 1 for r in rows)
     assert rows[2]["reward_first"] is None and rows[1]["reward_first"] is not None  # SFT scores nothing
     assert "| SFT (shipped images) | `sft` | 1 |" in out.with_suffix(".md").read_text()
+
+
+def test_reward_server_load_checks_every_reply_and_survives_a_killed_client(tmp_path, monkeypatch):
+    out = tmp_path / "load.json"
+    args = ["--clients", 4, "--requests", 5, "--images", 2, "--side", 8, "--delay-s", 0, "--out", out]
+    run_script("reward_server_load", args, monkeypatch)
+    result = json.loads(out.read_text())
+    assert result["answered"] == result["expected"] == 20 and result["mixed_replies"] == 0 and not result["failures"]
+    assert result["killed_client"] and result["health_after"] == "ok" and result["unfinished_clients"] == 0
+    assert result["latency_p50_ms"] <= result["latency_p99_ms"]

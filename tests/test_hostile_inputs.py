@@ -244,3 +244,44 @@ def test_eval_refuses_prompts_without_geneval_metadata_before_the_model_loads(tm
     argv = ["eval", "--model", tmp_path / "no-such-model", "--prompts", tmp_path / "plain.jsonl"]
     line = _fails(capsys, *argv, "--out", tmp_path / "e.json")
     assert "line 1 (and 1 more) has no GenEval metadata" in line  # the missing model was not reached
+
+
+def test_a_full_reward_server_answers_503_with_retry_after():
+    import threading
+    import urllib.error
+    import urllib.request
+
+    import torch
+
+    from flowrl.rewards.server import RewardServer, encode_images
+
+    def slow(images, prompts, metadata):
+        time.sleep(1.0)
+        return images.mean(dim=(1, 2, 3))
+
+    server = RewardServer(slow, port=0, workers=1, max_queue=0).start()
+    body = (
+        __import__("json")
+        .dumps({"images": encode_images(torch.zeros(1, 3, 4, 4)), "prompts": [""], "metadata": [{}]})
+        .encode()
+    )
+
+    def post():
+        request = urllib.request.Request(
+            server.url + "/score", data=body, headers={"Content-Type": "application/json"}
+        )
+        return urllib.request.urlopen(request, timeout=10)
+
+    try:
+        first = threading.Thread(target=lambda: post().read())
+        first.start()
+        time.sleep(0.3)  # the first request is being scored
+        with pytest.raises(urllib.error.HTTPError) as busy:
+            post()
+        assert busy.value.code == 503 and busy.value.headers["Retry-After"] == "1"
+        first.join()
+        assert post().status == 200  # free again
+    finally:
+        server.close()
+    with pytest.raises(ValueError, match="workers must be an integer >= 1"):
+        RewardServer(slow, port=0, workers=0)

@@ -152,8 +152,9 @@ def _one_line(error: BaseException) -> str:
 class RewardServer:
     """An HTTP server scoring images with one reward (the protocol of this module's docstring).
 
-    Requests are served on threads (``/health`` answers while a batch is scored), but the reward is called by
-    one thread at a time: a model on a GPU need not be thread-safe. There is no authentication: keep the default
+    Requests are served on threads (``/health`` answers while a batch is scored); the reward is called by at most
+    ``workers`` threads at once (1 by default: a model on a GPU need not be thread-safe), at most ``max_queue`` more
+    requests wait, and one beyond that gets 503 with ``Retry-After: 1`` (the ``remote`` client retries 503). There is no authentication: keep the default
     loopback host, or bind another address only on a trusted network.
 
     Args:
@@ -165,6 +166,8 @@ class RewardServer:
             groups in one call: leave it `None` there.
         max_request_mb (`float`): refuse larger requests (status 413).
         name (`str` or `None`): the name ``/health`` reports (default: the reward's).
+        workers (`int`, `>= 1`): reward calls at once (more than 1 only for a thread-safe reward).
+        max_queue (`int`, `>= 0`): requests that may wait for a worker before the server answers 503.
         read_timeout (`float`, `> 0`): seconds a connection may sit idle mid-request before its thread is freed (a
             client that announces more bytes than it sends); a negative or non-numeric ``Content-Length`` is a 400,
             a missing one a 411, at once.
@@ -186,6 +189,8 @@ class RewardServer:
         max_request_mb: float = 2048.0,
         name: str | None = None,
         read_timeout: float = 60.0,
+        workers: int = 1,
+        max_queue: int = 64,
     ):
         if not is_integer(port) or not 0 <= port <= 65535:
             raise ValueError(f"reward server: port must be an integer in [0, 65535], got {port!r}")
@@ -195,10 +200,17 @@ class RewardServer:
         if not isinstance(read_timeout, (int, float)) or isinstance(read_timeout, bool) or not read_timeout > 0:
             raise ValueError(f"reward server: read_timeout must be seconds > 0, got {read_timeout!r}")
         self.read_timeout = float(read_timeout)
+        if not is_integer(workers) or workers < 1:
+            raise ValueError(f"reward server: workers must be an integer >= 1, got {workers!r}")
+        if not is_integer(max_queue) or max_queue < 0:
+            raise ValueError(f"reward server: max_queue must be an integer >= 0, got {max_queue!r}")
+        self.workers, self.max_queue = workers, max_queue
+        self._scoring = threading.BoundedSemaphore(workers)  # reward calls at once
+        self._admitted = threading.BoundedSemaphore(workers + max_queue)  # requests scoring or waiting to
         self.name = name or reward_name(reward)
         self.accepts_video = accepts_video(reward)
         self.requests = 0
-        self._lock = threading.Lock()
+        self._count = threading.Lock()
         self._thread: threading.Thread | None = None
         try:
             self.httpd = ThreadingHTTPServer((host, port), self._handler())
@@ -211,10 +223,10 @@ class RewardServer:
         self.url = f"http://{bound_host if ':' not in bound_host else f'[{bound_host}]'}:{bound_port}"
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
-        """The reward's `(B,)` float32 scores, in chunks of :attr:`batch_size`, one call at a time."""
+        """The reward's `(B,)` float32 scores, in chunks of :attr:`batch_size`, at most :attr:`workers` calls at once."""
         step = self.batch_size or max(len(prompts), 1)
         parts = []
-        with self._lock:
+        with self._scoring:
             for start in range(0, len(prompts), step):
                 chunk = slice(start, start + step)
                 raw = self.reward(images[chunk], prompts[chunk], metadata[chunk])
@@ -230,11 +242,13 @@ class RewardServer:
             def log_message(self, *args):  # quiet: one line per error is printed by _reply
                 pass
 
-            def _reply(self, status: int, payload: dict) -> None:
+            def _reply(self, status: int, payload: dict, headers: dict | None = None) -> None:
                 body = json.dumps(payload).encode()
                 if status >= 400:
                     print(f"reward server {server.name}: {status} {payload.get('error')}", file=sys.stderr)
                 self.send_response(status)
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -290,6 +304,12 @@ class RewardServer:
                     check_inputs(images, prompts, metadata, video=images.ndim == 5)
                 except (ValueError, TypeError) as e:
                     return self._reply(400, {"error": f"bad request: {_one_line(e)}"})
+                if not server._admitted.acquire(blocking=False):  # the queue is full: come back later
+                    return self._reply(
+                        503,
+                        {"error": f"busy: {server.workers + server.max_queue} requests scoring or queued"},
+                        {"Retry-After": "1"},
+                    )
                 start = time.perf_counter()
                 try:
                     scores = server.score(images, prompts, metadata)
@@ -297,7 +317,10 @@ class RewardServer:
                     return self._reply(
                         500, {"error": f"reward {server.name} raised {type(e).__name__}: {_one_line(e)}"}
                     )
-                server.requests += 1
+                finally:
+                    server._admitted.release()
+                with server._count:
+                    server.requests += 1
                 self._reply(
                     200, {"scores": scores.tolist(), "reward": server.name, "seconds": time.perf_counter() - start}
                 )
@@ -360,6 +383,8 @@ def serve(
     port: int = 8000,
     batch_size: int | None = None,
     max_request_mb: float = 2048.0,
+    workers: int = 1,
+    max_queue: int = 64,
     **options,
 ) -> None:
     """Serve a reward over HTTP until interrupted: the Python side of ``flowrl serve-reward``.
@@ -373,7 +398,7 @@ def serve(
     Args:
         reward: a reward callable, or a spec for :func:`rewards.build_reward` (a registered name or
             ``'package.module:function'``) built with `options`.
-        host, port, batch_size, max_request_mb: see :class:`RewardServer`.
+        host, port, batch_size, max_request_mb, workers, max_queue: see :class:`RewardServer`.
         **options: the reward's options, when `reward` is a spec.
 
     Raises:
@@ -386,7 +411,9 @@ def serve(
         raise TypeError(f"serve: options {sorted(options)} are only for a reward given by name")
     else:
         name = reward_name(reward)
-    server = RewardServer(reward, host, port, batch_size, max_request_mb, name=name)
+    server = RewardServer(
+        reward, host, port, batch_size, max_request_mb, name=name, workers=workers, max_queue=max_queue
+    )
     print(f"serving reward {name} on {server.url} (POST /score, GET /health); Ctrl-C stops", flush=True)
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: {host} is not a loopback address and the server has no authentication", file=sys.stderr)

@@ -379,6 +379,15 @@ class RunConfig:
     )
     log_with: list[str] = setting(factory=list, help="trackers besides metrics.jsonl: tensorboard | wandb | trackio")
     project: str = setting("flowrl", "the trackers' project name")
+    diversity_model: str = setting(
+        "auto",
+        "CLIP folder whose image embeddings give diversity/clip each iteration (auto: the shipped assets/tiny-clip "
+        "where it exists; '': off)",
+    )
+    stop_if: list[str] = setting(
+        factory=list,
+        help="rules 'METRIC OP VALUE [for N]' (e.g. 'diversity/clip < 0.05 for 3') that end the run cleanly",
+    )
     log_images_every: int = setting(
         0, "every N iterations, log a few rollout images to the trackers (0 = only the before/after grids)"
     )
@@ -397,6 +406,12 @@ class RunConfig:
         )
         _check(self.iterations >= 1, "run.iterations", ">= 1", self.iterations)
         _check(0 <= self.seed < 2**63, "run.seed", "in [0, 2^63)", self.seed)
+        from .diversity import parse_stop_rule
+
+        self.stop_if = list(self.stop_if)
+        with config_key("run.stop_if"):
+            for rule in self.stop_if:
+                parse_stop_rule(rule)
         _check(self.save_every >= 1, "run.save_every", ">= 1 (the last iteration is always saved)", self.save_every)
         _check(
             self.keep_checkpoints is None or self.keep_checkpoints >= 1,

@@ -179,7 +179,8 @@ def save_diagnostics(metrics: list[dict], path: str | Path) -> None:
     style): the ratio's mean and std, the clip fractions above and below 1 and the gradient norm per denoising step
     (heatmaps: iteration x step; see ``train.step_grad_norms``). Without them (DiffusionNFT and other forward-process
     methods): the loss, the gradient norm and the method's other ``policy/*`` scalars per iteration. Then the
-    advantage statistics with the fraction of zero-variance groups."""
+    advantage statistics with the fraction of zero-variance groups and the within-group diversity (``diversity/*``:
+    falling towards 0 as the groups collapse onto one image)."""
     plt = _plt()
     steps = sorted({int(m.group(1)) for row in metrics for k in row if (m := re.match(r"diag/step_(\d+)/", k))})
     its = [row["iteration"] for row in metrics]
@@ -206,9 +207,11 @@ def save_diagnostics(metrics: list[dict], path: str | Path) -> None:
             ax.plot(its, [row.get(name, float("nan")) for row in metrics], ".-", ms=3)
             ax.set_title(name.split("/", 1)[1].replace("_", " ")), ax.set_xlabel("iteration")
     ax = axes[-1]
-    for key in ("advantage/abs_mean", "advantage/zero_variance_frac"):
-        ax.plot(its, [row.get(key, float("nan")) for row in metrics], label=key.split("/")[1])
-    ax.set_xlabel("iteration"), ax.legend(fontsize=8)
+    for key in ("advantage/abs_mean", "advantage/zero_variance_frac", "diversity/clip", "diversity/clip_min"):
+        values = [row.get(key, float("nan")) for row in metrics]
+        if key.startswith("advantage/") or any(v == v for v in values):  # the diversity curves where measured
+            ax.plot(its, values, label=key.replace("advantage/", "").replace("/", " "))
+    ax.set_title("advantages, collapse"), ax.set_xlabel("iteration"), ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from .checkpoint import checkpoint_iteration, prune_checkpoints
 from .config import Config, ConfigError, RewardConfig, config_key, resolve_path, save_config
 from .data import read_prompts
+from .diversity import DiversityProbe, StopRules
 from .evaluation import evaluate, evaluate_reward, expand_per_tag, generate
 from .files import atomic_output, write_text_atomic
 from .methods import Rewards, build_method
@@ -206,6 +207,8 @@ class Trainer:
                 place_frozen(self.model, m.prompt_cache, m.text_encoders, m.vae_placement, prompts)
         self.policy = Policy(self.model, cfg.train, cfg.run.mixed_precision, acc)
         self.method = build_method(cfg, self.model, self.policy, self.rewards)
+        self.diversity = self._diversity_probe()
+        self.stop_rules = StopRules(cfg.run.stop_if)
         if cfg.model.lora_rank == 0 and cfg.run.keep_checkpoints is None:
             count = -(-cfg.run.iterations // cfg.run.save_every)
             mib = self.policy.checkpoint_mib(self.method.sampling_weights() is not None)
@@ -267,6 +270,7 @@ class Trainer:
             desc="flowrl train",
             disable=not acc.is_main_process,
         )
+        last, stopped = cfg.run.iterations, None
         for it in bar:
             metrics = self.step(it)
             metrics["time/elapsed_s"] = time.time() - t_start
@@ -279,8 +283,15 @@ class Trainer:
             self.trackers.log(metrics, it + 1)
             if "reward/total/mean" in metrics:  # offline methods score no rollouts
                 bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}")
-            if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations:
+            stopped = self.run.on_main(lambda m=metrics: self.stop_rules.update(m))  # one verdict for every process
+            if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations or stopped:
                 self._save(it + 1, time.time() - t_start)
+            if stopped:
+                last = it + 1
+                if acc.is_main_process:
+                    print(f"flowrl train: stopping after iteration {last}: {stopped}", file=sys.stderr)
+                break
+        bar.close()
         if acc.is_main_process:
             print(f"flowrl train: evaluating the trained model ({self._eval_plan()})", file=sys.stderr)
         after = self._eval_with_held_out()
@@ -288,7 +299,8 @@ class Trainer:
             "before": before,
             "after": after,
             "wall_time_s": time.time() - t_start,
-            "iterations": cfg.run.iterations,
+            "iterations": last,
+            **({"stopped": stopped} if stopped else {}),
         }
         if acc.is_main_process:
             write_text_atomic(self.out / "eval.json", json.dumps(result, indent=1))
@@ -333,6 +345,7 @@ class Trainer:
         judged = self._judge_calls() - judged
         t2 = time.time()
         rewards = self.gather_rewards(scores, samples.image_prompt, len(metas))
+        diversity = self.diversity_metrics(samples)
         adv, keep, adv_stats = method.advantages(samples, rewards, gen)
         stats = method.update(samples, adv, keep, gen)
         method.end_iteration(stats)
@@ -352,8 +365,48 @@ class Trainer:
             {**adv_stats, "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2, **stats}
         )
         metrics["cost/nfe"] = samples.nfe + stats.get("cost/nfe", 0)
+        metrics.update(diversity)
         metrics.update(self._peak_memory())
         return metrics
+
+    def _diversity_probe(self):
+        """The CLIP of ``run.diversity_model`` (:class:`flowrl.diversity.DiversityProbe`), or None: ``''``, or ``auto``
+        where the shipped ``assets/tiny-clip`` is absent (an installed package).
+
+        Raises:
+            ConfigError: naming ``run.diversity_model``, for a folder that is not a CLIP model.
+        """
+        name = self.cfg.run.diversity_model
+        if name == "auto":
+            shipped = Path(__file__).resolve().parent.parent / "assets" / "tiny-clip"
+            name = str(shipped) if (shipped / "config.json").is_file() else ""
+        if not name:
+            return None
+        with config_key("run.diversity_model", (ValueError, FileNotFoundError, OSError)):
+            return DiversityProbe(str(resolve_path(name)), self.device)
+
+    def diversity_metrics(self, samples) -> dict[str, float]:
+        """``diversity/clip`` (mean over every process's groups of their mean pairwise CLIP cosine distance),
+        ``diversity/clip_min`` (the least diverse group) and ``time/diversity_s``; empty without a probe."""
+        if self.diversity is None or len(samples.images) == 0:
+            return {}
+        t0 = time.time()
+        per_group = self.diversity(samples.images, samples.image_prompt).float()  # (n,) this process's groups
+        local = torch.tensor(
+            [per_group.sum().item(), float(len(per_group)), per_group.min().item() if len(per_group) else 2.0]
+        )
+        if self.accelerator.num_processes > 1:
+            local = self.accelerator.gather(local.to(self.device)).cpu().view(-1, 3)
+        else:
+            local = local.view(1, 3)
+        count = local[:, 1].sum().item()
+        if not count:
+            return {}
+        return {
+            "diversity/clip": local[:, 0].sum().item() / count,
+            "diversity/clip_min": local[:, 2].min().item(),
+            "time/diversity_s": time.time() - t0,
+        }
 
     def offline_step(self, it: int, gen: torch.Generator) -> dict[str, float]:
         """One iteration of an offline method (``dpo_offline``, ``sft``): its rows of the data set and its update, no

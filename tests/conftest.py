@@ -233,6 +233,7 @@ def tiny_overrides(model: Path, train: Path, test: Path, out: Path, **extra) -> 
         "eval.num_steps": 2,
         "train.minibatch_size": 4,
         "model.lora_rank": 2,
+        "run.diversity_model": "",  # off: test_diversity.py measures it
         **FLOAT32,
     }
     base.update(extra)

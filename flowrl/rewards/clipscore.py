@@ -200,6 +200,17 @@ class ClipScore:
         return clip_preprocess(images, self.image_size, self.image_mean, self.image_std).to(self.dtype)
 
     @torch.no_grad()
+    def image_embeddings(self, images: torch.Tensor) -> torch.Tensor:
+        """Unit-norm image embeddings `(B, D)` float32 on :attr:`device` of `(B, 3, H, W)` images in [0, 1], in chunks
+        of :attr:`batch_size` (the diversity signal, :mod:`flowrl.diversity`)."""
+        step = self.batch_size or max(len(images), 1)
+        parts = [
+            _pooled(self.model.get_image_features(pixel_values=self.preprocess(images[i : i + step]))).float()
+            for i in range(0, len(images), step)
+        ]
+        return F.normalize(torch.cat(parts), dim=-1)
+
+    @torch.no_grad()
     def __call__(
         self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
     ) -> torch.Tensor:

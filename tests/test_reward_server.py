@@ -306,14 +306,20 @@ class _FakeVLM:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 calls.append(body)
                 status, text = reply(body, len(calls))
+                top = None
+                if isinstance(text, list):  # [(token, logprob), ...]: a one-token answer with its top logprobs
+                    top = [{"token": t, "logprob": lp, "bytes": None} for t, lp in text]
+                    text = text[0][0] if text else ""
+                choice = {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}
+                if top is not None:
+                    first = {"token": text, "logprob": top[0]["logprob"] if top else 0.0, "bytes": None}
+                    choice["logprobs"] = {"content": [{**first, "top_logprobs": top}]}
                 payload = {
                     "id": "x",
                     "object": "chat.completion",
                     "created": 0,
                     "model": body["model"],
-                    "choices": [
-                        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}
-                    ],
+                    "choices": [choice],
                     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
                 }
                 data = json.dumps(payload if status == 200 else {"error": {"message": text}}).encode()
@@ -438,3 +444,52 @@ def test_rewards_installed_as_entry_points_are_found_by_name(monkeypatch):
     installed.append(metadata.EntryPoint("sharpness", "other_pkg:sharp", "flowrl.rewards"))
     with pytest.raises(ValueError, match="reward 'sharpness' is declared by several 'flowrl.rewards' entry points"):
         build_reward("sharpness")
+
+
+def test_vlm_yes_reads_p_yes_from_the_answers_logprobs():
+    """P(yes) / (P(yes) + P(no)) of the first answer token, every case and spacing summed (Flow-Factory's
+    vllm_evaluate with canonicalize); the stand-in judge says yes with probability = the image's brightness."""
+    import math
+
+    from flowrl.rewards.vlm import YES_QUESTION, yes_probability
+
+    def judge(body, n):
+        url = body["messages"][0]["content"][0]["image_url"]["url"]
+        b = min(max(_png_brightness(url), 1e-3), 1 - 1e-3)
+        return 200, [("Yes", math.log(b * 0.7)), (" yes", math.log(b * 0.3)), ("No", math.log(1 - b)), ("A", -9.0)]
+
+    server = _FakeVLM(judge)
+    try:
+        levels = [0.1, 0.5, 0.9]
+        images = torch.stack([torch.full((3, 8, 8), v) for v in levels])
+        reward = build_reward("vlm_yes", base_url=server.url, max_retries=0, timeout=5)
+        scores = reward(images, ["a", "b", "c"], [{}] * 3)
+        torch.testing.assert_close(scores, torch.tensor([round(v * 255) / 255 for v in levels]), atol=1e-6, rtol=0)
+        call = server.calls[0]
+        assert call["max_tokens"] == 1 and call["logprobs"] is True and call["top_logprobs"] == 20
+        assert call["messages"][0]["content"][1]["text"] in [YES_QUESTION.format(prompt=p) for p in "abc"]
+    finally:
+        server.close()
+    assert yes_probability([("maybe", -0.1)]) is None
+    silent = _FakeVLM(lambda body, n: (200, [("Maybe", -0.1)]))
+    try:
+        r = build_reward("vlm_yes", base_url=silent.url, max_retries=0)
+        assert r(torch.full((1, 3, 4, 4), 0.5), ["x"], [{}]).tolist() == [0.0] and r.unparsed_count == 1
+        with pytest.raises(ValueError, match="has neither yes nor no among its top 20 tokens"):
+            build_reward("vlm_yes", base_url=silent.url, max_retries=0, unparsed="raise")(
+                torch.full((1, 3, 4, 4), 0.5), ["x"], [{}]
+            )
+    finally:
+        silent.close()
+    with pytest.raises(ValueError, match="top_logprobs must be an integer in \\[1, 20\\]"):
+        build_reward("vlm_yes", top_logprobs=50)
+
+
+def _png_brightness(url: str) -> float:
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    return float(np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))).mean()) / 255

@@ -37,16 +37,18 @@ from .pickscore import PickScore, pickscore
 from .server import RemoteReward, RewardServer, remote, serve
 from .video import ClipTemporal, Frames, Motion, clip_temporal, frames, motion
 from .videoalign import VideoAlign, videoalign
-from .vlm import VLMScore, unifiedreward
+from .vlm import VLMScore, VLMYes, unifiedreward, vlm_yes
 
 __all__ = [
     "REWARDS",
     "RemoteReward",
     "RewardServer",
     "VLMScore",
+    "VLMYes",
     "remote",
     "serve",
     "unifiedreward",
+    "vlm_yes",
     "ClipScore",
     "PickScore",
     "pickscore",

@@ -10,6 +10,7 @@ github.com/yifan123/flow_grpo), which reads ``Final Score:\s*([1-5](?:\.\d+)?)``
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,18 @@ import torch
 from .base import check_inputs, is_integer, register_reward
 from .pairwise import _data_url
 
-__all__ = ["UNIFIEDREWARD_QUESTION", "VLMScore", "parse_score", "unifiedreward"]
+__all__ = [
+    "UNIFIEDREWARD_QUESTION",
+    "VLMScore",
+    "VLMYes",
+    "YES_QUESTION",
+    "unifiedreward",
+    "vlm_yes",
+    "yes_probability",
+]
+
+YES_QUESTION = "Does this image show: {prompt}? Answer Yes or No."
+"""``vlm_yes``'s default question; ``{prompt}`` is replaced by the image's prompt."""
 
 UNIFIEDREWARD_QUESTION = (
     "<image>\nYou are given a text caption and a generated image based on that caption. Your task is to evaluate "
@@ -264,3 +276,110 @@ def unifiedreward(
     )
     reward.name = "unifiedreward"
     return reward
+
+
+def yes_probability(top_logprobs: Sequence[tuple[str, float]]) -> float | None:
+    """``P(yes) / (P(yes) + P(no))`` from the first answer token's top log-probabilities, every case and spacing of
+    "yes" and "no" summed (Flow-Factory ``rewards/vllm_evaluate.py``, ``canonicalize=True``).
+
+    Args:
+        top_logprobs: ``(token, logprob)`` pairs.
+
+    Returns:
+        `float` in [0, 1], or None when neither word is among them.
+    """
+    yes = sum(math.exp(lp) for tok, lp in top_logprobs if tok.strip().lower() == "yes")
+    no = sum(math.exp(lp) for tok, lp in top_logprobs if tok.strip().lower() == "no")
+    return yes / (yes + no) if yes + no > 0 else None
+
+
+class VLMYes(VLMScore):
+    """A VLM judge's probability of "yes" to whether the image matches its prompt, read from the log-probabilities of
+    its one-token answer (an OpenAI-compatible server that returns ``logprobs``: vLLM, SGLang, OpenAI).
+
+    Each image is one request (image, then the question with ``{prompt}`` filled in), at temperature 0 with
+    ``max_tokens=1``, ``logprobs=True`` and ``top_logprobs``; the score is :func:`yes_probability`. Options as
+    :class:`VLMScore`, plus ``top_logprobs`` (`int`, 1-20); ``unparsed``: ``"lowest"`` (default, Flow-Factory's: a
+    reply whose top tokens hold neither word scores 0, counted in :attr:`unparsed_count`) or ``"raise"``.
+
+    Raises:
+        ValueError: an option out of range (named). ImportError: without the ``openai`` package.
+    """
+
+    name = "vlm_yes"
+
+    def __init__(self, base_url: str, model: str, top_logprobs: int = 20, **options):
+        options.setdefault("question", YES_QUESTION)
+        options.setdefault("unparsed", "lowest")
+        super().__init__(base_url, model, score_range=(0.0, 1.0), normalize="none", **options)
+        if not is_integer(top_logprobs) or not 1 <= top_logprobs <= 20:
+            raise ValueError(f"{self.name}: top_logprobs must be an integer in [1, 20], got {top_logprobs!r}")
+        self.top_logprobs = top_logprobs
+
+    def _one(self, image: torch.Tensor, prompt: str) -> float:
+        content = [
+            {"type": "image_url", "image_url": {"url": _data_url(image)}},
+            {"type": "text", "text": self.question.format(prompt=prompt)},
+        ]
+        try:
+            reply = self.client.chat.completions.create(
+                model=self.model,
+                max_tokens=1,
+                temperature=0.0,
+                logprobs=True,
+                top_logprobs=self.top_logprobs,
+                messages=[{"role": "user", "content": content}],
+            )
+            first = reply.choices[0].logprobs.content[0] if reply.choices[0].logprobs else None
+            pairs = [(t.token, t.logprob) for t in first.top_logprobs] if first is not None else []
+        except Exception as e:  # the openai client has already retried
+            raise RuntimeError(
+                f"{self.name}: request to {self.base_url} for prompt {prompt!r} failed: "
+                f"{type(e).__name__}: {' '.join(str(e).split())}"
+            ) from e
+        p = yes_probability(pairs)
+        if p is None:
+            if self.unparsed == "raise":
+                raise ValueError(
+                    f"{self.name}: the answer of {self.base_url} for prompt {prompt!r} has neither yes nor no among "
+                    f"its top {self.top_logprobs} tokens ({[t for t, _ in pairs][:5]}); is logprobs served?"
+                )
+            self.unparsed_count += 1
+            return 0.0
+        return p
+
+
+@register_reward("vlm_yes", modality="image", weights="a VLM behind an OpenAI-compatible server returning logprobs")
+def vlm_yes(
+    base_url: str = "http://127.0.0.1:8000/v1",
+    model: str = "Qwen2.5-VL-7B-Instruct",
+    api_key: str = "EMPTY",
+    timeout: float = 60.0,
+    max_retries: int = 3,
+    concurrency: int = 8,
+    question: str = YES_QUESTION,
+    top_logprobs: int = 20,
+    unparsed: str = "lowest",
+) -> VLMYes:
+    """P("yes") of a VLM asked whether the image matches its prompt (the VQAScore idea, arXiv 2404.01291, through a
+    served chat model; Flow-Factory's ``vllm_evaluate`` reward): serve e.g. Qwen2.5-VL with ``vllm serve
+    Qwen/Qwen2.5-VL-7B-Instruct --served-model-name Qwen2.5-VL-7B-Instruct`` and point ``base_url`` at it.
+
+    Returns:
+        A `Reward` whose scores are `(B,)` float32 on CPU in [0, 1]: ``P(yes) / (P(yes) + P(no))`` of the first
+        answer token (:func:`yes_probability`).
+
+    Raises:
+        ValueError: an option out of range; RuntimeError (on call) naming the server and the prompt when it fails.
+    """
+    return VLMYes(
+        base_url,
+        model,
+        top_logprobs,
+        api_key=api_key,
+        timeout=timeout,
+        max_retries=max_retries,
+        concurrency=concurrency,
+        question=question,
+        unparsed=unparsed,
+    )

@@ -25,6 +25,7 @@ from .methods import (
     AWMConfig,
     CRDConfig,
     DGPOConfig,
+    DirectConfig,
     DPOConfig,
     FlowDPPOConfig,
     GARDOConfig,
@@ -235,7 +236,8 @@ class TrainConfig:
     method: str = setting(
         "grpo",
         "the method (flowrl.methods.METHODS): grpo (SDE rollouts, PPO on log-prob ratios) | flow_dppo | gardo "
-        "| nft (ODE samples, DiffusionNFT loss) | awm | dgpo | dpo | crd | offline: dpo_offline | sft",
+        "| nft (ODE samples, DiffusionNFT loss) | awm | dgpo | dpo | crd | direct reward: refl | draft "
+        "| offline: dpo_offline | sft",
     )
     nft: NFTConfig = setting(factory=NFTConfig, help="DiffusionNFT's settings (train.method nft)")
     flow_dppo: FlowDPPOConfig = setting(factory=FlowDPPOConfig, help="Flow-DPPO's settings (train.method flow_dppo)")
@@ -244,6 +246,9 @@ class TrainConfig:
     awm: AWMConfig = setting(factory=AWMConfig, help="AWM's settings (train.method awm)")
     crd: CRDConfig = setting(factory=CRDConfig, help="CRD's settings (train.method crd)")
     gardo: GARDOConfig = setting(factory=GARDOConfig, help="GARDO's settings (train.method gardo)")
+    direct: DirectConfig = setting(
+        factory=DirectConfig, help="ReFL's and DRaFT-K's settings (train.method refl, draft)"
+    )
     offline: OfflineConfig = setting(
         factory=OfflineConfig, help="the data set of the offline methods (train.method dpo_offline, sft)"
     )
@@ -379,10 +384,10 @@ class RunConfig:
     )
     log_with: list[str] = setting(factory=list, help="trackers besides metrics.jsonl: tensorboard | wandb | trackio")
     project: str = setting("flowrl", "the trackers' project name")
-    diversity_model: str = setting(
+    diversity_model: Optional[str] = setting(
         "auto",
         "CLIP folder whose image embeddings give diversity/clip each iteration (auto: the shipped assets/tiny-clip "
-        "where it exists; '': off)",
+        "where it exists; '' or null: off)",
     )
     stop_if: list[str] = setting(
         factory=list,

@@ -376,7 +376,7 @@ class Trainer:
         Raises:
             ConfigError: naming ``run.diversity_model``, for a folder that is not a CLIP model.
         """
-        name = self.cfg.run.diversity_model
+        name = self.cfg.run.diversity_model or ""
         if name == "auto":
             shipped = Path(__file__).resolve().parent.parent / "assets" / "tiny-clip"
             name = str(shipped) if (shipped / "config.json").is_file() else ""

@@ -5,7 +5,8 @@
 ``flow_dppo`` (:class:`FlowDPPO`: GRPO with a trust-region mask for the clip), and the forward-process methods
 (:mod:`flowrl.methods.forward`) ``nft`` (:class:`DiffusionNFT`), ``awm`` (:class:`AWM`), ``dgpo`` (:class:`DGPO`) and
 ``dpo`` (:class:`DiffusionDPO`, online), ``crd`` (:class:`CRD`); ``gardo`` (:class:`GARDO`: GRPO with a gated,
-resetting KL); the offline ``dpo_offline`` (:class:`OfflineDPO`) and ``sft`` (:class:`SFT`) on a data set. A new method is a new file
+resetting KL); the offline ``dpo_offline`` (:class:`OfflineDPO`) and ``sft`` (:class:`SFT`) on a data set; the direct-reward
+``refl`` (:class:`ReFL`) and ``draft`` (:class:`DRaFT`). A new method is a new file
 with a :class:`Method` subclass and its settings, imported here (docs/methods.md "Adding a method").
 """
 
@@ -15,6 +16,7 @@ from .awm import AWM, AWMConfig
 from .base import METHODS, FinalSamples, Method, ProbeSamples, Rewards, Samples, SDESamples, register_method
 from .crd import CRD, CRDConfig
 from .dgpo import DGPO, DGPOConfig
+from .direct import DirectConfig, DirectReward, DRaFT, ReFL
 from .dpo import DiffusionDPO, DPOConfig
 from .flow_dppo import FlowDPPO, FlowDPPOConfig
 from .gardo import GARDO, GARDOConfig
@@ -31,6 +33,9 @@ __all__ = [
     "CRDConfig",
     "DGPO",
     "DGPOConfig",
+    "DRaFT",
+    "DirectConfig",
+    "DirectReward",
     "DPOConfig",
     "DiffusionDPO",
     "FlowDPPO",
@@ -47,6 +52,7 @@ __all__ = [
     "Method",
     "NFTConfig",
     "ProbeSamples",
+    "ReFL",
     "Rewards",
     "RolloutShape",
     "SDESamples",

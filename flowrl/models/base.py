@@ -563,6 +563,17 @@ class FlowModel:
             images.append(vae.decode(z, return_dict=False)[0].float())
         return (torch.cat(images) / 2 + 0.5).clamp(0, 1)
 
+    def decode_with_grad(self, latents: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` with the graph back to `latents` (the VAE frozen): what the direct-reward methods score.
+        Only the families whose :meth:`decode` is this class's (:meth:`encodes_images`).
+
+        Raises:
+            NotImplementedError: for a family that decodes its own latents.
+        """
+        if not self.encodes_images():
+            raise NotImplementedError(f"{type(self).__name__} decodes its own latents: decode_with_grad is not built")
+        return FlowModel.decode.__wrapped__(self, latents)
+
     def encodes_images(self) -> bool:
         """Whether :meth:`encode_latents` is this family's inverse of :meth:`decode` (the families whose latents are the
         VAE's scaled ones: SD3, FLUX)."""

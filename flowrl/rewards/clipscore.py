@@ -116,9 +116,9 @@ def clip_preprocess(images: torch.Tensor, size: int, mean: torch.Tensor, std: to
             normalisation.
 
     Returns:
-        `torch.Tensor` of shape `(B, 3, S, S)`, float32, on the device of `mean`.
+        `torch.Tensor` of shape `(B, 3, S, S)`, float32 (float64 for float64 images), on the device of `mean`.
     """
-    pixels = images.to(device=mean.device, dtype=torch.float32)  # (B, 3, H, W)
+    pixels = images.to(device=mean.device, dtype=torch.promote_types(images.dtype, torch.float32))  # (B, 3, H, W)
     height, width = pixels.shape[-2:]
     if min(height, width) != size:
         scale = size / min(height, width)
@@ -164,6 +164,7 @@ class ClipScore:
     """
 
     name = "clipscore"
+    differentiable = True  # score_with_grad: the direct methods back-propagate through it
 
     def __init__(
         self,
@@ -215,7 +216,16 @@ class ClipScore:
         self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
     ) -> torch.Tensor:
         check_inputs(images, prompts, metadata)
-        return score_in_chunks(self._score, images, prompts, self.batch_size)
+        return score_in_chunks(self._score, images, prompts, self.batch_size).float()
+
+    def score_with_grad(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> torch.Tensor:
+        """The scores of :meth:`__call__` with the graph back to `images` `(B, 3, H, W)` (the preprocessing is torch:
+        resize, crop and normalise differentiate), in one forward; `(B,)` float32 on CPU. The CLIP weights stay
+        frozen. Equal to :meth:`__call__`'s scores (float64 for a float64 model, for gradient checks)."""
+        check_inputs(images.detach(), prompts, metadata)
+        return self._score(images, prompts)
 
     def _score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """One chunk: `(b, 3, H, W)` images and `b` prompts -> `(b,)` float32 CPU scores."""
@@ -224,8 +234,9 @@ class ClipScore:
         ).to(self.device)
         text = _pooled(self.model.get_text_features(tokens["input_ids"], tokens["attention_mask"]))  # (b, D)
         image = _pooled(self.model.get_image_features(pixel_values=self.preprocess(images)))  # (b, D)
-        cosine = (F.normalize(image.float(), dim=-1) * F.normalize(text.float(), dim=-1)).sum(-1)  # (b,)
-        return (self.model.logit_scale.float().exp() * cosine).cpu()
+        dt = torch.promote_types(self.dtype, torch.float32)  # float32, or float64 for a float64 model
+        cosine = (F.normalize(image.to(dt), dim=-1) * F.normalize(text.to(dt), dim=-1)).sum(-1)  # (b,)
+        return (self.model.logit_scale.to(dt).exp() * cosine).cpu()
 
 
 @register_reward("clipscore", modality="image", weights="a transformers CLIPModel folder (assets/tiny-clip ships)")

@@ -1,0 +1,237 @@
+"""Direct reward fine-tuning: the reward's gradient back-propagated through the last sampling steps and the VAE
+decoder into the policy (the reward is a differentiable function, not a black box).
+
+- ``refl``, ReFL (Xu et al., ImageReward, arXiv 2304.05977; THUDM/ImageReward ``ImageReward/ReFL.py``): each
+  iteration, sampling without gradient to a random late step ``k`` of the ``N``-step grid (``k`` uniform in
+  ``[int(refl_from N), N - 1]``; the official 30-39 of 40), one velocity with gradient there, the one-step
+  prediction ``x0 = x_k - t_k v`` decoded and scored; loss ``mean(relu(margin - r)) * scale`` (the official margin 2
+  for ImageReward's scale and 1e-3), or ``-mean(r) * scale`` with ``margin`` null.
+- ``draft``, DRaFT-K (Clark et al., arXiv 2309.17400): sampling without gradient for ``N - K`` steps, then the last
+  ``K`` Euler steps with gradient, the final sample decoded and scored; loss ``-mean(r) * scale`` (K = 1 is DRaFT-1;
+  DRaFT-LV's repeated noising of the last step is not built).
+
+Both sample with the rollout's CFG (``sampling.guidance_scale``) and train through it, take one noise per image
+(``sampling.group_size`` images per prompt, for logging and the group statistics), optionally add
+``train.direct.kl_beta`` times the velocity KL to the base at the steps with gradient, and need differentiable rewards
+(``score_with_grad``: ``clipscore`` ships one; a reward without it is refused naming its key). Reward hacking is the
+known failure of both: watch ``diversity/clip`` and the held-out evaluation, and end the run with ``run.stop_if``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..fields import check, setting
+from .base import Samples, register_method
+from .forward import ForwardProcess
+
+
+@dataclass
+class DirectConfig:
+    """``train.direct.*``: ReFL and DRaFT-K (``train.method: refl | draft``)."""
+
+    grad_steps: int = setting(1, "DRaFT-K's K: the last steps sampled with gradient (1: DRaFT-1)")
+    refl_from: float = setting(0.75, "ReFL's step k is drawn from [int(refl_from N), N - 1] (official 30-39 of 40)")
+    margin: Optional[float] = setting(None, "loss relu(margin - r) (ReFL's 2.0 for ImageReward); null: -r")
+    scale: float = setting(1.0, "the loss times this (ReFL's grad_scale 1e-3)")
+    kl_beta: float = setting(0.0, "weight of the velocity KL to the base at the steps with gradient (needs a LoRA)")
+
+    def __post_init__(self):
+        check(self.grad_steps >= 1, "train.direct.grad_steps", ">= 1", self.grad_steps)
+        check(0 <= self.refl_from < 1, "train.direct.refl_from", "in [0, 1)", self.refl_from)
+        check(self.scale > 0, "train.direct.scale", "> 0", self.scale)
+        check(self.kl_beta >= 0, "train.direct.kl_beta", ">= 0", self.kl_beta)
+
+
+@dataclass
+class DirectSamples(Samples):
+    """A rollout of a direct method: the images for the loop's rewards and where the steps with gradient start.
+
+    Attributes:
+        start (`torch.Tensor` of shape `(B, *latent_shape)`, float32): the state at step :attr:`step`, on the device.
+        step (`int`): the grid index the steps with gradient start from.
+        cond (`torch.Tensor` of shape `(B,)`, long): each sample's row of `table`. table: the prompt table.
+        prompts (`list[str]`), metadata (`list[dict]`): each sample's, for the differentiable rewards.
+    """
+
+    start: torch.Tensor
+    step: int
+    cond: torch.Tensor
+    table: object
+    prompts: list
+    metadata: list
+
+
+class DirectReward(ForwardProcess):
+    """Base of ReFL and DRaFT-K (module docstring). Args: as :class:`flowrl.methods.base.Method`.
+
+    Raises:
+        ConfigError: naming ``rewards.NAME`` for a weighted reward without ``score_with_grad``, or naming
+            ``model.path`` for a family whose latents are not the VAE's scaled ones.
+    """
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        s = cfg.sampling
+        for key, value, off in (
+            ("sampling.shape", s.shape, "flat"),
+            ("sampling.window.size", s.window.size, 0),
+            ("train.kl_beta", cfg.train.kl_beta, 0.0),
+        ):
+            check(value == off, key, f"{off!r} with train.method {cls.name!r} (it back-propagates the reward)", value)
+        check(
+            cfg.train.direct.kl_beta == 0 or cfg.model.lora_rank > 0,
+            "train.direct.kl_beta",
+            "0 unless model.lora_rank > 0 (the reference is the base: the LoRA disabled)",
+            cfg.train.direct.kl_beta,
+        )
+
+    def __init__(self, cfg, model, policy, rewards):
+        from ..config import ConfigError
+
+        super().__init__(cfg, model, policy, rewards)
+        for name, (reward, weight) in rewards.rewards.items():
+            if weight != 0 and not getattr(reward, "differentiable", False):
+                raise ConfigError(
+                    f"config key 'rewards.{name}': train.method {self.name!r} back-propagates through the reward, and "
+                    f"{name} has no score_with_grad (differentiable: clipscore); give it weight 0 to log it only"
+                )
+        if not model.encodes_images():
+            raise ConfigError(
+                f"config key 'model.path': train.method {self.name!r} decodes with gradient through the VAE; the "
+                f"{type(model).__name__} family's latents are its own (built: the SD3 and FLUX families)"
+            )
+
+    def start_step(self, generator: torch.Generator) -> int:
+        """The grid index where the steps with gradient start."""
+        raise NotImplementedError
+
+    def rollout(self, metas: list[dict], generator: torch.Generator) -> DirectSamples:
+        """``G`` Euler samples per prompt without gradient: the final images for the loop's rewards and the state at
+        :meth:`start_step` (drawn once per iteration)."""
+        cfg, model = self.cfg, self.model
+        step = self.start_step(generator)
+        table = model.prompt_table(metas)
+        prompt_index = torch.arange(len(metas), device=self.device).repeat_interleave(cfg.sampling.group_size)
+        cond = table.rows(prompt_index)
+        x = torch.randn((len(cond), *model.latent_shape), generator=generator).to(self.device)
+        velocity = self.chunked(model.velocity_fn(table, cfg.sampling.guidance_scale))
+        sigmas = self.sigmas.to(self.device)
+        start = x
+        with torch.no_grad(), self.policy.autocast():
+            for j in range(len(sigmas) - 1):
+                if j == step:
+                    start = x.clone()
+                t = sigmas[j].expand(len(x))
+                x = x + (sigmas[j + 1] - sigmas[j]) * velocity(x, t, cond).float()
+        nfe = len(cond) * cfg.sampling.num_steps * model.cfg_rows(cfg.sampling.guidance_scale)
+        picked = [metas[i] for i in prompt_index.tolist()]
+        return DirectSamples(
+            self.decode(x), prompt_index.cpu(), nfe, start, step, cond, table, [m["prompt"] for m in picked], picked
+        )
+
+    def advantages(self, samples, rewards, generator):
+        """No advantages: every image enters the loss (``keep`` all); the group statistics are logged."""
+        _, _, stats = self.group_advantages(rewards)
+        n = len(samples.image_prompt)
+        return torch.zeros(n), torch.ones(n, dtype=torch.bool), stats
+
+    def predict(self, velocity, x: torch.Tensor, cond: torch.Tensor, step: int, kl: list) -> torch.Tensor:
+        """The clean latents, with gradient, from the states `x` at grid index `step` (ReFL: one step's prediction;
+        DRaFT: the last K Euler steps); appends each step's velocity KL to the base to `kl` when asked."""
+        raise NotImplementedError
+
+    def reward_with_grad(self, images: torch.Tensor, prompts: list, metadata: list) -> torch.Tensor:
+        """``sum_k w_k r_k(images)`` `(b,)` with the graph back to `images`."""
+        total = 0
+        for reward, weight in self.rewards.rewards.values():
+            if weight != 0:
+                total = total + weight * reward.score_with_grad(images, prompts, metadata).to(images.device)
+        return total
+
+    def update(self, samples: DirectSamples, adv, keep, generator: torch.Generator) -> dict:
+        """Optimizer steps over the images in minibatches: the steps with gradient, the decoder, the rewards and the
+        loss (module docstring); returns ``policy/loss``, ``policy/reward`` (the differentiable total), ``policy/kl``,
+        ``policy/grad_norm``, ``policy/optimizer_steps`` and ``cost/*``."""
+        d, model = self.cfg.train.direct, self.model
+        velocity = model.velocity_fn(samples.table, self.cfg.sampling.guidance_scale)
+        stats: dict[str, list[float]] = defaultdict(list)
+        steps = 0
+        model.transformer.train()
+        for _, _, mb, total in self.policy.minibatches(len(samples.cond), generator):
+            steps += 1
+            if len(mb) == 0:
+                self.policy.step(None, stats)
+                continue
+            parts = []
+            for _, idx, frac in self.policy.micro_batches(mb):
+                kl: list = []
+                x0 = self.predict(velocity, samples.start[idx], samples.cond[idx], samples.step, kl)
+                images = model.decode_with_grad(x0)
+                rows = idx.tolist()
+                r = self.reward_with_grad(
+                    images, [samples.prompts[i] for i in rows], [samples.metadata[i] for i in rows]
+                )
+                loss = (torch.relu(d.margin - r) if d.margin is not None else -r).mean() * d.scale
+                if kl:
+                    loss = loss + d.kl_beta * torch.stack(kl).mean()
+                    stats["policy/kl"].append(torch.stack(kl).mean().item())
+                self.policy.backward(loss, frac * len(mb) / total)
+                parts.append(loss.item() * frac)
+                stats["policy/reward"].append(r.mean().item())
+            self.policy.step(sum(parts), stats)
+        model.transformer.eval()
+        out = {k: sum(v) / len(v) for k, v in stats.items()}
+        rows = len(samples.cond) * (len(self.sigmas) - 1 - samples.step if self.name == "draft" else 1)
+        out.update(
+            {
+                "policy/optimizer_steps": steps,
+                "policy/start_step": samples.step,
+                "cost/trained_transitions": rows * self.cfg.train.inner_epochs,
+                "cost/nfe": rows * model.cfg_rows(self.cfg.sampling.guidance_scale) * (2 if d.kl_beta > 0 else 1),
+            }
+        )
+        return out
+
+    def _velocity(self, velocity, x, t, cond, kl: list) -> torch.Tensor:
+        with self.policy.autocast():
+            v = velocity(x, t, cond).float()
+        if self.cfg.train.direct.kl_beta > 0:
+            with torch.no_grad(), self.model.reference(), self.policy.autocast():
+                v_ref = velocity(x, t, cond).float()
+            kl.append((v - v_ref).pow(2).flatten(1).mean(1).mean())
+        return v
+
+
+@register_method("refl")
+class ReFL(DirectReward):
+    """``train.method: refl`` (module docstring)."""
+
+    def start_step(self, generator: torch.Generator) -> int:
+        n = len(self.sigmas) - 1
+        low = min(int(self.cfg.train.direct.refl_from * n), n - 1)
+        return int(torch.randint(low, n, (1,), generator=generator))
+
+    def predict(self, velocity, x, cond, step, kl):
+        t = self.sigmas[step].to(x.device)
+        v = self._velocity(velocity, x, t.expand(len(x)), cond, kl)
+        return x - t * v  # x_t = (1 - t) x0 + t eps and v = eps - x0
+
+
+@register_method("draft")
+class DRaFT(DirectReward):
+    """``train.method: draft``: DRaFT-K (module docstring)."""
+
+    def start_step(self, generator: torch.Generator) -> int:
+        return max(0, len(self.sigmas) - 1 - self.cfg.train.direct.grad_steps)
+
+    def predict(self, velocity, x, cond, step, kl):
+        sigmas = self.sigmas.to(x.device)
+        for j in range(step, len(sigmas) - 1):
+            v = self._velocity(velocity, x, sigmas[j].expand(len(x)), cond, kl)
+            x = x + (sigmas[j + 1] - sigmas[j]) * v
+        return x

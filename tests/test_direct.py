@@ -41,7 +41,7 @@ def _overrides(random_pipeline, prompt_files, out, **extra):
     return tiny_overrides(random_pipeline, *prompt_files, out, **base)
 
 
-@pytest.mark.parametrize("preset", ["refl", "draft"])
+@pytest.mark.parametrize("preset", ["refl", "draft", "alignprop"])
 def test_direct_presets_train_on_the_rewards_gradient(preset, tmp_path, random_pipeline, prompt_files):
     from flowrl.trainer import Trainer
 
@@ -56,7 +56,7 @@ def test_direct_presets_train_on_the_rewards_gradient(preset, tmp_path, random_p
     assert all(r["policy/loss"] == pytest.approx(-r["policy/reward"], rel=1e-5) for r in rows)  # loss -r, scale 1
     assert any(not torch.equal(before[n], p) for n, p in trainer.policy.params.items())
     steps = {r["policy/start_step"] for r in rows}
-    assert steps <= ({3} if preset == "refl" else {2})  # ReFL: k in [int(0.75 * 4), 3]; DRaFT-2: N - K
+    assert steps <= {"refl": {3}, "draft": {2}, "alignprop": {0, 1, 2, 3}}[preset]  # ReFL: [int(0.75 N), N - 1]
 
 
 def test_refl_resumes_exactly(tmp_path, random_pipeline, prompt_files):
@@ -73,3 +73,33 @@ def test_a_reward_without_a_gradient_is_refused_naming_its_key(tmp_path, random_
         Trainer(load_config(REPO / "configs" / "draft.yaml", over))
     with pytest.raises(ConfigError, match=r"train\.direct\.grad_steps"):
         load_config(REPO / "configs" / "draft.yaml", ["train.direct.grad_steps=0"])
+
+
+@pytest.mark.parametrize("preset,step,calls", [("refl", 3, 1), ("draft", 2, 2), ("alignprop", 1, 3)])
+def test_only_the_steps_after_the_truncation_take_gradient(
+    preset, step, calls, tmp_path, random_pipeline, prompt_files
+):
+    """The velocity is called with gradient exactly at the steps from the truncation on (ReFL: one), and the loss's
+    gradient reaches the policy's weights."""
+    from flowrl.trainer import Trainer
+
+    trainer = Trainer(
+        load_config(REPO / "configs" / f"{preset}.yaml", _overrides(random_pipeline, prompt_files, tmp_path / "r"))
+    )
+    method, model = trainer.method, trainer.model
+    metas = trainer.train_metas[:1]
+    table = model.prompt_table(metas)
+    cond = table.rows(torch.zeros(2, dtype=torch.long))
+    seen = []
+    inner = model.velocity_fn(table, 1.0)
+
+    def counting(x, t, c):
+        seen.append((round(float(t[0]), 6), torch.is_grad_enabled()))
+        return inner(x, t, c)
+
+    x = torch.randn(2, *model.latent_shape)
+    x0 = method.predict(counting, x, cond, step, [])
+    assert len(seen) == calls and all(grad for _, grad in seen)
+    assert [s for s, _ in seen] == [round(float(t), 6) for t in method.sigmas[step : step + calls]]
+    x0.float().pow(2).mean().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trainer.policy.params.values())

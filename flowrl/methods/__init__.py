@@ -6,7 +6,7 @@
 (:mod:`flowrl.methods.forward`) ``nft`` (:class:`DiffusionNFT`), ``awm`` (:class:`AWM`), ``dgpo`` (:class:`DGPO`) and
 ``dpo`` (:class:`DiffusionDPO`, online), ``crd`` (:class:`CRD`); ``gardo`` (:class:`GARDO`: GRPO with a gated,
 resetting KL); the offline ``dpo_offline`` (:class:`OfflineDPO`) and ``sft`` (:class:`SFT`) on a data set; the direct-reward
-``refl`` (:class:`ReFL`) and ``draft`` (:class:`DRaFT`). A new method is a new file
+``refl`` (:class:`ReFL`), ``draft`` (:class:`DRaFT`) and ``alignprop`` (:class:`AlignProp`). A new method is a new file
 with a :class:`Method` subclass and its settings, imported here (docs/methods.md "Adding a method").
 """
 
@@ -16,7 +16,7 @@ from .awm import AWM, AWMConfig
 from .base import METHODS, FinalSamples, Method, ProbeSamples, Rewards, Samples, SDESamples, register_method
 from .crd import CRD, CRDConfig
 from .dgpo import DGPO, DGPOConfig
-from .direct import DirectConfig, DirectReward, DRaFT, ReFL
+from .direct import AlignProp, DirectConfig, DirectReward, DRaFT, ReFL
 from .dpo import DiffusionDPO, DPOConfig
 from .flow_dppo import FlowDPPO, FlowDPPOConfig
 from .gardo import GARDO, GARDOConfig
@@ -29,6 +29,7 @@ __all__ = [
     "METHODS",
     "AWM",
     "AWMConfig",
+    "AlignProp",
     "CRD",
     "CRDConfig",
     "DGPO",

@@ -6,6 +6,8 @@ decoder into the policy (the reward is a differentiable function, not a black bo
   ``[int(refl_from N), N - 1]``; the official 30-39 of 40), one velocity with gradient there, the one-step
   prediction ``x0 = x_k - t_k v`` decoded and scored; loss ``mean(relu(margin - r)) * scale`` (the official margin 2
   for ImageReward's scale and 1e-3), or ``-mean(r) * scale`` with ``margin`` null.
+- ``alignprop``, AlignProp (arXiv 2310.03739): DRaFT with the truncation drawn at random each iteration and each step
+  with gradient checkpointed (:class:`AlignProp`).
 - ``draft``, DRaFT-K (Clark et al., arXiv 2309.17400): sampling without gradient for ``N - K`` steps, then the last
   ``K`` Euler steps with gradient, the final sample decoded and scored; loss ``-mean(r) * scale`` (K = 1 is DRaFT-1;
   DRaFT-LV's repeated noising of the last step is not built).
@@ -39,12 +41,24 @@ class DirectConfig:
     margin: Optional[float] = setting(None, "loss relu(margin - r) (ReFL's 2.0 for ImageReward); null: -r")
     scale: float = setting(1.0, "the loss times this (ReFL's grad_scale 1e-3)")
     kl_beta: float = setting(0.0, "weight of the velocity KL to the base at the steps with gradient (needs a LoRA)")
+    alignprop_range: list = setting(
+        factory=lambda: [0.0, 1.0],
+        help="AlignProp's truncation: the first step with gradient drawn from [int(lo N), min(int(hi N), N - 1)] "
+        "each iteration (official (0, 50) of 50 steps)",
+    )
+    checkpoint_steps: bool = setting(
+        True, "AlignProp: recompute each step's activations in backward (gradient checkpointing per step)"
+    )
 
     def __post_init__(self):
         check(self.grad_steps >= 1, "train.direct.grad_steps", ">= 1", self.grad_steps)
         check(0 <= self.refl_from < 1, "train.direct.refl_from", "in [0, 1)", self.refl_from)
         check(self.scale > 0, "train.direct.scale", "> 0", self.scale)
         check(self.kl_beta >= 0, "train.direct.kl_beta", ">= 0", self.kl_beta)
+        r = self.alignprop_range
+        ok = isinstance(r, (list, tuple)) and len(r) == 2 and 0 <= float(r[0]) <= float(r[1]) <= 1
+        check(ok, "train.direct.alignprop_range", "[lo, hi] with 0 <= lo <= hi <= 1", r)
+        self.alignprop_range = [float(x) for x in r]
 
 
 @dataclass
@@ -186,7 +200,7 @@ class DirectReward(ForwardProcess):
             self.policy.step(sum(parts), stats)
         model.transformer.eval()
         out = {k: sum(v) / len(v) for k, v in stats.items()}
-        rows = len(samples.cond) * (len(self.sigmas) - 1 - samples.step if self.name == "draft" else 1)
+        rows = len(samples.cond) * (len(self.sigmas) - 1 - samples.step if isinstance(self, DRaFT) else 1)
         out.update(
             {
                 "policy/optimizer_steps": steps,
@@ -197,9 +211,16 @@ class DirectReward(ForwardProcess):
         )
         return out
 
+    checkpointed = False  # AlignProp: each step's forward recomputed in backward
+
     def _velocity(self, velocity, x, t, cond, kl: list) -> torch.Tensor:
         with self.policy.autocast():
-            v = velocity(x, t, cond).float()
+            if self.checkpointed and self.cfg.train.direct.checkpoint_steps:
+                from torch.utils.checkpoint import checkpoint
+
+                v = checkpoint(velocity, x, t, cond, use_reentrant=False).float()
+            else:
+                v = velocity(x, t, cond).float()
         if self.cfg.train.direct.kl_beta > 0:
             with torch.no_grad(), self.model.reference(), self.policy.autocast():
                 v_ref = velocity(x, t, cond).float()
@@ -235,3 +256,21 @@ class DRaFT(DirectReward):
             v = self._velocity(velocity, x, sigmas[j].expand(len(x)), cond, kl)
             x = x + (sigmas[j + 1] - sigmas[j]) * v
         return x
+
+
+@register_method("alignprop")
+class AlignProp(DRaFT):
+    """``train.method: alignprop``: AlignProp (Prabhudesai et al., arXiv 2310.03739; mihirp1998/AlignProp, and trl's
+    port): randomized truncated back-propagation. Each iteration the first step with gradient is drawn uniformly from
+    ``train.direct.alignprop_range`` of the grid; every later step's velocity is computed with gradient (each step
+    checkpointed: its activations recomputed in backward) and the final sample scored. With Euler steps the earlier
+    steps, sampled without gradient, carry no gradient to the weights, so this is DRaFT with a random K per iteration
+    (trl's port draws the truncation anew at every step; the paper, and flowrl, once per iteration)."""
+
+    checkpointed = True
+
+    def start_step(self, generator: torch.Generator) -> int:
+        n = len(self.sigmas) - 1
+        lo, hi = self.cfg.train.direct.alignprop_range
+        low, high = min(int(lo * n), n - 1), min(int(hi * n), n - 1)
+        return int(torch.randint(low, high + 1, (1,), generator=generator))

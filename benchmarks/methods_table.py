@@ -41,6 +41,9 @@ METHODS = {  # preset -> what it is (the table's first column)
     "crd": "CRD",
     "dpo_offline": "Diffusion-DPO, offline (shipped pairs)",
     "sft": "SFT (shipped images)",
+    "refl": "ReFL (tiny CLIP score)",
+    "draft": "DRaFT-2 (tiny CLIP score)",
+    "alignprop": "AlignProp (tiny CLIP score)",
 }
 WORLD = [  # the quick-start world for every preset
     "train_prompts=assets/prompts/quickstart.jsonl",

@@ -517,6 +517,8 @@ def _at_least(low: float, kind: type = int, strict: bool = False, high: float | 
 
     def parse(text: str):
         value = kind(text)  # a ValueError here is argparse's "invalid int value: 'x'"
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if not value >= low or (strict and value == low):  # NaN fails too
             raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low}, got {text}")
         if (high is not None and not value < high) or (kind is float and not math.isfinite(value)):

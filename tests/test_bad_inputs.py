@@ -325,7 +325,7 @@ def test_sample_and_eval_write_whole_files_only(tmp_path, random_pipeline, promp
         ),
         (["eval", "--images-per-tag", "-5", "--out", "e.json"], "argument --images-per-tag: must be >= 0, got -5"),
         (["sample", "--prompt", ""], "argument --prompt: must not be empty"),
-        (["sample", "--prompt", "x", "--shift", "nan"], "argument --shift: must be > 0, got nan"),
+        (["sample", "--prompt", "x", "--shift", "nan"], "argument --shift: must be a finite number, got nan"),
     ],
 )
 def test_out_of_range_options_are_one_line(capsys, monkeypatch, argv, message):

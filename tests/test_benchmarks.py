@@ -195,7 +195,6 @@ def test_policy_step_check(tmp_path, preset, monkeypatch):
     out = tmp_path / "step.json"
     run_script(
         "policy_step_check",
-        "reward_server_load",
         [*preset, f"run.output_dir={tmp_path / 'run'}", "train.minibatch_size=1000", "--out", out],
         monkeypatch,
     )

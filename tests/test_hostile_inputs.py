@@ -181,7 +181,7 @@ def test_a_component_config_that_does_not_build_is_one_line(component, key, valu
     else:
         config[key] = value
     (folder / component / "config.json").write_text(json.dumps(config))
-    line = _fails(capsys, "sample", "--model", folder, "--num-steps", 1, "--out", tmp_path / "x.png")
+    line = _fails(capsys, "sample", "--model", folder, "--prompt", "x", "--num-steps", 1, "--out", tmp_path / "x.png")
     assert f"model folder {folder}" in line and "does not build" in line
 
 

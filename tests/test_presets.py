@@ -44,7 +44,8 @@ def test_preset_loads(path):
 def test_preset_runs(path, tmp_path, random_pipeline, prompt_files):
     extra = {
         "run.mixed_precision": "no",
-        "rewards.jpeg_compressibility.weight": 1.0,  # varies on random images
+        # varies on random images; the direct-reward presets keep their differentiable tiny CLIP score
+        "rewards.jpeg_compressibility.weight": 0.0 if path.stem in ("refl", "draft", "alignprop") else 1.0,
         **shape_overrides(load_config(path)),
     }  # keep the preset's tree, window or probe steps
     train, test = prompt_files

@@ -95,8 +95,10 @@ def test_bad_spec_types_are_refused_with_one_line():
         TypeError, match="reward spec must be a registered name or 'package.module:function', got None"
     ):
         build_reward(None)
-    with pytest.raises(TypeError, match=r"reward spec 'math:pi' names a float, not a callable"):
-        build_reward("math:pi", scale=2.0)  # with options: used to fail inside the signature check
+    with pytest.raises(TypeError, match=r"reward spec 'flowrl:__name__' names a str, not a callable"):
+        build_reward("flowrl:__name__", scale=2.0)  # with options: used to fail inside the signature check
+    with pytest.raises(ValueError, match="names a function of Python's standard library"):
+        build_reward("math:pi")
 
 
 def test_import_rewards_pulls_in_neither_the_trainer_nor_samplers_nor_transformers():

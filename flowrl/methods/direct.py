@@ -105,7 +105,7 @@ class DirectReward(ForwardProcess):
         )
 
     def __init__(self, cfg, model, policy, rewards):
-        from ..config import ConfigError
+        from ..fields import ConfigError
 
         super().__init__(cfg, model, policy, rewards)
         for name, (reward, weight) in rewards.rewards.items():

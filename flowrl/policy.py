@@ -374,6 +374,11 @@ class Policy:
         return self.sharded or self.engine is not None
 
     @torch.no_grad()
+    def steps_taken(self) -> int:
+        """Optimizer steps taken so far, as AdamW counts them (restored with its state on resume)."""
+        state = next(iter(self.optimizer.state.values()), {})
+        return int(state.get("step", 0))
+
     def move_towards(self, store: dict[str, torch.Tensor], decay: float) -> None:
         """``store <- decay store + (1 - decay) theta`` for every trainable tensor (the EMA, DiffusionNFT's old policy)."""
         for n, p in self._live().items():

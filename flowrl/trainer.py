@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from .checkpoint import checkpoint_iteration, prune_checkpoints
-from .config import Config, ConfigError, RewardConfig, config_key, resolve_path, save_config
+from .config import REPO_ROOT, Config, ConfigError, RewardConfig, config_key, resolve_path, save_config
 from .data import read_prompts
 from .diversity import DiversityProbe, StopRules
 from .evaluation import evaluate, evaluate_reward, expand_per_tag, generate
@@ -378,7 +378,7 @@ class Trainer:
         """
         name = self.cfg.run.diversity_model or ""
         if name == "auto":
-            shipped = Path(__file__).resolve().parent.parent / "assets" / "tiny-clip"
+            shipped = REPO_ROOT / "assets" / "tiny-clip"
             name = str(shipped) if (shipped / "config.json").is_file() else ""
         if not name:
             return None

@@ -225,10 +225,14 @@ def test_nft_decay_ramp_grows_with_the_optimizer_steps():
     from types import SimpleNamespace
 
     def decay(steps, ramp=0.001, old=0.5):
+        from flowrl.policy import Policy
+
         state = {} if steps is None else {"p": {"step": torch.tensor(float(steps))}}
+        policy = SimpleNamespace(optimizer=SimpleNamespace(state=state))  # AdamW's step count, read by the Policy
+        policy.steps_taken = lambda: Policy.steps_taken(policy)
         fake = SimpleNamespace(
             cfg=SimpleNamespace(train=SimpleNamespace(nft=SimpleNamespace(decay_ramp=ramp, old_decay=old))),
-            policy=SimpleNamespace(optimizer=SimpleNamespace(state=state)),
+            policy=policy,
         )
         return DiffusionNFT.old_decay(fake)
 

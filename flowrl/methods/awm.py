@@ -18,9 +18,7 @@ steps)`` (the official 0.3 and 0.001).
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -80,21 +78,12 @@ class AWM(ForwardProcess):
 
     EMA_FILE = "awm_ema.safetensors"  # the soft-updated copy of the policy, in each checkpoint
 
+    snapshot_origin = "by train.method awm with train.awm.ema_beta > 0"
+
     @classmethod
     def check_config(cls, cfg) -> None:
-        s = cfg.sampling
-        for key, value, off in (
-            ("sampling.shape", s.shape, "flat"),
-            ("sampling.window.size", s.window.size, 0),
-            ("train.kl_beta", cfg.train.kl_beta, 0.0),
-        ):
-            check(value == off, key, f"{off!r} with train.method 'awm' (it trains on final samples)", value)
-        check(
-            cfg.train.awm.kl_beta == 0 or cfg.model.lora_rank > 0,
-            "train.awm.kl_beta",
-            "0 unless model.lora_rank > 0 (the reference is the base: the LoRA disabled)",
-            cfg.train.awm.kl_beta,
-        )
+        cls.check_final_samples(cfg)
+        cls.check_base_reference(cfg, "train.awm.kl_beta", cfg.train.awm.kl_beta)
 
     def __init__(self, cfg, model, policy, rewards):
         super().__init__(cfg, model, policy, rewards)
@@ -136,36 +125,27 @@ class AWM(ForwardProcess):
             if self.ema is not None and len(r):
                 with self.policy.holding(self.ema):
                     v_ema = chunked(x_t, t, cond)
-        stats: dict[str, list[float]] = defaultdict(list)
-        optimizer_steps = 0
-        model.transformer.train()
-        for _, _, mb, total_rows in self.policy.minibatches(len(r), generator):
-            optimizer_steps += 1
-            if len(mb) == 0:
-                self.policy.step(None, stats)
-                continue
-            parts = []
-            for _, idx, frac in self.policy.micro_batches(mb):
-                with self.policy.autocast():
-                    v = velocity(x_t[idx], t[idx], cond[idx])
-                logp = awm_log_likelihood(flow_matching_error(v, x0[idx], eps[idx]), t[idx], a.power)
-                loss, st = ppo_loss(logp, old[idx], adv_n[idx], a.clip_range)
-                if v_ref is not None:
-                    kl = (v.float() - v_ref[idx].float()).pow(2).flatten(1).mean(dim=1).mean()
-                    loss = loss + a.kl_beta * kl
-                    stats["policy/kl"].append(kl.item())
-                if v_ema is not None:
-                    kl_ema = (v.float() - v_ema[idx].float()).pow(2).flatten(1).mean(dim=1).mean()
-                    loss = loss + a.ema_beta * kl_ema
-                    stats["policy/kl_ema"].append(kl_ema.item())
-                self.policy.backward(loss, frac * len(mb) / total_rows)
-                parts.append(loss.item() * frac)
-                if optimizer_steps == 1:
-                    stats["policy/ratio_first_max_dev"].append(st["policy/ratio_max_dev"].item())
-                for key in ("policy/ratio_mean", "policy/clipfrac"):
-                    stats[key].append(st[key].item())
-            self.policy.step(sum(parts), stats)
-        model.transformer.eval()
+
+        def micro_loss(idx, stats, step):
+            with self.policy.autocast():
+                v = velocity(x_t[idx], t[idx], cond[idx])
+            logp = awm_log_likelihood(flow_matching_error(v, x0[idx], eps[idx]), t[idx], a.power)
+            loss, st = ppo_loss(logp, old[idx], adv_n[idx], a.clip_range)
+            if v_ref is not None:
+                kl = (v.float() - v_ref[idx].float()).pow(2).flatten(1).mean(dim=1).mean()
+                loss = loss + a.kl_beta * kl
+                stats["policy/kl"].append(kl.item())
+            if v_ema is not None:
+                kl_ema = (v.float() - v_ema[idx].float()).pow(2).flatten(1).mean(dim=1).mean()
+                loss = loss + a.ema_beta * kl_ema
+                stats["policy/kl_ema"].append(kl_ema.item())
+            if step == 1:
+                stats["policy/ratio_first_max_dev"].append(st["policy/ratio_max_dev"].item())
+            for key in ("policy/ratio_mean", "policy/clipfrac"):
+                stats[key].append(st[key].item())
+            return loss
+
+        stats, optimizer_steps = self.optimizer_steps(len(r), generator, micro_loss)
         passes = 2 + int(v_ref is not None) + int(v_ema is not None)  # the old policy's, the trained, ref and EMA rows
         out = {k: (max(v) if k == "policy/ratio_first_max_dev" else sum(v) / len(v)) for k, v in stats.items()}
         out.update(
@@ -182,26 +162,9 @@ class AWM(ForwardProcess):
         if self.ema is None:
             return
         a = self.cfg.train.awm
-        state = next(iter(self.policy.optimizer.state.values()), {})  # AdamW counts its steps (restored on resume)
-        stats["policy/ema_decay"] = min(a.ema_decay, a.ema_ramp * float(state.get("step", 0)))
+        stats["policy/ema_decay"] = min(a.ema_decay, a.ema_ramp * self.policy.steps_taken())
         self.policy.move_towards(self.ema, stats["policy/ema_decay"])
 
-    def save_files(self, folder: Path) -> None:
-        if self.ema is not None:
-            from safetensors.torch import save_file
-
-            save_file({n: v.detach().cpu().contiguous() for n, v in self.ema.items()}, folder / self.EMA_FILE)
-
-    def load_files(self, folder: Path) -> None:
-        if self.ema is None:
-            return
-        from safetensors.torch import load_file
-
-        file = folder / self.EMA_FILE
-        if not file.is_file():
-            raise ValueError(
-                f"checkpoint {folder} has no {self.EMA_FILE}: it was not written by train.method awm "
-                "with train.awm.ema_beta > 0"
-            )
-        for n, v in load_file(file).items():
-            self.ema[n].copy_(v)
+    def snapshots(self) -> dict:
+        """The soft-updated copy (:data:`EMA_FILE`), when ``train.awm.ema_beta > 0``."""
+        return {self.EMA_FILE: self.ema} if self.ema is not None else {}

@@ -19,6 +19,7 @@ policy's (a window position, an old policy) goes into checkpoints through :meth:
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,11 +177,70 @@ class Method:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output."""
 
+    def snapshots(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The method's held copies of the trainable weights (an old, sampler, reference or EMA copy) by checkpoint
+        file name (``*.safetensors``); :meth:`save_files` and :meth:`load_files` write and read them. None here."""
+        return {}
+
+    snapshot_origin = ""
+    """What writes the snapshots, for the error of a checkpoint without them (default: ``train.method NAME``)."""
+
     def save_files(self, folder: Path) -> None:
-        """Write the method's tensors into a checkpoint folder before it is sealed."""
+        """Write the method's tensors (:meth:`snapshots`) into a checkpoint folder before it is sealed."""
+        from safetensors.torch import save_file
+
+        for name, store in self.snapshots().items():
+            save_file({n: v.detach().cpu().contiguous() for n, v in store.items()}, folder / name)
 
     def load_files(self, folder: Path) -> None:
-        """Read what :meth:`save_files` wrote (ValueError naming the checkpoint if it is missing)."""
+        """Read what :meth:`save_files` wrote into the held copies.
+
+        Raises:
+            ValueError: naming the checkpoint and the file, for a snapshot it does not hold.
+        """
+        from safetensors.torch import load_file
+
+        for name, store in self.snapshots().items():
+            file = folder / name
+            if not file.is_file():
+                origin = self.snapshot_origin or f"by train.method {self.name}"
+                raise ValueError(f"checkpoint {folder} has no {name}: it was not written {origin}")
+            for n, v in load_file(file).items():
+                store[n].copy_(v)
+
+    def optimizer_steps(self, count: int, generator: torch.Generator, micro_loss, unit: int = 1):
+        """The optimizer steps of ``train.inner_epochs`` passes over `count` rows (or units of `unit` rows:
+        :meth:`flowrl.policy.Policy.minibatches`), each minibatch micro-batched for gradient accumulation; a process
+        without rows in a step joins it with a zero gradient.
+
+        Args:
+            count (`int`): this process's rows (units). generator: the iteration's generator (the order).
+            micro_loss: ``micro_loss(idx, stats, step) -> loss`` (a scalar tensor with the graph) of the rows (units)
+                `idx` in optimizer step `step` (1-based); it may append statistics to `stats`.
+            unit (`int`): rows per unit.
+
+        Returns:
+            ``(stats, steps)``: the per-step and per-micro-batch statistics (``policy/loss``, ``policy/grad_norm``
+            and the method's) and the optimizer steps taken.
+        """
+        policy = self.policy
+        stats: dict[str, list[float]] = defaultdict(list)
+        steps = 0
+        self.model.transformer.train()
+        for _, _, mb, total in policy.minibatches(count, generator, unit=unit):
+            steps += 1
+            if len(mb) == 0:  # this process has no rows left, the others do: a zero gradient
+                policy.step(None, stats)
+                continue
+            share = len(mb) / total  # this process's part of the global minibatch
+            parts = []
+            for _, idx, frac in policy.micro_batches(mb, unit=unit):  # gradient accumulation
+                loss = micro_loss(idx, stats, steps)
+                policy.backward(loss, frac * share)
+                parts.append(loss.item() * frac)
+            policy.step(sum(parts), stats)
+        self.model.transformer.eval()
+        return stats, steps
 
     # ------------------------------------------------------------------------------ shared parts
     def chunked(self, fn, size: int | None = None):

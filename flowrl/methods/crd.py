@@ -25,9 +25,7 @@ sample; the official's ``bce`` loss and softmax-temperature centring (off by def
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -135,22 +133,14 @@ class CRD(ForwardProcess):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        s = cfg.sampling
-        for key, value, off in (
-            ("sampling.shape", s.shape, "flat"),
-            ("sampling.window.size", s.window.size, 0),
-            ("train.kl_beta", cfg.train.kl_beta, 0.0),
-            ("train.best_of_n", cfg.train.best_of_n, 0),
-        ):
-            check(
-                value == off, key, f"{off!r} with train.method 'crd' (it trains whole groups of final samples)", value
-            )
+        cls.check_final_samples(cfg, "it trains whole groups of final samples")
         check(
-            cfg.train.crd.kl_beta == 0 or cfg.model.lora_rank > 0,
-            "train.crd.kl_beta",
-            "0 unless model.lora_rank > 0 (the KL's reference is the base: the LoRA disabled)",
-            cfg.train.crd.kl_beta,
+            cfg.train.best_of_n == 0,
+            "train.best_of_n",
+            "0 with train.method 'crd' (it trains whole groups of final samples)",
+            cfg.train.best_of_n,
         )
+        cls.check_base_reference(cfg, "train.crd.kl_beta", cfg.train.crd.kl_beta)
 
     def __init__(self, cfg, model, policy, rewards):
         super().__init__(cfg, model, policy, rewards)
@@ -193,34 +183,25 @@ class CRD(ForwardProcess):
                 if c.kl_beta > 0:
                     with model.reference():
                         v_ref = self.chunked(model.velocity_fn(samples.table, c.kl_guidance_scale))(x_t, t, cond)
-        stats: dict[str, list[float]] = defaultdict(list)
-        optimizer_steps = 0
-        model.transformer.train()
-        for _, _, mb, total in self.policy.minibatches(units, generator, unit=g):
-            optimizer_steps += 1
-            if len(mb) == 0:
-                self.policy.step(None, stats)
-                continue
-            parts = []
-            for _, u, frac in self.policy.micro_batches(mb, unit=g):
-                idx = (u.view(-1, 1) * g + torch.arange(g, device=u.device)).reshape(-1)  # the units' rows
-                with self.policy.autocast():
-                    v = velocity(x_t[idx], t[idx], cond[idx])
-                r = implicit_reward(v, v_old[idx], target[idx])
-                loss, a = crd_loss(r, a_n[idx], idx // g, c.beta, self.cfg.train.adv_clip_max)
-                stats["policy/crd_loss"].append(loss.item())
-                stats["policy/implicit_reward"].append(r.mean().item())
-                if optimizer_steps == 1:  # the policy is still the old copy on the first iteration's first step
-                    stats["policy/implicit_reward_first_max"].append(r.abs().max().item())
-                if v_ref is not None:
-                    kl = (v.float() - v_ref[idx].float()).pow(2).flatten(1).mean(1)  # (n,)
-                    m = 1e-4 / c.kl_beta
-                    loss = loss + c.kl_beta * ((m + a.float() * (1 - m)) * kl).mean()
-                    stats["policy/kl"].append(kl.mean().item())
-                self.policy.backward(loss, frac * len(mb) / total)
-                parts.append(loss.item() * frac)
-            self.policy.step(sum(parts), stats)
-        model.transformer.eval()
+
+        def micro_loss(u, stats, step):
+            idx = (u.view(-1, 1) * g + torch.arange(g, device=u.device)).reshape(-1)  # the units' rows
+            with self.policy.autocast():
+                v = velocity(x_t[idx], t[idx], cond[idx])
+            r = implicit_reward(v, v_old[idx], target[idx])
+            loss, a = crd_loss(r, a_n[idx], idx // g, c.beta, self.cfg.train.adv_clip_max)
+            stats["policy/crd_loss"].append(loss.item())
+            stats["policy/implicit_reward"].append(r.mean().item())
+            if step == 1:  # the policy is still the old copy on the first iteration's first step
+                stats["policy/implicit_reward_first_max"].append(r.abs().max().item())
+            if v_ref is not None:
+                kl = (v.float() - v_ref[idx].float()).pow(2).flatten(1).mean(1)  # (n,)
+                m = 1e-4 / c.kl_beta
+                loss = loss + c.kl_beta * ((m + a.float() * (1 - m)) * kl).mean()
+                stats["policy/kl"].append(kl.mean().item())
+            return loss
+
+        stats, optimizer_steps = self.optimizer_steps(units, generator, micro_loss, unit=g)
         out = {k: max(v) if k.endswith("_first_max") else sum(v) / len(v) for k, v in stats.items()}
         passes = 2 + (model.cfg_rows(c.kl_guidance_scale) if v_ref is not None else 0)
         out.update(
@@ -235,25 +216,12 @@ class CRD(ForwardProcess):
     def end_iteration(self, stats: dict) -> None:
         """Move the old and sampler copies towards the policy (records ``policy/old_decay``, ``sampling/decay``)."""
         c = self.cfg.train.crd
-        state = next(iter(self.policy.optimizer.state.values()), {})  # AdamW counts its steps (restored on resume)
-        n = int(state.get("step", 0))
+        n = self.policy.steps_taken()
         stats["policy/old_decay"] = decay_at(c.old_decay, n)
         stats["sampling/decay"] = decay_at(c.sampler_decay, n)
         self.policy.move_towards(self.old, stats["policy/old_decay"])
         self.policy.move_towards(self.sampler, stats["sampling/decay"])
 
-    def save_files(self, folder: Path) -> None:
-        from safetensors.torch import save_file
-
-        for name, store in ((self.OLD_FILE, self.old), (self.SAMPLER_FILE, self.sampler)):
-            save_file({n: v.detach().cpu().contiguous() for n, v in store.items()}, folder / name)
-
-    def load_files(self, folder: Path) -> None:
-        from safetensors.torch import load_file
-
-        for name, store in ((self.OLD_FILE, self.old), (self.SAMPLER_FILE, self.sampler)):
-            file = folder / name
-            if not file.is_file():
-                raise ValueError(f"checkpoint {folder} has no {name}: it was not written by train.method crd")
-            for n, v in load_file(file).items():
-                store[n].copy_(v)
+    def snapshots(self) -> dict:
+        """The old (:data:`OLD_FILE`) and sampler (:data:`SAMPLER_FILE`) copies."""
+        return {self.OLD_FILE: self.old, self.SAMPLER_FILE: self.sampler}

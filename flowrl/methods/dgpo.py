@@ -18,7 +18,6 @@ beta, so that the optimizer sees the official scale; plus ``train.dgpo.kl_beta``
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -77,13 +76,7 @@ class DGPO(ForwardProcess):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        s = cfg.sampling
-        for key, value, off in (
-            ("sampling.shape", s.shape, "flat"),
-            ("sampling.window.size", s.window.size, 0),
-            ("train.kl_beta", cfg.train.kl_beta, 0.0),
-        ):
-            check(value == off, key, f"{off!r} with train.method 'dgpo' (it trains on final samples)", value)
+        cls.check_final_samples(cfg)
         check(
             cfg.model.lora_rank > 0,
             "model.lora_rank",
@@ -118,26 +111,16 @@ class DGPO(ForwardProcess):
                 v_ref = self.chunked(velocity)(x_t, t, cond) if len(r) else x_t
         err0, ref_err = flow_matching_error(v_theta, x0, eps), flow_matching_error(v_ref, x0, eps)
         objective, weight = dgpo_objective(err0, ref_err, a, gid, d.beta, self.cfg.sampling.group_size)
-        stats: dict[str, list[float]] = defaultdict(list)
-        optimizer_steps = 0
-        model.transformer.train()
-        for _, _, mb, total_rows in self.policy.minibatches(len(r), generator):
-            optimizer_steps += 1
-            if len(mb) == 0:
-                self.policy.step(None, stats)
-                continue
-            parts = []
-            for _, idx, frac in self.policy.micro_batches(mb):
-                with self.policy.autocast():
-                    v = velocity(x_t[idx], t[idx], cond[idx])
-                err = flow_matching_error(v, x0[idx], eps[idx])
-                kl = (v.float() - v_ref[idx].float()).pow(2).flatten(1).mean(dim=1).mean()
-                loss = (weight[idx] * a[idx] * err).mean() + d.kl_beta * kl
-                self.policy.backward(loss, frac * len(mb) / total_rows)
-                parts.append(loss.item() * frac)
-                stats["policy/kl"].append(kl.item())
-            self.policy.step(sum(parts), stats)
-        model.transformer.eval()
+
+        def micro_loss(idx, stats, step):
+            with self.policy.autocast():
+                v = velocity(x_t[idx], t[idx], cond[idx])
+            err = flow_matching_error(v, x0[idx], eps[idx])
+            kl = (v.float() - v_ref[idx].float()).pow(2).flatten(1).mean(dim=1).mean()
+            stats["policy/kl"].append(kl.item())
+            return (weight[idx] * a[idx] * err).mean() + d.kl_beta * kl
+
+        stats, optimizer_steps = self.optimizer_steps(len(r), generator, micro_loss)
         out = {k: sum(v) / len(v) for k, v in stats.items()}
         out["policy/dgpo_objective"] = objective.mean().item() if len(objective) else 0.0
         out.update(

@@ -21,7 +21,6 @@ known failure of both: watch ``diversity/clip`` and the held-out evaluation, and
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -90,19 +89,8 @@ class DirectReward(ForwardProcess):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        s = cfg.sampling
-        for key, value, off in (
-            ("sampling.shape", s.shape, "flat"),
-            ("sampling.window.size", s.window.size, 0),
-            ("train.kl_beta", cfg.train.kl_beta, 0.0),
-        ):
-            check(value == off, key, f"{off!r} with train.method {cls.name!r} (it back-propagates the reward)", value)
-        check(
-            cfg.train.direct.kl_beta == 0 or cfg.model.lora_rank > 0,
-            "train.direct.kl_beta",
-            "0 unless model.lora_rank > 0 (the reference is the base: the LoRA disabled)",
-            cfg.train.direct.kl_beta,
-        )
+        cls.check_final_samples(cfg, "it back-propagates the reward")
+        cls.check_base_reference(cfg, "train.direct.kl_beta", cfg.train.direct.kl_beta)
 
     def __init__(self, cfg, model, policy, rewards):
         from ..fields import ConfigError
@@ -173,32 +161,22 @@ class DirectReward(ForwardProcess):
         ``policy/grad_norm``, ``policy/optimizer_steps`` and ``cost/*``."""
         d, model = self.cfg.train.direct, self.model
         velocity = model.velocity_fn(samples.table, self.cfg.sampling.guidance_scale)
-        stats: dict[str, list[float]] = defaultdict(list)
-        steps = 0
-        model.transformer.train()
-        for _, _, mb, total in self.policy.minibatches(len(samples.cond), generator):
-            steps += 1
-            if len(mb) == 0:
-                self.policy.step(None, stats)
-                continue
-            parts = []
-            for _, idx, frac in self.policy.micro_batches(mb):
-                kl: list = []
-                x0 = self.predict(velocity, samples.start[idx], samples.cond[idx], samples.step, kl)
-                images = model.decode_with_grad(x0)
-                rows = idx.tolist()
-                r = self.reward_with_grad(
-                    images, [samples.prompts[i] for i in rows], [samples.metadata[i] for i in rows]
-                )
-                loss = (torch.relu(d.margin - r) if d.margin is not None else -r).mean() * d.scale
-                if kl:
-                    loss = loss + d.kl_beta * torch.stack(kl).mean()
-                    stats["policy/kl"].append(torch.stack(kl).mean().item())
-                self.policy.backward(loss, frac * len(mb) / total)
-                parts.append(loss.item() * frac)
-                stats["policy/reward"].append(r.mean().item())
-            self.policy.step(sum(parts), stats)
-        model.transformer.eval()
+
+        def micro_loss(idx, stats, step):
+            kl: list = []
+            images = model.decode_with_grad(
+                self.predict(velocity, samples.start[idx], samples.cond[idx], samples.step, kl)
+            )
+            rows = idx.tolist()
+            r = self.reward_with_grad(images, [samples.prompts[i] for i in rows], [samples.metadata[i] for i in rows])
+            loss = (torch.relu(d.margin - r) if d.margin is not None else -r).mean() * d.scale
+            if kl:
+                loss = loss + d.kl_beta * torch.stack(kl).mean()
+                stats["policy/kl"].append(torch.stack(kl).mean().item())
+            stats["policy/reward"].append(r.mean().item())
+            return loss
+
+        stats, steps = self.optimizer_steps(len(samples.cond), generator, micro_loss)
         out = {k: sum(v) / len(v) for k, v in stats.items()}
         rows = len(samples.cond) * (len(self.sigmas) - 1 - samples.step if isinstance(self, DRaFT) else 1)
         out.update(

@@ -16,9 +16,7 @@ its offline setting, the reference then the initial policy), and it also draws t
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -85,13 +83,7 @@ class DiffusionDPO(ForwardProcess):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        s = cfg.sampling
-        for key, value, off in (
-            ("sampling.shape", s.shape, "flat"),
-            ("sampling.window.size", s.window.size, 0),
-            ("train.kl_beta", cfg.train.kl_beta, 0.0),
-        ):
-            check(value == off, key, f"{off!r} with train.method 'dpo' (it trains on final samples)", value)
+        cls.check_final_samples(cfg)
 
     def __init__(self, cfg, model, policy, rewards):
         super().__init__(cfg, model, policy, rewards)
@@ -142,29 +134,18 @@ class DiffusionDPO(ForwardProcess):
         if n:
             with torch.no_grad(), self.policy.holding(self.reference), self.policy.autocast():
                 ref_err = flow_matching_error(self.chunked(velocity)(x_t, times2, cond), x0, eps2)  # (2N,)
-        stats: dict[str, list[float]] = defaultdict(list)
-        steps = 0
-        self.model.transformer.train()
-        for _, _, mb, total_rows in self.policy.minibatches(n, generator):
-            steps += 1
-            if len(mb) == 0:
-                self.policy.step(None, stats)
-                continue
-            parts = []
-            for _, idx, frac in self.policy.micro_batches(mb):
-                both = torch.cat([idx, idx + n])  # the winners' rows, then their losers'
-                with self.policy.autocast():
-                    v = velocity(x_t[both], times2[both], cond[both])
-                err = flow_matching_error(v, x0[both], eps2[both])
-                m = len(idx)
-                per = dpo_loss(err[:m], ref_err[idx], err[m:], ref_err[idx + n], d.beta)  # (m,)
-                loss = per.mean()
-                self.policy.backward(loss, frac * len(mb) / total_rows)
-                parts.append(loss.item() * frac)
-                margin = (ref_err[idx] - err[:m].detach()) - (ref_err[idx + n] - err[m:].detach())
-                stats["policy/implicit_acc"].append((margin > 0).float().mean().item())
-            self.policy.step(sum(parts), stats)
-        self.model.transformer.eval()
+
+        def micro_loss(idx, stats, step):
+            both = torch.cat([idx, idx + n])  # the winners' rows, then their losers'
+            with self.policy.autocast():
+                v = velocity(x_t[both], times2[both], cond[both])
+            err = flow_matching_error(v, x0[both], eps2[both])
+            m = len(idx)
+            margin = (ref_err[idx] - err[:m].detach()) - (ref_err[idx + n] - err[m:].detach())
+            stats["policy/implicit_acc"].append((margin > 0).float().mean().item())
+            return dpo_loss(err[:m], ref_err[idx], err[m:], ref_err[idx + n], d.beta).mean()
+
+        stats, steps = self.optimizer_steps(n, generator, micro_loss)
         out = {k: sum(v) / len(v) for k, v in stats.items()}
         out.update(
             {
@@ -188,21 +169,9 @@ class DiffusionDPO(ForwardProcess):
     def load_state_dict(self, state: dict) -> None:
         self.iterations = int(state.get("dpo_iterations", 0))
 
-    def save_files(self, folder: Path) -> None:
-        from safetensors.torch import save_file
-
-        save_file({n: v.detach().cpu().contiguous() for n, v in self.reference.items()}, folder / self.REFERENCE_FILE)
-
-    def load_files(self, folder: Path) -> None:
-        from safetensors.torch import load_file
-
-        file = folder / self.REFERENCE_FILE
-        if not file.is_file():
-            raise ValueError(
-                f"checkpoint {folder} has no {self.REFERENCE_FILE}: it was not written by train.method dpo"
-            )
-        for n, v in load_file(file).items():
-            self.reference[n].copy_(v)
+    def snapshots(self) -> dict:
+        """The reference (:data:`REFERENCE_FILE`), which also draws the online samples."""
+        return {self.REFERENCE_FILE: self.reference} if self.reference is not None else {}
 
     # ------------------------------------------------------------------------------ the parts
     def pair_times(self, count: int, generator: torch.Generator) -> torch.Tensor:

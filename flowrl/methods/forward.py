@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..fields import check
 from ..samplers import ode_sample
 from .base import FinalSamples, Method, Rewards
 
@@ -39,6 +40,28 @@ def flow_matching_error(velocity: torch.Tensor, x0: torch.Tensor, eps: torch.Ten
 
 class ForwardProcess(Method):
     """Base of the methods trained on clean samples (see the module docstring). Args: as :class:`Method`."""
+
+    @classmethod
+    def check_final_samples(cls, cfg, why: str = "it trains on final samples") -> None:
+        """Refuse, naming the key, the GRPO-only settings a method on final samples cannot use: a rollout shape other
+        than flat groups, a sliding SDE window, and ``train.kl_beta`` (the methods weigh their own KL)."""
+        s = cfg.sampling
+        for key, value, off in (
+            ("sampling.shape", s.shape, "flat"),
+            ("sampling.window.size", s.window.size, 0),
+            ("train.kl_beta", cfg.train.kl_beta, 0.0),
+        ):
+            check(value == off, key, f"{off!r} with train.method {cls.name!r} ({why})", value)
+
+    @staticmethod
+    def check_base_reference(cfg, key: str, value: float) -> None:
+        """Refuse a KL weight `value` (config key `key`) to the base without a LoRA (the base is the LoRA disabled)."""
+        check(
+            value == 0 or cfg.model.lora_rank > 0,
+            key,
+            "0 unless model.lora_rank > 0 (the reference is the base: the LoRA disabled)",
+            value,
+        )
 
     def rollout_weights(self) -> dict[str, torch.Tensor] | None:
         """The weights the rollouts are drawn with (None: the current policy)."""

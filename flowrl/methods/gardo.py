@@ -25,7 +25,6 @@ mean std (not built); the reset test reads every micro-batch's KL (the official 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -269,23 +268,6 @@ class GARDO(GRPO):
         self.history = [float(x) for x in s.get("history", [])]
         self.iterations, self.last_reset = int(s.get("iterations", 0)), int(s.get("last_reset", 0))
 
-    def save_files(self, folder: Path) -> None:
-        if self.reference is not None:
-            from safetensors.torch import save_file
-
-            save_file(
-                {n: v.detach().cpu().contiguous() for n, v in self.reference.items()}, folder / self.REFERENCE_FILE
-            )
-
-    def load_files(self, folder: Path) -> None:
-        if self.reference is None:
-            return
-        from safetensors.torch import load_file
-
-        file = folder / self.REFERENCE_FILE
-        if not file.is_file():
-            raise ValueError(
-                f"checkpoint {folder} has no {self.REFERENCE_FILE}: it was not written by train.method gardo"
-            )
-        for n, v in load_file(file).items():
-            self.reference[n].copy_(v)
+    def snapshots(self) -> dict:
+        """The KL's reference copy (:data:`REFERENCE_FILE`), when ``train.kl_beta > 0``."""
+        return {self.REFERENCE_FILE: self.reference} if self.reference is not None else {}

@@ -6,9 +6,7 @@ negative-aware flow-matching loss on noised copies of the samples: no log-probs 
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -152,27 +150,11 @@ class DiffusionNFT(ForwardProcess):
             stats["policy/old_decay"] = self.old_decay()
             self.policy.move_towards(self.old_policy, stats["policy/old_decay"])
 
-    def save_files(self, folder: Path) -> None:
-        if self.old_policy is not None:
-            from safetensors.torch import save_file
+    snapshot_origin = "with train.nft.old_decay > 0, which this run sets"
 
-            save_file(
-                {n: v.detach().cpu().contiguous() for n, v in self.old_policy.items()}, folder / self.OLD_POLICY_FILE
-            )
-
-    def load_files(self, folder: Path) -> None:
-        if self.old_policy is None:
-            return
-        from safetensors.torch import load_file
-
-        file = folder / self.OLD_POLICY_FILE
-        if not file.is_file():
-            raise ValueError(
-                f"checkpoint {folder} has no {self.OLD_POLICY_FILE}: it was not written with "
-                "train.nft.old_decay > 0, which this run sets"
-            )
-        for n, v in load_file(file).items():
-            self.old_policy[n].copy_(v)
+    def snapshots(self) -> dict:
+        """The soft-updated old (sampling) policy (:data:`OLD_POLICY_FILE`), when ``train.nft.old_decay > 0``."""
+        return {self.OLD_POLICY_FILE: self.old_policy} if self.old_policy is not None else {}
 
     # ------------------------------------------------------------------------------ the parts
     def old_decay(self) -> float:
@@ -181,8 +163,7 @@ class DiffusionNFT(ForwardProcess):
         nft = self.cfg.train.nft
         if nft.decay_ramp == 0:
             return nft.old_decay
-        state = next(iter(self.policy.optimizer.state.values()), {})  # AdamW counts its steps (restored on resume)
-        return min(nft.decay_ramp * float(state.get("step", 0)), nft.old_decay)
+        return min(nft.decay_ramp * self.policy.steps_taken(), nft.old_decay)
 
     def optimize(
         self,
@@ -209,25 +190,12 @@ class DiffusionNFT(ForwardProcess):
         Returns:
             ``policy/loss`` and ``policy/grad_norm`` (means over steps) and ``policy/optimizer_steps``.
         """
-        train, policy = self.cfg.train, self.policy
-        stats: dict[str, list[float]] = defaultdict(list)
-        steps = 0
-        self.model.transformer.train()
-        for _, _, mb, total_rows in policy.minibatches(len(x_t), generator):
-            steps += 1
-            if len(mb) == 0:  # this process has no rows left, the others do: a zero gradient
-                policy.step(None, stats)
-                continue
-            share = len(mb) / total_rows  # this process's part of the global minibatch
-            parts = []
-            for _, idx, frac in policy.micro_batches(mb):  # gradient accumulation
-                with policy.autocast():
-                    v = velocity(x_t[idx], times[idx], cond[idx])
-                loss = nft_loss(
-                    v, v_old[idx], x_t[idx], x_0[idx], times[idx], r[idx], train.nft.beta, train.adv_clip_max
-                )
-                policy.backward(loss, frac * share)
-                parts.append(loss.item() * frac)
-            policy.step(sum(parts), stats)
-        self.model.transformer.eval()
+        train = self.cfg.train
+
+        def micro_loss(idx, stats, step):
+            with self.policy.autocast():
+                v = velocity(x_t[idx], times[idx], cond[idx])
+            return nft_loss(v, v_old[idx], x_t[idx], x_0[idx], times[idx], r[idx], train.nft.beta, train.adv_clip_max)
+
+        stats, steps = self.optimizer_steps(len(x_t), generator, micro_loss)
         return {**{k: sum(v) / len(v) for k, v in stats.items()}, "policy/optimizer_steps": steps}

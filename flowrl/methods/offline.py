@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import io
 import json
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,23 +255,13 @@ class SFT(OfflineDPO):
         times = self.pair_times(len(x0), generator)
         x_t, eps = self.noised(x0, times, generator)
         velocity = self.model.velocity_fn(samples.table, d.guidance_scale)
-        stats: dict[str, list[float]] = defaultdict(list)
-        steps = 0
-        self.model.transformer.train()
-        for _, _, mb, total in self.policy.minibatches(len(x0), generator):
-            steps += 1
-            if len(mb) == 0:
-                self.policy.step(None, stats)
-                continue
-            parts = []
-            for _, idx, frac in self.policy.micro_batches(mb):
-                with self.policy.autocast():
-                    v = velocity(x_t[idx], times[idx], cond[idx])
-                loss = flow_matching_error(v, x0[idx], eps[idx]).mean()
-                self.policy.backward(loss, frac * len(mb) / total)
-                parts.append(loss.item() * frac)
-            self.policy.step(sum(parts), stats)
-        self.model.transformer.eval()
+
+        def micro_loss(idx, stats, step):
+            with self.policy.autocast():
+                v = velocity(x_t[idx], times[idx], cond[idx])
+            return flow_matching_error(v, x0[idx], eps[idx]).mean()
+
+        stats, steps = self.optimizer_steps(len(x0), generator, micro_loss)
         out = {k: sum(v) / len(v) for k, v in stats.items()}
         out.update({"policy/optimizer_steps": steps, "cost/trained_transitions": len(x0) * self.cfg.train.inner_epochs,
                     "cost/nfe": len(x0) * self.model.cfg_rows(d.guidance_scale)})  # fmt: skip
@@ -282,10 +271,4 @@ class SFT(OfflineDPO):
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
-
-    def save_files(self, folder: Path) -> None:
-        pass
-
-    def load_files(self, folder: Path) -> None:
         pass

@@ -178,24 +178,33 @@ class VLMScore:
             return (score - self.low) / (self.high - self.low)
         return score
 
-    def _one(self, image: torch.Tensor, prompt: str) -> float:
+    def _ask(self, image: torch.Tensor, prompt: str, read, **options):
+        """``read(reply)`` of the server's reply to the image (a PNG data URL) then the question for `prompt`, at
+        temperature 0 with `options` (``max_tokens``, ``logprobs``, ...).
+
+        Raises:
+            RuntimeError: naming the server and the prompt, when the request (or reading it) fails after the openai
+                client's retries.
+        """
         content = [
             {"type": "image_url", "image_url": {"url": _data_url(image)}},
             {"type": "text", "text": self.question.format(prompt=prompt)},
         ]
         try:
             reply = self.client.chat.completions.create(
-                model=self.model,
-                max_tokens=self.max_tokens,
-                temperature=0.0,
-                messages=[{"role": "user", "content": content}],
+                model=self.model, temperature=0.0, messages=[{"role": "user", "content": content}], **options
             )
-            text = reply.choices[0].message.content or ""
+            return read(reply)
         except Exception as e:  # the openai client has already retried
             raise RuntimeError(
                 f"{self.name}: request to {self.base_url} for prompt {prompt!r} failed: "
                 f"{type(e).__name__}: {' '.join(str(e).split())}"
             ) from e
+
+    def _one(self, image: torch.Tensor, prompt: str) -> float:
+        text = self._ask(
+            image, prompt, lambda reply: reply.choices[0].message.content or "", max_tokens=self.max_tokens
+        )
         score = parse_score(text, self.low, self.high)
         if score is None:
             if self.unparsed == "raise":
@@ -317,26 +326,11 @@ class VLMYes(VLMScore):
         self.top_logprobs = top_logprobs
 
     def _one(self, image: torch.Tensor, prompt: str) -> float:
-        content = [
-            {"type": "image_url", "image_url": {"url": _data_url(image)}},
-            {"type": "text", "text": self.question.format(prompt=prompt)},
-        ]
-        try:
-            reply = self.client.chat.completions.create(
-                model=self.model,
-                max_tokens=1,
-                temperature=0.0,
-                logprobs=True,
-                top_logprobs=self.top_logprobs,
-                messages=[{"role": "user", "content": content}],
-            )
+        def read(reply) -> list[tuple[str, float]]:
             first = reply.choices[0].logprobs.content[0] if reply.choices[0].logprobs else None
-            pairs = [(t.token, t.logprob) for t in first.top_logprobs] if first is not None else []
-        except Exception as e:  # the openai client has already retried
-            raise RuntimeError(
-                f"{self.name}: request to {self.base_url} for prompt {prompt!r} failed: "
-                f"{type(e).__name__}: {' '.join(str(e).split())}"
-            ) from e
+            return [(t.token, t.logprob) for t in first.top_logprobs] if first is not None else []
+
+        pairs = self._ask(image, prompt, read, max_tokens=1, logprobs=True, top_logprobs=self.top_logprobs)
         p = yes_probability(pairs)
         if p is None:
             if self.unparsed == "raise":

@@ -207,7 +207,7 @@ class Trainer:
                 place_frozen(self.model, m.prompt_cache, m.text_encoders, m.vae_placement, prompts)
         self.policy = Policy(self.model, cfg.train, cfg.run.mixed_precision, acc)
         self.method = build_method(cfg, self.model, self.policy, self.rewards)
-        self.diversity = self._diversity_probe()
+        self.diversity = self._diversity_probe() if self.method.online else None  # offline: no rollout images
         self.stop_rules = StopRules(cfg.run.stop_if)
         if cfg.model.lora_rank == 0 and cfg.run.keep_checkpoints is None:
             count = -(-cfg.run.iterations // cfg.run.save_every)

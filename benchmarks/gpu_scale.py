@@ -556,7 +556,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
     )
     params = transformer_params(folder)
-    rows = [measure(folder, p, args, prompts, device) for p in args.presets.split(",")]
     layers = json.loads((folder / "transformer" / "config.json").read_text()).get("num_layers")
     meta = {
         "family": args.family,
@@ -573,7 +572,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "command": " ".join(sys.argv),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    rows = []
+    for preset in args.presets.split(","):
+        rows.append(measure(folder, preset, args, prompts, device))
+        # written after each preset: a run stopped at a time limit keeps what it measured
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        print(json.dumps(rows[-1]), flush=True)
     print(markdown(rows, meta))
     return rows
 

@@ -240,10 +240,11 @@ def tiny_overrides(model: Path, train: Path, test: Path, out: Path, **extra) -> 
     return [f"{k}={v}" for k, v in base.items()]
 
 
-def assert_resume_is_exact(config: Path, overrides, out: Path) -> None:
+def assert_resume_is_exact(config: Path, overrides, out: Path):
     """Train `config` for 2 iterations straight and for 1 iteration + a resume for the second (``overrides(folder)``:
     the run's ``key=value`` list for an output folder) and check they end on the same weights (atol 1e-6) and log the
-    same second iteration: rollout noise, prompts and optimizer state are restored; the resumed iteration trained."""
+    same second iteration: rollout noise, prompts and optimizer state are restored; the resumed iteration trained.
+    Returns the straight run's :class:`flowrl.trainer.Trainer` (after training)."""
     import json
 
     from safetensors.torch import load_file
@@ -251,10 +252,11 @@ def assert_resume_is_exact(config: Path, overrides, out: Path) -> None:
     from flowrl.config import load_config
     from flowrl.trainer import Trainer
 
-    runs = {}
+    runs, trainers = {}, {}
     for name, passes in (("full", [[]]), ("part", [["run.iterations=1"], ["run.resume=true"]])):
         for more in passes:
-            Trainer(load_config(config, overrides(out / name) + more)).train()
+            trainers[name] = Trainer(load_config(config, overrides(out / name) + more))
+            trainers[name].train()
         lines = (out / name / "metrics.jsonl").read_text().splitlines()
         runs[name] = (
             load_file(out / name / "checkpoints/checkpoint-000002/trainable.safetensors"),
@@ -269,3 +271,4 @@ def assert_resume_is_exact(config: Path, overrides, out: Path) -> None:
     assert last_a["iteration"] == last_b["iteration"] == 2
     key = "reward/total/mean" if "reward/total/mean" in last_a else "policy/loss"  # offline methods score nothing
     assert last_a[key] == last_b[key]
+    return trainers["full"]

@@ -23,6 +23,8 @@ GPU_RECIPES |= {"hunyuan_dance_grpo.yaml"}  # run shrunk in test_hunyuan_video
 GPU_RECIPES |= {
     "flux_kontext_grpo.yaml",
     "qwen_image_flow_grpo.yaml",
+    "qwen_image_edit_flow_grpo.yaml",
+    "z_image_flow_grpo.yaml",
     "wan_flow_grpo.yaml",
 }  # in their families' tests
 GPU_RECIPES |= {"tiny_video.yaml"}  # the tiny video world's own model: run in test_tiny_video

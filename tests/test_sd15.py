@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_resume_is_exact, tiny_overrides
+from conftest import REPO, tiny_overrides
 
 from flowrl.config import ConfigError, load_config
 from flowrl.models import SD15Model, load_model, model_class
@@ -49,7 +49,7 @@ def _stock_images(folder: Path, model: SD15Model, num_steps: int, guidance_scale
         ).images
 
 
-@pytest.mark.parametrize("folder", ["sd15", "sd15_v"])
+@pytest.mark.parametrize("folder", ["sd15_v"])  # epsilon prediction: tests/test_conformance.py
 @pytest.mark.parametrize("num_steps,guidance_scale", [(4, 4.5), (7, 1.0)])
 def test_deterministic_sampling_equals_the_stock_pipeline(folder, num_steps, guidance_scale, request):
     from flowrl.evaluation import generate
@@ -187,21 +187,6 @@ def test_the_ddpo_recipe_shrunk_onto_a_tiny_pipeline_trains(tmp_path, sd15, prom
     metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)
     assert all(m["cost/trained_transitions"] == 2 * 2 * 3 for m in metrics)  # 2 prompts x 2 images x all 3 steps
-
-
-def test_the_ddpo_recipe_resumes_exactly(tmp_path, sd15, prompt_files):
-    """configs/sd15_ddpo.yaml shrunk: 2 iterations straight and 1 iteration + a resume for the second end on the same
-    weights and log the same second iteration (rollout noise, prompts and optimizer state restored)."""
-    extra = {
-        "run.mixed_precision": "no",
-        "model.dtype": "float32",
-        "model.resolution": "null",
-        "train.micro_batch_size": "null",
-        "sampling.batch_size": 8,
-    }
-    assert_resume_is_exact(
-        REPO / "configs" / "sd15_ddpo.yaml", lambda out: tiny_overrides(sd15, *prompt_files, out, **extra), tmp_path
-    )
 
 
 def test_the_random_pipeline_is_seeded(tmp_path, sd15):

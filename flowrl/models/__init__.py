@@ -9,7 +9,10 @@ tiny model), ``FluxPipeline`` -> :class:`FluxModel` (FLUX.1), ``StableDiffusionP
 file with a :class:`FlowModel` subclass, added to :data:`ADAPTERS`. ``QwenImagePipeline`` -> :class:`QwenImageModel`
 (Qwen-Image), ``FluxKontextPipeline`` -> :class:`FluxKontextModel` (FLUX.1 Kontext image editing: a source image per
 prompt, read by :meth:`FlowModel.prompt_table`). ``HunyuanVideoPipeline`` -> :class:`HunyuanVideoModel` (HunyuanVideo
-text-to-video: embedded guidance, latents ``(C, F, H, W)``).
+text-to-video: embedded guidance, latents ``(C, F, H, W)``). ``ZImagePipeline`` -> :class:`ZImageModel` (Z-Image,
+Z-Image-Turbo). ``QwenImageEditPipeline`` -> :class:`QwenImageEditModel` and ``QwenImageEditPlusPipeline`` ->
+:class:`QwenImageEditPlusModel` (Qwen-Image-Edit: a source image per prompt, seen by the text encoder and the
+transformer).
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from .flux import FluxModel
 from .flux_kontext import FluxKontextModel
 from .hunyuan_video import HunyuanVideoModel
 from .qwen_image import QwenImageModel
+from .qwen_image_edit import QwenImageEditModel, QwenImageEditPlusModel
 from .sd3 import SD3Model
 from .sd15 import SD15Model
 from .sdxl import SDXLModel
 from .wan import WanModel
+from .z_image import ZImageModel
 
 ADAPTERS: tuple[type[FlowModel], ...] = (
     SD3Model,
@@ -35,8 +40,11 @@ ADAPTERS: tuple[type[FlowModel], ...] = (
     SDXLModel,
     WanModel,
     QwenImageModel,
+    QwenImageEditModel,
+    QwenImageEditPlusModel,
     FluxKontextModel,
     HunyuanVideoModel,
+    ZImageModel,
 )
 """Every adapter, looked up by its ``PIPELINE`` (the ``_class_name`` of a folder's ``model_index.json``); each names
 its LoRA targets as ``LORA_TARGETS``."""
@@ -50,10 +58,13 @@ __all__ = [
     "HunyuanVideoModel",
     "PromptEmbeds",
     "QwenImageModel",
+    "QwenImageEditModel",
+    "QwenImageEditPlusModel",
     "SD15Model",
     "SD3Model",
     "SDXLModel",
     "WanModel",
+    "ZImageModel",
     "check_guidance",
     "load_model",
     "make_batch_invariant",

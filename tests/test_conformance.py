@@ -1,0 +1,201 @@
+"""What every model family must do, checked on a tiny random pipeline of its real classes (tests/families.py): ODE
+sampling equal to the stock pipeline, a PPO ratio of exactly 1 before the first step for every rollout shape,
+DiffusionNFT training that resumes exactly, a LoRA that the stock ``load_lora_weights`` loads and that reproduces the
+trained model, a full fine-tune the stock class loads, ``flowrl memory``'s counts equal to the loaded model's, and
+``flowrl sample`` writing images or mp4s. One parametrization id per family, its adapter's class name:
+``pytest tests/test_conformance.py -q -k WanModel``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, assert_resume_is_exact, shape_overrides, tiny_overrides
+from families import FAMILIES, TinyFamily, prompt_files
+
+from flowrl.config import ConfigError, load_config
+from flowrl.data import read_jsonl
+from flowrl.models import PromptEmbeds, load_model, model_class
+from flowrl.trainer import Trainer
+
+IDS = list(FAMILIES)
+VIDEO_SLOW = pytest.mark.slow  # the video families' longer checks run with CI=true
+
+
+@pytest.fixture(scope="module")
+def family(request, tmp_path_factory) -> tuple[TinyFamily, Path, tuple[Path, Path]]:
+    """The family ``request.param``: its spec, a tiny random pipeline folder and its train / test prompt files."""
+    spec = FAMILIES[request.param]
+    root = tmp_path_factory.mktemp(spec.id)
+    return spec, spec.build(root / "pipeline"), prompt_files(spec.prompts, root / "prompts")
+
+
+def _params(video_slow: bool = False):
+    return [
+        pytest.param(i, marks=VIDEO_SLOW, id=i) if video_slow and FAMILIES[i].video else pytest.param(i, id=i)
+        for i in IDS
+    ]
+
+
+def _config(spec: TinyFamily, folder: Path, prompts, preset: str, out: Path, **extra) -> tuple[Path, list[str]]:
+    """The preset's config file and the overrides that shrink it onto the family's tiny pipeline."""
+    cfg = load_config(REPO / "configs" / f"{preset}.yaml")
+    train, test = prompts
+    settings = {
+        "model.resolution": spec.load["resolution"],
+        "model.max_sequence_length": spec.load.get("max_sequence_length", "null"),
+        **({"model.num_frames": spec.load["num_frames"]} if "num_frames" in spec.load else {}),
+        **spec.train,
+        **shape_overrides(cfg),
+        **extra,
+    }
+    return REPO / "configs" / f"{preset}.yaml", tiny_overrides(folder, train, test, out, **settings)
+
+
+@pytest.mark.parametrize("family", _params(), indirect=True)
+def test_ode_sampling_equals_the_stock_pipeline(family):
+    from flowrl.evaluation import generate
+
+    spec, folder, (train, _) = family
+    assert model_class(folder).__name__ == spec.id
+    metas = read_jsonl(train)[:2]
+    model = load_model(folder, **spec.load)
+    images = []
+    for guidance in spec.guidance:
+        ours = generate(model, [m["prompt"] for m in metas], [0, 1], 3, guidance, metas=metas)
+        stock = spec.stock(folder, model, metas, 3, guidance)
+        assert ours.shape == stock.shape and ours.shape[0] == 2
+        torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
+        images.append(ours)
+    if len(images) > 1:
+        assert (images[0] - images[1]).abs().max() > 1e-3  # the guidance scale matters
+
+
+SHAPES = ["flow_grpo", "mix_grpo_flash", "branch_grpo_mix", "tempflow_grpo"]
+"""Presets of every rollout shape: SDE steps, a window with an ODE tail, a tree, single-step probes."""
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("family", _params(video_slow=True), indirect=True)
+def test_the_ratio_is_exactly_one_before_the_first_step(family, shape, tmp_path):
+    spec, folder, prompts = family
+    config, over = _config(spec, folder, prompts, shape, tmp_path / "run")
+    if shape in spec.refuses:
+        with pytest.raises(ConfigError, match=r"^config key '[a-z_.]+': .*\(DDPM\)"):
+            Trainer(load_config(config, over))
+        return
+    trainer = Trainer(load_config(config, over))
+    method, gen = trainer.method, lambda i: torch.Generator().manual_seed(i)
+    metas = trainer.sample_prompts(0)
+    samples = method.rollout(metas, gen(1))
+    scores = trainer.score(samples.images, samples.image_prompt, metas)
+    adv, keep, _ = method.advantages(samples, trainer.gather_rewards(scores, samples.image_prompt, len(metas)), gen(2))
+    before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
+    stats = method.update(samples, adv, keep, gen(3))
+    assert stats["cost/trained_transitions"] > 0 and stats["policy/optimizer_steps"] > 0
+    assert stats["policy/ratio_first_max_dev"] == 0.0
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
+
+
+@pytest.fixture(scope="module")
+def nft_run(family, tmp_path_factory) -> tuple[Trainer, Path]:
+    """The family's training preset (:attr:`TinyFamily.trains`: DiffusionNFT where the family takes it) trained 2
+    iterations straight and 1 + a resumed one (equal: checked); the straight run's trainer and folder."""
+    spec, folder, prompts = family
+    out = tmp_path_factory.mktemp(f"{spec.id}-{spec.trains}")
+    config = REPO / "configs" / f"{spec.trains}.yaml"
+    trainer = assert_resume_is_exact(config, lambda run: _config(spec, folder, prompts, spec.trains, run)[1], out)
+    return trainer, out / "full"
+
+
+@pytest.mark.parametrize("family", _params(), indirect=True)
+def test_training_resumes_exactly_and_its_lora_loads_in_stock_diffusers(family, nft_run):
+    spec, folder, (train, _) = family
+    trainer, run = nft_run
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["iteration"] for m in metrics] == [1, 2] and all(m["policy/optimizer_steps"] > 0 for m in metrics)
+    model = trainer.model
+    metas = read_jsonl(train)[:2]
+    table = model.prompt_table(metas)
+    cond, uncond = table[PromptEmbeds.rows(torch.arange(2))], table[torch.zeros(2, dtype=torch.long)]
+    x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
+    t, guidance = torch.tensor([0.7, 0.4]), spec.guidance[0]
+    stock = load_model(folder, **spec.load)
+    import diffusers
+
+    pipe = getattr(diffusers, stock.PIPELINE).from_pretrained(folder, **spec.stock_kwargs)
+    stock.pipe, stock.transformer = pipe, getattr(pipe, stock.network_name())  # the stock network under the adapter
+    with torch.no_grad():
+        base = stock.velocity(x, t, cond, uncond, guidance)
+        pipe.load_lora_weights(str(run / "lora"))
+        loaded = stock.velocity(x, t, cond, uncond, guidance)
+        ours = model.velocity(x, t, cond, uncond, guidance)
+    assert (base - ours).abs().max() > 1e-5  # the LoRA trained
+    torch.testing.assert_close(loaded, ours, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", _params(), indirect=True)
+def test_memory_counts_equal_the_loaded_model(family, nft_run):
+    from flowrl.plan import component_elements, trained_counts
+
+    spec, folder, _ = family
+    trainer, _ = nft_run
+    model, cfg = trainer.model, trainer.cfg
+    adapter = type(model)
+    network = adapter.network_name(cfg.model.expert)
+    total, trained, _ = trained_counts(
+        folder, network, cfg.model.lora_rank, cfg.model.lora_alpha, adapter.LORA_TARGETS
+    )
+    params = dict(getattr(model.pipe, network).named_parameters())
+    assert trained == sum(p.numel() for p in trainer.policy.params.values()) > 0
+    assert total == sum(p.numel() for n, p in params.items() if "lora_" not in n)
+    for name, count in component_elements(folder).items():
+        component = getattr(model.pipe, name)
+        stored = {v.data_ptr(): v.numel() for n, v in component.state_dict().items() if "lora_" not in n}
+        own = sum(stored.values())  # weights and persistent buffers, tied weights once (as safetensors saves them)
+        assert count == own, name
+
+
+@pytest.mark.parametrize("family", _params(video_slow=True), indirect=True)
+def test_full_finetuning_writes_a_pipeline_the_stock_class_loads(family, tmp_path):
+    import diffusers
+
+    spec, folder, prompts = family
+    config, over = _config(
+        spec,
+        folder,
+        prompts,
+        "flow_grpo",
+        tmp_path / "run",
+        **{"model.lora_rank": 0, "run.iterations": 1, "run.keep_checkpoints": 1},
+    )
+    trainer = Trainer(load_config(config, over))
+    trainer.train()
+    pipe = getattr(diffusers, trainer.model.PIPELINE).from_pretrained(
+        tmp_path / "run" / "pipeline", **spec.stock_kwargs
+    )
+    saved = getattr(pipe, trainer.model.network_name(trainer.cfg.model.expert)).state_dict()
+    for n, p in trainer.policy.params.items():
+        torch.testing.assert_close(saved[n].float(), p.detach().float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", _params(), indirect=True)
+def test_flowrl_sample_writes_images_or_an_mp4(family, tmp_path, capsys):
+    from flowrl.cli import main
+
+    spec, folder, _ = family
+    args = ["sample", "--model", str(folder), "--prompt", "a photo of a star", "-n", "2", "--num-steps", "2"]
+    args += ["--resolution", str(spec.load["resolution"]), "--guidance-scale", str(spec.guidance[0])]
+    if "max_sequence_length" in spec.load:
+        args += ["--max-sequence-length", str(spec.load["max_sequence_length"])]
+    if spec.video:
+        args += ["--num-frames", str(spec.load["num_frames"])]
+    main([*args, "--device", "cpu", "--out", str(tmp_path / "grid.png")])
+    said = capsys.readouterr().out
+    assert (tmp_path / "grid.png").stat().st_size > 0
+    if spec.video:
+        assert "wrote 2 videos" in said and (tmp_path / "grid.mp4").stat().st_size > 0
+    else:
+        assert "wrote 2 images" in said

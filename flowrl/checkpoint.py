@@ -64,6 +64,34 @@ class CheckpointError(ValueError):
     """A checkpoint that fails verification or does not fit the model; the message names the folder and why."""
 
 
+class DiskFullError(OSError):
+    """The disk filled up during a run: the message names the newest verified checkpoint, the one a resume continues
+    from (:func:`disk_full_error`)."""
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` is a full disk or quota (``ENOSPC`` / ``EDQUOT``, or a writer's message saying so)."""
+    import errno
+
+    codes = (errno.ENOSPC, errno.EDQUOT)
+    return (isinstance(error, OSError) and error.errno in codes) or "No space left on device" in str(error)
+
+
+def disk_full_error(error: BaseException, directory: str | Path) -> DiskFullError:
+    """A :class:`DiskFullError` for ``error`` (a full disk while a run wrote) naming the newest verified checkpoint
+    under ``directory`` (the run's ``checkpoints/``), or saying that none was written yet."""
+    where = f" ({error.filename})" if getattr(error, "filename", None) else ""
+    latest = latest_checkpoint(directory)
+    if latest is None:
+        after = "no checkpoint had been written yet: free space and start the run again"
+    else:
+        after = (
+            f"{latest} (iteration {checkpoint_iteration(latest)}) is verified and usable: free space and continue "
+            "with run.resume=true"
+        )
+    return DiskFullError(f"no space left on the device while writing{where}; {after}")
+
+
 def _digest(path: Path) -> dict:
     """``{"size": bytes, "sha256": hex}`` of one file, read in 1 MiB blocks."""
     h = hashlib.sha256()

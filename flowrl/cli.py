@@ -834,6 +834,10 @@ def _machine_error(error: BaseException) -> str | None:
     (an ``OSError``, or a safetensors write that says so), naming the file where the error does; None otherwise."""
     import errno
 
+    from .checkpoint import DiskFullError
+
+    if isinstance(error, DiskFullError):  # a run's full disk: its message names the checkpoint to resume from
+        return str(error)
     codes = {errno.EROFS: "the file system is read-only", errno.ENOSPC: "no space left on the device"}
     codes[errno.EDQUOT] = "the disk quota is exceeded"
     if isinstance(error, OSError) and error.errno in codes:

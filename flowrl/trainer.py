@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .checkpoint import checkpoint_iteration, prune_checkpoints
+from .checkpoint import DiskFullError, checkpoint_iteration, disk_full_error, is_disk_full, prune_checkpoints
 from .config import REPO_ROOT, Config, ConfigError, RewardConfig, config_key, resolve_path, save_config
 from .data import read_prompts
 from .diversity import DiversityProbe, StopRules
@@ -233,9 +233,15 @@ class Trainer:
         Raises:
             RunFolderInUse: another process holds the run folder. FileExistsError: it holds a run and
             ``run.resume`` is off. CheckpointError: ``run.resume`` finds run files but no verified checkpoint.
+            DiskFullError: the disk filled up; the message names the newest verified checkpoint.
         """
         with self.run.hold():
-            return self._train()
+            try:
+                return self._train()
+            except OSError as e:  # a full disk: say which checkpoint a resume continues from
+                if isinstance(e, DiskFullError) or not is_disk_full(e):
+                    raise
+                raise disk_full_error(e, self.out / "checkpoints") from e
 
     def _train(self) -> dict:
         """:meth:`train`'s body, run under the lock."""

@@ -287,3 +287,28 @@ def test_a_full_reward_server_answers_503_with_retry_after():
         server.close()
     with pytest.raises(ValueError, match="workers must be an integer >= 1"):
         RewardServer(slow, port=0, workers=0)
+
+
+def test_a_disk_that_fills_mid_run_names_the_checkpoint_to_resume_from(
+    tmp_path, random_pipeline, prompt_files, capsys
+):
+    """The second checkpoint's write fails with ENOSPC: one line naming checkpoint 1, and the resume from it works."""
+    from flowrl.checkpoint import DiskFullError
+
+    out = tmp_path / "run"
+    over = tiny_overrides(random_pipeline, *prompt_files, out)
+    trainer = Trainer(load_config(REPO / "configs" / "flow_grpo.yaml", over))
+    real = trainer.policy.save
+
+    def save(directory, iteration, *args, **kwargs):
+        if iteration == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(directory / "checkpoint-000002"))
+        return real(directory, iteration, *args, **kwargs)
+
+    trainer.policy.save = save
+    with pytest.raises(DiskFullError, match=r"checkpoint-000001 \(iteration 1\) is verified and usable.*resume=true"):
+        trainer.train()
+    line = cli._machine_error(DiskFullError("x"))
+    assert line == "x"  # the CLI prints the trainer's one line as it is
+    Trainer(load_config(REPO / "configs" / "flow_grpo.yaml", over + ["run.resume=true"])).train()
+    assert (out / "checkpoints" / "checkpoint-000002").is_dir()

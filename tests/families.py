@@ -243,6 +243,18 @@ def _z_image_stock(folder, model, metas, num_steps, guidance_scale):
     return stock_z_image(folder, model, metas, noise(model, len(metas)), num_steps, guidance_scale)
 
 
+def _flux2_klein(folder: Path) -> Path:
+    from test_flux2 import build_random_flux2_klein_pipeline
+
+    return build_random_flux2_klein_pipeline(folder)
+
+
+def _flux2_klein_stock(folder, model, metas, num_steps, guidance_scale):
+    from test_flux2 import stock_flux2_klein
+
+    return stock_flux2_klein(folder, model, metas, noise(model, len(metas)), num_steps, guidance_scale)
+
+
 def _qwen_edit(folder: Path) -> Path:
     from test_qwen_image_edit import build_random_qwen_image_edit_pipeline
 
@@ -332,6 +344,14 @@ FAMILIES: dict[str, TinyFamily] = {
             _z_image,
             {"resolution": 32, "max_sequence_length": 64},
             _z_image_stock,
+            (4.0, 1.0),
+            IMAGE_TRAIN,
+        ),
+        TinyFamily(
+            "Flux2KleinModel",
+            _flux2_klein,
+            {"resolution": 32, "max_sequence_length": 64},
+            _flux2_klein_stock,
             (4.0, 1.0),
             IMAGE_TRAIN,
         ),

@@ -25,6 +25,7 @@ GPU_RECIPES |= {
     "qwen_image_flow_grpo.yaml",
     "qwen_image_edit_flow_grpo.yaml",
     "z_image_flow_grpo.yaml",
+    "flux2_klein_flow_grpo.yaml",
     "wan_flow_grpo.yaml",
 }  # in their families' tests
 GPU_RECIPES |= {"tiny_video.yaml"}  # the tiny video world's own model: run in test_tiny_video

@@ -13,6 +13,8 @@ text-to-video: embedded guidance, latents ``(C, F, H, W)``). ``ZImagePipeline`` 
 Z-Image-Turbo). ``QwenImageEditPipeline`` -> :class:`QwenImageEditModel` and ``QwenImageEditPlusPipeline`` ->
 :class:`QwenImageEditPlusModel` (Qwen-Image-Edit: a source image per prompt, seen by the text encoder and the
 transformer).
+``Flux2KleinPipeline`` -> :class:`Flux2KleinModel` (FLUX.2 klein 4B / 9B and their base models: a Qwen3 text encoder,
+batch-norm-normalised 2x2-patchified latents; text-to-image only).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from .base import FlowModel, PromptEmbeds, _model_index, check_guidance, make_batch_invariant, resolve_device
 from .flux import FluxModel
+from .flux2 import Flux2KleinModel
 from .flux_kontext import FluxKontextModel
 from .hunyuan_video import HunyuanVideoModel
 from .qwen_image import QwenImageModel
@@ -45,6 +48,7 @@ ADAPTERS: tuple[type[FlowModel], ...] = (
     FluxKontextModel,
     HunyuanVideoModel,
     ZImageModel,
+    Flux2KleinModel,
 )
 """Every adapter, looked up by its ``PIPELINE`` (the ``_class_name`` of a folder's ``model_index.json``); each names
 its LoRA targets as ``LORA_TARGETS``."""
@@ -53,6 +57,7 @@ __all__ = [
     "ADAPTERS",
     "build_adapter",
     "FlowModel",
+    "Flux2KleinModel",
     "FluxKontextModel",
     "FluxModel",
     "HunyuanVideoModel",

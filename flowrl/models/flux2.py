@@ -1,0 +1,265 @@
+"""The FLUX.2 klein family (``Flux2KleinPipeline``): Black Forest Labs' FLUX.2 [klein] 4B / 9B (step-distilled) and
+their base models, and small ones. Text-to-image only: the pipeline's reference images (``image=``) are not used.
+
+Reference implementation (no paper): diffusers ``pipelines/flux2/pipeline_flux2_klein.py`` (``Flux2KleinPipeline``,
+``compute_empirical_mu``), ``models/transformers/transformer_flux2.py`` (``Flux2Transformer2DModel``: dual- then
+single-stream blocks, 4-axis rotary positions) and ``models/autoencoders/autoencoder_kl_flux2.py``
+(``AutoencoderKLFlux2``, whose batch norm normalises the 2x2-patchified latents); the adapter calls them.
+Notation (code -> pipeline): ``t`` (flowrl's time, 1 = noise) -> the scheduler's sigma and the transformer's
+``timestep / 1000``; latents ``(C', h, w)`` -> the pipeline's ``latents`` before ``_pack_latents`` (``C'`` = 4 x the
+VAE's latent channels, ``h = w`` = resolution / (2 x VAE factor)); ``w`` -> ``guidance_scale`` (the same convention).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from ..samplers import flow_sigmas
+from .base import FlowModel, PromptEmbeds, _config_shift, _model_index, _scheduler_file, _vae_factor
+from .qwen_image import _stretch_to_terminal
+
+FLUX2_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.linear_in",
+    "ff.linear_out",
+    "ff_context.linear_in",
+    "ff_context.linear_out",
+    "attn.to_qkv_mlp_proj",
+)
+"""LoRA targets for FLUX.2 transformers, Flow-Factory's defaults for FLUX.2 klein
+(``src/flow_factory/models/flux/flux2_klein.py``, ``default_target_modules``; diffusers' ``Flux2Transformer2DModel``
+names): both streams' attention and SwiGLU feed-forward layers of the dual-stream blocks, and the fused
+QKV + MLP input projection of the single-stream blocks (their output projection ``attn.to_out``, a plain linear
+layer, is not adapted, as in Flow-Factory)."""
+
+DEFAULT_SAMPLE_SIZE = 128
+"""Latents per image side when no resolution is given (``Flux2KleinPipeline.default_sample_size``: 1024 px)."""
+
+DEFAULT_STEPS = {True: 4, False: 50}
+"""Steps :meth:`Flux2KleinModel.scheduler_shift` assumes (the pipeline's shift depends on the step count): 4 for a
+step-distilled folder (BFL's setting for klein), 50 for a base one (the pipeline's ``num_inference_steps``)."""
+
+
+def _empirical_shift(cfg: dict, where: str | Path, image_tokens: int, num_steps: int) -> float:
+    """The static shift equal to ``Flux2KleinPipeline``'s schedule: ``exp(mu)`` with ``mu =
+    compute_empirical_mu(image_tokens, num_steps)`` for a dynamically (exponentially) shifting scheduler config,
+    else the config's own ``shift`` (the scheduler then ignores ``mu``).
+
+    Raises:
+        ValueError: naming ``where``, for a linear time shift (no static equivalent) or a shift that is not > 0.
+    """
+    if not cfg.get("use_dynamic_shifting"):
+        return _config_shift(cfg, where)
+    if cfg.get("time_shift_type", "exponential") != "exponential":
+        raise ValueError(f"{where} has time_shift_type {cfg['time_shift_type']!r}; flowrl supports 'exponential'")
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
+    return math.exp(compute_empirical_mu(image_seq_len=image_tokens, num_steps=num_steps))
+
+
+class Flux2KleinModel(FlowModel):
+    """A FLUX.2 klein text-to-image flow model (``Flux2KleinPipeline`` folder), with :class:`FlowModel`'s interface;
+    the samplers and the trainer see no difference.
+
+    What the adapter does differently, all inside it:
+
+    - Latents are the pipeline's patchified ones, ``(C', h, w)`` with ``C'`` the transformer's ``in_channels`` (128
+      for klein: 32 VAE channels x 2x2 patches), normalised by the VAE's batch-norm statistics; :meth:`_forward`
+      flattens them to ``h * w`` tokens (``_pack_latents``) with the pipeline's 4-axis position ids
+      (``_prepare_latent_ids``: ``(0, row, col, 0)``; the text's ``(0, 0, 0, l)``).
+    - Prompts: ``Flux2KleinPipeline.encode_prompt``: the prompt in Qwen3's chat template (thinking disabled), padded
+      to ``max_sequence_length`` tokens (default 512, as the pipeline), the hidden states of layers 9, 18 and 27 of
+      the Qwen3 text encoder concatenated per token: ``(P, L, 3 D)``. No mask: the transformer attends to the padding
+      as in the stock pipeline. No pooled embedding (``(P, 0)``).
+    - Guidance: a base model (``is_distilled`` false in ``model_index.json``) takes classifier-free guidance against
+      the empty prompt, ``v_u + w (v_c - v_u)`` as :meth:`FlowModel.velocity` (the pipeline's own formula); a
+      step-distilled one (klein 4B / 9B) samples without it: ``guidance_scale`` must be 1 (the stock pipeline
+      ignores it; flowrl refuses it, :meth:`velocity`, :meth:`check_config`).
+    - Schedule: ``linspace(1, 1/N, N)`` shifted by ``exp(mu)``, ``mu = compute_empirical_mu(image tokens, N)``: the
+      shift depends on the step count (:meth:`sigmas` with ``shift=None`` gives the stock schedule at every ``N``;
+      :meth:`scheduler_shift`, which a config fills ``sampling.shift`` with, assumes :data:`DEFAULT_STEPS`).
+    - Decoding: ``z * sqrt(bn.running_var + eps) + bn.running_mean``, the 2x2 patches unfolded, the VAE
+      (:meth:`decode`); no scaling or shift factor. The offline and direct-reward methods, which need the inverse,
+      are not built for this family.
+    - Resolution: any multiple of 2 x the VAE factor (16 px for klein; the rotary embedding has no largest size);
+      default 1024 px.
+
+    Args, Raises: as :class:`FlowModel`; ValueError also for ``max_sequence_length < 1``.
+    """
+
+    PIPELINE = "Flux2KleinPipeline"
+    LORA_TARGETS = FLUX2_LORA_TARGETS
+    SIGMA_SPACING = "flux"
+    """``Flux2KleinPipeline``'s ``linspace(1, 1/N, N)`` before the shift."""
+    TEXT_LAYERS = (9, 18, 27)
+    """The Qwen3 hidden states the pipeline concatenates (its ``text_encoder_out_layers`` default)."""
+
+    @staticmethod
+    def _default_length(index: dict) -> int:
+        return 512  # Flux2KleinPipeline's max_sequence_length
+
+    @staticmethod
+    def check_max_sequence_length(length: int) -> None:
+        """Raise ValueError for a prompt length below 1 (the Qwen3 tokens condition every block)."""
+        if length < 1:
+            raise ValueError(f"max_sequence_length must be >= 1 for FLUX.2 klein (its Qwen3 tokens), got {length}")
+
+    @classmethod
+    def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
+        """Default :data:`DEFAULT_SAMPLE_SIZE` latents a side; any multiple of the VAE factor x 2."""
+        factor = _vae_factor(path)
+        return DEFAULT_SAMPLE_SIZE * factor, 2 * factor, None, f"VAE factor {factor} x FLUX.2's 2x2 latent patches"
+
+    @staticmethod
+    def distilled(path: str | Path) -> bool:
+        """Whether the folder's ``model_index.json`` marks the model step-distilled (``is_distilled``: no CFG).
+
+        Raises:
+            FileNotFoundError: if ``path`` is not a pipeline folder.
+        """
+        return bool(_model_index(path).get("is_distilled", False))
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Refuse a guidance scale other than 1 for a step-distilled folder, before weights load.
+
+        Raises:
+            flowrl.config.ConfigError: naming ``sampling.guidance_scale`` or ``eval.guidance_scale``.
+        """
+        from ..config import ConfigError, resolve_path
+
+        path = resolve_path(cfg.model.path)
+        if not cls.distilled(path):
+            return
+        for key, value in (("sampling", cfg.sampling.guidance_scale), ("eval", cfg.eval.guidance_scale)):
+            if value != 1.0:
+                raise ConfigError(
+                    f"config key '{key}.guidance_scale': {path} is a step-distilled FLUX.2 klein (is_distilled), "
+                    f"which samples without CFG; set it to 1.0 (got {value})"
+                )
+
+    @classmethod
+    def scheduler_shift(cls, path: str | Path, resolution: int | None = None) -> float:
+        """The static shift equal to the stock schedule at ``resolution`` px (default: :meth:`check_resolution`'s) and
+        :data:`DEFAULT_STEPS` steps (4 for a distilled folder, 50 for a base one), read without loading weights
+        (:func:`_empirical_shift`): about 9.9 at 4 steps and 7.6 at 50 steps at 1024 px.
+
+        Raises:
+            FileNotFoundError: if ``path`` is not a pipeline folder or has no scheduler config.
+            ValueError: for a resolution the model cannot take, or a scheduler :func:`_empirical_shift` refuses.
+        """
+        file = _scheduler_file(path)
+        side = cls.check_resolution(path, resolution) // (2 * _vae_factor(Path(path)))
+        steps = DEFAULT_STEPS[cls.distilled(path)]
+        return _empirical_shift(json.loads(file.read_text()), file, side * side, steps)
+
+    @property
+    def shift(self) -> float:
+        """:meth:`scheduler_shift` of the loaded scheduler at the model's :attr:`resolution`."""
+        return self._shift(DEFAULT_STEPS[self.is_distilled])
+
+    @property
+    def is_distilled(self) -> bool:
+        """Whether the loaded pipeline is step-distilled (its config's ``is_distilled``: no CFG)."""
+        return bool(self.pipe.config.get("is_distilled", False))
+
+    def _shift(self, num_steps: int) -> float:
+        side = self.latent_shape[-1]
+        config = dict(self.pipe.scheduler.config)
+        return _empirical_shift(config, Path(self.path) / "scheduler", side * side, num_steps)
+
+    def sigmas(self, num_steps: int, shift: float | None = None) -> torch.Tensor:
+        """The sigma schedule ``(num_steps + 1,)`` float32 (CPU) from 1 to 0: ``linspace(1, 1/N, N)`` shifted by
+        ``shift`` (None: the stock pipeline's ``exp(mu)`` at ``num_steps``), stretched to the scheduler's
+        ``shift_terminal`` when it has one, then 0.
+
+        Raises:
+            ValueError: as :func:`samplers.flow_sigmas`.
+        """
+        shift = self._shift(num_steps) if shift is None else shift
+        sigmas = flow_sigmas(num_steps, shift, spacing=self.SIGMA_SPACING)  # (N + 1,)
+        terminal = self.pipe.scheduler.config.get("shift_terminal")
+        if not terminal:
+            return sigmas
+        return torch.cat([_stretch_to_terminal(sigmas[:-1].double(), terminal).float(), sigmas[-1:]])
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """``(C', h, w)``: the transformer's ``in_channels`` (4 x the VAE's latent channels), ``h = w = resolution /
+        (2 vae_scale_factor)``."""
+        side = self.resolution // (2 * self.pipe.vae_scale_factor)
+        return (self.transformer.config.in_channels, side, side)
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> PromptEmbeds:
+        """Encode prompts with ``Flux2KleinPipeline.encode_prompt``: ``embeds (P, max_sequence_length, 3 D)``
+        float32 (the Qwen3 layers :attr:`TEXT_LAYERS`, padding included) and an empty ``pooled (P, 0)``."""
+        embeds, _ = self.pipe.encode_prompt(
+            list(prompts),
+            device=self.device,
+            max_sequence_length=self.max_sequence_length,
+            text_encoder_out_layers=self.TEXT_LAYERS,
+        )  # (P, L, 3 D)
+        return PromptEmbeds(embeds.float(), embeds.new_zeros(len(prompts), 0).float())
+
+    def velocity(
+        self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None, guidance_scale: float
+    ) -> torch.Tensor:
+        """Velocity ``(N, C', h, w)`` float32 of latents ``x (N, C', h, w)`` at times ``t (N,)`` in [0, 1], with
+        classifier-free guidance as :meth:`FlowModel.velocity` for a base model.
+
+        Raises:
+            ValueError: if ``guidance_scale < 1``, or ``> 1`` for a step-distilled model.
+        """
+        if guidance_scale != 1.0 and self.is_distilled:
+            raise ValueError(
+                f"guidance_scale {guidance_scale}: {self.path} is a step-distilled FLUX.2 klein (is_distilled), "
+                "which samples without CFG; use guidance_scale 1.0"
+            )
+        return super().velocity(x, t, cond, uncond, guidance_scale)
+
+    def _forward(self, x, t, cond: PromptEmbeds, dtype) -> torch.Tensor:
+        n, c, h, w = x.shape
+        pipe = self.pipe
+        tokens = pipe._pack_latents(x.to(dtype))  # (N, h * w, C')
+        img_ids = pipe._prepare_latent_ids(x)[0].to(x.device)  # (h * w, 4): (0, row, col, 0)
+        txt_ids = pipe._prepare_text_ids(cond.embeds[:1])[0].to(x.device)  # (L, 4): (0, 0, 0, l)
+        time = (t.float() * 1000) / 1000  # the pipeline's timestep / 1000 on the scheduler's 1000 sigma
+        out = self.network()(
+            hidden_states=tokens,
+            encoder_hidden_states=cond.embeds.to(dtype),
+            timestep=time.to(dtype),
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=None,
+            return_dict=False,
+        )[0]  # (N, h * w, C')
+        return out.transpose(1, 2).reshape(n, c, h, w)  # (N, C', h, w): the tokens are in row-major order
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Decode latents ``(B, C', h, w)`` to images float32 ``(B, 3, 2 h f, 2 w f)`` in [0, 1] as
+        ``Flux2KleinPipeline`` does (the VAE's batch-norm statistics undone, the 2x2 patches unfolded, the VAE), in
+        chunks of :attr:`decode_chunk`."""
+        vae = self.pipe.vae
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, vae.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(
+            latents.device, vae.dtype
+        )
+        images = []
+        for chunk in latents.split(self.decode_chunk):
+            z = self.pipe._unpatchify_latents(chunk.to(vae.dtype) * std + mean)  # (b, C'/4, 2h, 2w)
+            z = z.contiguous(memory_format=torch.channels_last)
+            images.append(vae.decode(z, return_dict=False)[0].float())
+        return (torch.cat(images) / 2 + 0.5).clamp(0, 1)

@@ -1,0 +1,226 @@
+"""The FLUX.2 klein adapter (`flowrl.models.Flux2KleinModel`) on tiny random Flux2KleinPipelines built offline (a tiny
+27-layer Qwen3 text encoder, since the pipeline reads hidden states 9, 18 and 27, with the offline tokenizer and the
+Qwen3 chat template of tests/test_z_image.py): what is special to FLUX.2. The conformance suite
+(tests/test_conformance.py, family ``Flux2KleinModel``) checks sampling against the stock pipeline, the ratio, resume,
+LoRA and full fine-tune export."""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, shape_overrides, tiny_overrides
+
+from flowrl.config import ConfigError, load_config
+from flowrl.models import Flux2KleinModel, load_model, model_class
+from flowrl.trainer import Trainer
+
+SIDE = 32  # px: VAE factor 4, 8 x 8 latents, 4 x 4 patchified latents (16 tokens)
+LENGTH = 64  # prompt tokens: the chat template and the tiny world's prompts fit
+
+
+def build_random_flux2_klein_pipeline(folder: Path, distilled: bool = False) -> Path:
+    """Save a random-weight Flux2KleinPipeline to ``folder`` (seeded; seconds): a 27-layer Qwen3ForCausalLM (hidden
+    16) with the offline Qwen2 tokenizer and Qwen3's chat template, an AutoencoderKLFlux2 of factor 4 with 4 latent
+    channels and random batch-norm statistics (so that decoding checks the de-normalisation), a Flux2 transformer of
+    one dual- and one single-stream block (16 input channels: 4 x the 2x2 patches) without guidance embedding, and
+    klein's scheduler config (dynamic exponential shifting: the pipeline passes ``mu``). ``distilled`` sets the
+    pipeline's ``is_distilled`` (klein 4B / 9B; False: a base model, sampled with CFG)."""
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
+    from test_qwen_image import build_qwen_tokenizer
+    from test_z_image import QWEN3_CHAT_TEMPLATE
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    tok = build_qwen_tokenizer()
+    tok.chat_template = QWEN3_CHAT_TEMPLATE
+    te = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=len(tok),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=27,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+            bos_token_id=None,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
+    vae = AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(8, 16, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=32,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        mid_block_add_attention=False,
+    )
+    vae.bn.running_mean.copy_(torch.randn(16) * 0.2)
+    vae.bn.running_var.copy_(torch.rand(16) + 0.5)
+    dit = Flux2Transformer2DModel(
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=48,  # 3 Qwen3 layers x hidden 16
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential"
+    )
+    pipe = Flux2KleinPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=te, tokenizer=tok, transformer=dit, is_distilled=distilled
+    )
+    pipe.save_pretrained(folder)
+    return folder
+
+
+def stock_flux2_klein(
+    folder: Path, model, metas: list[dict], noise: torch.Tensor, num_steps: int, guidance_scale: float
+) -> torch.Tensor:
+    """The stock Flux2KleinPipeline's images ``(B, 3, H, W)`` float32 in [0, 1] for the prompt records ``metas`` from
+    the latents ``noise (B, *model.latent_shape)`` (the patchified latents the pipeline takes as ``latents=`` and
+    packs itself), at the pipeline's guidance scale (the same convention as flowrl's; ignored when distilled)."""
+    from diffusers import Flux2KleinPipeline
+
+    pipe = Flux2KleinPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        return pipe(
+            prompt=[m["prompt"] for m in metas],
+            latents=noise,
+            num_inference_steps=num_steps,
+            guidance_scale=guidance_scale,
+            height=model.resolution,
+            width=model.resolution,
+            max_sequence_length=model.max_sequence_length,
+            output_type="pt",
+        ).images
+
+
+@pytest.fixture(scope="module")
+def klein(tmp_path_factory) -> Path:
+    return build_random_flux2_klein_pipeline(tmp_path_factory.mktemp("random-flux2-klein"))
+
+
+@pytest.fixture(scope="module")
+def klein_distilled(tmp_path_factory) -> Path:
+    return build_random_flux2_klein_pipeline(tmp_path_factory.mktemp("random-flux2-klein-distilled"), distilled=True)
+
+
+def test_adapter_schedule_and_decoding_are_the_pipelines(klein, klein_distilled, tmp_path):
+    from diffusers import Flux2KleinPipeline
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
+    assert model_class(klein) is Flux2KleinModel and model_class(klein_distilled) is Flux2KleinModel
+    model = load_model(klein, resolution=SIDE, max_sequence_length=LENGTH)
+    assert model.latent_shape == (16, 4, 4) and load_model(klein, resolution=SIDE).max_sequence_length == 512
+    pipe = Flux2KleinPipeline.from_pretrained(klein)
+    for steps in (2, 4, 10):  # the shift follows the step count, as compute_empirical_mu
+        mu = compute_empirical_mu(16, steps)
+        pipe.scheduler.set_timesteps(sigmas=torch.linspace(1.0, 1 / steps, steps).tolist(), mu=mu)
+        torch.testing.assert_close(model.sigmas(steps), pipe.scheduler.sigmas.float(), rtol=0, atol=1e-6)
+    base, distilled = (Flux2KleinModel.scheduler_shift(p, SIDE) for p in (klein, klein_distilled))
+    assert base == pytest.approx(math.exp(compute_empirical_mu(16, 50)))  # the pipeline's 50 steps
+    assert distilled == pytest.approx(math.exp(compute_empirical_mu(16, 4)))  # klein's 4 steps
+    # prompts: the pipeline's embeddings, fixed length, no pooled
+    emb = model.encode(["", "a photo of a red star"])
+    ref, _ = pipe.encode_prompt(["", "a photo of a red star"], max_sequence_length=LENGTH)
+    assert emb.embeds.shape == (2, LENGTH, 48) and emb.pooled.shape == (2, 0)
+    torch.testing.assert_close(emb.embeds, ref, rtol=0, atol=1e-6)
+    # decoding undoes the VAE's batch norm (random statistics here) before the VAE
+    z = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
+    bn = pipe.vae.bn
+    raw = pipe._unpatchify_latents(
+        z * torch.sqrt(bn.running_var.view(1, -1, 1, 1) + 1e-4) + bn.running_mean.view(1, -1, 1, 1)
+    )
+    with torch.no_grad():
+        expected = (pipe.vae.decode(raw, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
+    torch.testing.assert_close(model.decode(z), expected, rtol=0, atol=1e-5)
+    assert not model.encodes_images()  # the offline / direct-reward methods need the inverse: not built
+    # a static scheduler: its own shift, whatever the steps
+    static = tmp_path / "static"
+    shutil.copytree(klein, static)
+    config = json.loads((static / "scheduler/scheduler_config.json").read_text())
+    config["use_dynamic_shifting"] = False
+    (static / "scheduler/scheduler_config.json").write_text(json.dumps(config))
+    assert Flux2KleinModel.scheduler_shift(static, SIDE) == 3.0
+
+
+def test_one_line_errors(klein, klein_distilled, tmp_path, prompt_files):
+    with pytest.raises(ValueError, match=r"^resolution 20 px .* multiple of 8 \(VAE factor 4 x FLUX.2's"):
+        Flux2KleinModel.check_resolution(klein, 20)
+    with pytest.raises(ValueError, match="^max_sequence_length must be >= 1 for FLUX.2 klein"):
+        load_model(klein, resolution=SIDE, max_sequence_length=0)
+    model = load_model(klein_distilled, resolution=SIDE, max_sequence_length=LENGTH)
+    assert model.cfg_rows(1.0) == 1
+    table = model.prompt_table([{"prompt": "a star"}])
+    x, t = torch.zeros(1, *model.latent_shape), torch.ones(1)
+    with pytest.raises(
+        ValueError, match=r"^guidance_scale 4.0: .* step-distilled FLUX.2 klein .* use guidance_scale 1.0$"
+    ):
+        model.velocity(x, t, table[torch.ones(1, dtype=torch.long)], table[torch.zeros(1, dtype=torch.long)], 4.0)
+    train, test = prompt_files
+    for key in ("sampling.guidance_scale", "eval.guidance_scale"):
+        settings = {"model.resolution": SIDE, "sampling.guidance_scale": 1.0, "eval.guidance_scale": 1.0, key: 3.0}
+        over = tiny_overrides(klein_distilled, train, test, tmp_path / "run", **settings)
+        with pytest.raises(
+            ConfigError, match=rf"^config key '{key}': .* step-distilled .* set it to 1.0 \(got 3.0\)$"
+        ):
+            Trainer(load_config(None, over))
+
+
+def test_klein_recipe_trains_two_iterations(tmp_path, klein_distilled, prompt_files):
+    """configs/flux2_klein_flow_grpo.yaml shrunk onto the tiny distilled pipeline (its 1-step SDE window and guidance 1
+    kept; PickScore swapped for JPEG compressibility, which needs no download)."""
+    train, test = prompt_files
+    preset = load_config(REPO / "configs" / "flux2_klein_flow_grpo.yaml")
+    over = tiny_overrides(
+        klein_distilled,
+        train,
+        test,
+        tmp_path / "run",
+        **{
+            "model.dtype": "float32",
+            "model.resolution": SIDE,
+            "model.max_sequence_length": LENGTH,
+            "rewards.pickscore": "null",
+            "rewards.jpeg_compressibility.weight": 1.0,
+            "sampling.group_size": 4,
+            "sampling.batch_size": 8,
+            "train.minibatch_size": 4,
+            "train.micro_batch_size": "null",
+            "train.gradient_checkpointing": False,
+            "train.ema_decay": 0.0,
+            **shape_overrides(preset),
+        },
+    )
+    cfg = load_config(REPO / "configs" / "flux2_klein_flow_grpo.yaml", over)
+    assert cfg.sampling.window.size == 1 and cfg.sampling.guidance_scale == 1.0 and cfg.eval.guidance_scale == 1.0
+    trainer = Trainer(cfg)
+    assert isinstance(trainer.model, Flux2KleinModel)
+    assert trainer.cfg.sampling.shift == pytest.approx(Flux2KleinModel.scheduler_shift(klein_distilled, SIDE))
+    before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
+    trainer.train()
+    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
+    assert (tmp_path / "run/lora/pytorch_lora_weights.safetensors").is_file()

@@ -58,7 +58,43 @@ def _dynamic_shift(cfg: dict, where: str | Path, image_tokens: int) -> float:
     return math.exp(mu)
 
 
-class FluxModel(FlowModel):
+class PackedTokenShift:
+    """``scheduler_shift`` and ``shift`` of a family whose pipeline passes the number of its 2x2-packed image tokens to
+    ``calculate_shift`` (FLUX.1, Qwen-Image, Z-Image): a mixin placed before :class:`FlowModel` in the bases. A family
+    whose folder gives its VAE factor another way overrides :meth:`_folder_vae_factor`."""
+
+    @staticmethod
+    def _folder_vae_factor(path: Path) -> int:
+        """The VAE's spatial factor of the pipeline folder ``path`` (``2 ** (len(block_out_channels) - 1)``)."""
+        return _vae_factor(path)
+
+    @classmethod
+    def scheduler_shift(cls, path: str | Path, resolution: int | None = None) -> float:
+        """The static shift equal to the folder's scheduler at ``resolution`` px (default: :meth:`check_resolution`'s),
+        read without loading weights (:func:`_dynamic_shift` at :func:`_image_tokens`): 3.16 for FLUX.1 at 1024 px,
+        1.92 at 512 px; a scheduler without dynamic shifting gives its own ``shift``.
+
+        Raises:
+            FileNotFoundError: if ``path`` is not a pipeline folder or has no scheduler config.
+            ValueError: for a resolution the model cannot take, or a scheduler as :func:`_dynamic_shift` refuses.
+        """
+        file = _scheduler_file(path)
+        tokens = _image_tokens(cls.check_resolution(path, resolution), cls._folder_vae_factor(Path(path)))
+        return _dynamic_shift(json.loads(file.read_text()), file, tokens)
+
+    @property
+    def shift(self) -> float:
+        """:meth:`scheduler_shift` of the loaded scheduler at the model's :attr:`resolution`."""
+        tokens = _image_tokens(self.resolution, self.pipe.vae_scale_factor)
+        return _dynamic_shift(dict(self.pipe.scheduler.config), Path(self.path) / "scheduler", tokens)
+
+
+def _image_tokens(resolution: int, vae_factor: int) -> int:
+    """Packed image tokens of a square ``resolution`` px image: one per 2x2 latent patch."""
+    return (resolution // (2 * vae_factor)) ** 2
+
+
+class FluxModel(PackedTokenShift, FlowModel):
     """A FLUX.1 text-to-image flow model (``FluxPipeline`` folder: FLUX.1-dev, FLUX.1-schnell or a small one), with
     :class:`FlowModel`'s interface; the samplers and the trainer see no difference.
 
@@ -106,30 +142,6 @@ class FluxModel(FlowModel):
         embedding has no largest size)."""
         factor = _vae_factor(path)
         return cls.DEFAULT_SAMPLE_SIZE * factor, factor * 2, None, f"VAE factor {factor} x FLUX's 2x2 latent packing"
-
-    @classmethod
-    def scheduler_shift(cls, path: str | Path, resolution: int | None = None) -> float:
-        """The static shift equal to the folder's scheduler at ``resolution`` px (default: :meth:`check_resolution`'s),
-        read without loading weights (:func:`_dynamic_shift`): 3.16 for FLUX.1 at 1024 px, 1.92 at 512 px.
-
-        Raises:
-            FileNotFoundError: if ``path`` is not a pipeline folder or has no scheduler config.
-            ValueError: for a resolution the model cannot take, or a scheduler as :func:`_dynamic_shift` refuses.
-        """
-        file = _scheduler_file(path)
-        tokens = cls._image_tokens(cls.check_resolution(path, resolution), _vae_factor(Path(path)))
-        return _dynamic_shift(json.loads(file.read_text()), file, tokens)
-
-    @property
-    def shift(self) -> float:
-        """:meth:`scheduler_shift` of the loaded scheduler at the model's :attr:`resolution`."""
-        tokens = self._image_tokens(self.resolution, self.pipe.vae_scale_factor)
-        return _dynamic_shift(dict(self.pipe.scheduler.config), Path(self.path) / "scheduler", tokens)
-
-    @staticmethod
-    def _image_tokens(resolution: int, vae_factor: int) -> int:
-        """Packed image tokens of a square ``resolution`` px image: one per 2x2 latent patch."""
-        return (resolution // (2 * vae_factor)) ** 2
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:

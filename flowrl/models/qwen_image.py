@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from ..samplers import flow_sigmas
-from .base import FlowModel, PromptEmbeds, _scheduler_file, check_guidance
-from .flux import _dynamic_shift
+from .base import FlowModel, PromptEmbeds, check_guidance
+from .flux import PackedTokenShift
 
 QWEN_IMAGE_LORA_TARGETS = (
     "attn.to_q",
@@ -61,7 +61,7 @@ def _stretch_to_terminal(sigmas: torch.Tensor, terminal: float) -> torch.Tensor:
     return 1 - one_minus / (one_minus[-1] / (1 - terminal))
 
 
-class QwenImageModel(FlowModel):
+class QwenImageModel(PackedTokenShift, FlowModel):
     """A Qwen-Image text-to-image flow model (``QwenImagePipeline`` folder), with :class:`FlowModel`'s interface; the
     samplers and the trainer see no difference.
 
@@ -90,6 +90,7 @@ class QwenImageModel(FlowModel):
     """
 
     PIPELINE = "QwenImagePipeline"
+    _folder_vae_factor = staticmethod(_vae_factor)  # the shift's token count: Qwen-Image's VAE factor
     LORA_TARGETS = QWEN_IMAGE_LORA_TARGETS
     SIGMA_SPACING = "flux"
     VAE_CHANNELS_LAST = False  # 3-D convolutions
@@ -115,26 +116,6 @@ class QwenImageModel(FlowModel):
         practical largest size)."""
         factor = _vae_factor(path)
         return cls.DEFAULT_SAMPLE_SIZE * factor, factor * 2, None, f"VAE factor {factor} x the 2x2 latent packing"
-
-    @classmethod
-    def scheduler_shift(cls, path: str | Path, resolution: int | None = None) -> float:
-        """The static shift equal to the folder's dynamic shift at ``resolution`` px (default:
-        :meth:`check_resolution`'s), read without loading weights (:func:`flowrl.models.flux._dynamic_shift`, with
-        the number of packed image tokens the stock pipeline passes to ``calculate_shift``).
-
-        Raises:
-            FileNotFoundError: if ``path`` is not a pipeline folder or has no scheduler config.
-            ValueError: for a resolution the model cannot take, or a scheduler ``_dynamic_shift`` refuses.
-        """
-        file = _scheduler_file(path)
-        side = cls.check_resolution(path, resolution) // (2 * _vae_factor(Path(path)))
-        return _dynamic_shift(json.loads(file.read_text()), file, side * side)
-
-    @property
-    def shift(self) -> float:
-        """:meth:`scheduler_shift` of the loaded scheduler at the model's :attr:`resolution`."""
-        side = self.resolution // (2 * self.pipe.vae_scale_factor)
-        return _dynamic_shift(dict(self.pipe.scheduler.config), Path(self.path) / "scheduler", side * side)
 
     def sigmas(self, num_steps: int, shift: float | None = None) -> torch.Tensor:
         """The stock pipeline's sigma schedule ``(num_steps + 1,)`` float32 (CPU) from 1 to 0: ``linspace(1, 1/N, N)``

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from ..samplers import flow_sigmas
-from .base import FlowModel, PromptEmbeds, _scheduler_file, _vae_factor, check_guidance
-from .flux import _dynamic_shift
+from .base import FlowModel, PromptEmbeds, _vae_factor, check_guidance
+from .flux import PackedTokenShift
 from .qwen_image import _stretch_to_terminal
 
 Z_IMAGE_LORA_TARGETS = (
@@ -54,7 +54,7 @@ class ZImagePromptEmbeds(PromptEmbeds):
         return ZImagePromptEmbeds(self.embeds[index], self.pooled[index], self.mask[index])
 
 
-class ZImageModel(FlowModel):
+class ZImageModel(PackedTokenShift, FlowModel):
     """A Z-Image text-to-image flow model (``ZImagePipeline`` folder: Z-Image, Z-Image-Turbo or a small one), with
     :class:`FlowModel`'s interface; the samplers and the trainer see no difference.
 
@@ -169,27 +169,6 @@ class ZImageModel(FlowModel):
         unit = 2 * factor
         largest = unit * min(lens[1:])
         return min(DEFAULT_SIDE, largest), unit, largest, f"VAE factor {factor} x the 2x2 patches"
-
-    @classmethod
-    def scheduler_shift(cls, path: str | Path, resolution: int | None = None) -> float:
-        """The scheduler's static shift, or for a dynamically shifting one the static shift equal to it at
-        ``resolution`` px (default: :meth:`check_resolution`'s), read without loading weights
-        (:func:`flowrl.models.flux._dynamic_shift`, with the image tokens the stock pipeline passes to
-        ``calculate_shift``).
-
-        Raises:
-            FileNotFoundError: if ``path`` is not a pipeline folder or has no scheduler config.
-            ValueError: for a resolution the model cannot take, or a scheduler ``_dynamic_shift`` refuses.
-        """
-        file = _scheduler_file(path)
-        side = cls.check_resolution(path, resolution) // (2 * _vae_factor(Path(path)))
-        return _dynamic_shift(json.loads(file.read_text()), file, side * side)
-
-    @property
-    def shift(self) -> float:
-        """:meth:`scheduler_shift` of the loaded scheduler at the model's :attr:`resolution`."""
-        side = self.resolution // (2 * self.pipe.vae_scale_factor)
-        return _dynamic_shift(dict(self.pipe.scheduler.config), Path(self.path) / "scheduler", side * side)
 
     def sigmas(self, num_steps: int, shift: float | None = None) -> torch.Tensor:
         """The stock pipeline's sigma schedule ``(num_steps + 1,)`` float32 (CPU) from 1 to 0: ``linspace(1, 1/N, N)``

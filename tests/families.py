@@ -9,6 +9,7 @@ own test module then holds only what is special to it.
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,6 +68,27 @@ brightness.accepts_video = True
 def noise(model, n: int) -> torch.Tensor:
     """The noise :func:`flowrl.evaluation.generate` draws for seeds ``0..n-1``: ``(n, *model.latent_shape)``."""
     return torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in range(n)])
+
+
+def _builder(module: str, name: str) -> Callable[[Path], Path]:
+    """The factory ``module.name(folder)``, imported when the family is first built (a family's test module is
+    imported only by the tests that use it)."""
+
+    def build(folder: Path) -> Path:
+        return getattr(importlib.import_module(module), name)(folder)
+
+    return build
+
+
+def _stock_from_noise(module: str, name: str) -> Stock:
+    """A family module's stock function ``module.name(folder, model, metas, noise, num_steps, guidance_scale)``, given
+    :func:`noise`'s noise for seeds ``0..B-1``."""
+
+    def stock(folder, model, metas, num_steps, guidance_scale):
+        stock_images = getattr(importlib.import_module(module), name)
+        return stock_images(folder, model, metas, noise(model, len(metas)), num_steps, guidance_scale)
+
+    return stock
 
 
 def _pt(folder: Path, cls_name: str, **kwargs):
@@ -195,90 +217,6 @@ def _video_stock(cls_name: str):
     return stock
 
 
-def _sd3(folder: Path) -> Path:
-    from conftest import build_random_pipeline
-
-    return build_random_pipeline(folder)
-
-
-def _flux(folder: Path) -> Path:
-    from conftest import build_random_flux_pipeline
-
-    return build_random_flux_pipeline(folder)
-
-
-def _kontext(folder: Path) -> Path:
-    from test_flux_kontext import build_random_kontext_pipeline
-
-    return build_random_kontext_pipeline(folder)
-
-
-def _sd15(folder: Path) -> Path:
-    from flowrl.tiny.sd15 import build_random_sd15_pipeline
-
-    return build_random_sd15_pipeline(folder)
-
-
-def _sdxl(folder: Path) -> Path:
-    from test_sdxl import build_random_sdxl_pipeline
-
-    return build_random_sdxl_pipeline(folder)
-
-
-def _qwen(folder: Path) -> Path:
-    from test_qwen_image import build_random_qwen_image_pipeline
-
-    return build_random_qwen_image_pipeline(folder)
-
-
-def _z_image(folder: Path) -> Path:
-    from test_z_image import build_random_z_image_pipeline
-
-    return build_random_z_image_pipeline(folder)
-
-
-def _z_image_stock(folder, model, metas, num_steps, guidance_scale):
-    from test_z_image import stock_z_image
-
-    return stock_z_image(folder, model, metas, noise(model, len(metas)), num_steps, guidance_scale)
-
-
-def _flux2_klein(folder: Path) -> Path:
-    from test_flux2 import build_random_flux2_klein_pipeline
-
-    return build_random_flux2_klein_pipeline(folder)
-
-
-def _flux2_klein_stock(folder, model, metas, num_steps, guidance_scale):
-    from test_flux2 import stock_flux2_klein
-
-    return stock_flux2_klein(folder, model, metas, noise(model, len(metas)), num_steps, guidance_scale)
-
-
-def _qwen_edit(folder: Path) -> Path:
-    from test_qwen_image_edit import build_random_qwen_image_edit_pipeline
-
-    return build_random_qwen_image_edit_pipeline(folder)
-
-
-def _qwen_edit_stock(folder, model, metas, num_steps, guidance_scale):
-    from test_qwen_image_edit import stock_qwen_image_edit
-
-    return stock_qwen_image_edit(folder, model, metas, noise(model, len(metas)), num_steps, guidance_scale)
-
-
-def _wan(folder: Path) -> Path:
-    from test_wan import build_random_wan_pipeline
-
-    return build_random_wan_pipeline(folder)
-
-
-def _hunyuan(folder: Path) -> Path:
-    from test_hunyuan_video import build_random_hunyuan_pipeline
-
-    return build_random_hunyuan_pipeline(folder)
-
-
 NO_T5 = {"text_encoder_3": None, "tokenizer_3": None}
 """The tiny SD3 pipelines have no T5 encoder (``null`` is not saved in ``model_index.json``)."""
 DDPM_REFUSES = ("diffusion_nft", "mix_grpo_flash")
@@ -289,10 +227,18 @@ VIDEO_TRAIN = {"rewards.geneval": "null", "rewards.families:brightness.weight": 
 FAMILIES: dict[str, TinyFamily] = {
     f.id: f
     for f in (
-        TinyFamily("SD3Model", _sd3, {"resolution": 32}, _sd3_stock, (4.5, 1.0), IMAGE_TRAIN, stock_kwargs=NO_T5),
+        TinyFamily(
+            "SD3Model",
+            _builder("conftest", "build_random_pipeline"),
+            {"resolution": 32},
+            _sd3_stock,
+            (4.5, 1.0),
+            IMAGE_TRAIN,
+            stock_kwargs=NO_T5,
+        ),
         TinyFamily(
             "FluxModel",
-            _flux,
+            _builder("conftest", "build_random_flux_pipeline"),
             {"resolution": 32, "max_sequence_length": 8},
             _flux_stock,
             (3.5, 1.0),
@@ -300,7 +246,7 @@ FAMILIES: dict[str, TinyFamily] = {
         ),
         TinyFamily(
             "FluxKontextModel",
-            _kontext,
+            _builder("test_flux_kontext", "build_random_kontext_pipeline"),
             {"resolution": 32, "max_sequence_length": 8},
             _kontext_stock,
             (2.5, 1.0),
@@ -309,7 +255,7 @@ FAMILIES: dict[str, TinyFamily] = {
         ),
         TinyFamily(
             "SD15Model",
-            _sd15,
+            _builder("flowrl.tiny.sd15", "build_random_sd15_pipeline"),
             {"resolution": 32},
             _ddim_stock("StableDiffusionPipeline", safety_checker=None, feature_extractor=None),
             (4.5, 1.0),
@@ -320,7 +266,7 @@ FAMILIES: dict[str, TinyFamily] = {
         ),
         TinyFamily(
             "SDXLModel",
-            _sdxl,
+            _builder("test_sdxl", "build_random_sdxl_pipeline"),
             {"resolution": 32},
             _ddim_stock("StableDiffusionXLPipeline", add_watermarker=False),
             (5.0, 1.0),
@@ -329,35 +275,42 @@ FAMILIES: dict[str, TinyFamily] = {
             trains="flow_grpo",
             refuses=DDPM_REFUSES,
         ),
-        TinyFamily("QwenImageModel", _qwen, {"resolution": 32}, _qwen_stock, (4.0, 1.0), IMAGE_TRAIN),
+        TinyFamily(
+            "QwenImageModel",
+            _builder("test_qwen_image", "build_random_qwen_image_pipeline"),
+            {"resolution": 32},
+            _qwen_stock,
+            (4.0, 1.0),
+            IMAGE_TRAIN,
+        ),
         TinyFamily(
             "QwenImageEditModel",
-            _qwen_edit,
+            _builder("test_qwen_image_edit", "build_random_qwen_image_edit_pipeline"),
             {"resolution": 32, "source_resolution": 64},
-            _qwen_edit_stock,
+            _stock_from_noise("test_qwen_image_edit", "stock_qwen_image_edit"),
             (4.0, 1.0),
             {**IMAGE_TRAIN, "model.options.source_resolution": 64},
             prompts="edit",
         ),
         TinyFamily(
             "ZImageModel",
-            _z_image,
+            _builder("test_z_image", "build_random_z_image_pipeline"),
             {"resolution": 32, "max_sequence_length": 64},
-            _z_image_stock,
+            _stock_from_noise("test_z_image", "stock_z_image"),
             (4.0, 1.0),
             IMAGE_TRAIN,
         ),
         TinyFamily(
             "Flux2KleinModel",
-            _flux2_klein,
+            _builder("test_flux2", "build_random_flux2_klein_pipeline"),
             {"resolution": 32, "max_sequence_length": 64},
-            _flux2_klein_stock,
+            _stock_from_noise("test_flux2", "stock_flux2_klein"),
             (4.0, 1.0),
             IMAGE_TRAIN,
         ),
         TinyFamily(
             "WanModel",
-            _wan,
+            _builder("test_wan", "build_random_wan_pipeline"),
             {"resolution": 16, "num_frames": 5, "max_sequence_length": 16},
             _video_stock("WanPipeline"),
             (4.0, 1.0),
@@ -366,7 +319,7 @@ FAMILIES: dict[str, TinyFamily] = {
         ),
         TinyFamily(
             "HunyuanVideoModel",
-            _hunyuan,
+            _builder("test_hunyuan_video", "build_random_hunyuan_pipeline"),
             {"resolution": 32, "num_frames": 5, "max_sequence_length": 16},
             _video_stock("HunyuanVideoPipeline"),
             (6.0, 1.0),

@@ -39,6 +39,8 @@ class TinyFamily:
         stock_kwargs: keyword arguments of the stock ``from_pretrained``.
         trains: the preset whose run is trained, resumed and exported as a LoRA (DiffusionNFT where the family takes it).
         refuses: presets the family refuses with one ConfigError (the DDPM families: DiffusionNFT, Flash re-spacing).
+        negative_prompt: the family takes a CFG negative prompt (``model.negative_prompt``): sampling with one must
+            equal the stock pipeline's ``negative_prompt``, given to ``stock`` as the keyword ``negative_prompt``.
     """
 
     id: str
@@ -51,6 +53,7 @@ class TinyFamily:
     stock_kwargs: dict = field(default_factory=dict)
     trains: str = "diffusion_nft"
     refuses: tuple[str, ...] = ()
+    negative_prompt: bool = False
 
     @property
     def video(self) -> bool:
@@ -199,11 +202,12 @@ def _qwen_stock(folder, model, metas, num_steps, guidance_scale):
 
 
 def _video_stock(cls_name: str):
-    def stock(folder, model, metas, num_steps, guidance_scale):
+    def stock(folder, model, metas, num_steps, guidance_scale, negative_prompt=None):
         pipe = _pt(folder, cls_name)
         with torch.no_grad():
             return pipe(
                 _prompts(metas),
+                negative_prompt=[negative_prompt] * len(metas) if negative_prompt else None,
                 latents=noise(model, len(metas)),
                 num_frames=model.num_frames,
                 height=model.resolution,
@@ -316,6 +320,7 @@ FAMILIES: dict[str, TinyFamily] = {
             (4.0, 1.0),
             {**VIDEO_TRAIN, "sampling.guidance_scale": 4.0, "eval.guidance_scale": 4.0},
             prompts="video",
+            negative_prompt=True,
         ),
         TinyFamily(
             "HunyuanVideoModel",

@@ -1,9 +1,10 @@
 """What every model family must do, checked on a tiny random pipeline of its real classes (tests/families.py): ODE
-sampling equal to the stock pipeline, a PPO ratio of exactly 1 before the first step for every rollout shape,
-DiffusionNFT training that resumes exactly, a LoRA that the stock ``load_lora_weights`` loads and that reproduces the
-trained model, a full fine-tune the stock class loads, ``flowrl memory``'s counts equal to the loaded model's, and
-``flowrl sample`` writing images or mp4s. One parametrization id per family, its adapter's class name:
-``pytest tests/test_conformance.py -q -k WanModel``."""
+sampling equal to the stock pipeline (at each guidance scale, and with a negative prompt where the family takes
+one), a PPO ratio of exactly 1 before the first step for every rollout shape, DiffusionNFT training that resumes
+exactly, a LoRA that the stock ``load_lora_weights`` loads and that reproduces the trained model, a full fine-tune
+the stock class loads, ``flowrl memory``'s counts equal to the loaded model's, and ``flowrl sample`` writing images
+or mp4s. One parametrization id per family, its adapter's class name: ``pytest tests/test_conformance.py -q -k
+WanModel``."""
 
 from __future__ import annotations
 
@@ -71,6 +72,12 @@ def test_ode_sampling_equals_the_stock_pipeline(family):
         images.append(ours)
     if len(images) > 1:
         assert (images[0] - images[1]).abs().max() > 1e-3  # the guidance scale matters
+    if spec.negative_prompt:  # as the stock pipeline's negative_prompt
+        model.negative_prompt = "blurry static"
+        ours = generate(model, [m["prompt"] for m in metas], [0, 1], 3, spec.guidance[0], metas=metas)
+        stock = spec.stock(folder, model, metas, 3, spec.guidance[0], negative_prompt=model.negative_prompt)
+        torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
+        assert (ours - images[0]).abs().max() > 1e-3  # the negative prompt matters
 
 
 SHAPES = ["flow_grpo", "mix_grpo_flash", "branch_grpo_mix", "tempflow_grpo"]

@@ -363,8 +363,9 @@ def cmd_generate(args) -> int:
     if accelerator is not None:
         _end(accelerator)
     if accelerator is None or accelerator.is_main_process:
+        kind = "videos (mp4, and a PNG of 8 frames each)" if model.VIDEO else "images"
         print(
-            f"wrote {len(metas) * args.n} images ({len(metas)} prompts x {args.n}) to {out} in the {args.layout} layout"
+            f"wrote {len(metas) * args.n} {kind} ({len(metas)} prompts x {args.n}) to {out} in the {args.layout} layout"
         )
     return written
 

@@ -3,8 +3,8 @@ sampling equal to the stock pipeline (at each guidance scale, and with a negativ
 one), a PPO ratio of exactly 1 before the first step for every rollout shape, DiffusionNFT training that resumes
 exactly, a LoRA that the stock ``load_lora_weights`` loads and that reproduces the trained model, a full fine-tune
 the stock class loads, ``flowrl memory``'s counts equal to the loaded model's, and ``flowrl sample`` writing images
-or mp4s. One parametrization id per family, its adapter's class name: ``pytest tests/test_conformance.py -q -k
-WanModel``."""
+or mp4s and ``flowrl generate`` a benchmark folder (edit records' source images kept). One parametrization id per
+family, its adapter's class name: ``pytest tests/test_conformance.py -q -k WanModel``."""
 
 from __future__ import annotations
 
@@ -206,3 +206,30 @@ def test_flowrl_sample_writes_images_or_an_mp4(family, tmp_path, capsys):
         assert "wrote 2 videos" in said and (tmp_path / "grid.mp4").stat().st_size > 0
     else:
         assert "wrote 2 images" in said
+
+
+@pytest.mark.parametrize("family", _params(), indirect=True)
+def test_flowrl_generate_writes_a_benchmark_folder(family, tmp_path, capsys):
+    from flowrl.cli import main
+    from flowrl.data import write_jsonl
+
+    spec, folder, (_, test) = family
+    records = read_jsonl(test)[:2]  # an edit record's source image: an absolute path, kept as it is
+    write_jsonl(records, tmp_path / "prompts.jsonl")
+    args = ["generate", "--model", str(folder), "--prompts", str(tmp_path / "prompts.jsonl"), "--layout", "flat"]
+    args += ["-n", "1", "--num-steps", "2", "--resolution", str(spec.load["resolution"])]
+    args += ["--guidance-scale", str(spec.guidance[0]), "--device", "cpu", "--out", str(tmp_path / "out")]
+    if "max_sequence_length" in spec.load:
+        args += ["--max-sequence-length", str(spec.load["max_sequence_length"])]
+    if spec.video:
+        args += ["--num-frames", str(spec.load["num_frames"])]
+    main(args)
+    said = capsys.readouterr().out
+    assert f"wrote 2 {'videos' if spec.video else 'images'}" in said
+    written = read_jsonl(tmp_path / "out" / "prompts.jsonl")
+    assert [r["prompt"] for r in written] == [r["prompt"] for r in records]
+    assert [r.get("image") for r in written] == [r.get("image") for r in records]  # the edit sources travel along
+    for r in written:
+        assert (tmp_path / "out" / r["file"]).stat().st_size > 0
+        if spec.video:
+            assert (tmp_path / "out" / r["file"]).with_suffix(".mp4").stat().st_size > 0

@@ -68,6 +68,17 @@ def brightness(images, prompts, metadata):
 brightness.accepts_video = True
 
 
+def source_brightness(images, prompts, metadata):
+    """A reward that reads each record's source image (an edit or image-to-video record's ``image``, an absolute
+    path): its mean pixel value -> ``(B,)`` in [0, 1]; a KeyError for a record without one."""
+    from flowrl.image_folders import load_image
+
+    return torch.stack([load_image(m["image"]).mean() for m in metadata])
+
+
+source_brightness.accepts_video = True
+
+
 def noise(model, n: int) -> torch.Tensor:
     """The noise :func:`flowrl.evaluation.generate` draws for seeds ``0..n-1``: ``(n, *model.latent_shape)``."""
     return torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in range(n)])

@@ -3,8 +3,9 @@ sampling equal to the stock pipeline (at each guidance scale, and with a negativ
 one), a PPO ratio of exactly 1 before the first step for every rollout shape, DiffusionNFT training that resumes
 exactly, a LoRA that the stock ``load_lora_weights`` loads and that reproduces the trained model, a full fine-tune
 the stock class loads, ``flowrl memory``'s counts equal to the loaded model's, and ``flowrl sample`` writing images
-or mp4s and ``flowrl generate`` a benchmark folder (edit records' source images kept). One parametrization id per
-family, its adapter's class name: ``pytest tests/test_conformance.py -q -k WanModel``."""
+or mp4s and ``flowrl generate`` a benchmark folder (edit records' source images kept), and ``flowrl eval --reward``
+handing rewards those source images. One parametrization id per family, its adapter's class name: ``pytest
+tests/test_conformance.py -q -k WanModel``."""
 
 from __future__ import annotations
 
@@ -233,3 +234,22 @@ def test_flowrl_generate_writes_a_benchmark_folder(family, tmp_path, capsys):
         assert (tmp_path / "out" / r["file"]).stat().st_size > 0
         if spec.video:
             assert (tmp_path / "out" / r["file"]).with_suffix(".mp4").stat().st_size > 0
+
+
+@pytest.mark.parametrize("family", [i for i in IDS if FAMILIES[i].prompts == "edit"], indirect=True)
+def test_flowrl_eval_gives_rewards_the_source_images(family, tmp_path):
+    from flowrl.cli import main
+    from flowrl.image_folders import load_image
+
+    spec, folder, (_, test) = family
+    records = read_jsonl(test)[:2]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = ["eval", "--model", str(folder), "--prompts", str(tmp_path / "prompts.jsonl"), "--num-steps", "2"]
+    args += ["--reward", "families:source_brightness", "--images-per-prompt", "1", "--device", "cpu"]
+    args += ["--resolution", str(spec.load["resolution"]), "--out", str(tmp_path / "eval.json")]
+    if "max_sequence_length" in spec.load:
+        args += ["--max-sequence-length", str(spec.load["max_sequence_length"])]
+    main(args)
+    mean = json.loads((tmp_path / "eval.json").read_text())["rewards"]["families:source_brightness"]["mean"]
+    expected = torch.stack([load_image(r["image"]).mean() for r in records]).mean().item()
+    assert mean == pytest.approx(expected, abs=1e-6)

@@ -64,6 +64,21 @@ def check_guidance(guidance_scale: float) -> None:
         raise ValueError(f"guidance_scale must be in [1, {MAX_GUIDANCE:g}] (1 = no guidance), got {guidance_scale}")
 
 
+def check_fraction(value, name: str, off: str) -> float:
+    """A model option that must be a number in ``[0, 1]`` (``guidance_rescale``, ``cfg_truncation``), as a float.
+
+    Args:
+        value: the option's value as given (a bool is refused: YAML reads ``yes`` as one).
+        name: the option's name, for the error. off: the value that turns it off, for the error.
+
+    Raises:
+        ValueError: naming the option, for anything but an int or float in ``[0, 1]``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be in [0, 1] ({off} = off), got {value!r}")
+    return float(value)
+
+
 def make_batch_invariant(module: torch.nn.Module, probe: Callable[[], object] | None) -> int:
     """Make the per-sample layers of `module` give each sample the same bits at any batch size.
 

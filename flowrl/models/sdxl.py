@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..samplers import flow_velocity
-from .base import PromptEmbeds, check_guidance
+from .base import PromptEmbeds, check_fraction, check_guidance
 from .sd15 import SD15_LORA_TARGETS, SD15Model
 
 SDXL_LORA_TARGETS = SD15_LORA_TARGETS
@@ -66,9 +66,7 @@ class SDXLModel(SD15Model):
         Raises:
             ValueError: for anything else.
         """
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-            raise ValueError(f"guidance_rescale must be in [0, 1] (0 = off), got {value!r}")
-        return float(value)
+        return check_fraction(value, "guidance_rescale", "0")
 
     @classmethod
     def check_config(cls, cfg) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..samplers import flow_sigmas
-from .base import FlowModel, PromptEmbeds, _vae_factor, check_guidance
+from .base import FlowModel, PromptEmbeds, _vae_factor, check_fraction, check_guidance
 from .flux import PackedTokenShift
 from .qwen_image import _stretch_to_terminal
 
@@ -118,9 +118,7 @@ class ZImageModel(PackedTokenShift, FlowModel):
         Raises:
             ValueError: for anything else.
         """
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-            raise ValueError(f"cfg_truncation must be in [0, 1] (1 = off), got {value!r}")
-        return float(value)
+        return check_fraction(value, "cfg_truncation", "1")
 
     @classmethod
     def check_config(cls, cfg) -> None:

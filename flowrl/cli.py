@@ -60,7 +60,8 @@ def _model(args):
         except ValueError as e:
             raise ValueError(f"--max-sequence-length: {e}") from None
     if args.shift is None:  # the model's own schedule (SD3.5: 3, the tiny model: 1, FLUX.1 at 1024 px: 3.16)
-        args.shift = adapter.scheduler_shift(path, args.resolution)
+        frames = {"num_frames": getattr(args, "num_frames", None)} if adapter.VIDEO else {}
+        args.shift = adapter.scheduler_shift(path, args.resolution, **frames)
     video = {}
     if getattr(args, "num_frames", None) is not None:  # video families only (Wan: 4k+1 frames), checked before loading
         if not adapter.VIDEO:

@@ -34,8 +34,8 @@ class TinyFamily:
             :func:`flowrl.evaluation.generate` with seeds ``0..B-1``.
         guidance: the guidance scales at which sampling must equal the stock pipeline.
         train: overrides of a shrunk training run (beside ``tests/conftest.py``'s ``tiny_overrides``).
-        prompts: ``"image"`` (the tiny world's prompts), ``"video"`` (motion prompts) or ``"edit"`` (records with a
-            source image).
+        prompts: ``"image"`` (the tiny world's prompts), ``"video"`` (motion prompts), ``"edit"`` (records with a
+            source image) or ``"i2v"`` (motion prompts, each with a source image: a video family).
         stock_kwargs: keyword arguments of the stock ``from_pretrained``.
         trains: the preset whose run is trained, resumed and exported as a LoRA (DiffusionNFT where the family takes it).
         refuses: presets the family refuses with one ConfigError (the DDPM families: DiffusionNFT, Flash re-spacing).
@@ -57,7 +57,7 @@ class TinyFamily:
 
     @property
     def video(self) -> bool:
-        return self.prompts == "video"
+        return self.prompts in ("video", "i2v")
 
 
 def brightness(images, prompts, metadata):
@@ -95,12 +95,12 @@ def _builder(module: str, name: str) -> Callable[[Path], Path]:
 
 
 def _stock_from_noise(module: str, name: str) -> Stock:
-    """A family module's stock function ``module.name(folder, model, metas, noise, num_steps, guidance_scale)``, given
-    :func:`noise`'s noise for seeds ``0..B-1``."""
+    """A family module's stock function ``module.name(folder, model, metas, noise, num_steps, guidance_scale,
+    **kwargs)``, given :func:`noise`'s noise for seeds ``0..B-1`` (``kwargs``: the suite's ``negative_prompt``)."""
 
-    def stock(folder, model, metas, num_steps, guidance_scale):
+    def stock(folder, model, metas, num_steps, guidance_scale, **kwargs):
         stock_images = getattr(importlib.import_module(module), name)
-        return stock_images(folder, model, metas, noise(model, len(metas)), num_steps, guidance_scale)
+        return stock_images(folder, model, metas, noise(model, len(metas)), num_steps, guidance_scale, **kwargs)
 
     return stock
 
@@ -316,10 +316,34 @@ FAMILIES: dict[str, TinyFamily] = {
             IMAGE_TRAIN,
         ),
         TinyFamily(
+            "SanaModel",
+            _builder("test_sana", "build_random_sana_pipeline"),
+            {"resolution": 32, "max_sequence_length": 16},
+            _stock_from_noise("test_sana", "stock_sana"),
+            (4.5, 1.0),
+            IMAGE_TRAIN,
+        ),
+        TinyFamily(
+            "SanaSprintModel",
+            _builder("test_sana", "build_random_sana_sprint_pipeline"),
+            {"resolution": 32, "max_sequence_length": 16},
+            _stock_from_noise("test_sana", "stock_sana_sprint"),
+            (4.5, 1.0),
+            {**IMAGE_TRAIN, "sampling.guidance_scale": 4.5, "eval.guidance_scale": 4.5},
+        ),
+        TinyFamily(
             "Flux2KleinModel",
             _builder("test_flux2", "build_random_flux2_klein_pipeline"),
             {"resolution": 32, "max_sequence_length": 64},
             _stock_from_noise("test_flux2", "stock_flux2_klein"),
+            (4.0, 1.0),
+            IMAGE_TRAIN,
+        ),
+        TinyFamily(
+            "Flux2Model",
+            _builder("test_flux2", "build_random_flux2_pipeline"),
+            {"resolution": 32, "max_sequence_length": 64},
+            _stock_from_noise("test_flux2", "stock_flux2"),
             (4.0, 1.0),
             IMAGE_TRAIN,
         ),
@@ -334,6 +358,16 @@ FAMILIES: dict[str, TinyFamily] = {
             negative_prompt=True,
         ),
         TinyFamily(
+            "WanImageToVideoModel",
+            _builder("test_wan_i2v", "build_random_wan_i2v_pipeline"),
+            {"resolution": 16, "num_frames": 5},
+            _stock_from_noise("test_wan_i2v", "stock_wan_i2v"),
+            (5.0, 1.0),
+            {**VIDEO_TRAIN, "sampling.guidance_scale": 5.0, "eval.guidance_scale": 5.0},
+            prompts="i2v",
+            negative_prompt=True,
+        ),
+        TinyFamily(
             "HunyuanVideoModel",
             _builder("test_hunyuan_video", "build_random_hunyuan_pipeline"),
             {"resolution": 32, "num_frames": 5, "max_sequence_length": 16},
@@ -341,6 +375,16 @@ FAMILIES: dict[str, TinyFamily] = {
             (6.0, 1.0),
             {**VIDEO_TRAIN, "sampling.guidance_scale": 6.0, "eval.guidance_scale": 6.0},
             prompts="video",
+        ),
+        TinyFamily(
+            "LTXVideoModel",
+            _builder("test_ltx", "build_random_ltx_pipeline"),
+            {"resolution": 32, "num_frames": 9, "max_sequence_length": 16},
+            _stock_from_noise("test_ltx", "stock_ltx"),
+            (4.0, 1.0),
+            {**VIDEO_TRAIN, "sampling.guidance_scale": 4.0, "eval.guidance_scale": 4.0},
+            prompts="video",
+            negative_prompt=True,
         ),
     )
 }
@@ -354,9 +398,18 @@ def prompt_files(kind: str, folder: Path) -> tuple[Path, Path]:
 
     folder.mkdir(parents=True, exist_ok=True)
     train, test = split(0)
-    if kind == "video":
+    if kind in ("video", "i2v"):
         prompts = ["a red circle moving left", "two blue squares moving up", "a green star moving right"]
-        lines = [json.dumps({"prompt": p, "tag": "motion"}) for p in prompts]
+        records = [{"prompt": p, "tag": "motion"} for p in prompts]
+        if kind == "i2v":  # each with a source image, its first frame (a path relative to the file)
+            from PIL import Image
+
+            (folder / "sources").mkdir(exist_ok=True)
+            rng = np.random.default_rng(0)
+            for i, r in enumerate(records):
+                r["image"] = f"sources/{i}.png"
+                Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(folder / r["image"])
+        lines = [json.dumps(r) for r in records]
         (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
         (folder / "test.jsonl").write_text("\n".join(lines[:2]) + "\n")
     elif kind == "edit":

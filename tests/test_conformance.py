@@ -236,7 +236,7 @@ def test_flowrl_generate_writes_a_benchmark_folder(family, tmp_path, capsys):
             assert (tmp_path / "out" / r["file"]).with_suffix(".mp4").stat().st_size > 0
 
 
-@pytest.mark.parametrize("family", [i for i in IDS if FAMILIES[i].prompts == "edit"], indirect=True)
+@pytest.mark.parametrize("family", [i for i in IDS if FAMILIES[i].prompts in ("edit", "i2v")], indirect=True)
 def test_flowrl_eval_gives_rewards_the_source_images(family, tmp_path):
     from flowrl.cli import main
     from flowrl.image_folders import load_image

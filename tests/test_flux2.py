@@ -1,8 +1,9 @@
-"""The FLUX.2 klein adapter (`flowrl.models.Flux2KleinModel`) on tiny random Flux2KleinPipelines built offline (a tiny
-27-layer Qwen3 text encoder, since the pipeline reads hidden states 9, 18 and 27, with the offline tokenizer and the
-Qwen3 chat template of tests/test_z_image.py): what is special to FLUX.2. The conformance suite
-(tests/test_conformance.py, family ``Flux2KleinModel``) checks sampling against the stock pipeline, the ratio, resume,
-LoRA and full fine-tune export."""
+"""The FLUX.2 adapters (`flowrl.models.Flux2KleinModel`, `flowrl.models.Flux2Model`) on tiny random Flux2KleinPipelines
+(a tiny 27-layer Qwen3 text encoder, since the pipeline reads hidden states 9, 18 and 27, with the offline tokenizer
+and the Qwen3 chat template of tests/test_z_image.py) and Flux2Pipelines (a tiny 30-layer Mistral 3 with a
+PixtralProcessor built offline) : what is special to FLUX.2. The conformance suite (tests/test_conformance.py,
+families ``Flux2KleinModel`` and ``Flux2Model``) checks sampling against the stock pipelines, the ratio, resume, LoRA
+and full fine-tune export."""
 
 import json
 import math
@@ -14,7 +15,7 @@ import torch
 from conftest import REPO, shape_overrides, tiny_overrides
 
 from flowrl.config import ConfigError, load_config
-from flowrl.models import Flux2KleinModel, load_model, model_class
+from flowrl.models import Flux2KleinModel, Flux2Model, load_model, model_class
 from flowrl.trainer import Trainer
 
 SIDE = 32  # px: VAE factor 4, 8 x 8 latents, 4 x 4 patchified latents (16 tokens)
@@ -115,6 +116,139 @@ def stock_flux2_klein(
         ).images
 
 
+MISTRAL_CHAT_TEMPLATE = (
+    "{%- for message in messages %}[{{ message['role'] | upper }}]"
+    "{%- for part in message['content'] %}{%- if part['type'] == 'text' %}{{ part['text'] }}{%- endif %}{%- endfor %}"
+    "[/{{ message['role'] | upper }}]{%- endfor %}"
+)
+"""A chat template of the shape Flux2Pipeline's ``format_input`` messages take (a system and a user turn whose
+contents are lists of typed parts)."""
+
+
+def build_pixtral_processor():
+    """A PixtralProcessor (the FLUX.2 [dev] tokenizer's class) built offline: a byte-level BPE of 500 tokens trained on
+    BFL's system message and the tiny world's prompts (system message and prompt fit in 40 tokens), with Pixtral's
+    image tokens, and :data:`MISTRAL_CHAT_TEMPLATE`."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from tokenizers.trainers import BpeTrainer
+    from transformers import PixtralImageProcessor, PixtralProcessor, PreTrainedTokenizerFast
+
+    from flowrl.tiny.prompts import split
+
+    specials = [
+        "<pad>",
+        "<s>",
+        "</s>",
+        "[IMG]",
+        "[IMG_BREAK]",
+        "[IMG_END]",
+        "[SYSTEM]",
+        "[/SYSTEM]",
+        "[USER]",
+        "[/USER]",
+    ]
+    bpe = Tokenizer(BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    train, test = split(0)
+    text = [f"[SYSTEM]{SYSTEM_MESSAGE}[/SYSTEM][USER]{m['prompt']}[/USER]" for m in train + test]
+    trainer = BpeTrainer(
+        vocab_size=500,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(text * 3, trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=specials[3:],
+    )
+    images = PixtralImageProcessor(patch_size=4, size={"longest_edge": 32})
+    return PixtralProcessor(image_processor=images, tokenizer=tok, patch_size=4, chat_template=MISTRAL_CHAT_TEMPLATE)
+
+
+def build_random_flux2_pipeline(folder: Path, guidance_embeds: bool = True) -> Path:
+    """Save a random-weight Flux2Pipeline (FLUX.2 [dev]'s layout) to ``folder`` (seeded; seconds): a
+    Mistral3ForConditionalGeneration with a 30-layer text model (hidden 16; the pipeline reads hidden states 10, 20
+    and 30) and a one-layer Pixtral vision tower, :func:`build_pixtral_processor`, and the VAE, transformer and
+    scheduler of :func:`build_random_flux2_klein_pipeline`, the transformer with a guidance embedding (``guidance_embeds``,
+    as [dev]: the guidance scale is its input)."""
+    from diffusers import Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    klein = build_random_flux2_klein_pipeline(folder / "klein")
+    base = Flux2KleinPipeline.from_pretrained(klein)
+    torch.manual_seed(0)
+    processor = build_pixtral_processor()
+    tok = processor.tokenizer
+    text = MistralConfig(
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=30,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=1024,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    vision = PixtralVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        head_dim=8,
+        image_size=32,
+        patch_size=4,
+    )
+    te = Mistral3ForConditionalGeneration(
+        Mistral3Config(
+            text_config=text,
+            vision_config=vision,
+            image_token_index=tok.convert_tokens_to_ids("[IMG]"),
+            spatial_merge_size=1,
+        )
+    )
+    transformer = base.transformer
+    if guidance_embeds:
+        transformer = Flux2Transformer2DModel.from_config({**transformer.config, "guidance_embeds": True})
+    pipe = Flux2Pipeline(
+        scheduler=base.scheduler, vae=base.vae, text_encoder=te, tokenizer=processor, transformer=transformer
+    )
+    shutil.rmtree(klein)
+    pipe.save_pretrained(folder)
+    return folder
+
+
+def stock_flux2(
+    folder: Path, model, metas: list[dict], noise: torch.Tensor, num_steps: int, guidance_scale: float
+) -> torch.Tensor:
+    """The stock Flux2Pipeline's images ``(B, 3, H, W)`` float32 in [0, 1] for the prompt records ``metas`` from the
+    patchified latents ``noise (B, *model.latent_shape)``, at the embedded guidance scale ``guidance_scale``."""
+    from diffusers import Flux2Pipeline
+
+    pipe = Flux2Pipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        return pipe(
+            prompt=[m["prompt"] for m in metas],
+            latents=noise,
+            num_inference_steps=num_steps,
+            guidance_scale=guidance_scale,
+            height=model.resolution,
+            width=model.resolution,
+            max_sequence_length=model.max_sequence_length,
+            output_type="pt",
+        ).images
+
+
 @pytest.fixture(scope="module")
 def klein(tmp_path_factory) -> Path:
     return build_random_flux2_klein_pipeline(tmp_path_factory.mktemp("random-flux2-klein"))
@@ -167,7 +301,7 @@ def test_adapter_schedule_and_decoding_are_the_pipelines(klein, klein_distilled,
 def test_one_line_errors(klein, klein_distilled, tmp_path, prompt_files):
     with pytest.raises(ValueError, match=r"^resolution 20 px .* multiple of 8 \(VAE factor 4 x FLUX.2's"):
         Flux2KleinModel.check_resolution(klein, 20)
-    with pytest.raises(ValueError, match="^max_sequence_length must be >= 1 for FLUX.2 klein"):
+    with pytest.raises(ValueError, match="^max_sequence_length must be >= 1 for FLUX.2"):
         load_model(klein, resolution=SIDE, max_sequence_length=0)
     model = load_model(klein_distilled, resolution=SIDE, max_sequence_length=LENGTH)
     assert model.cfg_rows(1.0) == 1
@@ -224,3 +358,78 @@ def test_klein_recipe_trains_two_iterations(tmp_path, klein_distilled, prompt_fi
     assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
     assert (tmp_path / "run/lora/pytorch_lora_weights.safetensors").is_file()
+
+
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory) -> Path:
+    return build_random_flux2_pipeline(tmp_path_factory.mktemp("random-flux2-dev"))
+
+
+def test_dev_encodes_with_mistral_and_takes_the_guidance_as_an_input(dev, tmp_path):
+    from diffusers import Flux2Pipeline
+
+    assert model_class(dev) is Flux2Model
+    model = load_model(dev, resolution=SIDE, max_sequence_length=LENGTH)
+    assert not model.is_distilled and model.guidance_embeds
+    assert Flux2Model.scheduler_shift(dev, SIDE) == pytest.approx(Flux2KleinModel.scheduler_shift(dev, SIDE))
+    pipe = Flux2Pipeline.from_pretrained(dev)
+    emb = model.encode(["", "a photo of a red star"])  # BFL's system message, Mistral layers 10, 20, 30
+    ref, _ = pipe.encode_prompt(["", "a photo of a red star"], max_sequence_length=LENGTH)
+    assert emb.embeds.shape == (2, LENGTH, 48)
+    torch.testing.assert_close(emb.embeds, ref, rtol=0, atol=1e-6)
+    assert (emb.embeds[0] - emb.embeds[1]).abs().max() > 1e-3  # the prompt survives the system message's tokens
+    # the guidance scale is the transformer's input: one row per sample, and it changes the velocity
+    assert model.cfg_rows(4.0) == 1
+    table = model.prompt_table([{"prompt": "a star"}])
+    x, t, row = torch.randn(1, *model.latent_shape), torch.full((1,), 0.7), torch.ones(1, dtype=torch.long)
+    v1, v4 = (model.velocity(x, t, table[row], None, w) for w in (1.0, 4.0))
+    assert (v1 - v4).abs().max() > 1e-4
+    # a Flux2Pipeline transformer without a guidance embedding: the stock pipeline ignores the scale, flowrl refuses it
+    plain = build_random_flux2_pipeline(tmp_path / "plain", guidance_embeds=False)
+    model = load_model(plain, resolution=SIDE, max_sequence_length=LENGTH)
+    table = model.prompt_table([{"prompt": "a star"}])
+    model.velocity(x, t, table[row], None, 1.0)
+    with pytest.raises(ValueError, match=r"^guidance_scale 4.0: .* no guidance embedding .* use guidance_scale 1.0$"):
+        model.velocity(x, t, table[row], None, 4.0)
+
+
+def test_dev_recipe_trains_two_iterations(tmp_path, dev, prompt_files):
+    """configs/flux2_flow_grpo.yaml shrunk onto the tiny Flux2Pipeline (its 1-step SDE window, embedded guidance 4 and
+    gdpo aggregation kept; CLIP and PickScore swapped for JPEG compressibility and brightness, which need no
+    download)."""
+    train, test = prompt_files
+    preset = load_config(REPO / "configs" / "flux2_flow_grpo.yaml")
+    over = tiny_overrides(
+        dev,
+        train,
+        test,
+        tmp_path / "run",
+        **{
+            "model.dtype": "float32",
+            "model.resolution": SIDE,
+            "model.max_sequence_length": LENGTH,
+            "rewards.clipscore": "null",
+            "rewards.pickscore": "null",
+            "rewards.jpeg_compressibility.weight": 1.0,
+            "rewards.families:brightness.weight": 0.5,
+            "sampling.group_size": 4,
+            "sampling.batch_size": 8,
+            "sampling.num_steps": 3,
+            "train.minibatch_size": 4,
+            "train.micro_batch_size": "null",
+            "train.gradient_checkpointing": False,
+            "train.ema_decay": 0.0,
+            **shape_overrides(preset),
+        },
+    )
+    cfg = load_config(REPO / "configs" / "flux2_flow_grpo.yaml", over)
+    assert cfg.sampling.window.size == 1 and cfg.sampling.guidance_scale == 4.0 == cfg.eval.guidance_scale
+    assert cfg.train.reward_aggregation == "gdpo"
+    trainer = Trainer(cfg)
+    assert isinstance(trainer.model, Flux2Model)
+    before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
+    trainer.train()
+    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())

@@ -26,7 +26,11 @@ GPU_RECIPES |= {
     "qwen_image_edit_flow_grpo.yaml",
     "z_image_flow_grpo.yaml",
     "flux2_klein_flow_grpo.yaml",
+    "flux2_flow_grpo.yaml",
+    "ltx_video_flow_grpo.yaml",
     "wan_flow_grpo.yaml",
+    "wan_i2v_flow_grpo.yaml",
+    "sana_diffusion_nft.yaml",
 }  # in their families' tests
 GPU_RECIPES |= {"tiny_video.yaml"}  # the tiny video world's own model: run in test_tiny_video
 TINY = [c for c in CONFIGS if c.name not in GPU_RECIPES]

@@ -14,7 +14,15 @@ Z-Image-Turbo). ``QwenImageEditPipeline`` -> :class:`QwenImageEditModel` and ``Q
 :class:`QwenImageEditPlusModel` (Qwen-Image-Edit: a source image per prompt, seen by the text encoder and the
 transformer).
 ``Flux2KleinPipeline`` -> :class:`Flux2KleinModel` (FLUX.2 klein 4B / 9B and their base models: a Qwen3 text encoder,
-batch-norm-normalised 2x2-patchified latents; text-to-image only).
+batch-norm-normalised 2x2-patchified latents; text-to-image only). ``Flux2Pipeline`` -> :class:`Flux2Model` (FLUX.2
+[dev]: the same model with a Mistral 3 text encoder and the guidance scale as an input).
+``WanImageToVideoPipeline`` -> :class:`WanImageToVideoModel` (Wan 2.1 / 2.2 image-to-video: :class:`WanModel` plus a
+source image per prompt, the video's first frame, read by :meth:`FlowModel.prompt_table`).
+``LTXPipeline`` -> :class:`LTXVideoModel` (LTX-Video text-to-video: T5 prompts with a mask, VAE-normalised latents
+``(C, F, H, W)`` packed one token per voxel, a shift that depends on the video's token count).
+``SanaPipeline`` -> :class:`SanaModel` (SANA, SANA 1.5: Gemma2 prompts with the complex human instruction, DC-AE
+latents) and ``SanaSprintPipeline`` -> :class:`SanaSprintModel` (SANA-Sprint: TrigFlow times as flow times, embedded
+guidance).
 """
 
 from __future__ import annotations
@@ -25,15 +33,18 @@ import torch
 
 from .base import FlowModel, PromptEmbeds, _model_index, check_guidance, make_batch_invariant, resolve_device
 from .flux import FluxModel
-from .flux2 import Flux2KleinModel
+from .flux2 import Flux2KleinModel, Flux2Model
 from .flux_kontext import FluxKontextModel
 from .hunyuan_video import HunyuanVideoModel
+from .ltx import LTXVideoModel
 from .qwen_image import QwenImageModel
 from .qwen_image_edit import QwenImageEditModel, QwenImageEditPlusModel
+from .sana import SanaModel, SanaSprintModel
 from .sd3 import SD3Model
 from .sd15 import SD15Model
 from .sdxl import SDXLModel
 from .wan import WanModel
+from .wan_i2v import WanImageToVideoModel
 from .z_image import ZImageModel
 
 ADAPTERS: tuple[type[FlowModel], ...] = (
@@ -49,6 +60,11 @@ ADAPTERS: tuple[type[FlowModel], ...] = (
     HunyuanVideoModel,
     ZImageModel,
     Flux2KleinModel,
+    Flux2Model,
+    WanImageToVideoModel,
+    LTXVideoModel,
+    SanaModel,
+    SanaSprintModel,
 )
 """Every adapter, looked up by its ``PIPELINE`` (the ``_class_name`` of a folder's ``model_index.json``); each names
 its LoRA targets as ``LORA_TARGETS``."""
@@ -58,16 +74,21 @@ __all__ = [
     "build_adapter",
     "FlowModel",
     "Flux2KleinModel",
+    "Flux2Model",
     "FluxKontextModel",
     "FluxModel",
     "HunyuanVideoModel",
+    "LTXVideoModel",
     "PromptEmbeds",
     "QwenImageModel",
     "QwenImageEditModel",
     "QwenImageEditPlusModel",
+    "SanaModel",
+    "SanaSprintModel",
     "SD15Model",
     "SD3Model",
     "SDXLModel",
+    "WanImageToVideoModel",
     "WanModel",
     "ZImageModel",
     "check_guidance",
@@ -155,9 +176,6 @@ def resolve_model(cfg):
         adapter = model_class(path)  # the family, from model_index.json
     with config_key("model.resolution"):
         adapter.check_resolution(path, cfg.model.resolution)
-    if cfg.sampling.shift is None:  # the model's own schedule; the saved config.yaml records the value
-        with config_key("sampling.shift", (ValueError, FileNotFoundError)):
-            cfg.sampling.shift = adapter.scheduler_shift(path, cfg.model.resolution)
     for key in ("num_frames", "expert", "negative_prompt"):  # video settings: refused by the image families
         if not adapter.VIDEO and getattr(cfg.model, key) not in (None, ""):
             raise ConfigError(
@@ -172,6 +190,12 @@ def resolve_model(cfg):
                 f"its options: {takes}"
             )
     adapter.check_config(cfg)  # what the family cannot run (the DDPM family: DiffusionNFT, Flash re-spacing)
+    if (
+        cfg.sampling.shift is None
+    ):  # the model's own schedule (after the frame count's check); the saved config.yaml records the value
+        with config_key("sampling.shift", (ValueError, FileNotFoundError)):
+            frames = {"num_frames": cfg.model.num_frames} if adapter.VIDEO else {}  # LTX-Video: per frame count
+            cfg.sampling.shift = adapter.scheduler_shift(path, cfg.model.resolution, **frames)
     if cfg.model.max_sequence_length is None:  # SD3: 256 with a T5 encoder, 0 without (the tiny model); FLUX 512
         cfg.model.max_sequence_length = adapter.default_max_sequence_length(path)
     with config_key("model.max_sequence_length"):

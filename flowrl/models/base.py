@@ -401,10 +401,11 @@ class FlowModel:
         load; the flow families run every method. Raises :class:`flowrl.config.ConfigError` naming the key."""
 
     @classmethod
-    def scheduler_shift(cls, path: str | Path, resolution: int | None = None) -> float:
+    def scheduler_shift(cls, path: str | Path, resolution: int | None = None, num_frames: int | None = None) -> float:
         """The sigma-schedule shift of the pipeline folder ``path``, read from ``scheduler/scheduler_config.json``
         (no weights loaded): 3.0 for Stable Diffusion 3 / 3.5, 1.0 for the shipped tiny model. ``resolution``
-        matters only to :class:`FluxModel`, whose shift depends on it.
+        matters only to the families whose shift depends on the token count (FLUX, Qwen-Image, Z-Image, FLUX.2,
+        LTX-Video); ``num_frames`` (video families only: callers pass it to a ``VIDEO`` adapter) to LTX-Video.
 
         Raises:
             FileNotFoundError: if ``path`` is not a folder with ``model_index.json``, or has no scheduler config.

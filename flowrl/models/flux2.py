@@ -1,13 +1,16 @@
-"""The FLUX.2 klein family (``Flux2KleinPipeline``): Black Forest Labs' FLUX.2 [klein] 4B / 9B (step-distilled) and
-their base models, and small ones. Text-to-image only: the pipeline's reference images (``image=``) are not used.
+"""The FLUX.2 family: Black Forest Labs' FLUX.2 [dev] (``Flux2Pipeline``: a Mistral Small 3.1 text encoder,
+guidance-distilled) and FLUX.2 [klein] 4B / 9B (``Flux2KleinPipeline``: a Qwen3 text encoder, step-distilled) with
+their base models, and small ones. Text-to-image only: the pipelines' reference images (``image=``) are not used.
 
-Reference implementation (no paper): diffusers ``pipelines/flux2/pipeline_flux2_klein.py`` (``Flux2KleinPipeline``,
-``compute_empirical_mu``), ``models/transformers/transformer_flux2.py`` (``Flux2Transformer2DModel``: dual- then
+Reference implementation (no paper): diffusers ``pipelines/flux2/pipeline_flux2.py`` (``Flux2Pipeline``,
+``compute_empirical_mu``), ``pipelines/flux2/pipeline_flux2_klein.py`` (``Flux2KleinPipeline``, the same latents,
+positions and schedule), ``models/transformers/transformer_flux2.py`` (``Flux2Transformer2DModel``: dual- then
 single-stream blocks, 4-axis rotary positions) and ``models/autoencoders/autoencoder_kl_flux2.py``
-(``AutoencoderKLFlux2``, whose batch norm normalises the 2x2-patchified latents); the adapter calls them.
+(``AutoencoderKLFlux2``, whose batch norm normalises the 2x2-patchified latents); the adapters call them.
 Notation (code -> pipeline): ``t`` (flowrl's time, 1 = noise) -> the scheduler's sigma and the transformer's
 ``timestep / 1000``; latents ``(C', h, w)`` -> the pipeline's ``latents`` before ``_pack_latents`` (``C'`` = 4 x the
-VAE's latent channels, ``h = w`` = resolution / (2 x VAE factor)); ``w`` -> ``guidance_scale`` (the same convention).
+VAE's latent channels, ``h = w`` = resolution / (2 x VAE factor)); ``w`` -> ``guidance_scale`` (the same convention:
+the transformer's ``guidance`` input for [dev], the CFG scale for a klein base model).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..samplers import flow_sigmas
-from .base import FlowModel, PromptEmbeds, _config_shift, _model_index, _scheduler_file, _vae_factor
+from .base import FlowModel, PromptEmbeds, _config_shift, _model_index, _scheduler_file, _vae_factor, check_guidance
 from .qwen_image import _stretch_to_terminal
 
 FLUX2_LORA_TARGETS = (
@@ -37,22 +40,22 @@ FLUX2_LORA_TARGETS = (
     "ff_context.linear_out",
     "attn.to_qkv_mlp_proj",
 )
-"""LoRA targets for FLUX.2 transformers, Flow-Factory's defaults for FLUX.2 klein
-(``src/flow_factory/models/flux/flux2_klein.py``, ``default_target_modules``; diffusers' ``Flux2Transformer2DModel``
+"""LoRA targets for FLUX.2 transformers, Flow-Factory's defaults for FLUX.2 and FLUX.2 klein
+(``src/flow_factory/models/flux/flux2.py`` and ``flux2_klein.py``, ``default_target_modules``; diffusers' ``Flux2Transformer2DModel``
 names): both streams' attention and SwiGLU feed-forward layers of the dual-stream blocks, and the fused
 QKV + MLP input projection of the single-stream blocks (their output projection ``attn.to_out``, a plain linear
 layer, is not adapted, as in Flow-Factory)."""
 
 DEFAULT_SAMPLE_SIZE = 128
-"""Latents per image side when no resolution is given (``Flux2KleinPipeline.default_sample_size``: 1024 px)."""
+"""Latents per image side when no resolution is given (both pipelines' ``default_sample_size``: 1024 px)."""
 
 DEFAULT_STEPS = {True: 4, False: 50}
-"""Steps :meth:`Flux2KleinModel.scheduler_shift` assumes (the pipeline's shift depends on the step count): 4 for a
-step-distilled folder (BFL's setting for klein), 50 for a base one (the pipeline's ``num_inference_steps``)."""
+"""Steps :meth:`Flux2Model.scheduler_shift` assumes (the pipelines' shift depends on the step count): 4 for a
+step-distilled klein (BFL's setting), 50 for [dev] and a klein base model (the pipelines' ``num_inference_steps``)."""
 
 
 def _empirical_shift(cfg: dict, where: str | Path, image_tokens: int, num_steps: int) -> float:
-    """The static shift equal to ``Flux2KleinPipeline``'s schedule: ``exp(mu)`` with ``mu =
+    """The static shift equal to the FLUX.2 pipelines' schedule: ``exp(mu)`` with ``mu =
     compute_empirical_mu(image_tokens, num_steps)`` for a dynamically (exponentially) shifting scheduler config,
     else the config's own ``shift`` (the scheduler then ignores ``mu``).
 
@@ -63,57 +66,58 @@ def _empirical_shift(cfg: dict, where: str | Path, image_tokens: int, num_steps:
         return _config_shift(cfg, where)
     if cfg.get("time_shift_type", "exponential") != "exponential":
         raise ValueError(f"{where} has time_shift_type {cfg['time_shift_type']!r}; flowrl supports 'exponential'")
-    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
     return math.exp(compute_empirical_mu(image_seq_len=image_tokens, num_steps=num_steps))
 
 
-class Flux2KleinModel(FlowModel):
-    """A FLUX.2 klein text-to-image flow model (``Flux2KleinPipeline`` folder), with :class:`FlowModel`'s interface;
-    the samplers and the trainer see no difference.
+class Flux2Model(FlowModel):
+    """A FLUX.2 [dev] text-to-image flow model (``Flux2Pipeline`` folder), with :class:`FlowModel`'s interface; the
+    samplers and the trainer see no difference. :class:`Flux2KleinModel` is the same model with klein's text encoder
+    and guidance.
 
     What the adapter does differently, all inside it:
 
-    - Latents are the pipeline's patchified ones, ``(C', h, w)`` with ``C'`` the transformer's ``in_channels`` (128
-      for klein: 32 VAE channels x 2x2 patches), normalised by the VAE's batch-norm statistics; :meth:`_forward`
-      flattens them to ``h * w`` tokens (``_pack_latents``) with the pipeline's 4-axis position ids
-      (``_prepare_latent_ids``: ``(0, row, col, 0)``; the text's ``(0, 0, 0, l)``).
-    - Prompts: ``Flux2KleinPipeline.encode_prompt``: the prompt in Qwen3's chat template (thinking disabled), padded
-      to ``max_sequence_length`` tokens (default 512, as the pipeline), the hidden states of layers 9, 18 and 27 of
-      the Qwen3 text encoder concatenated per token: ``(P, L, 3 D)``. No mask: the transformer attends to the padding
-      as in the stock pipeline. No pooled embedding (``(P, 0)``).
-    - Guidance: a base model (``is_distilled`` false in ``model_index.json``) takes classifier-free guidance against
-      the empty prompt, ``v_u + w (v_c - v_u)`` as :meth:`FlowModel.velocity` (the pipeline's own formula); a
-      step-distilled one (klein 4B / 9B) samples without it: ``guidance_scale`` must be 1 (the stock pipeline
-      ignores it; flowrl refuses it, :meth:`velocity`, :meth:`check_config`).
+    - Latents are the pipeline's patchified ones, ``(C', h, w)`` with ``C'`` the transformer's ``in_channels`` (128:
+      32 VAE channels x 2x2 patches), normalised by the VAE's batch-norm statistics; :meth:`_forward` flattens them
+      to ``h * w`` tokens (``_pack_latents``) with the pipeline's 4-axis position ids (``_prepare_latent_ids``:
+      ``(0, row, col, 0)``; the text's ``(0, 0, 0, l)``).
+    - Prompts: ``Flux2Pipeline.encode_prompt``: the prompt after BFL's system message in the Mistral processor's chat
+      template, padded to ``max_sequence_length`` tokens (default 512, as the pipeline), the hidden states of the
+      layers :attr:`TEXT_LAYERS` (10, 20, 30) of the Mistral 3 text encoder concatenated per token: ``(P, L, 3 D)``.
+      No mask: the transformer attends to the padding as in the stock pipeline. No pooled embedding (``(P, 0)``).
+    - Guidance: [dev] is guidance-distilled (``guidance_embeds``): the scale is the transformer's ``guidance`` input,
+      one forward per sample (:meth:`cfg_rows` 1, the empty prompt unused), as ``Flux2Pipeline(guidance_scale=w)``
+      (default 4). A ``Flux2Pipeline`` transformer without a guidance embedding ignores the scale in the stock
+      pipeline; flowrl refuses a scale other than 1 for it (:meth:`velocity`).
     - Schedule: ``linspace(1, 1/N, N)`` shifted by ``exp(mu)``, ``mu = compute_empirical_mu(image tokens, N)``: the
       shift depends on the step count (:meth:`sigmas` with ``shift=None`` gives the stock schedule at every ``N``;
       :meth:`scheduler_shift`, which a config fills ``sampling.shift`` with, assumes :data:`DEFAULT_STEPS`).
     - Decoding: ``z * sqrt(bn.running_var + eps) + bn.running_mean``, the 2x2 patches unfolded, the VAE
       (:meth:`decode`); no scaling or shift factor. The offline and direct-reward methods, which need the inverse,
       are not built for this family.
-    - Resolution: any multiple of 2 x the VAE factor (16 px for klein; the rotary embedding has no largest size);
-      default 1024 px.
+    - Resolution: any multiple of 2 x the VAE factor (16 px; the rotary embedding has no largest size); default
+      1024 px.
 
     Args, Raises: as :class:`FlowModel`; ValueError also for ``max_sequence_length < 1``.
     """
 
-    PIPELINE = "Flux2KleinPipeline"
+    PIPELINE = "Flux2Pipeline"
     LORA_TARGETS = FLUX2_LORA_TARGETS
     SIGMA_SPACING = "flux"
-    """``Flux2KleinPipeline``'s ``linspace(1, 1/N, N)`` before the shift."""
-    TEXT_LAYERS = (9, 18, 27)
-    """The Qwen3 hidden states the pipeline concatenates (its ``text_encoder_out_layers`` default)."""
+    """The pipelines' ``linspace(1, 1/N, N)`` before the shift."""
+    TEXT_LAYERS = (10, 20, 30)
+    """The text encoder's hidden states the pipeline concatenates (its ``text_encoder_out_layers`` default)."""
 
     @staticmethod
     def _default_length(index: dict) -> int:
-        return 512  # Flux2KleinPipeline's max_sequence_length
+        return 512  # the FLUX.2 pipelines' max_sequence_length
 
     @staticmethod
     def check_max_sequence_length(length: int) -> None:
-        """Raise ValueError for a prompt length below 1 (the Qwen3 tokens condition every block)."""
+        """Raise ValueError for a prompt length below 1 (the text tokens condition every block)."""
         if length < 1:
-            raise ValueError(f"max_sequence_length must be >= 1 for FLUX.2 klein (its Qwen3 tokens), got {length}")
+            raise ValueError(f"max_sequence_length must be >= 1 for FLUX.2 (its text tokens), got {length}")
 
     @classmethod
     def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
@@ -123,31 +127,13 @@ class Flux2KleinModel(FlowModel):
 
     @staticmethod
     def distilled(path: str | Path) -> bool:
-        """Whether the folder's ``model_index.json`` marks the model step-distilled (``is_distilled``: no CFG).
+        """Whether the folder's ``model_index.json`` marks the model step-distilled (``is_distilled``: klein 4B / 9B,
+        no CFG; [dev] has no such key).
 
         Raises:
             FileNotFoundError: if ``path`` is not a pipeline folder.
         """
         return bool(_model_index(path).get("is_distilled", False))
-
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        """Refuse a guidance scale other than 1 for a step-distilled folder, before weights load.
-
-        Raises:
-            flowrl.config.ConfigError: naming ``sampling.guidance_scale`` or ``eval.guidance_scale``.
-        """
-        from ..config import ConfigError, resolve_path
-
-        path = resolve_path(cfg.model.path)
-        if not cls.distilled(path):
-            return
-        for key, value in (("sampling", cfg.sampling.guidance_scale), ("eval", cfg.eval.guidance_scale)):
-            if value != 1.0:
-                raise ConfigError(
-                    f"config key '{key}.guidance_scale': {path} is a step-distilled FLUX.2 klein (is_distilled), "
-                    f"which samples without CFG; set it to 1.0 (got {value})"
-                )
 
     @classmethod
     def scheduler_shift(cls, path: str | Path, resolution: int | None = None) -> float:
@@ -203,8 +189,8 @@ class Flux2KleinModel(FlowModel):
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> PromptEmbeds:
-        """Encode prompts with ``Flux2KleinPipeline.encode_prompt``: ``embeds (P, max_sequence_length, 3 D)``
-        float32 (the Qwen3 layers :attr:`TEXT_LAYERS`, padding included) and an empty ``pooled (P, 0)``."""
+        """Encode prompts with the pipeline's ``encode_prompt``: ``embeds (P, max_sequence_length, 3 D)`` float32
+        (the text encoder's layers :attr:`TEXT_LAYERS`, padding included) and an empty ``pooled (P, 0)``."""
         embeds, _ = self.pipe.encode_prompt(
             list(prompts),
             device=self.device,
@@ -213,36 +199,50 @@ class Flux2KleinModel(FlowModel):
         )  # (P, L, 3 D)
         return PromptEmbeds(embeds.float(), embeds.new_zeros(len(prompts), 0).float())
 
+    @property
+    def guidance_embeds(self) -> bool:
+        """Whether the transformer takes the guidance scale as an input (FLUX.2 [dev]'s ``guidance_embeds``)."""
+        return bool(self.transformer.config.guidance_embeds)
+
     def velocity(
         self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None, guidance_scale: float
     ) -> torch.Tensor:
-        """Velocity ``(N, C', h, w)`` float32 of latents ``x (N, C', h, w)`` at times ``t (N,)`` in [0, 1], with
-        classifier-free guidance as :meth:`FlowModel.velocity` for a base model.
+        """Velocity ``(N, C', h, w)`` float32 of latents ``x (N, C', h, w)`` at times ``t (N,)`` in [0, 1], the
+        guidance scale the transformer's input (``uncond`` unused).
 
         Raises:
-            ValueError: if ``guidance_scale < 1``, or ``> 1`` for a step-distilled model.
+            ValueError: if ``guidance_scale`` is outside [1, 100], or not 1 for a transformer without a guidance
+                embedding (the stock pipeline would ignore it).
         """
-        if guidance_scale != 1.0 and self.is_distilled:
+        check_guidance(guidance_scale)
+        if not self.guidance_embeds and guidance_scale != 1.0:
             raise ValueError(
-                f"guidance_scale {guidance_scale}: {self.path} is a step-distilled FLUX.2 klein (is_distilled), "
-                "which samples without CFG; use guidance_scale 1.0"
+                f"guidance_scale {guidance_scale}: the transformer of {self.path} has no guidance embedding "
+                "(guidance_embeds false), so Flux2Pipeline ignores the scale; use guidance_scale 1.0"
             )
-        return super().velocity(x, t, cond, uncond, guidance_scale)
+        return self._forward(x, t, cond, next(self.transformer.parameters()).dtype, guidance_scale).float()
 
-    def _forward(self, x, t, cond: PromptEmbeds, dtype) -> torch.Tensor:
+    def cfg_rows(self, guidance_scale: float) -> int:
+        """Transformer rows per sample and velocity: 1 (the guidance scale is an input, no CFG batch)."""
+        return 1
+
+    def _forward(self, x, t, cond: PromptEmbeds, dtype, guidance: float | None = None) -> torch.Tensor:
         n, c, h, w = x.shape
         pipe = self.pipe
         tokens = pipe._pack_latents(x.to(dtype))  # (N, h * w, C')
         img_ids = pipe._prepare_latent_ids(x)[0].to(x.device)  # (h * w, 4): (0, row, col, 0)
         txt_ids = pipe._prepare_text_ids(cond.embeds[:1])[0].to(x.device)  # (L, 4): (0, 0, 0, l)
         time = (t.float() * 1000) / 1000  # the pipeline's timestep / 1000 on the scheduler's 1000 sigma
+        if guidance is None and self.guidance_embeds:
+            guidance = 1.0  # a probe or a caller without a scale: the embedding still needs one
+        g = torch.full((n,), float(guidance), device=x.device) if self.guidance_embeds else None  # float32, as stock
         out = self.network()(
             hidden_states=tokens,
             encoder_hidden_states=cond.embeds.to(dtype),
             timestep=time.to(dtype),
             img_ids=img_ids,
             txt_ids=txt_ids,
-            guidance=None,
+            guidance=g,
             return_dict=False,
         )[0]  # (N, h * w, C')
         return out.transpose(1, 2).reshape(n, c, h, w)  # (N, C', h, w): the tokens are in row-major order
@@ -263,3 +263,62 @@ class Flux2KleinModel(FlowModel):
             z = z.contiguous(memory_format=torch.channels_last)
             images.append(vae.decode(z, return_dict=False)[0].float())
         return (torch.cat(images) / 2 + 0.5).clamp(0, 1)
+
+
+class Flux2KleinModel(Flux2Model):
+    """A FLUX.2 klein text-to-image flow model (``Flux2KleinPipeline`` folder: klein 4B / 9B, their base models or a
+    small one): :class:`Flux2Model` with klein's text encoder and guidance.
+
+    - Prompts: ``Flux2KleinPipeline.encode_prompt``: the prompt in Qwen3's chat template (thinking disabled), padded
+      to ``max_sequence_length`` tokens (default 512), the hidden states of layers 9, 18 and 27 of the Qwen3 text
+      encoder concatenated per token: ``(P, L, 3 D)``.
+    - Guidance: a base model (``is_distilled`` false in ``model_index.json``) takes classifier-free guidance against
+      the empty prompt, ``v_u + w (v_c - v_u)`` as :meth:`FlowModel.velocity` (the pipeline's own formula); a
+      step-distilled one (klein 4B / 9B) samples without it: ``guidance_scale`` must be 1 (the stock pipeline
+      ignores it; flowrl refuses it, :meth:`velocity`, :meth:`check_config`).
+
+    Args, Raises: as :class:`Flux2Model`.
+    """
+
+    PIPELINE = "Flux2KleinPipeline"
+    TEXT_LAYERS = (9, 18, 27)
+    """The Qwen3 hidden states the pipeline concatenates (its ``text_encoder_out_layers`` default)."""
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Refuse a guidance scale other than 1 for a step-distilled folder, before weights load.
+
+        Raises:
+            flowrl.config.ConfigError: naming ``sampling.guidance_scale`` or ``eval.guidance_scale``.
+        """
+        from ..config import ConfigError, resolve_path
+
+        path = resolve_path(cfg.model.path)
+        if not cls.distilled(path):
+            return
+        for key, value in (("sampling", cfg.sampling.guidance_scale), ("eval", cfg.eval.guidance_scale)):
+            if value != 1.0:
+                raise ConfigError(
+                    f"config key '{key}.guidance_scale': {path} is a step-distilled FLUX.2 klein (is_distilled), "
+                    f"which samples without CFG; set it to 1.0 (got {value})"
+                )
+
+    def velocity(
+        self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None, guidance_scale: float
+    ) -> torch.Tensor:
+        """Velocity ``(N, C', h, w)`` float32 of latents ``x (N, C', h, w)`` at times ``t (N,)`` in [0, 1], with
+        classifier-free guidance as :meth:`FlowModel.velocity` for a base model.
+
+        Raises:
+            ValueError: if ``guidance_scale < 1``, or ``> 1`` for a step-distilled model.
+        """
+        if guidance_scale != 1.0 and self.is_distilled:
+            raise ValueError(
+                f"guidance_scale {guidance_scale}: {self.path} is a step-distilled FLUX.2 klein (is_distilled), "
+                "which samples without CFG; use guidance_scale 1.0"
+            )
+        return FlowModel.velocity(self, x, t, cond, uncond, guidance_scale)
+
+    def cfg_rows(self, guidance_scale: float) -> int:
+        """Transformer rows per sample and velocity: 2 under CFG, as :meth:`FlowModel.cfg_rows`."""
+        return FlowModel.cfg_rows(self, guidance_scale)

@@ -240,8 +240,9 @@ class WanModel(FlowModel):
                 check(path, getattr(cfg.model, key))
 
     @classmethod
-    def scheduler_shift(cls, path: str | Path, resolution: int | None = None) -> float:
-        """The flow shift of the folder's scheduler (:func:`wan_scheduler_shift`), read without loading weights.
+    def scheduler_shift(cls, path: str | Path, resolution: int | None = None, num_frames: int | None = None) -> float:
+        """The flow shift of the folder's scheduler (:func:`wan_scheduler_shift`), read without loading weights (the
+        same at every resolution and frame count).
 
         Raises:
             FileNotFoundError: if ``path`` has no scheduler config. ValueError: as :func:`wan_scheduler_shift`.

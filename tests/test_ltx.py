@@ -1,0 +1,308 @@
+"""The LTX-Video adapter (`flowrl.models.LTXVideoModel`) on tiny random LTXPipelines built offline (a 1-layer T5 encoder
+with an offline T5 tokenizer, LTXVideoTransformer3DModel, a timestep-conditioned AutoencoderKLLTXVideo with random
+latent statistics, LTX-Video's dynamically shifting scheduler with its shift_terminal): what is special to LTX-Video.
+The conformance suite (tests/test_conformance.py, family ``LTXVideoModel``; its slow checks with CI=true) checks
+sampling against the stock pipeline, the ratio, resume, LoRA and full fine-tune export."""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, tiny_overrides
+from families import noise
+
+from flowrl.config import ConfigError, load_config
+from flowrl.models import LTXVideoModel, load_model, model_class, resolve_model
+from flowrl.models.ltx import vae_compression
+from flowrl.trainer import Trainer
+
+PROMPTS = ["a red circle moving left", "two blue squares moving up then a green star appears"]  # different lengths
+SIDE, FRAMES, TOKENS = 32, 9, 16  # 32 px, 9 frames: latents (8, 3, 4, 4), 48 video tokens; 16 T5 tokens
+WORDS = (
+    "a an the photo of red blue green yellow circle circles square squares star stars moving left right up down two "
+    "three then appears and blurry static video".split()
+)
+LTX_SCHEDULER = dict(
+    use_dynamic_shifting=True,
+    base_shift=0.95,
+    max_shift=2.05,
+    base_image_seq_len=1024,
+    max_image_seq_len=4096,
+    shift_terminal=0.1,
+)
+"""LTX-Video's scheduler config (diffusers' scripts/convert_ltx_to_diffusers.py, the Lightricks/LTX-Video folders)."""
+
+
+def build_random_ltx_pipeline(folder: Path, timestep_conditioning: bool = True) -> Path:
+    """Save a random-weight LTXPipeline to ``folder`` (seeded; seconds): a T5 tokenizer over a small word-piece
+    vocabulary with a 1-layer T5 encoder (d_model 32), an AutoencoderKLLTXVideo compressing 8x in space (patch 2 x two
+    scaling blocks) and 4x in time into 8 channels, with LTX-Video 0.9.1's residual upsamplers, a timestep-conditioned
+    decoder (``timestep_conditioning``) and random ``latents_mean`` / ``latents_std`` and scaling factor 0.9 (so that
+    decoding checks the de-normalisation), a 2-block LTXVideoTransformer3DModel (patch 1), and LTX-Video's scheduler
+    config (:data:`LTX_SCHEDULER`)."""
+    from diffusers import (
+        AutoencoderKLLTXVideo,
+        FlowMatchEulerDiscreteScheduler,
+        LTXPipeline,
+        LTXVideoTransformer3DModel,
+    )
+    from transformers import T5Config, T5EncoderModel, T5Tokenizer
+
+    torch.manual_seed(0)
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [
+        ("\u2581" + w, -1.0 - 0.01 * i) for i, w in enumerate(WORDS)
+    ]
+    vocab += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"] + [("\u2581", -6.0)]
+    tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0)
+    encoder = T5EncoderModel(
+        T5Config(
+            vocab_size=len(vocab),
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=1,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    )
+    vae = AutoencoderKLLTXVideo(
+        latent_channels=8,
+        block_out_channels=(8, 8),
+        down_block_types=("LTXVideoDownBlock3D",) * 2,
+        decoder_block_out_channels=(8, 16),
+        layers_per_block=(1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1),
+        spatio_temporal_scaling=(True, True),
+        decoder_spatio_temporal_scaling=(True, True),
+        decoder_inject_noise=(False, False, False),
+        downsample_type=("conv", "conv"),
+        upsample_residual=(True, True),
+        upsample_factor=(2, 2),
+        timestep_conditioning=timestep_conditioning,
+        patch_size=2,
+        patch_size_t=1,
+        scaling_factor=0.9,
+    )
+    vae.latents_mean.copy_(torch.randn(8) * 0.3)
+    vae.latents_std.copy_(torch.rand(8) + 0.5)
+    dit = LTXVideoTransformer3DModel(
+        in_channels=8,
+        out_channels=8,
+        patch_size=1,
+        patch_size_t=1,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        cross_attention_dim=32,
+        num_layers=2,
+        caption_channels=32,
+    )
+    pipe = LTXPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**LTX_SCHEDULER),
+        vae=vae,
+        text_encoder=encoder,
+        tokenizer=tokenizer,
+        transformer=dit,
+    )
+    pipe.save_pretrained(folder)
+    return folder
+
+
+def stock_ltx(
+    folder: Path, model, metas: list[dict], noise: torch.Tensor, num_steps: int, guidance_scale: float, **kwargs
+) -> torch.Tensor:
+    """The stock LTXPipeline's videos ``(B, F, 3, H, W)`` float32 in [0, 1] for the prompt records ``metas`` from the
+    latents ``noise (B, *model.latent_shape)`` (packed with the pipeline's ``_pack_latents``: the pipeline takes
+    ``latents=`` as tokens), at the model's frames, side and prompt length; ``kwargs``: the pipeline's own
+    (``negative_prompt``, ``guidance_rescale``, ``frame_rate``, ``decode_timestep``, ``decode_noise_scale``)."""
+    from diffusers import LTXPipeline
+
+    pipe = LTXPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        return pipe(
+            [m["prompt"] for m in metas],
+            latents=pipe._pack_latents(noise),
+            num_frames=model.num_frames,
+            height=model.resolution,
+            width=model.resolution,
+            num_inference_steps=num_steps,
+            guidance_scale=guidance_scale,
+            max_sequence_length=model.max_sequence_length,
+            output_type="pt",
+            **kwargs,
+        ).frames
+
+
+def _model(folder: Path, **kwargs) -> LTXVideoModel:
+    return load_model(folder, **{"max_sequence_length": TOKENS, "resolution": SIDE, "num_frames": FRAMES, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def ltx(tmp_path_factory) -> Path:
+    return build_random_ltx_pipeline(tmp_path_factory.mktemp("random-ltx"))
+
+
+@pytest.fixture(scope="module")
+def video_prompts(tmp_path_factory) -> tuple[Path, Path]:
+    """Train and eval prompt files without GenEval metadata (the evaluation is then the rewards' mean)."""
+    folder = tmp_path_factory.mktemp("video-prompts")
+    lines = [json.dumps({"prompt": p, "tag": "motion"}) for p in PROMPTS + ["a green star moving right"]]
+    (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "test.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    return folder / "train.jsonl", folder / "test.jsonl"
+
+
+def _overrides(folder: Path, prompts: tuple[Path, Path], out: Path, **extra) -> list[str]:
+    train, test = prompts
+    settings = {
+        "model.resolution": SIDE,
+        "model.num_frames": FRAMES,
+        "model.max_sequence_length": TOKENS,
+        "rewards.geneval": "null",
+        "rewards.families:brightness.weight": 1.0,
+        **extra,
+    }
+    return tiny_overrides(folder, train, test, out, **settings)
+
+
+def test_prompts_schedule_and_folder_checks_are_the_pipelines(ltx, tmp_path):
+    """T5 states and mask as encode_prompt; the sigmas of the stock scheduler at mu = calculate_shift(F_lat H W) for
+    several step and frame counts (the shift follows the video's token count) with the shift_terminal stretch; the
+    defaults and the one-line refusals."""
+    from diffusers import LTXPipeline
+    from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
+
+    assert model_class(ltx) is LTXVideoModel
+    assert vae_compression(ltx) == (8, 4)
+    model = _model(ltx)
+    assert model.latent_shape == (8, 3, 4, 4) and model.decoded_shape == (FRAMES, 3, SIDE, SIDE)
+    assert model.rope_interpolation_scale == (4 / 25, 8, 8)
+    pipe = LTXPipeline.from_pretrained(ltx)
+    emb = model.encode(["", *PROMPTS])
+    embeds, mask, _, _ = pipe.encode_prompt(["", *PROMPTS], do_classifier_free_guidance=False, max_sequence_length=16)
+    assert emb.embeds.shape == (3, TOKENS, 32) and emb.pooled.shape == (3, 0)
+    assert emb.mask.tolist() == mask.long().tolist() and 1 == emb.mask[0].sum() < emb.mask[1].sum() < emb.mask[2].sum()
+    torch.testing.assert_close(emb.embeds, embeds, rtol=0, atol=1e-6)
+    for frames in (FRAMES, 17):
+        tokens = ((frames - 1) // 4 + 1) * 16
+        mu = calculate_shift(tokens, 1024, 4096, 0.95, 2.05)
+        assert LTXVideoModel.scheduler_shift(ltx, SIDE, frames) == pytest.approx(math.exp(mu))
+        sized = _model(ltx, num_frames=frames)
+        assert sized.shift == pytest.approx(math.exp(mu))
+        for steps in (2, 3, 8):
+            pipe.scheduler.set_timesteps(sigmas=torch.linspace(1.0, 1 / steps, steps).tolist(), mu=mu)
+            torch.testing.assert_close(sized.sigmas(steps), pipe.scheduler.sigmas.float(), rtol=0, atol=1e-6)
+            assert sized.sigmas(steps)[-2] == pytest.approx(0.1)  # shift_terminal
+    with pytest.raises(ValueError, match="shift_terminal 0.1, which needs at least 2 steps"):
+        model.sigmas(1)
+    # the stock defaults: 161 frames, 512 px, 128 T5 tokens; the shift at them
+    assert LTXVideoModel.check_num_frames(ltx, None) == 161 and LTXVideoModel.check_resolution(ltx, None) == 512
+    assert LTXVideoModel.default_max_sequence_length(ltx) == 128
+    default_tokens = (160 // 4 + 1) * (512 // 8) ** 2
+    assert LTXVideoModel.scheduler_shift(ltx) == pytest.approx(
+        math.exp(calculate_shift(default_tokens, 1024, 4096, 0.95, 2.05))
+    )
+    with pytest.raises(ValueError, match=r"num_frames 10 does not fit .*expected 4k\+1 frames .* e\.g\. 9"):
+        LTXVideoModel.check_num_frames(ltx, 10)
+    with pytest.raises(ValueError, match=r"resolution 48 px .*multiple of 32 \(32, LTXPipeline's rule"):
+        LTXVideoModel.check_resolution(ltx, 48)
+    with pytest.raises(ValueError, match="max_sequence_length must be >= 1 for LTX-Video"):
+        _model(ltx, max_sequence_length=0)
+    with pytest.raises(ValueError, match="one transformer.* leave the expert unset"):
+        _model(ltx, expert="high")
+    patched = tmp_path / "patched"
+    shutil.copytree(ltx, patched)
+    config = json.loads((patched / "transformer" / "config.json").read_text())
+    (patched / "transformer" / "config.json").write_text(json.dumps({**config, "patch_size": 2}))
+    with pytest.raises(ValueError, match="patch_size 2, patch_size_t 1; LTXPipeline .* both must be 1"):
+        _model(patched)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"guidance_rescale": 0.7},
+        {"frame_rate": 8},
+        {"decode_timestep": 0.05, "decode_noise_scale": 0.025},
+    ],
+    ids=["guidance-rescale", "frame-rate", "decode-noise"],
+)
+def test_sampling_options_equal_the_stock_pipeline(ltx, kwargs):
+    """Each of the pipeline's own settings, given to flowrl and to LTXPipeline, gives the same videos within 1e-4, and
+    changes them (the decode noise: flowrl's global RNG and the stock pipeline's generator seeded alike)."""
+    from flowrl.evaluation import generate
+
+    metas = [{"prompt": p} for p in PROMPTS]
+    plain = _model(ltx)
+    model = _model(ltx, **kwargs)
+    torch.manual_seed(7)  # flowrl draws the decode noise from the global RNG, the stock pipeline from its generator
+    ours = generate(model, PROMPTS, [0, 1], num_steps=3, guidance_scale=4.0)
+    stock = stock_ltx(ltx, model, metas, noise(model, 2), 3, 4.0, generator=torch.Generator().manual_seed(7), **kwargs)
+    assert ours.shape == stock.shape == (2, FRAMES, 3, SIDE, SIDE)
+    torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
+    assert (generate(plain, PROMPTS, [0, 1], num_steps=3, guidance_scale=4.0) - ours).abs().max() > 1e-3
+
+
+def test_config_errors_name_the_key(ltx, tmp_path, video_prompts):
+    plain_vae = tmp_path / "plain-vae"  # a decoder without timestep conditioning (LTX-Video 0.9.0's)
+    shutil.copytree(ltx, plain_vae)
+    config = json.loads((plain_vae / "vae" / "config.json").read_text())
+    (plain_vae / "vae" / "config.json").write_text(json.dumps({**config, "timestep_conditioning": False}))
+    for folder, key, value, match in (
+        (ltx, "model.num_frames", 10, r"4k\+1 frames"),
+        (ltx, "model.expert", "low", "one transformer"),
+        (ltx, "model.options.frame_rate", 0, "frame_rate must be a number > 0"),
+        (ltx, "model.options.guidance_rescale", 1.5, r"guidance_rescale must be in \[0, 1\]"),
+        (ltx, "model.options.decode_noise_scale", -0.1, r"decode_noise_scale must be a number in \[0, 1\]"),
+        (plain_vae, "model.options.decode_timestep", 0.05, "decodes without a timestep"),
+        (ltx, "model.options.true_cfg_scale", 2, "its options: frame_rate, guidance_rescale, decode_timestep"),
+    ):
+        over = _overrides(folder, video_prompts, tmp_path / "run", **{key: value})
+        with pytest.raises(ConfigError, match=f"^config key '{key}': .*{match}"):
+            Trainer(load_config(None, over))
+
+
+def test_ltx_video_recipe_trains_two_iterations(tmp_path, ltx, video_prompts):
+    """configs/ltx_video_flow_grpo.yaml shrunk onto the tiny random pipeline (the OCR reward swapped for brightness,
+    which needs no download): two iterations with the PPO ratio exactly 1 before each first step, the LoRA moved."""
+    recipe = load_config(REPO / "configs" / "ltx_video_flow_grpo.yaml")
+    s = recipe.sampling
+    assert (recipe.model.num_frames, recipe.model.resolution, recipe.model.max_sequence_length) == (33, 320, 128)
+    assert (s.num_steps, s.kernel, s.noise_level, s.guidance_scale, s.group_size) == (20, "flow_sde", 0.7, 5.0, 4)
+    tokens = ((33 - 1) // 8 + 1) * (320 // 32) ** 2  # the recipe's shift: the stock pipeline's at its video size
+    assert s.shift == pytest.approx(math.exp(0.95 + (tokens - 1024) * (2.05 - 0.95) / (4096 - 1024)), abs=1e-3)
+    over = _overrides(
+        ltx,
+        video_prompts,
+        tmp_path / "run",
+        **{
+            "rewards.frames": "null",
+            "model.lora_rank": 2,
+            "sampling.num_steps": 3,
+            "sampling.group_size": 2,
+            "sampling.batch_size": 4,
+            "train.minibatch_size": 4,
+            "train.micro_batch_size": "null",
+            "train.gradient_checkpointing": False,
+            "train.ema_decay": 0.0,
+            "eval.num_steps": 2,
+        },
+    )
+    unset = load_config(REPO / "configs" / "ltx_video_flow_grpo.yaml", [*over, "sampling.shift=null"])
+    resolve_model(unset)  # an unset shift is filled at the config's frame count and resolution, not the default's
+    assert unset.sampling.shift == pytest.approx(LTXVideoModel.scheduler_shift(ltx, SIDE, FRAMES))
+    assert unset.sampling.shift != pytest.approx(LTXVideoModel.scheduler_shift(ltx, SIDE))
+    trainer = Trainer(load_config(REPO / "configs" / "ltx_video_flow_grpo.yaml", over))
+    assert isinstance(trainer.model, LTXVideoModel) and trainer.cfg.sampling.guidance_scale == 5.0
+    before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
+    trainer.train()
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
+    assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").is_file()

@@ -31,6 +31,7 @@ from .methods import (
     GARDOConfig,
     NFTConfig,
     OfflineConfig,
+    SRPOConfig,
 )
 from .methods.shapes import ProbeConfig, TreeConfig, WindowConfig
 from .precision import PRECISIONS
@@ -236,7 +237,7 @@ class TrainConfig:
     method: str = setting(
         "grpo",
         "the method (flowrl.methods.METHODS): grpo (SDE rollouts, PPO on log-prob ratios) | flow_dppo | gardo "
-        "| nft (ODE samples, DiffusionNFT loss) | awm | dgpo | dpo | crd | direct reward: refl | draft "
+        "| nft (ODE samples, DiffusionNFT loss) | awm | dgpo | dpo | crd | direct reward: refl | draft | alignprop | srpo "
         "| offline: dpo_offline | sft",
     )
     nft: NFTConfig = setting(factory=NFTConfig, help="DiffusionNFT's settings (train.method nft)")
@@ -247,8 +248,9 @@ class TrainConfig:
     crd: CRDConfig = setting(factory=CRDConfig, help="CRD's settings (train.method crd)")
     gardo: GARDOConfig = setting(factory=GARDOConfig, help="GARDO's settings (train.method gardo)")
     direct: DirectConfig = setting(
-        factory=DirectConfig, help="ReFL's and DRaFT-K's settings (train.method refl, draft)"
+        factory=DirectConfig, help="the direct-reward methods' settings (train.method refl, draft, alignprop, srpo)"
     )
+    srpo: SRPOConfig = setting(factory=SRPOConfig, help="SRPO's Direct-Align settings (train.method srpo)")
     offline: OfflineConfig = setting(
         factory=OfflineConfig, help="the data set of the offline methods (train.method dpo_offline, sft)"
     )

@@ -1,4 +1,4 @@
-"""Direct reward fine-tuning (ReFL, DRaFT-K): the differentiable reward's gradient against finite differences, its
+"""Direct reward fine-tuning (ReFL, DRaFT-K, AlignProp, SRPO): the differentiable reward's gradient against finite differences, its
 scores equal to the scoring path's, the presets train and resume, and non-differentiable rewards are refused."""
 
 from __future__ import annotations
@@ -103,3 +103,96 @@ def test_only_the_steps_after_the_truncation_take_gradient(
     assert [s for s, _ in seen] == [round(float(t), 6) for t in method.sigmas[step : step + calls]]
     x0.float().pow(2).mean().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trainer.policy.params.values())
+
+
+def test_direct_align_recovers_the_clean_latents_from_the_true_velocity():
+    """SRPO's Direct-Align (arXiv 2509.06942): with the straight path's velocity eps - x0 the recovered latents are
+    x0 exactly, at any pair of levels; the step's gradient reaches the velocity."""
+    from flowrl.methods.srpo import direct_align
+
+    gen = torch.Generator().manual_seed(0)
+    x0, eps = (
+        torch.randn(3, 4, 8, 8, generator=gen, dtype=torch.float64),
+        torch.randn(3, 4, 8, 8, generator=gen).double(),
+    )
+    hi, lo = torch.tensor([0.9, 0.5, 0.3], dtype=torch.float64), torch.tensor([0.2, 0.45, 0.0], dtype=torch.float64)
+    scale = torch.ones((), dtype=torch.float64, requires_grad=True)
+    out = direct_align(x0, eps, hi, lo, lambda x, t: scale * (eps - x0))
+    torch.testing.assert_close(out, x0, rtol=0, atol=1e-12)
+    out.sum().backward()
+    assert scale.grad is not None and scale.grad.abs() > 0
+    wrong = direct_align(x0, eps, hi, lo, lambda x, t: torch.zeros_like(x))  # no denoising: the noise left is wrong
+    assert (wrong - x0).abs().max() > 0.1
+
+
+def test_srpo_levels_follow_the_official_draws(tmp_path, random_pipeline, prompt_files):
+    from flowrl.trainer import Trainer
+
+    over = _overrides(random_pipeline, prompt_files, tmp_path / "r")
+    method = Trainer(load_config(REPO / "configs" / "srpo.yaml", over)).method
+    m, hi, lo = method.levels(4000, torch.Generator().manual_seed(0))
+    grid = torch.linspace(0.9, 0.2, 100)
+    assert int(m.min()) == 2 and int(m.max()) == 98  # random.randint(2, L - 2)
+    assert torch.all(hi > lo) and torch.all((hi <= 0.9) & (lo >= grid[-1] - 1e-7))
+    gap = (grid[:, None] - hi[None]).abs().argmin(0) - (grid[:, None] - lo[None]).abs().argmin(0)  # index distance
+    assert int(gap.abs().max()) == int(0.4 * 100) + 1  # K = int((1 - groundtruth_ratio) L) + 1
+    torch.testing.assert_close(lo, grid[100 - m])
+
+
+def test_srpo_scores_the_control_word_prompts_and_trains(tmp_path, random_pipeline, prompt_files):
+    """The relative reward R("P. prompt") - R("N. prompt") with the configured words, the time discount smallest at
+    the clean end, and two iterations of the preset that move the LoRA."""
+    from flowrl.methods.srpo import time_discount
+    from flowrl.trainer import Trainer
+
+    over = _overrides(random_pipeline, prompt_files, tmp_path / "r")
+    over += ["train.srpo.positive_words=[Real]", "train.srpo.negative_words=[Painting]", "train.minibatch_size=8"]
+    trainer = Trainer(load_config(REPO / "configs" / "srpo.yaml", over))
+    method, seen = trainer.method, []
+
+    def reward_with_grad(images, prompts, metadata):  # a differentiable reward that tells the two prompts apart
+        seen.append(list(prompts))
+        sign = torch.tensor([1.0 if p.startswith("Real. ") else -1.0 for p in prompts])
+        return sign * images.flatten(1).mean(1)
+
+    method.reward_with_grad = reward_with_grad
+    metas = trainer.train_metas[:2]
+    samples = method.rollout(metas, torch.Generator().manual_seed(1))
+    assert samples.final.shape == samples.start.shape == (4, *trainer.model.latent_shape)
+    stats = method.update(samples, None, None, torch.Generator().manual_seed(2))
+    prompts = [m["prompt"] for m in metas for _ in range(2)]
+    assert seen[0] == [f"Real. {p}" for p in prompts] and seen[1] == [f"Painting. {p}" for p in prompts]
+    assert stats["policy/reward"] > 0  # R(P) - R(N) = 2 x mean pixel
+    discount = time_discount(torch.tensor([0, 2, 50, 98, 100]), 100, 3.0)
+    torch.testing.assert_close(discount, torch.tensor([0.0, 0.06 / 1.04, 0.75, 2.94 / 2.96, 1.0]))
+    before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
+    del method.reward_with_grad  # the tiny CLIP score from here on
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "r/metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(math.isfinite(r["policy/loss"]) and r["policy/optimizer_steps"] >= 1 for r in rows)
+    assert all(0.2 <= r["policy/sigma"] <= 0.9 for r in rows)
+    assert any(not torch.equal(before[n], p) for n, p in trainer.policy.params.items())
+
+
+def test_draft_lv_trains_on_the_final_samples_renoised_to_the_last_step(tmp_path, random_pipeline, prompt_files):
+    """DRaFT-LV (arXiv 2309.17400): each final sample noised n times with its own noise to the last step's time, the
+    one step with gradient taken from each copy; the setting is refused where it would be ignored."""
+    from flowrl.trainer import Trainer
+
+    over = _overrides(random_pipeline, prompt_files, tmp_path / "r")
+    lv = ["train.direct.grad_steps=1", "train.direct.lv_samples=3"]
+    trainer = Trainer(load_config(REPO / "configs" / "draft.yaml", over + lv))
+    method = trainer.method
+    samples = method.rollout(trainer.train_metas[:2], torch.Generator().manual_seed(0))
+    assert samples.step == len(method.sigmas) - 2 and len(samples.images) == 4  # 2 prompts x group 2: scored once
+    assert len(samples.cond) == len(samples.start) == len(samples.prompts) == 12  # 3 copies of each
+    t = float(method.sigmas[samples.step])
+    eps = (samples.start - (1 - t) * samples.final) / t  # (12, ...): the noise of each copy
+    assert torch.equal(samples.final[0], samples.final[2]) and not torch.equal(eps[0], eps[1])
+    assert 0.8 < float(eps.std()) < 1.2 and samples.prompts[:3] == [samples.prompts[0]] * 3
+    stats = method.update(samples, None, None, torch.Generator().manual_seed(1))
+    assert stats["cost/trained_transitions"] == 12 and math.isfinite(stats["policy/loss"])
+    with pytest.raises(ConfigError, match=r"train\.direct\.lv_samples.*grad_steps is 1"):
+        load_config(REPO / "configs" / "draft.yaml", over + ["train.direct.lv_samples=2"])  # the preset's K = 2
+    with pytest.raises(ConfigError, match=r"^config key 'train\.direct\.lv_samples': DRaFT-LV .* 'refl' does not"):
+        Trainer(load_config(REPO / "configs" / "refl.yaml", over + ["train.direct.lv_samples=2"]))

@@ -52,7 +52,7 @@ def test_preset_runs(path, tmp_path, random_pipeline, prompt_files):
     extra = {
         "run.mixed_precision": "no",
         # varies on random images; the direct-reward presets keep their differentiable tiny CLIP score
-        "rewards.jpeg_compressibility.weight": 0.0 if path.stem in ("refl", "draft", "alignprop") else 1.0,
+        "rewards.jpeg_compressibility.weight": 0.0 if path.stem in ("refl", "draft", "alignprop", "srpo") else 1.0,
         **shape_overrides(load_config(path)),
     }  # keep the preset's tree, window or probe steps
     train, test = prompt_files

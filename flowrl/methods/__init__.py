@@ -6,7 +6,8 @@
 (:mod:`flowrl.methods.forward`) ``nft`` (:class:`DiffusionNFT`), ``awm`` (:class:`AWM`), ``dgpo`` (:class:`DGPO`) and
 ``dpo`` (:class:`DiffusionDPO`, online), ``crd`` (:class:`CRD`); ``gardo`` (:class:`GARDO`: GRPO with a gated,
 resetting KL); the offline ``dpo_offline`` (:class:`OfflineDPO`) and ``sft`` (:class:`SFT`) on a data set; the direct-reward
-``refl`` (:class:`ReFL`), ``draft`` (:class:`DRaFT`) and ``alignprop`` (:class:`AlignProp`). A new method is a new file
+``refl`` (:class:`ReFL`), ``draft`` (:class:`DRaFT`), ``alignprop`` (:class:`AlignProp`) and ``srpo`` (:class:`SRPO`:
+Direct-Align with a semantic relative reward). A new method is a new file
 with a :class:`Method` subclass and its settings, imported here (docs/methods.md "Adding a method").
 """
 
@@ -24,6 +25,7 @@ from .grpo import GRPO
 from .nft import DiffusionNFT, NFTConfig
 from .offline import SFT, OfflineConfig, OfflineDPO
 from .shapes import SHAPES, RolloutShape, register_shape
+from .srpo import SRPO, SRPOConfig
 
 __all__ = [
     "METHODS",
@@ -46,6 +48,8 @@ __all__ = [
     "OfflineConfig",
     "OfflineDPO",
     "SFT",
+    "SRPO",
+    "SRPOConfig",
     "SHAPES",
     "DiffusionNFT",
     "FinalSamples",

@@ -10,7 +10,7 @@ decoder into the policy (the reward is a differentiable function, not a black bo
   with gradient checkpointed (:class:`AlignProp`).
 - ``draft``, DRaFT-K (Clark et al., arXiv 2309.17400): sampling without gradient for ``N - K`` steps, then the last
   ``K`` Euler steps with gradient, the final sample decoded and scored; loss ``-mean(r) * scale`` (K = 1 is DRaFT-1;
-  DRaFT-LV's repeated noising of the last step is not built).
+  ``train.direct.lv_samples = n`` is DRaFT-LV: the final sample noised ``n`` times to the last step, :class:`DRaFT`).
 
 Both sample with the rollout's CFG (``sampling.guidance_scale``) and train through it, take one noise per image
 (``sampling.group_size`` images per prompt, for logging and the group statistics), optionally add
@@ -48,6 +48,11 @@ class DirectConfig:
     checkpoint_steps: bool = setting(
         True, "AlignProp: recompute each step's activations in backward (gradient checkpointing per step)"
     )
+    lv_samples: int = setting(
+        0,
+        "DRaFT-LV: > 0 noises each final sample this many times to the last step's time and takes that step with "
+        "gradient from each (needs grad_steps 1; the paper's n = 2); 0: DRaFT-K",
+    )
 
     def __post_init__(self):
         check(self.grad_steps >= 1, "train.direct.grad_steps", ">= 1", self.grad_steps)
@@ -57,6 +62,13 @@ class DirectConfig:
         r = self.alignprop_range
         ok = isinstance(r, (list, tuple)) and len(r) == 2 and 0 <= float(r[0]) <= float(r[1]) <= 1
         check(ok, "train.direct.alignprop_range", "[lo, hi] with 0 <= lo <= hi <= 1", r)
+        check(self.lv_samples >= 0, "train.direct.lv_samples", ">= 0", self.lv_samples)
+        check(
+            self.lv_samples == 0 or self.grad_steps == 1,
+            "train.direct.lv_samples",
+            "0 unless train.direct.grad_steps is 1 (DRaFT-LV re-noises the last step only)",
+            self.lv_samples,
+        )
         self.alignprop_range = [float(x) for x in r]
 
 
@@ -69,6 +81,8 @@ class DirectSamples(Samples):
         step (`int`): the grid index the steps with gradient start from.
         cond (`torch.Tensor` of shape `(B,)`, long): each sample's row of `table`. table: the prompt table.
         prompts (`list[str]`), metadata (`list[dict]`): each sample's, for the differentiable rewards.
+        final (`torch.Tensor` of shape `(B, *latent_shape)`, float32): the clean latents the rollout ended at, on the
+            device (SRPO's Direct-Align noises them again).
     """
 
     start: torch.Tensor
@@ -77,6 +91,7 @@ class DirectSamples(Samples):
     table: object
     prompts: list
     metadata: list
+    final: torch.Tensor = None
 
 
 class DirectReward(ForwardProcess):
@@ -89,8 +104,15 @@ class DirectReward(ForwardProcess):
 
     @classmethod
     def check_config(cls, cfg) -> None:
+        from ..fields import ConfigError
+
         cls.check_final_samples(cfg, "it back-propagates the reward")
         cls.check_base_reference(cfg, "train.direct.kl_beta", cfg.train.direct.kl_beta)
+        if cfg.train.direct.lv_samples and cls.name != "draft":
+            raise ConfigError(
+                f"config key 'train.direct.lv_samples': DRaFT-LV is train.method 'draft' with grad_steps 1; "
+                f"{cls.name!r} does not read it (set it to 0)"
+            )
 
     def __init__(self, cfg, model, policy, rewards):
         from ..fields import ConfigError
@@ -133,7 +155,7 @@ class DirectReward(ForwardProcess):
         nfe = len(cond) * cfg.sampling.num_steps * model.cfg_rows(cfg.sampling.guidance_scale)
         picked = [metas[i] for i in prompt_index.tolist()]
         return DirectSamples(
-            self.decode(x), prompt_index.cpu(), nfe, start, step, cond, table, [m["prompt"] for m in picked], picked
+            self.decode(x), prompt_index.cpu(), nfe, start, step, cond, table, [m["prompt"] for m in picked], picked, x
         )
 
     def advantages(self, samples, rewards, generator):
@@ -223,10 +245,30 @@ class ReFL(DirectReward):
 
 @register_method("draft")
 class DRaFT(DirectReward):
-    """``train.method: draft``: DRaFT-K (module docstring)."""
+    """``train.method: draft``: DRaFT-K (module docstring), and DRaFT-LV with ``train.direct.lv_samples = n > 0``
+    (Clark et al., arXiv 2309.17400, Sec. 4.3): each final sample ``x0`` noised ``n`` times with fresh noise to the last
+    step's time ``t``, ``x_t = (1 - t) x0 + t eps_i``, and that one step taken with gradient from each, the ``n``
+    rewards averaged (a lower-variance gradient of DRaFT-1 for ``n`` times its cost)."""
 
     def start_step(self, generator: torch.Generator) -> int:
         return max(0, len(self.sigmas) - 1 - self.cfg.train.direct.grad_steps)
+
+    def rollout(self, metas: list[dict], generator: torch.Generator) -> DirectSamples:
+        """:meth:`DirectReward.rollout`; for DRaFT-LV its trained rows are each sample's ``n`` re-noised copies."""
+        samples = super().rollout(metas, generator)
+        n = self.cfg.train.direct.lv_samples
+        if n == 0:
+            return samples
+        final = samples.final.repeat_interleave(n, dim=0)  # (B n, ...): each sample's n copies together
+        eps = torch.randn(final.shape, generator=generator).to(final.device)
+        t = self.sigmas[samples.step].to(final.device)
+        rows = torch.arange(len(samples.cond)).repeat_interleave(n).tolist()
+        samples.start = (1 - t) * final + t * eps  # (B n, ...): the last step's state, noised n times
+        samples.cond = samples.cond.repeat_interleave(n)
+        samples.prompts = [samples.prompts[i] for i in rows]
+        samples.metadata = [samples.metadata[i] for i in rows]
+        samples.final = final
+        return samples
 
     def predict(self, velocity, x, cond, step, kl):
         sigmas = self.sigmas.to(x.device)

@@ -438,11 +438,12 @@ def cmd_serve_reward(args) -> None:
 
 def cmd_rewards(args) -> list[dict]:
     """``flowrl rewards``: every registered reward and installed ``flowrl.rewards`` entry point, one line each:
-    name, modality (``image``, ``video`` or both) and the weights it needs, as the factory declares them
-    (:func:`rewards.register_reward`'s ``modality`` and ``weights``; ``-`` where a plug-in declares none).
+    name, modality (``image``, ``video`` or both), ``yes`` under GRAD for a differentiable reward (the direct methods
+    train on it) and the weights it needs, as the factory declares them (:func:`rewards.register_reward`'s
+    ``modality``, ``differentiable`` and ``weights``; ``-`` where a plug-in declares none).
 
     Returns:
-        ``[{"name", "modality", "weights", "source", "summary"}, ...]``: registered names sorted, then entry points;
+        ``[{"name", "modality", "grad", "weights", "source", "summary"}, ...]``: registered names sorted, then entry points;
         ``summary`` is the first line of the factory's docstring.
     """
     import inspect
@@ -454,6 +455,7 @@ def cmd_rewards(args) -> list[dict]:
         return {
             "name": name,
             "modality": getattr(factory, "modality", "-"),
+            "grad": "yes" if getattr(factory, "differentiable", False) else "-",
             "weights": getattr(factory, "weights", "-"),
             "source": source,
             "summary": (inspect.getdoc(factory) or "").split("\n")[0],
@@ -469,10 +471,10 @@ def cmd_rewards(args) -> list[dict]:
             rows.append(
                 {**row(ep.name, None, f"entry point {ep.value}"), "weights": f"(not loadable: {_one_line(e)})"}
             )
-    header = {"name": "NAME", "modality": "MODALITY", "weights": "WEIGHTS IT NEEDS"}
+    header = {"name": "NAME", "modality": "MODALITY", "grad": "GRAD", "weights": "WEIGHTS IT NEEDS"}
     name_w, mod_w = (max(len(r[k]) for r in [header, *rows]) for k in ("name", "modality"))
     for r in [header, *rows]:
-        print(f"{r['name']:<{name_w}}  {r['modality']:<{mod_w}}  {r['weights']}")
+        print(f"{r['name']:<{name_w}}  {r['modality']:<{mod_w}}  {r['grad']:<4}  {r['weights']}")
     return rows
 
 

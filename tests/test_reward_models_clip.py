@@ -442,3 +442,35 @@ def test_aesthetic_errors_are_one_line_and_named(tiny_clip_dir, tiny_head, tmp_p
         aesthetic(tmp_path / "partial.pth", tiny_clip_dir)
     with pytest.raises(ValueError, match="^aesthetic: batch_size must be an integer >= 1"):
         aesthetic(tiny_head, tiny_clip_dir, batch_size=0)
+
+
+# --- differentiable scores (the direct-reward methods) ---------------------------------------
+
+
+def _gradcheck(reward, images, prompts, atol=1e-5):
+    """`score_with_grad` equals the scores of `__call__` and its gradient equals finite differences (float64; open_clip
+    computes its layer norms in float32, hence `atol` for HPS)."""
+    with_grad = reward.score_with_grad(images.clone().requires_grad_(), prompts, [{}] * len(prompts))
+    assert with_grad.dtype == torch.float64 and with_grad.requires_grad
+    torch.testing.assert_close(with_grad, reward(images, prompts, [{}] * len(prompts)).double(), rtol=0, atol=1e-6)
+    f = lambda x: reward.score_with_grad(x, prompts, [{}] * len(prompts))  # noqa: E731
+    eps = 1e-6 if atol < 1e-4 else 1e-3
+    x = images.clone().requires_grad_()
+    assert torch.autograd.gradcheck(f, (x,), eps=eps, atol=atol, rtol=1e-3, fast_mode=True)
+
+
+@pytest.mark.parametrize("name", ["pickscore", "hpsv2", "aesthetic"])
+def test_preference_rewards_have_a_gradient_equal_to_finite_differences(name, tiny_clip_dir, tiny_hps, tiny_head):
+    """PickScore, HPS v2 and the aesthetic head are differentiable (the direct methods can train on them): their
+    `score_with_grad` is the scores with the graph back to the pixels, through the torch preprocessing."""
+    options = {
+        "pickscore": {"model_path": str(tiny_clip_dir), "processor_path": str(tiny_clip_dir), "scale": 26},
+        "hpsv2": {"model_path": str(tiny_hps), "arch": TINY_ARCH},
+        "aesthetic": {"model_path": str(tiny_head), "clip_path": str(tiny_clip_dir)},
+    }[name]
+    reward = build_reward(name, dtype="float64", **options)
+    assert reward.differentiable
+    if name == "aesthetic":
+        reward.layers = reward.layers.double()  # the head is float32 by construction
+    images = torch.rand(2, 3, 12, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 0.8 + 0.1
+    _gradcheck(reward, images, ["a red cube", "two dogs"], atol=1e-3 if name == "hpsv2" else 1e-5)

@@ -59,7 +59,7 @@ def test_rewards_lists_every_reward_with_its_modality_and_weights(capsys, monkey
     )
     cli.main(["rewards"])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["NAME", "MODALITY", "WEIGHTS", "IT", "NEEDS"]
+    assert lines[0].split() == ["NAME", "MODALITY", "GRAD", "WEIGHTS", "IT", "NEEDS"]
     listed = {line.split()[0]: line for line in lines[1:]}
     assert set(listed) == set(REWARDS) | {"sharpness", "plain_fn", "broken"}  # a registered name wins, listed once
     for name, factory in REWARDS.items():
@@ -69,10 +69,12 @@ def test_rewards_lists_every_reward_with_its_modality_and_weights(capsys, monkey
         expected = "image, video" if name == "remote" else "video" if name in VIDEO_REWARDS else "image"
         assert factory.modality == expected, name
     assert "PickScore_v1" in listed["pickscore"] and "CLIP-ViT-H-14" in listed["pickscore"]
-    assert "HPS_v2.1" in listed["hpsv2"] and listed["jpeg_compressibility"].split()[1:] == ["image", "none"]
-    assert "Mask2Former" in listed["geneval"] and listed["ocr"].split()[2] == "none"
-    assert listed["sharpness"].split()[1:] == ["image", "none"]  # a plug-in factory's own attributes
-    assert listed["plain_fn"].split()[1:] == ["-", "-"]  # a plug-in that declares none
+    assert "HPS_v2.1" in listed["hpsv2"] and listed["jpeg_compressibility"].split()[1:] == ["image", "-", "none"]
+    assert "Mask2Former" in listed["geneval"] and listed["ocr"].split()[3] == "none"
+    assert listed["sharpness"].split()[1:] == ["image", "-", "none"]  # a plug-in factory's own attributes
+    assert listed["plain_fn"].split()[1:] == ["-", "-", "-"]  # a plug-in that declares none
+    grad = {name for name, line in listed.items() if line.split()[2] == "yes"}  # the direct methods' rewards
+    assert grad == {"clipscore", "pickscore", "hpsv2", "aesthetic"}
     assert "not loadable" in listed["broken"] and "no_such_module_xyz" in listed["broken"]
     rows = cli.cmd_rewards(None)
     by_name = {r["name"]: r for r in rows}

@@ -15,7 +15,8 @@ decoder into the policy (the reward is a differentiable function, not a black bo
 Both sample with the rollout's CFG (``sampling.guidance_scale``) and train through it, take one noise per image
 (``sampling.group_size`` images per prompt, for logging and the group statistics), optionally add
 ``train.direct.kl_beta`` times the velocity KL to the base at the steps with gradient, and need differentiable rewards
-(``score_with_grad``: ``clipscore`` ships one; a reward without it is refused naming its key). Reward hacking is the
+(``score_with_grad``: ``clipscore``, ``pickscore``, ``hpsv2``, ``aesthetic``; a reward without it is refused naming
+its key). Reward hacking is the
 known failure of both: watch ``diversity/clip`` and the held-out evaluation, and end the run with ``run.stop_if``.
 """
 
@@ -122,7 +123,8 @@ class DirectReward(ForwardProcess):
             if weight != 0 and not getattr(reward, "differentiable", False):
                 raise ConfigError(
                     f"config key 'rewards.{name}': train.method {self.name!r} back-propagates through the reward, and "
-                    f"{name} has no score_with_grad (differentiable: clipscore); give it weight 0 to log it only"
+                    f"{name} has no score_with_grad (differentiable: clipscore, pickscore, hpsv2, aesthetic); "
+                    "give it weight 0 to log it only"
                 )
         if not model.encodes_images():
             raise ConfigError(

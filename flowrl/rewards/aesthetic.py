@@ -78,6 +78,7 @@ class AestheticScore:
     """
 
     name = "aesthetic"
+    differentiable = True  # score_with_grad: the direct methods back-propagate through it
 
     def __init__(
         self,
@@ -114,8 +115,21 @@ class AestheticScore:
     @torch.no_grad()
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """`(B, 3, H, W)` images in `[0, 1]` -> `(B, D)` float32 L2-normalised CLIP image embeddings."""
+        return self._embed(images).float()
+
+    def _embed(self, images: torch.Tensor) -> torch.Tensor:
         features = _pooled(self.clip.get_image_features(pixel_values=self.preprocess(images)))  # (B, D)
-        return F.normalize(features.float(), dim=-1)
+        return F.normalize(features.to(torch.promote_types(self.dtype, torch.float32)), dim=-1)
+
+    def score_with_grad(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> torch.Tensor:
+        """The scores of :meth:`__call__` with the graph back to `images` `(B, 3, H, W)` in [0, 1] (torch
+        preprocessing), in one forward; `(B,)` on CPU, in the head's dtype (float32; float64 after ``layers.double()``,
+        for gradient checks). The CLIP model and the head stay frozen."""
+        check_inputs(images.detach(), prompts, metadata)
+        head = self.layers[0].weight.dtype
+        return self.layers(self._embed(images).to(head)).squeeze(-1).cpu()  # (B,)
 
     @torch.no_grad()
     def __call__(
@@ -124,7 +138,7 @@ class AestheticScore:
         check_inputs(images, prompts, metadata)
         size = self.batch_size or max(1, images.shape[0])
         chunks = [
-            self.layers(self.embed(images[i : i + size])).squeeze(-1).cpu()  # (b,)
+            self.layers(self.embed(images[i : i + size]).to(self.layers[0].weight.dtype)).squeeze(-1).float().cpu()
             for i in range(0, images.shape[0], size)
         ]
         return torch.cat(chunks) if chunks else torch.zeros(0)
@@ -134,6 +148,7 @@ class AestheticScore:
     "aesthetic",
     modality="image",
     weights="sac+logos+ava1-l14-linearMSE.pth + openai/clip-vit-large-patch14",
+    differentiable=True,
 )
 def aesthetic(
     model_path: str | os.PathLike,

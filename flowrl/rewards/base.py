@@ -97,7 +97,7 @@ videos (`accepts_video`), or either (a remote reward scores what its server's re
 
 
 def register_reward(
-    name: str, *, modality: str | None = None, weights: str | None = None
+    name: str, *, modality: str | None = None, weights: str | None = None, differentiable: bool = False
 ) -> Callable[[RewardFactory], RewardFactory]:
     """Decorator adding a reward factory to `REWARDS` under `name`.
 
@@ -107,6 +107,8 @@ def register_reward(
         weights (`str`, *optional*): the published weights the reward loads, in a few words (`"none"` for a
             model-free reward); set as the factory's `weights` attribute. `flowrl rewards` lists both; a
             user's factory (dotted path or entry point) may carry the same two attributes.
+        differentiable (`bool`): the reward it builds has ``score_with_grad`` (the direct-reward methods can train
+            on it); set as the factory's `differentiable` attribute and listed by `flowrl rewards`.
 
     Returns:
         A decorator that registers the factory (with those attributes) and returns it.
@@ -130,6 +132,7 @@ def register_reward(
             factory.modality = modality
         if weights is not None:
             factory.weights = weights
+        factory.differentiable = differentiable
         return factory
 
     return decorator

@@ -239,7 +239,12 @@ class ClipScore:
         return (self.model.logit_scale.to(dt).exp() * cosine).cpu()
 
 
-@register_reward("clipscore", modality="image", weights="a transformers CLIPModel folder (assets/tiny-clip ships)")
+@register_reward(
+    "clipscore",
+    modality="image",
+    weights="a transformers CLIPModel folder (assets/tiny-clip ships)",
+    differentiable=True,
+)
 def clipscore(
     model_path: str | os.PathLike,
     processor_path: str | os.PathLike | None = None,

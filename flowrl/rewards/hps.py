@@ -93,6 +93,7 @@ class HPSv2:
     """
 
     name = "hpsv2"
+    differentiable = True  # score_with_grad: the direct methods back-propagate through it
 
     def __init__(
         self,
@@ -126,12 +127,23 @@ class HPSv2:
         check_inputs(images, prompts, metadata)
         return score_in_chunks(self._score, images, prompts, self.batch_size)
 
+    def score_with_grad(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> torch.Tensor:
+        """The scores of :meth:`__call__` with the graph back to `images` `(B, 3, H, W)` in [0, 1] (the preprocessing
+        is torch: resize and pad differentiate), in one forward; `(B,)` on CPU, float32 (float64 for a float64 model,
+        for gradient checks). The HPS weights stay frozen."""
+        check_inputs(images.detach(), prompts, metadata)
+        return self._score(images, prompts)
+
     def _score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
-        """One chunk: `(b, 3, H, W)` images and `b` prompts -> `(b,)` float32 CPU cosines."""
+        """One chunk: `(b, 3, H, W)` images and `b` prompts -> `(b,)` CPU cosines (float32; float64 for a float64
+        model)."""
         tokens = self.tokenizer(list(prompts)).to(self.device)  # (b, L) long
         image = self.model.encode_image(self.preprocess(images))  # (b, D)
         text = self.model.encode_text(tokens)  # (b, D)
-        return (F.normalize(image.float(), dim=-1) * F.normalize(text.float(), dim=-1)).sum(-1).cpu()
+        dt = torch.promote_types(self.dtype, torch.float32)
+        return (F.normalize(image.to(dt), dim=-1) * F.normalize(text.to(dt), dim=-1)).sum(-1).cpu()
 
 
 def _checkpoint_file(model_path: str | os.PathLike | None, version: str) -> Path:
@@ -166,6 +178,7 @@ def _checkpoint_file(model_path: str | os.PathLike | None, version: str) -> Path
     "hpsv2",
     modality="image",
     weights="HPS_v2.1_compressed.pt (xswu/HPSv2; open_clip ViT-H-14 built from config)",
+    differentiable=True,
 )
 def hpsv2(
     model_path: str | os.PathLike | None = None,

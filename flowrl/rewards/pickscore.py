@@ -68,6 +68,7 @@ class PickScore(ClipScore):
     "pickscore",
     modality="image",
     weights="yuvalkirstain/PickScore_v1 + laion/CLIP-ViT-H-14-laion2B-s32B-b79K processor (hub ids)",
+    differentiable=True,
 )
 def pickscore(
     model_path: str | os.PathLike = PICKSCORE_MODEL,

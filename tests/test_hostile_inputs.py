@@ -185,11 +185,26 @@ def test_a_component_config_that_does_not_build_is_one_line(component, key, valu
     assert f"model folder {folder}" in line and "does not build" in line
 
 
-def test_the_shipped_video_models_default_size_fits_its_rotary_embedding():
+def test_the_shipped_video_models_defaults_are_the_size_it_was_trained_at(tmp_path):
+    """``flowrl sample --model assets/tiny-wan`` with no size draws what the tiny world trained (build.json's
+    ``sample``: 32 px, 9 frames, 16 tokens), not Wan's published 480 px x 81 frames; a folder without that record
+    keeps the published defaults (capped by its rotary embedding)."""
+    import shutil
+
     from flowrl.models import WanModel
 
-    default, unit, largest, _ = WanModel._resolution_grid(REPO / "assets" / "tiny-wan")
+    tiny = REPO / "assets" / "tiny-wan"
+    default, unit, largest, _ = WanModel._resolution_grid(tiny)
     assert default <= largest and default % unit == 0
+    assert WanModel.check_resolution(tiny, None) == 32 and WanModel.check_num_frames(tiny, None) == 9
+    assert WanModel.default_max_sequence_length(tiny) == 16
+    published = tmp_path / "no-record"
+    shutil.copytree(tiny, published, ignore=shutil.ignore_patterns("build.json", "*.safetensors"))
+    assert (
+        WanModel.check_resolution(published, None) == min(480, largest)
+        and WanModel.check_num_frames(published, None) == 81
+    )
+    assert WanModel.default_max_sequence_length(published) == 512
 
 
 @pytest.mark.parametrize(

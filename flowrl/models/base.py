@@ -231,6 +231,19 @@ def _vae_factor(path: Path) -> int:
     return 2 ** (len(json.loads((path / "vae" / "config.json").read_text())["block_out_channels"]) - 1)
 
 
+def built_sample_size(path: str | Path) -> dict:
+    """The sampling size a folder built by flowrl was trained at: ``build.json``'s ``sample`` (``{"resolution": px,
+    "num_frames": n, "max_sequence_length": tokens}``, :mod:`flowrl.tiny.build_video`), or ``{}`` for any other folder
+    (a published checkpoint). The defaults of a small model then draw what it learned instead of the family's
+    published size."""
+    file = Path(path) / "build.json"
+    try:
+        sample = json.loads(file.read_text()).get("sample", {}) if file.is_file() else {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return sample if isinstance(sample, dict) else {}
+
+
 def _model_index(path: str | Path) -> dict:
     """The parsed ``model_index.json`` of the pipeline folder ``path`` (FileNotFoundError if there is none)."""
     return json.loads((_pipeline_folder(path) / "model_index.json").read_text())
@@ -345,12 +358,14 @@ class FlowModel:
         """The T5 prompt length the pipeline folder ``path`` is used with when none is given, read from its
         ``model_index.json`` (no weights loaded): 256 (diffusers' SD3 default) if it has a T5 text encoder
         (``text_encoder_3``), else 0: without T5, ``encode_prompt`` pads that many zero tokens, which the tiny model
-        never saw. Flow-GRPO's SD3.5 recipe sets 128 explicitly.
+        never saw. Flow-GRPO's SD3.5 recipe sets 128 explicitly. A flowrl-built folder's own length first
+        (:func:`built_sample_size`: 16 for the shipped tiny Wan).
 
         Raises:
             FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
         """
-        return cls._default_length(_model_index(path))
+        index = _model_index(path)
+        return int(built_sample_size(path).get("max_sequence_length", cls._default_length(index)))
 
     @staticmethod
     def _default_length(index: dict) -> int:

@@ -29,6 +29,7 @@ from .base import (
     _model_index,
     _pipeline_folder,
     _scheduler_file,
+    built_sample_size,
     make_batch_invariant,
 )
 
@@ -165,19 +166,21 @@ class WanModel(FlowModel):
 
     @classmethod
     def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
-        """Default 480 px, or the largest side the folder's rotary embedding covers when that is smaller (a small
-        model's, such as the shipped tiny one); a multiple of the VAE's spatial compression x the patch size, up to
-        ``rope_max_seq_len`` patches."""
+        """Default 480 px, or the side a flowrl-built folder was trained at (:func:`built_sample_size`: 32 px for the
+        shipped tiny one), or the largest side the folder's rotary embedding covers when that is smaller; a multiple
+        of the VAE's spatial compression x the patch size, up to ``rope_max_seq_len`` patches."""
         vae, dit = _json(path / "vae" / "config.json"), cls._transformer_config(path)
         factor, patch = vae.get("scale_factor_spatial", 8), dit["patch_size"][1]
         unit = factor * patch
         largest = dit.get("rope_max_seq_len", 1024) * unit
-        default = min(cls.DEFAULT_SIDE // unit * unit, largest)
+        side = built_sample_size(path).get("resolution", cls.DEFAULT_SIDE)
+        default = min(int(side) // unit * unit, largest)
         return default, unit, largest, f"VAE spatial compression {factor} x patch size {patch}"
 
     @classmethod
     def check_num_frames(cls, path: str | Path, num_frames: int | None) -> int:
-        """The frames per video the folder ``path`` draws: ``num_frames`` checked, or 81 (no weights loaded).
+        """The frames per video the folder ``path`` draws: ``num_frames`` checked, or 81 (a flowrl-built folder's own,
+        :func:`built_sample_size`: 9 for the shipped tiny one), no weights loaded.
 
         Raises:
             FileNotFoundError: if ``path`` is not a pipeline folder.
@@ -186,7 +189,9 @@ class WanModel(FlowModel):
         """
         path = _pipeline_folder(path)
         t = _json(path / "vae" / "config.json").get("scale_factor_temporal", 4)
-        frames = cls.DEFAULT_FRAMES if num_frames is None else num_frames
+        frames = (
+            int(built_sample_size(path).get("num_frames", cls.DEFAULT_FRAMES)) if num_frames is None else num_frames
+        )
         largest = (cls._transformer_config(path).get("rope_max_seq_len", 1024) - 1) * t + 1
         if frames < 1 or (frames - 1) % t or frames > largest:
             raise ValueError(

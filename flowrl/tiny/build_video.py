@@ -32,7 +32,7 @@ from flowrl.data import write_jsonl
 from flowrl.tiny.video import all_metadata, render_dataset, split
 
 from ..rewards.geneval.world import BACKGROUND, COLORS, SHAPES
-from ..rewards.motion_world import DIRECTIONS
+from ..rewards.motion_world import DIRECTIONS, NUM_FRAMES, VIDEO_SIZE
 
 MAX_TOKENS = 16
 """UMT5 tokens per prompt (``model.max_sequence_length``; the world's prompts take at most 7 with ``</s>``)."""
@@ -358,6 +358,7 @@ def build(
         "dit_width": dit_width,
         "times_s": times,
         "command": "python -m flowrl.tiny.build_video " + " ".join(sys.argv[1:]),
+        "sample": {"resolution": VIDEO_SIZE, "num_frames": NUM_FRAMES, "max_sequence_length": MAX_TOKENS},  # the defaults
     }
     (out / "tiny-wan" / "build.json").write_text(json.dumps(record, indent=1))
     return times

@@ -358,7 +358,11 @@ def build(
         "dit_width": dit_width,
         "times_s": times,
         "command": "python -m flowrl.tiny.build_video " + " ".join(sys.argv[1:]),
-        "sample": {"resolution": VIDEO_SIZE, "num_frames": NUM_FRAMES, "max_sequence_length": MAX_TOKENS},  # the defaults
+        "sample": {
+            "resolution": VIDEO_SIZE,
+            "num_frames": NUM_FRAMES,
+            "max_sequence_length": MAX_TOKENS,
+        },  # the defaults
     }
     (out / "tiny-wan" / "build.json").write_text(json.dumps(record, indent=1))
     return times

@@ -386,6 +386,16 @@ FAMILIES: dict[str, TinyFamily] = {
             prompts="video",
             negative_prompt=True,
         ),
+        TinyFamily(
+            "HunyuanVideo15Model",
+            _builder("test_hunyuan_video15", "build_random_hunyuan_video15_pipeline"),
+            {"resolution": 32, "num_frames": 5, "max_sequence_length": 16},
+            _stock_from_noise("test_hunyuan_video15", "stock_hunyuan_video15"),
+            (6.0, 1.0),
+            {**VIDEO_TRAIN, "sampling.guidance_scale": 6.0, "eval.guidance_scale": 6.0},
+            prompts="video",
+            negative_prompt=True,
+        ),
     )
 }
 """Every family the conformance suite runs, by adapter class name."""

@@ -23,6 +23,8 @@ source image per prompt, the video's first frame, read by :meth:`FlowModel.promp
 ``SanaPipeline`` -> :class:`SanaModel` (SANA, SANA 1.5: Gemma2 prompts with the complex human instruction, DC-AE
 latents) and ``SanaSprintPipeline`` -> :class:`SanaSprintModel` (SANA-Sprint: TrigFlow times as flow times, embedded
 guidance).
+``HunyuanVideo15Pipeline`` -> :class:`HunyuanVideo15Model` (HunyuanVideo 1.5 text-to-video: Qwen2.5-VL and ByT5
+glyph prompts, the guider's CFG, zero image-condition channels appended to the latents ``(C, F, H, W)``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .flux import FluxModel
 from .flux2 import Flux2KleinModel, Flux2Model
 from .flux_kontext import FluxKontextModel
 from .hunyuan_video import HunyuanVideoModel
+from .hunyuan_video15 import HunyuanVideo15Model
 from .ltx import LTXVideoModel
 from .qwen_image import QwenImageModel
 from .qwen_image_edit import QwenImageEditModel, QwenImageEditPlusModel
@@ -58,6 +61,7 @@ ADAPTERS: tuple[type[FlowModel], ...] = (
     QwenImageEditPlusModel,
     FluxKontextModel,
     HunyuanVideoModel,
+    HunyuanVideo15Model,
     ZImageModel,
     Flux2KleinModel,
     Flux2Model,
@@ -78,6 +82,7 @@ __all__ = [
     "FluxKontextModel",
     "FluxModel",
     "HunyuanVideoModel",
+    "HunyuanVideo15Model",
     "LTXVideoModel",
     "PromptEmbeds",
     "QwenImageModel",

@@ -1,0 +1,394 @@
+"""The HunyuanVideo 1.5 family (``HunyuanVideo15Pipeline``): HunyuanVideo 1.5 text-to-video, sampled and trained as a
+flow model over latent videos ``(C, F, H, W)``.
+
+HunyuanVideo 1.5 (Tencent Hunyuan, arXiv 2511.18870; reference implementation diffusers
+``pipelines/hunyuan_video1_5/pipeline_hunyuan_video1_5.py``, ``models/transformers/transformer_hunyuan_video15.py`` and
+``models/autoencoders/autoencoder_kl_hunyuanvideo15.py``; the adapter calls them) is a rectified-flow video DiT of 54
+dual-stream blocks over 1x1x1 patches: a Qwen2.5-VL text encoder (the prompt in a chat template with a video-describing
+system message, the hidden states two layers below the top, the template's first 108 tokens cropped), a ByT5 encoder
+for the text in quotes of a prompt (glyph text; zeros with an empty mask when a prompt has none), 729 image tokens
+(SigLIP's, for image-to-video; zeros and masked out in text-to-video), and ``AutoencoderKLHunyuanVideo15`` (16x
+spatial, 4x temporal compression into 32 channels). The transformer sees the 32 latent channels followed by 32
+image-condition channels and a mask channel, all zero in text-to-video. Classifier-free guidance is the pipeline's
+``guider`` component (``ClassifierFreeGuidance``).
+
+Notation (code -> pipeline): ``t`` (flowrl's time, 1 = noise) -> the scheduler's sigma and the transformer's
+``timestep / 1000``; latents ``(C, F, H, W)`` -> ``latents`` (the VAE's latents times ``scaling_factor``); the zero
+``(C + 1, F, H, W)`` appended in :meth:`HunyuanVideo15Model._forward` -> ``cond_latents_concat`` and ``mask_concat``;
+``w`` -> ``guider.guidance_scale`` (``v_neg + w (v_c - v_neg)``, the guider's default formulation);
+``max_sequence_length`` -> the pipeline's ``tokenizer_max_length`` (Qwen tokens after the crop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .base import FlowModel, PromptEmbeds, _pipeline_folder, check_fraction, check_guidance
+from .hunyuan_video import HunyuanVideoModel
+
+HUNYUAN_VIDEO15_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+)
+"""UniRL's LoRA targets for HunyuanVideo 1.5 (Tencent-Hunyuan/UniRL,
+``examples/diffusion/hunyuan_video15/hunyuan_video15_t2v_dancegrpo_trainside.yaml``, ``lora_cfg.target_modules``): the
+attention projections of both streams and both feed-forward networks of every dual-stream block; ``attn.*`` and
+``ff.*`` also match the text token refiner's blocks (2 in HunyuanVideo 1.5), as in UniRL's peft config."""
+
+GUIDER_DEFAULTS = {"enabled": True, "use_original_formulation": False, "start": 0.0, "stop": 1.0}
+"""The ``ClassifierFreeGuidance`` settings flowrl samples with (the guider's defaults, which the HunyuanVideo 1.5
+folders ship): guidance on at every step, ``v_neg + w (v_c - v_neg)``."""
+
+
+@dataclass
+class HunyuanVideo15PromptEmbeds(PromptEmbeds):
+    """HunyuanVideo 1.5 prompt embeddings: Qwen2.5-VL states ``embeds (P, T, D)`` float32 (``T = max_sequence_length``,
+    the template's first 108 tokens cropped, padded on the right) and their ``mask (P, T)`` long (1 for a token); ByT5
+    states of the prompt's glyph text ``embeds_2 (P, 256, D_2)`` float32 and their ``mask_2 (P, 256)`` long (all zero
+    for a prompt without text in quotes); ``pooled`` is an empty ``(P, 0)``."""
+
+    mask: torch.Tensor = None
+    embeds_2: torch.Tensor = None
+    mask_2: torch.Tensor = None
+
+    def __getitem__(self, index: torch.Tensor) -> HunyuanVideo15PromptEmbeds:
+        """The rows `index` (`(N,)` long) of every tensor."""
+        return HunyuanVideo15PromptEmbeds(**{f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)})
+
+
+def _cat(parts: list[HunyuanVideo15PromptEmbeds]) -> HunyuanVideo15PromptEmbeds:
+    """Rows of several tables, stacked in order."""
+    names = [f.name for f in dataclasses.fields(HunyuanVideo15PromptEmbeds)]
+    return HunyuanVideo15PromptEmbeds(**{n: torch.cat([getattr(p, n) for p in parts]) for n in names})
+
+
+def per_sample(module: torch.nn.Module) -> None:
+    """Make ``module`` (a convolution over ``(N, ...)``) run one sample at a time, so that a sample's output has the
+    same bits at every batch size: oneDNN's ``Conv3d`` (HunyuanVideo 1.5's 1x1x1 patch embedding) gives a sample other
+    last bits in a batch of 16 than in a batch of 4, which :func:`~flowrl.models.base.make_batch_invariant` (2-D linear
+    layers and ``Conv2d``) does not cover; the PPO ratio before the first step would then differ from 1 by ~1e-7 in the
+    tree and probe rollouts."""
+    module.forward = types.MethodType(_forward_per_sample, module)  # bound to the module: a deep copy rebinds it
+
+
+def _forward_per_sample(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module``'s own forward on each sample of ``x (N, ...)``, concatenated: ``(N, ...)``."""
+    return torch.cat([type(module).forward(module, x[i : i + 1]) for i in range(len(x))])
+
+
+def _json(path: Path) -> dict:
+    """A parsed JSON config file."""
+    return json.loads(path.read_text())
+
+
+class HunyuanVideo15Model(FlowModel):
+    """A HunyuanVideo 1.5 text-to-video flow model (``HunyuanVideo15Pipeline`` folder), with :class:`FlowModel`'s
+    interface.
+
+    - Latents: ``(C, F_lat, H/s, W/s)`` per video (:attr:`latent_shape`; ``C`` the VAE's ``latent_channels``, 32),
+      ``F_lat = (num_frames - 1) / 4 + 1``, ``s`` the VAE's spatial compression (16). :meth:`_forward` appends the
+      text-to-video condition the stock pipeline appends: ``C`` zero image-condition channels and a zero mask channel
+      (the transformer's ``in_channels`` must be ``2 C + 1``), and 729 zero image tokens.
+    - Frames: ``num_frames`` (``model.num_frames``; default 121, the pipeline's) must be ``4k + 1`` (the stock pipeline
+      would round it silently; flowrl refuses it). Resolution: square, a multiple of the VAE's spatial compression x
+      the patch size (16 px); default the transformer's ``target_size`` (640 for 480p, 960 for 720p: the square bucket
+      of the stock ``calculate_default_height_width``).
+    - Prompts: the pipeline's own ``encode_prompt`` (:class:`HunyuanVideo15PromptEmbeds`): Qwen2.5-VL states of the
+      chat-templated prompt padded to ``108 + max_sequence_length`` tokens (default 1000, the pipeline's
+      ``tokenizer_max_length``), 108 cropped; ByT5 states of its glyph text (``"..."`` or curly quotes) padded to
+      256 tokens (the pipeline's ``tokenizer_2_max_length``). The transformer masks both paddings out: a shorter
+      ``max_sequence_length`` changes no video, only the cost (and truncates longer prompts).
+      The empty prompt is templated as ``" "``, as the stock pipeline does.
+    - CFG: the guider's ``v_neg + w (v_c - v_neg)`` (``w`` = ``sampling.guidance_scale``, standing in for the folder's
+      ``guider.guidance_scale``: 6 for 480p / 720p, 1 for the CFG-distilled folders) against ``negative_prompt``
+      (default ``""``: the stock ``negative_prompt=None`` encodes ``""``), then the guider's ``guidance_rescale`` if
+      its config sets one (arXiv 2305.08891, Sec. 3.4; 0 in the published folders). A guider that is disabled, uses the
+      original formulation or guides only part of the steps is refused (:meth:`check_guider`).
+    - Schedule: the folder's ``FlowMatchEulerDiscreteScheduler`` shift (5 for 480p, 9 for 720p text-to-video), its
+      steps spaced as the pipeline spaces them (``linspace(1, 0, N + 1)[:-1]`` shifted, then 0:
+      :func:`samplers.flow_sigmas`' ``"flux"`` spacing): the ODE equals ``HunyuanVideo15Pipeline``'s (the
+      conformance suite checks it within 1e-4).
+    - Decode: as :class:`~flowrl.models.HunyuanVideoModel` (``z / scaling_factor``, the VAE, ``x / 2 + 0.5`` clamped)
+      to videos ``(B, F, 3, H, W)`` float32 in [0, 1], one video per VAE call: the VAE's mid-block attention mask does
+      not broadcast over a batch in diffusers 0.42 (the stock pipeline fails to decode two videos at once; diffusers PR
+      #13133).
+    - Batch invariance: the patch embedding (a ``Conv3d``) runs one sample at a time (:func:`per_sample`), so that a
+      sample's velocity has the same bits in every batch (the PPO ratio is exactly 1 before the first step).
+    - LoRA: :data:`HUNYUAN_VIDEO15_LORA_TARGETS`, saved in diffusers' format (``transformer.*`` keys with peft's
+      metadata). ``HunyuanVideo15Pipeline`` has no ``load_lora_weights`` in diffusers 0.42 (diffusers issue #14420):
+      load it into the stock pipeline with ``pipe.transformer.load_lora_adapter(folder, prefix="transformer",
+      use_safetensors=True)``.
+
+    Args:
+        path, device, dtype, max_sequence_length, resolution: as :class:`FlowModel`.
+        num_frames: frames per video (None: 121).
+        expert: must be None (one transformer; the trainer passes every video family's settings).
+        negative_prompt: the CFG negative prompt.
+
+    Raises:
+        FileNotFoundError, ValueError: as :class:`FlowModel`; ValueError also for a frame count the VAE cannot take
+            (:meth:`check_num_frames`), an expert, a guider flowrl does not sample as the stock pipeline
+            (:meth:`check_guider`) or a transformer whose channels are not the latents' plus the condition's
+            (:meth:`check_channels`).
+    """
+
+    PIPELINE = "HunyuanVideo15Pipeline"
+    """The diffusers pipeline class this adapter loads (``_class_name`` in ``model_index.json``)."""
+    LORA_TARGETS = HUNYUAN_VIDEO15_LORA_TARGETS
+    SIGMA_SPACING = "flux"
+    """``linspace(1, 1/N, N)`` before the shift: ``HunyuanVideo15Pipeline``'s ``np.linspace(1, 0, N + 1)[:-1]``."""
+    VIDEO = True
+    VAE_CHANNELS_LAST = False
+    """The HunyuanVideo 1.5 VAE's convolutions are 3-D (channels-last is a 4-D format)."""
+    DEFAULT_FRAMES = 121
+    """Frames per video when none is given (``HunyuanVideo15Pipeline``'s ``num_frames``)."""
+
+    def __init__(
+        self,
+        path,
+        device="cpu",
+        dtype=torch.float32,
+        max_sequence_length=None,
+        resolution=None,
+        num_frames: int | None = None,
+        expert: str | None = None,
+        negative_prompt: str = "",
+    ):
+        if expert is not None:
+            raise ValueError(
+                f"{Path(path)} is a HunyuanVideo 1.5 model (one transformer): leave the expert unset, got {expert!r}"
+            )
+        self.guidance_rescale = self.check_guider(path)
+        self.check_channels(path)
+        self.num_frames = self.check_num_frames(path, num_frames)
+        self.expert, self.negative_prompt = None, negative_prompt
+        self._negative: tuple[str, HunyuanVideo15PromptEmbeds] | None = None  # (prompt, its encoding), on first use
+        super().__init__(path, device, dtype, max_sequence_length, resolution)
+        per_sample(self.transformer.x_embedder.proj)  # the patch embedding, a Conv3d
+        self.decode_chunk = 1  # videos per VAE decode call: its attention does not take a batch (see the class doc)
+
+    # ------------------------------------------------------------------------------ folder checks
+    @staticmethod
+    def _default_length(index: dict) -> int:
+        """1000 Qwen tokens after the template's crop, ``HunyuanVideo15Pipeline``'s ``tokenizer_max_length``."""
+        return 1000
+
+    @staticmethod
+    def check_max_sequence_length(length: int) -> None:
+        """Raise ValueError for a Qwen prompt length below 1."""
+        if length < 1:
+            raise ValueError(
+                f"max_sequence_length must be >= 1 for HunyuanVideo 1.5 (its Qwen2.5-VL tokens condition every "
+                f"block), got {length}"
+            )
+
+    @classmethod
+    def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
+        """Default the transformer's ``target_size`` (640 px for 480p); a multiple of the VAE's spatial compression x
+        the patch size (no largest side: the rotary embedding is computed for any size)."""
+        vae, dit = _json(path / "vae" / "config.json"), _json(path / "transformer" / "config.json")
+        factor, patch = vae.get("spatial_compression_ratio", 16), dit.get("patch_size", 1)
+        unit = factor * patch
+        default = max(dit.get("target_size", 640) // unit, 1) * unit
+        return default, unit, None, f"VAE spatial compression {factor} x patch size {patch}"
+
+    @classmethod
+    def check_num_frames(cls, path: str | Path, num_frames: int | None) -> int:
+        """The frames per video the folder ``path`` draws: ``num_frames`` checked, or 121 (no weights loaded), by
+        HunyuanVideo's rule (:meth:`HunyuanVideoModel.check_num_frames`: the VAE's ``temporal_compression_ratio`` and
+        the transformer's ``patch_size_t``, both in HunyuanVideo 1.5's configs).
+
+        Raises:
+            FileNotFoundError: if ``path`` is not a pipeline folder.
+            ValueError: naming the folder, unless ``num_frames = 4k + 1 >= 1``.
+        """
+        return HunyuanVideoModel.check_num_frames.__func__(cls, path, num_frames)
+
+    @classmethod
+    def check_guider(cls, path: str | Path) -> float:
+        """The ``guidance_rescale`` of the folder's guider (``guider/guider_config.json``), after checking that flowrl
+        samples as it does: a ``ClassifierFreeGuidance`` enabled at every step with the diffusers formulation
+        (:data:`GUIDER_DEFAULTS`). No weights load.
+
+        Raises:
+            FileNotFoundError: if ``path`` is not a pipeline folder or has no guider config.
+            ValueError: naming the file and the setting, for another guider or settings.
+        """
+        file = _pipeline_folder(path) / "guider" / "guider_config.json"
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"{file} not found: HunyuanVideo15Pipeline guides with its guider component (ClassifierFreeGuidance)"
+            )
+        cfg = _json(file)
+        if cfg.get("_class_name") != "ClassifierFreeGuidance":
+            raise ValueError(f"{file} is a {cfg.get('_class_name')!r}; flowrl samples with ClassifierFreeGuidance")
+        for key, value in GUIDER_DEFAULTS.items():
+            if cfg.get(key, value) != value:
+                raise ValueError(
+                    f"{file} sets {key} {cfg[key]!r}; flowrl guides as ClassifierFreeGuidance's default {key} "
+                    f"{value!r} (w = sampling.guidance_scale at every step, 1 = off)"
+                )
+        return check_fraction(cfg.get("guidance_rescale", 0.0), f"{file}: guidance_rescale", "0")
+
+    @classmethod
+    def check_channels(cls, path: str | Path) -> None:
+        """Refuse a transformer whose ``in_channels`` is not ``2 C + 1`` or ``out_channels`` not ``C`` (``C`` the VAE's
+        ``latent_channels``): the latents, the image-condition latents and their mask, as the stock pipeline stacks
+        them (no weights loaded).
+
+        Raises:
+            FileNotFoundError: if ``path`` is not a pipeline folder.
+            ValueError: naming the folder and the channel counts.
+        """
+        path = _pipeline_folder(path)
+        latent = _json(path / "vae" / "config.json").get("latent_channels", 32)
+        dit = _json(path / "transformer" / "config.json")
+        if (dit.get("in_channels"), dit.get("out_channels")) != (2 * latent + 1, latent):
+            raise ValueError(
+                f"{path / 'transformer'} takes {dit.get('in_channels')} channels and predicts "
+                f"{dit.get('out_channels')}; HunyuanVideo15Pipeline stacks the VAE's {latent} latent channels, "
+                f"{latent} image-condition channels and a mask: expected {2 * latent + 1} in, {latent} out"
+            )
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Refuse ``model.path`` (guider, channels), ``model.num_frames`` and ``model.expert`` the folder cannot take,
+        before weights load.
+
+        Raises:
+            flowrl.config.ConfigError: naming the key.
+        """
+        from ..config import ConfigError, config_key, resolve_path
+
+        path = resolve_path(cfg.model.path)
+        with config_key("model.path", (ValueError, FileNotFoundError)):
+            cls.check_guider(path)
+            cls.check_channels(path)
+        with config_key("model.num_frames"):
+            cls.check_num_frames(path, cfg.model.num_frames)
+        if cfg.model.expert is not None:
+            raise ConfigError(
+                f"config key 'model.expert': {path} is a HunyuanVideo 1.5 model (one transformer); leave it unset "
+                f"(got {cfg.model.expert!r})"
+            )
+
+    # ------------------------------------------------------------------------------ the model
+    @property
+    def latent_shape(self) -> tuple[int, int, int, int]:
+        """``(C, F_lat, H, W)`` of one video's latents: ``C`` the VAE's latent channels, ``F_lat = (num_frames - 1) /
+        t + 1``, ``H = W = resolution / s`` (``t``, ``s`` the VAE's temporal and spatial compression)."""
+        pipe = self.pipe
+        side = self.resolution // pipe.vae_scale_factor_spatial
+        frames = (self.num_frames - 1) // pipe.vae_scale_factor_temporal + 1
+        return (pipe.num_channels_latents, frames, side, side)
+
+    decoded_shape = HunyuanVideoModel.decoded_shape
+    decode = HunyuanVideoModel.decode  # z / scaling_factor, the VAE, x / 2 + 0.5: the same arithmetic
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> HunyuanVideo15PromptEmbeds:
+        """Encode prompts with ``HunyuanVideo15Pipeline.encode_prompt`` at ``max_sequence_length`` Qwen tokens (the
+        pipeline's ``tokenizer_max_length``, set here): :class:`HunyuanVideo15PromptEmbeds`."""
+        pipe = self.pipe
+        pipe.tokenizer_max_length = self.max_sequence_length  # an attribute of the pipeline, not an argument
+        embeds, mask, embeds_2, mask_2 = pipe.encode_prompt(list(prompts), device=self.device, batch_size=len(prompts))
+        empty = embeds.new_zeros(len(prompts), 0).float()  # (P, 0): no pooled embedding
+        return HunyuanVideo15PromptEmbeds(embeds.float(), empty, mask.long(), embeds_2.float(), mask_2.long())
+
+    def velocity_fn(self, table: HunyuanVideo15PromptEmbeds, guidance_scale: float):
+        """:meth:`FlowModel.velocity_fn` with row 0 of ``table`` (the CFG negative) re-encoded as
+        :attr:`negative_prompt` when it is not empty."""
+        if self.negative_prompt and guidance_scale != 1.0:
+            if self._negative is None or self._negative[0] != self.negative_prompt:
+                self._negative = (self.negative_prompt, self.encode([self.negative_prompt]))
+            rest = torch.arange(1, len(table.embeds), device=table.embeds.device)
+            table = _cat([self._negative[1], table[rest]])  # (P + 1) rows, row 0 the negative
+        return super().velocity_fn(table, guidance_scale)
+
+    def velocity(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        cond: HunyuanVideo15PromptEmbeds,
+        uncond: HunyuanVideo15PromptEmbeds | None,
+        guidance_scale: float,
+    ) -> torch.Tensor:
+        """Velocity ``(N, C, F, H, W)`` float32 of latents ``x (N, C, F, H, W)`` at times ``t (N,)`` in [0, 1]: the
+        guider's ``v_u + w (v_c - v_u)`` against ``uncond`` (one batched forward of both rows) when ``w > 1``, then its
+        ``rescale_noise_cfg`` toward ``v_c``'s standard deviation when :attr:`guidance_rescale` > 0.
+
+        Raises:
+            ValueError: if ``guidance_scale < 1``.
+        """
+        check_guidance(guidance_scale)
+        dtype = next(self.transformer.parameters()).dtype
+        if uncond is None or guidance_scale == 1.0:
+            return self._forward(x, t, cond, dtype).float()
+        both = _cat([uncond, cond])  # (2N) rows: negatives first
+        v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
+        v = v_u + guidance_scale * (v_c - v_u)
+        if not self.guidance_rescale:
+            return v
+        from diffusers.guiders.guider_utils import rescale_noise_cfg
+
+        return rescale_noise_cfg(v, v_c, guidance_rescale=self.guidance_rescale)
+
+    def _forward(self, x, t, cond: HunyuanVideo15PromptEmbeds, dtype) -> torch.Tensor:
+        """One transformer call on ``x (N, C, F, H, W)`` at times ``t (N,)``, as ``HunyuanVideo15Pipeline`` makes it
+        for text-to-video: the latents followed by ``C + 1`` zero channels (image-condition latents and mask), 729 zero
+        image tokens, timestep ``1000 t``, both prompt embeddings with their masks; returns ``(N, C, F, H, W)``."""
+        n, c, f, h, w = x.shape
+        pipe = self.pipe
+        condition = x.new_zeros(n, c + 1, f, h, w)  # (N, C + 1, F, H, W): cond_latents_concat, mask_concat
+        image = x.new_zeros(n, pipe.vision_num_semantic_tokens, pipe.vision_states_dim)  # (N, 729, D_img)
+        return self.network()(
+            hidden_states=torch.cat([x, condition], dim=1).to(dtype),  # (N, 2C + 1, F, H, W)
+            image_embeds=image.to(dtype),
+            timestep=(t.float() * 1000).to(dtype),
+            encoder_hidden_states=cond.embeds.to(dtype),
+            encoder_attention_mask=cond.mask.to(dtype),
+            encoder_hidden_states_2=cond.embeds_2.to(dtype),
+            encoder_attention_mask_2=cond.mask_2.to(dtype),
+            return_dict=False,
+        )[0]
+
+    # ------------------------------------------------------------------------------ LoRA files
+    def save_lora(self, directory: str | Path, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the transformer LoRA in diffusers' format (``pytorch_lora_weights.safetensors``, keys
+        ``transformer.*`` with peft's metadata, by the transformer-only writer of ``HunyuanVideoLoraLoaderMixin``);
+        ``weights``: as :meth:`FlowModel.lora_state`. The stock pipeline loads it with
+        ``pipe.transformer.load_lora_adapter(directory, prefix="transformer", use_safetensors=True)``."""
+        from diffusers.loaders import HunyuanVideoLoraLoaderMixin
+
+        state = self.lora_state(weights)
+        metadata = self.transformer.peft_config["default"].to_dict()  # carries lora_alpha: without it alpha = rank
+        HunyuanVideoLoraLoaderMixin.save_lora_weights(
+            directory, transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata
+        )
+
+    def load_lora(self, directory: str | Path) -> None:
+        """:meth:`FlowModel.load_lora` through the transformer's ``load_lora_adapter(directory, prefix="transformer",
+        use_safetensors=True)`` (``HunyuanVideo15Pipeline`` has no ``load_lora_weights``)."""
+        self.pipe.load_lora_weights = lambda folder, **kwargs: self.transformer.load_lora_adapter(
+            folder, prefix="transformer", **kwargs
+        )
+        try:
+            super().load_lora(directory)
+        finally:
+            del self.pipe.load_lora_weights

@@ -84,6 +84,7 @@ def test_benchmarks_hold_no_run_folders_and_every_cited_file_exists():
     assert not uncited, "result files no page of docs/ or README.md cites"
 
 
+@pytest.mark.slow  # a benchmark script's smoke run: CI (CI=true)
 def test_failure_modes_in_a_fresh_interpreter(tmp_path, random_pipeline, prompt_files):
     """The script as the docs run it, in its own process and from another folder than the repository."""
     out = tmp_path / "modes.json"
@@ -272,6 +273,7 @@ def test_gpu_scale_at_a_tiny_size_on_the_cpu(tmp_path, monkeypatch, capsys):
     assert "| flow_grpo | 8 |" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a benchmark script's smoke run: CI (CI=true)
 def test_ddpo_tiny(tmp_path, monkeypatch, capsys):
     """The CPU DDPO run at a tiny size: its seeded pipeline is the shared builder's, and the curve it reports is the
     run's logged JPEG reward in kB (minus the reward), start and end the means of the first and last iterations."""
@@ -382,6 +384,7 @@ def test_fsdp2_units_memory_on_a_tiny_sd3(tmp_path, monkeypatch):
         assert all(100 < x <= y for x, y in zip(run["peak_rss_after_update_mib"], run["peak_rss_mib"]))
 
 
+@pytest.mark.slow  # a benchmark script's smoke run: CI (CI=true)
 def test_methods_table_runs_each_method_and_reruns_the_best(tmp_path, random_pipeline, monkeypatch):
     out = tmp_path / "table.json"
     over = ["model.path=" + str(random_pipeline), "run.device=cpu", "run.mixed_precision=no", "sampling.num_steps=2"]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -177,6 +177,11 @@ class PromptEmbeds:
         """The prompt-table rows `(N,)` long of prompt slots `prompt_index` `(N,)` (indices into the records the table
         was built from)."""
         return prompt_index + 1
+
+    @staticmethod
+    def cat(parts: list[PromptEmbeds]) -> PromptEmbeds:
+        """The rows of several tables of one class, stacked in order: every tensor field concatenated on dim 0."""
+        return type(parts[0])(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(parts[0])})
 
     def __getitem__(self, index: torch.Tensor) -> PromptEmbeds:
         """The rows `index` (`(N,)` long) of both tensors: ``(N, T, D)`` and ``(N, D_pooled)``."""
@@ -532,6 +537,13 @@ class FlowModel:
         both = PromptEmbeds(torch.cat([uncond.embeds, cond.embeds]), torch.cat([uncond.pooled, cond.pooled]))
         v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
         return v_u + guidance_scale * (v_c - v_u)
+
+    def negative_encoding(self) -> PromptEmbeds:
+        """The encoding of the video families' CFG ``negative_prompt`` (one row), cached until the prompt changes."""
+        cached = getattr(self, "_negative", None)
+        if cached is None or cached[0] != self.negative_prompt:
+            self._negative = (self.negative_prompt, self.encode([self.negative_prompt]))
+        return self._negative[1]
 
     def _probe(self) -> None:
         """One forward of the transformer on one sample (for :func:`make_batch_invariant`)."""

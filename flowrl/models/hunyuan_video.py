@@ -51,13 +51,6 @@ class HunyuanPromptEmbeds(PromptEmbeds):
         return HunyuanPromptEmbeds(self.embeds[index], self.pooled[index], self.mask[index])
 
 
-def _cat(parts: list[HunyuanPromptEmbeds]) -> HunyuanPromptEmbeds:
-    """Rows of several tables, stacked in order."""
-    return HunyuanPromptEmbeds(
-        torch.cat([p.embeds for p in parts]), torch.cat([p.pooled for p in parts]), torch.cat([p.mask for p in parts])
-    )
-
-
 def _json(path: Path) -> dict:
     """A parsed JSON config file."""
     return json.loads(path.read_text())
@@ -297,11 +290,9 @@ class HunyuanVideoModel(FlowModel):
         if self.true_cfg_scale == 1.0:
             return self._forward(x, t, cond, dtype, guidance_scale).float()
         if uncond is None:
-            if self._negative is None or self._negative[0] != self.negative_prompt:
-                self._negative = (self.negative_prompt, self.encode([self.negative_prompt]))
-            negative = self._negative[1]
+            negative = self.negative_encoding()
             uncond = negative[torch.zeros(len(x), dtype=torch.long, device=negative.embeds.device)]  # N rows
-        both = _cat([uncond, cond])
+        both = PromptEmbeds.cat([uncond, cond])
         v_n, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype, guidance_scale).float().chunk(2)
         return v_n + self.true_cfg_scale * (v_c - v_n)
 

@@ -72,12 +72,6 @@ class HunyuanVideo15PromptEmbeds(PromptEmbeds):
         return HunyuanVideo15PromptEmbeds(**{f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)})
 
 
-def _cat(parts: list[HunyuanVideo15PromptEmbeds]) -> HunyuanVideo15PromptEmbeds:
-    """Rows of several tables, stacked in order."""
-    names = [f.name for f in dataclasses.fields(HunyuanVideo15PromptEmbeds)]
-    return HunyuanVideo15PromptEmbeds(**{n: torch.cat([getattr(p, n) for p in parts]) for n in names})
-
-
 def per_sample(module: torch.nn.Module) -> None:
     """Make ``module`` (a convolution over ``(N, ...)``) run one sample at a time, so that a sample's output has the
     same bits at every batch size: oneDNN's ``Conv3d`` (HunyuanVideo 1.5's 1x1x1 patch embedding) gives a sample other
@@ -315,10 +309,8 @@ class HunyuanVideo15Model(FlowModel):
         """:meth:`FlowModel.velocity_fn` with row 0 of ``table`` (the CFG negative) re-encoded as
         :attr:`negative_prompt` when it is not empty."""
         if self.negative_prompt and guidance_scale != 1.0:
-            if self._negative is None or self._negative[0] != self.negative_prompt:
-                self._negative = (self.negative_prompt, self.encode([self.negative_prompt]))
             rest = torch.arange(1, len(table.embeds), device=table.embeds.device)
-            table = _cat([self._negative[1], table[rest]])  # (P + 1) rows, row 0 the negative
+            table = PromptEmbeds.cat([self.negative_encoding(), table[rest]])  # (P + 1) rows, row 0 the negative
         return super().velocity_fn(table, guidance_scale)
 
     def velocity(
@@ -340,7 +332,7 @@ class HunyuanVideo15Model(FlowModel):
         dtype = next(self.transformer.parameters()).dtype
         if uncond is None or guidance_scale == 1.0:
             return self._forward(x, t, cond, dtype).float()
-        both = _cat([uncond, cond])  # (2N) rows: negatives first
+        both = PromptEmbeds.cat([uncond, cond])  # (2N) rows: negatives first
         v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
         v = v_u + guidance_scale * (v_c - v_u)
         if not self.guidance_rescale:

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from ..samplers import flow_sigmas
-from .base import FlowModel, _pipeline_folder, _scheduler_file, check_guidance
+from .base import FlowModel, PromptEmbeds, _pipeline_folder, _scheduler_file, check_guidance
 from .flux import _dynamic_shift
-from .hunyuan_video import HunyuanPromptEmbeds, _cat
+from .hunyuan_video import HunyuanPromptEmbeds
 from .qwen_image import _stretch_to_terminal
 from .sdxl import SDXLModel
 
@@ -372,10 +372,8 @@ class LTXVideoModel(FlowModel):
         """:meth:`FlowModel.velocity_fn` with row 0 of ``table`` (the CFG negative) re-encoded as
         :attr:`negative_prompt` when it is not empty."""
         if self.negative_prompt and guidance_scale != 1.0:
-            if self._negative is None or self._negative[0] != self.negative_prompt:
-                self._negative = (self.negative_prompt, self.encode([self.negative_prompt]))
             rest = torch.arange(1, len(table.embeds), device=table.embeds.device)
-            table = _cat([self._negative[1], table[rest]])  # (P + 1) rows, row 0 the negative
+            table = PromptEmbeds.cat([self.negative_encoding(), table[rest]])  # (P + 1) rows, row 0 the negative
         return super().velocity_fn(table, guidance_scale)
 
     def velocity(
@@ -397,7 +395,7 @@ class LTXVideoModel(FlowModel):
         dtype = next(self.transformer.parameters()).dtype
         if uncond is None or guidance_scale == 1.0:
             return self._forward(x, t, cond, dtype).float()
-        both = _cat([uncond, cond])  # (2N) rows: negatives first, as the stock pipeline batches them
+        both = PromptEmbeds.cat([uncond, cond])  # (2N) rows: negatives first, as the stock pipeline batches them
         v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
         v = v_u + guidance_scale * (v_c - v_u)
         if not self.guidance_rescale:

@@ -132,7 +132,7 @@ class WanModel(FlowModel):
         self.expert = self.check_expert(path, expert)
         self.NETWORK = self.network_name(self.expert)  # the trained network; base loading holds it as self.transformer
         self.negative_prompt = negative_prompt
-        self._negative: PromptEmbeds | None = None
+        self._negative: tuple[str, PromptEmbeds] | None = None  # (prompt, its encoding): negative_encoding
         self.frozen = None  # the other expert of a two-expert folder, frozen (set after loading)
         super().__init__(path, device, dtype, max_sequence_length, resolution)
         self.decode_chunk = 4  # videos per VAE decode call
@@ -290,11 +290,9 @@ class WanModel(FlowModel):
         """:meth:`FlowModel.velocity_fn` with row 0 of ``table`` (the CFG negative) re-encoded as
         :attr:`negative_prompt` when it is not empty."""
         if self.negative_prompt and guidance_scale != 1.0:
-            if self._negative is None:
-                self._negative = self.encode([self.negative_prompt])
+            negative = self.negative_encoding()
             table = PromptEmbeds(
-                torch.cat([self._negative.embeds, table.embeds[1:]]),
-                torch.cat([self._negative.pooled, table.pooled[1:]]),
+                torch.cat([negative.embeds, table.embeds[1:]]), torch.cat([negative.pooled, table.pooled[1:]])
             )
         return super().velocity_fn(table, guidance_scale)
 

@@ -269,9 +269,7 @@ class WanImageToVideoModel(WanModel):
         the :attr:`negative_prompt`."""
         if not (isinstance(table, I2VPromptEmbeds) and self.negative_prompt and guidance_scale != 1.0):
             return super().velocity_fn(table, guidance_scale)
-        if self._negative is None:
-            self._negative = self.encode([self.negative_prompt])
-        table = replace(table, embeds=torch.cat([self._negative.embeds, table.embeds[1:]]))  # (P + 1, T, D)
+        table = replace(table, embeds=torch.cat([self.negative_encoding().embeds, table.embeds[1:]]))  # (P + 1, T, D)
         return super(WanModel, self).velocity_fn(table, guidance_scale)  # FlowModel's: row 0 is the negative already
 
     def velocity(

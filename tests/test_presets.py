@@ -135,7 +135,12 @@ def test_bench_budget_reports_base_half_and_full_budget_accuracy(tmp_path, rando
     )
 
 
-def test_overopt_trains_on_the_proxy_and_scores_proxy_and_gold(tmp_path, random_pipeline, prompt_files, monkeypatch):
+@pytest.mark.parametrize("preset", ["grpo_guard", pytest.param("refl", marks=pytest.mark.slow)])  # slow: in CI
+def test_overopt_trains_on_the_proxy_and_scores_proxy_and_gold(
+    preset, tmp_path, random_pipeline, prompt_files, monkeypatch
+):
+    """A GRPO preset and a direct-reward preset (ReFL back-propagates the proxy) train on the proxy alone and are
+    scored by proxy and gold at every evaluation."""
     import flowrl.trainer as trainer_mod
     from flowrl.overopt import run_overopt
 
@@ -153,12 +158,13 @@ def test_overopt_trains_on_the_proxy_and_scores_proxy_and_gold(tmp_path, random_
         for o in tiny_overrides(random_pipeline, train, test, tmp_path / "unused")
         if not o.startswith("run.output_dir")
     ]
-    results = run_overopt(["grpo_guard"], iterations=2, eval_every=1, overrides=over, out=tmp_path / "o.json")
+    results = run_overopt([preset], iterations=2, eval_every=1, overrides=over, out=tmp_path / "o.json")
     assert seen == [["clipscore"]]  # the preset's geneval reward was swapped for the proxy
-    rows = results["grpo_guard"]
+    rows = results[preset]
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     assert all(math.isfinite(r["proxy"]) and 0 <= r["gold"] <= 1 for r in rows)
-    assert "| grpo_guard |" in (tmp_path / "o.md").read_text()
+    assert rows[0]["proxy"] != rows[-1]["proxy"]  # the proxy's images changed: the preset trained
+    assert f"| {preset} |" in (tmp_path / "o.md").read_text()
 
 
 def test_bench_times_a_sliding_window_at_evenly_spaced_starts():

@@ -1,6 +1,7 @@
 """``flowrl overopt``: reward over-optimisation on the tiny world (GRPO-Guard, arXiv 2510.22319, Sec. 5).
 
-Each preset is trained on the proxy reward ``clipscore`` alone (its own rewards dropped) and, every
+Each preset is trained on the proxy reward ``clipscore`` alone (its own rewards dropped, the gold kept at weight 0
+so that every iteration logs the rollouts' gold mean) and, every
 ``eval_every`` iterations, the same held-out ODE samples are scored twice: by the proxy (mean CLIP score)
 and by the gold metric (GenEval strict accuracy of the tiny-world detector). The paper's claim, in kind:
 with the guard (RatioNorm + gradient reweighting) the gold metric stays at least as high while the proxy
@@ -20,6 +21,9 @@ from .config import REPO_ROOT, load_config
 from .evaluation import evaluate, machine
 
 PRESETS = ("flow_grpo", "grpo_guard", "dance_grpo", "grpo_guard_dance")
+GOLD = "geneval_strict"
+"""The gold reward: kept in every preset at weight 0, so each iteration logs the rollouts' gold mean
+(``reward/geneval_strict/mean``, also drawn in ``diagnostics.png``) beside the held-out evaluations."""
 
 
 def proxy_and_gold(trainer, proxy) -> dict[str, float]:
@@ -74,7 +78,8 @@ def run_overopt(
 
     Returns:
         ``{preset: [{"iteration", "proxy", "gold", "gold_dense", "per_tag", "elapsed_s"}, ...]}``; also
-        written to ``out`` (JSON) and ``out`` with suffix ``.md`` (table).
+        written to ``out`` (JSON, with ``"rollouts"``: per preset, each iteration's training-rollout means
+        ``{"proxy", "gold"}``) and ``out`` with suffix ``.md`` (table).
 
     Raises:
         ValueError: ``eval_every`` < 1 or ``iterations`` < 1.
@@ -87,10 +92,11 @@ def run_overopt(
     if proxy_options is None:
         proxy_options = {"model_path": str(REPO_ROOT / "assets" / "tiny-clip")} if proxy == "clipscore" else {}
     scorer = build_reward(proxy, **proxy_options)
-    results = {}
+    results, per_iteration = {}, {}
     for name in presets:
         base = load_config(REPO_ROOT / "configs" / f"{name}.yaml")
-        swap = [f"rewards.{r}=null" for r in base.rewards if r != proxy] + [f"rewards.{proxy}.weight=1.0"]
+        swap = [f"rewards.{r}=null" for r in base.rewards if r not in (proxy, GOLD)] + [f"rewards.{proxy}.weight=1.0"]
+        swap += [f"rewards.{GOLD}.weight=0.0"]  # watched on every rollout, not trained on
         swap += [f"rewards.{proxy}.options.{k}={v}" for k, v in proxy_options.items()]
         with tempfile.TemporaryDirectory() as tmp:
             cfg = load_config(
@@ -98,15 +104,17 @@ def run_overopt(
                 [f"run.output_dir={tmp}/run", "eval.every=0", *swap, *overrides],
             )
             trainer = Trainer(cfg)
-            rows, t0 = [], time.time()
+            rows, rollouts, t0 = [], [], time.time()
             for it in range(iterations + 1):
                 if it % eval_every == 0 or it == iterations:
                     row = {"iteration": it, **proxy_and_gold(trainer, scorer), "elapsed_s": time.time() - t0}
                     rows.append(row)
                     print(name, json.dumps(row))
                 if it < iterations:
-                    trainer.step(it)
+                    m = trainer.step(it)
+                    rollouts.append({"proxy": m[f"reward/{proxy}/mean"], "gold": m[f"reward/{GOLD}/mean"]})
             results[name] = rows
+            per_iteration[name] = rollouts
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -116,7 +124,7 @@ def run_overopt(
         "proxy": proxy,
         "overrides": list(overrides),
     }
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    out.write_text(json.dumps({"meta": meta, "results": results, "rollouts": per_iteration}, indent=1))
     out.with_suffix(".md").write_text(markdown_table(results, meta))
     return results
 

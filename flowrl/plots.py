@@ -174,13 +174,14 @@ def save_grid(before: torch.Tensor, after: torch.Tensor, prompts: list[str], pat
     plt.close(fig)
 
 
-def save_diagnostics(metrics: list[dict], path: str | Path) -> None:
+def save_diagnostics(metrics: list[dict], path: str | Path, watched: Sequence[str] = ()) -> None:
     """Policy diagnostics over training. With per-step statistics (the GRPO family, GRPO-Guard arXiv 2510.22319, Fig. 2
     style): the ratio's mean and std, the clip fractions above and below 1 and the gradient norm per denoising step
     (heatmaps: iteration x step; see ``train.step_grad_norms``). Without them (DiffusionNFT and other forward-process
     methods): the loss, the gradient norm and the method's other ``policy/*`` scalars per iteration. Then the
     advantage statistics with the fraction of zero-variance groups and the within-group diversity (``diversity/*``:
-    falling towards 0 as the groups collapse onto one image)."""
+    falling towards 0 as the groups collapse onto one image) and the rollouts' mean of each ``watched`` reward (rewards
+    at weight 0, logged as ``reward/<name>/mean`` and not trained on: a gold metric such as ``flowrl overopt``'s)."""
     plt = _plt()
     steps = sorted({int(m.group(1)) for row in metrics for k in row if (m := re.match(r"diag/step_(\d+)/", k))})
     its = [row["iteration"] for row in metrics]
@@ -211,6 +212,8 @@ def save_diagnostics(metrics: list[dict], path: str | Path) -> None:
         values = [row.get(key, float("nan")) for row in metrics]
         if key.startswith("advantage/") or any(v == v for v in values):  # the diversity curves where measured
             ax.plot(its, values, label=key.replace("advantage/", "").replace("/", " "))
+    for name in watched:
+        ax.plot(its, [row.get(f"reward/{name}/mean", float("nan")) for row in metrics], "--", label=f"{name} (gold)")
     ax.set_title("advantages, collapse"), ax.set_xlabel("iteration"), ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)

@@ -659,7 +659,8 @@ class Trainer:
         metrics = [json.loads(line) for line in (self.out / "metrics.jsonl").read_text().splitlines()]
         result = json.loads((self.out / "eval.json").read_text())
         save_reward_curve(metrics, result, self.out / "reward_curve.png")
-        save_diagnostics(metrics, self.out / "diagnostics.png")
+        watched = [name for name, (_, weight) in self.rewards.rewards.items() if weight == 0]  # gold metrics
+        save_diagnostics(metrics, self.out / "diagnostics.png", watched)
         before, after = load_file(self.out / "grid_before.safetensors")["images"], self.grid_images()
         self.trackers.log_images("grid/after", after, self.cfg.run.iterations)
         save_grid(before, after, [m["prompt"] for m in self._grid_metas()], self.out / "grid.png")

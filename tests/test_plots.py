@@ -118,9 +118,13 @@ def test_diagnostics_of_a_method_without_per_step_statistics_plot_its_policy_sca
 
     captured = {}
     original = plt.Figure.savefig
-    plt.Figure.savefig = lambda fig, *a, **k: captured.setdefault("titles", [x.get_title() for x in fig.axes])
+    plt.Figure.savefig = lambda fig, *a, **k: captured.setdefault("axes", fig.axes)
+    for row in rows:
+        row["reward/geneval_strict/mean"] = 0.25
     try:
-        save_diagnostics(rows, tmp_path / "again.png")
+        save_diagnostics(rows, tmp_path / "again.png", watched=["geneval_strict"])
     finally:
         plt.Figure.savefig = original
-    assert captured["titles"][:3] == ["grad norm", "loss", "old decay"]  # no empty per-step heatmaps
+    assert [x.get_title() for x in captured["axes"]][:3] == ["grad norm", "loss", "old decay"]  # no empty heatmaps
+    gold = [line for line in captured["axes"][-1].get_lines() if line.get_label() == "geneval_strict (gold)"]
+    assert len(gold) == 1 and list(gold[0].get_ydata()) == [0.25] * 5  # the watched reward drawn with collapse

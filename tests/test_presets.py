@@ -144,11 +144,12 @@ def test_overopt_trains_on_the_proxy_and_scores_proxy_and_gold(
     import flowrl.trainer as trainer_mod
     from flowrl.overopt import run_overopt
 
-    seen = []
+    seen, trainer_weights = [], []
     original = trainer_mod.Trainer.__init__
 
     def spy(self, cfg):
         seen.append(sorted(cfg.rewards))
+        trainer_weights.append(cfg.rewards["geneval_strict"].weight)
         original(self, cfg)
 
     monkeypatch.setattr(trainer_mod.Trainer, "__init__", spy)
@@ -159,12 +160,15 @@ def test_overopt_trains_on_the_proxy_and_scores_proxy_and_gold(
         if not o.startswith("run.output_dir")
     ]
     results = run_overopt([preset], iterations=2, eval_every=1, overrides=over, out=tmp_path / "o.json")
-    assert seen == [["clipscore"]]  # the preset's geneval reward was swapped for the proxy
+    assert seen == [["clipscore", "geneval_strict"]]  # the preset's rewards swapped for the proxy, the gold watched
+    assert trainer_weights == [0.0]  # the gold at weight 0: logged, not trained on
     rows = results[preset]
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     assert all(math.isfinite(r["proxy"]) and 0 <= r["gold"] <= 1 for r in rows)
     assert rows[0]["proxy"] != rows[-1]["proxy"]  # the proxy's images changed: the preset trained
     assert f"| {preset} |" in (tmp_path / "o.md").read_text()
+    rollouts = json.loads((tmp_path / "o.json").read_text())["rollouts"][preset]
+    assert len(rollouts) == 2 and all(0 <= r["gold"] <= 1 for r in rollouts)  # the gold of every iteration
 
 
 def test_bench_times_a_sliding_window_at_evenly_spaced_starts():

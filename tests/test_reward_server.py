@@ -482,7 +482,7 @@ def test_vlm_yes_reads_p_yes_from_the_answers_logprobs():
     finally:
         silent.close()
     with pytest.raises(ValueError, match="top_logprobs must be an integer in \\[1, 20\\]"):
-        build_reward("vlm_yes", top_logprobs=50)
+        build_reward("vlm_yes", base_url="http://127.0.0.1:9/v1", top_logprobs=50)
 
 
 def _png_brightness(url: str) -> float:

@@ -37,7 +37,8 @@ from .pickscore import PickScore, pickscore
 from .server import RemoteReward, RewardServer, remote, serve
 from .video import ClipTemporal, Frames, Motion, clip_temporal, frames, motion
 from .videoalign import VideoAlign, videoalign
-from .vlm import VLMScore, VLMYes, unifiedreward, vlm_yes
+from .vlm import VLMScore, VLMYes, VLMYesLocal, unifiedreward, vlm_yes
+from .vqascore import VQAScore, vqascore
 
 __all__ = [
     "REWARDS",
@@ -45,10 +46,13 @@ __all__ = [
     "RewardServer",
     "VLMScore",
     "VLMYes",
+    "VLMYesLocal",
+    "VQAScore",
     "remote",
     "serve",
     "unifiedreward",
     "vlm_yes",
+    "vqascore",
     "ClipScore",
     "PickScore",
     "pickscore",

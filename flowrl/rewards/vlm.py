@@ -6,11 +6,16 @@ SGLang) its pointwise image-generation question, which asks for a score from 1 t
 and reads that score back. The question, the image-then-text message order, the sampling at temperature 0 and
 the division by 5 are those of flow_grpo's UnifiedReward SGLang client (the flow_grpo repository,
 github.com/yifan123/flow_grpo), which reads ``Final Score:\s*([1-5](?:\.\d+)?)`` and scores ``score / 5``.
+
+``vlm_yes`` reads ``P(yes) / (P(yes) + P(no))`` of a VLM's one-token answer to whether the image shows its prompt,
+either from a served model's top log-probabilities (``base_url``) or in-process from a local Qwen2.5-VL / Qwen2-VL
+folder (``model_path``) through :class:`flowrl.rewards.vqascore.VQAScore`'s teacher-forced forward.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,14 +25,17 @@ import torch
 
 from .base import check_inputs, is_integer, register_reward
 from .pairwise import _data_url
+from .vqascore import VQASCORE_ANSWER, VQAScore, load_vlm
 
 __all__ = [
     "UNIFIEDREWARD_QUESTION",
     "VLMScore",
     "VLMYes",
+    "VLMYesLocal",
     "YES_QUESTION",
     "unifiedreward",
     "vlm_yes",
+    "yes_no_token_ids",
     "yes_probability",
 ]
 
@@ -343,37 +351,153 @@ class VLMYes(VLMScore):
         return p
 
 
-@register_reward("vlm_yes", modality="image", weights="a VLM behind an OpenAI-compatible server returning logprobs")
+def yes_no_token_ids(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The ids of every token of `tokenizer` that reads "yes", and of every one that reads "no", in any case and with
+    any surrounding whitespace (``Yes``, `` yes``, ``YES``, ``No``, ...): the words :func:`yes_probability` sums.
+
+    Returns:
+        `(yes_ids, no_ids)`, lists of `int`.
+
+    Raises:
+        ValueError: the vocabulary has no single-token "yes" or no "no".
+    """
+    vocab = tokenizer.get_vocab()  # token string -> id; byte-level and sentencepiece spellings keep the letters
+    candidates = [i for token, i in vocab.items() if "yes" in token.lower() or "no" in token.lower()]
+    words = {i: tokenizer.decode([i]).strip().lower() for i in candidates}
+    yes, no = (sorted(i for i, w in words.items() if w == word) for word in ("yes", "no"))
+    if not yes or not no:
+        raise ValueError("vlm_yes: the tokenizer has no single token for 'yes' or for 'no'; use another model")
+    return yes, no
+
+
+class VLMYesLocal(VQAScore):
+    """``vlm_yes`` in-process: a local VLM's ``P(yes) / (P(yes) + P(no))`` at its first answer token.
+
+    The forward is :class:`flowrl.rewards.vqascore.VQAScore`'s (the image, then `question` with ``{prompt}`` filled
+    in, through the processor's chat template with the generation prompt); the score is :func:`yes_probability`'s
+    over the whole vocabulary instead of a server's top 20 tokens: every token reading "yes" (any case and spacing,
+    :func:`yes_no_token_ids`) against every one reading "no", from the softmax of the first answer position's
+    logits, summed in log space. Options as :class:`VQAScore` (``question`` defaults to :data:`YES_QUESTION`).
+
+    Returns (when called):
+        `torch.Tensor` of shape `(B,)`, float32, CPU, in `(0, 1)`.
+
+    Raises:
+        ValueError: the tokenizer has no "yes" or "no" token, or :class:`VQAScore`'s checks.
+    """
+
+    name = "vlm_yes"
+
+    def __init__(self, model: torch.nn.Module, processor: Any, question: str = YES_QUESTION, **options):
+        super().__init__(model, processor, question, VQASCORE_ANSWER, **options)
+        yes, no = yes_no_token_ids(processor.tokenizer)
+        self.yes_ids, self.no_ids = torch.tensor(yes), torch.tensor(no)
+
+    def scores(self, logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """`(b,)` float32: ``P(yes) / (P(yes) + P(no))`` from the `(b, n, V)` logits' first answer position."""
+        log_probs = logits[:, 0].log_softmax(dim=-1)  # (b, V)
+        yes = log_probs[:, self.yes_ids].logsumexp(dim=-1)  # (b,)
+        no = log_probs[:, self.no_ids].logsumexp(dim=-1)  # (b,)
+        return (yes - torch.logaddexp(yes, no)).exp()
+
+
+SERVER_DEFAULTS = dict(
+    model="Qwen2.5-VL-7B-Instruct",
+    api_key="EMPTY",
+    timeout=60.0,
+    max_retries=3,
+    concurrency=8,
+    top_logprobs=20,
+    unparsed="lowest",
+)
+"""``vlm_yes``'s server options and their defaults (with ``base_url``)."""
+
+LOCAL_DEFAULTS = dict(max_pixels=None, device="cpu", dtype=torch.float32, batch_size=None)
+"""``vlm_yes``'s local options and their defaults (with ``model_path``)."""
+
+
+@register_reward(
+    "vlm_yes",
+    modality="image",
+    weights="a VLM behind an OpenAI-compatible server returning logprobs, or a local Qwen2.5-VL / Qwen2-VL folder",
+)
 def vlm_yes(
-    base_url: str = "http://127.0.0.1:8000/v1",
-    model: str = "Qwen2.5-VL-7B-Instruct",
-    api_key: str = "EMPTY",
-    timeout: float = 60.0,
-    max_retries: int = 3,
-    concurrency: int = 8,
+    base_url: str | None = None,
+    model: str | None = None,
+    api_key: str | None = None,
+    timeout: float | None = None,
+    max_retries: int | None = None,
+    concurrency: int | None = None,
     question: str = YES_QUESTION,
-    top_logprobs: int = 20,
-    unparsed: str = "lowest",
-) -> VLMYes:
-    """P("yes") of a VLM asked whether the image matches its prompt (the VQAScore idea, arXiv 2404.01291, through a
-    served chat model; Flow-Factory's ``vllm_evaluate`` reward): serve e.g. Qwen2.5-VL with ``vllm serve
-    Qwen/Qwen2.5-VL-7B-Instruct --served-model-name Qwen2.5-VL-7B-Instruct`` and point ``base_url`` at it.
+    top_logprobs: int | None = None,
+    unparsed: str | None = None,
+    model_path: str | os.PathLike | None = None,
+    max_pixels: int | None = None,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    batch_size: int | None = None,
+) -> VLMYes | VLMYesLocal:
+    """P("yes") of a VLM asked whether the image matches its prompt (the VQAScore idea, arXiv 2404.01291; Flow-Factory's
+    ``vllm_evaluate`` reward), from a served model or a local one.
+
+    The backend is chosen by which of `base_url` and `model_path` is given (exactly one):
+
+    - ``base_url``: a VLM behind an OpenAI-compatible server (:class:`VLMYes`), e.g. ``vllm serve
+      Qwen/Qwen2.5-VL-7B-Instruct --served-model-name Qwen2.5-VL-7B-Instruct`` and
+      ``base_url: http://127.0.0.1:8000/v1`` (no longer the default: leaving out both is an error). Its options (null: the default) are ``model``
+      (``"Qwen2.5-VL-7B-Instruct"``), ``api_key`` (``"EMPTY"``), ``timeout`` (60 s), ``max_retries`` (3),
+      ``concurrency`` (8), ``top_logprobs`` (20) and ``unparsed`` (``"lowest"``), as :class:`VLMYes`.
+    - ``model_path``: a local Qwen2.5-VL or Qwen2-VL folder (or cached hub id) run in-process (:class:`VLMYesLocal`,
+      the forward of :class:`flowrl.rewards.vqascore.VQAScore`); nothing is served or downloaded. Its options are
+      ``max_pixels`` (the processor's), ``device`` (``"cpu"``), ``dtype`` (float32) and ``batch_size`` (all at once).
+
+    Args:
+        question (`str`): the question after the image, ``{prompt}`` its only placeholder; both backends.
 
     Returns:
         A `Reward` whose scores are `(B,)` float32 on CPU in [0, 1]: ``P(yes) / (P(yes) + P(no))`` of the first
-        answer token (:func:`yes_probability`).
+        answer token, every case and spacing of each word summed (:func:`yes_probability`; locally over the whole
+        vocabulary, from a server over its top ``top_logprobs`` tokens).
 
     Raises:
-        ValueError: an option out of range; RuntimeError (on call) naming the server and the prompt when it fails.
+        ValueError: both or neither of `base_url` and `model_path`, an option of the other backend (named), or an
+            option out of range; RuntimeError (on call) naming the server and the prompt when it fails.
+        FileNotFoundError: `model_path` is not a folder with ``config.json``.
     """
-    return VLMYes(
-        base_url,
-        model,
-        top_logprobs,
+    if (base_url is None) == (model_path is None):
+        given = "both" if base_url is not None else "neither"
+        raise ValueError(
+            "vlm_yes: give exactly one of base_url (a VLM behind an OpenAI-compatible server) and model_path "
+            f"(a local Qwen2.5-VL folder), got {given}"
+        )
+    options = dict(
+        model=model,
         api_key=api_key,
         timeout=timeout,
         max_retries=max_retries,
         concurrency=concurrency,
-        question=question,
+        top_logprobs=top_logprobs,
         unparsed=unparsed,
+        max_pixels=max_pixels,
+        device=device,
+        dtype=dtype,
+        batch_size=batch_size,
     )
+    local = model_path is not None
+    own, other = (LOCAL_DEFAULTS, SERVER_DEFAULTS) if local else (SERVER_DEFAULTS, LOCAL_DEFAULTS)
+    stray = [key for key in other if options[key] is not None]
+    if stray:
+        backends = (
+            ("base_url (the server backend)", "model_path")
+            if local
+            else ("model_path (the local backend)", "base_url")
+        )
+        raise ValueError(
+            f"vlm_yes: {', '.join(stray)} {'applies' if len(stray) == 1 else 'apply'} to {backends[0]}, "
+            f"not with {backends[1]}"
+        )
+    chosen = {key: default if options[key] is None else options[key] for key, default in own.items()}
+    if local:
+        vlm, processor = load_vlm("vlm_yes", model_path)
+        return VLMYesLocal(vlm, processor, question, **chosen)
+    return VLMYes(base_url, chosen.pop("model"), chosen.pop("top_logprobs"), question=question, **chosen)

@@ -309,11 +309,6 @@ def test_motion_refuses_bad_files_and_options(raft_small_file, tmp_path):
 # --- VideoAlign -------------------------------------------------------------------------------
 
 TEMPLATE = "Rate the video for {text_prompt}. Visual <|VQ_reward|> motion <|MQ_reward|> text <|TA_reward|>"
-CHAT = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% for c in message['content'] %}"
-    "{% if c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}"
-    "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 @pytest.fixture(scope="module")
@@ -323,69 +318,9 @@ def tiny_videoalign_dir(tmp_path_factory):
     import json
 
     from safetensors.torch import save_file
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import (
-        Qwen2Tokenizer,
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessor,
-        Qwen2VLProcessor,
-        Qwen2VLVideoProcessor,
-    )
+    from tiny_qwen2vl import tiny_qwen2vl
 
-    tokenizer = Qwen2Tokenizer(vocab={c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}, merges=[])
-    tokenizer.add_special_tokens(
-        {
-            "additional_special_tokens": [
-                "<|im_start|>",
-                "<|im_end|>",
-                "<|vision_start|>",
-                "<|vision_end|>",
-                "<|image_pad|>",
-                "<|video_pad|>",
-                "<|VQ_reward|>",
-                "<|MQ_reward|>",
-                "<|TA_reward|>",
-            ]
-        }
-    )
-    ids = tokenizer.convert_tokens_to_ids
-    config = Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=None,
-            eos_token_id=ids("<|im_end|>"),
-        ),
-        vision_config=dict(
-            depth=1,
-            embed_dim=32,
-            hidden_size=32,
-            num_heads=2,
-            mlp_ratio=2,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-        ),
-        image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
-    )
-    torch.manual_seed(0)
-    model = Qwen2VLForConditionalGeneration(config)
-    processor = Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessor(),
-        tokenizer=tokenizer,
-        chat_template=CHAT,
-        video_processor=Qwen2VLVideoProcessor(size={"shortest_edge": 56 * 56, "longest_edge": 56 * 84}),
-    )
+    model, processor = tiny_qwen2vl(extra_tokens=("<|VQ_reward|>", "<|MQ_reward|>", "<|TA_reward|>"))
     folder = tmp_path_factory.mktemp("tiny_videoalign")
     model.save_pretrained(folder)
     processor.save_pretrained(folder)

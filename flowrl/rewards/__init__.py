@@ -28,6 +28,7 @@ from .base import (
 from .clipscore import ClipScore, clipscore
 from .geneval import geneval, geneval_strict
 from .hps import HPSv2, hpsv2
+from .hpsv3 import HPSv3, hpsv3
 from .imagereward import ImageReward, imagereward
 from .jpeg import jpeg_compressibility, jpeg_incompressibility, jpeg_size_kb
 from .motion_world import MotionWorld, motion_world, motion_world_direction, motion_world_strict
@@ -58,6 +59,8 @@ __all__ = [
     "pickscore",
     "HPSv2",
     "hpsv2",
+    "HPSv3",
+    "hpsv3",
     "AestheticScore",
     "aesthetic",
     "PrefWinRate",

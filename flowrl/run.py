@@ -48,7 +48,8 @@ class RunFolder:
     def __init__(self, path: Path, accelerator, resume: bool):
         self.path, self.accelerator, self.resume = Path(path), accelerator, resume
         self.lock = RunLock(self.path)
-        check_not_in_use(self.path)  # nothing is created yet: hold() takes the lock
+        # probed by the main process alone: two processes probing the lock at once would each find it taken
+        self.on_main(lambda: check_not_in_use(self.path))  # nothing is created yet: hold() takes the lock
         self.refuse_existing()
         check_folder_writable(self.path, "config key 'run.output_dir'")
 

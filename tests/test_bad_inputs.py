@@ -251,6 +251,23 @@ def test_two_writers_cannot_share_a_run_folder(tmp_path, random_pipeline, prompt
             RunLock(tmp_path / "run").acquire()
 
 
+def test_only_the_main_process_probes_the_lock(tmp_path, monkeypatch):
+    """The processes of one run build their RunFolder at once; had each probed the lock file, one probe could find
+    another's and refuse the run (a resumed folder keeps its lock file). Only the main process probes; the others
+    take its verdict."""
+    from types import SimpleNamespace
+
+    import accelerate.utils
+
+    from flowrl.run import RunFolder
+
+    monkeypatch.setattr(accelerate.utils, "broadcast_object_list", lambda objs, from_process=0: [None, None])
+    with RunLock(tmp_path / "run"):  # the lock file exists and is taken, as another process's probe would hold it
+        RunFolder(tmp_path / "run", SimpleNamespace(is_main_process=False, num_processes=2), resume=True)
+        with pytest.raises(RunFolderInUse):  # the main process does probe it
+            RunFolder(tmp_path / "run", SimpleNamespace(is_main_process=True, num_processes=1), resume=True)
+
+
 def test_the_lock_is_taken_in_train_after_the_constructor_checks(tmp_path, random_pipeline, prompt_files):
     """Two trainers built for one folder: the one that trains first holds it; the other is refused in train()."""
     config, overrides = _tiny_config(tmp_path, random_pipeline, prompt_files, **{"run.iterations": 1})

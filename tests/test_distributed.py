@@ -92,7 +92,10 @@ def _launch(tmp: Path, overrides: list[str], fsdp2: bool = False, zero: str = ""
         env=env,
         timeout=600,
     )
-    assert r.returncode == 0, r.stderr[-3000:]
+    if r.returncode:
+        (tmp / "torchrun.log").write_text(r.stdout + r.stderr)
+        own = [line for line in r.stderr.splitlines() if not line.startswith("[rank1]")]  # rank 1's is the echo
+        raise AssertionError(f"torchrun failed (whole log: {tmp / 'torchrun.log'}):\n" + "\n".join(own)[-4000:])
 
 
 def test_two_processes_train_to_identical_weights(two_process_run):

@@ -11,6 +11,7 @@ and DiffusionNFT are run again with ``--extra-seeds``. Results are written after
 an interrupted table keeps what it measured.
 
     python benchmarks/methods_table.py --budget-s 180 --out benchmarks/results/methods_table.json
+    python benchmarks/methods_table.py --budget-s 180 --methods awm dgpo --seeds 1 2 --append   # more seeds, same table
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ METHODS = {  # preset -> what it is (the table's first column)
     "refl": "ReFL (tiny CLIP score)",
     "draft": "DRaFT-2 (tiny CLIP score)",
     "alignprop": "AlignProp (tiny CLIP score)",
+    "srpo": "SRPO, Direct-Align (tiny CLIP score)",
 }
 WORLD = [  # the quick-start world for every preset
     "train_prompts=assets/prompts/quickstart.jsonl",
@@ -150,6 +152,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--extra-seeds", type=int, nargs="*", default=[1, 2], help="seeds of the reruns")
     parser.add_argument("--overrides", nargs="*", default=[], help="key=value for every run (after the world's)")
     parser.add_argument("--out", default="benchmarks/results/methods_table.json", help="JSON out (and .md beside it)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds of the first pass (default: 0)")
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="add the runs to --out's table (same budget) instead of starting a new one; no reruns of the best",
+    )
     a = parser.parse_args(argv)
     unknown = [m for m in a.methods if not (REPO / "configs" / f"{m}.yaml").is_file()]
     if unknown or a.budget_s <= 0:
@@ -157,6 +165,15 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"meta": {"machine": machine(), "budget_s": a.budget_s, "overrides": a.overrides}, "rows": []}
+    if a.append and out.is_file():
+        result = json.loads(out.read_text())
+        if result["meta"]["budget_s"] != a.budget_s or result["meta"].get("overrides", []) != a.overrides:
+            parser.error(
+                f"--append: {out} was measured with budget {result['meta']['budget_s']} s and overrides "
+                f"{result['meta'].get('overrides', [])}; got {a.budget_s} and {a.overrides}"
+            )
+        if result["meta"]["machine"] != machine():
+            parser.error(f"--append: {out} was measured on {result['meta']['machine']!r}, this is {machine()!r}")
 
     def run(preset: str, seed: int) -> None:
         with tempfile.TemporaryDirectory() as tmp:
@@ -169,8 +186,11 @@ def main(argv: list[str] | None = None) -> dict:
         out.with_suffix(".md").write_text(markdown(result))
 
     methods = sorted(a.methods, key=lambda m: m != "quickstart")  # the base model's evaluation comes first
-    for preset in methods:
-        run(preset, 0)
+    for seed in a.seeds:
+        for preset in methods:
+            run(preset, seed)
+    if a.append:
+        return result
     ranked = sorted((r for r in result["rows"] if r["preset"] != "quickstart"), key=lambda r: -r["held_out_accuracy"])
     again = ["quickstart"] + [r["preset"] for r in ranked[: a.seeds_for_best]]
     for seed in a.extra_seeds:

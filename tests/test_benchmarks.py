@@ -405,6 +405,10 @@ def test_methods_table_runs_each_method_and_reruns_the_best(tmp_path, random_pip
     assert all(r["iterations"] == 1 and 0 <= r["held_out_accuracy"] <= 1 for r in rows)
     assert rows[2]["reward_first"] is None and rows[1]["reward_first"] is not None  # SFT scores nothing
     assert "| SFT (shipped images) | `sft` | 1 |" in out.with_suffix(".md").read_text()
+    args = ["--methods", "sft", "--budget-s", 0.01, "--seeds", 3, "--append"]  # one more seed, same table
+    run_script("methods_table", [*args, "--overrides", *over, "--out", out], monkeypatch)
+    assert [(r["preset"], r["seed"]) for r in json.loads(out.read_text())["rows"]][5:] == [("sft", 3)]
+    assert "| SFT (shipped images) | `sft` | 2 |" in out.with_suffix(".md").read_text()
 
 
 def test_reward_server_load_checks_every_reply_and_survives_a_killed_client(tmp_path, monkeypatch):

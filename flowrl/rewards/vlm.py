@@ -25,7 +25,7 @@ import torch
 
 from .base import check_inputs, is_integer, register_reward
 from .pairwise import _data_url
-from .vqascore import VQASCORE_ANSWER, VQAScore, load_vlm
+from .vqascore import VQASCORE_ANSWER, VQAScore, check_options, load_vlm
 
 __all__ = [
     "UNIFIEDREWARD_QUESTION",
@@ -498,6 +498,9 @@ def vlm_yes(
         )
     chosen = {key: default if options[key] is None else options[key] for key, default in own.items()}
     if local:
+        check_options(
+            "vlm_yes", question, VQASCORE_ANSWER, chosen["max_pixels"], chosen["dtype"], chosen["batch_size"]
+        )
         vlm, processor = load_vlm("vlm_yes", model_path)
         return VLMYesLocal(vlm, processor, question, **chosen)
     return VLMYes(base_url, chosen.pop("model"), chosen.pop("top_logprobs"), question=question, **chosen)

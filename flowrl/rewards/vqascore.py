@@ -33,7 +33,17 @@ from .base import check_batch_size, check_inputs, is_integer, register_reward
 from .clipscore import _as_dtype, _check_folder
 from .video import _chunks
 
-__all__ = ["ARCHITECTURES", "VQASCORE_ANSWER", "VQASCORE_QUESTION", "VQASCORE_QUESTION_T5", "VQAScore", "vqascore"]
+__all__ = [
+    "ARCHITECTURES",
+    "VQASCORE_ANSWER",
+    "VQASCORE_QUESTION",
+    "VQASCORE_QUESTION_T5",
+    "VQAScore",
+    "check_options",
+    "check_template",
+    "load_vlm",
+    "vqascore",
+]
 
 VQASCORE_QUESTION = 'Does this figure show "{prompt}"? Please answer Yes or No.'
 """The question t2v_metrics asks its Qwen2.5-VL / Qwen2-VL models (``qwen2vl_model.py``'s default
@@ -69,6 +79,28 @@ def check_template(reward: str, option: str, text: Any) -> str:
             f"{type(err).__name__}: {err}"
         ) from None
     return text
+
+
+def check_options(
+    reward: str, question: Any, answer: Any, max_pixels: Any, dtype: Any, batch_size: Any
+) -> tuple[str, str, torch.dtype]:
+    """The options of :class:`VQAScore` that need no model, checked (the factories call it before loading one).
+
+    Returns:
+        `(question, answer, dtype)`, the dtype as a `torch.dtype`.
+
+    Raises:
+        ValueError: naming `reward` and the option: a template with another placeholder than ``{prompt}``, a
+            `max_pixels` or `batch_size` that is not an integer >= 1 or None, a dtype that is not floating.
+    """
+    question, answer = check_template(reward, "question", question), check_template(reward, "answer", answer)
+    if max_pixels is not None and (not is_integer(max_pixels) or max_pixels < 1):
+        raise ValueError(f"{reward}: max_pixels must be an integer >= 1 or null, got {max_pixels!r}")
+    check_batch_size(batch_size, reward)
+    try:
+        return question, answer, _as_dtype(dtype)
+    except ValueError as err:
+        raise ValueError(f"{reward}: {err}") from None
 
 
 class VQAScore:
@@ -119,15 +151,13 @@ class VQAScore:
         dtype: torch.dtype | str = torch.float32,
         batch_size: int | None = None,
     ):
-        self.question = check_template(self.name, "question", question)
-        self.answer = check_template(self.name, "answer", answer)
+        self.question, self.answer, self.dtype = check_options(
+            self.name, question, answer, max_pixels, dtype, batch_size
+        )
         if not processor.tokenizer.encode(answer.format(prompt=""), add_special_tokens=False):
             raise ValueError(f"{self.name}: answer must be a non-empty text (the tokens whose probability is scored)")
-        if max_pixels is not None and (not is_integer(max_pixels) or max_pixels < 1):
-            raise ValueError(f"{self.name}: max_pixels must be an integer >= 1 or null, got {max_pixels!r}")
-        self.batch_size = check_batch_size(batch_size, self.name)
-        self.processor, self.max_pixels = processor, max_pixels
-        self.device, self.dtype = torch.device(device), _as_dtype(dtype)
+        self.processor, self.max_pixels, self.batch_size = processor, max_pixels, batch_size
+        self.device = torch.device(device)
         self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
 
     def texts(self, prompts: Sequence[str]) -> list[str]:
@@ -275,5 +305,6 @@ def vqascore(
     Raises:
         FileNotFoundError, ValueError: see :func:`load_vlm` and :class:`VQAScore`.
     """
+    check_options("vqascore", question, answer, max_pixels, dtype, batch_size)  # before the (slow) load
     model, processor = load_vlm("vqascore", model_path)
     return VQAScore(model, processor, question, answer, max_pixels, device, dtype, batch_size)

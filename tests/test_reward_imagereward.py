@@ -240,6 +240,39 @@ def test_batching_empty_batch_and_bad_options(tokenizer):
         ImageReward(model, tokenizer)(images * 2, PROMPTS, [{}] * 3)
 
 
+# --- differentiable scores (ReFL and the other direct methods) ---------------------------------
+
+
+def test_score_with_grad_equals_the_scores_with_a_graph_to_the_pixels(tokenizer):
+    """ReFL's `score_gard`: the scores of `__call__`, now with a graph back to the pixels, the weights frozen."""
+    assert REWARDS["imagereward"].differentiable
+    reward = ImageReward(random_model(tokenizer), tokenizer, batch_size=2)
+    assert reward.differentiable
+    images = _images(height=40, width=56).requires_grad_()
+    scores = reward.score_with_grad(images, PROMPTS, [{}] * 3)  # one forward, batch_size does not split it
+    assert scores.dtype == torch.float32 and scores.shape == (3,) and scores.grad_fn is not None
+    torch.testing.assert_close(scores, reward(images.detach(), PROMPTS, [{}] * 3), rtol=0, atol=1e-5)
+    (gradient,) = torch.autograd.grad(scores.sum(), images)
+    assert gradient.abs().amax(dim=(1, 2, 3)).min() > 0  # every image gets a gradient through the resize
+    assert all(p.grad is None and not p.requires_grad for p in reward.model.parameters())
+
+
+def test_score_with_grad_gradient_equals_finite_differences(tokenizer):
+    """In float64, the gradient through resize, crop, normalise, ViT, cross-attention and head equals finite
+    differences, and the scores equal `__call__`'s."""
+    reward = ImageReward(random_model(tokenizer, seed=6), tokenizer, dtype="float64")
+    images = _images(batch=2, height=20, width=28, seed=7).double() * 0.8 + 0.1  # away from the [0, 1] clip
+    prompts = PROMPTS[:2]
+    scores = reward.score_with_grad(images.clone().requires_grad_(), prompts, [{}, {}])
+    assert scores.dtype == torch.float64
+    torch.testing.assert_close(scores, reward(images, prompts, [{}, {}]).double(), rtol=1e-7, atol=0)  # float32 there
+
+    def f(x):
+        return reward.score_with_grad(x, prompts, [{}, {}])
+
+    assert torch.autograd.gradcheck(f, (images.requires_grad_(),), eps=1e-6, atol=1e-6, rtol=1e-4, fast_mode=True)
+
+
 # --- the checkpoint mapping --------------------------------------------------------------------
 
 

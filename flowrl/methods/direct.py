@@ -117,14 +117,15 @@ class DirectReward(ForwardProcess):
 
     def __init__(self, cfg, model, policy, rewards):
         from ..fields import ConfigError
+        from ..rewards import REWARDS
 
         super().__init__(cfg, model, policy, rewards)
         for name, (reward, weight) in rewards.rewards.items():
             if weight != 0 and not getattr(reward, "differentiable", False):
+                grad = ", ".join(sorted(n for n, f in REWARDS.items() if getattr(f, "differentiable", False)))
                 raise ConfigError(
                     f"config key 'rewards.{name}': train.method {self.name!r} back-propagates through the reward, and "
-                    f"{name} has no score_with_grad (differentiable: clipscore, pickscore, hpsv2, aesthetic); "
-                    "give it weight 0 to log it only"
+                    f"{name} has no score_with_grad (differentiable: {grad}); give it weight 0 to log it only"
                 )
         if not model.encodes_images():
             raise ConfigError(

@@ -15,6 +15,10 @@ mean/std, as the package's torchvision pipeline does on PIL images (the package 
 image to uint8, which moves a pixel by at most one level). Checked against the package's own code
 (image-reward 1.5, random weights): the same inputs give the same scores to 3e-6. `transformers` is
 imported only when a model is built, so `import rewards` stays light.
+
+The reward is differentiable (`ImageReward.score_with_grad`): ReFL (the same paper; `ImageReward/ReFL.py`,
+`ImageReward.score_gard`) back-propagates through exactly this forward, from the decoded images through the
+tensor preprocessing, the ViT, the cross-attending text encoder and the head, with the weights frozen.
 """
 
 from __future__ import annotations
@@ -142,7 +146,8 @@ class ImageRewardModel(nn.Module):
             attention_mask (`torch.LongTensor` of shape `(B, L)`): 1 for tokens, 0 for padding.
 
         Returns:
-            `torch.Tensor` of shape `(B,)`, float32: `(head(text [CLS] feature) - IMAGEREWARD_MEAN) / IMAGEREWARD_STD`.
+            `torch.Tensor` of shape `(B,)`, float32 (float64 for a float64 model, for gradient checks):
+            `(head(text [CLS] feature) - IMAGEREWARD_MEAN) / IMAGEREWARD_STD`.
         """
         image_embeds = self.vision_model(pixel_values=pixel_values).last_hidden_state  # (B, 1 + patches, Dv)
         image_mask = torch.ones(
@@ -155,7 +160,8 @@ class ImageRewardModel(nn.Module):
             encoder_attention_mask=image_mask,
             is_decoder=False,
         ).last_hidden_state  # (B, L, Dt)
-        raw = self.head(text[:, 0]).squeeze(-1).float()  # (B,)
+        raw = self.head(text[:, 0]).squeeze(-1)  # (B,)
+        raw = raw.to(torch.promote_types(raw.dtype, torch.float32))  # float32, or float64 for a float64 model
         return (raw - IMAGEREWARD_MEAN) / IMAGEREWARD_STD
 
 
@@ -288,6 +294,7 @@ class ImageReward:
     """
 
     name = "imagereward"
+    differentiable = True  # score_with_grad: the direct methods (ReFL, ...) back-propagate through it
 
     def __init__(
         self,
@@ -317,14 +324,15 @@ class ImageReward:
         """torchvision's `Resize(S, BICUBIC)`, `CenterCrop(S)`, `Normalize(CLIP mean, std)` on tensors.
 
         Args:
-            images (`torch.Tensor` of shape `(B, 3, H, W)`, floating point, in `[0, 1]`).
+            images (`torch.Tensor` of shape `(B, 3, H, W)`, floating point, in `[0, 1]`; may carry a graph).
 
         Returns:
             `torch.Tensor` of shape `(B, 3, S, S)`, `self.dtype`, on `self.device`, `S` the model's image
-            size (224); the shorter side is resized to `S` and the longer to `int(S * long / short)`.
+            size (224); the shorter side is resized to `S` and the longer to `int(S * long / short)`. Every step
+            is a differentiable torch op (gradients are zero where the resized pixels are clipped to [0, 1]).
         """
         size = self.image_size
-        pixels = images.to(device=self.device, dtype=torch.float32)  # (B, 3, H, W)
+        pixels = images.to(device=self.device, dtype=torch.promote_types(images.dtype, torch.float32))  # (B, 3, H, W)
         height, width = pixels.shape[-2:]
         if min(height, width) != size:
             short, long = min(height, width), max(height, width)
@@ -342,10 +350,31 @@ class ImageReward:
         self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
     ) -> torch.Tensor:
         check_inputs(images, prompts, metadata)
-        return score_in_chunks(self._score, images, prompts, self.batch_size)
+        return score_in_chunks(self._score, images, prompts, self.batch_size).float()
+
+    def score_with_grad(
+        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> torch.Tensor:
+        """The scores of :meth:`__call__` with the graph back to `images` (ReFL's `score_gard`), in one forward.
+
+        Args:
+            images (`torch.Tensor` of shape `(B, 3, H, W)`, floating point, in `[0, 1]`, typically with
+                `requires_grad` or a graph to the decoder), prompts (`list[str]` of length `B`), metadata
+                (`list[dict]` of length `B`, unused).
+
+        Returns:
+            `torch.Tensor` of shape `(B,)` on CPU with a graph back to `images`: float32 (float64 for a float64
+            model, for gradient checks), equal to :meth:`__call__`'s scores. The ImageReward weights stay frozen.
+
+        Raises:
+            TypeError / ValueError: malformed inputs (see `rewards.base.check_inputs`).
+        """
+        check_inputs(images.detach(), prompts, metadata)
+        return self._score(images, prompts)
 
     def _score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
-        """One chunk: `(b, 3, H, W)` images and `b` prompts -> `(b,)` float32 CPU scores."""
+        """One chunk: `(b, 3, H, W)` images and `b` prompts -> `(b,)` CPU scores (float32; float64 for a float64
+        model)."""
         tokens = self.tokenizer(
             list(prompts), padding="max_length", truncation=True, max_length=MAX_LENGTH, return_tensors="pt"
         ).to(self.device)
@@ -356,6 +385,7 @@ class ImageReward:
     "imagereward",
     modality="image",
     weights="ImageReward.pt (THUDM/ImageReward) + bert-base-uncased tokenizer",
+    differentiable=True,
 )
 def imagereward(
     checkpoint: str | os.PathLike,
@@ -380,7 +410,7 @@ def imagereward(
 
     Returns:
         An `ImageReward`, scoring `(B, 3, H, W)` images in `[0, 1]` to `(B,)` float32 CPU tensors
-        (standardised, unbounded, higher is better).
+        (standardised, unbounded, higher is better); differentiable through `score_with_grad`.
 
     Raises:
         FileNotFoundError: `checkpoint` or `tokenizer_path` does not exist.

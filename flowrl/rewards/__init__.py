@@ -32,6 +32,7 @@ from .hpsv3 import HPSv3, hpsv3
 from .imagereward import ImageReward, imagereward
 from .jpeg import jpeg_compressibility, jpeg_incompressibility, jpeg_size_kb
 from .motion_world import MotionWorld, motion_world, motion_world_direction, motion_world_strict
+from .mps import MPS, mps
 from .ocr import OcrReward, ocr
 from .pairwise import PrefWinRate, VLMJudge, bradley_terry_judge, pref_winrate, win_rates
 from .pickscore import PickScore, pickscore
@@ -59,6 +60,8 @@ __all__ = [
     "pickscore",
     "HPSv2",
     "hpsv2",
+    "MPS",
+    "mps",
     "HPSv3",
     "hpsv3",
     "AestheticScore",

@@ -74,7 +74,7 @@ def test_rewards_lists_every_reward_with_its_modality_and_weights(capsys, monkey
     assert listed["sharpness"].split()[1:] == ["image", "-", "none"]  # a plug-in factory's own attributes
     assert listed["plain_fn"].split()[1:] == ["-", "-", "-"]  # a plug-in that declares none
     grad = {name for name, line in listed.items() if line.split()[2] == "yes"}  # the direct methods' rewards
-    assert grad == {"clipscore", "pickscore", "hpsv2", "aesthetic"}
+    assert grad == {"clipscore", "pickscore", "hpsv2", "aesthetic", "imagereward", "mps"}
     assert "not loadable" in listed["broken"] and "no_such_module_xyz" in listed["broken"]
     rows = cli.cmd_rewards(None)
     by_name = {r["name"]: r for r in rows}

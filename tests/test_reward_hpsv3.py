@@ -158,7 +158,10 @@ def test_hpsv3_refuses_missing_files_and_bad_checkpoints(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"does not fit the Qwen2-VL config .*1 missing keys .*language_model.norm"):
         hpsv3(_partial_folder(tiny, tmp_path / "missing", state=missing))
     short = {**tiny.state, "model.embed_tokens.weight": tiny.state["model.embed_tokens.weight"][:-1]}
-    with pytest.raises(ValueError, match=r"gives <\|Reward\|> id 263, beyond the checkpoint's 263 embedding rows"):
+    rows = len(short["model.embed_tokens.weight"])  # the <|Reward|> token's id, the last of the tokenizer
+    with pytest.raises(
+        ValueError, match=rf"gives <\|Reward\|> id {rows}, beyond the checkpoint's {rows} embedding rows"
+    ):
         hpsv3(_partial_folder(tiny, tmp_path / "short", state=short))
 
 

@@ -1,12 +1,12 @@
 """A seeded random-weight Qwen2-VL or Qwen2.5-VL folder with its processor, built offline (no download).
 
-``build_random_qwen_vl(folder)`` saves a ``Qwen2_5_VLForConditionalGeneration`` (or, with ``arch="qwen2_vl"``, a
-``Qwen2VLForConditionalGeneration``) of the real transformers class at a tiny size (2 text layers of width 32, a 2-block
-vision tower with 14-pixel patches merged 2 x 2) and a processor of the matching class: a byte-level
+``random_qwen_vl()`` builds, and ``build_random_qwen_vl(folder)`` saves, a ``Qwen2_5_VLForConditionalGeneration``
+(or, with ``arch="qwen2_vl"``, a ``Qwen2VLForConditionalGeneration``) of the real transformers class at a tiny size (2
+text layers of width 32, a 2-block vision tower with 14-pixel patches merged 2 x 2) and a processor of the matching class: a byte-level
 ``Qwen2Tokenizer`` (the 256 byte symbols, Qwen's chat and vision special tokens, and merges that make ``Yes``, ``yes``,
 `` yes`` and ``No`` one token each, as they are in Qwen's real vocabulary), a ``Qwen2VLImageProcessor`` with its
 default resize bounds, a ``Qwen2VLVideoProcessor`` and a Qwen-style chat template. The VLM rewards' tests
-(``tests/test_reward_vqascore.py``, VideoAlign's in ``tests/test_reward_video.py``) load it with ``from_pretrained``.
+(VQAScore, VideoAlign, HPSv3) build it here.
 """
 
 from __future__ import annotations
@@ -44,6 +44,14 @@ CHAT_TEMPLATE = (
 ``<|vision_start|><|image_pad|><|vision_end|>`` (``<|video_pad|>``) in place, ``<|im_start|>assistant\\n`` as the
 generation prompt."""
 
+PLAIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% for c in message['content'] %}"
+    "{% if c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""The same layout without the default system turn (the VideoAlign and HPSv3 tests' processors)."""
+
 ARCHS = ("qwen2_5_vl", "qwen2_vl")
 
 
@@ -64,28 +72,29 @@ def build_tokenizer(extra_tokens: Sequence[str] = ()):
     return tokenizer
 
 
-def build_random_qwen_vl(
-    folder: str | Path,
+def random_qwen_vl(
     arch: str = "qwen2_5_vl",
     extra_tokens: Sequence[str] = (),
     chat_template: str = CHAT_TEMPLATE,
     video_size: dict[str, int] | None = None,
+    vision_depth: int = 2,
     seed: int = 0,
-) -> Path:
-    """Save a random-weight Qwen2.5-VL (or Qwen2-VL) model and processor to `folder` (created if missing).
+):
+    """A random-weight Qwen2.5-VL (or Qwen2-VL) model and its processor, in memory (see the module docstring).
 
     Args:
-        folder: where ``save_pretrained`` writes the model and the processor.
         arch (`str`): ``"qwen2_5_vl"`` (``Qwen2_5_VLForConditionalGeneration`` + ``Qwen2_5_VLProcessor``) or
             ``"qwen2_vl"`` (``Qwen2VLForConditionalGeneration`` + ``Qwen2VLProcessor``).
         extra_tokens: more special tokens for the tokenizer (e.g. VideoAlign's ``<|VQ_reward|>``).
-        chat_template (`str`): the processor's Jinja chat template; default :data:`CHAT_TEMPLATE`.
+        chat_template (`str`): the processor's Jinja chat template; default :data:`CHAT_TEMPLATE`
+            (:data:`PLAIN_CHAT_TEMPLATE`: no system turn).
         video_size (`dict`, *optional*): the video processor's ``size`` (``shortest_edge`` / ``longest_edge`` in
             pixels per frame); default the processor's own.
+        vision_depth (`int`): blocks of the vision tower (Qwen2.5-VL's last one full attention).
         seed (`int`): ``torch.manual_seed`` before the weights are drawn: the same seed gives the same weights.
 
     Returns:
-        `Path`: `folder`.
+        `(model, processor)`: the model in float32, eval mode not set.
 
     Raises:
         ValueError: an unknown `arch`.
@@ -93,7 +102,7 @@ def build_random_qwen_vl(
     import transformers as tf
 
     if arch not in ARCHS:
-        raise ValueError(f"build_random_qwen_vl: arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+        raise ValueError(f"random_qwen_vl: arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     tokenizer = build_tokenizer(extra_tokens)
     ids = tokenizer.convert_tokens_to_ids
     text = dict(
@@ -108,14 +117,15 @@ def build_random_qwen_vl(
         bos_token_id=None,
         eos_token_id=ids("<|im_end|>"),
     )
-    vision = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    vision = dict(depth=vision_depth, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
     if arch == "qwen2_5_vl":
         config_class, model_class, processor_class = (
             tf.Qwen2_5_VLConfig,
             tf.Qwen2_5_VLForConditionalGeneration,
             tf.Qwen2_5_VLProcessor,
         )
-        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=32, fullatt_block_indexes=[1])
+        full = [vision_depth - 1]
+        vision.update(hidden_size=32, intermediate_size=64, out_hidden_size=32, fullatt_block_indexes=full)
     else:
         config_class, model_class, processor_class = (
             tf.Qwen2VLConfig,
@@ -140,6 +150,20 @@ def build_random_qwen_vl(
         video_processor=video_processor,
         chat_template=chat_template,
     )
+    return model, processor
+
+
+def build_random_qwen_vl(folder: str | Path, arch: str = "qwen2_5_vl", **kwargs) -> Path:
+    """Save :func:`random_qwen_vl`'s model and processor (same `arch` and keyword arguments) to `folder` (created
+    if missing) with ``save_pretrained``.
+
+    Returns:
+        `Path`: `folder`.
+
+    Raises:
+        ValueError: an unknown `arch`.
+    """
+    model, processor = random_qwen_vl(arch, **kwargs)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)

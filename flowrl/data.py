@@ -2,7 +2,8 @@
 its metadata (``tag``, ``include``, ``exclude``; see :mod:`rewards.geneval`). An image-editing prompt
 (:class:`flowrl.models.FluxKontextModel`) names its source image in ``image``: a path relative to the prompt file
 (or absolute), which :func:`read_jsonl` checks and makes absolute, so the model and the rewards (which receive every
-record as metadata) find it.
+record as metadata) find it. A FLUX.2 record (:class:`flowrl.models.Flux2Model`) may name several reference images in
+``images``, a list of such paths, made absolute the same way.
 
 The training path reads prompts only through here; the tiny world's generator of prompt sets
 (:mod:`flowrl.tiny.prompts`) is a separate command that writes such files.
@@ -39,13 +40,14 @@ def write_jsonl(metas: list[dict], path: str | Path) -> None:
 
 def read_jsonl(path: str | Path) -> list[dict]:
     """Read a prompt file: one JSON object with a string ``prompt`` per non-empty line (any GenEval metadata file).
-    A record's optional ``image`` (an editing model's source image) is a path relative to the file, returned absolute.
+    A record's optional ``image`` (an editing model's source image) is a path relative to the file, returned absolute;
+    its optional ``images`` (FLUX.2's reference images) a non-empty list of such paths, each returned absolute.
 
     Raises:
         FileNotFoundError: naming the path.
         ValueError: naming the file, for a file that is not UTF-8; naming the file and line of a line that is not JSON, or not an object with a string
-            ``prompt``, or whose ``image`` is not a string naming an existing file; naming the file when it holds no
-            prompt at all.
+            ``prompt``, or whose ``image`` is not a string naming an existing file (or ``images`` not a non-empty list
+            of them); naming the file when it holds no prompt at all.
     """
     path = Path(path)
     if not path.is_file():
@@ -73,10 +75,28 @@ def read_jsonl(path: str | Path) -> list[dict]:
                         "relative to the prompt file)"
                     )
                 meta["image"] = str(image.resolve())
+            if "images" in meta:
+                meta["images"] = _image_list(meta["images"], path, i)
             metas.append(meta)
     if not metas:
         raise ValueError(f"prompt file {path} holds no prompts; expected one JSON object with a 'prompt' key per line")
     return metas
+
+
+def _image_list(value, path: Path, line: int) -> list[str]:
+    """A record's ``images``: each path made absolute (relative to the prompt file ``path``).
+
+    Raises:
+        ValueError: naming the file and line, for anything but a non-empty list of strings naming existing files.
+    """
+    strings = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    files = [path.parent / v for v in value] if strings else []  # an absolute path stays as it is
+    if not files or not all(f.is_file() for f in files):
+        raise ValueError(
+            f"{path}:{line}: 'images' {value!r} is not a list of image files (expected paths relative to the prompt "
+            "file, at least one)"
+        )
+    return [str(f.resolve()) for f in files]
 
 
 def read_prompts(name: str | Path) -> list[dict]:

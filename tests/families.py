@@ -26,7 +26,8 @@ class TinyFamily:
     """A model family as the conformance suite tests it.
 
     Attributes:
-        id: the adapter's class name (the suite's parametrization id).
+        id: the suite's parametrization id: the adapter's class name, or for a second entry of one adapter (other
+            prompt records), that name and a suffix (``Flux2Model-references``).
         build: ``build(folder) -> folder``: saves a tiny random pipeline of the family's real classes there.
         load: keyword arguments of :func:`flowrl.models.load_model` (resolution, prompt length, frames).
         stock: ``stock(folder, model, metas, num_steps, guidance_scale)``: the stock pipeline's images ``(B, 3, H,
@@ -35,7 +36,8 @@ class TinyFamily:
         guidance: the guidance scales at which sampling must equal the stock pipeline.
         train: overrides of a shrunk training run (beside ``tests/conftest.py``'s ``tiny_overrides``).
         prompts: ``"image"`` (the tiny world's prompts), ``"video"`` (motion prompts), ``"edit"`` (records with a
-            source image) or ``"i2v"`` (motion prompts, each with a source image: a video family).
+            source image), ``"i2v"`` (motion prompts, each with a source image: a video family) or ``"references"``
+            (FLUX.2's: records alternately with one reference ``image`` and two ``images`` of other sizes, 64-80 px).
         stock_kwargs: keyword arguments of the stock ``from_pretrained``.
         trains: the preset whose run is trained, resumed and exported as a LoRA (DiffusionNFT where the family takes it).
         refuses: presets the family refuses with one ConfigError (the DDPM families: DiffusionNFT, Flash re-spacing).
@@ -58,6 +60,11 @@ class TinyFamily:
     @property
     def video(self) -> bool:
         return self.prompts in ("video", "i2v")
+
+    @property
+    def adapter(self) -> str:
+        """The adapter's class name: :attr:`id` up to a ``-`` suffix."""
+        return self.id.split("-")[0]
 
 
 def brightness(images, prompts, metadata):
@@ -348,6 +355,24 @@ FAMILIES: dict[str, TinyFamily] = {
             IMAGE_TRAIN,
         ),
         TinyFamily(
+            "Flux2KleinModel-references",
+            _builder("test_flux2", "build_random_flux2_klein_pipeline"),
+            {"resolution": 32, "max_sequence_length": 64},
+            _stock_from_noise("test_flux2", "stock_flux2_klein"),
+            (4.0,),  # CFG: the negative sees the references too
+            IMAGE_TRAIN,
+            prompts="references",
+        ),
+        TinyFamily(
+            "Flux2Model-references",
+            _builder("test_flux2", "build_random_flux2_pipeline"),
+            {"resolution": 32, "max_sequence_length": 64},
+            _stock_from_noise("test_flux2", "stock_flux2"),
+            (4.0,),
+            IMAGE_TRAIN,
+            prompts="references",
+        ),
+        TinyFamily(
             "WanModel",
             _builder("test_wan", "build_random_wan_pipeline"),
             {"resolution": 16, "num_frames": 5, "max_sequence_length": 16},
@@ -422,6 +447,20 @@ def prompt_files(kind: str, folder: Path) -> tuple[Path, Path]:
         lines = [json.dumps(r) for r in records]
         (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
         (folder / "test.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    elif kind == "references":  # FLUX.2: sources of >= 64 px (its pipelines refuse smaller), one or two per record
+        from PIL import Image
+
+        (folder / "sources").mkdir(exist_ok=True)
+        rng = np.random.default_rng(0)
+        for name, metas in (("train", train), ("test", test)):
+            records = []
+            for i, m in enumerate(metas[:12]):
+                sizes = [(64, 64)] if i % 2 == 0 else [(80, 64), (64, 72)]  # (width, height); 72: cropped to 64
+                images = [f"sources/{name}{i}-{k}.png" for k in range(len(sizes))]
+                for image, (w, h) in zip(images, sizes):
+                    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / image)
+                records.append({**m, "image": images[0]} if len(images) == 1 else {**m, "images": images})
+            write_jsonl(records, folder / f"{name}.jsonl")
     elif kind == "edit":
         from PIL import Image
 

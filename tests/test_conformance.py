@@ -3,9 +3,10 @@ sampling equal to the stock pipeline (at each guidance scale, and with a negativ
 one), a PPO ratio of exactly 1 before the first step for every rollout shape, DiffusionNFT training that resumes
 exactly, a LoRA that the stock ``load_lora_weights`` loads and that reproduces the trained model, a full fine-tune
 the stock class loads, ``flowrl memory``'s counts equal to the loaded model's, and ``flowrl sample`` writing images
-or mp4s and ``flowrl generate`` a benchmark folder (edit records' source images kept), and ``flowrl eval --reward``
-handing rewards those source images. One parametrization id per family, its adapter's class name: ``pytest
-tests/test_conformance.py -q -k WanModel``."""
+or mp4s and ``flowrl generate`` a benchmark folder (edit records' source images and FLUX.2's reference images kept),
+and ``flowrl eval --reward`` handing rewards those source images. One parametrization id per family, its adapter's
+class name (a second entry of one adapter, with other prompt records, adds a suffix: ``Flux2Model-references``):
+``pytest tests/test_conformance.py -q -k WanModel``."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def test_ode_sampling_equals_the_stock_pipeline(family):
     from flowrl.evaluation import generate
 
     spec, folder, (train, _) = family
-    assert model_class(folder).__name__ == spec.id
+    assert model_class(folder).__name__ == spec.adapter
     metas = read_jsonl(train)[:2]
     model = load_model(folder, **spec.load)
     images = []
@@ -236,7 +237,8 @@ def test_flowrl_generate_writes_a_benchmark_folder(family, tmp_path, capsys):
     assert f"wrote 2 {'videos' if spec.video else 'images'}" in said
     written = read_jsonl(tmp_path / "out" / "prompts.jsonl")
     assert [r["prompt"] for r in written] == [r["prompt"] for r in records]
-    assert [r.get("image") for r in written] == [r.get("image") for r in records]  # the edit sources travel along
+    for key in ("image", "images"):  # the edit sources and FLUX.2's references travel along
+        assert [r.get(key) for r in written] == [r.get(key) for r in records]
     for r in written:
         assert (tmp_path / "out" / r["file"]).stat().st_size > 0
         if spec.video:

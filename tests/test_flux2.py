@@ -2,8 +2,9 @@
 (a tiny 27-layer Qwen3 text encoder, since the pipeline reads hidden states 9, 18 and 27, with the offline tokenizer
 and the Qwen3 chat template of tests/test_z_image.py) and Flux2Pipelines (a tiny 30-layer Mistral 3 with a
 PixtralProcessor built offline) : what is special to FLUX.2. The conformance suite (tests/test_conformance.py,
-families ``Flux2KleinModel`` and ``Flux2Model``) checks sampling against the stock pipelines, the ratio, resume, LoRA
-and full fine-tune export."""
+families ``Flux2KleinModel`` and ``Flux2Model``, and ``Flux2KleinModel-references`` and ``Flux2Model-references`` on
+records with reference images) checks sampling against the stock pipelines, the ratio, resume, LoRA and full
+fine-tune export."""
 
 import json
 import math
@@ -93,27 +94,44 @@ def build_random_flux2_klein_pipeline(folder: Path, distilled: bool = False) -> 
     return folder
 
 
+def _stock(
+    cls_name: str, folder: Path, model, metas: list[dict], noise: torch.Tensor, num_steps: int, guidance_scale: float
+) -> torch.Tensor:
+    """The stock pipeline ``cls_name``'s images ``(B, 3, H, W)`` float32 in [0, 1] for the prompt records ``metas``
+    from the latents ``noise (B, *model.latent_shape)`` (the patchified latents the pipeline takes as ``latents=`` and
+    packs itself): one call for text-only records; one call per record with its reference images (``image`` or
+    ``images``, opened as PIL images) as ``image=`` otherwise, since the pipeline gives every prompt of a call the
+    same references."""
+    import diffusers
+    from PIL import Image
+
+    pipe = getattr(diffusers, cls_name).from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    settings = {
+        "num_inference_steps": num_steps,
+        "guidance_scale": guidance_scale,
+        "height": model.resolution,
+        "width": model.resolution,
+        "max_sequence_length": model.max_sequence_length,
+        "output_type": "pt",
+    }
+    references = [[m["image"]] if "image" in m else m.get("images", []) for m in metas]
+    with torch.no_grad():
+        if not any(references):
+            return pipe(prompt=[m["prompt"] for m in metas], latents=noise, **settings).images
+        images = []
+        for meta, paths, z in zip(metas, references, noise):
+            image = [Image.open(p).convert("RGB") for p in paths] or None
+            images.append(pipe(prompt=[meta["prompt"]], image=image, latents=z[None], **settings).images)
+        return torch.cat(images)
+
+
 def stock_flux2_klein(
     folder: Path, model, metas: list[dict], noise: torch.Tensor, num_steps: int, guidance_scale: float
 ) -> torch.Tensor:
-    """The stock Flux2KleinPipeline's images ``(B, 3, H, W)`` float32 in [0, 1] for the prompt records ``metas`` from
-    the latents ``noise (B, *model.latent_shape)`` (the patchified latents the pipeline takes as ``latents=`` and
-    packs itself), at the pipeline's guidance scale (the same convention as flowrl's; ignored when distilled)."""
-    from diffusers import Flux2KleinPipeline
-
-    pipe = Flux2KleinPipeline.from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    with torch.no_grad():
-        return pipe(
-            prompt=[m["prompt"] for m in metas],
-            latents=noise,
-            num_inference_steps=num_steps,
-            guidance_scale=guidance_scale,
-            height=model.resolution,
-            width=model.resolution,
-            max_sequence_length=model.max_sequence_length,
-            output_type="pt",
-        ).images
+    """The stock Flux2KleinPipeline's images (:func:`_stock`) at the pipeline's guidance scale (the same convention as
+    flowrl's; ignored when distilled)."""
+    return _stock("Flux2KleinPipeline", folder, model, metas, noise, num_steps, guidance_scale)
 
 
 MISTRAL_CHAT_TEMPLATE = (
@@ -230,23 +248,8 @@ def build_random_flux2_pipeline(folder: Path, guidance_embeds: bool = True) -> P
 def stock_flux2(
     folder: Path, model, metas: list[dict], noise: torch.Tensor, num_steps: int, guidance_scale: float
 ) -> torch.Tensor:
-    """The stock Flux2Pipeline's images ``(B, 3, H, W)`` float32 in [0, 1] for the prompt records ``metas`` from the
-    patchified latents ``noise (B, *model.latent_shape)``, at the embedded guidance scale ``guidance_scale``."""
-    from diffusers import Flux2Pipeline
-
-    pipe = Flux2Pipeline.from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    with torch.no_grad():
-        return pipe(
-            prompt=[m["prompt"] for m in metas],
-            latents=noise,
-            num_inference_steps=num_steps,
-            guidance_scale=guidance_scale,
-            height=model.resolution,
-            width=model.resolution,
-            max_sequence_length=model.max_sequence_length,
-            output_type="pt",
-        ).images
+    """The stock Flux2Pipeline's images (:func:`_stock`) at the embedded guidance scale ``guidance_scale``."""
+    return _stock("Flux2Pipeline", folder, model, metas, noise, num_steps, guidance_scale)
 
 
 @pytest.fixture(scope="module")
@@ -393,12 +396,18 @@ def test_dev_encodes_with_mistral_and_takes_the_guidance_as_an_input(dev, tmp_pa
         model.velocity(x, t, table[row], None, 4.0)
 
 
-def test_dev_recipe_trains_two_iterations(tmp_path, dev, prompt_files):
-    """configs/flux2_flow_grpo.yaml shrunk onto the tiny Flux2Pipeline (its 1-step SDE window, embedded guidance 4 and
-    gdpo aggregation kept; CLIP and PickScore swapped for JPEG compressibility and brightness, which need no
+@pytest.mark.parametrize(
+    "recipe", ["flux2_flow_grpo", pytest.param("flux2_edit_flow_grpo", marks=pytest.mark.slow)]
+)  # the edit recipe's reference images: ODE sampling and ratio in tests/test_conformance.py -k references
+def test_dev_recipe_trains_two_iterations(tmp_path, dev, prompt_files, recipe):
+    """configs/flux2_flow_grpo.yaml and flux2_edit_flow_grpo.yaml (on records with reference images: the tiny world's
+    prompts, each with one or two) shrunk onto the tiny Flux2Pipeline (their 1-step SDE window, embedded guidance 4
+    and gdpo aggregation kept; CLIP and PickScore swapped for JPEG compressibility and brightness, which need no
     download)."""
-    train, test = prompt_files
-    preset = load_config(REPO / "configs" / "flux2_flow_grpo.yaml")
+    from families import prompt_files as write_prompt_files
+
+    train, test = prompt_files if recipe == "flux2_flow_grpo" else write_prompt_files("references", tmp_path / "p")
+    preset = load_config(REPO / "configs" / f"{recipe}.yaml")
     over = tiny_overrides(
         dev,
         train,
@@ -408,8 +417,7 @@ def test_dev_recipe_trains_two_iterations(tmp_path, dev, prompt_files):
             "model.dtype": "float32",
             "model.resolution": SIDE,
             "model.max_sequence_length": LENGTH,
-            "rewards.clipscore": "null",
-            "rewards.pickscore": "null",
+            **{f"rewards.{name}": "null" for name in preset.rewards},
             "rewards.jpeg_compressibility.weight": 1.0,
             "rewards.families:brightness.weight": 0.5,
             "sampling.group_size": 4,
@@ -422,14 +430,87 @@ def test_dev_recipe_trains_two_iterations(tmp_path, dev, prompt_files):
             **shape_overrides(preset),
         },
     )
-    cfg = load_config(REPO / "configs" / "flux2_flow_grpo.yaml", over)
+    cfg = load_config(REPO / "configs" / f"{recipe}.yaml", over)
     assert cfg.sampling.window.size == 1 and cfg.sampling.guidance_scale == 4.0 == cfg.eval.guidance_scale
     assert cfg.train.reward_aggregation == "gdpo"
     trainer = Trainer(cfg)
     assert isinstance(trainer.model, Flux2Model)
+    if recipe == "flux2_edit_flow_grpo":
+        assert trainer.model.reference_resolution == 384  # model.options.reference_resolution: the recipe's cap
     before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     trainer.train()
     metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2
     assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
+
+
+def _write_image(path: Path, width: int, height: int, seed: int) -> str:
+    """A random RGB PNG of ``width x height`` px at ``path``; its path as a string."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
+    return str(path)
+
+
+def test_reference_images_are_the_pipelines(klein, tmp_path, prompt_files):
+    """Reference images (a record's ``image`` / ``images``) are encoded and placed as the pipeline's
+    ``prepare_image_latents`` does, capped at ``reference_resolution ** 2`` px (Flow-Factory's condition_image_size);
+    a mixed batch equals its rows alone; a table without references is the text-only one. Sampling against the stock
+    pipelines: tests/test_conformance.py -k references."""
+    from PIL import Image
+
+    from flowrl.data import read_jsonl
+    from flowrl.models import PromptEmbeds
+    from flowrl.models.flux2 import Flux2PromptEmbeds
+
+    big, small = _write_image(tmp_path / "big.png", 96, 80, 0), _write_image(tmp_path / "small.png", 64, 64, 1)
+    model = load_model(klein, resolution=SIDE, max_sequence_length=LENGTH, reference_resolution=64)
+    metas = [{"prompt": "a red star", "images": [big, small]}, {"prompt": "a blue square"}]
+    table = model.prompt_table(metas)
+    assert isinstance(table, Flux2PromptEmbeds) and table.image.shape == (3, 56 + 64, 16)
+    # the stock preparation of the references, the big one first shrunk to 64 * 64 px of area (as Flow-Factory does)
+    pipe = model.pipe  # its own components: prepare_image_latents is the stock code path
+    shrunk = pipe.image_processor._resize_to_target_area(Image.open(big).convert("RGB"), 64 * 64)  # 70 x 58 px
+    pixels = [
+        pipe.image_processor.preprocess(image, height=h, width=w, resize_mode="crop")
+        for image, (w, h) in ((shrunk, (64, 56)), (Image.open(small).convert("RGB"), (64, 64)))
+    ]
+    with torch.no_grad():
+        tokens, ids = pipe.prepare_image_latents(pixels, 1, None, "cpu", torch.float32)  # (1, R, C'), (1, R, 4)
+    assert ids[0, :, 0].unique().tolist() == [10, 20] and tokens.shape[1] == 8 * 7 + 8 * 8
+    torch.testing.assert_close(table.image[1, : tokens.shape[1]], tokens[0], rtol=0, atol=1e-5)
+    assert torch.equal(table.image_ids[1, : tokens.shape[1]], ids[0])
+    assert (table.image_ids[[0, 2]] == -1).all()  # the empty prompt and the text-only record: no references
+    # a batch mixing rows with and without references equals each row alone; the references change the velocity
+    x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
+    t, rows, uncond = torch.tensor([0.8, 0.5]), torch.tensor([1, 2]), table[torch.zeros(2, dtype=torch.long)]
+    with torch.no_grad():
+        both = model.velocity(x, t, table[rows], uncond, 4.0)
+        alone = [model.velocity(x[i : i + 1], t[i : i + 1], table[rows[i : i + 1]], uncond[:1], 4.0) for i in (0, 1)]
+        text = model.prompt_table([{"prompt": "a red star"}])
+        plain = model.velocity(x[:1], t[:1], text[torch.ones(1, dtype=torch.long)], text[torch.zeros(1).long()], 4.0)
+    torch.testing.assert_close(both, torch.cat(alone), rtol=0, atol=1e-6)
+    assert (alone[0] - plain).abs().max() > 1e-3
+    assert type(text) is PromptEmbeds  # no references: the text-to-image table, sampled as before
+    # prompt files: "images" made absolute; bad records named
+    (tmp_path / "refs").mkdir()
+    _write_image(tmp_path / "refs" / "a.png", 64, 64, 2)
+    (tmp_path / "refs" / "p.jsonl").write_text(json.dumps({"prompt": "p", "images": ["a.png", "a.png"]}) + "\n")
+    assert read_jsonl(tmp_path / "refs" / "p.jsonl")[0]["images"] == [str((tmp_path / "refs" / "a.png").resolve())] * 2
+    (tmp_path / "refs" / "q.jsonl").write_text(json.dumps({"prompt": "p", "images": "a.png"}) + "\n")
+    with pytest.raises(ValueError, match=r"q.jsonl:1: 'images' 'a.png' is not a list of image files"):
+        read_jsonl(tmp_path / "refs" / "q.jsonl")
+    tiny = _write_image(tmp_path / "tiny.png", 48, 64, 3)
+    with pytest.raises(ValueError, match=r"^reference image .*tiny.png: Image too small: 48×64.*Flux2KleinPipeline"):
+        model.prompt_table([{"prompt": "p", "image": tiny}])
+    with pytest.raises(ValueError, match=r"^prompt record 'p' names reference images in both 'image' and 'images'"):
+        model.prompt_table([{"prompt": "p", "image": small, "images": [small]}])
+    with pytest.raises(ValueError, match=r"^reference_resolution must be an integer number of pixels >= 64"):
+        load_model(klein, resolution=SIDE, reference_resolution=32)
+    train, test = prompt_files
+    over = tiny_overrides(klein, train, test, tmp_path / "run", **{"model.options.reference_resolution": 48})
+    with pytest.raises(ConfigError, match=r"^config key 'model.options.reference_resolution': reference_resolution"):
+        Trainer(load_config(None, over))

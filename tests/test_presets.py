@@ -27,6 +27,7 @@ GPU_RECIPES |= {
     "z_image_flow_grpo.yaml",
     "flux2_klein_flow_grpo.yaml",
     "flux2_flow_grpo.yaml",
+    "flux2_edit_flow_grpo.yaml",
     "ltx_video_flow_grpo.yaml",
     "wan_flow_grpo.yaml",
     "wan_i2v_flow_grpo.yaml",

@@ -14,8 +14,9 @@ Z-Image-Turbo). ``QwenImageEditPipeline`` -> :class:`QwenImageEditModel` and ``Q
 :class:`QwenImageEditPlusModel` (Qwen-Image-Edit: a source image per prompt, seen by the text encoder and the
 transformer).
 ``Flux2KleinPipeline`` -> :class:`Flux2KleinModel` (FLUX.2 klein 4B / 9B and their base models: a Qwen3 text encoder,
-batch-norm-normalised 2x2-patchified latents; text-to-image only). ``Flux2Pipeline`` -> :class:`Flux2Model` (FLUX.2
-[dev]: the same model with a Mistral 3 text encoder and the guidance scale as an input).
+batch-norm-normalised 2x2-patchified latents; text-to-image, or conditioned on a prompt record's reference images,
+read by :meth:`FlowModel.prompt_table`). ``Flux2Pipeline`` -> :class:`Flux2Model` (FLUX.2 [dev]: the same model with a
+Mistral 3 text encoder and the guidance scale as an input).
 ``WanImageToVideoPipeline`` -> :class:`WanImageToVideoModel` (Wan 2.1 / 2.2 image-to-video: :class:`WanModel` plus a
 source image per prompt, the video's first frame, read by :meth:`FlowModel.prompt_table`).
 ``LTXPipeline`` -> :class:`LTXVideoModel` (LTX-Video text-to-video: T5 prompts with a mask, VAE-normalised latents

@@ -319,7 +319,7 @@ def place_text_encoders(
 
 def place_vae(model: FlowModel, placement: str = "keep") -> None:
     """``cpu``: keep the VAE on the CPU except inside the adapter's ``decode`` (and ``encode_images``, FLUX.1 Kontext's
-    source images), which move it to the device for the call; ``keep`` does nothing.
+    source images and FLUX.2's reference images), which move it to the device for the call; ``keep`` does nothing.
 
     Raises:
         ValueError: for another placement.

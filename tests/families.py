@@ -421,6 +421,16 @@ FAMILIES: dict[str, TinyFamily] = {
             prompts="video",
             negative_prompt=True,
         ),
+        TinyFamily(
+            "HunyuanVideo15ImageToVideoModel",
+            _builder("test_hunyuan_video15_i2v", "build_random_hunyuan_video15_i2v_pipeline"),
+            {"resolution": 16, "num_frames": 5, "max_sequence_length": 16},
+            _stock_from_noise("test_hunyuan_video15_i2v", "stock_hunyuan_video15_i2v"),
+            (6.0, 1.0),
+            {**VIDEO_TRAIN, "sampling.guidance_scale": 6.0, "eval.guidance_scale": 6.0},
+            prompts="i2v",
+            negative_prompt=True,
+        ),
     )
 }
 """Every family the conformance suite runs, by adapter class name."""

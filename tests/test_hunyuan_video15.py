@@ -75,21 +75,12 @@ def build_qwen_chat_tokenizer():
     return tok
 
 
-def build_random_hunyuan_video15_pipeline(folder: Path) -> Path:
-    """Save a random-weight HunyuanVideo15Pipeline to ``folder`` (seeded; seconds): the tokenizer above with a 2-layer
-    Qwen2.5-VL text model (hidden 32; the pipeline reads the hidden states two layers below the top, here the token
-    embeddings), a 1-layer T5 encoder (d_model 32) with ByT5's byte tokenizer for the glyph text, an
-    AutoencoderKLHunyuanVideo15 compressing 8x in space and 4x in time into 4 channels with scaling factor 0.9 (so
-    that decoding checks the division), a 1-block HunyuanVideo15Transformer3DModel (in_channels 2 x 4 + 1: the latents,
-    the image-condition latents and their mask), the flow-matching Euler scheduler at 480p's shift 5 and a
-    ClassifierFreeGuidance guider at 480p's scale 6."""
-    from diffusers import (
-        AutoencoderKLHunyuanVideo15,
-        ClassifierFreeGuidance,
-        FlowMatchEulerDiscreteScheduler,
-        HunyuanVideo15Pipeline,
-        HunyuanVideo15Transformer3DModel,
-    )
+def random_hunyuan_video15_text_components() -> dict:
+    """The prompt components of a tiny HunyuanVideo 1.5 pipeline (seeded; the pipelines' keyword names): the tokenizer
+    above with a 2-layer Qwen2.5-VL text model (hidden 32; the pipeline reads the hidden states two layers below the
+    top, here the token embeddings) and a 1-layer T5 encoder (d_model 32) with ByT5's byte tokenizer for the glyph
+    text, the flow-matching Euler scheduler at 480p's shift 5 and a ClassifierFreeGuidance guider at 480p's scale 6."""
+    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 
     torch.manual_seed(0)
@@ -123,6 +114,25 @@ def build_random_hunyuan_video15_pipeline(folder: Path) -> Path:
             eos_token_id=byt5_tok.eos_token_id,
         )
     )
+    return {
+        "text_encoder": qwen,
+        "tokenizer": tok,
+        "text_encoder_2": byt5,
+        "tokenizer_2": byt5_tok,
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=5.0),
+        "guider": ClassifierFreeGuidance(guidance_scale=6.0),
+    }
+
+
+def build_random_hunyuan_video15_pipeline(folder: Path) -> Path:
+    """Save a random-weight HunyuanVideo15Pipeline to ``folder`` (seeded; seconds): the prompt components of
+    :func:`random_hunyuan_video15_text_components`, an AutoencoderKLHunyuanVideo15 compressing 8x in space and 4x in
+    time into 4 channels with scaling factor 0.9 (so that decoding checks the division) and a 1-block
+    HunyuanVideo15Transformer3DModel (in_channels 2 x 4 + 1: the latents, the image-condition latents and their
+    mask)."""
+    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel
+
+    text = random_hunyuan_video15_text_components()
     vae = AutoencoderKLHunyuanVideo15(
         latent_channels=4,
         block_out_channels=(8, 16, 16, 16),
@@ -148,16 +158,7 @@ def build_random_hunyuan_video15_pipeline(folder: Path) -> Path:
         target_size=64,
         task_type="t2v",
     )
-    pipe = HunyuanVideo15Pipeline(
-        text_encoder=qwen,
-        tokenizer=tok,
-        transformer=dit,
-        vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
-        text_encoder_2=byt5,
-        tokenizer_2=byt5_tok,
-        guider=ClassifierFreeGuidance(guidance_scale=6.0),
-    )
+    pipe = HunyuanVideo15Pipeline(transformer=dit, vae=vae, **text)
     pipe.save_pretrained(folder)
     return folder
 

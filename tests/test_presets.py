@@ -34,7 +34,7 @@ GPU_RECIPES |= {
     "sana_diffusion_nft.yaml",
 }  # in their families' tests
 GPU_RECIPES |= {"tiny_video.yaml"}  # the tiny video world's own model: run in test_tiny_video
-GPU_RECIPES |= {"hunyuan_video15_flow_grpo.yaml"}  # run shrunk in test_hunyuan_video15
+GPU_RECIPES |= {"hunyuan_video15_flow_grpo.yaml", "hunyuan_video15_i2v_flow_grpo.yaml"}  # test_hunyuan_video15*
 TINY = [c for c in CONFIGS if c.name not in GPU_RECIPES]
 SLOW_PRESETS = {"g2rpo", "branch_grpo", "branch_grpo_mix", "branch_grpo_mix_flash"}  # trees: run in CI (CI=true)
 SLOW_PRESETS |= {"awm", "crd", "dgpo", "dpo_online", "flow_dppo", "gardo", "dpo_offline", "sft"}  # test_methods trains

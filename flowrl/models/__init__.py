@@ -25,7 +25,9 @@ source image per prompt, the video's first frame, read by :meth:`FlowModel.promp
 latents) and ``SanaSprintPipeline`` -> :class:`SanaSprintModel` (SANA-Sprint: TrigFlow times as flow times, embedded
 guidance).
 ``HunyuanVideo15Pipeline`` -> :class:`HunyuanVideo15Model` (HunyuanVideo 1.5 text-to-video: Qwen2.5-VL and ByT5
-glyph prompts, the guider's CFG, zero image-condition channels appended to the latents ``(C, F, H, W)``).
+glyph prompts, the guider's CFG, zero image-condition channels appended to the latents ``(C, F, H, W)``) and
+``HunyuanVideo15ImageToVideoPipeline`` -> :class:`HunyuanVideo15ImageToVideoModel` (its image-to-video: a source image
+per prompt, read by :meth:`FlowModel.prompt_table`, as first-frame latents and SigLIP tokens).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from .flux import FluxModel
 from .flux2 import Flux2KleinModel, Flux2Model
 from .flux_kontext import FluxKontextModel
 from .hunyuan_video import HunyuanVideoModel
-from .hunyuan_video15 import HunyuanVideo15Model
+from .hunyuan_video15 import HunyuanVideo15ImageToVideoModel, HunyuanVideo15Model
 from .ltx import LTXVideoModel
 from .qwen_image import QwenImageModel
 from .qwen_image_edit import QwenImageEditModel, QwenImageEditPlusModel
@@ -63,6 +65,7 @@ ADAPTERS: tuple[type[FlowModel], ...] = (
     FluxKontextModel,
     HunyuanVideoModel,
     HunyuanVideo15Model,
+    HunyuanVideo15ImageToVideoModel,
     ZImageModel,
     Flux2KleinModel,
     Flux2Model,
@@ -84,6 +87,7 @@ __all__ = [
     "FluxModel",
     "HunyuanVideoModel",
     "HunyuanVideo15Model",
+    "HunyuanVideo15ImageToVideoModel",
     "LTXVideoModel",
     "PromptEmbeds",
     "QwenImageModel",

@@ -1,5 +1,6 @@
-"""The HunyuanVideo 1.5 family (``HunyuanVideo15Pipeline``): HunyuanVideo 1.5 text-to-video, sampled and trained as a
-flow model over latent videos ``(C, F, H, W)``.
+"""The HunyuanVideo 1.5 family: text-to-video (``HunyuanVideo15Pipeline``, :class:`HunyuanVideo15Model`) and
+image-to-video (``HunyuanVideo15ImageToVideoPipeline``, :class:`HunyuanVideo15ImageToVideoModel`: the first frame a
+source image named in the prompt record), sampled and trained as flow models over latent videos ``(C, F, H, W)``.
 
 HunyuanVideo 1.5 (Tencent Hunyuan, arXiv 2511.18870; reference implementation diffusers
 ``pipelines/hunyuan_video1_5/pipeline_hunyuan_video1_5.py``, ``models/transformers/transformer_hunyuan_video15.py`` and
@@ -16,7 +17,9 @@ Notation (code -> pipeline): ``t`` (flowrl's time, 1 = noise) -> the scheduler's
 ``timestep / 1000``; latents ``(C, F, H, W)`` -> ``latents`` (the VAE's latents times ``scaling_factor``); the zero
 ``(C + 1, F, H, W)`` appended in :meth:`HunyuanVideo15Model._forward` -> ``cond_latents_concat`` and ``mask_concat``;
 ``w`` -> ``guider.guidance_scale`` (``v_neg + w (v_c - v_neg)``, the guider's default formulation);
-``max_sequence_length`` -> the pipeline's ``tokenizer_max_length`` (Qwen tokens after the crop).
+``max_sequence_length`` -> the pipeline's ``tokenizer_max_length`` (Qwen tokens after the crop). Image-to-video
+(``pipelines/hunyuan_video1_5/pipeline_hunyuan_video1_5_image2video.py``): ``condition`` -> ``cat[cond_latents_concat,
+mask_concat]`` (the source's latents in frame 0, a mask of frame 0), ``image`` -> ``image_embeds`` (SigLIP tokens).
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from pathlib import Path
 
 import torch
 
-from .base import FlowModel, PromptEmbeds, _pipeline_folder, check_fraction, check_guidance
+from .base import FlowModel, PromptEmbeds, _absent, _model_index, _pipeline_folder, check_fraction, check_guidance
 from .hunyuan_video import HunyuanVideoModel
+from .wan_i2v import WanImageToVideoModel, source_rows
 
 HUNYUAN_VIDEO15_LORA_TARGETS = (
     "attn.to_q",
@@ -68,8 +72,13 @@ class HunyuanVideo15PromptEmbeds(PromptEmbeds):
     mask_2: torch.Tensor = None
 
     def __getitem__(self, index: torch.Tensor) -> HunyuanVideo15PromptEmbeds:
-        """The rows `index` (`(N,)` long) of every tensor."""
-        return HunyuanVideo15PromptEmbeds(**{f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)})
+        """The rows `index` (`(N,)` long) of every tensor (of this class: the image-to-video fields too)."""
+        return type(self)(**{f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)})
+
+
+TEXT_FIELDS = tuple(f.name for f in dataclasses.fields(HunyuanVideo15PromptEmbeds))
+"""The fields of a prompt's text (``embeds``, ``pooled``, ``mask``, ``embeds_2``, ``mask_2``): what the CFG negative
+takes from the negative prompt; any other field (an image-to-video source) it takes from the row it guides."""
 
 
 def per_sample(module: torch.nn.Module) -> None:
@@ -227,7 +236,7 @@ class HunyuanVideo15Model(FlowModel):
         file = _pipeline_folder(path) / "guider" / "guider_config.json"
         if not file.is_file():
             raise FileNotFoundError(
-                f"{file} not found: HunyuanVideo15Pipeline guides with its guider component (ClassifierFreeGuidance)"
+                f"{file} not found: {cls.PIPELINE} guides with its guider component (ClassifierFreeGuidance)"
             )
         cfg = _json(file)
         if cfg.get("_class_name") != "ClassifierFreeGuidance":
@@ -256,7 +265,7 @@ class HunyuanVideo15Model(FlowModel):
         if (dit.get("in_channels"), dit.get("out_channels")) != (2 * latent + 1, latent):
             raise ValueError(
                 f"{path / 'transformer'} takes {dit.get('in_channels')} channels and predicts "
-                f"{dit.get('out_channels')}; HunyuanVideo15Pipeline stacks the VAE's {latent} latent channels, "
+                f"{dit.get('out_channels')}; {cls.PIPELINE} stacks the VAE's {latent} latent channels, "
                 f"{latent} image-condition channels and a mask: expected {2 * latent + 1} in, {latent} out"
             )
 
@@ -306,11 +315,12 @@ class HunyuanVideo15Model(FlowModel):
         return HunyuanVideo15PromptEmbeds(embeds.float(), empty, mask.long(), embeds_2.float(), mask_2.long())
 
     def velocity_fn(self, table: HunyuanVideo15PromptEmbeds, guidance_scale: float):
-        """:meth:`FlowModel.velocity_fn` with row 0 of ``table`` (the CFG negative) re-encoded as
-        :attr:`negative_prompt` when it is not empty."""
+        """:meth:`FlowModel.velocity_fn` with the text of row 0 of ``table`` (the CFG negative) re-encoded as
+        :attr:`negative_prompt` when it is not empty (its other fields, if any, kept)."""
         if self.negative_prompt and guidance_scale != 1.0:
-            rest = torch.arange(1, len(table.embeds), device=table.embeds.device)
-            table = PromptEmbeds.cat([self.negative_encoding(), table[rest]])  # (P + 1) rows, row 0 the negative
+            negative = self.negative_encoding()
+            text = {f: torch.cat([getattr(negative, f), getattr(table, f)[1:]]) for f in TEXT_FIELDS}  # (P + 1) rows
+            table = dataclasses.replace(table, **text)
         return super().velocity_fn(table, guidance_scale)
 
     def velocity(
@@ -323,7 +333,9 @@ class HunyuanVideo15Model(FlowModel):
     ) -> torch.Tensor:
         """Velocity ``(N, C, F, H, W)`` float32 of latents ``x (N, C, F, H, W)`` at times ``t (N,)`` in [0, 1]: the
         guider's ``v_u + w (v_c - v_u)`` against ``uncond`` (one batched forward of both rows) when ``w > 1``, then its
-        ``rescale_noise_cfg`` toward ``v_c``'s standard deviation when :attr:`guidance_rescale` > 0.
+        ``rescale_noise_cfg`` toward ``v_c``'s standard deviation when :attr:`guidance_rescale` > 0. The negative rows
+        are ``uncond``'s text (:data:`TEXT_FIELDS`) with ``cond``'s other fields: an image-to-video row's negative sees
+        that row's source, as the stock pipeline gives both predictions the same image.
 
         Raises:
             ValueError: if ``guidance_scale < 1``.
@@ -332,7 +344,8 @@ class HunyuanVideo15Model(FlowModel):
         dtype = next(self.transformer.parameters()).dtype
         if uncond is None or guidance_scale == 1.0:
             return self._forward(x, t, cond, dtype).float()
-        both = PromptEmbeds.cat([uncond, cond])  # (2N) rows: negatives first
+        negative = dataclasses.replace(cond, **{f: getattr(uncond, f) for f in TEXT_FIELDS})  # (N) rows
+        both = PromptEmbeds.cat([negative, cond])  # (2N) rows: negatives first
         v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
         v = v_u + guidance_scale * (v_c - v_u)
         if not self.guidance_rescale:
@@ -344,13 +357,20 @@ class HunyuanVideo15Model(FlowModel):
     def _forward(self, x, t, cond: HunyuanVideo15PromptEmbeds, dtype) -> torch.Tensor:
         """One transformer call on ``x (N, C, F, H, W)`` at times ``t (N,)``, as ``HunyuanVideo15Pipeline`` makes it
         for text-to-video: the latents followed by ``C + 1`` zero channels (image-condition latents and mask), 729 zero
-        image tokens, timestep ``1000 t``, both prompt embeddings with their masks; returns ``(N, C, F, H, W)``."""
+        image tokens (:meth:`_call`); returns ``(N, C, F, H, W)``."""
         n, c, f, h, w = x.shape
         pipe = self.pipe
         condition = x.new_zeros(n, c + 1, f, h, w)  # (N, C + 1, F, H, W): cond_latents_concat, mask_concat
         image = x.new_zeros(n, pipe.vision_num_semantic_tokens, pipe.vision_states_dim)  # (N, 729, D_img)
+        return self._call(x, t, cond, condition, image, dtype)
+
+    def _call(self, x, t, cond: HunyuanVideo15PromptEmbeds, condition, image, dtype) -> torch.Tensor:
+        """The transformer on ``hidden_states = cat[x, condition]`` (``x (N, C, F, H, W)``, ``condition (N, C + 1, F,
+        H, W)``: image-condition latents and mask), the image tokens ``image (N, T_img, D_img)``, timestep ``1000 t``
+        (``t (N,)``) and both prompt embeddings of ``cond`` with their masks, inputs cast to ``dtype``; returns ``(N,
+        C, F, H, W)``."""
         return self.network()(
-            hidden_states=torch.cat([x, condition], dim=1).to(dtype),  # (N, 2C + 1, F, H, W)
+            hidden_states=torch.cat([x, condition.to(x.dtype)], dim=1).to(dtype),  # (N, 2C + 1, F, H, W)
             image_embeds=image.to(dtype),
             timestep=(t.float() * 1000).to(dtype),
             encoder_hidden_states=cond.embeds.to(dtype),
@@ -384,3 +404,158 @@ class HunyuanVideo15Model(FlowModel):
             super().load_lora(directory)
         finally:
             del self.pipe.load_lora_weights
+
+
+@dataclass
+class HunyuanVideo15I2VPromptEmbeds(HunyuanVideo15PromptEmbeds):
+    """:class:`HunyuanVideo15PromptEmbeds` with each row's source image:
+
+    - ``condition (P, C + 1, F_lat, h, w)`` float32: the source's VAE latents (the mode, times ``scaling_factor``) in
+      latent frame 0 and zeros after, then a mask channel (1 over frame 0, 0 elsewhere), as
+      ``HunyuanVideo15ImageToVideoPipeline.prepare_cond_latents_and_mask`` returns them (``cond_latents_concat``,
+      ``mask_concat``);
+    - ``image (P, T_img, D_img)`` float32: the source's SigLIP tokens (the image encoder's last hidden states, 729 x
+      1152 for the published folders), the pipeline's ``image_embeds``.
+
+    Row 0 (the CFG negative's text) holds zeros: the negative takes the source of the row it guides.
+    """
+
+    condition: torch.Tensor = None
+    image: torch.Tensor = None
+
+
+class HunyuanVideo15ImageToVideoModel(HunyuanVideo15Model):
+    """A HunyuanVideo 1.5 image-to-video flow model (``HunyuanVideo15ImageToVideoPipeline`` folder: 480p_i2v, 720p_i2v
+    or a small one): :class:`HunyuanVideo15Model` (latents, frames, prompts, the guider's CFG, negative prompt,
+    schedule, decoding, LoRA) plus a source image per prompt, the video's first frame.
+
+    - Source: a prompt record's ``image`` key, a path relative to the prompt file (:func:`flowrl.data.read_jsonl` makes
+      it absolute; the rewards receive the record as metadata), as :class:`~flowrl.models.WanImageToVideoModel` reads
+      it; a record without one starts from a blank mid-gray frame (:data:`flowrl.models.wan_i2v.BLANK_SOURCE`; the
+      stock pipeline needs an image and reproduces this given that frame): what ``flowrl sample --prompt`` draws.
+    - :meth:`encode_images` resizes the source to the square :attr:`resolution` with the pipeline's
+      ``video_processor.resize(..., resize_mode="crop")`` (scaled to cover, centre-cropped), builds the condition with
+      the pipeline's own ``prepare_cond_latents_and_mask`` and the SigLIP tokens with its ``encode_image``. The stock
+      pipeline sizes its video by the source's aspect ratio (the ``target_size`` bucket nearest it); for a square
+      source and ``target_size = resolution`` that is :attr:`resolution` square, flowrl's only shape: a source of
+      another aspect ratio is centre-cropped to a square where the stock pipeline would draw an oblong video.
+    - :meth:`_forward` gives the transformer ``cat[x, condition]`` (``2 C + 1`` channels) and the image tokens; under
+      CFG the negative sees the same source (:meth:`HunyuanVideo15Model.velocity`), as the stock pipeline. A row
+      without a source (the probe of :func:`~flowrl.models.base.make_batch_invariant`) is drawn as text-to-video
+      (zero condition, 729 zero image tokens). The transformer masks the image tokens out only when every row's are
+      zero, so rows with and without a source run one transformer call each (a row's velocity does not depend on
+      its batch).
+    - The MeanFlow step-distilled transformers (``use_meanflow``: the stock image-to-video pipeline also passes the
+      next step's time) are refused (:meth:`check_layout`).
+
+    Args:
+        path, device, dtype, max_sequence_length, resolution, num_frames, expert, negative_prompt: as
+            :class:`HunyuanVideo15Model`.
+
+    Raises:
+        FileNotFoundError, ValueError: as :class:`HunyuanVideo15Model`; ValueError also for a folder this adapter
+            cannot run (:meth:`check_layout`) and, from :meth:`prompt_table`, a source that is not an image.
+    """
+
+    PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
+    """The diffusers pipeline class this adapter loads (``_class_name`` in ``model_index.json``)."""
+
+    def __init__(
+        self,
+        path,
+        device="cpu",
+        dtype=torch.float32,
+        max_sequence_length=None,
+        resolution=None,
+        num_frames: int | None = None,
+        expert: str | None = None,
+        negative_prompt: str = "",
+    ):
+        self.check_layout(path)
+        super().__init__(path, device, dtype, max_sequence_length, resolution, num_frames, expert, negative_prompt)
+        self.pipe.image_encoder.requires_grad_(False).eval()
+
+    # ------------------------------------------------------------------------------ folder checks
+    @classmethod
+    def check_layout(cls, path: str | Path) -> None:
+        """Check that the folder ``path`` has the SigLIP image encoder and its processor and a transformer sampled
+        without the next step's time (no weights loaded).
+
+        Raises:
+            FileNotFoundError: if ``path`` is not a pipeline folder.
+            ValueError: naming the folder, for a missing ``image_encoder`` / ``feature_extractor`` or a transformer
+                with ``use_meanflow`` (the step-distilled folders).
+        """
+        path = _pipeline_folder(path)
+        index = _model_index(path)
+        missing = [name for name in ("image_encoder", "feature_extractor") if _absent(index, name)]
+        if missing:
+            raise ValueError(
+                f"{path} has no {' or '.join(missing)}: {cls.PIPELINE} encodes the source image with SigLIP "
+                "(image_encoder and its feature_extractor)"
+            )
+        if _json(path / "transformer" / "config.json").get("use_meanflow"):
+            raise ValueError(
+                f"{path / 'transformer'} sets use_meanflow (a step-distilled transformer that also takes the next "
+                "step's time): not built in flowrl; load a 480p_i2v / 720p_i2v or CFG-distilled folder"
+            )
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """:meth:`HunyuanVideo15Model.check_config` and the folder's layout (:meth:`check_layout`), before weights load.
+
+        Raises:
+            flowrl.config.ConfigError: naming the key (``model.path``, ``model.num_frames``, ...).
+        """
+        from ..config import config_key, resolve_path
+
+        super().check_config(cfg)
+        with config_key("model.path"):
+            cls.check_layout(resolve_path(cfg.model.path))
+
+    # ------------------------------------------------------------------------------ the sources
+    read_source = WanImageToVideoModel.read_source  # the RGB image at a path, or the blank frame
+
+    @torch.no_grad()
+    def encode_images(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Source images (``PIL.Image``) as the transformer's condition, one pipeline call each (as the stock pipeline
+        encodes its one image): ``(condition (S, C + 1, F_lat, h, w), image (S, T_img, D_img))`` float32 on the model's
+        device (:class:`HunyuanVideo15I2VPromptEmbeds`)."""
+        pipe, side = self.pipe, self.resolution
+        conditions, tokens = [], []
+        for source in images:
+            source = pipe.video_processor.resize(source, height=side, width=side, resize_mode="crop")  # side x side
+            zeros = torch.zeros(1, *self.latent_shape, device=self.device)  # the latents' shape, not their values
+            latents, mask = pipe.prepare_cond_latents_and_mask(
+                zeros, source, 1, side, side, torch.float32, self.device
+            )  # (1, C, F_lat, h, w), (1, 1, F_lat, h, w)
+            conditions.append(torch.cat([latents, mask], dim=1).float())  # (1, C + 1, F_lat, h, w)
+            tokens.append(pipe.encode_image(source, 1, self.device, torch.float32).float())  # (1, T_img, D_img)
+        return torch.cat(conditions), torch.cat(tokens)
+
+    def prompt_table(self, metas: list[dict]) -> HunyuanVideo15I2VPromptEmbeds:
+        """:meth:`FlowModel.prompt_table` with each record's source (:func:`~flowrl.models.wan_i2v.source_rows`: row 0,
+        the negative's text, gets zeros); ``P + 1`` rows of :class:`HunyuanVideo15I2VPromptEmbeds`.
+
+        Raises:
+            ValueError: naming the file, for a source that cannot be read as an image.
+            KeyError: for a record without ``prompt`` (the prompt files are checked when read, :mod:`flowrl.data`).
+        """
+        table = self.encode([""] + [m["prompt"] for m in metas])
+        condition, image = source_rows(self, metas)  # (P + 1, C + 1, F_lat, h, w), (P + 1, T_img, D_img)
+        text = {f: getattr(table, f) for f in TEXT_FIELDS}
+        return HunyuanVideo15I2VPromptEmbeds(**text, condition=condition, image=image)
+
+    def _forward(self, x, t, cond: HunyuanVideo15PromptEmbeds, dtype) -> torch.Tensor:
+        """One transformer call on ``x (N, C, F, H, W)`` at times ``t (N,)``, as ``HunyuanVideo15ImageToVideoPipeline``
+        makes it: ``cat[x, condition]`` and the SigLIP tokens of ``cond`` (:class:`HunyuanVideo15I2VPromptEmbeds`);
+        returns ``(N, C, F, H, W)``. Rows without a source (a plain :class:`HunyuanVideo15PromptEmbeds`, or zero image
+        tokens) run as text-to-video, in a call of their own when the batch mixes both."""
+        if getattr(cond, "condition", None) is None:
+            return super()._forward(x, t, cond, dtype)  # text-to-video: zero condition and image tokens
+        blank = (cond.image == 0).flatten(1).all(dim=1)  # (N,) rows whose image tokens the transformer masks out
+        if blank.any() and not blank.all():  # it masks them only when every row's are zero: one call per kind
+            groups = [blank.nonzero()[:, 0], (~blank).nonzero()[:, 0]]  # (N_0,), (N_1,) row indices
+            out = torch.cat([self._forward(x[i], t[i], cond[i], dtype) for i in groups])  # (N, C, F, H, W) grouped
+            return out[torch.cat(groups).argsort()]  # (N, C, F, H, W) in row order
+        return self._call(x, t, cond, cond.condition, cond.image, dtype)

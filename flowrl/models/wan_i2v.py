@@ -42,6 +42,22 @@ BLANK_SOURCE = (128, 128, 128)
 [-1, 1] pixels, with which it fills the frames it draws."""
 
 
+def source_rows(model, metas: list[dict]) -> tuple[torch.Tensor, ...]:
+    """The source image of each prompt record (its ``image`` path; None: the blank frame), read by
+    ``model.read_source`` and encoded by ``model.encode_images`` (each distinct source once), after a zero row 0 for
+    the CFG negative, which takes the source of the row it guides: each tensor ``encode_images`` returns, as ``(P + 1,
+    ...)`` rows of a prompt table (:class:`WanImageToVideoModel`, :class:`flowrl.models.HunyuanVideo15ImageToVideoModel`).
+
+    Raises:
+        ValueError: naming the file, for a source that cannot be read as an image.
+    """
+    keys = [m.get("image") for m in metas]
+    sources = list(dict.fromkeys(keys))  # each distinct source once (None: the blank frame)
+    encoded = model.encode_images([model.read_source(k) for k in sources])  # tensors (S, ...)
+    rows = torch.tensor([sources.index(k) for k in keys], device=model.device)  # (P,) source of each record
+    return tuple(torch.cat([torch.zeros_like(e[:1]), e[rows]]) for e in encoded)  # (P + 1, ...) each
+
+
 @dataclass
 class I2VPromptEmbeds(PromptEmbeds):
     """Wan prompt embeddings (``embeds (P, T, D)`` float32, an empty ``pooled (P, 0)``) with each row's source:
@@ -255,13 +271,7 @@ class WanImageToVideoModel(WanModel):
             KeyError: for a record without ``prompt`` (the prompt files are checked when read, :mod:`flowrl.data`).
         """
         table = self.encode([""] + [m["prompt"] for m in metas])
-        keys = [m.get("image") for m in metas]
-        sources = list(dict.fromkeys(keys))  # each distinct source once (None: the blank frame)
-        condition, image = self.encode_images([self.read_source(k) for k in sources])  # (S, ...)
-        rows = torch.tensor([sources.index(k) for k in keys], device=self.device)  # (P,) source of each record
-        condition, image = condition[rows], image[rows]  # (P, ...)
-        condition = torch.cat([torch.zeros_like(condition[:1]), condition])  # (P + 1, t + C, F_lat, h, w)
-        image = torch.cat([torch.zeros_like(image[:1]), image])  # (P + 1, T_img, D_img)
+        condition, image = source_rows(self, metas)  # (P + 1, t + C, F_lat, h, w), (P + 1, T_img, D_img)
         return I2VPromptEmbeds(table.embeds, table.pooled, condition, image)
 
     def velocity_fn(self, table: PromptEmbeds, guidance_scale: float):

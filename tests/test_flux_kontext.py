@@ -99,6 +99,9 @@ def test_adapter_and_the_prompt_records_source_image(kontext, edit_prompts, tmp_
     model = load_model(kontext, max_sequence_length=8, resolution=SIDE)
     with pytest.raises(ValueError, match="source image .*notes.png cannot be read as an image"):
         model.prompt_table([{"prompt": "a star", "image": str(tmp_path / "notes.png")}])
+    several = {"prompt": "a star", "images": [record["image"], record["image"]]}  # FLUX.2's multi-reference records
+    with pytest.raises(ValueError, match=r"'a star' names several reference images .*FLUX.1 Kontext takes one"):
+        model.prompt_table([several])
 
 
 def test_editing_samples_as_the_stock_pipeline(kontext, edit_prompts):

@@ -79,6 +79,22 @@ def check_fraction(value, name: str, off: str) -> float:
     return float(value)
 
 
+def source_image(meta: dict, family: str) -> str | None:
+    """The one source image a prompt record names for an edit or image-to-video family (its ``image`` path, None
+    for none).
+
+    Raises:
+        ValueError: naming the prompt and `family`, for a record naming several references (``images``), which only
+            FLUX.2 reads: drawn from the first one or from none, the record would silently not be what it asks.
+    """
+    if "images" in meta:
+        raise ValueError(
+            f"prompt record {meta.get('prompt')!r} names several reference images ('images'); {family} takes one "
+            "source image per record ('image'); several references: FLUX.2"
+        )
+    return meta.get("image")
+
+
 def make_batch_invariant(module: torch.nn.Module, probe: Callable[[], object] | None) -> int:
     """Make the per-sample layers of `module` give each sample the same bits at any batch size.
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import PromptEmbeds, check_guidance
+from .base import PromptEmbeds, check_guidance, source_image
 from .flux import FLUX_LORA_TARGETS, FluxModel
 
 KONTEXT_LORA_TARGETS = FLUX_LORA_TARGETS + ("proj_mlp",)
@@ -61,7 +61,7 @@ class FluxKontextModel(FluxModel):
             ValueError: naming the file, for an ``image`` that cannot be read as an image.
         """
         table = self.encode([""] + [m["prompt"] for m in metas])
-        image, has_image = self.encode_images([None] + [m.get("image") for m in metas])
+        image, has_image = self.encode_images([None] + [source_image(m, "FLUX.1 Kontext") for m in metas])
         return KontextPromptEmbeds(table.embeds, table.pooled, image, has_image)
 
     @torch.no_grad()

@@ -22,7 +22,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
     calculate_dimensions,
 )
 
-from .base import check_guidance
+from .base import check_guidance, source_image
 from .qwen_image import QwenImageModel, QwenPromptEmbeds, _token_norm
 
 DEFAULT_SOURCE_RESOLUTION = round(VAE_IMAGE_SIZE**0.5)
@@ -277,7 +277,7 @@ class QwenImageEditModel(QwenImageModel):
             KeyError: for a record without ``prompt`` (the prompt files are checked when read, :mod:`flowrl.data`).
         """
         prompts = [""] + [m["prompt"] for m in metas]
-        paths = [None] + [m.get("image") for m in metas]
+        paths = [None] + [source_image(m, "Qwen-Image-Edit") for m in metas]
         sources = list(dict.fromkeys(p for p in paths if p is not None))  # each distinct source once
         slot = {p: s for s, p in enumerate(sources)}
         plain = [i for i, p in enumerate(paths) if p is None]  # row 0 and the text-to-image records

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .base import PromptEmbeds, _absent, _model_index, _pipeline_folder, check_guidance
+from .base import PromptEmbeds, _absent, _model_index, _pipeline_folder, check_guidance, source_image
 from .wan import WAN_LORA_TARGETS, WanModel, _json
 
 WAN_I2V_LORA_TARGETS = WAN_LORA_TARGETS + ("ffn.net.0.proj", "ffn.net.2")
@@ -51,7 +51,7 @@ def source_rows(model, metas: list[dict]) -> tuple[torch.Tensor, ...]:
     Raises:
         ValueError: naming the file, for a source that cannot be read as an image.
     """
-    keys = [m.get("image") for m in metas]
+    keys = [source_image(m, "image-to-video") for m in metas]
     sources = list(dict.fromkeys(keys))  # each distinct source once (None: the blank frame)
     encoded = model.encode_images([model.read_source(k) for k in sources])  # tensors (S, ...)
     rows = torch.tensor([sources.index(k) for k in keys], device=model.device)  # (P,) source of each record

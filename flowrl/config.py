@@ -159,6 +159,12 @@ class SamplingConfig:
     prompts_per_iteration: int = setting(8, "prompts per iteration and process (each process draws its own)")
     shared_noise: bool = setting(False, "one initial noise per group")
     batch_size: int = setting(64, "images per sampler forward")
+    overlap_rewards: bool = setting(
+        False,
+        "sample the rollout in chunks of lcm(batch_size, group_size) images and decode and score each finished chunk "
+        "in a worker thread while the next one samples (same results as false; flat groups without shared_noise, "
+        "or a forward-process method)",
+    )
     decode_precision: str = setting(
         "auto",
         "auto | bf16 | no (float32): VAE decode of the rollout images (reward "
@@ -465,6 +471,15 @@ class Config:
             self.train.kl_beta,
         )
         METHODS[self.train.method].check_config(self)  # what the method (and its rollout shape) cannot run
+        if self.sampling.overlap_rewards:  # only where the method samples in chunks
+            chunked = sorted(name for name, method in METHODS.items() if method.chunked_rollout(self))
+            _check(
+                self.train.method in chunked,
+                "sampling.overlap_rewards",
+                f"false with train.method {self.train.method!r} here (chunked rollouts: train.method "
+                f"{' | '.join(chunked)}; the GRPO family with sampling.shape flat and no sampling.shared_noise)",
+                True,
+            )
 
 
 def _load_yaml(path: Path, chain: tuple[Path, ...] = ()):

@@ -29,6 +29,7 @@ from .files import atomic_output, write_text_atomic
 from .methods import Rewards, build_method
 from .models import build_adapter, resolve_model
 from .models.memory import place_frozen
+from .overlap import ChunkWorker, cat_scores, chunk_images
 from .plots import save_diagnostics, save_grid, save_reward_curve
 from .policy import Policy, check_accelerate_engine, check_accelerate_precision, check_optimizer
 from .precision import describe_device, resolve_precision
@@ -209,6 +210,15 @@ class Trainer:
         self.method = build_method(cfg, self.model, self.policy, self.rewards)
         self.diversity = self._diversity_probe() if self.method.online else None  # offline: no rollout images
         self.stop_rules = StopRules(cfg.run.stop_if)
+        s = cfg.sampling
+        if s.overlap_rewards and chunk_images(s.batch_size, s.group_size) >= s.prompts_per_iteration * s.group_size:
+            warnings.warn(
+                f"sampling.overlap_rewards: a rollout of {s.prompts_per_iteration * s.group_size} images is one chunk of "
+                f"lcm(sampling.batch_size, sampling.group_size) = {chunk_images(s.batch_size, s.group_size)}, so "
+                "nothing overlaps; lower sampling.batch_size",
+                UserWarning,
+                stacklevel=2,
+            )
         if cfg.model.lora_rank == 0 and cfg.run.keep_checkpoints is None:
             count = -(-cfg.run.iterations // cfg.run.save_every)
             mib = self.policy.checkpoint_mib(self.method.sampling_weights() is not None)
@@ -329,8 +339,9 @@ class Trainer:
             `dict[str, float]`: ``iteration`` (it + 1), ``reward/*`` means (per reward and per tag),
             ``advantage/*``, ``cost/nfe`` (transformer rows, CFG counted twice), ``cost/reward_calls`` (images
             scored), ``cost/judge_calls`` (with a pairwise reward), ``cost/trained_transitions``,
-            ``time/{sample,score,train}_s`` (wall seconds), ``memory/*_peak_gib`` (:meth:`_peak_memory`) and the
-            method's ``policy/*``.
+            ``time/{sample,score,train}_s`` (wall seconds; with ``sampling.overlap_rewards``, ``score_s`` is the wait
+            for the worker after sampling and ``time/score_worker_s`` the worker's decoding and scoring),
+            ``memory/*_peak_gib`` (:meth:`_peak_memory`) and the method's ``policy/*``.
 
         Raises:
             ValueError: if a reward returns the wrong shape, NaN or inf (the reward is named).
@@ -341,15 +352,18 @@ class Trainer:
             return self.offline_step(it, gen)
         metas = self.sample_prompts(it)
         t0 = time.time()
-        samples = method.rollout(metas, gen)
-        t1 = time.time()
+        judged, worker_s = self._judge_calls(), None
+        if self.cfg.sampling.overlap_rewards:  # each chunk decoded and scored in a worker while the next one samples
+            samples, scores, t1, worker_s = self.overlapped_rollout(metas, gen)
+        else:
+            samples = method.rollout(metas, gen)
+            t1 = time.time()
+            scores = self.score(samples.images, samples.image_prompt, metas)
+        judged = self._judge_calls() - judged
+        t2 = time.time()
         every = self.cfg.run.log_images_every
         if every and (it + 1) % every == 0:
             self.trackers.log_images("rollout", samples.images[:8], it + 1)
-        judged = self._judge_calls()
-        scores = self.score(samples.images, samples.image_prompt, metas)
-        judged = self._judge_calls() - judged
-        t2 = time.time()
         rewards = self.gather_rewards(scores, samples.image_prompt, len(metas))
         diversity = self.diversity_metrics(samples)
         adv, keep, adv_stats = method.advantages(samples, rewards, gen)
@@ -371,9 +385,38 @@ class Trainer:
             {**adv_stats, "time/sample_s": t1 - t0, "time/score_s": t2 - t1, "time/train_s": t3 - t2, **stats}
         )
         metrics["cost/nfe"] = samples.nfe + stats.get("cost/nfe", 0)
+        if worker_s is not None:
+            metrics["time/score_worker_s"] = worker_s
         metrics.update(diversity)
         metrics.update(self._peak_memory())
         return metrics
+
+    def overlapped_rollout(self, metas: list[dict], gen: torch.Generator):
+        """The method's rollout in chunks of ``lcm(sampling.batch_size, sampling.group_size)`` images
+        (:meth:`flowrl.methods.Method.rollout_in_chunks`), each chunk decoded and scored (:meth:`score`) in a worker
+        thread (:class:`flowrl.overlap.ChunkWorker`) while the next one samples (``sampling.overlap_rewards``): the
+        samples and scores of :meth:`Method.rollout` then :meth:`score`, where a reward scores an image alike in any
+        batch of whole groups.
+
+        Returns:
+            ``(samples, scores, t_sampled, worker_s)``: the samples with their ``images`` `(B, 3, H, W)`, the scores
+            (``.total`` `(B,)`), the ``time.time()`` the sampling ended, the worker's busy seconds.
+
+        Raises:
+            As :meth:`score` (a reward's error, named), re-raised from the worker once the chunk that hit it is done.
+        """
+        method, s = self.method, self.cfg.sampling
+
+        def decode_and_score(latents: torch.Tensor, image_prompt: torch.Tensor):
+            images = method.decode(latents)  # (n, 3, H, W) on the CPU
+            return images, self.score(images, image_prompt, metas)
+
+        with ChunkWorker(decode_and_score, self.device) as worker:
+            samples = method.rollout_in_chunks(metas, gen, chunk_images(s.batch_size, s.group_size), worker.submit)
+            t_sampled = time.time()
+            done = worker.results()
+        samples.images = torch.cat([images for images, _ in done])
+        return samples, cat_scores([scores for _, scores in done]), t_sampled, worker.busy_s
 
     def _diversity_probe(self):
         """The CLIP of ``run.diversity_model`` (:class:`flowrl.diversity.DiversityProbe`), or None: ``''``, or ``auto``

@@ -30,6 +30,7 @@ SCRIPTS = (
     "gradient_snr",
     "methods_table",
     "nft_text_encoders",
+    "overlap_rewards",
     "policy_step_check",
     "reward_server_load",
     "step_influence",
@@ -419,3 +420,21 @@ def test_reward_server_load_checks_every_reply_and_survives_a_killed_client(tmp_
     assert result["answered"] == result["expected"] == 20 and result["mixed_replies"] == 0 and not result["failures"]
     assert result["killed_client"] and result["health_after"] == "ok" and result["unfinished_clients"] == 0
     assert result["latency_p50_ms"] <= result["latency_p99_ms"]
+
+
+@pytest.mark.slow  # a benchmark script's smoke run: CI (CI=true)
+def test_overlap_rewards_times_both_settings_against_a_served_reward(
+    tmp_path, random_pipeline, prompt_files, monkeypatch
+):
+    out = tmp_path / "overlap.json"
+    over = tiny_overrides(random_pipeline, *prompt_files, tmp_path / "unused", **{"sampling.num_steps": 2})
+    args = ["--iterations", 2, "--repeats", 1, "--batch-size", 2, "--seconds-per-image", 0.01, "--out", out]
+    run_script(
+        "overlap_rewards",
+        [*args, "--overrides", *[o for o in over if not o.startswith("run.output_dir=")]],
+        monkeypatch,
+    )
+    result = json.loads(out.read_text())
+    assert result["same_metrics"] and result["same_weights"] and result["machine"]["cores"] >= 1
+    assert [r["overlap_rewards"] for r in result["runs"]] == [False, True]
+    assert result["runs"][1]["time/score_worker_s"] > 0 and result["runs"][0]["time/score_worker_s"] == 0

@@ -155,6 +155,25 @@ class Method:
         """Draw this iteration's images for the prompt records `metas` (``P`` prompts)."""
         raise NotImplementedError
 
+    @classmethod
+    def chunked_rollout(cls, cfg) -> bool:
+        """Whether this method, under `cfg`, has :meth:`rollout_in_chunks` (``sampling.overlap_rewards`` is refused
+        where it has not). Default: no."""
+        return False
+
+    def rollout_in_chunks(self, metas: list[dict], generator: torch.Generator, size: int, on_chunk) -> Samples:
+        """:meth:`rollout` sampled `size` images at a time (whole groups, whole sampler forwards), each chunk's final
+        latents handed over undecoded as soon as they exist, so the caller decodes and scores them while the next
+        chunk samples (``sampling.overlap_rewards``). Equal to :meth:`rollout` with the same `generator` in every
+        field but ``images``, which is left empty ``(0,)``: the caller sets it from the chunks it decoded.
+
+        Args:
+            size (`int`): images per chunk, a multiple of ``sampling.group_size`` and ``sampling.batch_size``.
+            on_chunk: ``on_chunk(latents (n, *latent_shape), image_prompt (n,) long CPU) -> None``, called per chunk in
+                order of the images; an exception it raises stops the rollout and propagates.
+        """
+        raise NotImplementedError
+
     def advantages(self, samples: Samples, rewards: Rewards, generator: torch.Generator):
         """Per-row advantages of `samples` from the gathered `rewards`; returns ``(advantages, keep (bool), stats)``."""
         raise NotImplementedError

@@ -73,16 +73,39 @@ class ForwardProcess(Method):
 
     def rollout(self, metas: list[dict], generator: torch.Generator) -> FinalSamples:
         """``G`` deterministic samples per prompt by :meth:`rollout_weights`: their final latents and prompt-table rows."""
+        samples = self._sample(metas, generator)
+        samples.images = self.decode(samples.x0)
+        return samples
+
+    @classmethod
+    def chunked_rollout(cls, cfg) -> bool:
+        """Where the rollout is this class's own (not a subclass's, such as the direct-reward methods')."""
+        return cls.rollout is ForwardProcess.rollout
+
+    def rollout_in_chunks(self, metas: list[dict], generator: torch.Generator, size: int, on_chunk) -> FinalSamples:
+        """:meth:`rollout` in chunks of `size` images (:meth:`Method.rollout_in_chunks`), ``images`` empty."""
+        return self._sample(metas, generator, size, on_chunk)
+
+    def _sample(self, metas: list[dict], generator: torch.Generator, size: int = 0, on_chunk=None) -> FinalSamples:
+        """:meth:`rollout` without decoding (``images`` empty); with `on_chunk`, the ODE runs on chunks of `size`
+        images, each chunk's final latents and prompt slots handed to ``on_chunk(x0, image_prompt)`` once solved."""
         cfg, model = self.cfg, self.model
         table = model.prompt_table(metas)
         prompt_index = torch.arange(len(metas), device=self.device).repeat_interleave(cfg.sampling.group_size)  # (B,)
         cond = table.rows(prompt_index)  # (B,)
         noise = torch.randn((len(cond), *model.latent_shape), generator=generator).to(self.device)
         velocity = model.velocity_fn(table, cfg.sampling.guidance_scale)  # guided, against the empty prompt
+        sigmas, size = self.sigmas.to(self.device), size or len(cond)
         with torch.no_grad(), self.policy.holding(self.rollout_weights()), self.policy.autocast():
-            x0 = ode_sample(self.chunked(velocity), noise, cond, self.sigmas.to(self.device), self.solver())
+            parts = []
+            for start in range(0, len(cond), size):  # one chunk of every row without on_chunk
+                rows = slice(start, start + size)
+                parts.append(ode_sample(self.chunked(velocity), noise[rows], cond[rows], sigmas, self.solver()))
+                if on_chunk is not None:
+                    on_chunk(parts[-1], prompt_index[rows].cpu())
+            x0 = parts[0] if len(parts) == 1 else torch.cat(parts)  # (B, *latent_shape)
         nfe = len(cond) * cfg.sampling.num_steps * model.cfg_rows(cfg.sampling.guidance_scale)
-        return FinalSamples(self.decode(x0), prompt_index.cpu(), nfe, x0, cond, table)
+        return FinalSamples(torch.empty(0), prompt_index.cpu(), nfe, x0, cond, table)
 
     def advantages(self, samples: FinalSamples, rewards: Rewards, generator: torch.Generator):
         """Group z-scores over every process's images (:meth:`Method.group_advantages`); this process's share,

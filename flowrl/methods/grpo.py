@@ -44,6 +44,15 @@ class GRPO(Method):
         """The rollout shape's groups of stochastic transitions (:meth:`RolloutShape.rollout`)."""
         return self.shape.rollout(metas, generator)
 
+    @classmethod
+    def chunked_rollout(cls, cfg) -> bool:
+        """Where the rollout is GRPO's and the shape samples in chunks (:meth:`RolloutShape.chunked_rollout`)."""
+        return cls.rollout is GRPO.rollout and SHAPES[cfg.sampling.shape].chunked_rollout(cfg)
+
+    def rollout_in_chunks(self, metas: list[dict], generator: torch.Generator, size: int, on_chunk) -> SDESamples:
+        """The rollout shape's :meth:`RolloutShape.rollout_in_chunks` (:meth:`Method.rollout_in_chunks`)."""
+        return self.shape.rollout_in_chunks(metas, generator, size, on_chunk)
+
     def advantages(self, samples: SDESamples, rewards: Rewards, generator: torch.Generator):
         """The rollout shape's per-transition advantages ``(M,)`` and the transitions that enter the loss ``(M,)``
         bool; with ``train.timestep_fraction < 1``, DanceGRPO's random subset of each image's trained steps, drawn

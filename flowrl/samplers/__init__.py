@@ -4,6 +4,7 @@ variables of :mod:`samplers.ddim`, for variance-preserving DDPM models).
 Importable on its own (torch only): it never imports ``flowrl``, ``rewards`` or diffusers models.
 """
 
+from .chunked import cat_flat_rollouts, sample_in_chunks
 from .ddim import (
     PREDICTION_TYPES,
     ddim_std,
@@ -68,6 +69,7 @@ __all__ = [
     "StepPlan",
     "TransitionBuffer",
     "VelocityFn",
+    "cat_flat_rollouts",
     "cps_step",
     "dance_sde_step",
     "ddim_std",
@@ -90,6 +92,7 @@ __all__ = [
     "recompute_log_prob",
     "respace_tail",
     "sample",
+    "sample_in_chunks",
     "sample_probes",
     "sample_shared_noise",
     "sample_tree",

@@ -357,6 +357,7 @@ def plan_step(
     prev_x0: torch.Tensor | None,
     prev_sigma,
     generator: torch.Generator | None,
+    noise: torch.Tensor | None = None,
 ):
     """Step ``k`` of `plan` from ``sigmas[k]`` to ``sigmas[k + 1]`` with the step's kernel.
 
@@ -371,6 +372,8 @@ def plan_step(
         prev_x0 (`torch.Tensor` of shape `(F, C, H, W)`, optional): ``x0_hat`` of step ``k - 1``;
             prev_sigma (0-d tensor, optional): ``sigmas[k - 1]``.
         generator (`torch.Generator`, optional): source of the SDE noise.
+        noise (`torch.Tensor` of shape `(F, C, H, W)`, optional): the stochastic kernel's ``eps``, instead of a draw
+            from `generator`.
 
     Returns:
         The kernel's :class:`samplers.StepOutput` (float32; `mean`, `std`, `log_prob` `None` if deterministic).
@@ -380,7 +383,10 @@ def plan_step(
         return MULTISTEP_KERNELS[kernel](
             x, velocity, sigmas[k], sigmas[k + 1], prev_x0, prev_sigma, final=k == plan.num_steps - 1
         )
-    return KERNELS[kernel](x, velocity, sigmas[k], sigmas[k + 1], plan.noise_levels[k], sigmas[1], generator=generator)
+    given = {} if noise is None else {"noise": noise}
+    return KERNELS[kernel](
+        x, velocity, sigmas[k], sigmas[k + 1], plan.noise_levels[k], sigmas[1], generator=generator, **given
+    )
 
 
 def _step_policy(kernel: str, velocity_fn: VelocityFn, ode_velocity_fn: VelocityFn | None) -> VelocityFn:
@@ -532,6 +538,7 @@ def sample(
     plan: StepPlan,
     generator: torch.Generator | None = None,
     ode_velocity_fn: VelocityFn | None = None,
+    step_noise: list[torch.Tensor | None] | None = None,
 ) -> Rollout:
     """Run `plan` on a batch from `noise` down the schedule `sigmas`, recording stochastic transitions.
 
@@ -551,15 +558,19 @@ def sample(
         ode_velocity_fn (:class:`VelocityFn`, optional): the policy for the deterministic steps (ODE,
             DPM-Solver++), which record no log-prob, e.g. `velocity_fn` under bf16 autocast; default
             `velocity_fn`. Stochastic steps always call `velocity_fn`.
+        step_noise (`list`, optional): per step, the stochastic kernel's ``eps`` (`(B, C, H, W)`, float32) instead of
+            a draw from `generator` (None for a step that draws; :func:`samplers.sample_in_chunks` draws them up front).
 
     Returns:
         :class:`Rollout` with `M = B * len(plan.stochastic_steps)` transitions and `B` leaves.
 
     Raises:
-        ValueError: if a shape or dtype is wrong, `sigmas` is not decreasing in `[0, 1]`, or `velocity_fn`
-            returns a tensor of the wrong shape.
+        ValueError: if a shape or dtype is wrong, `sigmas` is not decreasing in `[0, 1]`, `step_noise` is not one
+            entry per step, or `velocity_fn` returns a tensor of the wrong shape.
     """
     _check_sample_inputs(noise, cond, group, sigmas, plan)
+    if step_noise is not None and len(step_noise) != plan.num_steps:
+        raise ValueError(f"step_noise has {len(step_noise)} entries for a {plan.num_steps}-step plan")
     batch = noise.shape[0]
     x = noise.float()
     sigmas = sigmas.to(device=x.device, dtype=torch.float32)
@@ -572,7 +583,8 @@ def sample(
         velocity = _step_policy(kernel, velocity_fn, ode_velocity_fn)(x, sigmas[k].expand(batch).contiguous(), cond)
         if velocity.shape != x.shape:
             raise ValueError(f"velocity_fn returned shape {tuple(velocity.shape)}; expected {tuple(x.shape)}")
-        out = plan_step(plan, k, x, velocity, sigmas, prev_x0, prev_sigma, generator)
+        noise_k = None if step_noise is None else step_noise[k]
+        out = plan_step(plan, k, x, velocity, sigmas, prev_x0, prev_sigma, generator, noise_k)
         # history of the multistep kernels; after an SDE window it is the window's last x0_hat, so the first
         # DPM-Solver++ step is second order, as in MixGRPO's code (its x0 history is updated on SDE steps too)
         prev_x0, prev_sigma = x - sigmas[k] * velocity.float(), sigmas[k]

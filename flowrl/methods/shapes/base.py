@@ -62,6 +62,16 @@ class RolloutShape:
         """This iteration's groups for the prompt records `metas` from the current policy."""
         raise NotImplementedError
 
+    @classmethod
+    def chunked_rollout(cls, cfg) -> bool:
+        """Whether the shape, under `cfg`, has :meth:`rollout_in_chunks`. Default: no."""
+        return False
+
+    def rollout_in_chunks(self, metas: list[dict], generator: torch.Generator, size: int, on_chunk) -> SDESamples:
+        """:meth:`rollout` a chunk of `size` images at a time, as :meth:`flowrl.methods.base.Method.rollout_in_chunks`
+        describes."""
+        raise NotImplementedError
+
     def advantages(self, samples: SDESamples, rewards: Rewards) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """``(advantages (M,) float32, keep (M,) bool, stats)`` of the `M` stored transitions of `samples`."""
         raise NotImplementedError

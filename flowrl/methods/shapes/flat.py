@@ -11,7 +11,15 @@ from dataclasses import dataclass
 import torch
 
 from ...fields import check, setting
-from ...samplers import WINDOW_SCHEDULES, SlidingWindow, mix_plan, sample, sample_shared_noise, start_latents
+from ...samplers import (
+    WINDOW_SCHEDULES,
+    SlidingWindow,
+    mix_plan,
+    sample,
+    sample_in_chunks,
+    sample_shared_noise,
+    start_latents,
+)
 from ..base import Rewards, SDESamples
 from .base import RolloutShape, register_shape
 
@@ -98,6 +106,23 @@ class FlatShape(RolloutShape):
 
     @torch.no_grad()
     def rollout(self, metas: list[dict], generator: torch.Generator) -> SDESamples:
+        ro, table = self._sample(metas, generator)
+        return SDESamples(self.method.decode(ro.final), ro.group.cpu(), self.nfe(ro), ro, table)
+
+    @classmethod
+    def chunked_rollout(cls, cfg) -> bool:
+        """One initial noise per image samples in chunks; ``sampling.shared_noise`` (a group's shared prefix) not."""
+        return not cfg.sampling.shared_noise
+
+    @torch.no_grad()
+    def rollout_in_chunks(self, metas: list[dict], generator: torch.Generator, size: int, on_chunk) -> SDESamples:
+        """:meth:`rollout` in chunks of `size` images (:func:`flowrl.samplers.sample_in_chunks`), ``images`` empty."""
+        ro, table = self._sample(metas, generator, size, on_chunk)
+        return SDESamples(torch.empty(0), ro.group.cpu(), self.nfe(ro), ro, table)
+
+    def _sample(self, metas: list[dict], generator: torch.Generator, size: int = 0, on_chunk=None):
+        """The iteration's :class:`flowrl.samplers.Rollout` and prompt table; with `on_chunk`, sampled in chunks of
+        `size` images, each chunk's final latents and prompt slots handed to ``on_chunk(latents, image_prompt)``."""
         sampling = self.cfg.sampling
         table = self.model.prompt_table(metas)
         velocity = self.velocity(table)
@@ -124,17 +149,18 @@ class FlatShape(RolloutShape):
                 prompt_index = roots.repeat_interleave(sampling.group_size)  # (B,)
                 noise = torch.randn((len(prompt_index), *self.model.latent_shape), generator=generator)
                 noise = start_latents(noise, self.sigmas[0])
-                ro = sample(
-                    velocity,
-                    noise.to(self.device),
-                    table.rows(prompt_index),
-                    prompt_index,
-                    sigmas,
-                    plan,
-                    generator=generator,
-                    ode_velocity_fn=self.ode_velocity(velocity),
-                )
-        return SDESamples(self.method.decode(ro.final), ro.group.cpu(), self.nfe(ro), ro, table)
+                args = (velocity, noise.to(self.device), table.rows(prompt_index), prompt_index, sigmas, plan)
+                if on_chunk is None:
+                    ro = sample(*args, generator=generator, ode_velocity_fn=self.ode_velocity(velocity))
+                else:
+                    ro = sample_in_chunks(
+                        *args,
+                        size,
+                        lambda rows, final: on_chunk(final, prompt_index[rows].cpu()),
+                        generator=generator,
+                        ode_velocity_fn=self.ode_velocity(velocity),
+                    )
+        return ro, table
 
     def advantages(self, samples: SDESamples, rewards: Rewards):
         """Group z-scores over every process's images (:meth:`Method.group_advantages`); each transition takes its

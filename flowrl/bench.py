@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from .config import REPO_ROOT, load_config
-from .evaluation import machine
 from .samplers import start_latents
 
 PRESETS = (
@@ -221,6 +220,8 @@ def run_bench(
         row["vs_dance_grpo"] = row["time/iteration_s"] / base if base else None
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    from .evaluation import machine  # the models and diffusers: not loaded by the CLI's parser
+
     meta = {
         "machine": machine(),
         "iterations": iterations,

@@ -393,7 +393,8 @@ def _options(pairs: list[str] | None) -> dict:
 def cmd_score(args) -> dict:
     """``flowrl score``: score a folder of images with a named reward; per-image rows to ``--out``, mean printed
     (:func:`flowrl.image_folders.score_records`)."""
-    from .image_folders import read_image_folder, score_records, summarize, write_scores
+    from .evaluation import summarize
+    from .image_folders import read_image_folder, score_records, write_scores
     from .prompt_sets import read_prompt_set
     from .rewards import build_reward
 

@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .evaluation import generate, summarize
 from .files import atomic_output, write_text_atomic
 
 __all__ = [
@@ -31,9 +30,8 @@ __all__ = [
     "load_image",
     "read_image_folder",
     "score_records",
-    "summarize",
     "write_scores",
-]  # summarize: from evaluate
+]
 
 LAYOUTS = ("geneval", "flat")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -89,6 +87,7 @@ def generate_folder(
     Raises:
         ValueError: ``k < 1``, no prompt, an unknown `layout`, or a prompt record without a string ``prompt``.
     """
+    from . import evaluation  # the models and diffusers: loaded when a folder is drawn, not when the CLI starts
 
     if k < 1 or not metas:
         raise ValueError(f"generate_folder needs k >= 1 and at least one prompt; got k={k}, {len(metas)} prompts")
@@ -111,7 +110,7 @@ def generate_folder(
             write_text_atomic(out / f"{i:05d}" / "metadata.jsonl", json.dumps(metas[i]) + "\n")
     for start in range(0, len(items), batch_size):
         chunk = items[start : start + batch_size]
-        images = generate(
+        images = evaluation.generate(
             model,
             [metas[i]["prompt"] for i, _ in chunk],
             [seed + i * k + j for i, j in chunk],

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from .config import REPO_ROOT, load_config
-from .evaluation import evaluate, machine
 
 PRESETS = ("flow_grpo", "grpo_guard", "dance_grpo", "grpo_guard_dance")
 GOLD = "geneval_strict"
@@ -37,6 +36,8 @@ def proxy_and_gold(trainer, proxy) -> dict[str, float]:
         ``{"proxy": mean proxy score, "gold": GenEval strict accuracy in [0, 1], "gold_dense": dense
         GenEval score in [0, 1], "per_tag": {tag: strict accuracy}}``.
     """
+    from .evaluation import evaluate
+
     e, s = trainer.cfg.eval, trainer.cfg.sampling
     with trainer.policy.ema_weights(), trainer.policy.autocast():
         result = evaluate(
@@ -84,6 +85,7 @@ def run_overopt(
     Raises:
         ValueError: ``eval_every`` < 1 or ``iterations`` < 1.
     """
+    from .evaluation import machine
     from .rewards import build_reward
     from .trainer import Trainer
 

@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -253,39 +254,52 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def _served(*args: str):
+    """``flowrl serve-reward ARGS --port 0`` in a subprocess: yields the URL it prints; terminated on exit."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "flowrl.cli", "serve-reward", *args, "--port", "0"]
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        match = re.search(r"serving reward .* on (http://127\.0\.0\.1:\d+)", line)
+        assert match, line + process.stderr.read()
+        yield match.group(1)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
 def test_serve_reward_command_serves_on_loopback():
     """A subprocess smoke run of ``flowrl serve-reward``: it prints its URL, serves /health and /score, and a bad
     option fails in one line."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flowrl.cli",
-            "serve-reward",
-            "jpeg_compressibility",
-            "--port",
-            "0",
-            "--option",
-            "quality=80",
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        line = process.stdout.readline()
-        url = re.search(r"serving reward jpeg_compressibility on (http://127\.0\.0\.1:\d+)", line).group(1)
+    with _served("jpeg_compressibility", "--option", "quality=80") as url:
         remote = build_reward("remote", url=url, timeout=30)
         assert remote.health()["reward"] == "jpeg_compressibility"
         images = torch.rand(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
         expected = build_reward("jpeg_compressibility", quality=80)(images, ["a", "b"], [{}, {}])
         assert torch.equal(remote(images, ["a", "b"], [{}, {}]), expected)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+
+
+def test_serve_reward_serves_a_reward_module_file_without_the_trainers_libraries(tmp_path):
+    """docs/rewards.md's recipe for a reward that pins old libraries (DeQA-Score and kin): a module file served by
+    ``flowrl serve-reward FILE.py:function`` from the reward's own environment, which needs neither diffusers nor
+    transformers: the stand-in refuses to score if the server process imported them."""
+    (tmp_path / "stand_in.py").write_text(
+        "import sys\n"
+        "def score(offset=0.0):  # a factory: its options are the server's --option\n"
+        "    def reward(images, prompts, metadata):\n"
+        "        loaded = [m for m in ('diffusers', 'transformers', 'accelerate', 'peft') if m in sys.modules]\n"
+        "        assert not loaded, loaded\n"
+        "        return images.mean(dim=(1, 2, 3)) + float(offset)\n"
+        "    return reward\n"
+    )
+    with _served(f"{tmp_path / 'stand_in.py'}:score", "--option", "offset=1.5") as url:
+        images = torch.rand(3, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+        scores = build_reward("remote", url=url, timeout=30)(images, ["a", "b", "c"], [{}, {}, {}])
+        torch.testing.assert_close(scores, images.mean(dim=(1, 2, 3)) + 1.5)
+    with pytest.raises(ValueError, match=r"reward spec '.*missing.py:score': no Python file .*missing.py"):
+        build_reward(f"{tmp_path / 'missing.py'}:score")
 
 
 def test_serve_reward_options_are_checked_before_serving(capsys, monkeypatch):

@@ -14,6 +14,7 @@ import importlib
 import inspect
 import math
 import numbers
+import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -183,11 +184,54 @@ def reward_name(reward: Callable) -> str:
     return getattr(reward, "name", None) or getattr(reward, "__name__", None) or type(reward).__name__
 
 
+def _import_file(spec: str, path: str) -> Any:
+    """The module of the Python file `path` (``reward spec 'PATH.py:function'``), imported under its file name.
+
+    Raises:
+        ValueError: naming `spec`, for a missing file or a module that raises while importing.
+    """
+    import importlib.util
+
+    file = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(file):
+        raise ValueError(f"reward spec {spec!r}: no Python file {file}")
+    name = "flowrl_reward_file_" + os.path.splitext(os.path.basename(file))[0]
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, file))
+    sys.modules[name] = module  # dataclasses and pickling-free introspection look modules up by name
+    try:
+        module.__spec__.loader.exec_module(module)
+    except Exception as err:  # the user's file raised while importing: named, in one line, chained
+        del sys.modules[name]
+        message = " ".join(str(err).split()) or "(no message)"
+        raise ValueError(f"reward spec {spec!r}: importing {file} raised {type(err).__name__}: {message}") from err
+    return module
+
+
 def _import_dotted(spec: str) -> Any:
-    """Resolve `'package.module:attr'` (the attribute may be dotted, e.g. `'mod:Class.method'`)."""
-    module_name, _, attr_path = spec.partition(":")
+    """Resolve `'package.module:attr'` or `'path/to/file.py:attr'` (a reward module file, e.g. one a reward server
+    runs in the reward's own environment); the attribute may be dotted, e.g. `'mod:Class.method'`."""
+    module_name, _, attr_path = spec.rpartition(":") if ".py:" in spec else spec.partition(":")
     if not module_name or not attr_path:
-        raise ValueError(f"reward spec {spec!r} must look like 'package.module:function'")
+        raise ValueError(f"reward spec {spec!r} must look like 'package.module:function' or 'file.py:function'")
+    if module_name.endswith(".py"):
+        obj = _import_file(spec, module_name)
+    else:
+        obj = _import_module(spec, module_name)
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(
+                f"reward spec {spec!r}: {getattr(obj, '__name__', type(obj).__name__)!r} has no attribute {part!r}"
+            )
+        obj = getattr(obj, part)
+    return obj
+
+
+def _import_module(spec: str, module_name: str) -> Any:
+    """The module `module_name` of ``reward spec 'package.module:function'``.
+
+    Raises:
+        ValueError: naming `spec`, for a standard-library module, a missing module or one that raises on import.
+    """
     top = module_name.split(".")[0]
     if top in sys.stdlib_module_names or top == "builtins":  # a config is code, but a reward is never os:system
         raise ValueError(
@@ -195,7 +239,7 @@ def _import_dotted(spec: str) -> Any:
             "your own module or package"
         )
     try:
-        obj = importlib.import_module(module_name)
+        return importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name is None or not (module_name + ".").startswith(err.name + "."):  # one of the module's imports
             raise ValueError(f"reward spec {spec!r}: importing {module_name!r} failed: {err}") from err
@@ -205,13 +249,6 @@ def _import_dotted(spec: str) -> Any:
         raise ValueError(
             f"reward spec {spec!r}: importing {module_name!r} raised {type(err).__name__}: {message}"
         ) from err
-    for part in attr_path.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(
-                f"reward spec {spec!r}: {getattr(obj, '__name__', type(obj).__name__)!r} has no attribute {part!r}"
-            )
-        obj = getattr(obj, part)
-    return obj
 
 
 ENTRY_POINT_GROUP = "flowrl.rewards"

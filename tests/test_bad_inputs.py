@@ -231,6 +231,7 @@ def _hold_lock(folder: Path) -> subprocess.Popen:
     return holder
 
 
+@pytest.mark.slow  # 15 s of subprocesses: in CI (CI=true); the default run keeps the default suite under 15 min
 def test_two_writers_cannot_share_a_run_folder(tmp_path, random_pipeline, prompt_files):
     config, overrides = _tiny_config(tmp_path, random_pipeline, prompt_files)
     holder = _hold_lock(tmp_path / "run")

@@ -99,6 +99,15 @@ def test_a_failing_reward_stops_the_rollout_with_its_own_error():
 
 
 def test_ctrl_c_while_waiting_for_the_worker_stops_at_once():
+    # Python's own Ctrl-C handler, whatever a library imported by earlier tests installed in its place
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_while_waiting()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_while_waiting() -> None:
     main = threading.get_ident()
     worker = ChunkWorker(lambda: time.sleep(10))
     worker.submit()

@@ -225,6 +225,7 @@ def _cli(*args):
     return subprocess.run([sys.executable, "-m", "flowrl.cli", *map(str, args)], capture_output=True, text=True)
 
 
+@pytest.mark.slow  # 15 s of subprocesses: in CI (CI=true); the default run keeps the default suite under 15 min
 def test_cli_sample_and_eval(tmp_path, random_pipeline, prompt_files, finished_run):
     from pathlib import Path
 

@@ -875,8 +875,13 @@ def _run(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """The ``flowrl`` command. Bad input (config key, file, reward, preset) exits with status 2 and a
-    one-line ``flowrl COMMAND: error: ...`` on stderr instead of a traceback."""
-    _run(_parser().parse_args(argv))
+    one-line ``flowrl COMMAND: error: ...`` on stderr instead of a traceback; no command prints the usage (the
+    commands) on stderr and exits with status 2."""
+    parser = _parser()
+    if not (sys.argv[1:] if argv is None else argv):
+        parser.print_help(sys.stderr)
+        raise SystemExit(2)
+    _run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,12 @@ class RunFolder:
         # probed by the main process alone: two processes probing the lock at once would each find it taken
         self.on_main(lambda: check_not_in_use(self.path))  # nothing is created yet: hold() takes the lock
         self.refuse_existing()
+        for folder in ("checkpoints", "lora", "pipeline"):  # before any work, not at the first save
+            if (self.path / folder).exists() and not (self.path / folder).is_dir():
+                raise NotADirectoryError(
+                    f"run folder {self.path}: '{folder}' is a file where flowrl writes a folder; move it away or "
+                    "choose another run.output_dir"
+                )
         check_folder_writable(self.path, "config key 'run.output_dir'")
 
     def files(self) -> list[str]:

@@ -244,8 +244,9 @@ def test_pickled_only_clip_and_lora_folders_say_why(tmp_path):
     shutil.copytree(REPO / "assets" / "tiny-clip", clip)
     (clip / "model.safetensors").unlink()
     (clip / "pytorch_model.bin").write_bytes(b"a pickle")
-    with pytest.raises(ValueError, match=r"clipscore: .*holds only pickled weights \(pytorch_model\.bin\)"):
-        build_reward("clipscore", model_path=str(clip))
+    for reward in ("clipscore", "clip_temporal"):  # every reward model loads through rewards.base.load_pretrained
+        with pytest.raises(ValueError, match=rf"{reward}: .*holds only pickled weights \(pytorch_model\.bin\)"):
+            build_reward(reward, model_path=str(clip))
     lora = tmp_path / "lora"
     lora.mkdir()
     (lora / "adapter_model.bin").write_bytes(b"a pickle")
@@ -327,3 +328,22 @@ def test_a_disk_that_fills_mid_run_names_the_checkpoint_to_resume_from(
     assert line == "x"  # the CLI prints the trainer's one line as it is
     Trainer(load_config(REPO / "configs" / "flow_grpo.yaml", over + ["run.resume=true"])).train()
     assert (out / "checkpoints" / "checkpoint-000002").is_dir()
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_file_where_the_run_writes_a_folder_is_refused_before_any_work(resume, tmp_path):
+    from types import SimpleNamespace
+
+    from flowrl.run import RunFolder
+
+    (tmp_path / "checkpoints").write_text("not a folder")
+    error = FileExistsError if not resume else NotADirectoryError
+    with pytest.raises(error, match="checkpoints"):
+        RunFolder(tmp_path, SimpleNamespace(is_main_process=True, num_processes=1), resume=resume)
+
+
+def test_flowrl_with_no_command_prints_usage_and_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([])
+    assert exit_info.value.code == 2
+    assert "usage: flowrl" in capsys.readouterr().err

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import check_batch_size, check_inputs, register_reward
+from .base import check_batch_size, check_inputs, load_pretrained, register_reward
 from .clipscore import _as_dtype, _check_folder, _pooled, clip_preprocess
 
 __all__ = ["AestheticScore", "aesthetic", "aesthetic_mlp"]
@@ -204,5 +204,5 @@ def aesthetic(
     except (OSError, ValueError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise OSError(f"aesthetic: cannot load a CLIP image processor from '{clip_path}' ({first_line})") from err
-    clip = CLIPModel.from_pretrained(folder, local_files_only=True)
+    clip = load_pretrained(CLIPModel, folder, "aesthetic")
     return AestheticScore(clip, layers, processor.image_mean, processor.image_std, device, dtype, batch_size)

@@ -345,6 +345,30 @@ def build_reward(spec: str, **kwargs: Any) -> Reward:
     return reward
 
 
+def load_pretrained(cls: Any, folder: str | os.PathLike, reward: str, **kwargs: Any) -> Any:
+    """``cls.from_pretrained(folder)`` of a local transformers model, from safetensors only.
+
+    Args:
+        cls: a transformers model class (``CLIPModel``, ``Qwen2VLForConditionalGeneration``, ...).
+        folder (`str` or `PathLike`): the model's local folder (``config.json`` and ``*.safetensors``).
+        reward (`str`): the reward's name, for the error.
+        **kwargs: passed to ``from_pretrained`` (``dtype``, ...).
+
+    Raises:
+        ValueError: ``"{reward}: FOLDER holds only pickled weights (...)"`` when the folder has ``*.bin`` / ``*.pt``
+            files and no safetensors (they are never unpickled), or names a damaged safetensors file.
+    """
+    from ..files import check_weights_folder
+
+    try:
+        check_weights_folder(
+            folder, "load it once in a trusted environment and save_pretrained() it (transformers writes safetensors)"
+        )
+    except ValueError as e:
+        raise ValueError(f"{reward}: {e}") from None
+    return cls.from_pretrained(folder, local_files_only=True, use_safetensors=True, **kwargs)
+
+
 def is_integer(value: Any) -> bool:
     """Whether `value` is an integer option: a Python or numpy integer, and not a bool.
 

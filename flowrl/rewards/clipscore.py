@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import check_batch_size, check_inputs, register_reward, score_in_chunks
+from .base import check_batch_size, check_inputs, load_pretrained, register_reward, score_in_chunks
 
 __all__ = ["ClipScore", "clip_preprocess", "clipscore"]
 
@@ -90,16 +90,7 @@ def _load_clip(
         raise OSError(
             f"{reward}: cannot load a CLIP tokenizer and image processor from '{processor_path}' ({first_line})"
         ) from err
-    from ..files import check_weights_folder
-
-    try:  # pickled weights (pytorch_model.bin) only: refused in one line, never unpickled
-        check_weights_folder(
-            model_dir,
-            "load it once in a trusted environment and save_pretrained() it (transformers writes safetensors)",
-        )
-    except ValueError as e:
-        raise ValueError(f"{reward}: {e}") from None
-    model = CLIPModel.from_pretrained(model_dir, local_files_only=True, use_safetensors=True)
+    model = load_pretrained(CLIPModel, model_dir, reward)  # pickled-only folders refused in one line
     return model, tokenizer, image_processor
 
 

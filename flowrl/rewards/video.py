@@ -32,6 +32,7 @@ from .base import (
     check_inputs,
     check_scores,
     is_integer,
+    load_pretrained,
     register_reward,
     reward_name,
 )
@@ -301,7 +302,7 @@ def clip_temporal(
         raise OSError(
             f"clip_temporal: cannot load a CLIP image processor from '{processor_dir}' ({first_line})"
         ) from err
-    model = CLIPModel.from_pretrained(model_dir, local_files_only=True)
+    model = load_pretrained(CLIPModel, model_dir, "clip_temporal")
     return ClipTemporal(model, image_processor.image_mean, image_processor.image_std, device, dtype, batch_size)
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .base import check_batch_size, check_inputs, is_integer, register_reward
+from .base import check_batch_size, check_inputs, is_integer, load_pretrained, register_reward
 from .clipscore import _as_dtype
 from .video import _check_folder, _chunks, frame_indices
 
@@ -346,7 +346,7 @@ def videoalign(
     reward_token = (
         (config.get("model_config") or {}).get("reward_token", "special") if reward_token is None else reward_token
     )
-    model = Qwen2VLForConditionalGeneration.from_pretrained(folder, local_files_only=True)
+    model = load_pretrained(Qwen2VLForConditionalGeneration, folder, "videoalign")
     weight = load_file(folder / HEAD_FILE)["weight"]
     hidden = model.config.get_text_config().hidden_size
     if weight.shape != (len(DIMENSIONS), hidden):

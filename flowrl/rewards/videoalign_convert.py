@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from .base import load_pretrained
 from .convert import load_state_dict
 from .videoalign import HEAD_FILE, PROMPT_FILE, SPECIAL_TOKENS
 
@@ -266,7 +267,7 @@ def convert_videoalign(
     state, adapter_config = _read_weights(checkpoint)
     plain, lora, head = _split(state)
 
-    model = Qwen2VLForConditionalGeneration.from_pretrained(base, local_files_only=True, dtype=torch.float32)
+    model = load_pretrained(Qwen2VLForConditionalGeneration, base, "videoalign_convert", dtype=torch.float32)
     processor = AutoProcessor.from_pretrained(base, local_files_only=True)
     hidden = model.config.get_text_config().hidden_size
     if tuple(head.shape) != (len(SPECIAL_TOKENS), hidden):

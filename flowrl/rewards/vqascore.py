@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .base import check_batch_size, check_inputs, is_integer, register_reward
+from .base import check_batch_size, check_inputs, is_integer, load_pretrained, register_reward
 from .clipscore import _as_dtype, _check_folder
 from .video import _chunks
 
@@ -273,7 +273,7 @@ def load_vlm(reward: str, model_path: str | os.PathLike) -> tuple[torch.nn.Modul
             f"{reward}: model_path '{model_path}' is a {model_type!r} model; supported: "
             f"{', '.join(ARCHITECTURES)} (Qwen2.5-VL, Qwen2-VL)"
         )
-    model = getattr(transformers, ARCHITECTURES[model_type]).from_pretrained(folder, local_files_only=True)
+    model = load_pretrained(getattr(transformers, ARCHITECTURES[model_type]), folder, reward)
     return model, AutoProcessor.from_pretrained(folder, local_files_only=True)
 
 

@@ -240,6 +240,38 @@ def tiny_overrides(model: Path, train: Path, test: Path, out: Path, **extra) -> 
     return [f"{k}={v}" for k, v in base.items()]
 
 
+def train_shrunk_recipe(trainer, iterations: int = 2) -> list[dict]:
+    """Train a recipe shrunk onto a tiny pipeline and check what every family's recipe test checks: ``iterations``
+    rows in ``metrics.jsonl``, the PPO ratio exactly 1 before each iteration's first step, an optimizer step in each,
+    and the trained parameters moved. Returns the metrics rows."""
+    import json
+
+    before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
+    trainer.train()
+    rows = Path(trainer.cfg.run.output_dir, "metrics.jsonl").read_text().splitlines()
+    metrics = [json.loads(line) for line in rows]
+    assert len(metrics) == iterations
+    assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
+    return metrics
+
+
+def record_reward_metadata(trainer) -> list[dict]:
+    """Wrap ``trainer``'s rewards so that each call's metadata rows (the prompt records the rewards receive: source
+    images of edit and image-to-video families) are appended to the returned list."""
+    seen, inner = [], trainer.rewards
+
+    class Recording:
+        rewards = inner.rewards
+
+        def __call__(self, images, prompts, metadata):
+            seen.extend(metadata)
+            return inner(images, prompts, metadata)
+
+    trainer.rewards = trainer.method.rewards = Recording()
+    return seen
+
+
 def assert_resume_is_exact(config: Path, overrides, out: Path):
     """Train `config` for 2 iterations straight and for 1 iteration + a resume for the second (``overrides(folder)``:
     the run's ``key=value`` list for an output folder) and check they end on the same weights (atol 1e-6) and log the

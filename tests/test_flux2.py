@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, shape_overrides, tiny_overrides
+from conftest import REPO, shape_overrides, tiny_overrides, train_shrunk_recipe
 
 from flowrl.config import ConfigError, load_config
 from flowrl.models import Flux2KleinModel, Flux2Model, load_model, model_class
@@ -354,12 +354,7 @@ def test_klein_recipe_trains_two_iterations(tmp_path, klein_distilled, prompt_fi
     trainer = Trainer(cfg)
     assert isinstance(trainer.model, Flux2KleinModel)
     assert trainer.cfg.sampling.shift == pytest.approx(Flux2KleinModel.scheduler_shift(klein_distilled, SIDE))
-    before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
-    trainer.train()
-    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2
-    assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
-    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
+    train_shrunk_recipe(trainer)
     assert (tmp_path / "run/lora/pytorch_lora_weights.safetensors").is_file()
 
 
@@ -437,12 +432,7 @@ def test_dev_recipe_trains_two_iterations(tmp_path, dev, prompt_files, recipe):
     assert isinstance(trainer.model, Flux2Model)
     if recipe == "flux2_edit_flow_grpo":
         assert trainer.model.reference_resolution == 384  # model.options.reference_resolution: the recipe's cap
-    before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
-    trainer.train()
-    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2
-    assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
-    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
+    train_shrunk_recipe(trainer)
 
 
 def _write_image(path: Path, width: int, height: int, seed: int) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, tiny_overrides
+from conftest import REPO, record_reward_metadata, tiny_overrides, train_shrunk_recipe
 from families import noise, prompt_files
 
 from flowrl.config import ConfigError, load_config
@@ -263,21 +263,6 @@ def test_hunyuan_video15_i2v_recipe_trains_and_the_rewards_see_the_source(tmp_pa
     )
     trainer = Trainer(load_config(REPO / "configs" / "hunyuan_video15_i2v_flow_grpo.yaml", over))
     assert isinstance(trainer.model, HunyuanVideo15ImageToVideoModel) and trainer.cfg.sampling.shift == 5.0
-    seen = []
-
-    class Recording:  # the configured rewards, recording the metadata they receive
-        def __init__(self, inner):
-            self.inner, self.rewards = inner, inner.rewards
-
-        def __call__(self, images, prompts, metadata):
-            seen.extend(metadata)
-            return self.inner(images, prompts, metadata)
-
-    trainer.rewards = trainer.method.rewards = Recording(trainer.rewards)
-    before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
-    trainer.train()
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2
-    assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
-    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
+    seen = record_reward_metadata(trainer)
+    train_shrunk_recipe(trainer)
     assert seen and all(Path(m["image"]).is_file() for m in seen)

@@ -12,7 +12,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, tiny_overrides
+from conftest import REPO, record_reward_metadata, tiny_overrides, train_shrunk_recipe
 
 from flowrl.config import ConfigError, load_config
 from flowrl.data import read_jsonl, write_jsonl
@@ -351,23 +351,8 @@ def test_edit_recipe_trains_rewards_see_the_source_and_the_lora_loads_in_stock(t
     assert cfg.sampling.guidance_scale == 4.0 and cfg.sampling.noise_level == 1.0 and cfg.sampling.window.size == 0
     trainer = Trainer(cfg)
     assert isinstance(trainer.model, QwenImageEditModel) and trainer.model.source_resolution == SOURCE
-    seen = []
-
-    class Recording:  # the configured rewards, recording the metadata they receive
-        def __init__(self, inner):
-            self.inner, self.rewards = inner, inner.rewards
-
-        def __call__(self, images, prompts, metadata):
-            seen.extend(metadata)
-            return self.inner(images, prompts, metadata)
-
-    trainer.rewards = trainer.method.rewards = Recording(trainer.rewards)
-    before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
-    trainer.train()
-    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2
-    assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
-    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
+    seen = record_reward_metadata(trainer)
+    train_shrunk_recipe(trainer)
     assert seen and all(
         Path(m["image"]).is_file() and m["image"].startswith(str(train.parent.resolve())) for m in seen
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, tiny_overrides
+from conftest import REPO, record_reward_metadata, tiny_overrides, train_shrunk_recipe
 from families import prompt_files
 
 from flowrl.config import ConfigError, load_config
@@ -277,23 +277,8 @@ def test_wan_i2v_recipe_trains_and_the_rewards_see_the_source(tmp_path, wan21, i
     )
     trainer = Trainer(load_config(REPO / "configs" / "wan_i2v_flow_grpo.yaml", over))
     assert isinstance(trainer.model, WanImageToVideoModel) and trainer.cfg.sampling.shift == 3.0
-    seen = []
-
-    class Recording:  # the configured rewards, recording the metadata they receive
-        def __init__(self, inner):
-            self.inner, self.rewards = inner, inner.rewards
-
-        def __call__(self, images, prompts, metadata):
-            seen.extend(metadata)
-            return self.inner(images, prompts, metadata)
-
-    trainer.rewards = trainer.method.rewards = Recording(trainer.rewards)
-    before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
-    trainer.train()
-    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2
-    assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
-    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
+    seen = record_reward_metadata(trainer)
+    train_shrunk_recipe(trainer)
     assert seen and all(Path(m["image"]).is_file() for m in seen)
     lora = trainer.model.transformer.peft_config["default"]
     assert {"ffn.net.0.proj", "ffn.net.2", "to_q"} <= set(lora.target_modules)

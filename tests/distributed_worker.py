@@ -1,8 +1,10 @@
-"""Worker of tests/test_distributed.py, launched by torchrun: ``python distributed_worker.py CONFIG OUT [key=value ...]``.
+"""Worker of tests/test_distributed.py, launched by torchrun: ``python distributed_worker.py CONFIG OUT [key=value ...]``,
+or ``python distributed_worker.py --runs RUNS.json`` for several runs one after another in one launch.
 
-Trains with the given config, then writes this process's trainable parameters and evaluation results to
-``OUT/rank{r}.safetensors`` and ``OUT/rank{r}.json``. With ``FLOWRL_TEST_FSDP2=1`` accelerate's FSDP2 path runs on
-the CPU (:func:`force_cpu_fsdp2`).
+Trains with the given config, then writes this process's trainable parameters, the method's held copies and the
+evaluation results to ``OUT/rank{r}.safetensors``, ``OUT/held{r}.safetensors`` and ``OUT/rank{r}.json``. With
+``FLOWRL_TEST_FSDP2=1`` accelerate's FSDP2 path runs on the CPU (:func:`force_cpu_fsdp2`), with ``FLOWRL_TEST_ZERO``
+DeepSpeed ZeRO (:func:`force_cpu_deepspeed`).
 """
 
 import json
@@ -150,18 +152,16 @@ def split_gradient(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return grads[0], grads[1]
 
 
-def main() -> None:
+def train_one(config: str, out: str, overrides: list[str]):
+    """Train ``config`` with ``overrides`` and write this process's results into ``out``: the trainable parameters
+    (``rank{r}.safetensors``), the method's held copies (``held{r}.safetensors``, keys ``FILE/NAME``), the split
+    gradients (``grads{r}.safetensors``) and the evaluation and engine facts (``rank{r}.json``). Returns the
+    trainer's accelerator."""
     from flowrl.config import load_config
     from flowrl.evaluation import sharded
     from flowrl.methods import GRPO
     from flowrl.trainer import Trainer
 
-    if os.environ.get("FLOWRL_TEST_FSDP2") == "1":
-        force_cpu_fsdp2()
-    if os.environ.get("FLOWRL_TEST_ZERO"):  # "stage" or "stage:offload device"
-        stage, _, offload = os.environ["FLOWRL_TEST_ZERO"].partition(":")
-        force_cpu_deepspeed(int(stage), offload or "none")
-    config, out, *overrides = sys.argv[1:]
     trainer = Trainer(load_config(config, overrides))
     rank = trainer.accelerator.process_index
     split_grads, whole_grads = (
@@ -186,6 +186,9 @@ def main() -> None:
     save_file(
         {n: p.detach().contiguous() for n, p in trainer.policy.weights().items()}, f"{out}/rank{rank}.safetensors"
     )
+    held = {f"{file}/{n}": v.detach().cpu().contiguous() for file, store in trainer.method.snapshots().items()
+            for n, v in store.items()}  # fmt: skip
+    save_file(held, f"{out}/held{rank}.safetensors")
     save_file(
         {
             **{f"split.{i}": g for i, g in enumerate(split_grads)},
@@ -215,8 +218,27 @@ def main() -> None:
             },
             f,
         )
-    trainer.accelerator.wait_for_everyone()  # then tear the process group down together, as flowrl train does
-    trainer.accelerator.end_training()
+    trainer.accelerator.wait_for_everyone()
+    return trainer.accelerator
+
+
+def main() -> None:
+    """``CONFIG OUT [key=value ...]``: one run; ``--runs RUNS.json``: the runs of a JSON list of ``{"config", "out",
+    "overrides"}`` one after another in the same processes (one launch for several presets)."""
+    if os.environ.get("FLOWRL_TEST_FSDP2") == "1":
+        force_cpu_fsdp2()
+    if os.environ.get("FLOWRL_TEST_ZERO"):  # "stage" or "stage:offload device"
+        stage, _, offload = os.environ["FLOWRL_TEST_ZERO"].partition(":")
+        force_cpu_deepspeed(int(stage), offload or "none")
+    if sys.argv[1] == "--runs":
+        with open(sys.argv[2]) as f:
+            runs = json.load(f)
+    else:
+        config, out, *overrides = sys.argv[1:]
+        runs = [{"config": config, "out": out, "overrides": overrides}]
+    for run in runs:
+        accelerator = train_one(**run)
+    accelerator.end_training()  # tear the process group down together, as flowrl train does
 
 
 if __name__ == "__main__":

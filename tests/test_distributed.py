@@ -68,6 +68,19 @@ def _env() -> dict[str, str]:
 def _launch(tmp: Path, overrides: list[str], fsdp2: bool = False, zero: str = "") -> None:
     """Train ``tmp/c.yaml`` with ``overrides`` in two torchrun processes (see distributed_worker.py), under FSDP2 when
     ``fsdp2``, DeepSpeed ZeRO when ``zero`` (``"stage"`` or ``"stage:offload device"``), else DDP."""
+    _torchrun(tmp, [str(tmp / "c.yaml"), str(tmp), *overrides], fsdp2, zero)
+
+
+def _launch_runs(tmp: Path, runs: list[dict], fsdp2: bool = False, zero: str = "") -> None:
+    """Train several runs (``{"config", "out", "overrides"}`` each) one after another in one launch of two torchrun
+    processes, under the engine :func:`_launch` names."""
+    (tmp / "runs.json").write_text(json.dumps(runs))
+    _torchrun(tmp, ["--runs", str(tmp / "runs.json")], fsdp2, zero)
+
+
+def _torchrun(tmp: Path, worker_args: list[str], fsdp2: bool, zero: str) -> None:
+    """distributed_worker.py with ``worker_args`` in two torchrun processes; on failure, rank 0's output in the error
+    and the whole log in ``tmp/torchrun.log``."""
     env = {
         **_env(),
         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
@@ -83,14 +96,12 @@ def _launch(tmp: Path, overrides: list[str], fsdp2: bool = False, zero: str = ""
             "--nproc_per_node",
             "2",
             str(HERE / "distributed_worker.py"),
-            str(tmp / "c.yaml"),
-            str(tmp),
-            *overrides,
+            *worker_args,
         ],
         capture_output=True,
         text=True,
         env=env,
-        timeout=600,
+        timeout=1200,
     )
     if r.returncode:
         (tmp / "torchrun.log").write_text(r.stdout + r.stderr)
@@ -434,32 +445,68 @@ def _fixture_pipeline(overrides: list[str]) -> str:
 
 
 NEW_METHODS = ["awm", "crd", "dgpo", "dpo_online", "dpo_offline", "flow_dppo", "gardo", "sft"]
+ENGINES = {"ddp": {}, "fsdp2": {"fsdp2": True}, "zero2": {"zero": "2"}}
+WRAPPED = {"ddp": "DistributedDataParallel", "fsdp2": "FSDP", "zero2": "DeepSpeedEngine"}
+HELD_COPIES = {"awm": 1, "crd": 2, "dpo_online": 1, "dpo_offline": 1, "gardo": 1}  # copies of the weights kept
+# the held copies' resets within the two iterations: DPO's reference copied from the policy after each, GARDO's
+# reference reset after each (its threshold passed by process 0's KL alone: process 1 keeps no rows), its KL on all
+HELD_RESETS = {
+    "dpo_online": {"train.dpo.ref_update_every": 1},
+    "gardo": {"train.gardo.kl_threshold": 1e-12, "train.gardo.auxiliary": "[]"},
+}
+
+
+@pytest.fixture(scope="module")
+def new_method_runs(tmp_path_factory, random_pipeline, prompt_files):
+    """Every method of 2026 trained two iterations under DDP, FSDP2 and DeepSpeed ZeRO-2: one torchrun launch per
+    engine, the presets one after another in it, each in ``ROOT/ENGINE/PRESET``. Returns ROOT."""
+    root = tmp_path_factory.mktemp("new_methods")
+    for engine, launch in ENGINES.items():
+        runs = []
+        for preset in NEW_METHODS:
+            tmp = root / engine / preset
+            tmp.mkdir(parents=True)
+            reward = (
+                "distributed_worker:rank_reward" if preset not in ("dpo_offline", "sft") else "jpeg_compressibility"
+            )
+            (tmp / "c.yaml").write_text(
+                f"base: {HERE.parent / 'configs' / (preset + '.yaml')}\n"
+                f"rewards:\n  geneval: null\n  {reward}:\n    weight: 1.0\n"
+            )
+            extra = {"run.mixed_precision": "no", "train.minibatch_size": 8, "train.micro_batch_size": 4}
+            extra.update({"sampling.group_size": 4, "sampling.num_steps": 4, "train.offline.batch_size": 4})
+            extra.update(HELD_RESETS.get(preset, {}))
+            overrides = tiny_overrides(random_pipeline, *prompt_files, tmp / "run", **extra)
+            runs.append({"config": str(tmp / "c.yaml"), "out": str(tmp), "overrides": overrides})
+        _launch_runs(root / engine, runs, **launch)
+    return root
 
 
 @pytest.mark.parametrize("preset", NEW_METHODS)
-def test_two_processes_train_each_new_method_to_identical_weights(preset, tmp_path, random_pipeline, prompt_files):
-    """Every method of 2026 under DDP (two gloo processes): process 1's groups have no reward variance (the online
-    methods keep no rows there and take each optimizer step with a zero gradient); the weights end identical and
-    trained. CRD also under FSDP2 and DeepSpeed ZeRO-2 (whole-group minibatches through the engines), equal to DDP."""
-    engines = [("ddp", False, "")] + ([("fsdp2", True, ""), ("zero2", False, "2")] if preset == "crd" else [])
+def test_each_new_method_trains_alike_under_ddp_fsdp2_and_zero2(preset, new_method_runs):
+    """Every method of 2026 under DDP, FSDP2 and DeepSpeed ZeRO-2 (two gloo processes): process 1's groups have no
+    reward variance (the online methods keep no rows there and take each optimizer step with a zero gradient); under
+    each engine the weights and the method's held copies (AWM's EMA, CRD's old and sampler copies, DPO's refreshed
+    reference, GARDO's reset reference) end identical on both processes, the weights trained, and FSDP2's and ZeRO-2's
+    equal to DDP's (rtol 1e-4)."""
     runs = {}
-    for name, fsdp2, zero in engines:
-        tmp = tmp_path / name
-        tmp.mkdir()
-        reward = "distributed_worker:rank_reward" if preset not in ("dpo_offline", "sft") else "jpeg_compressibility"
-        (tmp / "c.yaml").write_text(
-            f"base: {HERE.parent / 'configs' / (preset + '.yaml')}\n"
-            f"rewards:\n  geneval: null\n  {reward}:\n    weight: 1.0\n"
-        )
-        extra = {"run.mixed_precision": "no", "train.minibatch_size": 8, "train.micro_batch_size": 4}
-        extra.update({"sampling.group_size": 4, "sampling.num_steps": 4, "train.offline.batch_size": 4})
-        _launch(tmp, tiny_overrides(random_pipeline, *prompt_files, tmp / "run", **extra), fsdp2=fsdp2, zero=zero)
+    for engine in ENGINES:
+        tmp = new_method_runs / engine / preset
         w0, w1 = load_file(tmp / "rank0.safetensors"), load_file(tmp / "rank1.safetensors")
+        h0, h1 = load_file(tmp / "held0.safetensors"), load_file(tmp / "held1.safetensors")
         assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+        assert h0.keys() == h1.keys() and all(torch.equal(h0[k], h1[k]) for k in h0)
         assert any(w0[k].abs().sum() > 0 for k in w0 if "lora_B" in k)
+        assert json.loads((tmp / "rank0.json").read_text())["wrapped"].startswith(WRAPPED[engine])
         rows = [json.loads(line) for line in (tmp / "run/metrics.jsonl").read_text().splitlines()]
         assert [r["iteration"] for r in rows] == [1, 2] and all(r["policy/optimizer_steps"] >= 1 for r in rows)
-        runs[name] = w0
-    for name in runs:
-        for k in runs["ddp"]:
-            torch.testing.assert_close(runs[name][k], runs["ddp"][k], rtol=1e-4, atol=1e-6)
+        reset = {"dpo_online": "policy/reference_refreshed", "gardo": "gardo/reference_reset"}.get(preset)
+        if reset:
+            assert [r.get(reset) for r in rows] == [1.0, 1.0]
+        runs[engine] = w0, h0
+    assert len(runs["ddp"][1]) == HELD_COPIES.get(preset, 0) * len(runs["ddp"][0])
+    for engine in ENGINES:
+        for ddp, other in zip(runs["ddp"], runs[engine]):  # the weights, then the held copies
+            assert ddp.keys() == other.keys()
+            for k in ddp:
+                torch.testing.assert_close(other[k], ddp[k], rtol=1e-4, atol=1e-6)

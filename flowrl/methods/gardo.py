@@ -12,7 +12,8 @@ Flow-GRPO (:class:`flowrl.methods.grpo.GRPO`, flat groups) with three changes ag
   non-negative ``u`` exceeds every one of the last ``gate_history`` iterations', shrinks alike when below all, and
   stays in ``[gate_min, gate_max]``.
 - **Adaptive reference**: the KL's reference is a copy of the policy (no LoRA needed), reset to the policy after an
-  iteration in which a micro-batch's KL exceeded ``kl_threshold``, or ``reset_every`` iterations after the last reset.
+  iteration in which a micro-batch's KL exceeded ``kl_threshold`` (on any process: every process resets alike),
+  or ``reset_every`` iterations after the last reset.
 - **Diversity-aware advantages**: ``A_i = clip((r_i - mean_g r) d_i, +-train.adv_clip_max)``, no std normalisation,
   with ``d_i = 1`` below the group mean and, above it, the image's distance to its nearest group mate (cosine
   distance of image features) over the group's mean such distance.
@@ -243,7 +244,11 @@ class GARDO(GRPO):
         self.iterations += 1
         if self.reference is None:
             return
-        reset = self.exceeded or self.iterations - self.last_reset > self.cfg.train.gardo.reset_every
+        exceeded = self.exceeded
+        if self.policy.accelerator.num_processes > 1:  # any process's micro-batch: every process resets alike
+            flag = torch.tensor([float(exceeded)], device=self.device)
+            exceeded = bool(self.policy.accelerator.gather(flag).max() > 0)
+        reset = exceeded or self.iterations - self.last_reset > self.cfg.train.gardo.reset_every
         if reset:
             self.policy.move_towards(self.reference, 0.0)
             self.last_reset = self.iterations

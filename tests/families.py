@@ -412,6 +412,16 @@ FAMILIES: dict[str, TinyFamily] = {
             negative_prompt=True,
         ),
         TinyFamily(
+            "LTX2Model",
+            _builder("test_ltx2", "build_random_ltx2_pipeline"),
+            {"resolution": 32, "num_frames": 9, "max_sequence_length": 16},
+            _stock_from_noise("test_ltx2", "stock_ltx2"),
+            (4.0, 1.0),
+            {**VIDEO_TRAIN, "sampling.guidance_scale": 4.0, "eval.guidance_scale": 4.0},
+            prompts="video",
+            negative_prompt=True,
+        ),
+        TinyFamily(
             "HunyuanVideo15Model",
             _builder("test_hunyuan_video15", "build_random_hunyuan_video15_pipeline"),
             {"resolution": 32, "num_frames": 5, "max_sequence_length": 16},

@@ -29,6 +29,7 @@ GPU_RECIPES |= {
     "flux2_flow_grpo.yaml",
     "flux2_edit_flow_grpo.yaml",
     "ltx_video_flow_grpo.yaml",
+    "ltx2_flow_grpo.yaml",
     "wan_flow_grpo.yaml",
     "wan_i2v_flow_grpo.yaml",
     "sana_diffusion_nft.yaml",

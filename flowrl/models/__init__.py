@@ -20,7 +20,9 @@ Mistral 3 text encoder and the guidance scale as an input).
 ``WanImageToVideoPipeline`` -> :class:`WanImageToVideoModel` (Wan 2.1 / 2.2 image-to-video: :class:`WanModel` plus a
 source image per prompt, the video's first frame, read by :meth:`FlowModel.prompt_table`).
 ``LTXPipeline`` -> :class:`LTXVideoModel` (LTX-Video text-to-video: T5 prompts with a mask, VAE-normalised latents
-``(C, F, H, W)`` packed one token per voxel, a shift that depends on the video's token count).
+``(C, F, H, W)`` packed one token per voxel, a shift that depends on the video's token count) and ``LTX2Pipeline`` ->
+:class:`LTX2Model` (LTX-2's video and audio: Gemma 3 prompts through the text connectors, the joint video and audio
+tokens as one flat state, rewards on the video).
 ``SanaPipeline`` -> :class:`SanaModel` (SANA, SANA 1.5: Gemma2 prompts with the complex human instruction, DC-AE
 latents) and ``SanaSprintPipeline`` -> :class:`SanaSprintModel` (SANA-Sprint: TrigFlow times as flow times, embedded
 guidance).
@@ -43,6 +45,7 @@ from .flux_kontext import FluxKontextModel
 from .hunyuan_video import HunyuanVideoModel
 from .hunyuan_video15 import HunyuanVideo15ImageToVideoModel, HunyuanVideo15Model
 from .ltx import LTXVideoModel
+from .ltx2 import LTX2Model
 from .qwen_image import QwenImageModel
 from .qwen_image_edit import QwenImageEditModel, QwenImageEditPlusModel
 from .sana import SanaModel, SanaSprintModel
@@ -71,6 +74,7 @@ ADAPTERS: tuple[type[FlowModel], ...] = (
     Flux2Model,
     WanImageToVideoModel,
     LTXVideoModel,
+    LTX2Model,
     SanaModel,
     SanaSprintModel,
 )
@@ -89,6 +93,7 @@ __all__ = [
     "HunyuanVideo15Model",
     "HunyuanVideo15ImageToVideoModel",
     "LTXVideoModel",
+    "LTX2Model",
     "PromptEmbeds",
     "QwenImageModel",
     "QwenImageEditModel",

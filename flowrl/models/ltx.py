@@ -119,6 +119,14 @@ class LTXVideoModel(FlowModel):
 
     PIPELINE = "LTXPipeline"
     """The diffusers pipeline class this adapter loads (``_class_name`` in ``model_index.json``)."""
+    FAMILY = "LTX-Video"
+    """The family's name in error messages."""
+    DEFAULT_FRAMES = DEFAULT_FRAMES
+    """Frames per video when none is given (the stock pipeline's; :class:`~flowrl.models.LTX2Model` has its own)."""
+    DEFAULT_SIDE = DEFAULT_SIDE
+    """Video side in px when none is given (the stock pipeline's height)."""
+    DEFAULT_FRAME_RATE = DEFAULT_FRAME_RATE
+    """The stock pipeline's ``frame_rate``."""
     LORA_TARGETS = LTX_LORA_TARGETS
     SIGMA_SPACING = "flux"
     """``linspace(1, 1/N, N)`` before the shift, as ``LTXPipeline`` passes its sigmas."""
@@ -144,7 +152,7 @@ class LTXVideoModel(FlowModel):
     ):
         if expert is not None:
             raise ValueError(
-                f"{Path(path)} is an LTX-Video model (one transformer): leave the expert unset, got {expert!r}"
+                f"{Path(path)} is an {self.FAMILY} model (one transformer): leave the expert unset, got {expert!r}"
             )
         self.check_patches(path)
         options = self.check_options(
@@ -185,10 +193,10 @@ class LTXVideoModel(FlowModel):
         spatial, _ = vae_compression(path)
         unit = math.lcm(STOCK_UNIT, spatial)
         return (
-            DEFAULT_SIDE // unit * unit,
+            cls.DEFAULT_SIDE // unit * unit,
             unit,
             None,
-            f"32, LTXPipeline's rule, and VAE spatial compression {spatial}",
+            f"32, {cls.PIPELINE}'s rule, and VAE spatial compression {spatial}",
         )
 
     @classmethod
@@ -204,8 +212,8 @@ class LTXVideoModel(FlowModel):
         patches = (dit.get("patch_size", 1), dit.get("patch_size_t", 1))
         if patches != (1, 1):
             raise ValueError(
-                f"{Path(path) / 'transformer'} has patch_size {patches[0]}, patch_size_t {patches[1]}; LTXPipeline (and "
-                "flowrl) sample one token per latent voxel: both must be 1"
+                f"{Path(path) / 'transformer'} has patch_size {patches[0]}, patch_size_t {patches[1]}; "
+                f"{cls.PIPELINE} (and flowrl) sample one token per latent voxel: both must be 1"
             )
 
     @classmethod
@@ -219,7 +227,7 @@ class LTXVideoModel(FlowModel):
         """
         path = _pipeline_folder(path)
         _, t = vae_compression(path)
-        frames = DEFAULT_FRAMES if num_frames is None else num_frames
+        frames = cls.DEFAULT_FRAMES if num_frames is None else num_frames
         if frames < 1 or (frames - 1) % t:
             raise ValueError(
                 f"num_frames {frames} does not fit the model at {path}: expected {t}k+1 frames (the VAE compresses "
@@ -247,9 +255,12 @@ class LTXVideoModel(FlowModel):
             ValueError: naming the option, for a value out of range; naming the folder, for a decode setting other than
                 the defaults with a VAE whose decoder takes no timestep (the stock pipeline would ignore it).
         """
-        rate = options.get("frame_rate", DEFAULT_FRAME_RATE)
+        rate = options.get("frame_rate", cls.DEFAULT_FRAME_RATE)
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
-            raise ValueError(f"frame_rate must be a number > 0 (frames per second; LTXPipeline's is 25), got {rate!r}")
+            raise ValueError(
+                f"frame_rate must be a number > 0 (frames per second; {cls.PIPELINE}'s is {cls.DEFAULT_FRAME_RATE:g}), "
+                f"got {rate!r}"
+            )
         decode_timestep = cls._fraction("decode_timestep", options.get("decode_timestep", 0.0))
         noise_scale = options.get("decode_noise_scale")
         noise_scale = None if noise_scale is None else cls._fraction("decode_noise_scale", noise_scale)
@@ -283,7 +294,7 @@ class LTXVideoModel(FlowModel):
             cls.check_num_frames(path, cfg.model.num_frames)
         if cfg.model.expert is not None:
             raise ConfigError(
-                f"config key 'model.expert': {path} is an LTX-Video model (one transformer); leave it unset "
+                f"config key 'model.expert': {path} is an {cls.FAMILY} model (one transformer); leave it unset "
                 f"(got {cfg.model.expert!r})"
             )
         for key in cfg.model.options:  # one at a time, so that the error names the key

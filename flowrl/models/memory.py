@@ -7,10 +7,10 @@ and the text encoders of the large families are big: T5-XXL (4.8B parameters: SD
 caller inside the adapter, go through it unchanged) and
 
 - keeps each prompt's encoded row in ``DIR/<Family>-<identity>/<sha256 of the prompt>.safetensors``, the identity a
-  hash of what decides the row (:func:`encoder_identity`): the text encoders' and tokenizers' files (name, size,
-  modification time), the family, ``max_sequence_length``, the dtype, the device type and the torch and transformers
-  versions; a row is read back only when its file's checksum, prompt, identity and fields agree, else it is encoded
-  again with a warning;
+  hash of what decides the row (:func:`encoder_identity`): the text encoders', tokenizers' and text connectors' files
+  (name, size, modification time), the family, ``max_sequence_length``, the dtype, the device type and the torch and
+  transformers versions; a row is read back only when its file's checksum, prompt, identity and fields agree, else it
+  is encoded again with a warning;
 - moves the text encoders to the device only while they encode (``model.text_encoders=cpu``), or frees them once every
   prompt of the run is in the cache (``drop_after_cache``).
 
@@ -49,17 +49,18 @@ def text_encoder_names(pipe) -> list[str]:
 
 def encoder_identity(model: FlowModel) -> str:
     """SHA-256 (hex) of what decides an encoded prompt besides its text: every file under the model folder's
-    ``text_encoder*`` and ``tokenizer*`` folders (relative path, size in bytes, modification time in ns), the family's
-    class, ``max_sequence_length``, the frozen parts' dtype, the device type (CPU and GPU kernels round differently),
-    the torch and transformers versions and :data:`CACHE_VERSION`. Reads no weights: a replaced or touched encoder file
-    makes a new identity (a cache miss), never a stale hit."""
+    ``text_encoder*``, ``tokenizer*`` and ``connectors`` folders (LTX-2's text connectors run inside its ``encode``;
+    relative path, size in bytes, modification time in ns), the family's class, ``max_sequence_length``, the frozen
+    parts' dtype, the device type (CPU and GPU kernels round differently), the torch and transformers versions and
+    :data:`CACHE_VERSION`. Reads no weights: a replaced or touched encoder file makes a new identity (a cache miss),
+    never a stale hit."""
     import transformers
 
     folder = Path(model.path)
     files = [
         [p.relative_to(folder).as_posix(), p.stat().st_size, p.stat().st_mtime_ns]
         for sub in sorted(folder.iterdir())
-        if sub.is_dir() and sub.name.startswith(("text_encoder", "tokenizer"))
+        if sub.is_dir() and sub.name.startswith(("text_encoder", "tokenizer", "connectors"))
         for p in sorted(sub.rglob("*"))
         if p.is_file()
     ]

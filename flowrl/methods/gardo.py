@@ -2,7 +2,8 @@
 yifan123/flow_grpo ``scripts/train_sd3_gardo.py``, ``flow_grpo/stat_tracking.py`` (``type='gardo'``) and
 ``config/grpo_gardo.py``, commit 94e23ee).
 
-Flow-GRPO (:class:`flowrl.methods.grpo.GRPO`, flat groups) with three changes against reward hacking:
+Flow-GRPO (:class:`flowrl.methods.grpo.GRPO`, flat groups) with three changes against reward hacking, and the
+official SD3 script's weighting of the loss:
 
 - **Gated KL**: the KL term (weight ``train.kl_beta``) covers only the images whose reward is uncertain. With ranks
   over the iteration's gathered images (1 = best), ``u_i = rank_total(i) - mean_k rank_k(i)`` over the auxiliary
@@ -18,21 +19,37 @@ Flow-GRPO (:class:`flowrl.methods.grpo.GRPO`, flat groups) with three changes ag
   with ``d_i = 1`` below the group mean and, above it, the image's distance to its nearest group mate (cosine
   distance of image features) over the group's mean such distance.
 
-Deviations: the features are the images average-pooled to at most 32 x 32 pixels (the official uses DINOv3
-ViT-L/16, which flowrl does not ship); the official weights each transition's loss by its step std over the batch's
-mean std (not built); the reset test reads every micro-batch's KL (the official every optimizer step's mean).
+  The features (``train.gardo.features``) are the official's with ``dinov3``: the mean patch token (after the final
+  norm; not the CLS or register tokens) of a DINOv3 ViT (``train.gardo.feature_model``, a local transformers folder;
+  the official ViT-L/16 lvd1689m through timm) on the images resized (bicubic, antialiased) to 256 on the short side,
+  centre-cropped to 256 x 256 and normalised by the ImageNet mean and std; ``pixels`` (the default, as no weights ship)
+  are the images average-pooled to at most 32 x 32 pixels.
+- **Std weighting** (``train.gardo.std_weighting``, the official SD3 script's): each transition's clipped surrogate is
+  weighted by its SDE ``sigma_t`` (the step std per unit time) over the mean ``sigma_t`` of the micro-batch it is
+  back-propagated in; the KL term is not weighted.
+
+Deviations: the default features are pooled pixels (above); the official's micro-batches each hold one denoising
+step, so there its std weight is exactly 1, while flowrl's mix steps, where the same weight favours the noisier ones
+(``std_weighting: false`` gives the official's effect, and its FLUX script's loss); the reset test reads every
+micro-batch's KL (the official every optimizer step's mean).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from ..fields import check, setting
+from ..fields import check, config_key, setting
 from .base import Rewards, SDESamples, register_method
 from .grpo import GRPO
+
+FEATURES = ("pixels", "dinov3")  # train.gardo.features
 
 
 @dataclass
@@ -52,6 +69,21 @@ class GARDOConfig:
     kl_threshold: float = setting(3e-4, "a micro-batch KL above this resets the reference after the iteration (3e-4)")
     reset_every: int = setting(15, "iterations after which the reference resets regardless (official 15)")
     diversity: bool = setting(True, "scale above-mean advantages by the image's diversity in its group")
+    features: str = setting(
+        "pixels",
+        "the diversity's image features: pixels (average-pooled to at most 32 x 32) | dinov3 (the official: the "
+        "mean patch token of train.gardo.feature_model)",
+    )
+    feature_model: Optional[str] = setting(
+        None,
+        "with features dinov3: a local folder of a transformers DINOv3ViTModel in safetensors (the official: "
+        "ViT-L/16 lvd1689m)",
+    )
+    std_weighting: bool = setting(
+        True,
+        "weight each transition's clipped surrogate by its SDE sigma_t over its micro-batch's mean (the official "
+        "SD3 script; 1 there, as its micro-batches hold one step each)",
+    )
 
     def __post_init__(self):
         check(
@@ -69,6 +101,13 @@ class GARDOConfig:
         check(self.gate_history >= 1, "train.gardo.gate_history", ">= 1", self.gate_history)
         check(self.kl_threshold > 0, "train.gardo.kl_threshold", "> 0", self.kl_threshold)
         check(self.reset_every >= 1, "train.gardo.reset_every", ">= 1", self.reset_every)
+        check(self.features in FEATURES, "train.gardo.features", " | ".join(FEATURES), self.features)
+        check(
+            self.features != "dinov3" or (isinstance(self.feature_model, str) and self.feature_model.strip() != ""),
+            "train.gardo.feature_model",
+            "a local DINOv3 folder with train.gardo.features dinov3",
+            self.feature_model,
+        )
 
 
 def descending_ranks(x: torch.Tensor) -> torch.Tensor:
@@ -123,6 +162,116 @@ def gardo_advantages(
     return adv.clamp(-clip, clip).float().masked_fill(zero, 0.0), zero
 
 
+# The official's DINOv3 input: timm's eval transform (``timm.data.create_transform(is_training=False)``) for the data
+# config of ``vit_large_patch16_dinov3.lvd1689m``: input 256 x 256, crop_pct 1.0, bicubic, the ImageNet mean and std.
+DINOV3_SIZE = 256
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def dinov3_pixels(images: torch.Tensor, size: int = DINOV3_SIZE) -> torch.Tensor:
+    """The official's DINOv3 input: the short side resized to `size` (the long side to ``int(size * long / short)``;
+    bicubic, antialiased, unclamped), the centre `size` x `size` crop and the ImageNet normalisation, as torchvision's
+    ``Resize(size)``, ``CenterCrop(size)`` and ``Normalize`` (timm's eval transform) run on a batch tensor.
+
+    Args:
+        images (`torch.Tensor` of shape `(N, 3, H, W)`): floating, in [0, 1].
+
+    Returns:
+        `torch.Tensor` of shape `(N, 3, size, size)`, float32, on the images' device.
+    """
+    x = images.float()
+    h, w = x.shape[-2:]
+    long = int(size * max(h, w) / min(h, w))
+    new_h, new_w = (long, size) if w <= h else (size, long)
+    if (new_h, new_w) != (h, w):
+        x = F.interpolate(x, size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True)
+    top, left = int(round((new_h - size) / 2.0)), int(round((new_w - size) / 2.0))
+    x = x[..., top : top + size, left : left + size]  # (N, 3, size, size)
+    mean, std = x.new_tensor(IMAGENET_MEAN).view(1, 3, 1, 1), x.new_tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+def check_feature_model(folder: str) -> None:
+    """Check a DINOv3 folder before it loads: ``config.json`` of ``model_type`` ``dinov3_vit`` and whole safetensors
+    weights (:func:`flowrl.files.check_weights_folder`).
+
+    Raises:
+        ValueError: naming the folder or file: no folder or ``config.json``, another model type, no safetensors, only
+            pickled weights, or a damaged weight file.
+    """
+    from ..files import check_weights_folder
+
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{folder} is not a transformers model folder (no config.json)")
+    try:
+        model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (ValueError, AttributeError):
+        raise ValueError(f"{path / 'config.json'} is not a JSON object") from None
+    if model_type != "dinov3_vit":
+        raise ValueError(f"{folder} holds a {model_type!r} model, not a DINOv3 ViT (model_type 'dinov3_vit')")
+    check_weights_folder(path, "load it once in a trusted environment and save_pretrained() it (safetensors)")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"{folder} has no *.safetensors weights")
+
+
+class DINOv3Features:
+    """The official GARDO's diversity features: the mean patch token of a DINOv3 ViT's last hidden state (after its
+    final norm, without the CLS and register tokens: timm's default ``avg`` pool of ``vit_large_patch16_dinov3``) on
+    :func:`dinov3_pixels` of the images, in float32 without gradients.
+
+    Args:
+        folder (`str`): a local transformers ``DINOv3ViTModel`` folder (safetensors only; nothing is downloaded).
+        device (`torch.device`): where the model runs.
+        batch_size (`int`): images per forward.
+
+    Raises:
+        ConfigError: naming ``train.gardo.feature_model``, for a folder :func:`check_feature_model` refuses or
+            transformers cannot load.
+    """
+
+    def __init__(self, folder: str, device: torch.device, batch_size: int = 16):
+        from transformers import DINOv3ViTModel
+
+        with config_key("train.gardo.feature_model", (ValueError, OSError)):
+            check_feature_model(folder)
+            model = DINOv3ViTModel.from_pretrained(
+                folder, local_files_only=True, use_safetensors=True, dtype=torch.float32
+            )
+        self.device, self.batch_size = torch.device(device), batch_size
+        self.model = model.eval().requires_grad_(False).to(self.device)
+        self.prefix = 1 + int(model.config.num_register_tokens)  # CLS, then the registers, then the patches
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        """Features of `(B, 3, H, W)` images, or of each frame of `(B, F, 3, H, W)` videos concatenated; floating in
+        [0, 1]. Returns `(B, D)` or `(B, F * D)` float32 on the CPU."""
+        x = images.flatten(0, 1) if images.ndim == 5 else images  # (B', 3, H, W)
+        out = []
+        for c in range(0, len(x), self.batch_size):
+            pixels = dinov3_pixels(x[c : c + self.batch_size].to(self.device))  # (n, 3, 256, 256)
+            with torch.autocast(self.device.type, enabled=False):
+                hidden = self.model(pixel_values=pixels).last_hidden_state  # (n, 1 + R + P, D)
+            out.append(hidden[:, self.prefix :].float().mean(1).cpu())  # (n, D)
+        return torch.cat(out).reshape(len(images), -1)
+
+
+def std_weights(std: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
+    """The official SD3 script's loss weight of each transition: its SDE ``sigma_t = std / sqrt(|dt|)`` (the script's
+    ``std_dev_t``, ``noise_level sqrt(sigma / (1 - sigma))`` for Flow-GRPO's kernel) over the mean over the rows.
+
+    Args:
+        std, sigma, sigma_next (`torch.Tensor` of shape `(m,)`): the transitions' step std and noise levels.
+
+    Returns:
+        `torch.Tensor` of shape `(m,)`, float32, mean 1 (all 1 where every ``sigma_t`` is 0).
+    """
+    s = std.double() / (sigma.double() - sigma_next.double()).abs().sqrt()  # (m,) sigma_t
+    mean = s.mean()
+    return (s / mean).float() if mean > 0 else torch.ones_like(s, dtype=torch.float32)
+
+
 @register_method("gardo")
 class GARDO(GRPO):
     """``train.method: gardo`` (module docstring): GRPO on flat groups with a gated, resetting KL and diversity-aware
@@ -156,11 +305,15 @@ class GARDO(GRPO):
         self.iterations, self.last_reset, self.exceeded = 0, 0, False
         self.gate = None  # (B,) bool per local image, set by advantages
         self.v_ref = None
+        dinov3 = g.diversity and g.features == "dinov3"
+        self.feature_model = DINOv3Features(g.feature_model, self.device) if dinov3 else None
 
     # ------------------------------------------------------------------------------ advantages
     def features(self, images: torch.Tensor) -> torch.Tensor:
-        """Image features for the diversity: `(B, 3, H, W)` or `(B, F, 3, H, W)` images average-pooled to at most
-        32 x 32 and flattened, `(B, D)` float32."""
+        """Image features for the diversity (``train.gardo.features``): :class:`DINOv3Features`, or `(B, 3, H, W)` or
+        `(B, F, 3, H, W)` images average-pooled to at most 32 x 32 and flattened; `(B, D)` float32."""
+        if self.feature_model is not None:
+            return self.feature_model(images)
         x = images.float().flatten(0, images.ndim - 4) if images.ndim == 5 else images.float()
         size = (min(32, x.shape[-2]), min(32, x.shape[-1]))
         pooled = torch.nn.functional.adaptive_avg_pool2d(x, size)
@@ -173,7 +326,7 @@ class GARDO(GRPO):
         local = self.features(samples.images) if g.diversity else None
         if local is not None and self.policy.accelerator.num_processes > 1:
             local = self.policy.accelerator.gather(local.to(self.device)).cpu()
-        div = None if local is None else diversity(local, rewards.group)
+        div = None if local is None else diversity(local.nan_to_num(), rewards.group)  # NaN -> 0 as the official
         self._adv = gardo_advantages(rewards.total, rewards.group, div, self.cfg.train.adv_clip_max)
         gate = torch.ones(len(rewards.total), dtype=torch.bool)
         if g.auxiliary:
@@ -202,6 +355,15 @@ class GARDO(GRPO):
             self.fraction *= 1 - g.gate_rate
         self.fraction = float(min(max(self.fraction, g.gate_min), g.gate_max))
         self.history = (self.history + [mean_u])[-g.gate_history :]
+
+    # ------------------------------------------------------------------------------ the std weighting
+    def policy_loss(self, log_prob, mean, sub, adv, weights):
+        """:meth:`GRPO.policy_loss` with, under ``train.gardo.std_weighting``, each transition's weight (times any
+        ``train.step_weighting`` weight) its :func:`std_weights` over the micro-batch `sub`."""
+        if self.cfg.train.gardo.std_weighting:
+            w = std_weights(sub.std, sub.sigma, sub.sigma_next).to(log_prob.device)  # (m,)
+            weights = w if weights is None else weights * w
+        return super().policy_loss(log_prob, mean, sub, adv, weights)
 
     # ------------------------------------------------------------------------------ the gated KL
     def policy_log_prob(self, velocity, sub):

@@ -109,7 +109,7 @@ def test_dinov3_settings_are_refused_naming_the_key_before_training(tmp_path, di
 
 def test_gardo_trains_one_iteration_on_dinov3_features(tmp_path, random_pipeline, prompt_files, dinov3_folder):
     """One iteration of the shipped preset (Trainer.step: rollout, rewards, advantages, update) on a tiny random
-    pipeline with features dinov3, and the std weighting on (the default)."""
+    pipeline with features dinov3 and the std weighting on (off by default)."""
     from flowrl.trainer import Trainer
 
     train, test = prompt_files
@@ -120,6 +120,7 @@ def test_gardo_trains_one_iteration_on_dinov3_features(tmp_path, random_pipeline
         "train.minibatch_size": 8,
         "train.gardo.features": "dinov3",
         "train.gardo.feature_model": str(dinov3_folder),
+        "train.gardo.std_weighting": True,
     }
     trainer = Trainer(load_config(REPO / "configs" / "gardo.yaml", tiny_overrides(random_pipeline, train, test, tmp_path, **extra)))  # fmt: skip
     assert trainer.cfg.train.gardo.std_weighting

@@ -28,9 +28,9 @@ official SD3 script's weighting of the loss:
   weighted by its SDE ``sigma_t`` (the step std per unit time) over the mean ``sigma_t`` of the micro-batch it is
   back-propagated in; the KL term is not weighted.
 
-Deviations: the default features are pooled pixels (above); the official's micro-batches each hold one denoising
-step, so there its std weight is exactly 1, while flowrl's mix steps, where the same weight favours the noisier ones
-(``std_weighting: false`` gives the official's effect, and its FLUX script's loss); the reset test reads every
+Deviations: the default features are pooled pixels (above); the std weighting is off by default: the official's
+micro-batches each hold one denoising step, so there its std weight is exactly 1 (its FLUX script has none), while
+flowrl's mix steps, where the same weight would favour the noisier ones; the reset test reads every
 micro-batch's KL (the official every optimizer step's mean).
 """
 
@@ -80,9 +80,10 @@ class GARDOConfig:
         "ViT-L/16 lvd1689m)",
     )
     std_weighting: bool = setting(
-        True,
+        False,
         "weight each transition's clipped surrogate by its SDE sigma_t over its micro-batch's mean (the official "
-        "SD3 script; 1 there, as its micro-batches hold one step each)",
+        "SD3 script's formula; off by default: its micro-batches hold one step each, so the weight is 1 there, while "
+        "flowrl's mix steps and the weight would favour the noisy ones)",
     )
 
     def __post_init__(self):

@@ -43,6 +43,9 @@ class TinyFamily:
         refuses: presets the family refuses with one ConfigError (the DDPM families: DiffusionNFT, Flash re-spacing).
         negative_prompt: the family takes a CFG negative prompt (``model.negative_prompt``): sampling with one must
             equal the stock pipeline's ``negative_prompt``, given to ``stock`` as the keyword ``negative_prompt``.
+        offline: the offline methods (``dpo_offline``, ``sft``) train the family on the shipped preference data set
+            (its latents are the VAE's scaled ones and it takes no source images); the other families refuse them in
+            one line.
     """
 
     id: str
@@ -56,6 +59,7 @@ class TinyFamily:
     trains: str = "diffusion_nft"
     refuses: tuple[str, ...] = ()
     negative_prompt: bool = False
+    offline: bool = False
 
     @property
     def video(self) -> bool:
@@ -257,6 +261,7 @@ FAMILIES: dict[str, TinyFamily] = {
             (4.5, 1.0),
             IMAGE_TRAIN,
             stock_kwargs=NO_T5,
+            offline=True,
         ),
         TinyFamily(
             "FluxModel",
@@ -265,6 +270,7 @@ FAMILIES: dict[str, TinyFamily] = {
             _flux_stock,
             (3.5, 1.0),
             {**IMAGE_TRAIN, "sampling.guidance_scale": 3.5, "eval.guidance_scale": 3.5},
+            offline=True,
         ),
         TinyFamily(
             "FluxKontextModel",
@@ -321,6 +327,7 @@ FAMILIES: dict[str, TinyFamily] = {
             _stock_from_noise("test_z_image", "stock_z_image"),
             (4.0, 1.0),
             IMAGE_TRAIN,
+            offline=True,
         ),
         TinyFamily(
             "SanaModel",

@@ -4,7 +4,8 @@ one), a PPO ratio of exactly 1 before the first step for every rollout shape, Di
 exactly, a LoRA that the stock ``load_lora_weights`` loads and that reproduces the trained model, a full fine-tune
 the stock class loads, ``flowrl memory``'s counts equal to the loaded model's, and ``flowrl sample`` writing images
 or mp4s and ``flowrl generate`` a benchmark folder (edit records' source images and FLUX.2's reference images kept),
-and ``flowrl eval --reward`` handing rewards those source images. One parametrization id per family, its adapter's
+and ``flowrl eval --reward`` handing rewards those source images; every method of 2026 and every direct-reward method
+trained two iterations, or refused in one line (CI). One parametrization id per family, its adapter's
 class name (a second entry of one adapter, with other prompt records, adds a suffix: ``Flux2Model-references``):
 ``pytest tests/test_conformance.py -q -k WanModel``."""
 
@@ -110,6 +111,69 @@ def test_the_ratio_is_exactly_one_before_the_first_step(family, shape, tmp_path)
     assert stats["cost/trained_transitions"] > 0 and stats["policy/optimizer_steps"] > 0
     assert stats["policy/ratio_first_max_dev"] == 0.0
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
+
+
+METHODS_2026 = ("awm", "crd", "dgpo", "dpo_online", "flow_dppo", "gardo", "dpo_offline", "sft")
+"""The presets of the methods of 2026 (docs/methods.md): the online ones and the two offline ones."""
+DIRECT = ("refl", "draft", "alignprop", "srpo")
+"""The direct-reward presets: the tiny CLIP score's gradient through the decoder (``frames`` of it for videos)."""
+FORWARD = {"awm", "crd", "dgpo", "dpo_online", "dpo_offline", "sft"}
+"""The methods that train the flow-matching loss on clean samples: the DDPM families refuse them."""
+
+
+def _refusal(spec: TinyFamily, preset: str) -> str | None:
+    """The one-line refusal the family gives the preset (a regular expression), or None where it trains."""
+    if spec.trains == "flow_grpo" and preset in FORWARD:  # the DDPM families
+        return r"^config key 'train\.method': .* needs a flow-matching model"
+    if preset in ("dpo_offline", "sft") and not spec.offline:
+        return rf"^train\.method '{preset}'.*({spec.adapter} edits source images|{spec.adapter} family's latents are its own)"
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", METHODS_2026 + DIRECT)
+@pytest.mark.parametrize("family", _params(), indirect=True)
+def test_each_method_trains_two_iterations_or_refuses_in_one_line(family, preset, tmp_path):
+    """Every method of 2026 and every direct-reward method through its preset shrunk onto the family (two iterations
+    of rollout, rewards and update; the offline ones on the shipped preference data set; the direct ones on the tiny
+    CLIP score, ``frames`` of it for a video family): the optimizer steps, the policy moves, the loss is finite, and
+    what each method promises before its first step holds (the ratio 1, DGPO's objective log 2, CRD's implicit reward
+    0); or the family refuses the method in one line (the DDPM families the forward-process methods, the families
+    without VAE-scaled latents or with source images the offline data sets)."""
+    import math
+
+    spec, folder, prompts = family
+    clip = str(REPO / "assets" / "tiny-clip")
+    extra = {"train.offline.batch_size": 4, "train.gardo.auxiliary": "[]", "rewards.clipscore": "null"}
+    if spec.video:  # the image rewards of GARDO's preset
+        extra["rewards.jpeg_compressibility"] = "null"
+    if preset in DIRECT:  # a differentiable reward alone
+        extra = {"rewards.jpeg_compressibility": "null", "rewards.clipscore.options.model_path": clip}
+        if spec.video:
+            extra = {"rewards.clipscore": "null", "rewards.families:brightness": "null", "rewards.frames.weight": 1.0}
+            extra.update({"rewards.frames.options.reward": "clipscore", "rewards.frames.options.num_frames": 2})
+            extra["rewards.frames.options.reward_options.model_path"] = clip
+    config, over = _config(spec, folder, prompts, preset, tmp_path / "run", **extra)
+    refusal = _refusal(spec, preset)
+    if refusal:
+        with pytest.raises((ConfigError, ValueError), match=refusal) as error:
+            Trainer(load_config(config, over))
+        assert "\n" not in str(error.value)
+        return
+    trainer = Trainer(load_config(config, over))
+    before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
+    rows = [trainer.step(it) for it in range(2)]
+    assert all(r["policy/optimizer_steps"] > 0 and math.isfinite(r["policy/loss"]) for r in rows)
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
+    first = rows[0]
+    if preset in ("awm", "flow_dppo", "gardo"):
+        assert first["policy/ratio_first_max_dev"] == 0.0
+    if preset == "dgpo":
+        assert first["policy/dgpo_objective"] == pytest.approx(math.log(2), abs=1e-6)
+    if preset == "crd":
+        assert first["policy/implicit_reward_first_max"] == 0.0
+    if preset == "dpo_online":
+        assert first["dpo/pairs"] >= 1
 
 
 @pytest.fixture(scope="module")

@@ -140,11 +140,7 @@ def test_flux_config_errors_name_the_key(tmp_path, random_flux_pipeline, prompt_
     "preset",
     [
         "diffusion_nft_off_policy",
-        "dpo_offline",
-        *(
-            pytest.param(p, marks=pytest.mark.slow)
-            for p in ("awm", "crd", "dgpo", "dpo_online", "flow_dppo", "gardo", "sft")
-        ),
+        "dpo_offline",  # every method of 2026 on every family: tests/test_conformance.py
     ],
 )
 def test_rollout_shapes_and_nft_run_on_flux(preset, tmp_path, random_flux_pipeline, prompt_files):

@@ -291,7 +291,7 @@ def test_adapter_schedule_and_decoding_are_the_pipelines(klein, klein_distilled,
     with torch.no_grad():
         expected = (pipe.vae.decode(raw, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
     torch.testing.assert_close(model.decode(z), expected, rtol=0, atol=1e-5)
-    assert not model.encodes_images()  # the offline / direct-reward methods need the inverse: not built
+    assert not model.encodes_images()  # the offline methods need the inverse: not built
     # a static scheduler: its own shift, whatever the steps
     static = tmp_path / "static"
     shutil.copytree(klein, static)

@@ -184,9 +184,8 @@ def test_kontext_recipe_trains_rewards_see_the_source_and_the_lora_loads_in_stoc
     torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize(
-    "preset", ["dgpo", *(pytest.param(p, marks=pytest.mark.slow) for p in ("awm", "crd", "dpo_online", "gardo"))]
-)
+# every method of 2026 on every family (CI): tests/test_conformance.py
+@pytest.mark.parametrize("preset", ["dgpo"])
 def test_new_methods_train_on_editing_prompts(preset, tmp_path, kontext, edit_prompts):
     """The forward-process methods of 2026 and GARDO take Kontext's source images through the prompt table."""
     extra = {

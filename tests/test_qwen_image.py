@@ -254,9 +254,8 @@ def test_qwen_config_errors_name_the_key(tmp_path, qwen, prompt_files):
         Trainer(load_config(None, over))
 
 
-@pytest.mark.parametrize(
-    "preset", ["awm", *(pytest.param(p, marks=pytest.mark.slow) for p in ("crd", "dgpo", "dpo_online", "gardo"))]
-)
+# every method of 2026 on every family (CI): tests/test_conformance.py
+@pytest.mark.parametrize("preset", ["awm"])
 def test_new_methods_train_on_qwen_image(preset, tmp_path, qwen, prompt_files):
     """The methods of 2026 on Qwen-Image's normalised latents (the offline ones refuse the family: its latents are not
     the VAE's scaled ones)."""

@@ -92,6 +92,31 @@ def test_frames_mean_and_min_equal_the_image_reward_by_hand():
     assert empty.shape == (0,) and empty.dtype == torch.float32
 
 
+def test_frames_of_a_differentiable_reward_carry_its_gradient():
+    """What the direct-reward methods score on a video family: ``frames`` over the tiny CLIP score, equal to the plain
+    scores (mean and min), its gradient the finite differences' (float64), and none on the frames it does not score."""
+    from conftest import REPO
+
+    from flowrl.rewards.base import RewardTypeError
+
+    clip = build_reward("clipscore", model_path=str(REPO / "assets" / "tiny-clip"), dtype="float64")
+    assert Frames(clip).differentiable and not Frames(brightness).differentiable
+    gen = torch.Generator().manual_seed(0)
+    videos = torch.rand(2, 3, 3, 4, 4, dtype=torch.float64, generator=gen) * 0.8 + 0.1  # (B, F, 3, H, W)
+    prompts, metadata = ["a red circle", "two blue squares"], [{}, {}]
+    for aggregate in ("mean", "min"):
+        wrapped = Frames(clip, aggregate, num_frames=2)  # frames 0 and 2 of 3
+        with_grad = wrapped.score_with_grad(videos, prompts, metadata)
+        torch.testing.assert_close(with_grad.float(), wrapped(videos, prompts, metadata), rtol=0, atol=1e-5)
+        leaf = videos.clone().requires_grad_()
+        wrapped.score_with_grad(leaf, prompts, metadata).sum().backward()
+        assert leaf.grad[:, 1].abs().max() == 0 and leaf.grad[:, [0, 2]].abs().max() > 0
+    score = lambda v: wrapped.score_with_grad(v, prompts[:1], metadata[:1])  # noqa: E731
+    assert torch.autograd.gradcheck(score, (videos[:1].clone().requires_grad_(),), eps=1e-6, atol=1e-5, rtol=1e-4)
+    with pytest.raises(RewardTypeError, match=r"frames\(brightness\): the wrapped reward has no score_with_grad"):
+        Frames(brightness).score_with_grad(videos, prompts, metadata)
+
+
 def test_frames_sample_draws_frames_per_video():
     videos, prompts, metadata = _videos(batch=64, num_frames=6)
     per_frame = videos.mean(dim=(2, 3, 4))  # (64, 6)

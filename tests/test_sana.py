@@ -252,7 +252,7 @@ def test_prompts_schedule_and_decoding_are_the_pipelines(sana, tmp_path):
     with torch.no_grad():
         expected = (pipe.vae.decode(z / 0.41407, return_dict=False)[0] / 2 + 0.5).clamp(0, 1)
     torch.testing.assert_close(model.decode(z), expected, rtol=0, atol=1e-5)
-    assert not model.encodes_images()  # the offline / direct-reward methods need the inverse: not built
+    assert not model.encodes_images()  # the offline methods need the inverse: not built
     # a DPM-Solver without flow sigmas is not a flow-matching schedule
     vp = tmp_path / "vp"
     shutil.copytree(sana, vp)

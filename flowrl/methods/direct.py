@@ -99,8 +99,8 @@ class DirectReward(ForwardProcess):
     """Base of ReFL and DRaFT-K (module docstring). Args: as :class:`flowrl.methods.base.Method`.
 
     Raises:
-        ConfigError: naming ``rewards.NAME`` for a weighted reward without ``score_with_grad``, or naming
-            ``model.path`` for a family whose latents are not the VAE's scaled ones.
+        ConfigError: naming ``rewards.NAME`` for a weighted reward without ``score_with_grad`` (a video family takes
+            ``frames`` over a differentiable image reward).
     """
 
     @classmethod
@@ -125,13 +125,9 @@ class DirectReward(ForwardProcess):
                 grad = ", ".join(sorted(n for n, f in REWARDS.items() if getattr(f, "differentiable", False)))
                 raise ConfigError(
                     f"config key 'rewards.{name}': train.method {self.name!r} back-propagates through the reward, and "
-                    f"{name} has no score_with_grad (differentiable: {grad}); give it weight 0 to log it only"
+                    f"{name} has no score_with_grad (differentiable: {grad}, and for videos frames over one of them); "
+                    "give it weight 0 to log it only"
                 )
-        if not model.encodes_images():
-            raise ConfigError(
-                f"config key 'model.path': train.method {self.name!r} decodes with gradient through the VAE; the "
-                f"{type(model).__name__} family's latents are its own (built: the SD3 and FLUX families)"
-            )
 
     def start_step(self, generator: torch.Generator) -> int:
         """The grid index where the steps with gradient start."""
@@ -190,7 +186,7 @@ class DirectReward(ForwardProcess):
         def micro_loss(idx, stats, step):
             kl: list = []
             images = model.decode_with_grad(
-                self.predict(velocity, samples.start[idx], samples.cond[idx], samples.step, kl)
+                self.predict(velocity, samples.start[idx], samples.cond[idx], samples.step, kl), clean=self.clean
             )
             rows = idx.tolist()
             r = self.reward_with_grad(images, [samples.prompts[i] for i in rows], [samples.metadata[i] for i in rows])
@@ -215,6 +211,9 @@ class DirectReward(ForwardProcess):
         return out
 
     checkpointed = False  # AlignProp: each step's forward recomputed in backward
+    clean = False
+    """:meth:`predict` gives clean latents at time 0 (ReFL), not the sampler's final states (DRaFT, AlignProp): what
+    :meth:`~flowrl.models.FlowModel.decode_with_grad` is told (they differ for the DDPM families only)."""
 
     def _velocity(self, velocity, x, t, cond, kl: list) -> torch.Tensor:
         with self.policy.autocast():
@@ -234,6 +233,8 @@ class DirectReward(ForwardProcess):
 @register_method("refl")
 class ReFL(DirectReward):
     """``train.method: refl`` (module docstring)."""
+
+    clean = True
 
     def start_step(self, generator: torch.Generator) -> int:
         n = len(self.sigmas) - 1

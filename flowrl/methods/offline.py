@@ -153,12 +153,12 @@ def _check_family(model, method: str) -> None:
     if not model.encodes_images():
         raise ValueError(
             f"train.method {method!r} encodes its images with the VAE; the {type(model).__name__} family's latents "
-            "are its own (built: the SD3 and FLUX families)"
+            "are its own (built: the SD3, FLUX.1 and Z-Image families)"
         )
     if hasattr(model, "encode_images"):  # FLUX.1 Kontext: conditioned on a source image per prompt
         raise ValueError(
             f"train.method {method!r}: {type(model).__name__} edits source images; data sets with a source image per "
-            "row are not built (built: the SD3 and FLUX text-to-image families)"
+            "row are not built (built: the SD3, FLUX.1 and Z-Image text-to-image families)"
         )
 
 

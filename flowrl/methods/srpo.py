@@ -154,7 +154,7 @@ class SRPO(DirectReward):
                 lo,
                 lambda x, t: self._velocity(velocity, x, t, cond, kl),
             )
-            images = model.decode_with_grad(x0)
+            images = model.decode_with_grad(x0, clean=True)
             rows = idx.tolist()
             prompts, metadata = [samples.prompts[i] for i in rows], [samples.metadata[i] for i in rows]
             r_pos = self.reward_with_grad(images, [f"{positive}. {p}" for p in prompts], metadata)

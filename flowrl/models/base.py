@@ -622,16 +622,18 @@ class FlowModel:
             images.append(vae.decode(z, return_dict=False)[0].float())
         return (torch.cat(images) / 2 + 0.5).clamp(0, 1)
 
-    def decode_with_grad(self, latents: torch.Tensor) -> torch.Tensor:
-        """:meth:`decode` with the graph back to `latents` (the VAE frozen): what the direct-reward methods score.
-        Only the families whose :meth:`decode` is this class's (:meth:`encodes_images`).
+    def decode_with_grad(self, latents: torch.Tensor, clean: bool = False) -> torch.Tensor:
+        """The family's :meth:`decode` with the graph back to `latents` (the VAE frozen): what the direct-reward
+        methods score. Images float32 ``(B, 3, H, W)`` (videos ``(B, F, 3, H, W)``) in [0, 1], as :meth:`decode`.
 
-        Raises:
-            NotImplementedError: for a family that decodes its own latents.
+        Args:
+            latents (`torch.Tensor`): ``(B, *latent_shape)`` float32: the sampler's final states (at the grid's last
+                time) or, with `clean`, clean latents at time 0 (a one-step prediction ``x_t - t v``).
+            clean (`bool`): the latents are at time 0. The same as the final states for the flow-matching families,
+                whose grids end at 0; the DDPM families' end at their final timestep's time (:meth:`SD15Model.decode`).
         """
-        if not self.encodes_images():
-            raise NotImplementedError(f"{type(self).__name__} decodes its own latents: decode_with_grad is not built")
-        return FlowModel.decode.__wrapped__(self, latents)
+        decode = type(self).decode
+        return getattr(decode, "__wrapped__", decode)(self, latents)  # the body under its @torch.no_grad()
 
     def encodes_images(self) -> bool:
         """Whether :meth:`encode_latents` is this family's inverse of :meth:`decode` (the families whose latents are the

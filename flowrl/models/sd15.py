@@ -134,6 +134,7 @@ class SD15Model(FlowModel):
         """
         from ..config import ConfigError, config_key, resolve_path
         from ..methods import METHODS
+        from ..methods.direct import DirectReward
         from ..methods.forward import ForwardProcess
 
         file = _scheduler_file(resolve_path(cfg.model.path))
@@ -141,10 +142,12 @@ class SD15Model(FlowModel):
             _check_scheduler(json.loads(file.read_text()), file)
         where = f"model.path {cfg.model.path} is a {cls.PIPELINE} (DDPM)"
         method = METHODS.get(cfg.train.method)
-        if method is not None and issubclass(method, ForwardProcess):  # NFT, AWM, DGPO, DPO, CRD, offline, SFT
+        forward = method is not None and issubclass(method, ForwardProcess) and not issubclass(method, DirectReward)
+        if forward:  # NFT, AWM, DGPO, DPO, CRD, offline, SFT (the direct-reward methods sample and decode: they run)
             raise ConfigError(
                 f"config key 'train.method': {cfg.train.method!r} ({method.__name__}) needs a flow-matching model "
-                f"(it trains the flow-matching loss on clean samples); {where}: use train.method grpo, flow_dppo or gardo"
+                f"(it trains the flow-matching loss on clean samples); {where}: use train.method grpo, flow_dppo, gardo "
+                "or a direct-reward method (refl, draft, alignprop, srpo)"
             )
         for key, value in (
             ("sampling.window.flash_ratio", cfg.sampling.window.flash_ratio),
@@ -190,7 +193,12 @@ class SD15Model(FlowModel):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Decode the flow state at the grid's last time ``sigma_N`` to images float32 ``(B, 3, H*f, W*f)`` in
         [0, 1]: the stock pipeline decodes the VP state ``s(a_N) x_flow`` (:meth:`FlowModel.decode`)."""
-        return super().decode(latents * float(vp_scale(torch.tensor(self.final_sigma))))
+        return FlowModel.decode.__wrapped__(self, latents * float(vp_scale(torch.tensor(self.final_sigma))))
+
+    def decode_with_grad(self, latents: torch.Tensor, clean: bool = False) -> torch.Tensor:
+        """:meth:`FlowModel.decode_with_grad`: clean latents (time 0, where the VP state is the flow state) decoded as
+        they are, the sampler's final states as :meth:`decode` does."""
+        return FlowModel.decode.__wrapped__(self, latents) if clean else super().decode_with_grad(latents)
 
     # ------------------------------------------------------------------------------ prompts and forward
     @property

@@ -124,11 +124,36 @@ class Frames:
         draws = torch.rand(batch, total, generator=self.generator).argsort(dim=1)[:, :k]  # (batch, k)
         return draws.sort(dim=1).values
 
+    @property
+    def differentiable(self) -> bool:
+        """Whether the wrapped image reward has ``score_with_grad`` (then :meth:`score_with_grad` works): what the
+        direct-reward methods need of a video family's reward."""
+        return bool(getattr(self.reward, "differentiable", False))
+
     @torch.no_grad()
     def __call__(
         self, videos: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
     ) -> torch.Tensor:
         check_inputs(videos, prompts, metadata, video=True)
+        return self._score(videos, prompts, metadata, self.reward, grad=False)
+
+    def score_with_grad(
+        self, videos: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
+    ) -> torch.Tensor:
+        """The scores of :meth:`__call__` with the graph back to `videos` `(B, F, 3, H, W)`: the wrapped reward's
+        ``score_with_grad`` on the chosen frames, aggregated per video (the mean, or the min, differentiate);
+        `(B,)` float32 on the wrapped reward's device. Equal to :meth:`__call__`'s scores for the same frames.
+
+        Raises:
+            RewardTypeError (a TypeError): the wrapped reward has no ``score_with_grad``.
+        """
+        if not self.differentiable:
+            raise RewardTypeError(f"{self.name}: the wrapped reward has no score_with_grad (not differentiable)")
+        check_inputs(videos.detach(), prompts, metadata, video=True)
+        return self._score(videos, prompts, metadata, self.reward.score_with_grad, grad=True)
+
+    def _score(self, videos, prompts, metadata, score: Callable, grad: bool) -> torch.Tensor:
+        """The chosen frames of `videos` `(B, F, 3, H, W)` scored by `score` as one batch, aggregated per video."""
         batch, total = videos.shape[:2]
         index = self.indices(batch, total)  # (B, k)
         k = index.shape[1]
@@ -136,8 +161,9 @@ class Frames:
             return torch.zeros(0)
         chosen = videos[torch.arange(batch).unsqueeze(1), index.to(videos.device)]  # (B, k, 3, H, W)
         flat = chosen.flatten(0, 1)  # (B * k, 3, H, W), video-major
-        raw = self.reward(flat, [p for p in prompts for _ in range(k)], [m for m in metadata for _ in range(k)])
-        scores = check_scores(reward_name(self.reward), raw, batch * k).view(batch, k)  # (B, k)
+        raw = score(flat, [p for p in prompts for _ in range(k)], [m for m in metadata for _ in range(k)])
+        checked = check_scores(reward_name(self.reward), raw, batch * k)  # shape and finiteness (detached)
+        scores = (raw if grad else checked).view(batch, k)  # (B, k)
         return scores.amin(dim=1) if self.aggregate == "min" else scores.mean(dim=1)
 
 

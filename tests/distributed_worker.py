@@ -152,6 +152,42 @@ def split_gradient(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return grads[0], grads[1]
 
 
+def split_direct_gradient(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`split_gradient` for a direct-reward method (ReFL, DRaFT, AlignProp): both processes draw the same
+    rollout; split, process 0 trains every third image and process 1 the rest; whole, process 0 all of them and
+    process 1 none. Both must give the gradient of the mean loss over all images (one optimizer step, recorded)."""
+    import dataclasses
+
+    rank = trainer.accelerator.process_index
+    samples = trainer.method.rollout(trainer.train_metas[:2], torch.Generator().manual_seed(7))
+    n = len(samples.cond)
+    every_third = torch.arange(n) % 3 == 0
+    grads = []
+    step = trainer.policy.optimizer.step
+    trainer.policy.optimizer.step = lambda *a, **k: grads.append(
+        [full(p.grad).clone() for p in trainer.policy.params.values()]
+    )
+    size = trainer.cfg.train.minibatch_size
+    trainer.cfg.train.minibatch_size = n  # one optimizer step
+    try:
+        for keep in (every_third if rank == 0 else ~every_third, torch.full((n,), rank == 0)):
+            rows = keep.nonzero().squeeze(1)
+            part = dataclasses.replace(
+                samples,
+                start=samples.start[rows],
+                cond=samples.cond[rows],
+                prompts=[samples.prompts[i] for i in rows.tolist()],
+                metadata=[samples.metadata[i] for i in rows.tolist()],
+                final=samples.final[rows],
+            )
+            trainer.method.update(part, None, None, torch.Generator().manual_seed(0))
+    finally:
+        trainer.policy.optimizer.step = step
+        trainer.cfg.train.minibatch_size = size
+    assert len(grads) == 2, len(grads)
+    return grads[0], grads[1]
+
+
 def train_one(config: str, out: str, overrides: list[str]):
     """Train ``config`` with ``overrides`` and write this process's results into ``out``: the trainable parameters
     (``rank{r}.safetensors``), the method's held copies (``held{r}.safetensors``, keys ``FILE/NAME``), the split
@@ -160,19 +196,19 @@ def train_one(config: str, out: str, overrides: list[str]):
     from flowrl.config import load_config
     from flowrl.evaluation import sharded
     from flowrl.methods import GRPO
+    from flowrl.methods.direct import DRaFT, ReFL
     from flowrl.trainer import Trainer
 
     trainer = Trainer(load_config(config, overrides))
     rank = trainer.accelerator.process_index
-    split_grads, whole_grads = (
-        ([], [])
-        if (
-            not isinstance(trainer.method, GRPO)  # not the GRPO update on stored transitions
-            or trainer.policy.engine
-            or os.environ.get("FLOWRL_TEST_NO_SPLIT")
-        )
-        else split_gradient(trainer)
-    )  # at the initial weights
+    split_grads, whole_grads = [], []
+    if not trainer.policy.engine and not os.environ.get("FLOWRL_TEST_NO_SPLIT"):  # at the initial weights
+        if isinstance(trainer.method, GRPO):  # the GRPO update on stored transitions
+            split_grads, whole_grads = split_gradient(trainer)
+        elif isinstance(trainer.method, (ReFL, DRaFT)) and not trainer.policy.sharded:
+            # under DDP, the direct update on one rollout's images (uneven micro-batch counts across processes are a
+            # collective mismatch under FSDP2; its training runs even ones)
+            split_grads, whole_grads = split_direct_gradient(trainer)
     optimize, peaks = getattr(trainer.method, "optimize", None), []  # GRPO's and DiffusionNFT's update
 
     def measured(*args, **kwargs):  # the peak resident memory up to the end of each policy update

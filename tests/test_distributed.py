@@ -445,6 +445,7 @@ def _fixture_pipeline(overrides: list[str]) -> str:
 
 
 NEW_METHODS = ["awm", "crd", "dgpo", "dpo_online", "dpo_offline", "flow_dppo", "gardo", "sft"]
+DIRECT_METHODS = ["refl", "draft", "alignprop", "srpo"]  # on the tiny CLIP score's gradient
 ENGINES = {"ddp": {}, "fsdp2": {"fsdp2": True}, "zero2": {"zero": "2"}}
 WRAPPED = {"ddp": "DistributedDataParallel", "fsdp2": "FSDP", "zero2": "DeepSpeedEngine"}
 HELD_COPIES = {"awm": 1, "crd": 2, "dpo_online": 1, "dpo_offline": 1, "gardo": 1}  # copies of the weights kept
@@ -458,34 +459,67 @@ HELD_RESETS = {
 
 @pytest.fixture(scope="module")
 def new_method_runs(tmp_path_factory, random_pipeline, prompt_files):
-    """Every method of 2026 trained two iterations under DDP, FSDP2 and DeepSpeed ZeRO-2: one torchrun launch per
-    engine, the presets one after another in it, each in ``ROOT/ENGINE/PRESET``. Returns ROOT."""
+    """Every method of 2026 and every direct-reward method trained two iterations under DDP, FSDP2 and DeepSpeed
+    ZeRO-2: one torchrun launch per engine, the presets one after another in it, each in ``ROOT/ENGINE/PRESET`` (its
+    overrides in ``overrides.json``). Returns ROOT."""
     root = tmp_path_factory.mktemp("new_methods")
     for engine, launch in ENGINES.items():
         runs = []
-        for preset in NEW_METHODS:
+        for preset in NEW_METHODS + DIRECT_METHODS:
             tmp = root / engine / preset
             tmp.mkdir(parents=True)
             reward = (
                 "distributed_worker:rank_reward" if preset not in ("dpo_offline", "sft") else "jpeg_compressibility"
             )
+            options = ""
+            if preset in DIRECT_METHODS:
+                reward, options = "clipscore", f"    options: {{model_path: {HERE.parent / 'assets' / 'tiny-clip'}}}\n"
             (tmp / "c.yaml").write_text(
                 f"base: {HERE.parent / 'configs' / (preset + '.yaml')}\n"
-                f"rewards:\n  geneval: null\n  {reward}:\n    weight: 1.0\n"
+                f"rewards:\n  geneval: null\n  {reward}:\n    weight: 1.0\n{options}"
             )
             extra = {"run.mixed_precision": "no", "train.minibatch_size": 8, "train.micro_batch_size": 4}
             extra.update({"sampling.group_size": 4, "sampling.num_steps": 4, "train.offline.batch_size": 4})
             extra.update(HELD_RESETS.get(preset, {}))
             overrides = tiny_overrides(random_pipeline, *prompt_files, tmp / "run", **extra)
+            (tmp / "overrides.json").write_text(json.dumps(overrides))
             runs.append({"config": str(tmp / "c.yaml"), "out": str(tmp), "overrides": overrides})
         _launch_runs(root / engine, runs, **launch)
     return root
 
 
-@pytest.mark.parametrize("preset", NEW_METHODS)
+@pytest.mark.parametrize("preset", ["refl", "draft", "alignprop"])
+def test_direct_methods_under_ddp_give_the_gradient_of_one_process(preset, new_method_runs):
+    """ReFL, DRaFT and AlignProp under DDP (two gloo processes): one rollout's images split between the processes
+    (every third on process 0, the rest on process 1) give the same optimizer step as all of them on process 0, and
+    as all of them in a single process: the gradient of the mean loss over every image."""
+    tmp = new_method_runs / "ddp" / preset
+    overrides = json.loads((tmp / "overrides.json").read_text())
+    g0, g1 = load_file(tmp / "grads0.safetensors"), load_file(tmp / "grads1.safetensors")
+    sys.path.insert(0, str(HERE))
+    try:
+        from distributed_worker import split_direct_gradient
+
+        single = Trainer(load_config(tmp / "c.yaml", [*overrides, f"run.output_dir={tmp / 'reference'}"]))
+        _, reference = split_direct_gradient(single)  # one process training every image
+    finally:
+        sys.path.remove(str(HERE))
+    n = len([k for k in g0 if k.startswith("split.")])
+    assert n == len(reference) > 0
+    for i in range(n):
+        split, whole, ref = g0[f"split.{i}"], g0[f"whole.{i}"], reference[i]
+        assert torch.equal(split, g1[f"split.{i}"]) and torch.equal(whole, g1[f"whole.{i}"])  # all-reduced
+        tol = 1e-5 * ref.abs().max().item()
+        torch.testing.assert_close(whole, ref, rtol=1e-4, atol=tol)
+        torch.testing.assert_close(split, ref, rtol=1e-4, atol=tol)
+    assert any(r.abs().max() > 0 for r in reference)
+
+
+@pytest.mark.parametrize("preset", NEW_METHODS + DIRECT_METHODS)
 def test_each_new_method_trains_alike_under_ddp_fsdp2_and_zero2(preset, new_method_runs):
-    """Every method of 2026 under DDP, FSDP2 and DeepSpeed ZeRO-2 (two gloo processes): process 1's groups have no
-    reward variance (the online methods keep no rows there and take each optimizer step with a zero gradient); under
+    """Every method of 2026 and every direct-reward method under DDP, FSDP2 and DeepSpeed ZeRO-2 (two gloo processes):
+    process 1's groups have no reward variance (the online methods of 2026 keep no rows there and take each optimizer
+    step with a zero gradient; the direct ones train on every image's reward gradient); under
     each engine the weights and the method's held copies (AWM's EMA, CRD's old and sampler copies, DPO's refreshed
     reference, GARDO's reset reference) end identical on both processes, the weights trained, and FSDP2's and ZeRO-2's
     equal to DDP's (rtol 1e-4)."""

@@ -133,11 +133,21 @@ class DirectReward(ForwardProcess):
         """The grid index where the steps with gradient start."""
         raise NotImplementedError
 
+    def shared_start_step(self, generator: torch.Generator) -> int:
+        """:meth:`start_step`, process 0's draw on every process: each then runs as many forwards with gradient, which
+        FSDP2 needs (it gathers the weights at each forward, a collective call); one draw per iteration, as the
+        papers draw it."""
+        step = self.start_step(generator)
+        accelerator = self.policy.accelerator
+        if accelerator.num_processes > 1:
+            step = int(accelerator.gather(torch.tensor([step], device=self.device))[0])
+        return step
+
     def rollout(self, metas: list[dict], generator: torch.Generator) -> DirectSamples:
         """``G`` Euler samples per prompt without gradient: the final images for the loop's rewards and the state at
-        :meth:`start_step` (drawn once per iteration)."""
+        :meth:`start_step` (drawn once per iteration, the same on every process)."""
         cfg, model = self.cfg, self.model
-        step = self.start_step(generator)
+        step = self.shared_start_step(generator)
         table = model.prompt_table(metas)
         prompt_index = torch.arange(len(metas), device=self.device).repeat_interleave(cfg.sampling.group_size)
         cond = table.rows(prompt_index)

@@ -118,74 +118,65 @@ def rank_reward(images, prompts, metadata):
     return torch.zeros(len(prompts))
 
 
-def split_gradient(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The all-reduced gradient of one optimizer step over the same transitions, split two ways.
-
-    Both processes draw the same rollout (same prompts, same generator, same weights). Split: process 0
-    keeps every third transition, process 1 the rest. Whole: process 0 keeps all of them, process 1 none.
-    Both must give the gradient of the mean over all transitions (the optimizer step is replaced by a
-    recorder, so the weights do not move).
-    """
+def _split_steps(trainer, rows: int, train) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The all-reduced gradient of one optimizer step over the same `rows` rows of one rollout, split two ways. Split:
+    process 0 trains every third row, process 1 the rest. Whole: process 0 trains all of them, process 1 none. Both
+    must give the gradient of the mean over all rows. ``train(keep)`` runs the method's update on this process's rows
+    ``keep`` (bool ``(rows,)``); the optimizer step is replaced by a recorder, so the weights do not move."""
     rank = trainer.accelerator.process_index
-    metas = trainer.train_metas[:2]
-    samples = trainer.method.rollout(metas, torch.Generator().manual_seed(7))
-    ro, table = samples.rollout, samples.table
-    adv = torch.linspace(-1.0, 1.0, len(ro))
-    every_third = torch.arange(len(ro)) % 3 == 0
+    every_third = torch.arange(rows) % 3 == 0
     grads = []
     step = trainer.policy.optimizer.step
     trainer.policy.optimizer.step = lambda *a, **k: grads.append(
         [full(p.grad).clone() for p in trainer.policy.params.values()]
     )
     size = trainer.cfg.train.minibatch_size
-    trainer.cfg.train.minibatch_size = len(ro)  # one optimizer step
+    trainer.cfg.train.minibatch_size = rows  # one optimizer step
     try:
-        for keep in (
-            every_third if rank == 0 else ~every_third,
-            torch.ones(len(ro), dtype=torch.bool) if rank == 0 else torch.zeros(len(ro), dtype=torch.bool),
-        ):
-            trainer.method.optimize(ro, adv, keep & ro.trained.cpu(), table, torch.Generator().manual_seed(0))
+        for keep in (every_third if rank == 0 else ~every_third, torch.full((rows,), rank == 0)):
+            train(keep)
     finally:
         trainer.policy.optimizer.step = step
         trainer.cfg.train.minibatch_size = size
     assert len(grads) == 2, len(grads)
     return grads[0], grads[1]
+
+
+def split_gradient(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`_split_steps` for the GRPO update: both processes draw the same rollout (same prompts, same generator,
+    same weights) and train its stored transitions with fixed advantages."""
+    samples = trainer.method.rollout(trainer.train_metas[:2], torch.Generator().manual_seed(7))
+    ro, table = samples.rollout, samples.table
+    adv = torch.linspace(-1.0, 1.0, len(ro))
+    return _split_steps(
+        trainer,
+        len(ro),
+        lambda keep: trainer.method.optimize(
+            ro, adv, keep & ro.trained.cpu(), table, torch.Generator().manual_seed(0)
+        ),
+    )
 
 
 def split_direct_gradient(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """:func:`split_gradient` for a direct-reward method (ReFL, DRaFT, AlignProp): both processes draw the same
-    rollout; split, process 0 trains every third image and process 1 the rest; whole, process 0 all of them and
-    process 1 none. Both must give the gradient of the mean loss over all images (one optimizer step, recorded)."""
+    """:func:`_split_steps` for a direct-reward method (ReFL, DRaFT, AlignProp): both processes draw the same rollout
+    and train the reward gradient of its images."""
     import dataclasses
 
-    rank = trainer.accelerator.process_index
     samples = trainer.method.rollout(trainer.train_metas[:2], torch.Generator().manual_seed(7))
-    n = len(samples.cond)
-    every_third = torch.arange(n) % 3 == 0
-    grads = []
-    step = trainer.policy.optimizer.step
-    trainer.policy.optimizer.step = lambda *a, **k: grads.append(
-        [full(p.grad).clone() for p in trainer.policy.params.values()]
-    )
-    size = trainer.cfg.train.minibatch_size
-    trainer.cfg.train.minibatch_size = n  # one optimizer step
-    try:
-        for keep in (every_third if rank == 0 else ~every_third, torch.full((n,), rank == 0)):
-            rows = keep.nonzero().squeeze(1)
-            part = dataclasses.replace(
-                samples,
-                start=samples.start[rows],
-                cond=samples.cond[rows],
-                prompts=[samples.prompts[i] for i in rows.tolist()],
-                metadata=[samples.metadata[i] for i in rows.tolist()],
-                final=samples.final[rows],
-            )
-            trainer.method.update(part, None, None, torch.Generator().manual_seed(0))
-    finally:
-        trainer.policy.optimizer.step = step
-        trainer.cfg.train.minibatch_size = size
-    assert len(grads) == 2, len(grads)
-    return grads[0], grads[1]
+
+    def train(keep: torch.Tensor) -> None:
+        rows = keep.nonzero().squeeze(1)
+        part = dataclasses.replace(
+            samples,
+            start=samples.start[rows],
+            cond=samples.cond[rows],
+            prompts=[samples.prompts[i] for i in rows.tolist()],
+            metadata=[samples.metadata[i] for i in rows.tolist()],
+            final=samples.final[rows],
+        )
+        trainer.method.update(part, None, None, torch.Generator().manual_seed(0))
+
+    return _split_steps(trainer, len(samples.cond), train)
 
 
 def train_one(config: str, out: str, overrides: list[str]):

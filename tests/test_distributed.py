@@ -187,23 +187,30 @@ def test_split_transitions_give_the_gradient_of_their_union(two_process_run):
     all of them on process 0, and as all of them in a single process: the mean over all transitions (with
     the step weights normalised over all of them), whatever the shares."""
     tmp, overrides = two_process_run
+    _assert_split_gradients_are_one_process(tmp, overrides, "split_gradient")
+
+
+def _assert_split_gradients_are_one_process(tmp: Path, overrides: list[str], split: str) -> None:
+    """The split and whole gradients the two processes recorded in ``tmp`` (``grads{rank}.safetensors``, by the
+    worker's function named `split`) are all-reduced (equal on both) and equal to one process training every row of
+    the same rollout (``tmp/c.yaml`` with `overrides`, the worker's `split` in this process)."""
     g0, g1 = load_file(tmp / "grads0.safetensors"), load_file(tmp / "grads1.safetensors")
     sys.path.insert(0, str(HERE))
     try:
-        from distributed_worker import split_gradient
+        import distributed_worker
 
         single = Trainer(load_config(tmp / "c.yaml", [*overrides, f"run.output_dir={tmp / 'reference'}"]))
-        _, reference = split_gradient(single)  # one process keeping every transition
+        _, reference = getattr(distributed_worker, split)(single)  # one process training every row
     finally:
         sys.path.remove(str(HERE))
     n = len([k for k in g0 if k.startswith("split.")])
     assert n == len(reference) > 0
     for i in range(n):
-        split, whole, ref = g0[f"split.{i}"], g0[f"whole.{i}"], reference[i]
-        assert torch.equal(split, g1[f"split.{i}"]) and torch.equal(whole, g1[f"whole.{i}"])  # all-reduced
+        split_grad, whole, ref = g0[f"split.{i}"], g0[f"whole.{i}"], reference[i]
+        assert torch.equal(split_grad, g1[f"split.{i}"]) and torch.equal(whole, g1[f"whole.{i}"])  # all-reduced
         tol = 1e-5 * ref.abs().max().item()
         torch.testing.assert_close(whole, ref, rtol=1e-4, atol=tol)
-        torch.testing.assert_close(split, ref, rtol=1e-4, atol=tol)
+        torch.testing.assert_close(split_grad, ref, rtol=1e-4, atol=tol)
     assert any(r.abs().max() > 0 for r in reference)
 
 
@@ -495,24 +502,7 @@ def test_direct_methods_under_ddp_give_the_gradient_of_one_process(preset, new_m
     as all of them in a single process: the gradient of the mean loss over every image."""
     tmp = new_method_runs / "ddp" / preset
     overrides = json.loads((tmp / "overrides.json").read_text())
-    g0, g1 = load_file(tmp / "grads0.safetensors"), load_file(tmp / "grads1.safetensors")
-    sys.path.insert(0, str(HERE))
-    try:
-        from distributed_worker import split_direct_gradient
-
-        single = Trainer(load_config(tmp / "c.yaml", [*overrides, f"run.output_dir={tmp / 'reference'}"]))
-        _, reference = split_direct_gradient(single)  # one process training every image
-    finally:
-        sys.path.remove(str(HERE))
-    n = len([k for k in g0 if k.startswith("split.")])
-    assert n == len(reference) > 0
-    for i in range(n):
-        split, whole, ref = g0[f"split.{i}"], g0[f"whole.{i}"], reference[i]
-        assert torch.equal(split, g1[f"split.{i}"]) and torch.equal(whole, g1[f"whole.{i}"])  # all-reduced
-        tol = 1e-5 * ref.abs().max().item()
-        torch.testing.assert_close(whole, ref, rtol=1e-4, atol=tol)
-        torch.testing.assert_close(split, ref, rtol=1e-4, atol=tol)
-    assert any(r.abs().max() > 0 for r in reference)
+    _assert_split_gradients_are_one_process(tmp, overrides, "split_direct_gradient")
 
 
 @pytest.mark.parametrize("preset", NEW_METHODS + DIRECT_METHODS)

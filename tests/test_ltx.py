@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, tiny_overrides, train_shrunk_recipe
-from families import noise
+from families import noise, prompt_files
 
 from flowrl.config import ConfigError, load_config
 from flowrl.models import LTXVideoModel, load_model, model_class, resolve_model
@@ -149,12 +149,9 @@ def ltx(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def video_prompts(tmp_path_factory) -> tuple[Path, Path]:
-    """Train and eval prompt files without GenEval metadata (the evaluation is then the rewards' mean)."""
-    folder = tmp_path_factory.mktemp("video-prompts")
-    lines = [json.dumps({"prompt": p, "tag": "motion"}) for p in PROMPTS + ["a green star moving right"]]
-    (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
-    (folder / "test.jsonl").write_text("\n".join(lines[:2]) + "\n")
-    return folder / "train.jsonl", folder / "test.jsonl"
+    """Train and eval prompt files of motion prompts without GenEval metadata (the evaluation is then the rewards'
+    mean): the conformance suite's (:func:`families.prompt_files`)."""
+    return prompt_files("video", tmp_path_factory.mktemp("video-prompts"))
 
 
 def _overrides(folder: Path, prompts: tuple[Path, Path], out: Path, **extra) -> list[str]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, shape_overrides, tiny_overrides
+from families import prompt_files
 
 from flowrl.config import ConfigError, load_config
 from flowrl.models import WanModel, load_model, model_class
@@ -110,12 +111,9 @@ def wan22(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def video_prompts(tmp_path_factory) -> tuple[Path, Path]:
-    """Train and eval prompt files without GenEval metadata (the evaluation is then the rewards' mean)."""
-    folder = tmp_path_factory.mktemp("video-prompts")
-    lines = [json.dumps({"prompt": p, "tag": "motion"}) for p in PROMPTS + ["a green star moving right"]]
-    (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
-    (folder / "test.jsonl").write_text("\n".join(lines[:2]) + "\n")
-    return folder / "train.jsonl", folder / "test.jsonl"
+    """Train and eval prompt files of motion prompts without GenEval metadata (the evaluation is then the rewards'
+    mean): the conformance suite's (:func:`families.prompt_files`, the same three prompts)."""
+    return prompt_files("video", tmp_path_factory.mktemp("video-prompts"))
 
 
 def _model(folder: Path, **kwargs) -> WanModel:

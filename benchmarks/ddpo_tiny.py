@@ -1,7 +1,7 @@
 """Does DDPO learn on a CPU in minutes? JPEG compressibility of a tiny random SD 1.x UNet under DDPO's recipe.
 
 Builds a seeded random-weight ``StableDiffusionPipeline`` (:func:`flowrl.tiny.sd15.build_random_sd15_pipeline`, 64 px
-images from 16x16x4 latents; a 53K-parameter UNet) and trains ``configs/sd15_ddpo.yaml`` on it shrunk to CPU size
+images from 16x16x4 latents; a 53K-parameter UNet) and trains ``configs/recipes/sd15_ddpo.yaml`` on it shrunk to CPU size
 (:data:`CPU_OVERRIDES`): 20 DDIM steps at eta 1 with every step trained, guidance 5, 2 prompts x 8 images per iteration
 from 4 ImageNet animal names (DDPO's prompt set), z-scored advantages within each prompt's group, 2 optimizer steps
 per iteration, the JPEG size reward. A random UNet draws noise, whose JPEG is large (about 4 kB at quality 95); a
@@ -61,7 +61,7 @@ CPU_OVERRIDES = {
     "run.mixed_precision": "no",
     "run.keep_checkpoints": 1,
 }
-"""configs/sd15_ddpo.yaml shrunk to a CPU: 16 images x 20 steps = 320 transitions per iteration, 2 minibatches of 160
+"""configs/recipes/sd15_ddpo.yaml shrunk to a CPU: 16 images x 20 steps = 320 transitions per iteration, 2 minibatches of 160
 (DDPO's 2 optimizer steps per epoch); the whole tiny UNet trained, lr and clip as the docstring says."""
 
 
@@ -129,7 +129,7 @@ def save_plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = preset_parser(__doc__.splitlines()[0], str(REPO_ROOT / "configs" / "sd15_ddpo.yaml"))
+    parser = preset_parser(__doc__.splitlines()[0], str(REPO_ROOT / "configs" / "recipes" / "sd15_ddpo.yaml"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="run.seed of each training run")
     parser.add_argument("--iterations", type=int, default=60, help="iterations per seed (>= 1)")
     parser.add_argument("--model-seed", type=int, default=0, help="seed of the random pipeline's weights")

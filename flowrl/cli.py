@@ -106,10 +106,16 @@ def cmd_train(args) -> dict:
 def cmd_config(args) -> list[dict]:
     """``flowrl config [CONFIG] [key=value ...]``: every config key with its type, value (the preset's, or the
     default), default and help (:func:`flowrl.config.describe`); ``--json`` writes them as JSON instead."""
-    from .config import describe, format_description
+    from .config import describe, format_description, format_shipped_configs, shipped_configs
 
+    if args.list:
+        shipped = shipped_configs()
+        print(json.dumps(shipped, indent=1) if args.json else format_shipped_configs(shipped))
+        return shipped
     rows = describe(load_config(args.config, args.overrides) if args.config else None)
     print(json.dumps(rows, indent=1, default=str) if args.json else format_description(rows))
+    if not args.config and not args.json:  # the defaults: say which presets and recipes there are to start from
+        print("\n" + format_shipped_configs(shipped_configs()))
     return rows
 
 
@@ -612,7 +618,7 @@ def _add_train(sub) -> None:
         help="run a training job (GRPO or DiffusionNFT) from a YAML preset",
         epilog="Every config key with its type, default and help: flowrl config [CONFIG]",
     )
-    t.add_argument("config", help="configs/*.yaml")
+    t.add_argument("config", help="configs/*.yaml (presets) or configs/recipes/*.yaml (real models)")
     t.add_argument(
         "overrides", nargs="*", help="key=value overrides, e.g. run.iterations=10 (flowrl config lists the keys)"
     )
@@ -620,16 +626,24 @@ def _add_train(sub) -> None:
     c = sub.add_parser(
         "config", help="every config key with its type, value, default and help (of a preset, or the defaults)"
     )
-    c.add_argument("config", nargs="?", default=None, help="configs/*.yaml (default: the built-in defaults)")
+    c.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        help="configs/*.yaml or configs/recipes/*.yaml (default: the built-in defaults)",
+    )
     c.add_argument("overrides", nargs="*", help="key=value overrides")
     c.add_argument("--json", action="store_true", help="print JSON rows instead of text")
+    c.add_argument(
+        "--list", action="store_true", help="list the presets in configs/ and the recipes in configs/recipes/ instead"
+    )
     c.set_defaults(fn=cmd_config)
     m = sub.add_parser(
         "memory",
         help="memory per process of a run's trained weights under each engine, from the "
         "model folder (reads no weights)",
     )
-    m.add_argument("config", help="configs/*.yaml")
+    m.add_argument("config", help="configs/*.yaml or configs/recipes/*.yaml")
     m.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.path=/ckpt/flux model.lora_rank=0")
     m.add_argument("--processes", type=_at_least(1), default=8, help="processes (GPUs) of the run")
     m.add_argument("--json", default=None, help="also write the plan (bytes) to this JSON file")

@@ -614,6 +614,34 @@ def resolve_path(path: str | Path) -> Path:
     return path if path.exists() or path.is_absolute() else REPO_ROOT / path
 
 
+def shipped_configs() -> dict[str, list[tuple[str, str]]]:
+    """The YAML files flowrl ships: ``{"presets": [...], "recipes": [...]}``, each entry ``(path relative to the
+    repository, the first line of its header comment)``: the method presets on the tiny world in ``configs/`` and the
+    recipes for real models in ``configs/recipes/`` (what ``flowrl config --list`` prints). Empty lists in an installed
+    package without the repository's ``configs/``."""
+
+    def entries(folder: Path) -> list[tuple[str, str]]:
+        out = []
+        for path in sorted(folder.glob("*.yaml")):
+            first = path.read_text(encoding="utf-8", errors="replace").partition("\n")[0]
+            out.append((str(path.relative_to(REPO_ROOT)), first.lstrip("# ").strip() if first.startswith("#") else ""))
+        return out
+
+    return {"presets": entries(REPO_ROOT / "configs"), "recipes": entries(REPO_ROOT / "configs" / "recipes")}
+
+
+def format_shipped_configs(shipped: dict[str, list[tuple[str, str]]], width: int = 119) -> str:
+    """:func:`shipped_configs` as text: a heading per kind, then ``path  header`` lines cut to `width` characters."""
+    lines = []
+    for kind, heading in (("presets", "Presets on the tiny world"), ("recipes", "Recipes for real models")):
+        lines.append(f"{heading} ({len(shipped[kind])}):")
+        pad = max((len(path) for path, _ in shipped[kind]), default=0)
+        for path, header in shipped[kind]:
+            line = f"  {path:<{pad}}  {header}".rstrip()
+            lines.append(line if len(line) <= width else line[: width - 3] + "...")
+    return "\n".join(lines)
+
+
 def preset_parser(description: str, default: str = "configs/tiny_geneval.yaml"):
     """An ``argparse.ArgumentParser`` for scripts that take ``[CONFIG.yaml] [key=value ...]`` plus options.
 

@@ -198,7 +198,7 @@ def test_t5_length_defaults_to_the_pipelines(tmp_path, random_pipeline):
     tokens = model.encode(["a photo of a star"]).embeds.shape[1]
     assert model.max_sequence_length == 0 and padded.encode(["a photo of a star"]).embeds.shape[1] == tokens + 5
     assert load_config(REPO_ROOT / "configs" / "tiny_geneval.yaml", []).model.max_sequence_length is None
-    assert load_config(REPO_ROOT / "configs" / "sd35m_pickscore.yaml", []).model.max_sequence_length == 128
+    assert load_config(REPO_ROOT / "configs" / "recipes" / "sd35m_pickscore.yaml", []).model.max_sequence_length == 128
 
 
 def test_readme_python_block_runs(monkeypatch):

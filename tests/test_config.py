@@ -32,6 +32,19 @@ def test_describe_shows_a_presets_values_beside_the_defaults():
     assert rows["sampling.shape"]["value"] == "tree" and rows["sampling.tree.split_steps"]["value"] == [0, 2, 4]
 
 
+def test_flowrl_config_lists_the_presets_and_the_recipes_apart(capsys):
+    from flowrl.cli import main
+
+    main(["config", "--list"])
+    out = capsys.readouterr().out
+    presets, recipes = out.split("Recipes for real models")
+    assert "configs/quickstart.yaml" in presets and "configs/recipes/" not in presets
+    line = next(x for x in recipes.splitlines() if "configs/recipes/sd35m_pickscore.yaml" in x)
+    assert "Flow-GRPO's PickScore recipe" in line and "configs/quickstart.yaml" not in recipes
+    main(["config"])  # the defaults' keys, then what there is to start from
+    assert "train.method: str = 'grpo'" in (out := capsys.readouterr().out) and "Recipes for real models (" in out
+
+
 def test_flowrl_config_prints_every_key_and_train_help_points_to_it(capsys):
     from flowrl.cli import main
 

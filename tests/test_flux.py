@@ -78,7 +78,7 @@ def test_classifier_free_guidance_samples_as_the_stock_true_cfg(schnell_like):
 def test_dance_grpo_flux_recipe_trains_and_the_lora_loads_in_stock_diffusers(
     tmp_path, random_flux_pipeline, prompt_files
 ):
-    """configs/flux_dance_grpo.yaml, shrunk onto the tiny random FLUX pipeline (the reward swapped for one that needs
+    """configs/recipes/flux_dance_grpo.yaml, shrunk onto the tiny random FLUX pipeline (the reward swapped for one that needs
     no download)."""
     from diffusers import FluxPipeline
 
@@ -100,7 +100,7 @@ def test_dance_grpo_flux_recipe_trains_and_the_lora_loads_in_stock_diffusers(
             "sampling.batch_size": 8,
         },
     )
-    cfg = load_config(REPO / "configs" / "flux_dance_grpo.yaml", over)
+    cfg = load_config(REPO / "configs" / "recipes" / "flux_dance_grpo.yaml", over)
     assert cfg.sampling.kernel == "dance_sde" and cfg.sampling.guidance_scale == 3.5 and cfg.sampling.shift == 3.0
     trainer = Trainer(cfg)
     assert isinstance(trainer.model, FluxModel)

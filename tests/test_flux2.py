@@ -325,10 +325,10 @@ def test_one_line_errors(klein, klein_distilled, tmp_path, prompt_files):
 
 
 def test_klein_recipe_trains_two_iterations(tmp_path, klein_distilled, prompt_files):
-    """configs/flux2_klein_flow_grpo.yaml shrunk onto the tiny distilled pipeline (its 1-step SDE window and guidance 1
+    """configs/recipes/flux2_klein_flow_grpo.yaml shrunk onto the tiny distilled pipeline (its 1-step SDE window and guidance 1
     kept; PickScore swapped for JPEG compressibility, which needs no download)."""
     train, test = prompt_files
-    preset = load_config(REPO / "configs" / "flux2_klein_flow_grpo.yaml")
+    preset = load_config(REPO / "configs" / "recipes" / "flux2_klein_flow_grpo.yaml")
     over = tiny_overrides(
         klein_distilled,
         train,
@@ -349,7 +349,7 @@ def test_klein_recipe_trains_two_iterations(tmp_path, klein_distilled, prompt_fi
             **shape_overrides(preset),
         },
     )
-    cfg = load_config(REPO / "configs" / "flux2_klein_flow_grpo.yaml", over)
+    cfg = load_config(REPO / "configs" / "recipes" / "flux2_klein_flow_grpo.yaml", over)
     assert cfg.sampling.window.size == 1 and cfg.sampling.guidance_scale == 1.0 and cfg.eval.guidance_scale == 1.0
     trainer = Trainer(cfg)
     assert isinstance(trainer.model, Flux2KleinModel)
@@ -395,14 +395,14 @@ def test_dev_encodes_with_mistral_and_takes_the_guidance_as_an_input(dev, tmp_pa
     "recipe", ["flux2_flow_grpo", pytest.param("flux2_edit_flow_grpo", marks=pytest.mark.slow)]
 )  # the edit recipe's reference images: ODE sampling and ratio in tests/test_conformance.py -k references
 def test_dev_recipe_trains_two_iterations(tmp_path, dev, prompt_files, recipe):
-    """configs/flux2_flow_grpo.yaml and flux2_edit_flow_grpo.yaml (on records with reference images: the tiny world's
+    """configs/recipes/flux2_flow_grpo.yaml and flux2_edit_flow_grpo.yaml (on records with reference images: the tiny world's
     prompts, each with one or two) shrunk onto the tiny Flux2Pipeline (their 1-step SDE window, embedded guidance 4
     and gdpo aggregation kept; CLIP and PickScore swapped for JPEG compressibility and brightness, which need no
     download)."""
     from families import prompt_files as write_prompt_files
 
     train, test = prompt_files if recipe == "flux2_flow_grpo" else write_prompt_files("references", tmp_path / "p")
-    preset = load_config(REPO / "configs" / f"{recipe}.yaml")
+    preset = load_config(REPO / "configs" / "recipes" / f"{recipe}.yaml")
     over = tiny_overrides(
         dev,
         train,
@@ -425,7 +425,7 @@ def test_dev_recipe_trains_two_iterations(tmp_path, dev, prompt_files, recipe):
             **shape_overrides(preset),
         },
     )
-    cfg = load_config(REPO / "configs" / f"{recipe}.yaml", over)
+    cfg = load_config(REPO / "configs" / "recipes" / f"{recipe}.yaml", over)
     assert cfg.sampling.window.size == 1 and cfg.sampling.guidance_scale == 4.0 == cfg.eval.guidance_scale
     assert cfg.train.reward_aggregation == "gdpo"
     trainer = Trainer(cfg)

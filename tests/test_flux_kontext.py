@@ -1,6 +1,6 @@
 """The FLUX.1 Kontext adapter (`flowrl.models.FluxKontextModel`) on tiny random FluxKontextPipelines: a source image
 per prompt (the prompt record's "image"), sampled as the stock pipeline samples an edit, given to the rewards, and
-trained through the same trainer (configs/flux_kontext_grpo.yaml shrunk) to a LoRA the stock pipeline loads."""
+trained through the same trainer (configs/recipes/flux_kontext_grpo.yaml shrunk) to a LoRA the stock pipeline loads."""
 
 import json
 from pathlib import Path
@@ -140,7 +140,7 @@ def test_true_cfg_gives_the_negative_the_source_image(tmp_path, edit_prompts):
 
 
 def test_kontext_recipe_trains_rewards_see_the_source_and_the_lora_loads_in_stock(tmp_path, kontext, edit_prompts):
-    """configs/flux_kontext_grpo.yaml, shrunk onto the tiny random Kontext pipeline (the real-GenEval reward swapped for
+    """configs/recipes/flux_kontext_grpo.yaml, shrunk onto the tiny random Kontext pipeline (the real-GenEval reward swapped for
     JPEG compressibility, which needs no download)."""
     from flowrl.evaluation import generate
 
@@ -163,7 +163,7 @@ def test_kontext_recipe_trains_rewards_see_the_source_and_the_lora_loads_in_stoc
             "train.micro_batch_size": "null",
         },
     )
-    cfg = load_config(REPO / "configs" / "flux_kontext_grpo.yaml", over)
+    cfg = load_config(REPO / "configs" / "recipes" / "flux_kontext_grpo.yaml", over)
     assert cfg.sampling.num_steps == 3 and cfg.sampling.guidance_scale == 2.5 and cfg.sampling.noise_level == 0.9
     trainer = Trainer(cfg)
     assert isinstance(trainer.model, FluxKontextModel)

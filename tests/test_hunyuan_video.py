@@ -2,7 +2,7 @@
 3-layer Llama with a byte-level BPE tokenizer trained on the pipeline's prompt template, a 1-layer CLIP with the tiny
 CLIP tokenizer, HunyuanVideoTransformer3DModel, AutoencoderKLHunyuanVideo): it samples as the stock pipeline does
 (embedded guidance, true CFG, shift 7), trains through the GRPO rollout shapes and DiffusionNFT with the PPO ratio
-exactly 1 before the first step, runs configs/hunyuan_dance_grpo.yaml shrunk, and saves LoRAs the stock pipeline
+exactly 1 before the first step, runs configs/recipes/hunyuan_dance_grpo.yaml shrunk, and saves LoRAs the stock pipeline
 loads."""
 
 import json
@@ -355,12 +355,12 @@ def test_presets_train_on_video_latents(preset, tmp_path, hunyuan, video_prompts
 
 
 def test_hunyuan_dance_grpo_recipe_trains_and_the_lora_loads_in_stock_diffusers(tmp_path, hunyuan, video_prompts):
-    """configs/hunyuan_dance_grpo.yaml shrunk onto the tiny random pipeline (VideoAlign swapped for brightness, the
+    """configs/recipes/hunyuan_dance_grpo.yaml shrunk onto the tiny random pipeline (VideoAlign swapped for brightness, the
     LoRA learning rate raised so two iterations move it visibly): two iterations with the ratio exactly 1 before the
     first step; the LoRA loads in the stock HunyuanVideoPipeline, changes its videos and gives the trained model's."""
     from flowrl.evaluation import generate
 
-    recipe = load_config(REPO / "configs" / "hunyuan_dance_grpo.yaml")
+    recipe = load_config(REPO / "configs" / "recipes" / "hunyuan_dance_grpo.yaml")
     s, t = recipe.sampling, recipe.train
     assert (recipe.model.num_frames, recipe.model.resolution, s.num_steps, s.shift) == (53, 480, 16, 5.0)
     assert (s.kernel, s.noise_level, s.guidance_scale) == ("dance_sde", 0.25, 6.0)
@@ -386,7 +386,7 @@ def test_hunyuan_dance_grpo_recipe_trains_and_the_lora_loads_in_stock_diffusers(
             "eval.num_steps": 2,
         },
     )
-    trainer = Trainer(load_config(REPO / "configs" / "hunyuan_dance_grpo.yaml", over))
+    trainer = Trainer(load_config(REPO / "configs" / "recipes" / "hunyuan_dance_grpo.yaml", over))
     assert isinstance(trainer.model, HunyuanVideoModel) and trainer.cfg.sampling.shift == 5.0
     trainer.train()
     metrics = _metrics(tmp_path / "run")

@@ -345,10 +345,10 @@ def test_the_lora_loads_into_the_stock_transformer(hv15, tmp_path):
 
 
 def test_hunyuan_video15_recipe_trains_two_iterations(tmp_path, hv15, video_prompts):
-    """configs/hunyuan_video15_flow_grpo.yaml shrunk onto the tiny random pipeline (PickScore swapped for brightness,
+    """configs/recipes/hunyuan_video15_flow_grpo.yaml shrunk onto the tiny random pipeline (PickScore swapped for brightness,
     which needs no download; its 8-step SDE window of 16 steps becomes 1 of 3): two iterations with the PPO ratio
     exactly 1 before each first step, the LoRA moved."""
-    recipe = load_config(REPO / "configs" / "hunyuan_video15_flow_grpo.yaml")
+    recipe = load_config(REPO / "configs" / "recipes" / "hunyuan_video15_flow_grpo.yaml")
     s, t = recipe.sampling, recipe.train
     assert (recipe.model.num_frames, recipe.model.resolution, recipe.model.lora_rank) == (5, 480, 64)
     assert (s.num_steps, s.kernel, s.noise_level, s.shift, s.guidance_scale) == (16, "flow_sde", 0.25, 5.0, 1.0)
@@ -374,7 +374,7 @@ def test_hunyuan_video15_recipe_trains_two_iterations(tmp_path, hv15, video_prom
             "eval.images_per_tag": 1,
         },
     )
-    trainer = Trainer(load_config(REPO / "configs" / "hunyuan_video15_flow_grpo.yaml", over))
+    trainer = Trainer(load_config(REPO / "configs" / "recipes" / "hunyuan_video15_flow_grpo.yaml", over))
     assert isinstance(trainer.model, HunyuanVideo15Model) and trainer.cfg.sampling.shift == 5.0
     train_shrunk_recipe(trainer)
     assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").is_file()

@@ -2,7 +2,7 @@
 HunyuanVideo15ImageToVideoPipelines built offline (test_hunyuan_video15.py's prompt components, a cheaper
 AutoencoderKLHunyuanVideo15 compressing 4x in space and time, an image-to-video HunyuanVideo15Transformer3DModel, a
 1-layer SigLIP vision tower and its processor): what is special to the family, the source frame from the prompt record,
-its refusals and the recipe (configs/hunyuan_video15_i2v_flow_grpo.yaml) shrunk to two iterations. The conformance
+its refusals and the recipe (configs/recipes/hunyuan_video15_i2v_flow_grpo.yaml) shrunk to two iterations. The conformance
 suite (tests/test_conformance.py -k HunyuanVideo15ImageToVideoModel) checks sampling against the stock pipeline in the
 default run and the rest with CI=true; the tests here that build a pipeline run with CI=true too."""
 
@@ -233,10 +233,10 @@ def test_config_errors_name_the_setting(hv15_i2v, tmp_path, i2v_prompts):
 
 @pytest.mark.slow
 def test_hunyuan_video15_i2v_recipe_trains_and_the_rewards_see_the_source(tmp_path, hv15_i2v, i2v_prompts):
-    """configs/hunyuan_video15_i2v_flow_grpo.yaml shrunk onto the tiny pipeline (PickScore over a frame swapped for
+    """configs/recipes/hunyuan_video15_i2v_flow_grpo.yaml shrunk onto the tiny pipeline (PickScore over a frame swapped for
     brightness, which needs no download; its 8-step SDE window of 16 steps becomes 1 of 3): two iterations with the
     PPO ratio exactly 1 before each first step, the LoRA moved, every reward call given the records' sources."""
-    recipe = load_config(REPO / "configs" / "hunyuan_video15_i2v_flow_grpo.yaml")
+    recipe = load_config(REPO / "configs" / "recipes" / "hunyuan_video15_i2v_flow_grpo.yaml")
     s, t = recipe.sampling, recipe.train
     assert (recipe.model.num_frames, recipe.model.resolution, recipe.model.lora_rank) == (5, 480, 64)
     assert (s.num_steps, s.kernel, s.noise_level, s.shift, s.guidance_scale) == (16, "flow_sde", 0.25, 5.0, 1.0)
@@ -261,7 +261,7 @@ def test_hunyuan_video15_i2v_recipe_trains_and_the_rewards_see_the_source(tmp_pa
             "eval.images_per_tag": 1,
         },
     )
-    trainer = Trainer(load_config(REPO / "configs" / "hunyuan_video15_i2v_flow_grpo.yaml", over))
+    trainer = Trainer(load_config(REPO / "configs" / "recipes" / "hunyuan_video15_i2v_flow_grpo.yaml", over))
     assert isinstance(trainer.model, HunyuanVideo15ImageToVideoModel) and trainer.cfg.sampling.shift == 5.0
     seen = record_reward_metadata(trainer)
     train_shrunk_recipe(trainer)

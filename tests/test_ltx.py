@@ -265,9 +265,9 @@ def test_config_errors_name_the_key(ltx, tmp_path, video_prompts):
 
 
 def test_ltx_video_recipe_trains_two_iterations(tmp_path, ltx, video_prompts):
-    """configs/ltx_video_flow_grpo.yaml shrunk onto the tiny random pipeline (the OCR reward swapped for brightness,
+    """configs/recipes/ltx_video_flow_grpo.yaml shrunk onto the tiny random pipeline (the OCR reward swapped for brightness,
     which needs no download): two iterations with the PPO ratio exactly 1 before each first step, the LoRA moved."""
-    recipe = load_config(REPO / "configs" / "ltx_video_flow_grpo.yaml")
+    recipe = load_config(REPO / "configs" / "recipes" / "ltx_video_flow_grpo.yaml")
     s = recipe.sampling
     assert (recipe.model.num_frames, recipe.model.resolution, recipe.model.max_sequence_length) == (33, 320, 128)
     assert (s.num_steps, s.kernel, s.noise_level, s.guidance_scale, s.group_size) == (20, "flow_sde", 0.7, 5.0, 4)
@@ -290,11 +290,11 @@ def test_ltx_video_recipe_trains_two_iterations(tmp_path, ltx, video_prompts):
             "eval.num_steps": 2,
         },
     )
-    unset = load_config(REPO / "configs" / "ltx_video_flow_grpo.yaml", [*over, "sampling.shift=null"])
+    unset = load_config(REPO / "configs" / "recipes" / "ltx_video_flow_grpo.yaml", [*over, "sampling.shift=null"])
     resolve_model(unset)  # an unset shift is filled at the config's frame count and resolution, not the default's
     assert unset.sampling.shift == pytest.approx(LTXVideoModel.scheduler_shift(ltx, SIDE, FRAMES))
     assert unset.sampling.shift != pytest.approx(LTXVideoModel.scheduler_shift(ltx, SIDE))
-    trainer = Trainer(load_config(REPO / "configs" / "ltx_video_flow_grpo.yaml", over))
+    trainer = Trainer(load_config(REPO / "configs" / "recipes" / "ltx_video_flow_grpo.yaml", over))
     assert isinstance(trainer.model, LTXVideoModel) and trainer.cfg.sampling.guidance_scale == 5.0
     train_shrunk_recipe(trainer)
     assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").is_file()

@@ -412,10 +412,10 @@ def test_config_errors_name_the_key(ltx2, tmp_path, video_prompts):
 
 @pytest.mark.slow  # 20 s on 2 shared cores (two evaluations and two iterations)
 def test_ltx2_recipe_trains_two_iterations(tmp_path, ltx2, video_prompts):
-    """configs/ltx2_flow_grpo.yaml shrunk onto the tiny random pipeline (PickScore over the frames swapped for
+    """configs/recipes/ltx2_flow_grpo.yaml shrunk onto the tiny random pipeline (PickScore over the frames swapped for
     brightness, which needs no download; its CPS window and guidance kept): two iterations with the PPO ratio exactly 1
     before each first step, the LoRA on both streams moved."""
-    recipe = load_config(REPO / "configs" / "ltx2_flow_grpo.yaml")
+    recipe = load_config(REPO / "configs" / "recipes" / "ltx2_flow_grpo.yaml")
     s = recipe.sampling
     assert (recipe.model.num_frames, recipe.model.resolution, recipe.model.max_sequence_length) == (121, 512, 1024)
     assert (s.num_steps, s.kernel, s.noise_level, s.guidance_scale, s.group_size) == (24, "cps", 0.8, 1.0, 16)
@@ -438,7 +438,7 @@ def test_ltx2_recipe_trains_two_iterations(tmp_path, ltx2, video_prompts):
             "train.ema_decay": 0.0,
         },
     )
-    trainer = Trainer(load_config(REPO / "configs" / "ltx2_flow_grpo.yaml", over))
+    trainer = Trainer(load_config(REPO / "configs" / "recipes" / "ltx2_flow_grpo.yaml", over))
     assert isinstance(trainer.model, LTX2Model) and trainer.cfg.sampling.shift == pytest.approx(trainer.model.shift)
     before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     train_shrunk_recipe(trainer)

@@ -1,4 +1,4 @@
-"""Every preset in configs/ loads, and the tiny-world presets run two iterations on a random tiny model."""
+"""Every preset in configs/ and recipe in configs/recipes/ loads, and the tiny-world presets run two iterations on a random tiny model."""
 
 import json
 import math
@@ -11,32 +11,11 @@ from flowrl.config import ConfigError, load_config
 from flowrl.methods import GRPO, METHODS
 from flowrl.trainer import Trainer
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
-GPU_RECIPES = {
-    "sd35m_pickscore.yaml",
-    "flux_dance_grpo.yaml",
-    "sd15_ddpo.yaml",
-    "sdxl_dance_grpo.yaml",
-}  # real models' paths; run shrunk in test_flux, test_sd15, test_sdxl
-GPU_RECIPES |= {"sd35m_hpsv2.yaml", "sd35m_ocr.yaml", "sd35m_geneval.yaml"}  # run shrunk in test_reward_recipes
-GPU_RECIPES |= {"hunyuan_dance_grpo.yaml"}  # run shrunk in test_hunyuan_video
-GPU_RECIPES |= {
-    "flux_kontext_grpo.yaml",
-    "qwen_image_flow_grpo.yaml",
-    "qwen_image_edit_flow_grpo.yaml",
-    "z_image_flow_grpo.yaml",
-    "flux2_klein_flow_grpo.yaml",
-    "flux2_flow_grpo.yaml",
-    "flux2_edit_flow_grpo.yaml",
-    "ltx_video_flow_grpo.yaml",
-    "ltx2_flow_grpo.yaml",
-    "wan_flow_grpo.yaml",
-    "wan_i2v_flow_grpo.yaml",
-    "sana_diffusion_nft.yaml",
-}  # in their families' tests
-GPU_RECIPES |= {"tiny_video.yaml"}  # the tiny video world's own model: run in test_tiny_video
-GPU_RECIPES |= {"hunyuan_video15_flow_grpo.yaml", "hunyuan_video15_i2v_flow_grpo.yaml"}  # test_hunyuan_video15*
-TINY = [c for c in CONFIGS if c.name not in GPU_RECIPES]
+CONFIG_DIR = Path(__file__).parent.parent / "configs"
+PRESETS = sorted(CONFIG_DIR.glob("*.yaml"))  # the method presets on the tiny world
+RECIPES = sorted((CONFIG_DIR / "recipes").glob("*.yaml"))  # real models' paths: run shrunk in their families' tests
+CONFIGS = PRESETS + RECIPES
+TINY = [c for c in PRESETS if c.name != "tiny_video.yaml"]  # the tiny video world's own model: test_tiny_video
 SLOW_PRESETS = {"g2rpo", "branch_grpo", "branch_grpo_mix", "branch_grpo_mix_flash"}  # trees: run in CI (CI=true)
 SLOW_PRESETS |= {"awm", "crd", "dgpo", "dpo_online", "flow_dppo", "gardo", "dpo_offline", "sft"}  # test_methods trains
 SLOW_PRESETS |= {"refl", "draft", "alignprop", "srpo"}  # test_direct trains them: here in CI only
@@ -262,3 +241,12 @@ def test_bench_checks_every_preset_config_before_running_any(tmp_path, monkeypat
     f.write_text('branch_grpo: ["sampling.tree.split_steps=[0,3,6,9]"]\n')  # 16 leaves but group_size 8
     with pytest.raises(ConfigError, match="sampling.group_size"):
         run_bench(["dance_grpo", "branch_grpo"], preset_overrides=f, out=tmp_path / "b.json")
+
+
+def test_presets_and_recipes_apart():
+    """configs/ holds the tiny world's presets (its model under assets/), configs/recipes/ the real models' recipes."""
+    assert len(RECIPES) >= 15
+    for path in PRESETS:
+        assert not load_config(path).model.path.startswith("/"), path.name
+    for path in RECIPES:
+        assert not load_config(path).model.path.startswith("assets/"), path.name

@@ -1,7 +1,7 @@
 """The Qwen-Image adapter (`flowrl.models.QwenImageModel`) on tiny random QwenImagePipelines built offline (a tiny
 Qwen2.5-VL text encoder with a byte-level BPE tokenizer trained here on the pipeline's prompt template): it samples as
 the stock pipeline does (dynamic shift, terminal stretch, true CFG), and trains through the same trainer
-(configs/qwen_image_flow_grpo.yaml shrunk) to a LoRA the stock pipeline loads."""
+(configs/recipes/qwen_image_flow_grpo.yaml shrunk) to a LoRA the stock pipeline loads."""
 
 import json
 import math
@@ -206,12 +206,12 @@ def test_schedule_is_the_stock_dynamic_shift_with_its_terminal_stretch(qwen):
 
 
 def test_qwen_image_recipe_trains_and_the_lora_loads_in_stock(tmp_path, qwen, prompt_files):
-    """configs/qwen_image_flow_grpo.yaml, shrunk onto the tiny random Qwen-Image pipeline (its 2-step random window
+    """configs/recipes/qwen_image_flow_grpo.yaml, shrunk onto the tiny random Qwen-Image pipeline (its 2-step random window
     kept; the PickScore reward swapped for JPEG compressibility, which needs no download)."""
     from flowrl.evaluation import generate
 
     train, test = prompt_files
-    preset = load_config(REPO / "configs" / "qwen_image_flow_grpo.yaml")
+    preset = load_config(REPO / "configs" / "recipes" / "qwen_image_flow_grpo.yaml")
     over = tiny_overrides(
         qwen,
         train,
@@ -232,7 +232,7 @@ def test_qwen_image_recipe_trains_and_the_lora_loads_in_stock(tmp_path, qwen, pr
             **shape_overrides(preset),
         },
     )
-    cfg = load_config(REPO / "configs" / "qwen_image_flow_grpo.yaml", over)
+    cfg = load_config(REPO / "configs" / "recipes" / "qwen_image_flow_grpo.yaml", over)
     assert cfg.sampling.window.size == 2 and cfg.sampling.noise_level == 1.2 and cfg.sampling.guidance_scale == 4.0
     trainer = Trainer(cfg)
     assert isinstance(trainer.model, QwenImageModel) and trainer.cfg.sampling.shift == pytest.approx(

@@ -2,7 +2,7 @@
 QwenImageEditPipelines and QwenImageEditPlusPipelines built offline (a tiny Qwen2.5-VL with a vision tower, a
 Qwen2VLProcessor and a byte-level BPE tokenizer trained here on the edit template): a source image per prompt record,
 seen by the text encoder and the transformer, sampled as the stock pipeline samples an edit, given to the rewards, and
-trained through the same trainer (configs/qwen_image_edit_flow_grpo.yaml shrunk) to a LoRA the stock pipeline loads."""
+trained through the same trainer (configs/recipes/qwen_image_edit_flow_grpo.yaml shrunk) to a LoRA the stock pipeline loads."""
 
 import json
 from contextlib import ExitStack
@@ -323,7 +323,7 @@ def test_the_source_image_conditions_the_edit_and_batches_mix(edit, edit_prompts
 
 
 def test_edit_recipe_trains_rewards_see_the_source_and_the_lora_loads_in_stock(tmp_path, edit, edit_prompts):
-    """configs/qwen_image_edit_flow_grpo.yaml, shrunk onto the tiny random QwenImageEditPipeline (sources at 64 px of
+    """configs/recipes/qwen_image_edit_flow_grpo.yaml, shrunk onto the tiny random QwenImageEditPipeline (sources at 64 px of
     side; the real-GenEval reward swapped for JPEG compressibility, which needs no download)."""
     from flowrl.evaluation import generate
 
@@ -347,7 +347,7 @@ def test_edit_recipe_trains_rewards_see_the_source_and_the_lora_loads_in_stock(t
             "train.gradient_checkpointing": False,
         },
     )
-    cfg = load_config(REPO / "configs" / "qwen_image_edit_flow_grpo.yaml", over)
+    cfg = load_config(REPO / "configs" / "recipes" / "qwen_image_edit_flow_grpo.yaml", over)
     assert cfg.sampling.guidance_scale == 4.0 and cfg.sampling.noise_level == 1.0 and cfg.sampling.window.size == 0
     trainer = Trainer(cfg)
     assert isinstance(trainer.model, QwenImageEditModel) and trainer.model.source_resolution == SOURCE

@@ -322,7 +322,7 @@ def test_sprint_time_guidance_and_sampler_are_the_pipelines(sprint):
 
 
 def test_sana_recipe_trains_two_iterations(tmp_path, sana, prompt_files):
-    """configs/sana_diffusion_nft.yaml shrunk onto the tiny pipeline (its DiffusionNFT settings kept: CFG-free
+    """configs/recipes/sana_diffusion_nft.yaml shrunk onto the tiny pipeline (its DiffusionNFT settings kept: CFG-free
     sampling, 9 noised copies of each image, every group kept, the ramped soft update; PickScore swapped for JPEG
     compressibility, which needs no download)."""
     train, test = prompt_files
@@ -344,7 +344,7 @@ def test_sana_recipe_trains_two_iterations(tmp_path, sana, prompt_files):
             "train.ema_decay": 0.0,
         },
     )
-    cfg = load_config(REPO / "configs" / "sana_diffusion_nft.yaml", over)
+    cfg = load_config(REPO / "configs" / "recipes" / "sana_diffusion_nft.yaml", over)
     assert cfg.train.method == "nft" and cfg.sampling.guidance_scale == 1.0 and cfg.train.nft.keep_flat_groups
     trainer = Trainer(cfg)
     assert isinstance(trainer.model, SanaModel) and trainer.cfg.sampling.shift == 3.0  # the DPM-Solver's flow_shift

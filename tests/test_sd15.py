@@ -159,7 +159,7 @@ def test_unsupported_settings_are_one_clear_config_error(tmp_path, sd15, prompt_
 
 
 def test_the_ddpo_recipe_shrunk_onto_a_tiny_pipeline_trains(tmp_path, sd15, prompt_files):
-    """configs/sd15_ddpo.yaml (DDPO's settings) with only its sizes and paths shrunk: DDIM at eta 1, every step
+    """configs/recipes/sd15_ddpo.yaml (DDPO's settings) with only its sizes and paths shrunk: DDIM at eta 1, every step
     trained, group statistics, two iterations with the ratio exactly 1 before each first step."""
     train, test = prompt_files
     over = tiny_overrides(
@@ -175,7 +175,7 @@ def test_the_ddpo_recipe_shrunk_onto_a_tiny_pipeline_trains(tmp_path, sd15, prom
             "sampling.batch_size": 8,
         },
     )
-    cfg = load_config(REPO / "configs" / "sd15_ddpo.yaml", over)
+    cfg = load_config(REPO / "configs" / "recipes" / "sd15_ddpo.yaml", over)
     assert (cfg.sampling.kernel, cfg.sampling.noise_level, cfg.sampling.train_last_step) == ("ddim", 1.0, True)
     trainer = Trainer(cfg)
     trainer.train()

@@ -228,7 +228,7 @@ def test_ddpm_training_keeps_the_ratio_one_resumes_exactly_and_the_lora_loads_in
 
 
 def test_the_dance_grpo_recipe_shrunk_onto_a_tiny_pipeline_trains(tmp_path, sdxl, prompt_files):
-    """configs/sdxl_dance_grpo.yaml (DanceGRPO's SD settings) with only its sizes, paths and reward shrunk: DDIM at
+    """configs/recipes/sdxl_dance_grpo.yaml (DanceGRPO's SD settings) with only its sizes, paths and reward shrunk: DDIM at
     eta 1, shared noise per group, every step but the last trained, two iterations with the ratio exactly 1."""
     train, test = prompt_files
     over = tiny_overrides(
@@ -246,7 +246,7 @@ def test_the_dance_grpo_recipe_shrunk_onto_a_tiny_pipeline_trains(tmp_path, sdxl
             "rewards.jpeg_compressibility.weight": 1.0,
         },
     )
-    cfg = load_config(REPO / "configs" / "sdxl_dance_grpo.yaml", over)
+    cfg = load_config(REPO / "configs" / "recipes" / "sdxl_dance_grpo.yaml", over)
     assert (cfg.sampling.kernel, cfg.sampling.noise_level, cfg.sampling.shared_noise) == ("ddim", 1.0, True)
     assert not cfg.sampling.train_last_step and cfg.train.clip_range == 1e-4 and cfg.sampling.guidance_scale == 5.0
     trainer = Trainer(cfg)

@@ -294,10 +294,10 @@ def test_presets_train_on_video_latents(preset, tmp_path, wan, video_prompts):
 
 
 def test_wan_flow_grpo_recipe_trains_and_the_lora_loads_in_stock_diffusers(tmp_path, wan, video_prompts):
-    """configs/wan_flow_grpo.yaml, shrunk onto the tiny random Wan pipeline (the OCR reward swapped for brightness)."""
+    """configs/recipes/wan_flow_grpo.yaml, shrunk onto the tiny random Wan pipeline (the OCR reward swapped for brightness)."""
     from diffusers import WanPipeline
 
-    recipe = load_config(REPO / "configs" / "wan_flow_grpo.yaml")
+    recipe = load_config(REPO / "configs" / "recipes" / "wan_flow_grpo.yaml")
     assert (recipe.model.num_frames, recipe.model.resolution, recipe.sampling.num_steps) == (33, 320, 20)
     assert recipe.sampling.kernel == "flow_sde" and recipe.sampling.guidance_scale == 4.5
     over = _video_overrides(
@@ -317,7 +317,7 @@ def test_wan_flow_grpo_recipe_trains_and_the_lora_loads_in_stock_diffusers(tmp_p
             "sampling.num_steps": 3,
         },
     )
-    trainer = Trainer(load_config(REPO / "configs" / "wan_flow_grpo.yaml", over))
+    trainer = Trainer(load_config(REPO / "configs" / "recipes" / "wan_flow_grpo.yaml", over))
     assert isinstance(trainer.model, WanModel) and trainer.model.shift == 3.0
     trainer.train()
     metrics = _metrics(tmp_path / "run")

@@ -2,7 +2,7 @@
 offline (test_wan.py's UMT5, T5 tokenizer, Wan VAE and scheduler; an image-to-video WanTransformer3DModel of
 2 x 4 + 4 input channels; for Wan 2.1 a tiny CLIP vision tower and its processor): what is special to the family, the
 source frame from the prompt record, its refusals, the Wan 2.2 layout (two experts, no image encoder) and the recipe
-(configs/wan_i2v_flow_grpo.yaml) shrunk to two iterations. The conformance suite (tests/test_conformance.py -k
+(configs/recipes/wan_i2v_flow_grpo.yaml) shrunk to two iterations. The conformance suite (tests/test_conformance.py -k
 WanImageToVideoModel) checks the rest on the Wan 2.1 layout."""
 
 import json
@@ -250,10 +250,10 @@ def test_refusals_name_the_setting(wan21, tmp_path, i2v_prompts):
 
 
 def test_wan_i2v_recipe_trains_and_the_rewards_see_the_source(tmp_path, wan21, i2v_prompts):
-    """configs/wan_i2v_flow_grpo.yaml shrunk onto the tiny Wan 2.1 I2V pipeline (its 1-step random SDE window and
+    """configs/recipes/wan_i2v_flow_grpo.yaml shrunk onto the tiny Wan 2.1 I2V pipeline (its 1-step random SDE window and
     guidance 5 kept; PickScore over the frames swapped for brightness, which needs no download)."""
     train, test = i2v_prompts
-    recipe = load_config(REPO / "configs" / "wan_i2v_flow_grpo.yaml")
+    recipe = load_config(REPO / "configs" / "recipes" / "wan_i2v_flow_grpo.yaml")
     assert (recipe.model.num_frames, recipe.model.resolution, recipe.sampling.num_steps) == (5, 240, 10)
     assert recipe.sampling.window.size == 1 and recipe.sampling.guidance_scale == 5.0
     over = tiny_overrides(
@@ -275,7 +275,7 @@ def test_wan_i2v_recipe_trains_and_the_rewards_see_the_source(tmp_path, wan21, i
             "train.ema_decay": 0.0,
         },
     )
-    trainer = Trainer(load_config(REPO / "configs" / "wan_i2v_flow_grpo.yaml", over))
+    trainer = Trainer(load_config(REPO / "configs" / "recipes" / "wan_i2v_flow_grpo.yaml", over))
     assert isinstance(trainer.model, WanImageToVideoModel) and trainer.cfg.sampling.shift == 3.0
     seen = record_reward_metadata(trainer)
     train_shrunk_recipe(trainer)

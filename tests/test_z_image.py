@@ -1,7 +1,7 @@
 """The Z-Image adapter (`flowrl.models.ZImageModel`) on tiny random ZImagePipelines built offline (a tiny Qwen3 text
 encoder with the offline byte-level BPE tokenizer of tests/test_qwen_image.py and a Qwen3-style chat template): it
 samples as the stock pipeline does (its schedule, its guidance convention ``w - 1``, ``cfg_normalization`` and
-``cfg_truncation``), and trains through the same trainer (configs/z_image_flow_grpo.yaml shrunk) to a LoRA the stock
+``cfg_truncation``), and trains through the same trainer (configs/recipes/z_image_flow_grpo.yaml shrunk) to a LoRA the stock
 pipeline loads."""
 
 import math
@@ -188,13 +188,13 @@ def test_deterministic_sampling_equals_the_stock_pipeline(zimage, guidance_scale
 
 
 def test_z_image_recipe_trains_and_the_lora_loads_in_stock(tmp_path, zimage, prompt_files):
-    """configs/z_image_flow_grpo.yaml, shrunk onto the tiny random Z-Image pipeline (its 1-step random window kept;
+    """configs/recipes/z_image_flow_grpo.yaml, shrunk onto the tiny random Z-Image pipeline (its 1-step random window kept;
     the PickScore reward swapped for JPEG compressibility, which needs no download; no EMA, so that the saved LoRA is
     the trained weights)."""
     from diffusers import ZImagePipeline
 
     train, test = prompt_files
-    preset = load_config(REPO / "configs" / "z_image_flow_grpo.yaml")
+    preset = load_config(REPO / "configs" / "recipes" / "z_image_flow_grpo.yaml")
     over = tiny_overrides(
         zimage,
         train,
@@ -215,7 +215,7 @@ def test_z_image_recipe_trains_and_the_lora_loads_in_stock(tmp_path, zimage, pro
             **shape_overrides(preset),
         },
     )
-    cfg = load_config(REPO / "configs" / "z_image_flow_grpo.yaml", over)
+    cfg = load_config(REPO / "configs" / "recipes" / "z_image_flow_grpo.yaml", over)
     assert cfg.sampling.window.size == 1 and cfg.sampling.noise_level == 0.7 and cfg.sampling.guidance_scale == 5.0
     trainer = Trainer(cfg)
     assert isinstance(trainer.model, ZImageModel) and trainer.cfg.sampling.shift == 3.0

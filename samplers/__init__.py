@@ -1,7 +1,9 @@
 """flowrl samplers: transition kernels, schedules and rollouts for rectified-flow models (and, through the change of
 variables of :mod:`samplers.ddim`, for variance-preserving DDPM models).
 
-Importable on its own (torch only): it never imports ``flowrl``, ``rewards`` or diffusers models.
+The repository's top-level ``samplers/`` folder, installed as ``flowrl.samplers``: one of the two leaves every other
+layer builds on, importable on its own (torch only); it imports nothing else of flowrl (not the rewards) and no
+diffusers models.
 """
 
 from .chunked import cat_flat_rollouts, sample_in_chunks

@@ -4,7 +4,8 @@
 list of `B` GenEval-style dicts (possibly empty); `scores` is a `(B,)` float32 CPU tensor, higher is
 better. See `rewards.base.Reward` for the full contract.
 
-Importable on its own: this package never imports `flowrl` or `samplers`. Build a registered reward
+The repository's top-level `rewards/` folder, installed as `flowrl.rewards`: one of the two leaves every other layer
+builds on, importable on its own; it imports nothing else of flowrl (not the samplers). Build a registered reward
 with `build_reward("clipscore", model_path=...)`, or a user's own with
 `build_reward("my_pkg.my_module:my_reward")`, or one an installed package declares under the `flowrl.rewards`
 entry-point group by its name. `serve` and the `remote` reward run a reward in another process over HTTP.

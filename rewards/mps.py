@@ -389,7 +389,7 @@ def _check_condition(condition: Any) -> str:
 
 _CONVERT_HINT = (
     "the released MPS_overall_checkpoint.pth is a whole pickled model, which is not unpickled here: convert it once "
-    "to safetensors in a trusted environment (recipe in flowrl/rewards/mps.py and docs/rewards.md, section MPS)"
+    "to safetensors in a trusted environment (recipe in rewards/mps.py and docs/rewards.md, section MPS)"
 )
 
 

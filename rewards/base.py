@@ -5,7 +5,7 @@ A reward is a plain callable::
     scores = reward(images, prompts, metadata)   # (B, 3, H, W) in [0, 1] -> (B,) float32 on CPU
 
 Weights live in the config and are applied by `WeightedSum`, never inside a reward.
-This module imports nothing from `flowrl` or `samplers`.
+This module imports nothing else of flowrl (the samplers, the trainer).
 """
 
 from __future__ import annotations
@@ -345,6 +345,43 @@ def build_reward(spec: str, **kwargs: Any) -> Reward:
     return reward
 
 
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+"""Weight files that are pickles: no reward model loads them."""
+
+
+def check_weights_folder(folder: str | os.PathLike, reward: str) -> None:
+    """Check a reward model's folder before it loads: not only pickled weights, and every ``*.safetensors`` file whole
+    (its header and length, read by the safetensors library without loading a tensor).
+
+    Args:
+        folder (`str` or `PathLike`): the model's local folder.
+        reward (`str`): the reward's name, for the error.
+
+    Raises:
+        ValueError: ``"{reward}: FOLDER holds only pickled weights (...)"`` for a folder of ``*.bin`` / ``*.pt`` files
+            and no safetensors (they are never unpickled), or ``"{reward}: FILE is not a whole safetensors file"``
+            for a truncated or mislabelled one.
+    """
+    from pathlib import Path
+
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(folder)
+    safe = sorted(folder.glob("*.safetensors"))
+    pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
+    if pickled and not safe:
+        raise ValueError(
+            f"{reward}: {folder} holds only pickled weights ({', '.join(pickled)}); flowrl loads safetensors only: "
+            "load it once in a trusted environment and save_pretrained() it (transformers writes safetensors)"
+        )
+    for file in safe:
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{reward}: {file} is not a whole safetensors file ({e})") from None
+
+
 def load_pretrained(cls: Any, folder: str | os.PathLike, reward: str, **kwargs: Any) -> Any:
     """``cls.from_pretrained(folder)`` of a local transformers model, from safetensors only.
 
@@ -358,14 +395,7 @@ def load_pretrained(cls: Any, folder: str | os.PathLike, reward: str, **kwargs: 
         ValueError: ``"{reward}: FOLDER holds only pickled weights (...)"`` when the folder has ``*.bin`` / ``*.pt``
             files and no safetensors (they are never unpickled), or names a damaged safetensors file.
     """
-    from ..files import check_weights_folder
-
-    try:
-        check_weights_folder(
-            folder, "load it once in a trusted environment and save_pretrained() it (transformers writes safetensors)"
-        )
-    except ValueError as e:
-        raise ValueError(f"{reward}: {e}") from None
+    check_weights_folder(folder, reward)
     return cls.from_pretrained(folder, local_files_only=True, use_safetensors=True, **kwargs)
 
 

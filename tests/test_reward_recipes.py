@@ -1,5 +1,5 @@
 """``flowrl rewards`` (name, modality, weights of every reward), ``flowrl eval --reward`` on the shipped tiny model
-against scoring its images directly, and the SD3.5-M reward recipes (configs/sd35m_{hpsv2,ocr,geneval}.yaml) shrunk
+against scoring its images directly, and the SD3.5-M reward recipes (configs/recipes/sd35m_{hpsv2,ocr,geneval}.yaml) shrunk
 onto a tiny random pipeline for two iterations."""
 
 import inspect
@@ -221,7 +221,7 @@ OCR_PROMPTS = ['a shop sign that says "OPEN"', 'a poster with the words "Flow GR
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_reward_options_are_the_factory_options(name):
     """Each recipe's reward options bind to its factory (what the test below swaps out is still checked)."""
-    cfg = load_config(REPO / "configs" / f"{name}.yaml")
+    cfg = load_config(REPO / "configs" / "recipes" / f"{name}.yaml")
     for reward, rc in cfg.rewards.items():
         inspect.signature(REWARDS[reward]).bind(**rc.options)
     assert cfg.model.resolution == 512 and cfg.sampling.num_steps == 10 and cfg.sampling.group_size == 24
@@ -253,10 +253,10 @@ def test_recipe_trains_two_iterations_on_a_tiny_pipeline(name, tmp_path, random_
         extra |= {f"rewards.geneval.options.{k}": "null" for k in real}  # the tiny world's detector
         extra |= {"rewards.jpeg_compressibility.weight": 1.0}
     cfg = load_config(
-        REPO / "configs" / f"{name}.yaml", tiny_overrides(random_pipeline, train, test, tmp_path / "run", **extra)
+        REPO / "configs" / "recipes" / f"{name}.yaml", tiny_overrides(random_pipeline, train, test, tmp_path / "run", **extra)
     )
     cfg = load_config(
-        REPO / "configs" / f"{name}.yaml",
+        REPO / "configs" / "recipes" / f"{name}.yaml",
         tiny_overrides(random_pipeline, train, test, tmp_path / "run", **extra, **shape_overrides(cfg)),
     )
     trainer = Trainer(cfg)

@@ -132,7 +132,7 @@ def test_config_rewards_of_a_preset_replace_the_default(tmp_path):
 
 
 def test_config_presets_load():
-    for name in ("tiny_geneval", "sd35m_pickscore"):
+    for name in ("tiny_geneval", "recipes/sd35m_pickscore"):
         load_config(f"configs/{name}.yaml")
 
 

@@ -275,7 +275,7 @@ def test_one_policy_update_favours_positive_advantages(tmp_path, random_pipeline
 
 
 def test_tag_means_averages_each_tag_and_names_length_mismatch():
-    from flowrl.trainer import tag_means
+    from flowrl.diagnostics import tag_means
 
     out = tag_means(torch.tensor([1.0, 0.0, 0.5, 0.25]), ["colors", "position", "colors", "position"])
     assert out == {"reward/tag/colors/mean": 0.75, "reward/tag/position/mean": 0.125}

@@ -70,7 +70,7 @@ def run_one(preset: str, seed: int, budget_s: float, tmp: Path, overrides=()) ->
         REPO / "configs" / f"{preset}.yaml", [*WORLD, *overrides, f"run.seed={seed}", f"run.output_dir={tmp}"]
     )
     trainer = Trainer(cfg)
-    base = trainer._eval_with_held_out() if preset == "quickstart" and seed == 0 else None
+    base = trainer.evaluator.with_held_out() if preset == "quickstart" and seed == 0 else None
     rewards, times, it, trained = [], [], 0, 0.0
     while trained < budget_s:
         t0 = time.time()
@@ -80,7 +80,7 @@ def run_one(preset: str, seed: int, budget_s: float, tmp: Path, overrides=()) ->
         if "reward/total/mean" in metrics:
             rewards.append(metrics["reward/total/mean"])
         it += 1
-    after = trainer._eval_with_held_out()
+    after = trainer.evaluator.with_held_out()
     tenth = max(1, len(rewards) // 10)
     row = {
         "preset": preset,

@@ -196,7 +196,7 @@ def run_bench(
         with tempfile.TemporaryDirectory() as tmp:
             trainer = Trainer(config(name, f"{tmp}/run"))
             if budget_s > 0 and base_accuracy is None:  # every preset starts from the same base model
-                base_accuracy = trainer.run_eval()["overall"]
+                base_accuracy = trainer.evaluator.evaluate()["overall"]
             for i in range(warmup):
                 trainer.step(i)
             row = _median_iteration(trainer, warmup, iterations)
@@ -210,9 +210,9 @@ def run_bench(
                     trained += time.time() - t0
                     it += 1
                     if "budget_half_accuracy" not in row and trained >= budget_s / 2:
-                        row["budget_half_accuracy"] = trainer.run_eval()["overall"]
+                        row["budget_half_accuracy"] = trainer.evaluator.evaluate()["overall"]
                 row["budget_iterations"] = it
-                row["budget_accuracy"] = trainer.run_eval()["overall"]
+                row["budget_accuracy"] = trainer.evaluator.evaluate()["overall"]
             results[name] = row
             print(name, json.dumps(row))
     base = results.get("dance_grpo", {}).get("time/iteration_s")

@@ -13,6 +13,7 @@ import os
 import random
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -90,6 +91,18 @@ def disk_full_error(error: BaseException, directory: str | Path) -> DiskFullErro
             "with run.resume=true"
         )
     return DiskFullError(f"no space left on the device while writing{where}; {after}")
+
+
+@contextmanager
+def explain_disk_full(directory: str | Path):
+    """Re-raise a full disk or quota met inside the block (:func:`is_disk_full`) as a :class:`DiskFullError` naming
+    the newest verified checkpoint under ``directory`` (:func:`disk_full_error`); other errors pass unchanged."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, DiskFullError) or not is_disk_full(e):
+            raise
+        raise disk_full_error(e, directory) from e
 
 
 def _digest(path: Path) -> dict:

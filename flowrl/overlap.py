@@ -1,9 +1,9 @@
 """Scoring that overlaps sampling (``sampling.overlap_rewards``): a rollout sampled in chunks, each finished chunk
 decoded and scored in a worker thread while the next one samples.
 
-The loop (:meth:`flowrl.trainer.Trainer.step`) hands a :class:`ChunkWorker`'s :meth:`~ChunkWorker.submit` to the
-method's chunked rollout (:meth:`flowrl.methods.Method.rollout_in_chunks`), then waits for the worker's results and
-joins them (:func:`cat_scores`). Only the host's waiting overlaps: a reward on the CPU, on another device
+The loop's scorer (:meth:`flowrl.scoring.Scorer.overlapped_rollout`) hands a :class:`ChunkWorker`'s
+:meth:`~ChunkWorker.submit` to the method's chunked rollout (:meth:`flowrl.methods.Method.rollout_in_chunks`), then
+waits for the worker's results and joins them (:func:`cat_scores`). Only the host's waiting overlaps: a reward on the CPU, on another device
 (``options.device``) or behind HTTP (``remote``) runs while the sampler's kernels do; a decode on the sampler's own
 GPU shares its stream. Each process of a multi-process run overlaps its own chunks; the gathers that follow are
 the same as without overlap.

@@ -191,7 +191,7 @@ def test_resume_with_metrics_but_no_checkpoint_refuses(tmp_path, random_pipeline
     (tmp_path / "run/metrics.jsonl").write_text('{"iteration": 1}\n')
     trainer = Trainer(load_config(config, overrides))
     with pytest.raises(CheckpointError, match="metrics.jsonl has rows"):
-        trainer._maybe_resume()
+        trainer.checkpointer.resume()
     assert (tmp_path / "run/metrics.jsonl").read_text() == '{"iteration": 1}\n'
 
 

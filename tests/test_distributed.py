@@ -177,7 +177,7 @@ def test_split_evaluation_equals_the_single_process_one(two_process_run):
         single = Trainer(load_config(tmp / "c.yaml", [*overrides, f"run.output_dir={tmp / 'single'}"]))
     finally:
         sys.path.remove(str(HERE))
-    before = single.run_eval()
+    before = single.evaluator.evaluate()
     assert before["n_images"] == r0["before"]["n_images"] == 18
     assert before["per_tag"] == r0["before"]["per_tag"] and before["dense_per_tag"] == r0["before"]["dense_per_tag"]
 

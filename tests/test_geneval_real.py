@@ -475,14 +475,10 @@ def test_option_errors(reward, segmenter_dir, clip_dir):
 
 def test_the_trainers_evaluation_judges_with_the_configured_real_backend(monkeypatch):
     """A run whose geneval reward reads real images evaluates with that reward, not the tiny world's detector."""
-    from types import SimpleNamespace
-
+    from flowrl.evaluator import geneval_reader
     from flowrl.rewards import WeightedSum
     from flowrl.rewards.geneval import GenEval
-    from flowrl.trainer import Trainer
 
     real = GenEval(detector=object())  # any real-backend reader
-    trainer = SimpleNamespace(rewards=WeightedSum({"geneval": (real, 1.0)}))
-    assert Trainer._geneval_reader(trainer) is real
-    trainer.rewards = WeightedSum({"geneval": (GenEval(), 1.0)})
-    assert Trainer._geneval_reader(trainer) is None
+    assert geneval_reader(WeightedSum({"geneval": (real, 1.0)})) is real
+    assert geneval_reader(WeightedSum({"geneval": (GenEval(), 1.0)})) is None

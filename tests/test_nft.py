@@ -246,11 +246,11 @@ def test_nft_solver_dpm_solver_2m_draws_other_samples(tmp_path, random_pipeline,
     for solver in ("euler", "dpm_solver_2m"):
         trainer = Trainer(_nft_config(tmp_path, random_pipeline, prompt_files, solver, **{"train.nft.solver": solver}))
 
-        def recording(images, *args, _score=trainer.score, _solver=solver):
+        def recording(images, *args, _score=trainer.scorer.score, _solver=solver):
             seen[_solver] = images
             return _score(images, *args)
 
-        monkeypatch.setattr(trainer, "score", recording)
+        monkeypatch.setattr(trainer.scorer, "score", recording)
         trainer.step(0)
     assert seen["euler"].shape == seen["dpm_solver_2m"].shape and bool(torch.isfinite(seen["dpm_solver_2m"]).all())
     assert not torch.allclose(seen["euler"], seen["dpm_solver_2m"])

@@ -17,6 +17,7 @@ from flowrl.config import ConfigError, load_config
 from flowrl.overlap import ChunkWorker
 from flowrl.rewards import CombinedScores, RewardError, WeightedSum, build_reward
 from flowrl.samplers import StepPlan, flow_sigmas, mix_plan, sample, sample_in_chunks
+from flowrl.scoring import Scorer
 from flowrl.trainer import Trainer
 
 
@@ -65,11 +66,14 @@ class _SlowMethod:
         return latents.view(-1, 1, 1, 1).expand(-1, 3, 2, 2)
 
 
-def _fake_trainer(method, score):
-    sampling = SimpleNamespace(batch_size=2, group_size=2)
-    return SimpleNamespace(
-        method=method, score=score, device=torch.device("cpu"), cfg=SimpleNamespace(sampling=sampling)
+def _scorer(score) -> Scorer:
+    """A scorer of chunks of 2 images on the CPU whose ``score`` is `score`."""
+    sampling = SimpleNamespace(batch_size=2, group_size=2, overlap_rewards=True, prompts_per_iteration=3)
+    scorer = Scorer(
+        WeightedSum({"unused": (lambda *a: None, 1.0)}), sampling, SimpleNamespace(device=torch.device("cpu"))
     )
+    scorer.score = score
+    return scorer
 
 
 def test_the_worker_scores_a_chunk_while_the_next_one_samples():
@@ -78,7 +82,7 @@ def test_the_worker_scores_a_chunk_while_the_next_one_samples():
         return CombinedScores(images.mean((1, 2, 3)), {"slow": images.mean((1, 2, 3))})
 
     start = time.perf_counter()
-    samples, scores, _, worker_s = Trainer.overlapped_rollout(_fake_trainer(_SlowMethod(0.2), slow_score), [], None)
+    samples, scores, _, worker_s = _scorer(slow_score).overlapped_rollout(_SlowMethod(0.2), [], None)
     wall = time.perf_counter() - start
     assert wall < 1.0  # in turn: 3 x 0.2 s sampling + 3 x 0.2 s scoring = 1.2 s; overlapped about 0.8 s
     assert worker_s >= 0.6
@@ -94,7 +98,7 @@ def test_a_failing_reward_stops_the_rollout_with_its_own_error():
 
     method = _SlowMethod(0.1)
     with pytest.raises(RewardError) as raised:
-        Trainer.overlapped_rollout(_fake_trainer(method, failing), [], None)
+        _scorer(failing).overlapped_rollout(method, [], None)
     assert raised.value is error and method.chunks < 3  # surfaced at the next chunk, not after the rollout
 
 
@@ -141,8 +145,10 @@ def test_an_overlapped_rollout_equals_the_rollout_then_its_scores(tmp_path, rand
     metas = trainer.sample_prompts(0)
     seen.clear()
     samples = trainer.method.rollout(metas, trainer._generator(0))
-    scores = trainer.score(samples.images, samples.image_prompt, metas)
-    overlapped, overlapped_scores, _, _ = trainer.overlapped_rollout(metas, trainer._generator(0))
+    scores = trainer.scorer.score(samples.images, samples.image_prompt, metas)
+    overlapped, overlapped_scores, _, _ = trainer.scorer.overlapped_rollout(
+        trainer.method, metas, trainer._generator(0)
+    )
     assert len(seen) == 3  # one batch, then one call per chunk
     assert torch.equal(samples.images, overlapped.images) and torch.equal(seen[0], torch.cat(seen[1:]))
     assert torch.equal(scores.total, overlapped_scores.total)
@@ -159,11 +165,11 @@ def test_an_overlapped_rollout_equals_the_rollout_then_its_scores(tmp_path, rand
         raise ConnectionError("reward server at http://x:1 refused the connection")
 
     for bad, kind in ((nan, ValueError), (down, RewardError)):  # the same one-line error either way
-        trainer.rewards = WeightedSum({"bad": (bad, 1.0)})
+        trainer.scorer.rewards = WeightedSum({"bad": (bad, 1.0)})
         with pytest.raises(kind) as sequential:
-            trainer.score(samples.images, samples.image_prompt, metas)
+            trainer.scorer.score(samples.images, samples.image_prompt, metas)
         with pytest.raises(kind) as overlapping:
-            trainer.overlapped_rollout(metas, trainer._generator(0))
+            trainer.scorer.overlapped_rollout(trainer.method, metas, trainer._generator(0))
         assert _one_line(sequential.value) == _one_line(overlapping.value) and "bad" in str(sequential.value)
 
 

@@ -376,13 +376,13 @@ def test_a_reward_server_dying_mid_run_loses_nothing_checkpointed(tmp_path, rand
         random_pipeline, *prompt_files, tmp_path / "run", **{"run.iterations": 2, "run.mixed_precision": "no"}
     )
     trainer = Trainer(load_config(_remote_config(tmp_path / "remote.yaml", server.url), overrides))
-    save = trainer._save
+    save = trainer.checkpointer.save
 
     def save_then_lose_the_server(iteration, elapsed):
         save(iteration, elapsed)
         server.close()
 
-    trainer._save = save_then_lose_the_server
+    trainer.checkpointer.save = save_then_lose_the_server
     with pytest.raises(RuntimeError, match=rf"reward remote raised ConnectionError: .*{server.url} is unreachable"):
         trainer.train()
     checkpoint = tmp_path / "run" / "checkpoints" / "checkpoint-000001"

@@ -195,7 +195,7 @@ def test_resume_without_a_checkpoint_says_it_starts_over(tmp_path, random_pipeli
     (tmp_path / "run/metrics.jsonl").write_text("")  # a run killed before its first iteration ended
     trainer = Trainer(cfg)
     with pytest.warns(UserWarning, match="holds no complete checkpoint: starting the run from iteration 0"):
-        assert trainer._maybe_resume() == (0, 0.0)
+        assert trainer.checkpointer.resume() == (0, 0.0)
     assert not (tmp_path / "run/metrics.jsonl").exists()
 
 
@@ -392,7 +392,9 @@ def test_a_single_prompt_file_trains_and_fills_the_grid(tmp_path, random_pipelin
     one.write_text(prompt_files[0].read_text().splitlines()[0] + "\n")
     cfg = _config(tmp_path, random_pipeline, (one, one), **{"run.iterations": 1, "run.mixed_precision": "no"})
     trainer = Trainer(cfg)
-    assert len({m["prompt"] for m in trainer._grid_metas()}) == 1 and len(trainer._grid_metas()) == 12
+    assert (
+        len({m["prompt"] for m in trainer.evaluator.grid_metas()}) == 1 and len(trainer.evaluator.grid_metas()) == 12
+    )
     trainer.train()
     assert load_file(tmp_path / "run/grid_before.safetensors")["images"].shape[0] == 12
 
@@ -501,7 +503,7 @@ def test_resolution_sets_the_rollout_size_and_is_checked_first(tmp_path, random_
     assert trainer.model.latent_shape == (4, 8, 8)
     samples = trainer.method.rollout(trainer.sample_prompts(0), torch.Generator().manual_seed(0))
     assert samples.images.shape[1:] == (3, 32, 32) and samples.rollout.state.shape[1:] == (4, 8, 8)
-    assert trainer.run_eval()["n_images"] > 0
+    assert trainer.evaluator.evaluate()["n_images"] > 0
 
 
 def test_held_out_prompts_are_evaluated_before_and_after_and_printed(tmp_path, random_pipeline, prompt_files, capsys):

@@ -275,12 +275,87 @@ def test_one_policy_update_favours_positive_advantages(tmp_path, random_pipeline
 
 
 def test_tag_means_averages_each_tag_and_names_length_mismatch():
-    from flowrl.trainer import tag_means
+    from flowrl.diagnostics import tag_means
 
     out = tag_means(torch.tensor([1.0, 0.0, 0.5, 0.25]), ["colors", "position", "colors", "position"])
     assert out == {"reward/tag/colors/mean": 0.75, "reward/tag/position/mean": 0.125}
     with pytest.raises(ValueError, match="3 tags for 4 rewards"):
         tag_means(torch.zeros(4), ["a", "b", "c"])
+
+
+def _processes(others: list[torch.Tensor] = ()):
+    """A fake accelerator on the CPU, process 0 of ``1 + len(others)``: gather puts the `others`' rows after its own."""
+    from types import SimpleNamespace
+
+    def gather(t):
+        return torch.cat([t, *(o.to(t.dtype).view(t.shape) for o in others)])
+
+    return SimpleNamespace(device=torch.device("cpu"), process_index=0, num_processes=1 + len(others), gather=gather)
+
+
+def test_peak_memory_is_the_largest_over_the_processes():
+    from flowrl.diagnostics import peak_memory
+
+    one = peak_memory(_processes())
+    assert set(one) == {"memory/host_peak_gib"} and 0 < one["memory/host_peak_gib"] < 1024  # no GPU here
+    two = peak_memory(_processes([torch.tensor([[4096.0]])]))
+    assert two == {"memory/host_peak_gib": 4096.0}  # the other process's, the larger
+
+
+def test_diversity_metrics_average_every_process_groups():
+    from flowrl.diagnostics import diversity_metrics
+
+    def probe(images, group):
+        return torch.tensor([0.2, 0.4], dtype=torch.float64)  # two groups' diversity
+
+    images, group = torch.rand(4, 3, 2, 2), torch.tensor([0, 0, 1, 1])
+    one = diversity_metrics(probe, images, group, _processes())
+    assert one["diversity/clip"] == pytest.approx(0.3) and one["diversity/clip_min"] == pytest.approx(0.2)
+    other = torch.tensor([1.0, 2.0, 0.1])  # another process's sum, groups and least diverse group: 0.1 and 0.9
+    two = diversity_metrics(probe, images, group, _processes([other]))
+    assert two["diversity/clip"] == pytest.approx(0.4) and two["diversity/clip_min"] == pytest.approx(0.1)
+    assert "time/diversity_s" in two
+    assert diversity_metrics(None, images, group, _processes()) == {}
+    assert diversity_metrics(probe, images[:0], group[:0], _processes()) == {}
+
+
+def test_the_diversity_probe_is_off_or_named_when_its_folder_is_bad(tmp_path):
+    from flowrl.diagnostics import diversity_probe
+
+    assert diversity_probe("", "cpu") is None and diversity_probe(None, "cpu") is None
+    with pytest.raises(ConfigError, match="config key 'run.diversity_model'"):
+        diversity_probe(str(tmp_path), "cpu")
+
+
+def test_precisions_are_resolved_on_a_copy_and_summarised():
+    from flowrl.diagnostics import precision_summary, resolve_precisions
+
+    cfg = load_config(None, ["run.mixed_precision=auto", "sampling.decode_precision=no", "sampling.ode_precision=no"])
+    resolved = resolve_precisions(cfg, torch.device("cpu"))
+    assert cfg.run.mixed_precision == "auto" and resolved.run.mixed_precision in ("bf16", "no")
+    mixed = load_config(None, ["sampling.decode_precision=no", "sampling.ode_precision=no"])
+    mixed.run.mixed_precision = "bf16"
+    summary = precision_summary(mixed, torch.device("cpu"))
+    assert summary.startswith(
+        "precision bf16 autocast (run.mixed_precision); float32 (sampling.decode_precision, sampling.ode_precision) on "
+    )
+    assert summary.endswith(", log-probs float32")
+
+
+def test_prompts_are_drawn_per_seed_iteration_and_process_and_balanced_over_tags(tmp_path):
+    from flowrl.prompt_sampler import PromptSampler, read_prompt_records
+
+    metas = [{"prompt": f"a{i}", "tag": "a"} for i in range(9)] + [{"prompt": "b", "tag": "b"}]
+    cfg = load_config(None, ["sampling.prompts_per_iteration=400"])
+    draw = PromptSampler(metas, cfg)
+    assert draw(3) == PromptSampler(metas, cfg)(3) and draw(3) != draw(4)
+    assert draw(3) != PromptSampler(metas, cfg, process_index=1)(3)
+    assert 150 < sum(m["tag"] == "b" for m in draw(0)) < 250  # a tag, then a prompt of it: b half the time
+    cfg.tag_balanced = False
+    assert sum(m["tag"] == "b" for m in draw(0)) < 80  # a prompt uniformly: b a tenth of the time
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(ConfigError, match="config key 'train_prompts'"):
+        read_prompt_records("train_prompts", str(tmp_path / "bad.jsonl"))
 
 
 def test_velocity_of_a_sample_does_not_depend_on_its_batch():

@@ -1,0 +1,113 @@
+"""The run's evaluator (flowrl.evaluator): what an evaluation draws, which judge and weights it uses, the held-out
+prompts and the before/after grid, on the tiny random pipeline."""
+
+import contextlib
+
+import pytest
+import torch
+
+from flowrl.config import load_config
+from flowrl.evaluation import evaluate, generate
+from flowrl.evaluator import GRID_IMAGES, Evaluator, eval_metrics, geneval_reader
+from flowrl.models import load_model
+from flowrl.rewards import WeightedSum
+from flowrl.rewards.geneval import GenEval
+from flowrl.tiny.prompts import split
+
+PLAIN = [{"prompt": "a red circle"}, {"prompt": "a blue star"}, {"prompt": "two squares"}]  # no GenEval metadata
+
+
+class _Policy:
+    """Records each time the EMA weights and the autocast are entered."""
+
+    def __init__(self):
+        self.entered = []
+
+    @contextlib.contextmanager
+    def ema_weights(self):
+        self.entered.append("ema")
+        yield
+
+    @contextlib.contextmanager
+    def autocast(self):
+        self.entered.append("autocast")
+        yield
+
+
+def brightness(images, prompts, metadata):
+    return images.flatten(1).mean(1)
+
+
+@pytest.fixture(scope="module")
+def model(random_pipeline):
+    return load_model(random_pipeline)
+
+
+def _evaluator(model, metas, held_out=(), **over) -> Evaluator:
+    overrides = {"eval.num_steps": 2, "eval.images_per_tag": 1, "sampling.batch_size": 4, **over}
+    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+    rewards = WeightedSum({"brightness": (brightness, 1.0)})
+    return Evaluator(cfg, model, _Policy(), None, rewards, list(metas), list(held_out))
+
+
+def test_the_plan_counts_the_images_of_each_prompt_set(model):
+    geneval = split(0)[1]  # 90 prompts of 6 tags: one image per tag
+    assert _evaluator(model, geneval).plan() == "6 images of eval.prompts, 2 Euler steps"
+    both = _evaluator(model, geneval, PLAIN, **{"eval.held_out_images_per_tag": 2})
+    assert both.plan() == "6 images of eval.prompts, 3 of eval.held_out, 2 Euler steps"  # plain prompts: each once
+
+
+def test_geneval_prompts_are_judged_with_the_ema_weights_under_autocast(model):
+    metas = split(0)[1]
+    evaluator = _evaluator(model, metas)
+    result = evaluator.evaluate()
+    assert evaluator.policy.entered == ["ema", "autocast"]
+    assert result["n_images"] == 6 and 0 <= result["overall"] <= 1 and len(result["per_tag"]) == 6
+    direct = evaluate(model, metas, 1, 2, evaluator.cfg.eval.guidance_scale, evaluator.cfg.sampling.shift, 1234, 4)
+    assert result["per_tag"] == direct["per_tag"] and result["dense_per_tag"] == direct["dense_per_tag"]
+    assert evaluator.evaluate(metas, 2)["n_images"] == 12  # images_per_tag given
+
+
+def test_prompts_without_geneval_metadata_are_scored_by_the_runs_rewards(model):
+    result = _evaluator(model, PLAIN).evaluate()
+    assert result["n_images"] == 3 and set(result["per_reward"]) == {"brightness"}
+    assert 0 <= result["overall"] <= 1 and result["overall"] == pytest.approx(result["per_reward"]["brightness"])
+
+
+def test_held_out_prompts_are_evaluated_beside_and_named(model):
+    evaluator = _evaluator(model, PLAIN, PLAIN[:2], **{"eval.held_out_images_per_tag": 2})
+    evaluator.cfg.eval.held_out = "held.jsonl"
+    result = evaluator.with_held_out()
+    assert result["n_images"] == 3 and result["held_out"]["n_images"] == 2
+    assert result["held_out"]["prompts"] == "held.jsonl"
+    assert "held_out" not in _evaluator(model, PLAIN).with_held_out()
+
+
+def test_the_grid_is_two_prompts_per_tag_at_fixed_seeds(model):
+    metas = split(0)[1]
+    evaluator = _evaluator(model, metas)
+    grid = evaluator.grid_metas()
+    assert len(grid) == GRID_IMAGES and [m["tag"] for m in grid[:2]] == [metas[0]["tag"]] * 2
+    assert len({m["tag"] for m in grid}) == GRID_IMAGES // 2  # six tags, two prompts each
+    assert [m["prompt"] for m in _evaluator(model, PLAIN[:1]).grid_metas()] == [PLAIN[0]["prompt"]] * GRID_IMAGES
+    images = evaluator.grid_images()
+    assert images.shape == (GRID_IMAGES, 3, model.resolution, model.resolution) and evaluator.policy.entered[-2:] == [
+        "ema",
+        "autocast",
+    ]
+    e = evaluator.cfg.eval
+    last = generate(
+        model, [grid[-1]["prompt"]], [e.seed + GRID_IMAGES - 1], e.num_steps, e.guidance_scale, metas=grid[-1:]
+    )
+    assert torch.allclose(images[-1:], last, atol=1e-5)  # image i is drawn from seed eval.seed + i
+
+
+def test_eval_metrics_and_the_geneval_reader():
+    assert eval_metrics({"overall": 0.5, "per_tag": {"colors": 1.0, "counting": 0.0}}) == {
+        "eval/overall": 0.5,
+        "eval/colors": 1.0,
+        "eval/counting": 0.0,
+    }
+    real = GenEval(detector=object())  # a real-backend reader
+    assert geneval_reader(WeightedSum({"b": (brightness, 1.0), "geneval": (real, 1.0)})) is real
+    assert geneval_reader(WeightedSum({"geneval": (GenEval(), 1.0)})) is None  # the tiny world's detector

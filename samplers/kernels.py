@@ -318,12 +318,14 @@ class KernelSpec:
         stochastic (`bool`): its step is a Gaussian with a log-prob: the only kernels a transition can be trained on.
         unit_eta (`bool`): its noise level is an ``eta`` in `(0, 1]`, and its step onto ``t' = 0`` has std 0.
         multistep (`bool`): deterministic, and it also reads the previous step's data prediction.
+        summary (`str`): a few words on the kernel (its paper), shown beside its name in ``sampling.kernel``'s help.
     """
 
     fn: Callable
     stochastic: bool = False
     unit_eta: bool = False
     multistep: bool = False
+    summary: str = ""
 
 
 KERNEL_SPECS: dict[str, KernelSpec] = {}
@@ -331,7 +333,13 @@ KERNEL_SPECS: dict[str, KernelSpec] = {}
 
 
 def register_kernel(
-    name: str, fn: Callable, *, stochastic: bool = False, unit_eta: bool = False, multistep: bool = False
+    name: str,
+    fn: Callable,
+    *,
+    stochastic: bool = False,
+    unit_eta: bool = False,
+    multistep: bool = False,
+    summary: str = "",
 ) -> Callable:
     """Register a transition kernel under `name` with its properties (see :class:`KernelSpec`); returns `fn`.
     ``sampling.kernel`` and step plans validate names against this registry.
@@ -345,7 +353,7 @@ def register_kernel(
         raise ValueError(f"kernel {name!r}: unit_eta describes a stochastic kernel's noise level")
     if multistep and stochastic:
         raise ValueError(f"kernel {name!r}: a multistep kernel is deterministic")
-    KERNEL_SPECS[name] = KernelSpec(fn, stochastic, unit_eta, multistep)
+    KERNEL_SPECS[name] = KernelSpec(fn, stochastic, unit_eta, multistep, summary)
     return fn
 
 
@@ -371,13 +379,15 @@ class _KernelView(Mapping):
         return f"{sorted(self)}"
 
 
-register_kernel("ode", ode_step)
-register_kernel("flow_sde", flow_sde_step, stochastic=True)  # Flow-GRPO, arXiv 2505.05470
-register_kernel("dance_sde", dance_sde_step, stochastic=True)  # DanceGRPO, arXiv 2505.07818
-register_kernel("cps", cps_step, stochastic=True, unit_eta=True)  # arXiv 2509.05952
-register_kernel("ddim", flow_ddim_step, stochastic=True, unit_eta=True)  # DDPO's DDIM, arXiv 2305.13301
-register_kernel("ddpm", flow_ddpm_step, stochastic=True, unit_eta=True)  # arXiv 2006.11239
-register_kernel("dpm_solver_2m", dpm_solver_2m_step, multistep=True)  # MixGRPO-Flash's tail, arXiv 2507.21802
+register_kernel("ode", ode_step, summary="Euler")
+register_kernel("flow_sde", flow_sde_step, stochastic=True, summary="Flow-GRPO")  # arXiv 2505.05470
+register_kernel("dance_sde", dance_sde_step, stochastic=True, summary="DanceGRPO")  # arXiv 2505.07818
+register_kernel("cps", cps_step, stochastic=True, unit_eta=True, summary="coefficients-preserving")  # arXiv 2509.05952
+register_kernel("ddim", flow_ddim_step, stochastic=True, unit_eta=True, summary="DDPO")  # arXiv 2305.13301
+register_kernel("ddpm", flow_ddpm_step, stochastic=True, unit_eta=True, summary="ancestral")  # arXiv 2006.11239
+register_kernel(
+    "dpm_solver_2m", dpm_solver_2m_step, multistep=True, summary="DPM-Solver++ 2M"
+)  # MixGRPO-Flash, arXiv 2507.21802
 
 KERNELS = _KernelView(lambda k: not k.multistep, "Single-step kernel name -> function (signature of flow_sde_step).")
 MULTISTEP_KERNELS = _KernelView(

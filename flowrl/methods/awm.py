@@ -69,7 +69,7 @@ def awm_log_likelihood(err: torch.Tensor, times: torch.Tensor, power: float) -> 
     return out if err.dtype == torch.float64 else out.float()
 
 
-@register_method("awm")
+@register_method("awm", "advantage-weighted flow matching")
 class AWM(ForwardProcess):
     """``train.method: awm`` (module docstring). Needs a LoRA when ``train.awm.kl_beta > 0`` (the base reference).
 

@@ -31,21 +31,33 @@ METHODS: dict[str, type[Method]] = {}
 """``train.method`` -> the method class (:func:`register_method`)."""
 
 
-def register_method(name: str):
-    """Class decorator: register a :class:`Method` subclass as ``train.method: NAME`` (sets its ``name``).
+def register_in(table: dict[str, type], kind: str, name: str, summary: str):
+    """A class decorator that registers its class in `table` under `name` and sets the class's ``name`` and ``summary``
+    (a few words for the config's help); what :func:`register_method` and
+    :func:`flowrl.methods.shapes.register_shape` return.
+
+    Raises:
+        ValueError: (when it decorates) `name` is registered in `table` already; `kind` names the table.
+    """
+
+    def register(cls: type) -> type:
+        if name in table:
+            raise ValueError(f"{kind} {name!r} is registered already ({table[name].__name__})")
+        cls.name, cls.summary = name, summary
+        table[name] = cls
+        return cls
+
+    return register
+
+
+def register_method(name: str, summary: str = ""):
+    """Class decorator: register a :class:`Method` subclass as ``train.method: NAME`` (sets its ``name``, and its
+    ``summary``: the few words ``train.method``'s help shows beside the name).
 
     Raises:
         ValueError: `name` is registered already.
     """
-
-    def register(cls: type[Method]) -> type[Method]:
-        if name in METHODS:
-            raise ValueError(f"method {name!r} is registered already ({METHODS[name].__name__})")
-        cls.name = name
-        METHODS[name] = cls
-        return cls
-
-    return register
+    return register_in(METHODS, "method", name, summary)
 
 
 # ---------------------------------------------------------------------------------------------- typed data

@@ -121,7 +121,7 @@ def crd_loss(
     return diff.pow(2).mean() * clip / beta, a
 
 
-@register_method("crd")
+@register_method("crd", "centered reward distillation")
 class CRD(ForwardProcess):
     """``train.method: crd`` (module docstring). Needs a LoRA when ``train.crd.kl_beta > 0`` (the base reference).
 

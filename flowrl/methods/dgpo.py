@@ -67,7 +67,7 @@ def dgpo_objective(
     return -torch.nn.functional.logsigmoid(-s), torch.sigmoid(s)[inverse]
 
 
-@register_method("dgpo")
+@register_method("dgpo", "group preferences from denoising errors")
 class DGPO(ForwardProcess):
     """``train.method: dgpo`` (module docstring). Needs a LoRA (``model.lora_rank > 0``): the reference is the base.
 

@@ -240,7 +240,7 @@ class DirectReward(ForwardProcess):
         return v
 
 
-@register_method("refl")
+@register_method("refl", "direct reward: one late step with gradient")
 class ReFL(DirectReward):
     """``train.method: refl`` (module docstring)."""
 
@@ -257,7 +257,7 @@ class ReFL(DirectReward):
         return x - t * v  # x_t = (1 - t) x0 + t eps and v = eps - x0
 
 
-@register_method("draft")
+@register_method("draft", "direct reward through the last K steps")
 class DRaFT(DirectReward):
     """``train.method: draft``: DRaFT-K (module docstring), and DRaFT-LV with ``train.direct.lv_samples = n > 0``
     (Clark et al., arXiv 2309.17400, Sec. 4.3): each final sample ``x0`` noised ``n`` times with fresh noise to the last
@@ -292,7 +292,7 @@ class DRaFT(DirectReward):
         return x
 
 
-@register_method("alignprop")
+@register_method("alignprop", "direct reward through a random truncation")
 class AlignProp(DRaFT):
     """``train.method: alignprop``: AlignProp (Prabhudesai et al., arXiv 2310.03739; mihirp1998/AlignProp, and trl's
     port): randomized truncated back-propagation. Each iteration the first step with gradient is drawn uniformly from

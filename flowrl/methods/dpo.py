@@ -72,7 +72,7 @@ def dpo_loss(
     return -F.logsigmoid(inside)
 
 
-@register_method("dpo")
+@register_method("dpo", "online Diffusion-DPO on each group's best and worst")
 class DiffusionDPO(ForwardProcess):
     """``train.method: dpo``: online Diffusion-DPO on best/worst pairs of each group (module docstring).
 

@@ -18,7 +18,7 @@ from .diagnostics import StepDiagnostics
 from .shapes import SHAPES, step_subset
 
 
-@register_method("grpo")
+@register_method("grpo", "SDE rollouts of sampling.shape, PPO on log-prob ratios")
 class GRPO(Method):
     """``train.method: grpo``: Flow-GRPO, DanceGRPO, MixGRPO, BranchGRPO, TempFlow-GRPO, G2RPO, TP-GRPO, GRPO-Guard
     and Pref-GRPO are this method with other rollout shapes (``sampling.shape``), rewards and loss options

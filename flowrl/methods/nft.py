@@ -60,7 +60,7 @@ class NFTConfig:
         check(self.solver in ("euler", "dpm_solver_2m"), "train.nft.solver", "euler|dpm_solver_2m", self.solver)
 
 
-@register_method("nft")
+@register_method("nft", "ODE samples, DiffusionNFT's forward-process loss")
 class DiffusionNFT(ForwardProcess):
     """``train.method: nft`` (arXiv 2509.16117, Algorithm 1): sample, score, train on the forward process.
 

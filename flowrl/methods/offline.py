@@ -188,7 +188,7 @@ class OfflineData:
         return [self.prompts[i] for i in idx.tolist()], self.latents[idx]
 
 
-@register_method("dpo_offline")
+@register_method("dpo_offline", "offline: Diffusion-DPO on train.offline.data")
 class OfflineDPO(DiffusionDPO):
     """``train.method: dpo_offline``: Diffusion-DPO on the pairs of ``train.offline.data`` against the initial policy
     (module docstring). Args: as :class:`flowrl.methods.base.Method`.
@@ -229,7 +229,7 @@ class OfflineDPO(DiffusionDPO):
         """The reference stays the initial policy."""
 
 
-@register_method("sft")
+@register_method("sft", "offline: flow matching on train.offline.data")
 class SFT(OfflineDPO):
     """``train.method: sft``: flow matching on the images of ``train.offline.data`` (module docstring).
     Args: as :class:`flowrl.methods.base.Method`.

@@ -111,7 +111,7 @@ def time_discount(index: torch.Tensor, grid: int, shift: float) -> torch.Tensor:
     return shift * m / (1 + (shift - 1) * m)
 
 
-@register_method("srpo")
+@register_method("srpo", "direct reward: Direct-Align with a semantic relative reward")
 class SRPO(DirectReward):
     """``train.method: srpo``: Direct-Align with the semantic relative preference reward (module docstring).
 

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import torch
 
-from .gaussian import StepOutput, _draw, _per_sample
+from .gaussian import StepOutput, _draw, _per_sample, gaussian_kernel
 
 __all__ = [
     "PREDICTION_TYPES",
@@ -279,18 +279,8 @@ def ddim_step(
     return _draw(x, mean, std, generator, prev_sample, noise)
 
 
-def flow_ddim_step(
-    sample: torch.Tensor,
-    velocity: torch.Tensor,
-    sigma,
-    sigma_next,
-    noise_level,
-    sigma_max=None,
-    *,
-    generator: torch.Generator | None = None,
-    prev_sample: torch.Tensor | None = None,
-    noise: torch.Tensor | None = None,
-) -> StepOutput:
+@gaussian_kernel
+def flow_ddim_step(x, v, t, t_next, eta, sigma_max):
     """DDIM with noise ``eta`` (DDPO, arXiv 2305.13301) in flow variables: kernel ``"ddim"`` of :data:`samplers.KERNELS`.
 
     With ``x0_hat = x - t v``, ``eps_hat = x + (1 - t) v``, ``a = vp_alpha(t)``, ``a' = vp_alpha(t')`` and
@@ -322,9 +312,6 @@ def flow_ddim_step(
     Raises:
         ValueError: if both `prev_sample` and `noise` are given, a shape does not match, or the std is negative.
     """
-    x, v = sample.float(), velocity.float()
-    t, t_next = _per_sample(sigma, x, "sigma"), _per_sample(sigma_next, x, "sigma_next")  # (B, 1, 1, 1) each
-    eta = _per_sample(noise_level, x, "noise_level")  # (B, 1, 1, 1)
     x0_hat, eps_hat = x - t * v, x + (1 - t) * v  # (B, C, H, W) each
     std = eta * _flow_posterior_std(t, t_next)  # (B, 1, 1, 1) flow units
     # sqrt(t'^2 - std^2) = t' sqrt(1 - eta^2 + eta^2 r^2), r = t' (1 - t) / (t (1 - t')): a sum of non-negative terms
@@ -332,7 +319,7 @@ def flow_ddim_step(
     r = t_next * (1 - t) / (t * (1 - t_next))  # (B, 1, 1, 1), in [0, 1)
     noise_coeff = t_next * ((1 - eta) * (1 + eta) + (eta * r) ** 2).clamp(min=0).sqrt()  # (B, 1, 1, 1)
     mean = (1 - t_next) * x0_hat + noise_coeff * eps_hat  # (B, C, H, W)
-    return _draw(x, mean, std, generator, prev_sample, noise)
+    return mean, std
 
 
 def _flow_posterior_std(t: torch.Tensor, t_next: torch.Tensor) -> torch.Tensor:
@@ -409,18 +396,8 @@ def ddpm_step(
     return _draw(x, mean, std, generator, prev_sample, noise)
 
 
-def flow_ddpm_step(
-    sample: torch.Tensor,
-    velocity: torch.Tensor,
-    sigma,
-    sigma_next,
-    noise_level,
-    sigma_max=None,
-    *,
-    generator: torch.Generator | None = None,
-    prev_sample: torch.Tensor | None = None,
-    noise: torch.Tensor | None = None,
-) -> StepOutput:
+@gaussian_kernel
+def flow_ddpm_step(x, v, t, t_next, level, sigma_max):
     """The DDPM ancestral step (:func:`ddpm_step`) in flow variables: kernel ``"ddpm"`` of :data:`samplers.KERNELS`.
 
     With ``x0_hat = x - t v``, ``a = vp_alpha(t)``, ``a' = vp_alpha(t')``, ``s = vp_scale(t)``, ``s' = vp_scale(t')``
@@ -449,12 +426,9 @@ def flow_ddpm_step(
         ValueError: if both `prev_sample` and `noise` are given, a shape does not match, or the std is negative (a
             negative `noise_level`).
     """
-    x, v = sample.float(), velocity.float()
-    t, t_next = _per_sample(sigma, x, "sigma"), _per_sample(sigma_next, x, "sigma_next")  # (B, 1, 1, 1) each
     # DDPM's posterior mean of the VP state s x, over s', in flow times (:func:`_flow_posterior_std`'s identities):
     # sqrt(a') beta_t / (1 - a) / s' = (t - t')(t + t' - 2 t t') / ((1 - t') t^2),  sqrt(alpha_t) (1 - a') / (1 - a)
     # s / s' = (1 - t) t'^2 / ((1 - t') t^2)
     scale = 1 / ((1 - t_next) * t**2)  # (B, 1, 1, 1)
     mean = ((t - t_next) * _spread(t, t_next) * scale) * (x - t * v) + ((1 - t) * t_next**2 * scale) * x
-    std = _per_sample(noise_level, x, "noise_level") * _flow_posterior_std(t, t_next)  # (B, 1, 1, 1)
-    return _draw(x, mean, std, generator, prev_sample, noise)
+    return mean, level * _flow_posterior_std(t, t_next)  # (B, C, H, W), (B, 1, 1, 1)

@@ -14,7 +14,7 @@ import torch
 
 from ...advantages import process_advantages, sum_by_node, turning_point_rewards
 from ...fields import check, setting
-from ...samplers import StepPlan, sample_probes, start_latents
+from ...samplers import Probes, StepPlan, sample_probes, start_latents
 from ..base import ProbeSamples, Rewards
 from .base import RolloutShape, register_shape
 
@@ -105,12 +105,9 @@ class ProbeShape(RolloutShape):
                 roots.to(self.device),
                 self.sigmas.to(self.device),
                 self.trunk_plan(steps),
-                steps,
-                self.children(),
-                sampling.kernel,
-                sampling.noise_level,
-                tuple(p.granularities),
-                include_start=self.INCLUDE_START,
+                Probes(
+                    steps, self.children(), sampling.kernel, sampling.noise_level, p.granularities, self.INCLUDE_START
+                ),
                 generator=generator,
                 ode_velocity_fn=self.ode_velocity(velocity),
             )

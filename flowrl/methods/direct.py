@@ -193,7 +193,7 @@ class DirectReward(ForwardProcess):
         d, model = self.cfg.train.direct, self.model
         velocity = model.velocity_fn(samples.table, self.cfg.sampling.guidance_scale)
 
-        def micro_loss(idx, stats, step):
+        def micro_loss(idx, stats, at):
             kl: list = []
             images = model.decode_with_grad(
                 self.predict(velocity, samples.start[idx], samples.cond[idx], samples.step, kl), clean=self.clean
@@ -208,17 +208,9 @@ class DirectReward(ForwardProcess):
             return loss
 
         stats, steps = self.optimizer_steps(len(samples.cond), generator, micro_loss)
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
         rows = len(samples.cond) * (len(self.sigmas) - 1 - samples.step if isinstance(self, DRaFT) else 1)
-        out.update(
-            {
-                "policy/optimizer_steps": steps,
-                "policy/start_step": samples.step,
-                "cost/trained_transitions": rows * self.cfg.train.inner_epochs,
-                "cost/nfe": rows * model.cfg_rows(self.cfg.sampling.guidance_scale) * (2 if d.kl_beta > 0 else 1),
-            }
-        )
-        return out
+        nfe = rows * model.cfg_rows(self.cfg.sampling.guidance_scale) * (2 if d.kl_beta > 0 else 1)
+        return self.update_metrics(stats, steps, rows, nfe, **{"policy/start_step": samples.step})
 
     checkpointed = False  # AlignProp: each step's forward recomputed in backward
     clean = False

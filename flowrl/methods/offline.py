@@ -256,16 +256,13 @@ class SFT(OfflineDPO):
         x_t, eps = self.noised(x0, times, generator)
         velocity = self.model.velocity_fn(samples.table, d.guidance_scale)
 
-        def micro_loss(idx, stats, step):
+        def micro_loss(idx, stats, at):
             with self.policy.autocast():
                 v = velocity(x_t[idx], times[idx], cond[idx])
             return flow_matching_error(v, x0[idx], eps[idx]).mean()
 
         stats, steps = self.optimizer_steps(len(x0), generator, micro_loss)
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
-        out.update({"policy/optimizer_steps": steps, "cost/trained_transitions": len(x0) * self.cfg.train.inner_epochs,
-                    "cost/nfe": len(x0) * self.model.cfg_rows(d.guidance_scale)})  # fmt: skip
-        return out
+        return self.update_metrics(stats, steps, len(x0), len(x0) * self.model.cfg_rows(d.guidance_scale))
 
     def state_dict(self) -> dict:
         return {}

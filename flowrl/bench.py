@@ -218,12 +218,7 @@ def run_bench(
     base = results.get("dance_grpo", {}).get("time/iteration_s")
     for row in results.values():
         row["vs_dance_grpo"] = row["time/iteration_s"] / base if base else None
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    from .evaluation import machine  # the models and diffusers: not loaded by the CLI's parser
-
     meta = {
-        "machine": machine(),
         "iterations": iterations,
         "warmup": warmup,
         "budget_s": budget_s,
@@ -231,9 +226,20 @@ def run_bench(
         "overrides": list(overrides),
         "preset_overrides": {"file": str(preset_overrides), **per_preset} if preset_overrides else None,
     }
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    out.with_suffix(".md").write_text(markdown_table(results, meta))
+    save_results(out, meta, results, markdown_table)
     return results
+
+
+def save_results(out, meta: dict, results: dict, table, **extra) -> None:
+    """Write a benchmark's JSON to `out` (``{"meta": {"machine": ..., **meta}, "results": results, **extra}``) and
+    ``table(results, meta)`` (its Markdown table) beside it as ``.md``, creating the folder."""
+    from .evaluation import machine  # the models and diffusers: not loaded by the CLI's parser
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": machine(), **meta}
+    out.write_text(json.dumps({"meta": meta, "results": results, **extra}, indent=1))
+    out.with_suffix(".md").write_text(table(results, meta))
 
 
 def markdown_table(results: dict, meta: dict) -> str:

@@ -35,7 +35,7 @@ from .methods import (
 )
 from .methods.shapes import ProbeConfig, TreeConfig, WindowConfig
 from .precision import PRECISIONS
-from .samplers import STOCHASTIC_KERNELS, UNIT_ETA_KERNELS
+from .samplers import KERNEL_SPECS, STOCHASTIC_KERNELS, UNIT_ETA_KERNELS
 
 __all__ = [
     "Config",
@@ -58,8 +58,25 @@ __all__ = [
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def _choices(summaries: dict[str, str]) -> str:
+    """A registry's names for a help text, each with its summary: ``"grpo (SDE rollouts, ...) | flow_dppo (...)"``."""
+    return " | ".join(f"{name} ({summary})" if summary else name for name, summary in summaries.items())
+
+
 def _sampling_kernels() -> str:
     return "|".join(STOCHASTIC_KERNELS)
+
+
+def _schedule_ends_above_zero(model_path: str) -> bool | None:
+    """Whether the sampling grid of the model at `model_path` ends above ``t = 0``, read from its scheduler config: a
+    DDPM scheduler with ``set_alpha_to_one: false`` ends at ``alphas_cumprod[0]`` (SD 1.5's ``sigma_N = 0.029``),
+    every other schedule (the flow-matching ones, DDIM with alpha one) at ``t = 0``. None where the folder has no
+    readable scheduler config (a model path that does not exist yet: loading it fails before any rollout)."""
+    try:
+        scheduler = json.loads((resolve_path(model_path) / "scheduler" / "scheduler_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return isinstance(scheduler, dict) and scheduler.get("set_alpha_to_one", True) is False
 
 
 @dataclass
@@ -146,11 +163,11 @@ class SamplingConfig:
     guidance_scale: float = setting(4.5, "classifier-free guidance scale w (1 = off)")
     kernel: str = setting(
         "flow_sde",
-        "the stochastic transition kernel (flowrl.samplers.KERNEL_SPECS): flow_sde "
-        "(Flow-GRPO) | dance_sde (DanceGRPO) | cps | ddim (DDPO) | ddpm",
+        "the stochastic transition kernel (flowrl.samplers.KERNEL_SPECS): "
+        + _choices({name: KERNEL_SPECS[name].summary for name in STOCHASTIC_KERNELS}),
     )
     noise_level: float = setting(
-        0.7, "Flow-GRPO's noise level a (DanceGRPO's eta; an eta in (0, 1] for cps, ddim, ddpm)"
+        0.7, f"Flow-GRPO's noise level a (DanceGRPO's eta; an eta in (0, 1] for {', '.join(UNIT_ETA_KERNELS)})"
     )
     shift: Optional[float] = setting(
         None, "time shift of the sigma schedule (null: the model scheduler's, 3 for SD3.5, 1 for the tiny model)"
@@ -176,8 +193,8 @@ class SamplingConfig:
     train_last_step: bool = setting(False, "also train the step onto t = 0")
     shape: str = setting(
         "flat",
-        "the rollout shape (flowrl.methods.shapes.SHAPES): flat (with sampling.window) | "
-        "tree (sampling.tree) | tempflow | g2rpo | tp_grpo (sampling.probe)",
+        "the rollout shape (flowrl.methods.shapes.SHAPES): "
+        + _choices({name: shape.summary for name, shape in SHAPES.items()}),
     )
     window: WindowConfig = setting(factory=WindowConfig, help="MixGRPO's sliding window (flat groups)")
     tree: TreeConfig = setting(factory=TreeConfig, help="BranchGRPO's tree (shape tree)")
@@ -215,12 +232,6 @@ class SamplingConfig:
             f"in (0, 1] for kernel {self.kernel!r} (eta)",
             self.noise_level,
         )
-        _check(
-            not (self.kernel == "cps" and self.train_last_step),
-            "sampling.train_last_step",
-            "false with kernel 'cps' (its last step lands on t = 0 with std 0: no log-prob)",
-            self.train_last_step,
-        )
         _check(self.shift is None or self.shift > 0, "sampling.shift", "> 0 or null", self.shift)
         _check(self.batch_size >= 1, "sampling.batch_size", ">= 1", self.batch_size)
         _check(self.prompts_per_iteration >= 1, "sampling.prompts_per_iteration", ">= 1", self.prompts_per_iteration)
@@ -242,9 +253,7 @@ class TrainConfig:
 
     method: str = setting(
         "grpo",
-        "the method (flowrl.methods.METHODS): grpo (SDE rollouts, PPO on log-prob ratios) | flow_dppo | gardo "
-        "| nft (ODE samples, DiffusionNFT loss) | awm | dgpo | dpo | crd | direct reward: refl | draft | alignprop | srpo "
-        "| offline: dpo_offline | sft",
+        "the method (flowrl.methods.METHODS): " + _choices({name: m.summary for name, m in METHODS.items()}),
     )
     nft: NFTConfig = setting(factory=NFTConfig, help="DiffusionNFT's settings (train.method nft)")
     flow_dppo: FlowDPPOConfig = setting(factory=FlowDPPOConfig, help="Flow-DPPO's settings (train.method flow_dppo)")
@@ -469,6 +478,15 @@ class Config:
             "train.kl_beta",
             "0 unless model.lora_rank > 0 (the KL reference is the LoRA-disabled base)",
             self.train.kl_beta,
+        )
+        sampling = self.sampling
+        _check(
+            not (sampling.train_last_step and sampling.kernel in UNIT_ETA_KERNELS)
+            or _schedule_ends_above_zero(self.model.path) is not False,
+            "sampling.train_last_step",
+            f"false with kernel {sampling.kernel!r} on the schedule of {self.model.path} (its step onto t = 0 has std "
+            "0: no log-prob; only a DDPM scheduler with set_alpha_to_one false ends above 0)",
+            sampling.train_last_step,
         )
         METHODS[self.train.method].check_config(self)  # what the method (and its rollout shape) cannot run
         if self.sampling.overlap_rewards:  # only where the method samples in chunks

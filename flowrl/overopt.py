@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from .bench import save_results
 from .config import REPO_ROOT, load_config
 
 PRESETS = ("flow_grpo", "grpo_guard", "dance_grpo", "grpo_guard_dance")
@@ -85,7 +86,6 @@ def run_overopt(
     Raises:
         ValueError: ``eval_every`` < 1 or ``iterations`` < 1.
     """
-    from .evaluation import machine
     from .rewards import build_reward
     from .trainer import Trainer
 
@@ -117,17 +117,8 @@ def run_overopt(
                     rollouts.append({"proxy": m[f"reward/{proxy}/mean"], "gold": m[f"reward/{GOLD}/mean"]})
             results[name] = rows
             per_iteration[name] = rollouts
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "machine": machine(),
-        "iterations": iterations,
-        "eval_every": eval_every,
-        "proxy": proxy,
-        "overrides": list(overrides),
-    }
-    out.write_text(json.dumps({"meta": meta, "results": results, "rollouts": per_iteration}, indent=1))
-    out.with_suffix(".md").write_text(markdown_table(results, meta))
+    meta = {"iterations": iterations, "eval_every": eval_every, "proxy": proxy, "overrides": list(overrides)}
+    save_results(out, meta, results, markdown_table, rollouts=per_iteration)
     return results
 
 

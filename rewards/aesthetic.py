@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import check_batch_size, check_inputs, load_pretrained, register_reward
-from .clipscore import _as_dtype, _check_folder, _pooled, clip_preprocess
+from .clipscore import _check_folder, _pooled, clip_preprocess
+from .frozen import FrozenNetworkReward, as_dtype, channel_stats, frozen
 
 __all__ = ["AestheticScore", "aesthetic", "aesthetic_mlp"]
 
@@ -50,7 +51,7 @@ def aesthetic_mlp(input_size: int = 768) -> nn.Sequential:
     )
 
 
-class AestheticScore:
+class AestheticScore(FrozenNetworkReward):
     """Predict the LAION aesthetic rating of images (prompts are ignored).
 
     Use the `aesthetic` factory to load one from files; build this class directly to wrap models
@@ -78,7 +79,6 @@ class AestheticScore:
     """
 
     name = "aesthetic"
-    differentiable = True  # score_with_grad: the direct methods back-propagate through it
 
     def __init__(
         self,
@@ -90,23 +90,16 @@ class AestheticScore:
         dtype: torch.dtype | str = torch.float32,
         batch_size: int | None = None,
     ):
-        if len(image_mean) != 3 or len(image_std) != 3:
-            raise ValueError(
-                f"aesthetic: image_mean and image_std need 3 values, got {image_mean!r} and {image_std!r}"
-            )
         embed_dim, head_dim = int(clip.config.projection_dim), layers[0].in_features
         if embed_dim != head_dim:
             raise ValueError(
                 f"aesthetic: the head takes {head_dim}-d embeddings but the CLIP model gives {embed_dim}-d"
             )
-        self.batch_size = check_batch_size(batch_size, "aesthetic")
-        self.device = torch.device(device)
-        self.dtype = _as_dtype(dtype)
-        self.clip = clip.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
-        self.layers = layers.to(device=self.device, dtype=torch.float32).eval().requires_grad_(False)
+        self.place(device, dtype, batch_size)
+        self.image_mean, self.image_std = channel_stats(image_mean, image_std, self.device, self.name)
+        self.clip = frozen(clip, self.device, self.dtype)
+        self.layers = frozen(layers, self.device, torch.float32)
         self.image_size = int(clip.config.vision_config.image_size)
-        self.image_mean = torch.tensor(image_mean, dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
-        self.image_std = torch.tensor(image_std, dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         """`(B, 3, H, W)` in `[0, 1]` -> `(B, 3, S, S)` CLIP input, `self.dtype` on `self.device` (`clip_preprocess`)."""
@@ -182,7 +175,7 @@ def aesthetic(
         OSError: no image processor config in `clip_path`.
     """
     check_batch_size(batch_size, "aesthetic")
-    _as_dtype(dtype)
+    as_dtype(dtype)
     from .convert import load_state_dict  # not at the top: `python -m rewards.convert` runs without a double import
 
     state = load_state_dict(model_path, "aesthetic")

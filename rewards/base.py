@@ -174,9 +174,14 @@ def score_in_chunks(
     Returns:
         `torch.Tensor` of shape `(B,)` (`(0,)` float32 for an empty batch).
     """
-    size = batch_size or max(1, len(prompts))
-    chunks = [score(images[i : i + size], prompts[i : i + size]) for i in range(0, len(prompts), size)]
+    chunks = [score(images[part], prompts[part]) for part in chunk_slices(len(prompts), batch_size)]
     return torch.cat(chunks) if chunks else torch.zeros(0)
+
+
+def chunk_slices(count: int, size: int | None) -> list[slice]:
+    """Slices covering ``range(count)`` in consecutive pieces of at most `size` (None: one piece)."""
+    size = size or max(1, count)
+    return [slice(i, i + size) for i in range(0, count, size)]
 
 
 def reward_name(reward: Callable) -> str:

@@ -11,25 +11,17 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .base import check_batch_size, check_inputs, load_pretrained, register_reward, score_in_chunks
+from .base import load_pretrained, register_reward
+from .frozen import FrozenNetworkReward, channel_stats, frozen
 
 __all__ = ["ClipScore", "clip_preprocess", "clipscore"]
-
-
-def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """`torch.float16` or `"float16"` / `"torch.float16"` -> `torch.float16` (floating types only)."""
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating torch dtype such as 'float32' or 'bfloat16', got {dtype}")
-    return dtype
 
 
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
@@ -77,21 +69,33 @@ def _load_clip(
         FileNotFoundError: see `_check_folder`.
         OSError: no CLIP tokenizer and image processor in `processor_path`.
     """
-    from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
+    from transformers import CLIPModel
 
     processor_path = model_path if processor_path is None else processor_path
     model_dir = _check_folder(model_path, "model_path", need_config=True, reward=reward)
     processor_dir = _check_folder(processor_path, "processor_path", need_config=False, reward=reward)
+    tokenizer, image_processor = load_clip_processor(processor_dir, processor_path, reward)
+    model = load_pretrained(CLIPModel, model_dir, reward)  # pickled-only folders refused in one line
+    return model, tokenizer, image_processor
+
+
+def load_clip_processor(folder: Path, processor_path: str | os.PathLike, reward: str) -> tuple[Any, Any]:
+    """The CLIP tokenizer and image processor saved in `folder` (the local copy of `processor_path`).
+
+    Raises:
+        OSError: naming `reward` and `processor_path`, when either does not load.
+    """
+    from transformers import AutoImageProcessor, AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(processor_dir, local_files_only=True)
-        image_processor = AutoImageProcessor.from_pretrained(processor_dir, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        image_processor = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise OSError(
             f"{reward}: cannot load a CLIP tokenizer and image processor from '{processor_path}' ({first_line})"
         ) from err
-    model = load_pretrained(CLIPModel, model_dir, reward)  # pickled-only folders refused in one line
-    return model, tokenizer, image_processor
+    return tokenizer, image_processor
 
 
 def clip_preprocess(images: torch.Tensor, size: int, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -127,7 +131,7 @@ def _pooled(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.pooler_output
 
 
-class ClipScore:
+class ClipScore(FrozenNetworkReward):
     """Score images against their prompts with a CLIP dual encoder.
 
     Use the `clipscore` factory to load one from folders; build this class directly to wrap a
@@ -155,7 +159,6 @@ class ClipScore:
     """
 
     name = "clipscore"
-    differentiable = True  # score_with_grad: the direct methods back-propagate through it
 
     def __init__(
         self,
@@ -167,17 +170,12 @@ class ClipScore:
         dtype: torch.dtype | str = torch.float32,
         batch_size: int | None = None,
     ):
-        if len(image_mean) != 3 or len(image_std) != 3:
-            raise ValueError(f"image_mean and image_std need 3 values, got {image_mean!r} and {image_std!r}")
-        self.batch_size = check_batch_size(batch_size, self.name)
-        self.device = torch.device(device)
-        self.dtype = _as_dtype(dtype)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        self.place(device, dtype, batch_size)
+        self.image_mean, self.image_std = channel_stats(image_mean, image_std, self.device)
+        self.model = frozen(model, self.device, self.dtype)
         self.tokenizer = tokenizer
         self.image_size = int(model.config.vision_config.image_size)
         self.max_length = min(tokenizer.model_max_length, model.config.text_config.max_position_embeddings)
-        self.image_mean = torch.tensor(image_mean, dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
-        self.image_std = torch.tensor(image_std, dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         """Resize the shorter side to the model's image size, centre crop, normalise.
@@ -201,22 +199,6 @@ class ClipScore:
             for i in range(0, len(images), step)
         ]
         return F.normalize(torch.cat(parts), dim=-1)
-
-    @torch.no_grad()
-    def __call__(
-        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> torch.Tensor:
-        check_inputs(images, prompts, metadata)
-        return score_in_chunks(self._score, images, prompts, self.batch_size).float()
-
-    def score_with_grad(
-        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> torch.Tensor:
-        """The scores of :meth:`__call__` with the graph back to `images` `(B, 3, H, W)` (the preprocessing is torch:
-        resize, crop and normalise differentiate), in one forward; `(B,)` float32 on CPU. The CLIP weights stay
-        frozen. Equal to :meth:`__call__`'s scores (float64 for a float64 model, for gradient checks)."""
-        check_inputs(images.detach(), prompts, metadata)
-        return self._score(images, prompts)
 
     def _score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """One chunk: `(b, 3, H, W)` images and `b` prompts -> `(b,)` float32 CPU scores."""

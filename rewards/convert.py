@@ -14,7 +14,7 @@ import argparse
 import os
 import pickle
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -113,8 +113,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("src", help="weights file to read (.pt/.pth/.bin, weights-only, or .safetensors)")
     parser.add_argument("dst", help="safetensors file to write")
     args = parser.parse_args(argv)
+    return run_conversion(lambda: convert_to_safetensors(args.src, args.dst))
+
+
+def run_conversion(convert: Callable[[], Path]) -> int:
+    """A converter command's body: ``convert()``, then ``wrote PATH`` and exit code 0, or ``error: MESSAGE`` on
+    stderr and exit code 2 for a missing input (FileNotFoundError) or a bad one (ValueError)."""
     try:
-        out = convert_to_safetensors(args.src, args.dst)
+        out = convert()
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

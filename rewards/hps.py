@@ -16,15 +16,15 @@ imported only when a model is loaded.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
-from .base import check_batch_size, check_inputs, register_reward, score_in_chunks
-from .clipscore import _as_dtype
+from .base import check_batch_size, register_reward
+from .frozen import FrozenNetworkReward, as_dtype, channel_stats, frozen
 
 __all__ = ["HPS_FILES", "HPS_REPO", "HPSv2", "hps_preprocess", "hpsv2"]
 
@@ -65,7 +65,7 @@ def hps_preprocess(images: torch.Tensor, size: int, mean: torch.Tensor, std: tor
     return (pixels - mean) / std
 
 
-class HPSv2:
+class HPSv2(FrozenNetworkReward):
     """Score images against their prompts with an HPS v2 / v2.1 open_clip model.
 
     Use the `hpsv2` factory to load one from a checkpoint; build this class directly to wrap an
@@ -93,7 +93,6 @@ class HPSv2:
     """
 
     name = "hpsv2"
-    differentiable = True  # score_with_grad: the direct methods back-propagate through it
 
     def __init__(
         self,
@@ -105,36 +104,17 @@ class HPSv2:
     ):
         import open_clip
 
-        self.batch_size = check_batch_size(batch_size, "hpsv2")
-        self.device = torch.device(device)
-        self.dtype = _as_dtype(dtype)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        self.place(device, dtype, batch_size)
+        self.model = frozen(model, self.device, self.dtype)
         self.tokenizer = tokenizer
         cfg = open_clip.get_model_preprocess_cfg(model)
         size = cfg["size"]
         self.image_size = int(size if isinstance(size, int) else size[0])
-        self.image_mean = torch.tensor(cfg["mean"], dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
-        self.image_std = torch.tensor(cfg["std"], dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
+        self.image_mean, self.image_std = channel_stats(cfg["mean"], cfg["std"], self.device, self.name)
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         """`(B, 3, H, W)` in `[0, 1]` -> `(B, 3, S, S)` model input, `self.dtype` on `self.device` (`hps_preprocess`)."""
         return hps_preprocess(images, self.image_size, self.image_mean, self.image_std).to(self.dtype)
-
-    @torch.no_grad()
-    def __call__(
-        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> torch.Tensor:
-        check_inputs(images, prompts, metadata)
-        return score_in_chunks(self._score, images, prompts, self.batch_size)
-
-    def score_with_grad(
-        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> torch.Tensor:
-        """The scores of :meth:`__call__` with the graph back to `images` `(B, 3, H, W)` in [0, 1] (the preprocessing
-        is torch: resize and pad differentiate), in one forward; `(B,)` on CPU, float32 (float64 for a float64 model,
-        for gradient checks). The HPS weights stay frozen."""
-        check_inputs(images.detach(), prompts, metadata)
-        return self._score(images, prompts)
 
     def _score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """One chunk: `(b, 3, H, W)` images and `b` prompts -> `(b,)` CPU cosines (float32; float64 for a float64
@@ -221,7 +201,7 @@ def hpsv2(
     if version not in HPS_FILES:
         raise ValueError(f"hpsv2: version must be one of {sorted(HPS_FILES)}, got {version!r}")
     check_batch_size(batch_size, "hpsv2")
-    _as_dtype(dtype)
+    as_dtype(dtype)
     import open_clip
 
     from .convert import load_state_dict  # not at the top: `python -m rewards.convert` runs without a double import

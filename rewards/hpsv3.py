@@ -37,9 +37,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import check_batch_size, check_inputs, is_integer, register_reward
-from .clipscore import _as_dtype
-from .video import _check_folder, _chunks
+from .base import check_batch_size, check_inputs, chunk_slices, is_integer, register_reward
+from .frozen import as_dtype, frozen
+from .video import _check_folder
+from .vqascore import chat_texts
 
 __all__ = ["HPSv3", "hpsv3", "hpsv3_state_dict"]
 
@@ -115,9 +116,9 @@ class HPSv3:
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         image_processor = processor.image_processor
         self.factor = image_processor.patch_size * image_processor.merge_size  # 28
-        self.device, self.dtype = torch.device(device), _as_dtype(dtype)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
-        self.head = head.to(device=self.device, dtype=torch.float32).eval().requires_grad_(False)
+        self.device, self.dtype = torch.device(device), as_dtype(dtype)
+        self.model = frozen(model, self.device, self.dtype)
+        self.head = frozen(head, self.device, torch.float32)
         self.last_sigma = torch.zeros(0)
 
     def resize(self, images: torch.Tensor) -> torch.Tensor:
@@ -137,19 +138,7 @@ class HPSv3:
         then `prompt_template`, right padding, `resize`d pixels normalised by the image processor), on `device`."""
         if any(REWARD_TOKEN in prompt for prompt in prompts):
             raise ValueError(f"hpsv3: a prompt contains {REWARD_TOKEN}, which only the template may hold")
-        messages = [
-            [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "image"},
-                        {"type": "text", "text": self.prompt_template.format(text_prompt=prompt)},
-                    ],
-                }
-            ]
-            for prompt in prompts
-        ]
-        texts = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        texts = chat_texts(self.processor, "image", [self.prompt_template.format(text_prompt=p) for p in prompts])
         pixels = list(self.resize(images).cpu())  # b x (3, h, w), sides multiples of 28
         batch = self.processor(
             text=texts,
@@ -163,7 +152,7 @@ class HPSv3:
     def outputs(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """`(B, K)` float32 CPU: the head's outputs (`mu`, `log sigma`) at `<|Reward|>`, one forward per chunk."""
         out = []
-        for part in _chunks(len(prompts), self.batch_size):
+        for part in chunk_slices(len(prompts), self.batch_size):
             batch = self.inputs(images[part], prompts[part])
             ids = batch["input_ids"]  # (b, L)
             positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # (b, L): 0..L-1 on 3 axes
@@ -309,7 +298,7 @@ def hpsv3(
                 "INSTRUCTION + prompt_with_special_token there (docs/rewards.md)"
             )
         prompt_template = (folder / PROMPT_FILE).read_text(encoding="utf-8")
-    _as_dtype(dtype)
+    as_dtype(dtype)
     backbone, head = hpsv3_state_dict(load_state_dict(path, "hpsv3"), path)
     embeddings = backbone.get("language_model.embed_tokens.weight")
     if embeddings is None:
@@ -318,7 +307,7 @@ def hpsv3(
     config.get_text_config().vocab_size = embeddings.shape[0]
     try:
         model, info = Qwen2VLModel.from_pretrained(
-            None, config=config, state_dict=backbone, dtype=_as_dtype(dtype), output_loading_info=True
+            None, config=config, state_dict=backbone, dtype=as_dtype(dtype), output_loading_info=True
         )
     except RuntimeError as err:  # shape mismatches
         detail = str(err).strip().splitlines()[-1]

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import check_batch_size, check_inputs, register_reward, score_in_chunks
-from .clipscore import _as_dtype
+from .base import register_reward
+from .frozen import FrozenNetworkReward, channel_stats, frozen
 
 __all__ = [
     "IMAGEREWARD_MEAN",
@@ -268,7 +268,7 @@ def load_converted(
     model.load_state_dict(converted, strict=True)
 
 
-class ImageReward:
+class ImageReward(FrozenNetworkReward):
     """Score images against their prompts with ImageReward.
 
     Use the `imagereward` factory to load the published checkpoint; build this class directly to wrap a
@@ -294,7 +294,6 @@ class ImageReward:
     """
 
     name = "imagereward"
-    differentiable = True  # score_with_grad: the direct methods (ReFL, ...) back-propagate through it
 
     def __init__(
         self,
@@ -304,21 +303,17 @@ class ImageReward:
         dtype: torch.dtype | str = torch.float32,
         batch_size: int | None = None,
     ):
-        check_batch_size(batch_size, "imagereward")
+        self.place(device, dtype, batch_size)
         vocab = model.config.text_config.vocab_size
         if len(tokenizer) > vocab:
             raise ValueError(
                 f"imagereward: the tokenizer has {len(tokenizer)} tokens, the model only {vocab}; "
                 "use bert-base-uncased's tokenizer"
             )
-        self.batch_size = batch_size
-        self.device = torch.device(device)
-        self.dtype = _as_dtype(dtype)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        self.model = frozen(model, self.device, self.dtype)
         self.tokenizer = tokenizer
         self.image_size = int(model.config.vision_config.image_size)
-        self.image_mean = torch.tensor(CLIP_MEAN, device=self.device).view(1, 3, 1, 1)
-        self.image_std = torch.tensor(CLIP_STD, device=self.device).view(1, 3, 1, 1)
+        self.image_mean, self.image_std = channel_stats(CLIP_MEAN, CLIP_STD, self.device, self.name)
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         """torchvision's `Resize(S, BICUBIC)`, `CenterCrop(S)`, `Normalize(CLIP mean, std)` on tensors.
@@ -344,33 +339,6 @@ class ImageReward:
         left = int(round((pixels.shape[-1] - size) / 2.0))
         pixels = pixels[..., top : top + size, left : left + size]  # (B, 3, S, S)
         return ((pixels - self.image_mean) / self.image_std).to(self.dtype)
-
-    @torch.no_grad()
-    def __call__(
-        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> torch.Tensor:
-        check_inputs(images, prompts, metadata)
-        return score_in_chunks(self._score, images, prompts, self.batch_size).float()
-
-    def score_with_grad(
-        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> torch.Tensor:
-        """The scores of :meth:`__call__` with the graph back to `images` (ReFL's `score_gard`), in one forward.
-
-        Args:
-            images (`torch.Tensor` of shape `(B, 3, H, W)`, floating point, in `[0, 1]`, typically with
-                `requires_grad` or a graph to the decoder), prompts (`list[str]` of length `B`), metadata
-                (`list[dict]` of length `B`, unused).
-
-        Returns:
-            `torch.Tensor` of shape `(B,)` on CPU with a graph back to `images`: float32 (float64 for a float64
-            model, for gradient checks), equal to :meth:`__call__`'s scores. The ImageReward weights stay frozen.
-
-        Raises:
-            TypeError / ValueError: malformed inputs (see `rewards.base.check_inputs`).
-        """
-        check_inputs(images.detach(), prompts, metadata)
-        return self._score(images, prompts)
 
     def _score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """One chunk: `(b, 3, H, W)` images and `b` prompts -> `(b,)` CPU scores (float32; float64 for a float64

@@ -52,8 +52,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import check_batch_size, check_inputs, register_reward, score_in_chunks
-from .clipscore import _as_dtype, _check_folder, clip_preprocess
+from .base import check_batch_size, register_reward
+from .clipscore import _check_folder, clip_preprocess, load_clip_processor
+from .frozen import FrozenNetworkReward, as_dtype, channel_stats, frozen
 
 __all__ = [
     "MPS",
@@ -283,7 +284,7 @@ def condition_mask(
     return similarity / similarity.amax(dim=-1, keepdim=True) > threshold
 
 
-class MPS:
+class MPS(FrozenNetworkReward):
     """Score images against their prompts with MPS, under a condition text.
 
     Use the `mps` factory to load one from a checkpoint; build this class directly to wrap an `MPSModel` in memory.
@@ -310,7 +311,6 @@ class MPS:
     """
 
     name = "mps"
-    differentiable = True  # score_with_grad: the direct methods back-propagate through it
 
     def __init__(
         self,
@@ -324,12 +324,9 @@ class MPS:
         batch_size: int | None = None,
     ):
         _check_condition(condition)
-        if len(image_mean) != 3 or len(image_std) != 3:
-            raise ValueError(f"mps: image_mean and image_std need 3 values, got {image_mean!r} and {image_std!r}")
-        self.batch_size = check_batch_size(batch_size, "mps")
-        self.device = torch.device(device)
-        self.dtype = _as_dtype(dtype)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        self.place(device, dtype, batch_size)
+        self.image_mean, self.image_std = channel_stats(image_mean, image_std, self.device, self.name)
+        self.model = frozen(model, self.device, self.dtype)
         for module in self.model.modules():
             if isinstance(module, _Rotary):  # keep the rotary frequencies in float32 under a bf16/fp16 model
                 module.inv_freq = module.inv_freq.float()
@@ -337,8 +334,6 @@ class MPS:
         config = model.model.config
         self.image_size = int(config.vision_config.image_size)
         self.max_length = min(tokenizer.model_max_length, config.text_config.max_position_embeddings)
-        self.image_mean = torch.tensor(image_mean, dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
-        self.image_std = torch.tensor(image_std, dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
         self.condition = condition
         with torch.no_grad():
             self.condition_tokens = self.model.encode_text(self.tokenize([condition]))[0][0]  # (L, D)
@@ -352,22 +347,6 @@ class MPS:
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
         """`(B, 3, H, W)` in `[0, 1]` -> `(B, 3, S, S)` model input in `self.dtype` (`clipscore.clip_preprocess`)."""
         return clip_preprocess(images, self.image_size, self.image_mean, self.image_std).to(self.dtype)
-
-    @torch.no_grad()
-    def __call__(
-        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> torch.Tensor:
-        check_inputs(images, prompts, metadata)
-        return score_in_chunks(self._score, images, prompts, self.batch_size).float()
-
-    def score_with_grad(
-        self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
-    ) -> torch.Tensor:
-        """The scores of :meth:`__call__` with the graph back to `images` `(B, 3, H, W)` in [0, 1] (resize, crop and
-        normalise are torch), in one forward; `(B,)` on CPU, float32 (float64 for a float64 model, for gradient
-        checks). The MPS weights stay frozen."""
-        check_inputs(images.detach(), prompts, metadata)
-        return self._score(images, prompts)
 
     def _score(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """One chunk: `(b, 3, H, W)` images and `b` prompts -> `(b,)` CPU scores (float32; float64 for float64)."""
@@ -477,7 +456,7 @@ def mps(
     """
     _check_condition(condition)
     check_batch_size(batch_size, "mps")
-    _as_dtype(dtype)
+    as_dtype(dtype)
     path = Path(model_path)
     if not path.is_file():
         what = "is a folder" if path.is_dir() else "not found"
@@ -485,7 +464,7 @@ def mps(
             f"mps: model_path '{path}' {what}; pass the MPS weights file (MPS_overall_checkpoint.pth converted to "
             ".safetensors, see docs/rewards.md)"
         )
-    from transformers import AutoImageProcessor, AutoTokenizer, CLIPConfig
+    from transformers import CLIPConfig
 
     folder = _check_folder(processor_path, "processor_path", need_config=False, reward="mps")
     if not (folder / "config.json").is_file():
@@ -493,14 +472,7 @@ def mps(
             f"mps: processor_path '{processor_path}' has no config.json (the CLIP config MPS is built from, "
             f"e.g. {MPS_PROCESSOR}'s)"
         )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        image_processor = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise OSError(
-            f"mps: cannot load a CLIP tokenizer and image processor from '{processor_path}' ({first_line})"
-        ) from err
+    tokenizer, image_processor = load_clip_processor(folder, processor_path, "mps")
     model = _load_mps_model(path, CLIPConfig.from_pretrained(folder, local_files_only=True))
     return MPS(
         model,

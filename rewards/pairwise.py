@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .base import RewardTypeError, build_reward, check_inputs, check_scores, is_integer, register_reward, reward_name
+from .vqascore import check_template
 
 __all__ = ["PrefWinRate", "VLMJudge", "bradley_terry_judge", "parse_choice", "pref_winrate", "win_rates"]
 
@@ -203,6 +204,48 @@ def _data_url(image: torch.Tensor) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
+def chat_client(
+    reward: str,
+    base_url: str,
+    api_key: str,
+    timeout: float,
+    max_retries: int,
+    concurrency: int,
+    max_tokens: int,
+    question: str,
+):
+    """The ``openai`` client of a reward served by an OpenAI-compatible chat-completions server, its options checked.
+
+    Args:
+        reward (`str`): the reward's name, in the messages. base_url, api_key: the server and its bearer token.
+        timeout (`float`, `> 0`): seconds per request. max_retries (`int`, `>= 0`): the client's retries per request.
+        concurrency, max_tokens (`int`, `>= 1`): requests in flight; reply length limit (checked here).
+        question (`str`): the instruction, with the placeholder ``{prompt}`` only.
+
+    Returns:
+        `openai.OpenAI`.
+
+    Raises:
+        ValueError: an option out of range, or a `question` with another placeholder (named).
+        ImportError: the ``openai`` package is missing (``pip install 'flowrl[vlm]'``).
+    """
+    for key, value, least in (
+        ("concurrency", concurrency, 1),
+        ("max_tokens", max_tokens, 1),
+        ("max_retries", max_retries, 0),
+    ):
+        if not is_integer(value) or value < least:
+            raise ValueError(f"{reward}: {key} must be an integer >= {least}, got {value!r}")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+        raise ValueError(f"{reward}: timeout must be a number of seconds > 0, got {timeout!r}")
+    check_template(reward, "question", question)
+    try:
+        from openai import OpenAI
+    except ImportError as err:
+        raise ImportError(f"{reward} needs the openai client: pip install 'flowrl[vlm]' ({err})") from err
+    return OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries)
+
+
 DEFAULT_QUESTION = (
     "You are given a text prompt and two images generated from it. Which image follows the prompt better "
     "and looks better? Prompt: {prompt}\nEnd your reply with 'Final answer: Image 1' or 'Final answer: Image 2'."
@@ -247,19 +290,9 @@ class VLMJudge:
         max_tokens: int = 512,
         question: str = DEFAULT_QUESTION,
     ):
-        from openai import OpenAI
-
-        for key, value in (("concurrency", concurrency), ("max_tokens", max_tokens)):
-            if not is_integer(value) or value < 1:
-                raise ValueError(f"{self.name}: {key} must be an integer >= 1, got {value!r}")
-        try:
-            question.format(prompt="")
-        except (KeyError, IndexError, ValueError) as err:
-            raise ValueError(
-                f"{self.name}: question may hold only the placeholder {{prompt}} (write other braces "
-                f"as {{{{ }}}}); {type(err).__name__}: {err}"
-            ) from None
-        self.client = OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries)
+        self.client = chat_client(
+            self.name, base_url, api_key, timeout, max_retries, concurrency, max_tokens, question
+        )
         self.base_url, self.model, self.concurrency = base_url, model, concurrency
         self.max_tokens, self.question = max_tokens, question
 

@@ -597,26 +597,8 @@ def _error_message(error: urllib.error.HTTPError) -> str:
         return _one_line(raw[:200].decode(errors="replace")) or error.reason
 
 
-@register_reward("remote", modality="image, video", weights="none here: the served reward's, in the server's process")
-def remote(
-    url: str,
-    timeout: float = 120.0,
-    retries: int = 2,
-    encoding: str = "float32",
-    batch_size: int | None = None,
-    video: bool = False,
-    connect_timeout: float = 2.0,
-) -> RemoteReward:
-    """A reward served by another process: ``flowrl serve-reward NAME --port PORT`` there, ``url`` here.
-
-    Args:
-        url, timeout, retries, encoding, batch_size, video, connect_timeout: see :class:`RemoteReward`.
-
-    Returns:
-        A `Reward` whose scores are the served reward's, `(B,)` float32 on CPU (equal to local scoring with the
-        default lossless ``float32`` encoding).
-
-    Raises:
-        ValueError: a malformed `url` or option; on call, ConnectionError naming the URL when the server is down.
-    """
-    return RemoteReward(url, timeout, retries, encoding, batch_size, video, connect_timeout)
+remote = register_reward(
+    "remote", modality="image, video", weights="none here: the served reward's, in the server's process"
+)(RemoteReward)
+"""The ``remote`` reward: :class:`RemoteReward` itself, registered (``flowrl serve-reward NAME --port PORT`` there, its
+``url`` here); its scores are the served reward's, `(B,)` float32 on CPU."""

@@ -31,22 +31,18 @@ from .base import (
     check_batch_size,
     check_inputs,
     check_scores,
+    chunk_slices,
     is_integer,
     load_pretrained,
     register_reward,
     reward_name,
 )
-from .clipscore import ClipScore, _as_dtype, _pooled
+from .clipscore import ClipScore, _pooled
+from .frozen import channel_stats, frozen, placement
 
 __all__ = ["ClipTemporal", "Frames", "Motion", "clip_temporal", "frame_indices", "frames", "motion"]
 
 AGGREGATES = ("mean", "min", "sample")
-
-
-def _chunks(count: int, size: int | None) -> list[slice]:
-    """Slices covering `range(count)` in pieces of at most `size` (everything at once when None)."""
-    size = size or max(1, count)
-    return [slice(i, i + size) for i in range(0, count, size)]
 
 
 def frame_indices(total: int, num_frames: int | None) -> torch.Tensor:
@@ -242,22 +238,16 @@ class ClipTemporal:
         dtype: torch.dtype | str = torch.float32,
         batch_size: int | None = None,
     ):
-        if len(image_mean) != 3 or len(image_std) != 3:
-            raise ValueError(f"image_mean and image_std need 3 values, got {image_mean!r} and {image_std!r}")
-        check_batch_size(batch_size, self.name)
-        self.batch_size = batch_size
-        self.device = torch.device(device)
-        self.dtype = _as_dtype(dtype)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        self.batch_size, self.device, self.dtype = placement(device, dtype, batch_size, self.name)
+        self.image_mean, self.image_std = channel_stats(image_mean, image_std, self.device)
+        self.model = frozen(model, self.device, self.dtype)
         vision_config = getattr(model.config, "vision_config", model.config)
         self.image_size = int(vision_config.image_size)
-        self.image_mean = torch.tensor(image_mean, dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
-        self.image_std = torch.tensor(image_std, dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """`(N, 3, H, W)` images in `[0, 1]` -> `(N, D)` float32 unit-norm CLIP image embeddings, on `device`."""
         out = []
-        for part in _chunks(images.shape[0], self.batch_size):
+        for part in chunk_slices(images.shape[0], self.batch_size):
             pixels = self.preprocess(images[part])  # (n, 3, S, S)
             if hasattr(self.model, "get_image_features"):
                 features = _pooled(self.model.get_image_features(pixel_values=pixels))
@@ -430,7 +420,7 @@ class Motion:
         first = videos[:, :-1].flatten(0, 1)  # (B*(F-1), 3, H, W)
         second = videos[:, 1:].flatten(0, 1)  # (B*(F-1), 3, H, W)
         flows = []
-        for part in _chunks(first.shape[0], self.batch_size):
+        for part in chunk_slices(first.shape[0], self.batch_size):
             predictions = self.model(
                 self.prepare(first[part], size),
                 self.prepare(second[part], size),

@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
-from .base import check_batch_size, check_inputs, is_integer, load_pretrained, register_reward
-from .clipscore import _as_dtype
-from .video import _check_folder, _chunks, frame_indices
+from .base import check_batch_size, check_inputs, chunk_slices, is_integer, load_pretrained, register_reward
+from .frozen import as_dtype, frozen
+from .video import _check_folder, frame_indices
+from .vqascore import chat_texts
 
 __all__ = ["DIMENSIONS", "VideoAlign", "sampled_frame_count", "videoalign"]
 
@@ -168,9 +169,9 @@ class VideoAlign:
         self.reward_token, self.prompt_template = reward_token, prompt_template
         self.processor, self.num_frames, self.fps, self.video_fps = processor, num_frames, fps, video_fps
         self.max_pixels, self.min_pixels, self.batch_size = max_pixels, min_pixels, batch_size
-        self.device, self.dtype = torch.device(device), _as_dtype(dtype)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
-        self.rm_head = rm_head.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        self.device, self.dtype = torch.device(device), as_dtype(dtype)
+        self.model = frozen(model, self.device, self.dtype)
+        self.rm_head = frozen(rm_head, self.device, self.dtype)
         self.weights = torch.tensor([float(weights.get(d, 0.0)) for d in DIMENSIONS])  # (3,)
         self.mean = torch.tensor([float((mean or {}).get(d, 0.0)) for d in DIMENSIONS])  # (3,)
         self.std = torch.tensor([float((std or {}).get(d, 1.0)) for d in DIMENSIONS])  # (3,)
@@ -195,19 +196,7 @@ class VideoAlign:
         count = sampled_frame_count(videos.shape[1], self.num_frames, self.fps, self.video_fps)
         index = frame_indices(videos.shape[1], count).to(videos.device)
         clips = [video[index].float().cpu() for video in videos]  # B x (k, 3, H, W) in [0, 1]
-        messages = [
-            [
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "video"},
-                        {"type": "text", "text": self.prompt_template.format(text_prompt=prompt)},
-                    ],
-                }
-            ]
-            for prompt in prompts
-        ]
-        texts = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        texts = chat_texts(self.processor, "video", [self.prompt_template.format(text_prompt=p) for p in prompts])
         # VideoAlign bounds each frame's pixels only (its max_pixels replaces qwen-vl-utils' total-video budget)
         video_options: dict[str, Any] = {"do_rescale": False, "do_sample_frames": False, "cap_pixels_per_frame": False}
         if self.max_pixels is not None or self.min_pixels is not None:
@@ -224,7 +213,7 @@ class VideoAlign:
     def raw_scores(self, videos: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """`(B, 3)` float32 CPU: the head's VQ, MQ, TA before standardisation (one forward per chunk)."""
         out = []
-        for part in _chunks(len(prompts), self.batch_size):
+        for part in chunk_slices(len(prompts), self.batch_size):
             batch = self.inputs(videos[part], prompts[part])
             hidden = self.model.model(**batch).last_hidden_state  # (b, L, D), after the final norm
             ids = batch["input_ids"]  # (b, L)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from .base import load_pretrained
-from .convert import load_state_dict
+from .convert import load_state_dict, run_conversion
 from .videoalign import HEAD_FILE, PROMPT_FILE, SPECIAL_TOKENS
 
 __all__ = ["convert_videoalign", "current_key", "main", "read_prompt_template"]
@@ -325,13 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     args = parser.parse_args(argv)
-    try:
-        out = convert_videoalign(args.src, args.dst, args.base, args.step, args.prompt_file, args.dtype)
-    except (FileNotFoundError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(f"wrote {out}")
-    return 0
+    return run_conversion(
+        lambda: convert_videoalign(args.src, args.dst, args.base, args.step, args.prompt_file, args.dtype)
+    )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .base import check_inputs, is_integer, register_reward
-from .pairwise import _data_url
+from .pairwise import _data_url, chat_client
 from .vqascore import VQASCORE_ANSWER, VQAScore, check_options, load_vlm
 
 __all__ = [
@@ -138,15 +138,6 @@ class VLMScore:
         normalize: str = "max",
         unparsed: str = "raise",
     ):
-        for key, value, least in (
-            ("concurrency", concurrency, 1),
-            ("max_tokens", max_tokens, 1),
-            ("max_retries", max_retries, 0),
-        ):
-            if not is_integer(value) or value < least:
-                raise ValueError(f"{self.name}: {key} must be an integer >= {least}, got {value!r}")
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-            raise ValueError(f"{self.name}: timeout must be a number of seconds > 0, got {timeout!r}")
         if normalize not in NORMALIZE:
             raise ValueError(f"{self.name}: normalize must be one of {', '.join(NORMALIZE)}, got {normalize!r}")
         if unparsed not in ("raise", "lowest"):
@@ -162,18 +153,9 @@ class VLMScore:
                 f"{self.name}: score_range must have low < high (and high > 0 with normalize='max'), "
                 f"got {score_range!r}"
             )
-        try:
-            question.format(prompt="")
-        except (KeyError, IndexError, ValueError) as err:
-            raise ValueError(
-                f"{self.name}: question may hold only the placeholder {{prompt}} (write other braces "
-                f"as {{{{ }}}}); {type(err).__name__}: {err}"
-            ) from None
-        try:
-            from openai import OpenAI
-        except ImportError as err:
-            raise ImportError(f"{self.name} needs the openai client: pip install 'flowrl[vlm]' ({err})") from err
-        self.client = OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries)
+        self.client = chat_client(
+            self.name, base_url, api_key, timeout, max_retries, concurrency, max_tokens, question
+        )
         self.base_url, self.model, self.concurrency, self.max_tokens = base_url, model, concurrency, max_tokens
         self.question, self.low, self.high = question, low, high
         self.normalize, self.unparsed = normalize, unparsed

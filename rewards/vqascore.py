@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from .base import check_batch_size, check_inputs, is_integer, load_pretrained, register_reward
-from .clipscore import _as_dtype, _check_folder
-from .video import _chunks
+from .base import check_batch_size, check_inputs, chunk_slices, is_integer, load_pretrained, register_reward
+from .clipscore import _check_folder
+from .frozen import as_dtype, frozen
 
 __all__ = [
     "ARCHITECTURES",
@@ -60,6 +60,13 @@ ARCHITECTURES = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
 }
 """``config.json``'s ``model_type`` -> the transformers class :func:`vqascore` loads."""
+
+
+def chat_texts(processor: Any, media: str, texts: Sequence[str]) -> list[str]:
+    """The processor's chat template for each of `texts`: one user turn of the `media` (``"image"`` or ``"video"``)
+    then the text, and the generation prompt (untokenized strings, one per text)."""
+    messages = [[{"role": "user", "content": [{"type": media}, {"type": "text", "text": text}]}] for text in texts]
+    return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def check_template(reward: str, option: str, text: Any) -> str:
@@ -98,7 +105,7 @@ def check_options(
         raise ValueError(f"{reward}: max_pixels must be an integer >= 1 or null, got {max_pixels!r}")
     check_batch_size(batch_size, reward)
     try:
-        return question, answer, _as_dtype(dtype)
+        return question, answer, as_dtype(dtype)
     except ValueError as err:
         raise ValueError(f"{reward}: {err}") from None
 
@@ -158,20 +165,11 @@ class VQAScore:
             raise ValueError(f"{self.name}: answer must be a non-empty text (the tokens whose probability is scored)")
         self.processor, self.max_pixels, self.batch_size = processor, max_pixels, batch_size
         self.device = torch.device(device)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        self.model = frozen(model, self.device, self.dtype)
 
     def texts(self, prompts: Sequence[str]) -> list[str]:
         """The model's text for each prompt: the chat template (image, question, generation prompt) + answer."""
-        messages = [
-            [
-                {
-                    "role": "user",
-                    "content": [{"type": "image"}, {"type": "text", "text": self.question.format(prompt=prompt)}],
-                }
-            ]
-            for prompt in prompts
-        ]
-        chats = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        chats = chat_texts(self.processor, "image", [self.question.format(prompt=prompt) for prompt in prompts])
         return [chat + self.answer.format(prompt=prompt) for chat, prompt in zip(chats, prompts)]
 
     def inputs(self, images: torch.Tensor, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -246,7 +244,7 @@ class VQAScore:
         prompts = list(prompts)
         out = [
             self.scores(*self.answer_logits(images[part], prompts[part]))
-            for part in _chunks(len(prompts), self.batch_size)
+            for part in chunk_slices(len(prompts), self.batch_size)
         ]
         return torch.cat(out) if out else torch.zeros(0)
 

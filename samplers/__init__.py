@@ -21,6 +21,7 @@ from .ddim import (
     vp_predictions,
     vp_scale,
 )
+from .gaussian import gaussian_kernel
 from .kernels import (
     KERNEL_SPECS,
     KERNELS,
@@ -37,7 +38,7 @@ from .kernels import (
     ode_step,
     register_kernel,
 )
-from .probes import ProbeRollout, sample_probes
+from .probes import ProbeRollout, Probes, sample_probes
 from .rollout import (
     Rollout,
     StepPlan,
@@ -65,6 +66,7 @@ __all__ = [
     "UNIT_ETA_KERNELS",
     "WINDOW_SCHEDULES",
     "ProbeRollout",
+    "Probes",
     "Rollout",
     "SlidingWindow",
     "StepOutput",
@@ -84,6 +86,7 @@ __all__ = [
     "dpm_solver_2m_step",
     "flow_sde_step",
     "flow_sigmas",
+    "gaussian_kernel",
     "gaussian_log_prob",
     "group_index",
     "initial_noise",

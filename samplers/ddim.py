@@ -26,7 +26,7 @@ give ``x_flow = (1 - sigma) x_0 + sigma eps``: the rectified-flow interpolation 
     mean_flow = (1 - sigma') x0_hat + sqrt(sigma'^2 - std_flow^2) eps_hat,    std_flow = std / s(a')
 
 (the coefficients-preserving form of CPS, arXiv 2509.05952, with DDIM's std): :func:`flow_ddim_step`, registered as
-kernel ``"ddim"``. At ``eta = 0`` it is ``(1 - sigma') x0_hat + sigma' eps_hat = x_flow + (sigma' - sigma) v``:
+kernel ``"ddim"``, which evaluates the square root without the difference of squares (it cancels at ``sigma = 1``). At ``eta = 0`` it is ``(1 - sigma') x0_hat + sigma' eps_hat = x_flow + (sigma' - sigma) v``:
 exactly the flow Euler step (:func:`samplers.ode_step`), so deterministic DDIM is the ``"ode"`` kernel on the flow
 grid ``sigma(a_k)``, and a VP model behind an adapter that returns ``v`` is sampled by the flow machinery as the
 stock DDIM pipeline samples it (tests: ``tests/test_ddim.py`` checks the identities to 1e-5 on random inputs,
@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import torch
 
-from .gaussian import StepOutput, _draw, _per_sample
+from .gaussian import StepOutput, _draw, _per_sample, gaussian_kernel
 
 __all__ = [
     "PREDICTION_TYPES",
@@ -279,18 +279,8 @@ def ddim_step(
     return _draw(x, mean, std, generator, prev_sample, noise)
 
 
-def flow_ddim_step(
-    sample: torch.Tensor,
-    velocity: torch.Tensor,
-    sigma,
-    sigma_next,
-    noise_level,
-    sigma_max=None,
-    *,
-    generator: torch.Generator | None = None,
-    prev_sample: torch.Tensor | None = None,
-    noise: torch.Tensor | None = None,
-) -> StepOutput:
+@gaussian_kernel
+def flow_ddim_step(x, v, t, t_next, eta, sigma_max):
     """DDIM with noise ``eta`` (DDPO, arXiv 2305.13301) in flow variables: kernel ``"ddim"`` of :data:`samplers.KERNELS`.
 
     With ``x0_hat = x - t v``, ``eps_hat = x + (1 - t) v``, ``a = vp_alpha(t)``, ``a' = vp_alpha(t')`` and
@@ -299,10 +289,13 @@ def flow_ddim_step(
         std  = eta sqrt((1 - a') / (1 - a)) sqrt(1 - a / a') / s'
              = eta (t' / t) sqrt((t - t')(t + t' - 2 t t')) / (1 - t')
         mean = (1 - t') x0_hat + sqrt(t'^2 - std^2) eps_hat        (= DDIM's mean / s')
+             = (1 - t') x0_hat + t' sqrt(1 - eta^2 + eta^2 r^2) eps_hat,    r = t' (1 - t) / (t (1 - t'))
         x'   = mean + std z;   log_prob = mean over (C, H, W) of log N(x'; mean, std^2)
 
     i.e. :func:`ddim_step` on ``x = s x_flow`` with every output divided by ``s'``, computed from the flow times
-    directly (float32 ``1 - vp_alpha(t')`` would lose most digits near ``t' = 0``). At ``t = 1`` (``a = 0``, a flow
+    directly (float32 ``1 - vp_alpha(t')`` would lose most digits near ``t' = 0``), and the noise coefficient as a
+    sum of non-negative terms (``t'^2 - std^2`` is a difference of two equal squares at ``t = 1``, ``eta = 1``:
+    float32 left 1e-3 of rounding in ``x'`` there). At ``t = 1`` (``a = 0``, a flow
     model's first step) everything stays finite (``std = eta sqrt(1 - a') / s' = eta t'``): no guard is needed, and
     the kernel applies to flow and VP models alike. ``eta = 1`` with ``t' > 0`` keeps ``std <= t'``.
 
@@ -319,12 +312,14 @@ def flow_ddim_step(
     Raises:
         ValueError: if both `prev_sample` and `noise` are given, a shape does not match, or the std is negative.
     """
-    x, v = sample.float(), velocity.float()
-    t, t_next = _per_sample(sigma, x, "sigma"), _per_sample(sigma_next, x, "sigma_next")  # (B, 1, 1, 1) each
     x0_hat, eps_hat = x - t * v, x + (1 - t) * v  # (B, C, H, W) each
-    std = _per_sample(noise_level, x, "noise_level") * _flow_posterior_std(t, t_next)  # (B, 1, 1, 1) flow units
-    mean = (1 - t_next) * x0_hat + (t_next**2 - std**2).clamp(min=0).sqrt() * eps_hat  # (B, C, H, W)
-    return _draw(x, mean, std, generator, prev_sample, noise)
+    std = eta * _flow_posterior_std(t, t_next)  # (B, 1, 1, 1) flow units
+    # sqrt(t'^2 - std^2) = t' sqrt(1 - eta^2 + eta^2 r^2), r = t' (1 - t) / (t (1 - t')): a sum of non-negative terms
+    # (t'^2 - std^2 cancels to nothing at t = 1, eta = 1, where the difference of float32 squares is pure rounding)
+    r = t_next * (1 - t) / (t * (1 - t_next))  # (B, 1, 1, 1), in [0, 1)
+    noise_coeff = t_next * ((1 - eta) * (1 + eta) + (eta * r) ** 2).clamp(min=0).sqrt()  # (B, 1, 1, 1)
+    mean = (1 - t_next) * x0_hat + noise_coeff * eps_hat  # (B, C, H, W)
+    return mean, std
 
 
 def _flow_posterior_std(t: torch.Tensor, t_next: torch.Tensor) -> torch.Tensor:
@@ -334,7 +329,13 @@ def _flow_posterior_std(t: torch.Tensor, t_next: torch.Tensor) -> torch.Tensor:
     ``1 - a'`` from ``a' = vp_alpha(t')`` in float32 instead loses most digits near ``t' = 0`` (0.56% of the std at
     ``t' = 0.001``). ``t``, ``t_next`` broadcastable float32 with ``1 >= t > t' >= 0``; 0 at ``t' = 0``, ``t'`` at
     ``t = 1``."""
-    return t_next / t * ((t - t_next) * (t + t_next - 2 * t * t_next)).clamp(min=0).sqrt() / (1 - t_next)
+    return t_next / t * ((t - t_next) * _spread(t, t_next)).clamp(min=0).sqrt() / (1 - t_next)
+
+
+def _spread(t: torch.Tensor, t_next: torch.Tensor) -> torch.Tensor:
+    """``t + t' - 2 t t'`` as the sum of non-negative terms ``t (1 - t') + t' (1 - t)`` (the difference loses digits
+    near ``t = 1``, where it is ``1 - t'``); broadcastable float32 times in `[0, 1]`."""
+    return t * (1 - t_next) + t_next * (1 - t)
 
 
 def _ddpm_posterior(x0_hat, sample, alpha_prod, alpha_prod_prev):
@@ -395,18 +396,8 @@ def ddpm_step(
     return _draw(x, mean, std, generator, prev_sample, noise)
 
 
-def flow_ddpm_step(
-    sample: torch.Tensor,
-    velocity: torch.Tensor,
-    sigma,
-    sigma_next,
-    noise_level,
-    sigma_max=None,
-    *,
-    generator: torch.Generator | None = None,
-    prev_sample: torch.Tensor | None = None,
-    noise: torch.Tensor | None = None,
-) -> StepOutput:
+@gaussian_kernel
+def flow_ddpm_step(x, v, t, t_next, level, sigma_max):
     """The DDPM ancestral step (:func:`ddpm_step`) in flow variables: kernel ``"ddpm"`` of :data:`samplers.KERNELS`.
 
     With ``x0_hat = x - t v``, ``a = vp_alpha(t)``, ``a' = vp_alpha(t')``, ``s = vp_scale(t)``, ``s' = vp_scale(t')``
@@ -435,12 +426,9 @@ def flow_ddpm_step(
         ValueError: if both `prev_sample` and `noise` are given, a shape does not match, or the std is negative (a
             negative `noise_level`).
     """
-    x, v = sample.float(), velocity.float()
-    t, t_next = _per_sample(sigma, x, "sigma"), _per_sample(sigma_next, x, "sigma_next")  # (B, 1, 1, 1) each
     # DDPM's posterior mean of the VP state s x, over s', in flow times (:func:`_flow_posterior_std`'s identities):
     # sqrt(a') beta_t / (1 - a) / s' = (t - t')(t + t' - 2 t t') / ((1 - t') t^2),  sqrt(alpha_t) (1 - a') / (1 - a)
     # s / s' = (1 - t) t'^2 / ((1 - t') t^2)
     scale = 1 / ((1 - t_next) * t**2)  # (B, 1, 1, 1)
-    mean = ((t - t_next) * (t + t_next - 2 * t * t_next) * scale) * (x - t * v) + ((1 - t) * t_next**2 * scale) * x
-    std = _per_sample(noise_level, x, "noise_level") * _flow_posterior_std(t, t_next)  # (B, 1, 1, 1)
-    return _draw(x, mean, std, generator, prev_sample, noise)
+    mean = ((t - t_next) * _spread(t, t_next) * scale) * (x - t * v) + ((1 - t) * t_next**2 * scale) * x
+    return mean, level * _flow_posterior_std(t, t_next)  # (B, C, H, W), (B, 1, 1, 1)

@@ -8,11 +8,12 @@ Imports torch only.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StepOutput", "gaussian_log_prob"]
+__all__ = ["StepOutput", "gaussian_kernel", "gaussian_log_prob"]
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
@@ -113,3 +114,46 @@ def _draw(sample, mean, std, generator, prev_sample, noise) -> StepOutput:
     safe = torch.where(std > 0, std, torch.ones_like(std))
     log_prob = torch.where(std > 0, gaussian_log_prob(prev_sample, mean, safe), torch.zeros_like(std))
     return StepOutput(prev_sample, mean, std, log_prob)
+
+
+def gaussian_kernel(moments: Callable) -> Callable:
+    """A stochastic transition kernel with the one signature of :data:`samplers.KERNELS`, made of the function that
+    gives its Gaussian's moments: ``moments(x, v, t, t_next, level, sigma_max) -> (mean, std)``.
+
+    The kernel is ``kernel(sample, velocity, sigma, sigma_next, noise_level, sigma_max=None, *, generator=None,
+    prev_sample=None, noise=None) -> StepOutput``: it casts `sample` and `velocity` to float32 (``x``, ``v``, `(B, C,
+    H, W)`), broadcasts `sigma`, `sigma_next` and `noise_level` (each a float, a 0-d or a `(B,)` tensor) to float32
+    ``t``, ``t_next``, ``level`` of shape `(B, 1, ..., 1)`, passes `sigma_max` as given, and draws ``x' = mean + std
+    eps`` from the returned ``mean`` `(B, C, H, W)` and ``std`` `(B, 1, ..., 1)` (or scores the given `prev_sample`)
+    with its log-prob. It keeps the name and docstring of `moments`, which document it as a kernel.
+
+    Returns:
+        the kernel: its :class:`StepOutput` has `prev_sample`, `mean` `(B, C, H, W)`, `std` `(B,)`, `log_prob` `(B,)`,
+        all float32 (log-prob 0 where the std is 0).
+
+    Raises:
+        ValueError: (the kernel) both `prev_sample` and `noise` given, a shape that does not match, or a negative or
+            NaN std on the CPU.
+    """
+
+    def kernel(
+        sample: torch.Tensor,
+        velocity: torch.Tensor,
+        sigma,
+        sigma_next,
+        noise_level,
+        sigma_max=None,
+        *,
+        generator: torch.Generator | None = None,
+        prev_sample: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> StepOutput:
+        x, v = sample.float(), velocity.float()
+        t, t_next = _per_sample(sigma, x, "sigma"), _per_sample(sigma_next, x, "sigma_next")  # (B, 1, 1, 1) each
+        mean, std = moments(x, v, t, t_next, _per_sample(noise_level, x, "noise_level"), sigma_max)
+        return _draw(x, mean, std, generator, prev_sample, noise)
+
+    for name in ("__module__", "__name__", "__qualname__", "__doc__"):
+        setattr(kernel, name, getattr(moments, name))
+    kernel.moments = moments
+    return kernel

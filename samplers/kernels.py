@@ -14,6 +14,10 @@ whatever the input dtype (bf16 overflows in the log-density), and every output i
 ``sigma_next``, ``noise_level`` and ``sigma_max`` may each be a Python float, a 0-d tensor or a ``(B,)``
 tensor (one value per sample, so samples of one batch may sit at different times).
 
+A stochastic kernel is written as the moments of its Gaussian step, ``(mean, std)`` from float32 ``x, v`` and
+``(B, 1, 1, 1)`` times, and :func:`samplers.gaussian.gaussian_kernel` makes it a kernel of that signature (the casts,
+the draw of ``x'`` and its log-prob); its docstring describes the kernel's call.
+
 Kernels are registered once, with their properties, in :data:`KERNEL_SPECS` (:func:`register_kernel`);
 :data:`KERNELS`, :data:`STOCHASTIC_KERNELS`, :data:`UNIT_ETA_KERNELS` and :data:`MULTISTEP_KERNELS` are live views
 of it. A new kernel is one function plus one ``register_kernel`` call.
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .ddim import flow_ddim_step, flow_ddpm_step
-from .gaussian import StepOutput, _draw, _per_sample, gaussian_log_prob
+from .gaussian import StepOutput, _per_sample, gaussian_kernel, gaussian_log_prob
 
 __all__ = [
     "KERNELS",
@@ -81,41 +85,21 @@ def ode_step(
     return StepOutput(prev_sample=sample + dt * velocity.float())
 
 
-def _gaussian_step(
-    sample: torch.Tensor,
-    velocity: torch.Tensor,
-    t: torch.Tensor,
-    dt: torch.Tensor,
-    diffusion: torch.Tensor,
-    generator: torch.Generator | None,
-    prev_sample: torch.Tensor | None,
-    noise: torch.Tensor | None,
-) -> StepOutput:
-    """Euler-Maruyama step of the reverse SDE with diffusion coefficient ``diffusion`` (= sigma_t).
+def _sde_moments(x: torch.Tensor, v: torch.Tensor, t: torch.Tensor, dt: torch.Tensor, diffusion: torch.Tensor):
+    """Euler-Maruyama step of the reverse SDE with diffusion coefficient ``diffusion`` (= sigma_t): ``(mean, std)``.
 
     ``mean = x + [v + sigma_t^2 / (2t) (x + (1 - t) v)] dt``, ``std = sigma_t sqrt(-dt)``, where
-    ``x + (1 - t) v`` is the noise estimate ``x1_hat``. `t`, `dt`, `diffusion` are `(B, 1, 1, 1)` float32.
+    ``x + (1 - t) v`` is the noise estimate ``x1_hat``. `x`, `v` `(B, C, H, W)`; `t`, `dt`, `diffusion` `(B, 1, 1, 1)`,
+    all float32.
     """
-    sample = sample.float()
-    velocity = velocity.float()
-    x1_hat = sample + (1 - t) * velocity  # (B, C, H, W)
-    mean = sample + (velocity + diffusion**2 / (2 * t) * x1_hat) * dt  # (B, C, H, W)
+    x1_hat = x + (1 - t) * v  # (B, C, H, W)
+    mean = x + (v + diffusion**2 / (2 * t) * x1_hat) * dt  # (B, C, H, W)
     std = diffusion * torch.sqrt(-dt)  # (B, 1, 1, 1)
-    return _draw(sample, mean, std, generator, prev_sample, noise)
+    return mean, std
 
 
-def flow_sde_step(
-    sample: torch.Tensor,
-    velocity: torch.Tensor,
-    sigma,
-    sigma_next,
-    noise_level,
-    sigma_max,
-    *,
-    generator: torch.Generator | None = None,
-    prev_sample: torch.Tensor | None = None,
-    noise: torch.Tensor | None = None,
-) -> StepOutput:
+@gaussian_kernel
+def flow_sde_step(x, v, t, t_next, level, sigma_max):
     """Flow-GRPO SDE step (Liu et al., arXiv 2505.05470), the marginal-preserving SDE of the flow ODE.
 
     ``sigma_t = a sqrt(t / (1 - t))`` with ``a = noise_level``; at ``t == 1`` the denominator uses
@@ -148,25 +132,14 @@ def flow_sde_step(
     Raises:
         ValueError: if both `prev_sample` and `noise` are given, or a shape does not match.
     """
-    t = _per_sample(sigma, sample, "sigma")  # (B, 1, 1, 1)
-    dt = _per_sample(sigma_next, sample, "sigma_next") - t  # (B, 1, 1, 1)
-    t_denominator = torch.where(t == 1, _per_sample(sigma_max, sample, "sigma_max"), t)
-    diffusion = _per_sample(noise_level, sample, "noise_level") * torch.sqrt(t / (1 - t_denominator))
-    return _gaussian_step(sample, velocity, t, dt, diffusion, generator, prev_sample, noise)
+    if sigma_max is None:
+        raise ValueError("flow_sde_step needs sigma_max (the schedule's t_1, used where t == 1)")
+    t_denominator = torch.where(t == 1, _per_sample(sigma_max, x, "sigma_max"), t)  # (B, 1, 1, 1)
+    return _sde_moments(x, v, t, t_next - t, level * torch.sqrt(t / (1 - t_denominator)))
 
 
-def dance_sde_step(
-    sample: torch.Tensor,
-    velocity: torch.Tensor,
-    sigma,
-    sigma_next,
-    noise_level,
-    sigma_max=None,
-    *,
-    generator: torch.Generator | None = None,
-    prev_sample: torch.Tensor | None = None,
-    noise: torch.Tensor | None = None,
-) -> StepOutput:
+@gaussian_kernel
+def dance_sde_step(x, v, t, t_next, level, sigma_max):
     """DanceGRPO SDE step (Xue et al., arXiv 2505.07818): the same SDE with constant diffusion ``eta``.
 
     With ``eta = noise_level`` (0.3 on FLUX) and ``dt = t' - t < 0``::
@@ -188,24 +161,11 @@ def dance_sde_step(
     Raises:
         ValueError: if both `prev_sample` and `noise` are given, or a shape does not match.
     """
-    t = _per_sample(sigma, sample, "sigma")  # (B, 1, 1, 1)
-    dt = _per_sample(sigma_next, sample, "sigma_next") - t  # (B, 1, 1, 1)
-    diffusion = _per_sample(noise_level, sample, "noise_level")  # (B, 1, 1, 1)
-    return _gaussian_step(sample, velocity, t, dt, diffusion, generator, prev_sample, noise)
+    return _sde_moments(x, v, t, t_next - t, level)
 
 
-def cps_step(
-    sample: torch.Tensor,
-    velocity: torch.Tensor,
-    sigma,
-    sigma_next,
-    noise_level,
-    sigma_max=None,
-    *,
-    generator: torch.Generator | None = None,
-    prev_sample: torch.Tensor | None = None,
-    noise: torch.Tensor | None = None,
-) -> StepOutput:
+@gaussian_kernel
+def cps_step(x, v, t, t_next, level, sigma_max):
     """Coefficients-preserving sampling step, CPS (Wang & Yu, arXiv 2509.05952, Eq. 8).
 
     With ``x0_hat = x - t v``, ``x1_hat = x + (1 - t) v``, ``eta = noise_level`` in `(0, 1]` and
@@ -231,13 +191,10 @@ def cps_step(
     Raises:
         ValueError: if both `prev_sample` and `noise` are given, or a shape does not match.
     """
-    sample, velocity = sample.float(), velocity.float()
-    t = _per_sample(sigma, sample, "sigma")
-    t_next = _per_sample(sigma_next, sample, "sigma_next")
-    s = t_next * torch.sin(_per_sample(noise_level, sample, "noise_level") * math.pi / 2)  # (B, 1, 1, 1)
-    x0_hat, x1_hat = sample - t * velocity, sample + (1 - t) * velocity
+    s = t_next * torch.sin(level * math.pi / 2)  # (B, 1, 1, 1)
+    x0_hat, x1_hat = x - t * v, x + (1 - t) * v
     mean = (1 - t_next) * x0_hat + torch.sqrt((t_next**2 - s**2).clamp(min=0)) * x1_hat
-    return _draw(sample, mean, s, generator, prev_sample, noise)
+    return mean, s
 
 
 def dpm_solver_2m_step(
@@ -318,12 +275,14 @@ class KernelSpec:
         stochastic (`bool`): its step is a Gaussian with a log-prob: the only kernels a transition can be trained on.
         unit_eta (`bool`): its noise level is an ``eta`` in `(0, 1]`, and its step onto ``t' = 0`` has std 0.
         multistep (`bool`): deterministic, and it also reads the previous step's data prediction.
+        summary (`str`): a few words on the kernel (its paper), shown beside its name in ``sampling.kernel``'s help.
     """
 
     fn: Callable
     stochastic: bool = False
     unit_eta: bool = False
     multistep: bool = False
+    summary: str = ""
 
 
 KERNEL_SPECS: dict[str, KernelSpec] = {}
@@ -331,7 +290,13 @@ KERNEL_SPECS: dict[str, KernelSpec] = {}
 
 
 def register_kernel(
-    name: str, fn: Callable, *, stochastic: bool = False, unit_eta: bool = False, multistep: bool = False
+    name: str,
+    fn: Callable,
+    *,
+    stochastic: bool = False,
+    unit_eta: bool = False,
+    multistep: bool = False,
+    summary: str = "",
 ) -> Callable:
     """Register a transition kernel under `name` with its properties (see :class:`KernelSpec`); returns `fn`.
     ``sampling.kernel`` and step plans validate names against this registry.
@@ -345,7 +310,7 @@ def register_kernel(
         raise ValueError(f"kernel {name!r}: unit_eta describes a stochastic kernel's noise level")
     if multistep and stochastic:
         raise ValueError(f"kernel {name!r}: a multistep kernel is deterministic")
-    KERNEL_SPECS[name] = KernelSpec(fn, stochastic, unit_eta, multistep)
+    KERNEL_SPECS[name] = KernelSpec(fn, stochastic, unit_eta, multistep, summary)
     return fn
 
 
@@ -371,13 +336,15 @@ class _KernelView(Mapping):
         return f"{sorted(self)}"
 
 
-register_kernel("ode", ode_step)
-register_kernel("flow_sde", flow_sde_step, stochastic=True)  # Flow-GRPO, arXiv 2505.05470
-register_kernel("dance_sde", dance_sde_step, stochastic=True)  # DanceGRPO, arXiv 2505.07818
-register_kernel("cps", cps_step, stochastic=True, unit_eta=True)  # arXiv 2509.05952
-register_kernel("ddim", flow_ddim_step, stochastic=True, unit_eta=True)  # DDPO's DDIM, arXiv 2305.13301
-register_kernel("ddpm", flow_ddpm_step, stochastic=True, unit_eta=True)  # arXiv 2006.11239
-register_kernel("dpm_solver_2m", dpm_solver_2m_step, multistep=True)  # MixGRPO-Flash's tail, arXiv 2507.21802
+register_kernel("ode", ode_step, summary="Euler")
+register_kernel("flow_sde", flow_sde_step, stochastic=True, summary="Flow-GRPO")  # arXiv 2505.05470
+register_kernel("dance_sde", dance_sde_step, stochastic=True, summary="DanceGRPO")  # arXiv 2505.07818
+register_kernel("cps", cps_step, stochastic=True, unit_eta=True, summary="coefficients-preserving")  # arXiv 2509.05952
+register_kernel("ddim", flow_ddim_step, stochastic=True, unit_eta=True, summary="DDPO")  # arXiv 2305.13301
+register_kernel("ddpm", flow_ddpm_step, stochastic=True, unit_eta=True, summary="ancestral")  # arXiv 2006.11239
+register_kernel(
+    "dpm_solver_2m", dpm_solver_2m_step, multistep=True, summary="DPM-Solver++ 2M"
+)  # MixGRPO-Flash, arXiv 2507.21802
 
 KERNELS = _KernelView(lambda k: not k.multistep, "Single-step kernel name -> function (signature of flow_sde_step).")
 MULTISTEP_KERNELS = _KernelView(

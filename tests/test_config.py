@@ -59,3 +59,43 @@ def test_flowrl_config_prints_every_key_and_train_help_points_to_it(capsys):
         [sys.executable, "-m", "flowrl.cli", "train", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "flowrl config [CONFIG]" in help_text
+
+
+def test_train_last_step_is_refused_for_every_unit_eta_kernel_on_a_schedule_that_ends_at_zero(tmp_path):
+    """The config refuses what the first rollout would: a unit-eta kernel's step onto t = 0 has std 0 (no log-prob).
+    A DDPM scheduler that keeps the final alpha below one (SD 1.5's, DDPO's recipe) ends above 0 and trains it."""
+    import pytest
+
+    from flowrl.config import ConfigError
+    from flowrl.samplers import UNIT_ETA_KERNELS
+
+    assert {"cps", "ddim", "ddpm"} <= set(UNIT_ETA_KERNELS)
+    for kernel in UNIT_ETA_KERNELS:
+        over = [f"sampling.kernel={kernel}", "sampling.noise_level=1.0", "sampling.train_last_step=true"]
+        with pytest.raises(ConfigError, match=f"'sampling.train_last_step' must be false with kernel '{kernel}'"):
+            load_config(None, over)  # assets/tiny-sd3: a flow-matching schedule
+        assert load_config(None, over[:2]).sampling.train_last_step is False
+    (tmp_path / "scheduler").mkdir()
+    config = {"_class_name": "DDIMScheduler", "set_alpha_to_one": False}
+    (tmp_path / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
+    over = [
+        f"model.path={tmp_path}",
+        "sampling.kernel=ddim",
+        "sampling.noise_level=1.0",
+        "sampling.train_last_step=true",
+    ]
+    assert load_config(None, over).sampling.train_last_step
+    (tmp_path / "scheduler" / "scheduler_config.json").write_text(json.dumps({**config, "set_alpha_to_one": True}))
+    with pytest.raises(ConfigError, match="sampling.train_last_step"):
+        load_config(None, over)
+
+
+def test_the_help_of_registered_names_is_read_from_the_registries():
+    """train.method, sampling.kernel and sampling.shape list every registered name (a new one touches no list here)."""
+    from flowrl.methods import METHODS, SHAPES
+    from flowrl.samplers import STOCHASTIC_KERNELS
+
+    rows = {r["key"]: r["help"] for r in describe()}
+    for key, names in (("train.method", METHODS), ("sampling.kernel", STOCHASTIC_KERNELS), ("sampling.shape", SHAPES)):
+        assert all(f"{name} (" in rows[key] for name in names), (key, rows[key])
+    assert "grpo (SDE rollouts" in rows["train.method"] and "ddim (DDPO)" in rows["sampling.kernel"]

@@ -69,7 +69,7 @@ def awm_log_likelihood(err: torch.Tensor, times: torch.Tensor, power: float) -> 
     return out if err.dtype == torch.float64 else out.float()
 
 
-@register_method("awm")
+@register_method("awm", "advantage-weighted flow matching")
 class AWM(ForwardProcess):
     """``train.method: awm`` (module docstring). Needs a LoRA when ``train.awm.kl_beta > 0`` (the base reference).
 
@@ -126,7 +126,7 @@ class AWM(ForwardProcess):
                 with self.policy.holding(self.ema):
                     v_ema = chunked(x_t, t, cond)
 
-        def micro_loss(idx, stats, step):
+        def micro_loss(idx, stats, at):
             with self.policy.autocast():
                 v = velocity(x_t[idx], t[idx], cond[idx])
             logp = awm_log_likelihood(flow_matching_error(v, x0[idx], eps[idx]), t[idx], a.power)
@@ -139,23 +139,15 @@ class AWM(ForwardProcess):
                 kl_ema = (v.float() - v_ema[idx].float()).pow(2).flatten(1).mean(dim=1).mean()
                 loss = loss + a.ema_beta * kl_ema
                 stats["policy/kl_ema"].append(kl_ema.item())
-            if step == 1:
+            if at.step == 1:
                 stats["policy/ratio_first_max_dev"].append(st["policy/ratio_max_dev"].item())
             for key in ("policy/ratio_mean", "policy/clipfrac"):
                 stats[key].append(st[key].item())
             return loss
 
-        stats, optimizer_steps = self.optimizer_steps(len(r), generator, micro_loss)
+        stats, steps = self.optimizer_steps(len(r), generator, micro_loss)
         passes = 2 + int(v_ref is not None) + int(v_ema is not None)  # the old policy's, the trained, ref and EMA rows
-        out = {k: (max(v) if k == "policy/ratio_first_max_dev" else sum(v) / len(v)) for k, v in stats.items()}
-        out.update(
-            {
-                "policy/optimizer_steps": optimizer_steps,
-                "cost/trained_transitions": len(r) * self.cfg.train.inner_epochs,
-                "cost/nfe": passes * len(r) * model.cfg_rows(a.guidance_scale),
-            }
-        )
-        return out
+        return self.update_metrics(stats, steps, len(r), passes * len(r) * model.cfg_rows(a.guidance_scale))
 
     def end_iteration(self, stats: dict) -> None:
         """The EMA copy's soft update (records ``policy/ema_decay``)."""

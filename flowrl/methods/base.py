@@ -31,21 +31,33 @@ METHODS: dict[str, type[Method]] = {}
 """``train.method`` -> the method class (:func:`register_method`)."""
 
 
-def register_method(name: str):
-    """Class decorator: register a :class:`Method` subclass as ``train.method: NAME`` (sets its ``name``).
+def register_in(table: dict[str, type], kind: str, name: str, summary: str):
+    """A class decorator that registers its class in `table` under `name` and sets the class's ``name`` and ``summary``
+    (a few words for the config's help); what :func:`register_method` and
+    :func:`flowrl.methods.shapes.register_shape` return.
+
+    Raises:
+        ValueError: (when it decorates) `name` is registered in `table` already; `kind` names the table.
+    """
+
+    def register(cls: type) -> type:
+        if name in table:
+            raise ValueError(f"{kind} {name!r} is registered already ({table[name].__name__})")
+        cls.name, cls.summary = name, summary
+        table[name] = cls
+        return cls
+
+    return register
+
+
+def register_method(name: str, summary: str = ""):
+    """Class decorator: register a :class:`Method` subclass as ``train.method: NAME`` (sets its ``name``, and its
+    ``summary``: the few words ``train.method``'s help shows beside the name).
 
     Raises:
         ValueError: `name` is registered already.
     """
-
-    def register(cls: type[Method]) -> type[Method]:
-        if name in METHODS:
-            raise ValueError(f"method {name!r} is registered already ({METHODS[name].__name__})")
-        cls.name = name
-        METHODS[name] = cls
-        return cls
-
-    return register
+    return register_in(METHODS, "method", name, summary)
 
 
 # ---------------------------------------------------------------------------------------------- typed data
@@ -123,6 +135,30 @@ class Rewards:
     per_reward: dict[str, torch.Tensor]
     group: torch.Tensor
     mine: slice
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Where one micro-batch of :meth:`Method.optimizer_steps` sits (its ``micro_loss``'s third argument).
+
+    Attributes:
+        step (`int`): the optimizer step, 1-based, counted over every pass.
+        epoch (`int`): the pass over the rows (``train.inner_epochs``), 0-based.
+        first (`bool`): the first micro-batch of its step.
+        frac (`float`): its share of this process's minibatch, in `(0, 1]`.
+        scale (`float`): its weight in the backward: `frac` times this process's share of the global minibatch.
+    """
+
+    step: int
+    epoch: int
+    first: bool
+    frac: float
+    scale: float
+
+
+def _loss_and_stats(out) -> tuple[torch.Tensor, dict[str, float]]:
+    """A ``micro_loss`` result, ``loss`` or ``(loss, micro_stats)``, as the pair."""
+    return out if isinstance(out, tuple) else (out, {})
 
 
 # ------------------------------------------------------------------------------------------------ the contract
@@ -234,8 +270,11 @@ class Method:
 
         Args:
             count (`int`): this process's rows (units). generator: the iteration's generator (the order).
-            micro_loss: ``micro_loss(idx, stats, step) -> loss`` (a scalar tensor with the graph) of the rows (units)
-                `idx` in optimizer step `step` (1-based); it may append statistics to `stats`.
+            micro_loss: ``micro_loss(idx, stats, at) -> loss`` (a scalar tensor with the graph) of the rows (units)
+                `idx` of the micro-batch `at` (:class:`MicroBatch`: its optimizer step, pass and weights); it may append
+                statistics to `stats`, or return ``(loss, micro_stats)``: a dict of floats merged over the step's
+                micro-batches (weighted by their ``frac``; a ``*max_dev`` key takes their maximum) and appended to
+                `stats` once per step.
             unit (`int`): rows per unit.
 
         Returns:
@@ -246,20 +285,43 @@ class Method:
         stats: dict[str, list[float]] = defaultdict(list)
         steps = 0
         self.model.transformer.train()
-        for _, _, mb, total in policy.minibatches(count, generator, unit=unit):
+        for epoch, _, mb, total in policy.minibatches(count, generator, unit=unit):
             steps += 1
             if len(mb) == 0:  # this process has no rows left, the others do: a zero gradient
                 policy.step(None, stats)
                 continue
             share = len(mb) / total  # this process's part of the global minibatch
-            parts = []
-            for _, idx, frac in policy.micro_batches(mb, unit=unit):  # gradient accumulation
-                loss = micro_loss(idx, stats, steps)
-                policy.backward(loss, frac * share)
+            parts, merged = [], {}
+            for start, idx, frac in policy.micro_batches(mb, unit=unit):  # gradient accumulation
+                at = MicroBatch(steps, epoch, start == 0, frac, frac * share)
+                loss, micro_stats = _loss_and_stats(micro_loss(idx, stats, at))
+                policy.backward(loss, at.scale)
                 parts.append(loss.item() * frac)
+                for k, x in micro_stats.items():
+                    merged[k] = max(merged.get(k, x), x) if k.endswith("max_dev") else merged.get(k, 0) + x * frac
             policy.step(sum(parts), stats)
+            for k, x in merged.items():
+                stats[k].append(x)
         self.model.transformer.eval()
         return stats, steps
+
+    def update_metrics(self, stats: dict, steps: int, trained: int | None = None, nfe: int | None = None, **extra):
+        """What an update returns, from :meth:`optimizer_steps`' ``(stats, steps)``: each statistic's mean over its
+        entries (the maximum for a ``*first_max*`` one, gathered in the first step), ``policy/optimizer_steps``,
+        the `extra` values, and where given ``cost/trained_transitions`` (`trained` rows a pass, times
+        ``train.inner_epochs``) and ``cost/nfe``.
+
+        Returns:
+            `dict[str, float]`.
+        """
+        out = {k: max(v) if "first_max" in k else sum(v) / len(v) for k, v in stats.items()}
+        out["policy/optimizer_steps"] = steps
+        out.update(extra)
+        if trained is not None:
+            out["cost/trained_transitions"] = trained * self.cfg.train.inner_epochs
+        if nfe is not None:
+            out["cost/nfe"] = nfe
+        return out
 
     # ------------------------------------------------------------------------------ shared parts
     def chunked(self, fn, size: int | None = None):

@@ -121,7 +121,7 @@ def crd_loss(
     return diff.pow(2).mean() * clip / beta, a
 
 
-@register_method("crd")
+@register_method("crd", "centered reward distillation")
 class CRD(ForwardProcess):
     """``train.method: crd`` (module docstring). Needs a LoRA when ``train.crd.kl_beta > 0`` (the base reference).
 
@@ -184,7 +184,7 @@ class CRD(ForwardProcess):
                     with model.reference():
                         v_ref = self.chunked(model.velocity_fn(samples.table, c.kl_guidance_scale))(x_t, t, cond)
 
-        def micro_loss(u, stats, step):
+        def micro_loss(u, stats, at):
             idx = (u.view(-1, 1) * g + torch.arange(g, device=u.device)).reshape(-1)  # the units' rows
             with self.policy.autocast():
                 v = velocity(x_t[idx], t[idx], cond[idx])
@@ -192,7 +192,7 @@ class CRD(ForwardProcess):
             loss, a = crd_loss(r, a_n[idx], idx // g, c.beta, self.cfg.train.adv_clip_max)
             stats["policy/crd_loss"].append(loss.item())
             stats["policy/implicit_reward"].append(r.mean().item())
-            if step == 1:  # the policy is still the old copy on the first iteration's first step
+            if at.step == 1:  # the policy is still the old copy on the first iteration's first step
                 stats["policy/implicit_reward_first_max"].append(r.abs().max().item())
             if v_ref is not None:
                 kl = (v.float() - v_ref[idx].float()).pow(2).flatten(1).mean(1)  # (n,)
@@ -201,17 +201,9 @@ class CRD(ForwardProcess):
                 stats["policy/kl"].append(kl.mean().item())
             return loss
 
-        stats, optimizer_steps = self.optimizer_steps(units, generator, micro_loss, unit=g)
-        out = {k: max(v) if k.endswith("_first_max") else sum(v) / len(v) for k, v in stats.items()}
+        stats, steps = self.optimizer_steps(units, generator, micro_loss, unit=g)
         passes = 2 + (model.cfg_rows(c.kl_guidance_scale) if v_ref is not None else 0)
-        out.update(
-            {
-                "policy/optimizer_steps": optimizer_steps,
-                "cost/trained_transitions": len(r_idx) * self.cfg.train.inner_epochs,
-                "cost/nfe": passes * len(r_idx) * model.cfg_rows(c.guidance_scale),
-            }
-        )
-        return out
+        return self.update_metrics(stats, steps, len(r_idx), passes * len(r_idx) * model.cfg_rows(c.guidance_scale))
 
     def end_iteration(self, stats: dict) -> None:
         """Move the old and sampler copies towards the policy (records ``policy/old_decay``, ``sampling/decay``)."""

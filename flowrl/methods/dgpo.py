@@ -67,7 +67,7 @@ def dgpo_objective(
     return -torch.nn.functional.logsigmoid(-s), torch.sigmoid(s)[inverse]
 
 
-@register_method("dgpo")
+@register_method("dgpo", "group preferences from denoising errors")
 class DGPO(ForwardProcess):
     """``train.method: dgpo`` (module docstring). Needs a LoRA (``model.lora_rank > 0``): the reference is the base.
 
@@ -112,7 +112,7 @@ class DGPO(ForwardProcess):
         err0, ref_err = flow_matching_error(v_theta, x0, eps), flow_matching_error(v_ref, x0, eps)
         objective, weight = dgpo_objective(err0, ref_err, a, gid, d.beta, self.cfg.sampling.group_size)
 
-        def micro_loss(idx, stats, step):
+        def micro_loss(idx, stats, at):
             with self.policy.autocast():
                 v = velocity(x_t[idx], t[idx], cond[idx])
             err = flow_matching_error(v, x0[idx], eps[idx])
@@ -120,14 +120,7 @@ class DGPO(ForwardProcess):
             stats["policy/kl"].append(kl.item())
             return (weight[idx] * a[idx] * err).mean() + d.kl_beta * kl
 
-        stats, optimizer_steps = self.optimizer_steps(len(r), generator, micro_loss)
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
-        out["policy/dgpo_objective"] = objective.mean().item() if len(objective) else 0.0
-        out.update(
-            {
-                "policy/optimizer_steps": optimizer_steps,
-                "cost/trained_transitions": len(r) * self.cfg.train.inner_epochs,
-                "cost/nfe": 2 * len(r) * model.cfg_rows(d.guidance_scale),
-            }
-        )
-        return out
+        stats, steps = self.optimizer_steps(len(r), generator, micro_loss)
+        objective_mean = objective.mean().item() if len(objective) else 0.0
+        nfe = 2 * len(r) * model.cfg_rows(d.guidance_scale)
+        return self.update_metrics(stats, steps, len(r), nfe, **{"policy/dgpo_objective": objective_mean})

@@ -52,12 +52,19 @@ class StepDiagnostics:
         self.ratios: dict[int, list[torch.Tensor]] = defaultdict(list)
         self.grad_norms: dict[int, list[torch.Tensor]] = defaultdict(list)
 
-    def track_velocity(self, v: torch.Tensor) -> bool:
-        """Retain the gradient of the predicted velocity `v` `(m, ...)` if its norm is the one measured."""
-        track = self.mode == "velocity" and v.requires_grad
-        if track:
-            v.retain_grad()
-        return track
+    def track_velocity(self, v: torch.Tensor, sub, scale: float) -> None:
+        """With ``velocity`` norms: once the backward reaches the predicted velocity `v` `(m, ...)` of the `m`
+        transitions `sub`, record the norm of d loss / d v per transition (undoing the ``1/m`` of the mean and the
+        micro-batch's backward weight `scale`), per step."""
+        if self.mode != "velocity" or not v.requires_grad:
+            return
+
+        def record(grad: torch.Tensor) -> None:
+            norms = grad.float().flatten(1).norm(dim=1).cpu() * len(sub) / scale  # (m,)
+            for k in sub.step.unique().tolist():
+                self.grad_norms[k].append(norms[(sub.step == k).cpu()])
+
+        v.register_hook(record)
 
     def record(self, sub, log_prob: torch.Tensor, first: bool, param_norms) -> None:
         """Record the ratios ``exp(log_prob - sub.log_prob)`` per step of the `m` transitions `sub`; on the
@@ -68,15 +75,6 @@ class StepDiagnostics:
             self.ratios[k].append(ratio[sub.step == k].cpu())
         if self.mode == "params" and first:
             self.grad_norms.update(param_norms())
-
-    def record_velocity_grad(self, sub, v: torch.Tensor, scale: float) -> None:
-        """After the backward: the norm of d loss / d v per transition (undoing the ``1/m`` of the mean and the
-        micro-batch's `scale`), recorded per step."""
-        if v.grad is None:
-            return
-        norms = v.grad.float().flatten(1).norm(dim=1).cpu() * len(sub) / scale
-        for k in sub.step.unique().tolist():
-            self.grad_norms[k].append(norms[(sub.step == k).cpu()])
 
     def metrics(self) -> dict[str, float]:
         """:func:`step_diagnostics` of what was recorded."""

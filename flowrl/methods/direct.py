@@ -193,7 +193,7 @@ class DirectReward(ForwardProcess):
         d, model = self.cfg.train.direct, self.model
         velocity = model.velocity_fn(samples.table, self.cfg.sampling.guidance_scale)
 
-        def micro_loss(idx, stats, step):
+        def micro_loss(idx, stats, at):
             kl: list = []
             images = model.decode_with_grad(
                 self.predict(velocity, samples.start[idx], samples.cond[idx], samples.step, kl), clean=self.clean
@@ -208,17 +208,9 @@ class DirectReward(ForwardProcess):
             return loss
 
         stats, steps = self.optimizer_steps(len(samples.cond), generator, micro_loss)
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
         rows = len(samples.cond) * (len(self.sigmas) - 1 - samples.step if isinstance(self, DRaFT) else 1)
-        out.update(
-            {
-                "policy/optimizer_steps": steps,
-                "policy/start_step": samples.step,
-                "cost/trained_transitions": rows * self.cfg.train.inner_epochs,
-                "cost/nfe": rows * model.cfg_rows(self.cfg.sampling.guidance_scale) * (2 if d.kl_beta > 0 else 1),
-            }
-        )
-        return out
+        nfe = rows * model.cfg_rows(self.cfg.sampling.guidance_scale) * (2 if d.kl_beta > 0 else 1)
+        return self.update_metrics(stats, steps, rows, nfe, **{"policy/start_step": samples.step})
 
     checkpointed = False  # AlignProp: each step's forward recomputed in backward
     clean = False
@@ -240,7 +232,7 @@ class DirectReward(ForwardProcess):
         return v
 
 
-@register_method("refl")
+@register_method("refl", "direct reward: one late step with gradient")
 class ReFL(DirectReward):
     """``train.method: refl`` (module docstring)."""
 
@@ -257,7 +249,7 @@ class ReFL(DirectReward):
         return x - t * v  # x_t = (1 - t) x0 + t eps and v = eps - x0
 
 
-@register_method("draft")
+@register_method("draft", "direct reward through the last K steps")
 class DRaFT(DirectReward):
     """``train.method: draft``: DRaFT-K (module docstring), and DRaFT-LV with ``train.direct.lv_samples = n > 0``
     (Clark et al., arXiv 2309.17400, Sec. 4.3): each final sample ``x0`` noised ``n`` times with fresh noise to the last
@@ -292,7 +284,7 @@ class DRaFT(DirectReward):
         return x
 
 
-@register_method("alignprop")
+@register_method("alignprop", "direct reward through a random truncation")
 class AlignProp(DRaFT):
     """``train.method: alignprop``: AlignProp (Prabhudesai et al., arXiv 2310.03739; mihirp1998/AlignProp, and trl's
     port): randomized truncated back-propagation. Each iteration the first step with gradient is drawn uniformly from

@@ -72,7 +72,7 @@ def dpo_loss(
     return -F.logsigmoid(inside)
 
 
-@register_method("dpo")
+@register_method("dpo", "online Diffusion-DPO on each group's best and worst")
 class DiffusionDPO(ForwardProcess):
     """``train.method: dpo``: online Diffusion-DPO on best/worst pairs of each group (module docstring).
 
@@ -135,7 +135,7 @@ class DiffusionDPO(ForwardProcess):
             with torch.no_grad(), self.policy.holding(self.reference), self.policy.autocast():
                 ref_err = flow_matching_error(self.chunked(velocity)(x_t, times2, cond), x0, eps2)  # (2N,)
 
-        def micro_loss(idx, stats, step):
+        def micro_loss(idx, stats, at):
             both = torch.cat([idx, idx + n])  # the winners' rows, then their losers'
             with self.policy.autocast():
                 v = velocity(x_t[both], times2[both], cond[both])
@@ -146,15 +146,7 @@ class DiffusionDPO(ForwardProcess):
             return dpo_loss(err[:m], ref_err[idx], err[m:], ref_err[idx + n], d.beta).mean()
 
         stats, steps = self.optimizer_steps(n, generator, micro_loss)
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
-        out.update(
-            {
-                "policy/optimizer_steps": steps,
-                "cost/trained_transitions": 2 * n * self.cfg.train.inner_epochs,
-                "cost/nfe": 2 * n * self.model.cfg_rows(d.guidance_scale),
-            }
-        )
-        return out
+        return self.update_metrics(stats, steps, 2 * n, 2 * n * self.model.cfg_rows(d.guidance_scale))
 
     def end_iteration(self, stats: dict) -> None:
         """Copy the policy into the reference every ``train.dpo.ref_update_every`` iterations."""

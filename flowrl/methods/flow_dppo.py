@@ -34,7 +34,7 @@ class FlowDPPOConfig:
         check(self.kl_threshold > 0, "train.flow_dppo.kl_threshold", "> 0", self.kl_threshold)
 
 
-@register_method("flow_dppo")
+@register_method("flow_dppo", "GRPO with a trust-region mask instead of the clip")
 class FlowDPPO(GRPO):
     """``train.method: flow_dppo``: GRPO with :func:`flowrl.losses.dppo_loss` in place of the clipped surrogate.
 

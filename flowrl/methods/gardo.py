@@ -273,7 +273,7 @@ def std_weights(std: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor
     return (s / mean).float() if mean > 0 else torch.ones_like(s, dtype=torch.float32)
 
 
-@register_method("gardo")
+@register_method("gardo", "GRPO with a gated, resetting KL")
 class GARDO(GRPO):
     """``train.method: gardo`` (module docstring): GRPO on flat groups with a gated, resetting KL and diversity-aware
     advantages.

@@ -7,8 +7,6 @@ the log-probs recomputed in float32 at the std that drew each sample, and the op
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
 from ..losses import kl_to_reference, ppo_loss, ratio_norm, step_weights, velocity_kl
@@ -18,7 +16,7 @@ from .diagnostics import StepDiagnostics
 from .shapes import SHAPES, step_subset
 
 
-@register_method("grpo")
+@register_method("grpo", "SDE rollouts of sampling.shape, PPO on log-prob ratios")
 class GRPO(Method):
     """``train.method: grpo``: Flow-GRPO, DanceGRPO, MixGRPO, BranchGRPO, TempFlow-GRPO, G2RPO, TP-GRPO, GRPO-Guard
     and Pref-GRPO are this method with other rollout shapes (``sampling.shape``), rewards and loss options
@@ -106,92 +104,60 @@ class GRPO(Method):
             before the first optimizer step: 0 when the recomputation is exact), per-step ``diag/step_KK/*``
             and ``cost/trained_transitions``.
         """
-        train, policy = self.cfg.train, self.policy
+        train = self.cfg.train
         rows = keep.nonzero().squeeze(1)
-        tv = ro.select(rows)
-        adv = adv_all[rows]  # (M',)
-        stats: dict[str, list[float]] = defaultdict(list)
+        tv, adv = ro.select(rows), adv_all[rows]  # M' transitions, (M',)
         diagnostics = StepDiagnostics(train.step_grad_norms, train.clip_range)  # filled in the first epoch
         # step weights normalised over the plan's trained steps (the same on every process), then kept rows
         gain = velocity_gain(ro) if train.step_weighting == "guard" else ro.std
         step_w = step_weights(train.step_weighting, gain, ro.std, ro.step, ro.trained) if len(rows) else None  # (M,)
         step_w = None if step_w is None else step_w[rows]  # (M',)
         velocity = self.model.velocity_fn(table, self.cfg.sampling.guidance_scale)  # CFG against table row 0
-        optimizer_steps = 0
-        self.model.transformer.train()
-        for epoch, j, mb, total_rows in policy.minibatches(len(tv), generator):
-            if len(mb) == 0:  # this process has no transitions left, the others do: a zero gradient
-                policy.step(None, stats)
-                optimizer_steps += 1
-                continue
-            weights = None if step_w is None else step_w[mb]
-            share = len(mb) / total_rows  # this process's part of the global mean (1 with one process)
-            parts: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (value, fraction of the minibatch)
-            for c, idx, frac in policy.micro_batches(mb):  # gradient accumulation over micro-batches
-                w = None if weights is None else weights[c : c + len(idx)]
-                diag = diagnostics if epoch == 0 else None
-                micro = self.micro_batch_loss(
-                    velocity, tv.select(idx), adv[idx], w, frac * share, diag, j == 0 and c == 0
-                )
-                for k, x in micro.items():
-                    parts[k].append((x, frac))
-            merged = {
-                k: max(x for x, _ in vals) if k == "policy/ratio_max_dev" else sum(x * f for x, f in vals)
-                for k, vals in parts.items()
-            }  # the minibatch's statistics
-            if optimizer_steps == 0:  # before any update (absent where this process's first step had no transitions)
-                stats["policy/ratio_first_max_dev"].append(merged["policy/ratio_max_dev"])
-            policy.step(merged["policy/loss"], stats)
-            optimizer_steps += 1
-            for k, x in merged.items():
-                if k != "policy/loss":
-                    stats[k].append(x)
-        self.model.transformer.eval()
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
-        out["policy/optimizer_steps"] = optimizer_steps
-        out.update(diagnostics.metrics())
-        out["cost/trained_transitions"] = len(tv) * train.inner_epochs
-        return out
+
+        def micro_loss(idx, stats, at):
+            diag = diagnostics if at.epoch == 0 else None
+            w = None if step_w is None else step_w[idx]
+            loss, micro = self.micro_batch_loss(velocity, tv.select(idx), adv[idx], w, at, diag)
+            if at.step == 1:  # before any update (absent where this process's first step had no transitions)
+                stats["policy/ratio_first_max_dev"].append(micro["policy/ratio_max_dev"])
+            return loss, micro
+
+        stats, steps = self.optimizer_steps(len(tv), generator, micro_loss)
+        return self.update_metrics(stats, steps, len(tv), **diagnostics.metrics())
 
     def micro_batch_loss(
-        self,
-        velocity,
-        sub,
-        adv: torch.Tensor,
-        weights: torch.Tensor | None,
-        scale: float,
-        diag: StepDiagnostics | None,
-        first: bool,
-    ) -> dict[str, float]:
-        """Forward and backward of one micro-batch of :meth:`optimize`: the clipped surrogate (plus the KL term)
-        of the `m` transitions `sub`, back-propagated with weight `scale` (their share of the global minibatch).
+        self, velocity, sub, adv: torch.Tensor, weights: torch.Tensor | None, at, diag: StepDiagnostics | None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of one micro-batch of :meth:`optimize`: the clipped surrogate (plus the KL term) of the `m`
+        transitions `sub`, and its statistics; :meth:`Method.optimizer_steps` back-propagates it with weight
+        ``at.scale`` (its share of the global minibatch).
 
         Args:
             velocity: the policy (:meth:`FlowModel.velocity_fn`); sub (:class:`samplers.Rollout`): `m` transitions.
             adv (`torch.Tensor` of shape `(m,)`, float32): their advantages; weights `(m,)` or None: step weights.
+            at (:class:`flowrl.methods.base.MicroBatch`): the micro-batch's step and weights (``step_grad_norms:
+                params`` is measured on the iteration's first one).
             diag: the first epoch's :class:`StepDiagnostics` hook, None in later epochs.
-            first (`bool`): the iteration's first micro-batch (where ``step_grad_norms: params`` is measured).
 
         Returns:
-            This micro-batch's ``policy/kl`` (with ``train.kl_beta``), ``policy/loss`` and :func:`losses.ppo_loss`'s statistics.
+            ``(loss, stats)``: the scalar loss with its graph, and this micro-batch's ``policy/kl`` (with
+            ``train.kl_beta``) and :func:`losses.ppo_loss`'s statistics.
         """
         train = self.cfg.train
         v, log_prob, mean = self.policy_log_prob(velocity, sub)
-        track_v = diag is not None and diag.track_velocity(v)
+        if diag is not None:
+            diag.track_velocity(v, sub, at.scale)
         loss, st = self.policy_loss(log_prob, mean, sub, adv, weights)
         out = {}
         if diag is not None:
+            first = at.step == 1 and at.first
             diag.record(sub, log_prob, first, lambda: self.param_grad_norms(sub, log_prob, adv, weights))
         if train.kl_beta > 0:
             kl = self.kl_to_reference(velocity, sub, v, mean)
             loss = loss + train.kl_beta * kl
             out["policy/kl"] = kl.item()
-        self.policy.backward(loss, scale)
-        if track_v:
-            diag.record_velocity_grad(sub, v, scale)
-        out["policy/loss"] = loss.item()
         out.update({k: x.item() for k, x in st.items()})
-        return out
+        return loss, out
 
     def policy_loss(
         self, log_prob: torch.Tensor, mean: torch.Tensor, sub, adv: torch.Tensor, weights: torch.Tensor | None

@@ -60,7 +60,7 @@ class NFTConfig:
         check(self.solver in ("euler", "dpm_solver_2m"), "train.nft.solver", "euler|dpm_solver_2m", self.solver)
 
 
-@register_method("nft")
+@register_method("nft", "ODE samples, DiffusionNFT's forward-process loss")
 class DiffusionNFT(ForwardProcess):
     """``train.method: nft`` (arXiv 2509.16117, Algorithm 1): sample, score, train on the forward process.
 
@@ -192,10 +192,10 @@ class DiffusionNFT(ForwardProcess):
         """
         train = self.cfg.train
 
-        def micro_loss(idx, stats, step):
+        def micro_loss(idx, stats, at):
             with self.policy.autocast():
                 v = velocity(x_t[idx], times[idx], cond[idx])
             return nft_loss(v, v_old[idx], x_t[idx], x_0[idx], times[idx], r[idx], train.nft.beta, train.adv_clip_max)
 
         stats, steps = self.optimizer_steps(len(x_t), generator, micro_loss)
-        return {**{k: sum(v) / len(v) for k, v in stats.items()}, "policy/optimizer_steps": steps}
+        return self.update_metrics(stats, steps)

@@ -188,7 +188,7 @@ class OfflineData:
         return [self.prompts[i] for i in idx.tolist()], self.latents[idx]
 
 
-@register_method("dpo_offline")
+@register_method("dpo_offline", "offline: Diffusion-DPO on train.offline.data")
 class OfflineDPO(DiffusionDPO):
     """``train.method: dpo_offline``: Diffusion-DPO on the pairs of ``train.offline.data`` against the initial policy
     (module docstring). Args: as :class:`flowrl.methods.base.Method`.
@@ -229,7 +229,7 @@ class OfflineDPO(DiffusionDPO):
         """The reference stays the initial policy."""
 
 
-@register_method("sft")
+@register_method("sft", "offline: flow matching on train.offline.data")
 class SFT(OfflineDPO):
     """``train.method: sft``: flow matching on the images of ``train.offline.data`` (module docstring).
     Args: as :class:`flowrl.methods.base.Method`.
@@ -256,16 +256,13 @@ class SFT(OfflineDPO):
         x_t, eps = self.noised(x0, times, generator)
         velocity = self.model.velocity_fn(samples.table, d.guidance_scale)
 
-        def micro_loss(idx, stats, step):
+        def micro_loss(idx, stats, at):
             with self.policy.autocast():
                 v = velocity(x_t[idx], times[idx], cond[idx])
             return flow_matching_error(v, x0[idx], eps[idx]).mean()
 
         stats, steps = self.optimizer_steps(len(x0), generator, micro_loss)
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
-        out.update({"policy/optimizer_steps": steps, "cost/trained_transitions": len(x0) * self.cfg.train.inner_epochs,
-                    "cost/nfe": len(x0) * self.model.cfg_rows(d.guidance_scale)})  # fmt: skip
-        return out
+        return self.update_metrics(stats, steps, len(x0), len(x0) * self.model.cfg_rows(d.guidance_scale))
 
     def state_dict(self) -> dict:
         return {}

@@ -111,7 +111,7 @@ def time_discount(index: torch.Tensor, grid: int, shift: float) -> torch.Tensor:
     return shift * m / (1 + (shift - 1) * m)
 
 
-@register_method("srpo")
+@register_method("srpo", "direct reward: Direct-Align with a semantic relative reward")
 class SRPO(DirectReward):
     """``train.method: srpo``: Direct-Align with the semantic relative preference reward (module docstring).
 
@@ -143,7 +143,7 @@ class SRPO(DirectReward):
         word = lambda words: words[int(torch.randint(len(words), (1,), generator=generator))]  # noqa: E731
         positive, negative = word(c.positive_words), word(c.negative_words)
 
-        def micro_loss(idx, stats, step):
+        def micro_loss(idx, stats, at):
             kl: list = []
             m, hi, lo = (v.to(self.device) for v in self.levels(len(idx), generator))
             cond = samples.cond[idx]
@@ -169,13 +169,6 @@ class SRPO(DirectReward):
             return loss
 
         stats, steps = self.optimizer_steps(len(samples.cond), generator, micro_loss)
-        out = {k: sum(v) / len(v) for k, v in stats.items()}
         rows = len(samples.cond) * self.cfg.train.inner_epochs
-        out.update(
-            {
-                "policy/optimizer_steps": steps,
-                "cost/trained_transitions": rows,
-                "cost/nfe": rows * model.cfg_rows(c.guidance_scale) * (2 if d.kl_beta > 0 else 1),
-            }
-        )
-        return out
+        nfe = rows * model.cfg_rows(c.guidance_scale) * (2 if d.kl_beta > 0 else 1)
+        return self.update_metrics(stats, steps, len(samples.cond), nfe)

@@ -23,6 +23,7 @@ import random
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -318,26 +319,47 @@ def clip_condition(text_encoder, input_ids: torch.Tensor) -> tuple[torch.Tensor,
     return torch.cat([hidden, hidden], dim=-1), torch.cat([out.text_embeds, out.text_embeds], dim=-1)
 
 
-def train_transformer(
-    model,
-    latents,
-    cond,
-    pooled,
-    cap_idx,
-    steps: int,
-    seed: int,
-    batch: int = 128,
-    uncond_p: float = 0.1,
-    lr: float = 1e-3,
-    checkpoints: Path | None = None,
-    t_mean: float = 0.0,
-    ema_decay: float = 0.0,
-    checkpoint_every: int = 1200,
-    text_encoder=None,
-    input_ids: torch.Tensor | None = None,
-    text_lr: float = 0.0,
-    device: str | torch.device = "cpu",
-):
+@dataclass(frozen=True)
+class TransformerTraining:
+    """How :func:`train_transformer` trains (its keyword options).
+
+    Attributes:
+        steps (`int`): optimizer steps; seed (`int`): the CPU generator of the batches, times and noise.
+        batch (`int`): scenes per optimizer step.
+        uncond_p (`float`): probability of dropping a caption to the empty prompt (classifier-free guidance).
+        lr (`float`): peak learning rate of the one-cycle schedule (5% warm-up, cosine decay to ~0).
+        t_mean (`float`): mean of the logit-normal time distribution (0 = SD3's; > 0 trains more at high noise,
+            where the layout and shapes are decided).
+        ema_decay (`float`): in (0, 1) keeps an exponential moving average of the weights (diffusers ``EMAModel``,
+            with its warm-up) and returns it, as diffusion models are sampled; 0 returns the raw weights.
+        checkpoints (`Path`, optional): the model (its EMA when kept) is saved to ``checkpoints/step-K`` every
+            `checkpoint_every` steps (with the text tower in ``step-K/text_encoder`` when it trains).
+        text_lr (`float`): `> 0` trains the CLIP text tower jointly at that peak learning rate (the EMA covers it).
+        device: where the model (and text tower) train, under bf16 autocast; the random draws stay on the CPU
+            generator, so a CUDA build draws the same batches, times and noise as a CPU one.
+
+    Raises:
+        ValueError: (in `__post_init__`) if `ema_decay` is not in [0, 1).
+    """
+
+    steps: int
+    seed: int
+    batch: int = 128
+    uncond_p: float = 0.1
+    lr: float = 1e-3
+    t_mean: float = 0.0
+    ema_decay: float = 0.0
+    checkpoints: Path | None = None
+    checkpoint_every: int = 1200
+    text_lr: float = 0.0
+    device: str | torch.device = "cpu"
+
+    def __post_init__(self):
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
+
+
+def train_transformer(model, latents, cond, pooled, cap_idx, text_encoder=None, input_ids=None, **options):
     """Rectified-flow training (SD3, arXiv 2403.03206) of a tiny ``SD3Transformer2DModel``.
 
     x_t = (1 - t) x_0 + t eps, t ~ logit-normal(t_mean, 1); loss = |v_theta(x_t, t) - (eps - x_0)|^2. Captions
@@ -349,76 +371,70 @@ def train_transformer(
         cond: ``(P, T, D)`` prompt embeddings of the P unique captions; row 0 is the empty prompt.
         pooled: ``(P, D_pooled)`` pooled embeddings.
         cap_idx: ``(N,)`` long, caption row of each latent.
-        lr: peak learning rate of the one-cycle schedule (5% warm-up, cosine decay to ~0).
-        t_mean: mean of the logit-normal time distribution (0 = SD3's; > 0 trains more at high noise,
-            where the layout and shapes are decided).
-        batch: scenes per optimizer step.
-        ema_decay: in (0, 1) keeps an exponential moving average of the weights (diffusers ``EMAModel``,
-            with its warm-up) and returns it, as diffusion models are sampled; 0 returns the raw weights.
-        checkpoints: if given, the model (its EMA when kept) is saved to ``checkpoints/step-K`` every
-            ``checkpoint_every`` steps (with the text tower in ``step-K/text_encoder`` when it trains).
-        text_encoder, input_ids, text_lr: with ``text_lr > 0`` the CLIP text tower (a
-            ``CLIPTextModelWithProjection``) trains jointly at that peak learning rate, ``cond`` and
-            ``pooled`` are then recomputed every step by :func:`clip_condition` from ``input_ids``
-            ``(P, MAX_TOKENS)`` (the token ids of the same P rows), and the EMA covers it too.
-        device: where the model (and text tower) train, under bf16 autocast; the random draws stay on the
-            CPU generator, so a CUDA build draws the same batches, times and noise as a CPU one.
+        text_encoder, input_ids: with ``text_lr > 0`` the CLIP text tower (a ``CLIPTextModelWithProjection``) that
+            trains jointly; ``cond`` and ``pooled`` are then recomputed every step by :func:`clip_condition` from
+            ``input_ids`` ``(P, MAX_TOKENS)`` (the token ids of the same P rows).
+        **options: :class:`TransformerTraining`'s fields (``steps`` and ``seed`` required).
 
     Returns:
         ``model``, trained in place (float32, eval mode, moved to ``device``), holding the EMA weights when ``ema_decay > 0``
         (``text_encoder`` likewise, when it trains).
 
     Raises:
-        ValueError: if ``ema_decay`` is not in [0, 1), or ``text_lr > 0`` without ``text_encoder`` and
-            ``input_ids``.
+        ValueError: as :class:`TransformerTraining`, or ``text_lr > 0`` without ``text_encoder`` and ``input_ids``.
     """
-    from diffusers.training_utils import EMAModel
-
-    if not 0.0 <= ema_decay < 1.0:
-        raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay}")
-    joint = text_lr > 0
+    s = TransformerTraining(**options)
+    joint = s.text_lr > 0
     if joint and (text_encoder is None or input_ids is None):
         raise ValueError("text_lr > 0 trains the text tower: pass text_encoder and input_ids too")
-    device = torch.device(device)
-    model.to(device)
-    if joint:
-        text_encoder.to(device)
+    device = torch.device(s.device)
+    towers = [model.to(device)] + ([text_encoder.to(device)] if joint else [])
     latents, cap_idx, cond, pooled, input_ids = (
         None if x is None else x.to(device) for x in (latents, cap_idx, cond, pooled, input_ids)
     )
-    groups = [{"params": list(model.parameters()), "lr": lr}]
-    if joint:
-        text_encoder.train().requires_grad_(True)
-        groups.append({"params": list(text_encoder.parameters()), "lr": text_lr})
-    params = [q for g in groups for q in g["params"]]
-    ema = EMAModel(params, decay=ema_decay, use_ema_warmup=True) if ema_decay > 0 else None
-    opt = torch.optim.AdamW(groups, weight_decay=0.0, betas=(0.9, 0.99))
-    sched = torch.optim.lr_scheduler.OneCycleLR(
-        opt, max_lr=[g["lr"] for g in groups], total_steps=steps, pct_start=0.05
-    )
-    gen = torch.Generator().manual_seed(seed)
+    params, opt, sched, ema = _transformer_optimizer(towers, s)
+    gen = torch.Generator().manual_seed(s.seed)
     model.train()
-    done = 0
-    bar = tqdm(_batches(len(latents), batch, steps, gen), total=steps, desc="tiny SD3 transformer")
-    for idx in bar:
-        x0, eps, t, xt, rows = _noised_batch(latents, cap_idx, idx.to(device), gen, t_mean, uncond_p)
+    bar = tqdm(_batches(len(latents), s.batch, s.steps, gen), total=s.steps, desc="tiny SD3 transformer")
+    for done, idx in enumerate(bar, 1):
+        x0, eps, t, xt, rows = _noised_batch(latents, cap_idx, idx.to(device), gen, s.t_mean, s.uncond_p)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             c, p = clip_condition(text_encoder, input_ids[rows]) if joint else (cond[rows], pooled[rows])
             v = model(
                 hidden_states=xt, encoder_hidden_states=c, pooled_projections=p, timestep=t * 1000
             ).sample.float()
-        loss = F.mse_loss(v, eps - x0)
-        _optimizer_step(loss, params, opt, sched, bar, max_grad_norm=1.0)
+        _optimizer_step(F.mse_loss(v, eps - x0), params, opt, sched, bar, max_grad_norm=1.0)
         if ema is not None:
             ema.step(params)
-        done += 1
-        if checkpoints is not None and done % checkpoint_every == 0:
-            _save_checkpoint(checkpoints / f"step-{done}", model, text_encoder if joint else None, params, ema)
+        if s.checkpoints is not None and done % s.checkpoint_every == 0:
+            _save_checkpoint(s.checkpoints / f"step-{done}", model, text_encoder if joint else None, params, ema)
     if ema is not None:
         ema.copy_to(params)
     if joint:
         text_encoder.eval().requires_grad_(False)
     return model.eval()
+
+
+def _transformer_optimizer(towers: list, s: TransformerTraining):
+    """The parameters of `towers` (the transformer, then the text tower when it trains, set to train mode), AdamW
+    over them (learning rates ``s.lr`` and ``s.text_lr``) with its one-cycle schedule, and the EMA (or None).
+
+    Returns:
+        ``(params, optimizer, scheduler, ema)``.
+    """
+    from diffusers.training_utils import EMAModel
+
+    groups = [{"params": list(towers[0].parameters()), "lr": s.lr}]
+    if len(towers) > 1:
+        towers[1].train().requires_grad_(True)
+        groups.append({"params": list(towers[1].parameters()), "lr": s.text_lr})
+    params = [q for g in groups for q in g["params"]]
+    ema = EMAModel(params, decay=s.ema_decay, use_ema_warmup=True) if s.ema_decay > 0 else None
+    opt = torch.optim.AdamW(groups, weight_decay=0.0, betas=(0.9, 0.99))
+    sched = torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=[g["lr"] for g in groups], total_steps=s.steps, pct_start=0.05
+    )
+    return params, opt, sched, ema
 
 
 def _noised_batch(
@@ -788,15 +804,32 @@ def _read_build(init: str | Path | None) -> dict | None:
     return json.loads(path.read_text()) if path is not None and path.is_file() else None
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="assets", help="folder of the built assets (tiny-sd3 inside it)")
+def builder_parser(doc: str, folder: str) -> argparse.ArgumentParser:
+    """An asset builder's command line, described by the first line of `doc`, with the arguments every builder takes:
+    ``--out`` (the folder the pipeline folder `folder` is built in), ``--overwrite`` and ``--seed``."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--out", default="assets", help=f"folder of the built assets ({folder} inside it)")
     p.add_argument(
         "--overwrite",
         action="store_true",
         help="replace a finished build in --out (the shipped model, with the default --out)",
     )
     p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def refuse_finished_build(p: argparse.ArgumentParser, out: str, folder: str, allowed: bool, other: str = "") -> None:
+    """Stop with a usage error (exit 2) before any work when ``out/folder`` holds a finished build (its
+    ``model_index.json``) and replacing it is not `allowed`; `other` names another way out in the message."""
+    if (Path(out) / folder / "model_index.json").is_file() and not allowed:
+        p.error(
+            f"--out {out} holds a finished build ({Path(out) / folder}, the shipped model with the default "
+            f"--out): pass --overwrite to replace it{other}, or --out another folder"
+        )
+
+
+def main(argv=None) -> None:
+    p = builder_parser(__doc__, "tiny-sd3")
     p.add_argument("--n-scenes", type=int, default=20000)
     p.add_argument("--clip-steps", type=int, default=600)
     p.add_argument("--vae-steps", type=int, default=900)
@@ -834,11 +867,7 @@ def main(argv=None) -> None:
         help="where the transformer trains (auto: cuda when available)",
     )
     a = p.parse_args(argv)
-    if (Path(a.out) / "tiny-sd3" / "model_index.json").is_file() and not (a.overwrite or a.resume):
-        p.error(
-            f"--out {a.out} holds a finished build ({Path(a.out) / 'tiny-sd3'}, the shipped model with the default "
-            "--out): pass --overwrite to replace it (or --resume to continue it), or --out another folder"
-        )
+    refuse_finished_build(p, a.out, "tiny-sd3", a.overwrite or a.resume, " (or --resume to continue it)")
     if a.fresh_transformer and a.init is None:
         p.error("--fresh-transformer keeps the VAE and text tower of an --init pipeline folder; pass --init")
     if a.init is not None and not a.fresh_transformer and (a.dit_layers, a.dit_width) != (5, 128):

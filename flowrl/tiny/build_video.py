@@ -17,11 +17,9 @@ rectified flow: arXiv 2403.03206.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from flowrl.data import write_jsonl
+from flowrl.tiny.build import _optimizer_step, _timed, builder_parser, refuse_finished_build
 from flowrl.tiny.video import all_metadata, render_dataset, split
 
 from ..rewards.geneval.world import BACKGROUND, COLORS, SHAPES
@@ -149,16 +148,6 @@ def _to_float(videos: torch.Tensor) -> torch.Tensor:
     return videos.permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0
 
 
-def _step(loss, params, opt, sched, bar) -> None:
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    opt.step()
-    sched.step()
-    if bar.n % 10 == 0:
-        bar.set_postfix(loss=f"{loss.item():.4f}")
-
-
 def train_vae(vae, videos: torch.Tensor, steps: int, seed: int, batch: int = 8, lr: float = 2e-3):
     """Train the tiny Wan VAE on clips: L1 + MSE reconstruction weighted 10x on object pixels (small shapes are not
     averaged into the background), plus a 1e-6-weighted KL; one-cycle learning rate. Then sets ``latents_mean`` and
@@ -183,7 +172,7 @@ def train_vae(vae, videos: torch.Tensor, steps: int, seed: int, batch: int = 8, 
         rec = vae.decode(post.sample(generator=gen)).sample
         weight = 1 + 9 * ((x - background).abs().amax(1, keepdim=True) > 0.1).float()  # (B, 1, F, H, W)
         loss = (weight * ((rec - x).abs() + (rec - x) ** 2)).mean() + 1e-6 * post.kl().mean()
-        _step(loss, params, opt, sched, bar)
+        _optimizer_step(loss, params, opt, sched, bar, max_grad_norm=1.0)
     vae.eval()
     z = encode_latents(vae, videos[:512])  # (N, C, f, h, w)
     vae.register_to_config(latents_mean=z.mean((0, 2, 3, 4)).tolist(), latents_std=z.std((0, 2, 3, 4)).tolist())
@@ -250,7 +239,7 @@ def train_transformer(
         v = transformer(
             hidden_states=(1 - tt) * x0 + tt * eps, timestep=t * 1000, encoder_hidden_states=cond, return_dict=False
         )[0]
-        _step(F.mse_loss(v, eps - x0), params, opt, sched, bar)
+        _optimizer_step(F.mse_loss(v, eps - x0), params, opt, sched, bar, max_grad_norm=1.0)
     return transformer.eval(), text_encoder.eval()
 
 
@@ -279,32 +268,77 @@ def build(
     Raises:
         FileNotFoundError: when ``vae_from`` holds no ``vae`` folder.
     """
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline
-
     out, times = Path(out), {}
-    t0 = time.time()
+    with _timed(times, "render_s"):
+        videos, drawn = _prompts_and_clips(out, seed, n_clips)
+    with _timed(times, "vae_s"):
+        vae = _vae_stage(videos, seed, vae_steps, vae_batch, vae_from, vae_clips)
+    with _timed(times, "transformer_s"):
+        tokenizer, text_encoder, transformer = _transformer_stage(
+            vae, videos, drawn, seed, dit_steps, dit_layers, dit_width, batch=dit_batch, lr=dit_lr, text_lr=text_lr
+        )
+    _save_pipeline(out / "tiny-wan", tokenizer, text_encoder, vae, transformer)
+    settings = {
+        "seed": seed,
+        "n_clips": n_clips,
+        "vae_steps": vae_steps,
+        "vae_batch": vae_batch,
+        "vae_from": None if vae_from is None else str(vae_from),
+        "vae_clips": vae_clips,
+        "dit_steps": dit_steps,
+        "dit_batch": dit_batch,
+        "dit_lr": dit_lr,
+        "text_lr": text_lr,
+        "dit_layers": dit_layers,
+        "dit_width": dit_width,
+    }
+    _write_build_json(out / "tiny-wan", settings, times)
+    return times
+
+
+def _prompts_and_clips(out: Path, seed: int, n_clips: int) -> tuple[torch.Tensor, list[dict]]:
+    """The data stage: seed torch, write ``out/prompts/video_{train,test}.jsonl`` and render `n_clips` pre-training
+    clips of all the world's prompts.
+
+    Returns:
+        ``(videos, drawn)``: uint8 ``(N, F, H, W, 3)`` clips and each clip's prompt record.
+    """
     torch.manual_seed(seed)
     train, test = split()
     (out / "prompts").mkdir(parents=True, exist_ok=True)
     write_jsonl(train, out / "prompts" / "video_train.jsonl")
     write_jsonl(test, out / "prompts" / "video_test.jsonl")
     clips, drawn = render_dataset(all_metadata(), n_clips, seed)
-    videos = torch.from_numpy(clips)  # (N, F, H, W, 3) uint8
-    times["render_s"] = time.time() - t0
+    return torch.from_numpy(clips), drawn
 
-    t0 = time.time()
-    if vae_from is not None:
-        if not (Path(vae_from) / "vae" / "config.json").is_file():
-            raise FileNotFoundError(f"--vae-from {vae_from}: no vae/config.json (expected a tiny-wan folder)")
-        vae = AutoencoderKLWan.from_pretrained(vae_from, subfolder="vae").eval()
-    else:
-        vae = train_vae(tiny_vae(seed), videos[:vae_clips], vae_steps, seed, batch=vae_batch)
-    times["vae_s"] = time.time() - t0
 
-    t0 = time.time()
+def _vae_stage(videos: torch.Tensor, seed: int, steps: int, batch: int, vae_from, clips: int | None):
+    """The VAE stage: the trained VAE of the ``tiny-wan`` folder `vae_from`, else a :func:`tiny_vae` trained on the
+    first `clips` clips of `videos` (all when None) by :func:`train_vae`.
+
+    Raises:
+        FileNotFoundError: when `vae_from` holds no ``vae/config.json``.
+    """
+    from diffusers import AutoencoderKLWan
+
+    if vae_from is None:
+        return train_vae(tiny_vae(seed), videos[:clips], steps, seed, batch=batch)
+    if not (Path(vae_from) / "vae" / "config.json").is_file():
+        raise FileNotFoundError(f"--vae-from {vae_from}: no vae/config.json (expected a tiny-wan folder)")
+    return AutoencoderKLWan.from_pretrained(vae_from, subfolder="vae").eval()
+
+
+def _transformer_stage(vae, videos, drawn: list[dict], seed: int, steps: int, layers: int, width: int, **train):
+    """The transformer stage: a new tokenizer, text encoder and transformer (`layers` blocks of width `width`), the
+    captions' tokens and the clips' normalised latents, and :func:`train_transformer` for `steps` steps (`train`:
+    its ``batch``, ``lr`` and ``text_lr``).
+
+    Returns:
+        ``(tokenizer, text_encoder, transformer)``, the last two trained in place.
+    """
     tokenizer = build_tokenizer()
     text_encoder = tiny_text_encoder(len(tokenizer), seed)
-    transformer = tiny_transformer(seed, dit_layers, dit_width)
+    transformer = tiny_transformer(seed, layers, width)
     captions = [""] + sorted({m["prompt"] for m in drawn})
     tokens = tokenizer(
         captions,
@@ -320,63 +354,36 @@ def build(
     z = encode_latents(vae, videos)
     stats = [torch.tensor(vae.config[k]).view(1, -1, 1, 1, 1) for k in ("latents_mean", "latents_std")]
     latents = (z - stats[0]) / stats[1]  # (N, C, f, h, w), as WanPipeline's latents
-    train_transformer(
-        transformer,
-        text_encoder,
-        latents,
-        tokens.input_ids,
-        tokens.attention_mask,
-        cap_idx,
-        dit_steps,
-        seed,
-        batch=dit_batch,
-        lr=dit_lr,
-        text_lr=text_lr,
-    )
-    times["transformer_s"] = time.time() - t0
+    ids, mask = tokens.input_ids, tokens.attention_mask
+    train_transformer(transformer, text_encoder, latents, ids, mask, cap_idx, steps, seed, **train)
+    return tokenizer, text_encoder, transformer
 
+
+def _save_pipeline(folder: Path, tokenizer, text_encoder, vae, transformer) -> None:
+    """Write the ``WanPipeline`` folder, with the Euler flow-matching scheduler at shift 1."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0)
     pipe = WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        vae=vae,
-        transformer=transformer,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
     )
-    pipe.save_pretrained(out / "tiny-wan")
+    pipe.save_pretrained(folder)
+
+
+def _write_build_json(folder: Path, settings: dict, times: dict[str, float]) -> None:
+    """Write ``folder/build.json``: `settings` in their order, then ``times_s`` (stage wall times in seconds), the
+    ``command`` line and the ``sample`` defaults."""
     record = {
-        "seed": seed,
-        "n_clips": n_clips,
-        "vae_steps": vae_steps,
-        "vae_batch": vae_batch,
-        "vae_from": None if vae_from is None else str(vae_from),
-        "vae_clips": vae_clips,
-        "dit_steps": dit_steps,
-        "dit_batch": dit_batch,
-        "dit_lr": dit_lr,
-        "text_lr": text_lr,
-        "dit_layers": dit_layers,
-        "dit_width": dit_width,
+        **settings,
         "times_s": times,
         "command": "python -m flowrl.tiny.build_video " + " ".join(sys.argv[1:]),
-        "sample": {
-            "resolution": VIDEO_SIZE,
-            "num_frames": NUM_FRAMES,
-            "max_sequence_length": MAX_TOKENS,
-        },  # the defaults
+        "sample": {"resolution": VIDEO_SIZE, "num_frames": NUM_FRAMES, "max_sequence_length": MAX_TOKENS},
     }
-    (out / "tiny-wan" / "build.json").write_text(json.dumps(record, indent=1))
-    return times
+    (folder / "build.json").write_text(json.dumps(record, indent=1))
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="assets", help="folder of the built assets (tiny-wan inside it)")
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace a finished build in --out (the shipped model, with the default --out)",
-    )
-    p.add_argument("--seed", type=int, default=0)
+    p = builder_parser(__doc__, "tiny-wan")
     p.add_argument("--n-clips", type=int, default=2000, help="rendered pre-training clips")
     p.add_argument("--vae-steps", type=int, default=200)
     p.add_argument("--vae-batch", type=int, default=8, help="clips per VAE optimizer step")
@@ -391,11 +398,7 @@ def main(argv=None) -> None:
         "--vae-clips", type=int, default=None, help="train the VAE on the first N clips only (default: all)"
     )
     a = p.parse_args(argv)
-    if (Path(a.out) / "tiny-wan" / "model_index.json").is_file() and not a.overwrite:
-        p.error(
-            f"--out {a.out} holds a finished build ({Path(a.out) / 'tiny-wan'}, the shipped model with the default "
-            "--out): pass --overwrite to replace it, or --out another folder"
-        )
+    refuse_finished_build(p, a.out, "tiny-wan", a.overwrite)
     for key in ("n_clips", "vae_steps", "vae_batch", "dit_steps", "dit_batch", "vae_clips"):
         if getattr(a, key) is not None and getattr(a, key) < 1:
             p.error(f"--{key.replace('_', '-')} must be >= 1, got {getattr(a, key)}")

@@ -42,7 +42,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..base import check_batch_size, is_integer
+from ..base import check_batch_size, chunk_slices, is_integer
+from ..clipscore import _pooled
+from ..frozen import as_dtype, frozen
 from . import COUNTING_THRESHOLD, THRESHOLD
 from .rules import Detection
 
@@ -308,26 +310,6 @@ def crop_object(image: torch.Tensor, segment: Detection) -> torch.Tensor:
     return image[:, y0:y1, x0:x1]
 
 
-def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """``torch.bfloat16`` or ``"bfloat16"`` / ``"torch.bfloat16"`` -> ``torch.bfloat16`` (floating types only)."""
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"geneval: dtype must be a floating torch dtype such as 'float32' or 'bfloat16', got {dtype}")
-    return dtype
-
-
-def _pooled(output: Any) -> torch.Tensor:
-    """``get_*_features`` returns a tensor in transformers 4, a ``BaseModelOutputWithPooling`` in 5."""
-    return output if isinstance(output, torch.Tensor) else output.pooler_output
-
-
-def _chunks(n: int, size: int | None) -> list[slice]:
-    """Slices covering ``range(n)`` in chunks of ``size`` (None: one chunk)."""
-    size = size or max(n, 1)
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
 class Mask2FormerSegmenter:
     """Mask2Former instance segmentation -> ``Segment`` records (step 1 of the module docstring).
 
@@ -359,8 +341,8 @@ class Mask2FormerSegmenter:
         threshold: float = THRESHOLD,
         batch_size: int | None = None,
     ):
-        self.device, self.dtype = torch.device(device), _as_dtype(dtype)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        self.device, self.dtype = torch.device(device), as_dtype(dtype, "geneval")
+        self.model = frozen(model, self.device, self.dtype)
         self.processor = processor
         self.labels = {int(i): geneval_name(str(label)) for i, label in model.config.id2label.items()}
         if not any(self.labels.values()):
@@ -439,7 +421,7 @@ class Mask2FormerSegmenter:
     def __call__(self, images: torch.Tensor) -> list[list[Segment]]:
         """``records(forward(images))``, in chunks of ``batch_size``: one list of segments per image."""
         out: list[list[Segment]] = []
-        for chunk in _chunks(len(images), self.batch_size):
+        for chunk in chunk_slices(len(images), self.batch_size):
             out += self.records(self.forward(images[chunk]), tuple(images.shape[-2:]))
         return out
 
@@ -467,8 +449,8 @@ class ColorClassifier:
         dtype: torch.dtype | str = torch.float32,
         batch_size: int | None = None,
     ):
-        self.device, self.dtype = torch.device(device), _as_dtype(dtype)
-        self.model = model.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
+        self.device, self.dtype = torch.device(device), as_dtype(dtype, "geneval")
+        self.model = frozen(model, self.device, self.dtype)
         self.tokenizer, self.image_processor, self.batch_size = tokenizer, image_processor, batch_size
         self.max_length = min(tokenizer.model_max_length, model.config.text_config.max_position_embeddings)
         self._weights: dict[str, torch.Tensor] = {}
@@ -503,7 +485,7 @@ class ColorClassifier:
             `torch.Tensor` of shape `(N, len(COLORS))`, float32, on CPU, in [-100, 100].
         """
         rows = []
-        for chunk in _chunks(len(crops), self.batch_size):
+        for chunk in chunk_slices(len(crops), self.batch_size):
             pixels = self.image_processor(
                 images=[c.float().cpu() for c in crops[chunk]],
                 do_rescale=False,

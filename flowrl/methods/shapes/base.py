@@ -15,27 +15,20 @@ import math
 import torch
 
 from ...samplers import StepPlan
-from ..base import Rewards, SDESamples
+from ..base import Rewards, SDESamples, register_in
 
 SHAPES: dict[str, type[RolloutShape]] = {}
 """``sampling.shape`` -> the rollout shape class (:func:`register_shape`)."""
 
 
-def register_shape(name: str):
-    """Class decorator: register a :class:`RolloutShape` subclass as ``sampling.shape: NAME`` (sets its ``name``).
+def register_shape(name: str, summary: str = ""):
+    """Class decorator: register a :class:`RolloutShape` subclass as ``sampling.shape: NAME`` (sets its ``name``, and
+    its ``summary``: the few words ``sampling.shape``'s help shows beside the name).
 
     Raises:
         ValueError: `name` is registered already.
     """
-
-    def register(cls: type[RolloutShape]) -> type[RolloutShape]:
-        if name in SHAPES:
-            raise ValueError(f"rollout shape {name!r} is registered already ({SHAPES[name].__name__})")
-        cls.name = name
-        SHAPES[name] = cls
-        return cls
-
-    return register
+    return register_in(SHAPES, "rollout shape", name, summary)
 
 
 class RolloutShape:

@@ -53,7 +53,7 @@ class WindowConfig:
         check(0 <= self.flash_ratio <= 1, "sampling.window.flash_ratio", "in [0, 1]", self.flash_ratio)
 
 
-@register_shape("flat")
+@register_shape("flat", "flat groups, with sampling.window")
 class FlatShape(RolloutShape):
     """Flat groups: every step SDE, or MixGRPO's window of SDE steps (``sampling.window``); one initial noise per
     image, or per group with ``sampling.shared_noise`` (the group's deterministic prefix then runs once)."""

@@ -14,7 +14,7 @@ import torch
 
 from ...advantages import process_advantages, sum_by_node, turning_point_rewards
 from ...fields import check, setting
-from ...samplers import StepPlan, sample_probes, start_latents
+from ...samplers import Probes, StepPlan, sample_probes, start_latents
 from ..base import ProbeSamples, Rewards
 from .base import RolloutShape, register_shape
 
@@ -105,12 +105,9 @@ class ProbeShape(RolloutShape):
                 roots.to(self.device),
                 self.sigmas.to(self.device),
                 self.trunk_plan(steps),
-                steps,
-                self.children(),
-                sampling.kernel,
-                sampling.noise_level,
-                tuple(p.granularities),
-                include_start=self.INCLUDE_START,
+                Probes(
+                    steps, self.children(), sampling.kernel, sampling.noise_level, p.granularities, self.INCLUDE_START
+                ),
                 generator=generator,
                 ode_velocity_fn=self.ode_velocity(velocity),
             )
@@ -135,7 +132,7 @@ class ProbeShape(RolloutShape):
         )
 
 
-@register_shape("tempflow")
+@register_shape("tempflow", "TempFlow-GRPO probes, sampling.probe")
 class TempFlowShape(ProbeShape):
     """TempFlow-GRPO: ``group_size`` ODE trunks per prompt, each with ``probe.children`` SDE children per probe step;
     process rewards z-scored per (prompt or trunk, step)."""
@@ -151,7 +148,7 @@ class TempFlowShape(ProbeShape):
         )
 
 
-@register_shape("g2rpo")
+@register_shape("g2rpo", "G2RPO probes, sampling.probe")
 class G2RPOShape(ProbeShape):
     """G2RPO: one shared ODE anchor per prompt whose group is the ``group_size`` SDE children of each probe step,
     completed at every ODE granularity; process rewards z-scored per (prompt, step, granularity)."""
@@ -168,7 +165,7 @@ class G2RPOShape(ProbeShape):
         )
 
 
-@register_shape("tp_grpo")
+@register_shape("tp_grpo", "TP-GRPO probes, sampling.probe")
 class TPGRPOShape(ProbeShape):
     """TP-GRPO: ``group_size`` trunks per prompt, each an SDE trajectory on the probe steps, probed after every SDE
     step (and ``R_0`` from a pure ODE run); turning-point step rewards z-scored per (prompt, step)."""

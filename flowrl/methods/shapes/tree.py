@@ -51,7 +51,7 @@ class TreeConfig:
         )
 
 
-@register_shape("tree")
+@register_shape("tree", "BranchGRPO trees, sampling.tree")
 class TreeShape(RolloutShape):
     """BranchGRPO trees: ``self.plan`` on its grid ``self.plan_sigmas`` (all SDE, or the BranchGRPO-Mix pattern with
     an optional Flash tail, :func:`flowrl.samplers.mix_plan`), split by ``self.branch`` (children per plan step)."""

@@ -253,7 +253,8 @@ def test_recipe_trains_two_iterations_on_a_tiny_pipeline(name, tmp_path, random_
         extra |= {f"rewards.geneval.options.{k}": "null" for k in real}  # the tiny world's detector
         extra |= {"rewards.jpeg_compressibility.weight": 1.0}
     cfg = load_config(
-        REPO / "configs" / "recipes" / f"{name}.yaml", tiny_overrides(random_pipeline, train, test, tmp_path / "run", **extra)
+        REPO / "configs" / "recipes" / f"{name}.yaml",
+        tiny_overrides(random_pipeline, train, test, tmp_path / "run", **extra),
     )
     cfg = load_config(
         REPO / "configs" / "recipes" / f"{name}.yaml",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .common import per_record, prompts_of, sized, stock_pipeline
+from .common import AUTOENCODER_KL, per_record, prompts_of, sized, stock_pipeline
 from .text import QWEN3_CHAT_TEMPLATE, build_qwen_tokenizer, text_model_config, tiny_world_prompts
 
 MISTRAL_CHAT_TEMPLATE = (
@@ -40,18 +40,8 @@ def build_random_flux2_klein_pipeline(folder: Path, distilled: bool = False) -> 
     tok = build_qwen_tokenizer()
     tok.chat_template = QWEN3_CHAT_TEMPLATE
     te = Qwen3ForCausalLM(Qwen3Config(**text_model_config(tok, 16, 27, head_dim=8, tie_word_embeddings=True)))
-    vae = AutoencoderKLFlux2(
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(8, 16, 16),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=32,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        mid_block_add_attention=False,
-    )
+    bare = dict(use_quant_conv=False, use_post_quant_conv=False, mid_block_add_attention=False)  # FLUX.2's VAE
+    vae = AutoencoderKLFlux2(**AUTOENCODER_KL, sample_size=32, **bare)
     vae.bn.running_mean.copy_(torch.randn(16) * 0.2)
     vae.bn.running_var.copy_(torch.rand(16) + 0.5)
     dit = Flux2Transformer2DModel(

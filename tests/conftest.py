@@ -1,4 +1,5 @@
-"""Shared fixtures: seeded random tiny SD3 and FLUX pipelines (built in seconds, no download) and prompts."""
+"""Shared fixtures: seeded random tiny SD3 and FLUX pipelines (built in seconds, no download: ``tiny_pipelines``) and
+prompts, and the helpers that shrink a run onto a tiny pipeline and check it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_pipelines.flux import build_random_flux_pipeline
+from tiny_pipelines.sd3 import build_random_sd3_pipeline
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,178 +28,38 @@ def pytest_collection_modifyitems(config, items):
 ASSETS = REPO / "assets"
 
 
-def build_random_pipeline(folder: Path) -> Path:
-    """Save a random-weight StableDiffusion3Pipeline with the tiny model's architecture to ``folder``."""
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+def tiny_pipeline(name: str, build, scope: str = "module", **kwargs):
+    """A pytest fixture named ``name``: the path of ``build(folder, **kwargs)`` (a ``tiny_pipelines`` builder) saved
+    into a fresh temporary folder once per ``scope``. Assign it to a module-level name of the test module (or
+    conftest)."""
 
-    from flowrl.tiny.build import MAX_TOKENS, build_tokenizer
+    def fixture(tmp_path_factory) -> Path:
+        return build(tmp_path_factory.mktemp(name) / "pipeline", **kwargs)
 
-    torch.manual_seed(0)
-    tok = build_tokenizer()
-    te = CLIPTextModelWithProjection(
-        CLIPTextConfig(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            max_position_embeddings=MAX_TOKENS,
-            projection_dim=32,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-    )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(8, 16, 16),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=64,
-    )
-    dit = SD3Transformer2DModel(
-        sample_size=16,
-        patch_size=2,
-        in_channels=4,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=64,
-        caption_projection_dim=32,
-        pooled_projection_dim=64,
-        out_channels=4,
-        pos_embed_max_size=16,
-        qk_norm="rms_norm",
-    )
-    pipe = StableDiffusion3Pipeline(
-        transformer=dit,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
-        vae=vae,
-        text_encoder=te,
-        tokenizer=tok,
-        text_encoder_2=te,
-        tokenizer_2=tok,
-        text_encoder_3=None,
-        tokenizer_3=None,
-    )
-    pipe.save_pretrained(folder)
-    return folder
+    return pytest.fixture(scope=scope, name=name)(fixture)
 
 
-def build_random_flux_pipeline(folder: Path, guidance_embeds: bool = True) -> Path:
-    """Save a random-weight FluxPipeline to ``folder``: CLIP and a 1-layer T5 (both with the tiny CLIP tokenizer), a
-    VAE with factor 4 and FLUX's scaling and shift factors, a FLUX transformer of one dual- and one single-stream
-    block, and FLUX.1's dynamically shifting scheduler."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
-
-    from flowrl.tiny.build import MAX_TOKENS, build_tokenizer
-
-    torch.manual_seed(0)
-    tok = build_tokenizer()
-    clip = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            max_position_embeddings=MAX_TOKENS,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-    )
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tok),
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=1,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            pad_token_id=tok.pad_token_id,
-        )
-    )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(8, 16, 16),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=32,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
-    dit = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=16,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        guidance_embeds=guidance_embeds,
-        axes_dims_rope=(4, 6, 6),
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
-    pipe = FluxPipeline(
-        scheduler=scheduler,
-        vae=vae,
-        text_encoder=clip,
-        tokenizer=tok,
-        text_encoder_2=t5,
-        tokenizer_2=tok,
-        transformer=dit,
-    )
-    pipe.save_pretrained(folder)
-    return folder
+random_pipeline = tiny_pipeline("random_pipeline", build_random_sd3_pipeline, "session")
+random_flux_pipeline = tiny_pipeline("random_flux_pipeline", build_random_flux_pipeline, "session")
 
 
-@pytest.fixture(scope="session")
-def random_flux_pipeline(tmp_path_factory) -> Path:
-    return build_random_flux_pipeline(tmp_path_factory.mktemp("random-flux"))
+def _prompts(kind: str):
+    """A session fixture of :func:`families.prompt_files` of ``kind``: train and test prompt files."""
+
+    def fixture(tmp_path_factory) -> tuple[Path, Path]:
+        from families import prompt_files
+
+        return prompt_files(kind, tmp_path_factory.mktemp(f"{kind}-prompts"))
+
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def random_pipeline(tmp_path_factory) -> Path:
-    return build_random_pipeline(tmp_path_factory.mktemp("random-sd3"))
-
-
-@pytest.fixture(scope="session")
-def prompt_files(tmp_path_factory) -> tuple[Path, Path]:
-    from flowrl.data import write_jsonl
-    from flowrl.tiny.prompts import split
-
-    folder = tmp_path_factory.mktemp("prompts")
-    train, test = split(0)
-    write_jsonl(train, folder / "train.jsonl")
-    write_jsonl(test, folder / "test.jsonl")
-    return folder / "train.jsonl", folder / "test.jsonl"
+prompt_files = pytest.fixture(_prompts("image"), scope="session", name="prompt_files")
+"""The tiny world's prompts (GenEval metadata), train and test files."""
+video_prompts = pytest.fixture(_prompts("video"), scope="session", name="video_prompts")
+"""Motion prompts without GenEval metadata (an evaluation is then the rewards' mean): the conformance suite's."""
+i2v_prompts = pytest.fixture(_prompts("i2v"), scope="session", name="i2v_prompts")
+"""Motion prompts, each with a random 32 px source image (a path relative to the file): the conformance suite's."""
 
 
 def shape_overrides(cfg) -> dict:
@@ -240,16 +103,44 @@ def tiny_overrides(model: Path, train: Path, test: Path, out: Path, **extra) -> 
     return [f"{k}={v}" for k, v in base.items()]
 
 
+def read_metrics(run: Path) -> list[dict]:
+    """The rows of a run folder's ``metrics.jsonl``, one dict per iteration."""
+    import json
+
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def no_download(*dropped: str, reward: str = "jpeg_compressibility") -> dict:
+    """Overrides that drop the named rewards of a recipe (models to download) and score ``reward``, one that needs no
+    download (JPEG compressibility; a video family's ``families:brightness``), with weight 1."""
+    return {**{f"rewards.{name}": "null" for name in dropped}, f"rewards.{reward}.weight": 1.0}
+
+
+RECIPE_SIZES = {"model.dtype": "float32", "sampling.group_size": 4, "sampling.batch_size": 8}
+"""A recipe's sizes shrunk for a tiny pipeline: float32 weights, groups of 4 sampled 8 images at a time."""
+WHOLE_MINIBATCHES = {"train.micro_batch_size": "null", "train.gradient_checkpointing": False}
+"""No micro-batching and no gradient checkpointing: a tiny minibatch in one pass."""
+
+
+def shrink_recipe(recipe: str, model: Path, prompts: tuple[Path, Path], out: Path, keep_shape=False, **settings):
+    """``configs/recipes/<recipe>.yaml`` shrunk onto the tiny pipeline ``model``: its loaded
+    :class:`flowrl.config.Config` with :func:`tiny_overrides` for the prompt files ``prompts`` (train, test) and the
+    run folder ``out``, then ``settings``, then where ``keep_shape`` the recipe's own rollout shape at the tiny size
+    (:func:`shape_overrides`). A ConfigError names a key the recipe or the settings get wrong."""
+    from flowrl.config import load_config
+
+    path = REPO / "configs" / "recipes" / f"{recipe}.yaml"
+    shape = shape_overrides(load_config(path)) if keep_shape else {}
+    return load_config(path, tiny_overrides(model, *prompts, out, **{**settings, **shape}))
+
+
 def train_shrunk_recipe(trainer, iterations: int = 2) -> list[dict]:
     """Train a recipe shrunk onto a tiny pipeline and check what every family's recipe test checks: ``iterations``
     rows in ``metrics.jsonl``, the PPO ratio exactly 1 before each iteration's first step, an optimizer step in each,
     and the trained parameters moved. Returns the metrics rows."""
-    import json
-
     before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     trainer.train()
-    rows = Path(trainer.cfg.run.output_dir, "metrics.jsonl").read_text().splitlines()
-    metrics = [json.loads(line) for line in rows]
+    metrics = read_metrics(trainer.cfg.run.output_dir)
     assert len(metrics) == iterations
     assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())

@@ -2,14 +2,15 @@
 
 A family is a :class:`TinyFamily`: how to build a tiny random pipeline of its real diffusers classes offline (seconds),
 the settings to load it with, how the stock pipeline samples from given noise (the reference the adapter must equal),
-the guidance scales to check, and the training settings that shrink a run onto it. Adding a family to flowrl is an
-adapter file in ``flowrl/models/`` plus one entry in :data:`FAMILIES` (docs/models.md, "Adding a family"); the family's
-own test module then holds only what is special to it.
+the guidance scales to check, and the training settings that shrink a run onto it. The builders and stock references
+live in ``tests/tiny_pipelines/<family>.py``. Adding a family to flowrl is an adapter file in ``flowrl/models/``, its
+tiny pipeline module and one entry in :data:`FAMILIES` (docs/models.md, "Adding a family"); the family's own test
+module then holds only what is special to it.
 """
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,8 +18,57 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tiny_pipelines.common import noise
+from tiny_pipelines.flux import build_random_flux_pipeline, stock_flux
+from tiny_pipelines.flux2 import (
+    build_random_flux2_klein_pipeline,
+    build_random_flux2_pipeline,
+    stock_flux2,
+    stock_flux2_klein,
+)
+from tiny_pipelines.flux_kontext import build_random_kontext_pipeline, stock_flux_kontext
+from tiny_pipelines.hunyuan_video import build_random_hunyuan_pipeline, stock_hunyuan_video
+from tiny_pipelines.hunyuan_video15 import build_random_hunyuan_video15_pipeline, stock_hunyuan_video15
+from tiny_pipelines.hunyuan_video15_i2v import build_random_hunyuan_video15_i2v_pipeline, stock_hunyuan_video15_i2v
+from tiny_pipelines.ltx import build_random_ltx_pipeline, stock_ltx
+from tiny_pipelines.ltx2 import build_random_ltx2_pipeline, stock_ltx2
+from tiny_pipelines.qwen_image import build_random_qwen_image_pipeline, stock_qwen_image
+from tiny_pipelines.qwen_image_edit import build_random_qwen_image_edit_pipeline, stock_qwen_image_edit
+from tiny_pipelines.sana import (
+    build_random_sana_pipeline,
+    build_random_sana_sprint_pipeline,
+    stock_sana,
+    stock_sana_sprint,
+)
+from tiny_pipelines.sd3 import NO_T5, build_random_sd3_pipeline, stock_sd3
+from tiny_pipelines.sd15 import SD15_STOCK, build_random_sd15_pipeline, stock_sd15
+from tiny_pipelines.sdxl import SDXL_STOCK, build_random_sdxl_pipeline, stock_sdxl
+from tiny_pipelines.wan import build_random_wan_pipeline, stock_wan
+from tiny_pipelines.wan_i2v import build_random_wan_i2v_pipeline, stock_wan_i2v
+from tiny_pipelines.z_image import build_random_z_image_pipeline, stock_z_image
 
-Stock = Callable[[Path, object, list[dict], int, float], torch.Tensor]
+Stock = Callable[..., torch.Tensor]
+"""``stock(folder, model, metas, noise, num_steps, guidance_scale, **kwargs)``: a ``tiny_pipelines`` stock function."""
+IMAGE_TRAIN = {"rewards.geneval": "null", "rewards.jpeg_compressibility.weight": 1.0}
+"""The training overrides of an image family: JPEG compressibility, which needs no download, for the GenEval reward."""
+VIDEO_TRAIN = {"rewards.geneval": "null", "rewards.families:brightness.weight": 1.0}
+"""The training overrides of a video family: :func:`brightness` for the GenEval reward."""
+HUNYUAN_VIDEO15_RECIPE = {
+    "model.dtype": "float32",
+    "model.lora_rank": 2,
+    "rewards.frames": "null",
+    "rewards.families:brightness.weight": 1.0,
+    "sampling.window.size": 1,
+    "sampling.batch_size": 4,
+    "train.minibatch_size": 2,
+    "train.learning_rate": 1e-3,
+    "eval.images_per_tag": 1,
+}
+"""The HunyuanVideo 1.5 recipes (text-to-video and image-to-video) shrunk for two iterations on the tiny pipelines:
+PickScore over the frames swapped for :func:`brightness`, which needs no download; their 8-step SDE window of 16 steps
+one of 3; the LoRA of rank 2 at a learning rate that moves it."""
+DDPM_REFUSES = ("diffusion_nft", "mix_grpo_flash")
+"""What the DDPM families (SD 1.x, SDXL) refuse: the flow-matching loss on clean samples and Flash re-spacing."""
 
 
 @dataclass(frozen=True)
@@ -29,12 +79,15 @@ class TinyFamily:
         id: the suite's parametrization id: the adapter's class name, or for a second entry of one adapter (other
             prompt records), that name and a suffix (``Flux2Model-references``).
         build: ``build(folder) -> folder``: saves a tiny random pipeline of the family's real classes there.
+        stock: ``stock(folder, model, metas, noise, num_steps, guidance_scale, **kwargs)``: the stock pipeline's images
+            ``(B, 3, H, W)`` (videos ``(B, F, 3, H, W)``) in [0, 1] for the prompt records ``metas`` from the noise
+            ``noise (B, *model.latent_shape)`` (:meth:`stock_images` gives it the noise of
+            :func:`flowrl.evaluation.generate` with seeds ``0..B-1``).
         load: keyword arguments of :func:`flowrl.models.load_model` (resolution, prompt length, frames).
-        stock: ``stock(folder, model, metas, num_steps, guidance_scale)``: the stock pipeline's images ``(B, 3, H,
-            W)`` (videos ``(B, F, 3, H, W)``) in [0, 1] for the prompt records ``metas`` from the noise of
-            :func:`flowrl.evaluation.generate` with seeds ``0..B-1``.
-        guidance: the guidance scales at which sampling must equal the stock pipeline.
-        train: overrides of a shrunk training run (beside ``tests/conftest.py``'s ``tiny_overrides``).
+        guidance: the guidance scales at which sampling must equal the stock pipeline; the first is the one trained
+            at where :attr:`guided`.
+        guided: training and evaluation sample at ``guidance[0]`` (the video families always do).
+        extra: overrides of a shrunk training run beyond :attr:`train`'s.
         prompts: ``"image"`` (the tiny world's prompts), ``"video"`` (motion prompts), ``"edit"`` (records with a
             source image), ``"i2v"`` (motion prompts, each with a source image: a video family) or ``"references"``
             (FLUX.2's: records alternately with one reference ``image`` and two ``images`` of other sizes, 64-80 px).
@@ -50,10 +103,11 @@ class TinyFamily:
 
     id: str
     build: Callable[[Path], Path]
-    load: dict
     stock: Stock
-    guidance: tuple[float, ...]
-    train: dict = field(default_factory=dict)
+    load: dict = field(default_factory=lambda: {"resolution": 32})
+    guidance: tuple[float, ...] = (4.0, 1.0)
+    guided: bool = False
+    extra: dict = field(default_factory=dict)
     prompts: str = "image"
     stock_kwargs: dict = field(default_factory=dict)
     trains: str = "diffusion_nft"
@@ -69,6 +123,33 @@ class TinyFamily:
     def adapter(self) -> str:
         """The adapter's class name: :attr:`id` up to a ``-`` suffix."""
         return self.id.split("-")[0]
+
+    @property
+    def model_settings(self) -> dict:
+        """:attr:`load` as ``model.*`` config keys (the prompt length ``null`` where the family takes none)."""
+        frames = {"model.num_frames": self.load["num_frames"]} if "num_frames" in self.load else {}
+        length = self.load.get("max_sequence_length", "null")
+        return {"model.resolution": self.load["resolution"], "model.max_sequence_length": length, **frames}
+
+    @property
+    def run_settings(self) -> dict:
+        """The config overrides that shrink a run onto the family's tiny pipeline: :attr:`model_settings` and
+        :attr:`train`."""
+        return {**self.model_settings, **self.train}
+
+    @property
+    def train(self) -> dict:
+        """Overrides of a shrunk training run (beside ``tests/conftest.py``'s ``tiny_overrides``): the rewards of
+        :data:`VIDEO_TRAIN` or :data:`IMAGE_TRAIN`, the trained guidance scale where :attr:`guided` (or a video
+        family), and :attr:`extra`."""
+        scale = self.guidance[0]
+        guided = {"sampling.guidance_scale": scale, "eval.guidance_scale": scale} if self.guided or self.video else {}
+        return {**(VIDEO_TRAIN if self.video else IMAGE_TRAIN), **guided, **self.extra}
+
+    def stock_images(self, folder: Path, model, metas: list[dict], num_steps: int, guidance_scale: float, **kwargs):
+        """:attr:`stock` from the noise :func:`flowrl.evaluation.generate` draws for seeds ``0..len(metas)-1``
+        (``kwargs``: the suite's ``negative_prompt``)."""
+        return self.stock(folder, model, metas, noise(model, len(metas)), num_steps, guidance_scale, **kwargs)
 
 
 def brightness(images, prompts, metadata):
@@ -90,367 +171,144 @@ def source_brightness(images, prompts, metadata):
 source_brightness.accepts_video = True
 
 
-def noise(model, n: int) -> torch.Tensor:
-    """The noise :func:`flowrl.evaluation.generate` draws for seeds ``0..n-1``: ``(n, *model.latent_shape)``."""
-    return torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in range(n)])
+def _references(spec: TinyFamily) -> TinyFamily:
+    """A FLUX.2 family's second entry: records with reference images, checked at its CFG scale only (the negative
+    sees the references too)."""
+    return dataclasses.replace(spec, id=f"{spec.id}-references", guidance=spec.guidance[:1], prompts="references")
 
 
-def _builder(module: str, name: str) -> Callable[[Path], Path]:
-    """The factory ``module.name(folder)``, imported when the family is first built (a family's test module is
-    imported only by the tests that use it)."""
-
-    def build(folder: Path) -> Path:
-        return getattr(importlib.import_module(module), name)(folder)
-
-    return build
+def _ddpm(id: str, build, stock: Stock, scale: float, stock_kwargs: dict) -> TinyFamily:
+    """A DDPM family (a UNet seen as a flow model): GRPO trains it on DDPM's kernels, and it refuses the flow-matching
+    loss on clean samples and Flash re-spacing (:data:`DDPM_REFUSES`); checked at CFG ``scale`` and without."""
+    ddpm = dict(trains="flow_grpo", refuses=DDPM_REFUSES)
+    return TinyFamily(id, build, stock, guidance=(scale, 1.0), stock_kwargs=stock_kwargs, **ddpm)
 
 
-def _stock_from_noise(module: str, name: str) -> Stock:
-    """A family module's stock function ``module.name(folder, model, metas, noise, num_steps, guidance_scale,
-    **kwargs)``, given :func:`noise`'s noise for seeds ``0..B-1`` (``kwargs``: the suite's ``negative_prompt``)."""
-
-    def stock(folder, model, metas, num_steps, guidance_scale, **kwargs):
-        stock_images = getattr(importlib.import_module(module), name)
-        return stock_images(folder, model, metas, noise(model, len(metas)), num_steps, guidance_scale, **kwargs)
-
-    return stock
-
-
-def _pt(folder: Path, cls_name: str, **kwargs):
-    import diffusers
-
-    pipe = getattr(diffusers, cls_name).from_pretrained(folder, **kwargs)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def _prompts(metas: list[dict]) -> list[str]:
-    return [m["prompt"] for m in metas]
-
-
-def _sd3_stock(folder, model, metas, num_steps, guidance_scale):
-    pipe = _pt(folder, "StableDiffusion3Pipeline", **NO_T5)
-    if pipe.vae.config.shift_factor is None:  # the random VAE has none; the stock decode adds it (flowrl: 0)
-        pipe.vae.register_to_config(shift_factor=0.0)
-    with torch.no_grad():
-        return pipe(
-            _prompts(metas),
-            latents=noise(model, len(metas)),
-            num_inference_steps=num_steps,
-            guidance_scale=guidance_scale,
-            height=model.resolution,
-            width=model.resolution,
-            max_sequence_length=model.max_sequence_length,
-            output_type="pt",
-        ).images
-
-
-def _flux_stock(folder, model, metas, num_steps, guidance_scale):
-    pipe = _pt(folder, "FluxPipeline")
-    c, h, w = model.latent_shape
-    cfg = {} if model.guidance_embeds else {"true_cfg_scale": guidance_scale, "negative_prompt": ""}
-    with torch.no_grad():
-        return pipe(
-            _prompts(metas),
-            latents=pipe._pack_latents(noise(model, len(metas)), len(metas), c, h, w),
-            num_inference_steps=num_steps,
-            guidance_scale=guidance_scale,
-            height=model.resolution,
-            width=model.resolution,
-            max_sequence_length=model.max_sequence_length,
-            output_type="pt",
-            **cfg,
-        ).images
-
-
-def _kontext_stock(folder, model, metas, num_steps, guidance_scale):
-    from PIL import Image
-
-    pipe = _pt(folder, "FluxKontextPipeline")
-    c, h, w = model.latent_shape
-    side = model.resolution
-    with torch.no_grad():
-        return pipe(
-            prompt=_prompts(metas),
-            image=[Image.open(m["image"]).convert("RGB") for m in metas],
-            latents=pipe._pack_latents(noise(model, len(metas)), len(metas), c, h, w),
-            num_inference_steps=num_steps,
-            guidance_scale=guidance_scale,
-            height=side,
-            width=side,
-            max_area=side * side,
-            _auto_resize=False,
-            max_sequence_length=model.max_sequence_length,
-            output_type="pt",
-        ).images
-
-
-def _ddim_stock(cls_name: str, **load):
-    def stock(folder, model, metas, num_steps, guidance_scale):
-        from diffusers import DDIMScheduler
-
-        pipe = _pt(folder, cls_name, **load)
-        pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)  # what flowrl samples: DDIM, eta 0
-        with torch.no_grad():
-            return pipe(
-                _prompts(metas),
-                latents=noise(model, len(metas)),
-                num_inference_steps=num_steps,
-                guidance_scale=guidance_scale,
-                eta=0.0,
-                height=model.resolution,
-                width=model.resolution,
-                output_type="pt",
-            ).images
-
-    return stock
-
-
-def _qwen_stock(folder, model, metas, num_steps, guidance_scale):
-    pipe = _pt(folder, "QwenImagePipeline")
-    c, h, w = model.latent_shape
-    with torch.no_grad():
-        return pipe(
-            _prompts(metas),
-            negative_prompt="" if guidance_scale > 1 else None,
-            true_cfg_scale=guidance_scale,
-            latents=pipe._pack_latents(noise(model, len(metas)), len(metas), c, h, w),
-            num_inference_steps=num_steps,
-            height=model.resolution,
-            width=model.resolution,
-            max_sequence_length=model.max_sequence_length,
-            output_type="pt",
-        ).images
-
-
-def _video_stock(cls_name: str):
-    def stock(folder, model, metas, num_steps, guidance_scale, negative_prompt=None):
-        pipe = _pt(folder, cls_name)
-        with torch.no_grad():
-            return pipe(
-                _prompts(metas),
-                negative_prompt=[negative_prompt] * len(metas) if negative_prompt else None,
-                latents=noise(model, len(metas)),
-                num_frames=model.num_frames,
-                height=model.resolution,
-                width=model.resolution,
-                num_inference_steps=num_steps,
-                guidance_scale=guidance_scale,
-                max_sequence_length=model.max_sequence_length,
-                output_type="pt",
-            ).frames
-
-    return stock
-
-
-NO_T5 = {"text_encoder_3": None, "tokenizer_3": None}
-"""The tiny SD3 pipelines have no T5 encoder (``null`` is not saved in ``model_index.json``)."""
-DDPM_REFUSES = ("diffusion_nft", "mix_grpo_flash")
-"""What the DDPM families (SD 1.x, SDXL) refuse: the flow-matching loss on clean samples and Flash re-spacing."""
-IMAGE_TRAIN = {"rewards.geneval": "null", "rewards.jpeg_compressibility.weight": 1.0}
-VIDEO_TRAIN = {"rewards.geneval": "null", "rewards.families:brightness.weight": 1.0}
-
-FAMILIES: dict[str, TinyFamily] = {
-    f.id: f
-    for f in (
+def _families() -> list[TinyFamily]:
+    """The entries of :data:`FAMILIES`, images first (guidance (4, 1) and 32 px unless an entry says otherwise)."""
+    flux = {"resolution": 32, "max_sequence_length": 8}
+    qwen3 = {"resolution": 32, "max_sequence_length": 64}  # Z-Image and FLUX.2: the chat template fits
+    sana = {"resolution": 32, "max_sequence_length": 16}
+    klein = TinyFamily("Flux2KleinModel", build_random_flux2_klein_pipeline, stock_flux2_klein, qwen3)
+    dev = TinyFamily("Flux2Model", build_random_flux2_pipeline, stock_flux2, qwen3)
+    images = [
         TinyFamily(
-            "SD3Model",
-            _builder("conftest", "build_random_pipeline"),
-            {"resolution": 32},
-            _sd3_stock,
-            (4.5, 1.0),
-            IMAGE_TRAIN,
-            stock_kwargs=NO_T5,
-            offline=True,
+            "SD3Model", build_random_sd3_pipeline, stock_sd3, guidance=(4.5, 1.0), stock_kwargs=NO_T5, offline=True
         ),
         TinyFamily(
-            "FluxModel",
-            _builder("conftest", "build_random_flux_pipeline"),
-            {"resolution": 32, "max_sequence_length": 8},
-            _flux_stock,
-            (3.5, 1.0),
-            {**IMAGE_TRAIN, "sampling.guidance_scale": 3.5, "eval.guidance_scale": 3.5},
-            offline=True,
+            "FluxModel", build_random_flux_pipeline, stock_flux, flux, guidance=(3.5, 1.0), guided=True, offline=True
         ),
         TinyFamily(
             "FluxKontextModel",
-            _builder("test_flux_kontext", "build_random_kontext_pipeline"),
-            {"resolution": 32, "max_sequence_length": 8},
-            _kontext_stock,
-            (2.5, 1.0),
-            {**IMAGE_TRAIN, "sampling.guidance_scale": 2.5, "eval.guidance_scale": 2.5},
+            build_random_kontext_pipeline,
+            stock_flux_kontext,
+            flux,
+            guidance=(2.5, 1.0),
+            guided=True,
             prompts="edit",
         ),
-        TinyFamily(
-            "SD15Model",
-            _builder("flowrl.tiny.sd15", "build_random_sd15_pipeline"),
-            {"resolution": 32},
-            _ddim_stock("StableDiffusionPipeline", safety_checker=None, feature_extractor=None),
-            (4.5, 1.0),
-            IMAGE_TRAIN,
-            stock_kwargs={"safety_checker": None, "feature_extractor": None},
-            trains="flow_grpo",
-            refuses=DDPM_REFUSES,
-        ),
-        TinyFamily(
-            "SDXLModel",
-            _builder("test_sdxl", "build_random_sdxl_pipeline"),
-            {"resolution": 32},
-            _ddim_stock("StableDiffusionXLPipeline", add_watermarker=False),
-            (5.0, 1.0),
-            IMAGE_TRAIN,
-            stock_kwargs={"add_watermarker": False},
-            trains="flow_grpo",
-            refuses=DDPM_REFUSES,
-        ),
-        TinyFamily(
-            "QwenImageModel",
-            _builder("test_qwen_image", "build_random_qwen_image_pipeline"),
-            {"resolution": 32},
-            _qwen_stock,
-            (4.0, 1.0),
-            IMAGE_TRAIN,
-        ),
+        _ddpm("SD15Model", build_random_sd15_pipeline, stock_sd15, 4.5, SD15_STOCK),
+        _ddpm("SDXLModel", build_random_sdxl_pipeline, stock_sdxl, 5.0, SDXL_STOCK),
+        TinyFamily("QwenImageModel", build_random_qwen_image_pipeline, stock_qwen_image),
         TinyFamily(
             "QwenImageEditModel",
-            _builder("test_qwen_image_edit", "build_random_qwen_image_edit_pipeline"),
+            build_random_qwen_image_edit_pipeline,
+            stock_qwen_image_edit,
             {"resolution": 32, "source_resolution": 64},
-            _stock_from_noise("test_qwen_image_edit", "stock_qwen_image_edit"),
-            (4.0, 1.0),
-            {**IMAGE_TRAIN, "model.options.source_resolution": 64},
+            extra={"model.options.source_resolution": 64},
             prompts="edit",
         ),
-        TinyFamily(
-            "ZImageModel",
-            _builder("test_z_image", "build_random_z_image_pipeline"),
-            {"resolution": 32, "max_sequence_length": 64},
-            _stock_from_noise("test_z_image", "stock_z_image"),
-            (4.0, 1.0),
-            IMAGE_TRAIN,
-            offline=True,
-        ),
-        TinyFamily(
-            "SanaModel",
-            _builder("test_sana", "build_random_sana_pipeline"),
-            {"resolution": 32, "max_sequence_length": 16},
-            _stock_from_noise("test_sana", "stock_sana"),
-            (4.5, 1.0),
-            IMAGE_TRAIN,
-        ),
+        TinyFamily("ZImageModel", build_random_z_image_pipeline, stock_z_image, qwen3, offline=True),
+        TinyFamily("SanaModel", build_random_sana_pipeline, stock_sana, sana, guidance=(4.5, 1.0)),
         TinyFamily(
             "SanaSprintModel",
-            _builder("test_sana", "build_random_sana_sprint_pipeline"),
-            {"resolution": 32, "max_sequence_length": 16},
-            _stock_from_noise("test_sana", "stock_sana_sprint"),
-            (4.5, 1.0),
-            {**IMAGE_TRAIN, "sampling.guidance_scale": 4.5, "eval.guidance_scale": 4.5},
+            build_random_sana_sprint_pipeline,
+            stock_sana_sprint,
+            sana,
+            guidance=(4.5, 1.0),
+            guided=True,
         ),
-        TinyFamily(
-            "Flux2KleinModel",
-            _builder("test_flux2", "build_random_flux2_klein_pipeline"),
-            {"resolution": 32, "max_sequence_length": 64},
-            _stock_from_noise("test_flux2", "stock_flux2_klein"),
-            (4.0, 1.0),
-            IMAGE_TRAIN,
-        ),
-        TinyFamily(
-            "Flux2Model",
-            _builder("test_flux2", "build_random_flux2_pipeline"),
-            {"resolution": 32, "max_sequence_length": 64},
-            _stock_from_noise("test_flux2", "stock_flux2"),
-            (4.0, 1.0),
-            IMAGE_TRAIN,
-        ),
-        TinyFamily(
-            "Flux2KleinModel-references",
-            _builder("test_flux2", "build_random_flux2_klein_pipeline"),
-            {"resolution": 32, "max_sequence_length": 64},
-            _stock_from_noise("test_flux2", "stock_flux2_klein"),
-            (4.0,),  # CFG: the negative sees the references too
-            IMAGE_TRAIN,
-            prompts="references",
-        ),
-        TinyFamily(
-            "Flux2Model-references",
-            _builder("test_flux2", "build_random_flux2_pipeline"),
-            {"resolution": 32, "max_sequence_length": 64},
-            _stock_from_noise("test_flux2", "stock_flux2"),
-            (4.0,),
-            IMAGE_TRAIN,
-            prompts="references",
-        ),
-        TinyFamily(
-            "WanModel",
-            _builder("test_wan", "build_random_wan_pipeline"),
-            {"resolution": 16, "num_frames": 5, "max_sequence_length": 16},
-            _video_stock("WanPipeline"),
-            (4.0, 1.0),
-            {**VIDEO_TRAIN, "sampling.guidance_scale": 4.0, "eval.guidance_scale": 4.0},
-            prompts="video",
-            negative_prompt=True,
-        ),
+        klein,
+        dev,
+        _references(klein),
+        _references(dev),
+    ]
+    video = {"resolution": 32, "num_frames": 5, "max_sequence_length": 16}
+    ltx = {"resolution": 32, "num_frames": 9, "max_sequence_length": 16}  # LTX's frames: 8k + 1
+    small = {"resolution": 16, "num_frames": 5, "max_sequence_length": 16}  # the image-to-video pipelines' 16 px
+    negative = dict(negative_prompt=True)  # a video family takes a negative prompt, bar HunyuanVideo
+    videos = [
+        TinyFamily("WanModel", build_random_wan_pipeline, stock_wan, small, prompts="video", **negative),
         TinyFamily(
             "WanImageToVideoModel",
-            _builder("test_wan_i2v", "build_random_wan_i2v_pipeline"),
+            build_random_wan_i2v_pipeline,
+            stock_wan_i2v,
             {"resolution": 16, "num_frames": 5},
-            _stock_from_noise("test_wan_i2v", "stock_wan_i2v"),
-            (5.0, 1.0),
-            {**VIDEO_TRAIN, "sampling.guidance_scale": 5.0, "eval.guidance_scale": 5.0},
+            guidance=(5.0, 1.0),
             prompts="i2v",
-            negative_prompt=True,
+            **negative,
         ),
         TinyFamily(
             "HunyuanVideoModel",
-            _builder("test_hunyuan_video", "build_random_hunyuan_pipeline"),
-            {"resolution": 32, "num_frames": 5, "max_sequence_length": 16},
-            _video_stock("HunyuanVideoPipeline"),
-            (6.0, 1.0),
-            {**VIDEO_TRAIN, "sampling.guidance_scale": 6.0, "eval.guidance_scale": 6.0},
+            build_random_hunyuan_pipeline,
+            stock_hunyuan_video,
+            video,
+            guidance=(6.0, 1.0),
             prompts="video",
         ),
-        TinyFamily(
-            "LTXVideoModel",
-            _builder("test_ltx", "build_random_ltx_pipeline"),
-            {"resolution": 32, "num_frames": 9, "max_sequence_length": 16},
-            _stock_from_noise("test_ltx", "stock_ltx"),
-            (4.0, 1.0),
-            {**VIDEO_TRAIN, "sampling.guidance_scale": 4.0, "eval.guidance_scale": 4.0},
-            prompts="video",
-            negative_prompt=True,
-        ),
-        TinyFamily(
-            "LTX2Model",
-            _builder("test_ltx2", "build_random_ltx2_pipeline"),
-            {"resolution": 32, "num_frames": 9, "max_sequence_length": 16},
-            _stock_from_noise("test_ltx2", "stock_ltx2"),
-            (4.0, 1.0),
-            {**VIDEO_TRAIN, "sampling.guidance_scale": 4.0, "eval.guidance_scale": 4.0},
-            prompts="video",
-            negative_prompt=True,
-        ),
+        TinyFamily("LTXVideoModel", build_random_ltx_pipeline, stock_ltx, ltx, prompts="video", **negative),
+        TinyFamily("LTX2Model", build_random_ltx2_pipeline, stock_ltx2, ltx, prompts="video", **negative),
         TinyFamily(
             "HunyuanVideo15Model",
-            _builder("test_hunyuan_video15", "build_random_hunyuan_video15_pipeline"),
-            {"resolution": 32, "num_frames": 5, "max_sequence_length": 16},
-            _stock_from_noise("test_hunyuan_video15", "stock_hunyuan_video15"),
-            (6.0, 1.0),
-            {**VIDEO_TRAIN, "sampling.guidance_scale": 6.0, "eval.guidance_scale": 6.0},
+            build_random_hunyuan_video15_pipeline,
+            stock_hunyuan_video15,
+            video,
+            guidance=(6.0, 1.0),
             prompts="video",
-            negative_prompt=True,
+            **negative,
         ),
         TinyFamily(
             "HunyuanVideo15ImageToVideoModel",
-            _builder("test_hunyuan_video15_i2v", "build_random_hunyuan_video15_i2v_pipeline"),
-            {"resolution": 16, "num_frames": 5, "max_sequence_length": 16},
-            _stock_from_noise("test_hunyuan_video15_i2v", "stock_hunyuan_video15_i2v"),
-            (6.0, 1.0),
-            {**VIDEO_TRAIN, "sampling.guidance_scale": 6.0, "eval.guidance_scale": 6.0},
+            build_random_hunyuan_video15_i2v_pipeline,
+            stock_hunyuan_video15_i2v,
+            small,
+            guidance=(6.0, 1.0),
             prompts="i2v",
-            negative_prompt=True,
+            **negative,
         ),
-    )
-}
+    ]
+    return images + videos
+
+
+FAMILIES: dict[str, TinyFamily] = {f.id: f for f in _families()}
 """Every family the conformance suite runs, by adapter class name."""
+
+
+def source_prompt_files(folder: Path, sizes: Callable[[int], list[tuple[int, int]]]) -> tuple[Path, Path]:
+    """Train and test prompt files in ``folder`` of the tiny world's prompts (12 each), record ``i`` with random RGB
+    source images of ``sizes(i)`` (``(width, height)`` px each, under ``folder/sources``, paths relative to the file):
+    one as its ``image`` (``sources/<split><i>.png``), several as its ``images`` (``sources/<split><i>-<k>.png``)."""
+    from PIL import Image
+
+    from flowrl.data import write_jsonl
+    from flowrl.tiny.prompts import split
+
+    (folder / "sources").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for name, metas in zip(("train", "test"), split(0)):
+        records = []
+        for i, m in enumerate(metas[:12]):
+            shapes = sizes(i)
+            images = (
+                [f"sources/{name}{i}.png"]
+                if len(shapes) == 1
+                else [f"sources/{name}{i}-{k}.png" for k in range(len(shapes))]
+            )
+            for image, (w, h) in zip(images, shapes):
+                Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / image)
+            records.append({**m, "image": images[0]} if len(images) == 1 else {**m, "images": images})
+        write_jsonl(records, folder / f"{name}.jsonl")
+    return folder / "train.jsonl", folder / "test.jsonl"
 
 
 def prompt_files(kind: str, folder: Path) -> tuple[Path, Path]:
@@ -459,7 +317,10 @@ def prompt_files(kind: str, folder: Path) -> tuple[Path, Path]:
     from flowrl.tiny.prompts import split
 
     folder.mkdir(parents=True, exist_ok=True)
-    train, test = split(0)
+    if kind == "edit":
+        return source_prompt_files(folder, lambda i: [(32, 32)])
+    if kind == "references":  # FLUX.2: sources of >= 64 px (its pipelines refuse smaller), one or two per record
+        return source_prompt_files(folder, lambda i: [(64, 64)] if i % 2 == 0 else [(80, 64), (64, 72)])  # 72: cropped
     if kind in ("video", "i2v"):
         prompts = ["a red circle moving left", "two blue squares moving up", "a green star moving right"]
         records = [{"prompt": p, "tag": "motion"} for p in prompts]
@@ -474,33 +335,8 @@ def prompt_files(kind: str, folder: Path) -> tuple[Path, Path]:
         lines = [json.dumps(r) for r in records]
         (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
         (folder / "test.jsonl").write_text("\n".join(lines[:2]) + "\n")
-    elif kind == "references":  # FLUX.2: sources of >= 64 px (its pipelines refuse smaller), one or two per record
-        from PIL import Image
-
-        (folder / "sources").mkdir(exist_ok=True)
-        rng = np.random.default_rng(0)
-        for name, metas in (("train", train), ("test", test)):
-            records = []
-            for i, m in enumerate(metas[:12]):
-                sizes = [(64, 64)] if i % 2 == 0 else [(80, 64), (64, 72)]  # (width, height); 72: cropped to 64
-                images = [f"sources/{name}{i}-{k}.png" for k in range(len(sizes))]
-                for image, (w, h) in zip(images, sizes):
-                    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(folder / image)
-                records.append({**m, "image": images[0]} if len(images) == 1 else {**m, "images": images})
-            write_jsonl(records, folder / f"{name}.jsonl")
-    elif kind == "edit":
-        from PIL import Image
-
-        (folder / "sources").mkdir(exist_ok=True)
-        rng = np.random.default_rng(0)
-        for name, metas in (("train", train), ("test", test)):
-            records = []
-            for i, m in enumerate(metas[:12]):
-                image = f"sources/{name}{i}.png"
-                Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(folder / image)
-                records.append({**m, "image": image})
-            write_jsonl(records, folder / f"{name}.jsonl")
     else:
+        train, test = split(0)
         write_jsonl(train, folder / "train.jsonl")
         write_jsonl(test, folder / "test.jsonl")
     return folder / "train.jsonl", folder / "test.jsonl"

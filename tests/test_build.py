@@ -193,13 +193,13 @@ def test_a_finished_build_is_not_overwritten_unless_asked(module, folder, tmp_pa
 def test_saved_pipeline_loads_in_float32_in_stock_diffusers(tmp_path):
     import json
 
-    from conftest import build_random_pipeline
     from diffusers import StableDiffusion3Pipeline
+    from tiny_pipelines.sd3 import build_random_sd3_pipeline
 
     from flowrl.tiny.build import _save_pipeline
 
     half = StableDiffusion3Pipeline.from_pretrained(
-        build_random_pipeline(tmp_path / "src"), text_encoder_3=None, tokenizer_3=None, dtype=torch.float16
+        build_random_sd3_pipeline(tmp_path / "src"), text_encoder_3=None, tokenizer_3=None, dtype=torch.float16
     )
     _save_pipeline(tmp_path / "out", half.transformer, half.vae, half.text_encoder, half.tokenizer)
     for name in ("text_encoder", "text_encoder_2"):

@@ -51,14 +51,7 @@ def _config(spec: TinyFamily, folder: Path, prompts, preset: str, out: Path, **e
     """The preset's config file and the overrides that shrink it onto the family's tiny pipeline."""
     cfg = load_config(REPO / "configs" / f"{preset}.yaml")
     train, test = prompts
-    settings = {
-        "model.resolution": spec.load["resolution"],
-        "model.max_sequence_length": spec.load.get("max_sequence_length", "null"),
-        **({"model.num_frames": spec.load["num_frames"]} if "num_frames" in spec.load else {}),
-        **spec.train,
-        **shape_overrides(cfg),
-        **extra,
-    }
+    settings = {**spec.run_settings, **shape_overrides(cfg), **extra}
     return REPO / "configs" / f"{preset}.yaml", tiny_overrides(folder, train, test, out, **settings)
 
 
@@ -73,7 +66,7 @@ def test_ode_sampling_equals_the_stock_pipeline(family):
     images = []
     for guidance in spec.guidance:
         ours = generate(model, [m["prompt"] for m in metas], [0, 1], 3, guidance, metas=metas)
-        stock = spec.stock(folder, model, metas, 3, guidance)
+        stock = spec.stock_images(folder, model, metas, 3, guidance)
         assert ours.shape == stock.shape and ours.shape[0] == 2
         torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
         images.append(ours)
@@ -82,7 +75,7 @@ def test_ode_sampling_equals_the_stock_pipeline(family):
     if spec.negative_prompt:  # as the stock pipeline's negative_prompt
         model.negative_prompt = "blurry static"
         ours = generate(model, [m["prompt"] for m in metas], [0, 1], 3, spec.guidance[0], metas=metas)
-        stock = spec.stock(folder, model, metas, 3, spec.guidance[0], negative_prompt=model.negative_prompt)
+        stock = spec.stock_images(folder, model, metas, 3, spec.guidance[0], negative_prompt=model.negative_prompt)
         torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
         assert (ours - images[0]).abs().max() > 1e-3  # the negative prompt matters
 

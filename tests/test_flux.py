@@ -4,11 +4,12 @@ stock pipeline loads."""
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, build_random_flux_pipeline, shape_overrides, tiny_overrides
+from conftest import RECIPE_SIZES, REPO, read_metrics, shape_overrides, shrink_recipe, tiny_overrides, tiny_pipeline
+from tiny_pipelines.common import noise
+from tiny_pipelines.flux import build_random_flux_pipeline, stock_flux
 
 from flowrl.config import ConfigError, load_config
 from flowrl.models import FluxModel, SD3Model, load_model, model_class
@@ -17,30 +18,8 @@ from flowrl.trainer import Trainer
 PROMPTS = ["a photo of a red star", "a photo of two circles"]
 
 
-@pytest.fixture(scope="module")
-def schnell_like(tmp_path_factory) -> Path:
-    """A FLUX pipeline whose transformer is not guidance-distilled (as FLUX.1-schnell)."""
-    return build_random_flux_pipeline(tmp_path_factory.mktemp("random-flux-cfg"), guidance_embeds=False)
-
-
-def _stock_images(folder: Path, model: FluxModel, num_steps: int, **kwargs) -> torch.Tensor:
-    """The stock FluxPipeline's images, with its own schedule, from the noise of `flowrl.evaluation.generate` (seeds 0, 1)."""
-    from diffusers import FluxPipeline
-
-    pipe = FluxPipeline.from_pretrained(folder)
-    c, h, w = model.latent_shape
-    noise = torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
-    with torch.no_grad():
-        return pipe(
-            PROMPTS,
-            latents=pipe._pack_latents(noise, 2, c, h, w),
-            num_inference_steps=num_steps,
-            height=model.resolution,
-            width=model.resolution,
-            max_sequence_length=model.max_sequence_length,
-            output_type="pt",
-            **kwargs,
-        ).images
+# A FLUX pipeline whose transformer is not guidance-distilled (as FLUX.1-schnell).
+schnell_like = tiny_pipeline("schnell_like", build_random_flux_pipeline, guidance_embeds=False)
 
 
 def test_adapter_is_picked_from_model_index(random_flux_pipeline, random_pipeline, tmp_path):
@@ -71,7 +50,7 @@ def test_classifier_free_guidance_samples_as_the_stock_true_cfg(schnell_like):
     model = load_model(schnell_like, max_sequence_length=8, resolution=32)
     assert model.cfg_rows(4.5) == 2 and model.cfg_rows(1.0) == 1
     ours = generate(model, PROMPTS, [0, 1], num_steps=3, guidance_scale=4.5)
-    stock = _stock_images(schnell_like, model, 3, true_cfg_scale=4.5, negative_prompt="")
+    stock = stock_flux(schnell_like, model, [{"prompt": p} for p in PROMPTS], noise(model, 2), 3, 4.5)  # true CFG
     torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
 
 
@@ -82,30 +61,14 @@ def test_dance_grpo_flux_recipe_trains_and_the_lora_loads_in_stock_diffusers(
     no download)."""
     from diffusers import FluxPipeline
 
-    train, test = prompt_files
-    over = tiny_overrides(
-        random_flux_pipeline,
-        train,
-        test,
-        tmp_path / "run",
-        **{
-            "run.mixed_precision": "no",
-            "model.dtype": "float32",
-            "model.resolution": 32,
-            "model.max_sequence_length": 8,
-            "model.lora_rank": 2,
-            "rewards.hpsv2": "null",
-            "rewards.jpeg_compressibility.weight": 1.0,
-            "sampling.group_size": 4,
-            "sampling.batch_size": 8,
-        },
-    )
-    cfg = load_config(REPO / "configs" / "recipes" / "flux_dance_grpo.yaml", over)
+    settings = {"model.resolution": 32, "model.max_sequence_length": 8, "model.lora_rank": 2, "rewards.hpsv2": "null"}
+    settings.update({"rewards.jpeg_compressibility.weight": 1.0, **RECIPE_SIZES})
+    cfg = shrink_recipe("flux_dance_grpo", random_flux_pipeline, prompt_files, tmp_path / "run", **settings)
     assert cfg.sampling.kernel == "dance_sde" and cfg.sampling.guidance_scale == 3.5 and cfg.sampling.shift == 3.0
     trainer = Trainer(cfg)
     assert isinstance(trainer.model, FluxModel)
     trainer.train()
-    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(tmp_path / "run")
     assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
     # one transformer row per velocity (distilled guidance): the 2 groups' shared noise once, then 8 images x 2 steps
     assert metrics[0]["cost/nfe"] == 2 + 8 * 2
@@ -160,7 +123,7 @@ def test_rollout_shapes_and_nft_run_on_flux(preset, tmp_path, random_flux_pipeli
     over = tiny_overrides(random_flux_pipeline, train, test, tmp_path / "run", **extra)
     result = Trainer(load_config(REPO / "configs" / f"{preset}.yaml", over)).train()
     assert result["after"]["n_images"] > 0
-    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(tmp_path / "run")
     assert all(m["cost/trained_transitions"] > 0 and m["policy/optimizer_steps"] > 0 for m in metrics)
     if cfg.train.method == "grpo":
         assert all(m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)

@@ -1,6 +1,6 @@
 """The FLUX.2 adapters (`flowrl.models.Flux2KleinModel`, `flowrl.models.Flux2Model`) on tiny random Flux2KleinPipelines
 (a tiny 27-layer Qwen3 text encoder, since the pipeline reads hidden states 9, 18 and 27, with the offline tokenizer
-and the Qwen3 chat template of tests/test_z_image.py) and Flux2Pipelines (a tiny 30-layer Mistral 3 with a
+and the Qwen3 chat template of tests/tiny_pipelines/text.py) and Flux2Pipelines (a tiny 30-layer Mistral 3 with a
 PixtralProcessor built offline) : what is special to FLUX.2. The conformance suite (tests/test_conformance.py,
 families ``Flux2KleinModel`` and ``Flux2Model``, and ``Flux2KleinModel-references`` and ``Flux2Model-references`` on
 records with reference images) checks sampling against the stock pipelines, the ratio, resume, LoRA and full
@@ -13,7 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, shape_overrides, tiny_overrides, train_shrunk_recipe
+from conftest import (
+    RECIPE_SIZES,
+    REPO,
+    WHOLE_MINIBATCHES,
+    no_download,
+    shrink_recipe,
+    tiny_overrides,
+    tiny_pipeline,
+    train_shrunk_recipe,
+)
+from families import prompt_files as write_prompt_files
+from tiny_pipelines.flux2 import build_random_flux2_klein_pipeline, build_random_flux2_pipeline
 
 from flowrl.config import ConfigError, load_config
 from flowrl.models import Flux2KleinModel, Flux2Model, load_model, model_class
@@ -23,243 +34,8 @@ SIDE = 32  # px: VAE factor 4, 8 x 8 latents, 4 x 4 patchified latents (16 token
 LENGTH = 64  # prompt tokens: the chat template and the tiny world's prompts fit
 
 
-def build_random_flux2_klein_pipeline(folder: Path, distilled: bool = False) -> Path:
-    """Save a random-weight Flux2KleinPipeline to ``folder`` (seeded; seconds): a 27-layer Qwen3ForCausalLM (hidden
-    16) with the offline Qwen2 tokenizer and Qwen3's chat template, an AutoencoderKLFlux2 of factor 4 with 4 latent
-    channels and random batch-norm statistics (so that decoding checks the de-normalisation), a Flux2 transformer of
-    one dual- and one single-stream block (16 input channels: 4 x the 2x2 patches) without guidance embedding, and
-    klein's scheduler config (dynamic exponential shifting: the pipeline passes ``mu``). ``distilled`` sets the
-    pipeline's ``is_distilled`` (klein 4B / 9B; False: a base model, sampled with CFG)."""
-    from diffusers import (
-        AutoencoderKLFlux2,
-        FlowMatchEulerDiscreteScheduler,
-        Flux2KleinPipeline,
-        Flux2Transformer2DModel,
-    )
-    from test_qwen_image import build_qwen_tokenizer
-    from test_z_image import QWEN3_CHAT_TEMPLATE
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    tok = build_qwen_tokenizer()
-    tok.chat_template = QWEN3_CHAT_TEMPLATE
-    te = Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=len(tok),
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=27,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            max_position_embeddings=1024,
-            tie_word_embeddings=True,
-            bos_token_id=None,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-    )
-    vae = AutoencoderKLFlux2(
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(8, 16, 16),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=32,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        mid_block_add_attention=False,
-    )
-    vae.bn.running_mean.copy_(torch.randn(16) * 0.2)
-    vae.bn.running_var.copy_(torch.rand(16) + 0.5)
-    dit = Flux2Transformer2DModel(
-        in_channels=16,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=48,  # 3 Qwen3 layers x hidden 16
-        timestep_guidance_channels=32,
-        axes_dims_rope=(4, 4, 4, 4),
-        guidance_embeds=False,
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, time_shift_type="exponential"
-    )
-    pipe = Flux2KleinPipeline(
-        scheduler=scheduler, vae=vae, text_encoder=te, tokenizer=tok, transformer=dit, is_distilled=distilled
-    )
-    pipe.save_pretrained(folder)
-    return folder
-
-
-def _stock(
-    cls_name: str, folder: Path, model, metas: list[dict], noise: torch.Tensor, num_steps: int, guidance_scale: float
-) -> torch.Tensor:
-    """The stock pipeline ``cls_name``'s images ``(B, 3, H, W)`` float32 in [0, 1] for the prompt records ``metas``
-    from the latents ``noise (B, *model.latent_shape)`` (the patchified latents the pipeline takes as ``latents=`` and
-    packs itself): one call for text-only records; one call per record with its reference images (``image`` or
-    ``images``, opened as PIL images) as ``image=`` otherwise, since the pipeline gives every prompt of a call the
-    same references."""
-    import diffusers
-    from PIL import Image
-
-    pipe = getattr(diffusers, cls_name).from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    settings = {
-        "num_inference_steps": num_steps,
-        "guidance_scale": guidance_scale,
-        "height": model.resolution,
-        "width": model.resolution,
-        "max_sequence_length": model.max_sequence_length,
-        "output_type": "pt",
-    }
-    references = [[m["image"]] if "image" in m else m.get("images", []) for m in metas]
-    with torch.no_grad():
-        if not any(references):
-            return pipe(prompt=[m["prompt"] for m in metas], latents=noise, **settings).images
-        images = []
-        for meta, paths, z in zip(metas, references, noise):
-            image = [Image.open(p).convert("RGB") for p in paths] or None
-            images.append(pipe(prompt=[meta["prompt"]], image=image, latents=z[None], **settings).images)
-        return torch.cat(images)
-
-
-def stock_flux2_klein(
-    folder: Path, model, metas: list[dict], noise: torch.Tensor, num_steps: int, guidance_scale: float
-) -> torch.Tensor:
-    """The stock Flux2KleinPipeline's images (:func:`_stock`) at the pipeline's guidance scale (the same convention as
-    flowrl's; ignored when distilled)."""
-    return _stock("Flux2KleinPipeline", folder, model, metas, noise, num_steps, guidance_scale)
-
-
-MISTRAL_CHAT_TEMPLATE = (
-    "{%- for message in messages %}[{{ message['role'] | upper }}]"
-    "{%- for part in message['content'] %}{%- if part['type'] == 'text' %}{{ part['text'] }}{%- endif %}{%- endfor %}"
-    "[/{{ message['role'] | upper }}]{%- endfor %}"
-)
-"""A chat template of the shape Flux2Pipeline's ``format_input`` messages take (a system and a user turn whose
-contents are lists of typed parts)."""
-
-
-def build_pixtral_processor():
-    """A PixtralProcessor (the FLUX.2 [dev] tokenizer's class) built offline: a byte-level BPE of 500 tokens trained on
-    BFL's system message and the tiny world's prompts (system message and prompt fit in 40 tokens), with Pixtral's
-    image tokens, and :data:`MISTRAL_CHAT_TEMPLATE`."""
-    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-    from tokenizers.trainers import BpeTrainer
-    from transformers import PixtralImageProcessor, PixtralProcessor, PreTrainedTokenizerFast
-
-    from flowrl.tiny.prompts import split
-
-    specials = [
-        "<pad>",
-        "<s>",
-        "</s>",
-        "[IMG]",
-        "[IMG_BREAK]",
-        "[IMG_END]",
-        "[SYSTEM]",
-        "[/SYSTEM]",
-        "[USER]",
-        "[/USER]",
-    ]
-    bpe = Tokenizer(BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    train, test = split(0)
-    text = [f"[SYSTEM]{SYSTEM_MESSAGE}[/SYSTEM][USER]{m['prompt']}[/USER]" for m in train + test]
-    trainer = BpeTrainer(
-        vocab_size=500,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    bpe.train_from_iterator(text * 3, trainer)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        additional_special_tokens=specials[3:],
-    )
-    images = PixtralImageProcessor(patch_size=4, size={"longest_edge": 32})
-    return PixtralProcessor(image_processor=images, tokenizer=tok, patch_size=4, chat_template=MISTRAL_CHAT_TEMPLATE)
-
-
-def build_random_flux2_pipeline(folder: Path, guidance_embeds: bool = True) -> Path:
-    """Save a random-weight Flux2Pipeline (FLUX.2 [dev]'s layout) to ``folder`` (seeded; seconds): a
-    Mistral3ForConditionalGeneration with a 30-layer text model (hidden 16; the pipeline reads hidden states 10, 20
-    and 30) and a one-layer Pixtral vision tower, :func:`build_pixtral_processor`, and the VAE, transformer and
-    scheduler of :func:`build_random_flux2_klein_pipeline`, the transformer with a guidance embedding (``guidance_embeds``,
-    as [dev]: the guidance scale is its input)."""
-    from diffusers import Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
-
-    klein = build_random_flux2_klein_pipeline(folder / "klein")
-    base = Flux2KleinPipeline.from_pretrained(klein)
-    torch.manual_seed(0)
-    processor = build_pixtral_processor()
-    tok = processor.tokenizer
-    text = MistralConfig(
-        vocab_size=len(tok),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=30,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        max_position_embeddings=1024,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    vision = PixtralVisionConfig(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        head_dim=8,
-        image_size=32,
-        patch_size=4,
-    )
-    te = Mistral3ForConditionalGeneration(
-        Mistral3Config(
-            text_config=text,
-            vision_config=vision,
-            image_token_index=tok.convert_tokens_to_ids("[IMG]"),
-            spatial_merge_size=1,
-        )
-    )
-    transformer = base.transformer
-    if guidance_embeds:
-        transformer = Flux2Transformer2DModel.from_config({**transformer.config, "guidance_embeds": True})
-    pipe = Flux2Pipeline(
-        scheduler=base.scheduler, vae=base.vae, text_encoder=te, tokenizer=processor, transformer=transformer
-    )
-    shutil.rmtree(klein)
-    pipe.save_pretrained(folder)
-    return folder
-
-
-def stock_flux2(
-    folder: Path, model, metas: list[dict], noise: torch.Tensor, num_steps: int, guidance_scale: float
-) -> torch.Tensor:
-    """The stock Flux2Pipeline's images (:func:`_stock`) at the embedded guidance scale ``guidance_scale``."""
-    return _stock("Flux2Pipeline", folder, model, metas, noise, num_steps, guidance_scale)
-
-
-@pytest.fixture(scope="module")
-def klein(tmp_path_factory) -> Path:
-    return build_random_flux2_klein_pipeline(tmp_path_factory.mktemp("random-flux2-klein"))
-
-
-@pytest.fixture(scope="module")
-def klein_distilled(tmp_path_factory) -> Path:
-    return build_random_flux2_klein_pipeline(tmp_path_factory.mktemp("random-flux2-klein-distilled"), distilled=True)
+klein = tiny_pipeline("klein", build_random_flux2_klein_pipeline)
+klein_distilled = tiny_pipeline("klein_distilled", build_random_flux2_klein_pipeline, distilled=True)
 
 
 def test_adapter_schedule_and_decoding_are_the_pipelines(klein, klein_distilled, tmp_path):
@@ -327,29 +103,9 @@ def test_one_line_errors(klein, klein_distilled, tmp_path, prompt_files):
 def test_klein_recipe_trains_two_iterations(tmp_path, klein_distilled, prompt_files):
     """configs/recipes/flux2_klein_flow_grpo.yaml shrunk onto the tiny distilled pipeline (its 1-step SDE window and guidance 1
     kept; PickScore swapped for JPEG compressibility, which needs no download)."""
-    train, test = prompt_files
-    preset = load_config(REPO / "configs" / "recipes" / "flux2_klein_flow_grpo.yaml")
-    over = tiny_overrides(
-        klein_distilled,
-        train,
-        test,
-        tmp_path / "run",
-        **{
-            "model.dtype": "float32",
-            "model.resolution": SIDE,
-            "model.max_sequence_length": LENGTH,
-            "rewards.pickscore": "null",
-            "rewards.jpeg_compressibility.weight": 1.0,
-            "sampling.group_size": 4,
-            "sampling.batch_size": 8,
-            "train.minibatch_size": 4,
-            "train.micro_batch_size": "null",
-            "train.gradient_checkpointing": False,
-            "train.ema_decay": 0.0,
-            **shape_overrides(preset),
-        },
-    )
-    cfg = load_config(REPO / "configs" / "recipes" / "flux2_klein_flow_grpo.yaml", over)
+    settings = {"model.resolution": SIDE, "model.max_sequence_length": LENGTH, **no_download("pickscore")}
+    settings.update({**RECIPE_SIZES, "train.minibatch_size": 4, **WHOLE_MINIBATCHES, "train.ema_decay": 0.0})
+    cfg = shrink_recipe("flux2_klein_flow_grpo", klein_distilled, prompt_files, tmp_path / "run", True, **settings)
     assert cfg.sampling.window.size == 1 and cfg.sampling.guidance_scale == 1.0 and cfg.eval.guidance_scale == 1.0
     trainer = Trainer(cfg)
     assert isinstance(trainer.model, Flux2KleinModel)
@@ -358,9 +114,7 @@ def test_klein_recipe_trains_two_iterations(tmp_path, klein_distilled, prompt_fi
     assert (tmp_path / "run/lora/pytorch_lora_weights.safetensors").is_file()
 
 
-@pytest.fixture(scope="module")
-def dev(tmp_path_factory) -> Path:
-    return build_random_flux2_pipeline(tmp_path_factory.mktemp("random-flux2-dev"))
+dev = tiny_pipeline("dev", build_random_flux2_pipeline)
 
 
 def test_dev_encodes_with_mistral_and_takes_the_guidance_as_an_input(dev, tmp_path):
@@ -399,33 +153,12 @@ def test_dev_recipe_trains_two_iterations(tmp_path, dev, prompt_files, recipe):
     prompts, each with one or two) shrunk onto the tiny Flux2Pipeline (their 1-step SDE window, embedded guidance 4
     and gdpo aggregation kept; CLIP and PickScore swapped for JPEG compressibility and brightness, which need no
     download)."""
-    from families import prompt_files as write_prompt_files
-
-    train, test = prompt_files if recipe == "flux2_flow_grpo" else write_prompt_files("references", tmp_path / "p")
-    preset = load_config(REPO / "configs" / "recipes" / f"{recipe}.yaml")
-    over = tiny_overrides(
-        dev,
-        train,
-        test,
-        tmp_path / "run",
-        **{
-            "model.dtype": "float32",
-            "model.resolution": SIDE,
-            "model.max_sequence_length": LENGTH,
-            **{f"rewards.{name}": "null" for name in preset.rewards},
-            "rewards.jpeg_compressibility.weight": 1.0,
-            "rewards.families:brightness.weight": 0.5,
-            "sampling.group_size": 4,
-            "sampling.batch_size": 8,
-            "sampling.num_steps": 3,
-            "train.minibatch_size": 4,
-            "train.micro_batch_size": "null",
-            "train.gradient_checkpointing": False,
-            "train.ema_decay": 0.0,
-            **shape_overrides(preset),
-        },
-    )
-    cfg = load_config(REPO / "configs" / "recipes" / f"{recipe}.yaml", over)
+    prompts = prompt_files if recipe == "flux2_flow_grpo" else write_prompt_files("references", tmp_path / "p")
+    rewards = load_config(REPO / "configs" / "recipes" / f"{recipe}.yaml").rewards
+    settings = {"model.resolution": SIDE, "model.max_sequence_length": LENGTH, **no_download(*rewards)}
+    settings.update({"rewards.families:brightness.weight": 0.5, **RECIPE_SIZES, "sampling.num_steps": 3})
+    settings.update({"train.minibatch_size": 4, **WHOLE_MINIBATCHES, "train.ema_decay": 0.0})
+    cfg = shrink_recipe(recipe, dev, prompts, tmp_path / "run", keep_shape=True, **settings)
     assert cfg.sampling.window.size == 1 and cfg.sampling.guidance_scale == 4.0 == cfg.eval.guidance_scale
     assert cfg.train.reward_aggregation == "gdpo"
     trainer = Trainer(cfg)

@@ -2,13 +2,23 @@
 per prompt (the prompt record's "image"), sampled as the stock pipeline samples an edit, given to the rewards, and
 trained through the same trainer (configs/recipes/flux_kontext_grpo.yaml shrunk) to a LoRA the stock pipeline loads."""
 
-import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from conftest import REPO, build_random_flux_pipeline, record_reward_metadata, tiny_overrides, train_shrunk_recipe
+from conftest import (
+    RECIPE_SIZES,
+    REPO,
+    read_metrics,
+    record_reward_metadata,
+    shrink_recipe,
+    tiny_overrides,
+    tiny_pipeline,
+    train_shrunk_recipe,
+)
+from families import IMAGE_TRAIN, prompt_files
+from tiny_pipelines.common import noise
+from tiny_pipelines.flux_kontext import build_random_kontext_pipeline, stock_flux_kontext
 
 from flowrl.config import load_config
 from flowrl.data import read_jsonl, write_jsonl
@@ -19,71 +29,14 @@ PROMPTS = ["a photo of a red star", "a photo of two circles"]
 SIDE = 32  # px: the tiny pipelines' resolution (VAE factor 4, 4 x 4 packed tokens)
 
 
-def build_random_kontext_pipeline(folder: Path, guidance_embeds: bool = True) -> Path:
-    """Save a random-weight FluxKontextPipeline to ``folder``: the components of conftest's tiny FLUX pipeline."""
-    from diffusers import FluxKontextPipeline, FluxPipeline
-
-    flux = build_random_flux_pipeline(folder.parent / f"{folder.name}-flux", guidance_embeds=guidance_embeds)
-    FluxKontextPipeline(**FluxPipeline.from_pretrained(flux).components).save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def kontext(tmp_path_factory) -> Path:
-    return build_random_kontext_pipeline(tmp_path_factory.mktemp("random-kontext") / "pipe")
+kontext = tiny_pipeline("kontext", build_random_kontext_pipeline)
 
 
 @pytest.fixture(scope="module")
 def edit_prompts(tmp_path_factory) -> tuple[Path, Path]:
     """Train and test prompt files of the tiny world's prompts, each with a random 32 px source image (a path relative
-    to the file)."""
-    from PIL import Image
-
-    from flowrl.tiny.prompts import split
-
-    folder = tmp_path_factory.mktemp("edit-prompts")
-    (folder / "sources").mkdir()
-    rng = np.random.default_rng(0)
-    files = []
-    for name, metas in zip(("train", "test"), split(0)):
-        records = []
-        for i, m in enumerate(metas[:12]):
-            image = f"sources/{name}{i}.png"
-            Image.fromarray(rng.integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)).save(folder / image)
-            records.append({**m, "image": image})
-        write_jsonl(records, folder / f"{name}.jsonl")
-        files.append(folder / f"{name}.jsonl")
-    return files[0], files[1]
-
-
-def _stock_images(
-    folder: Path, model: FluxKontextModel, metas: list[dict], num_steps: int, lora=None, **kwargs
-) -> torch.Tensor:
-    """The stock FluxKontextPipeline's edits of the records' source images, with its own schedule, from the noise of
-    `flowrl.evaluation.generate` (seeds 0, 1)."""
-    from diffusers import FluxKontextPipeline
-    from PIL import Image
-
-    pipe = FluxKontextPipeline.from_pretrained(folder)
-    if lora is not None:
-        pipe.load_lora_weights(str(lora))
-    c, h, w = model.latent_shape
-    noise = torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
-    sources = [Image.open(m["image"]).convert("RGB") for m in metas]
-    with torch.no_grad():
-        return pipe(
-            prompt=[m["prompt"] for m in metas],
-            image=sources,
-            latents=pipe._pack_latents(noise, 2, c, h, w),
-            num_inference_steps=num_steps,
-            height=SIDE,
-            width=SIDE,
-            max_area=SIDE * SIDE,
-            _auto_resize=False,
-            max_sequence_length=model.max_sequence_length,
-            output_type="pt",
-            **kwargs,
-        ).images
+    to the file): the conformance suite's (:func:`families.prompt_files`)."""
+    return prompt_files("edit", tmp_path_factory.mktemp("edit-prompts"))
 
 
 def test_adapter_and_the_prompt_records_source_image(kontext, edit_prompts, tmp_path):
@@ -110,7 +63,7 @@ def test_editing_samples_as_the_stock_pipeline(kontext, edit_prompts):
     metas = read_jsonl(edit_prompts[0])[:2]
     model = load_model(kontext, max_sequence_length=8, resolution=SIDE)
     ours = generate(model, [m["prompt"] for m in metas], [0, 1], num_steps=3, guidance_scale=2.5, metas=metas)
-    stock = _stock_images(kontext, model, metas, 3, guidance_scale=2.5)
+    stock = stock_flux_kontext(kontext, model, metas, noise(model, 2), 3, 2.5)
     assert ours.shape == stock.shape == (2, 3, SIDE, SIDE)
     torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
     text_only = generate(model, [m["prompt"] for m in metas], [0, 1], num_steps=3, guidance_scale=2.5)
@@ -135,7 +88,7 @@ def test_true_cfg_gives_the_negative_the_source_image(tmp_path, edit_prompts):
     model = load_model(folder, max_sequence_length=8, resolution=SIDE)
     assert model.cfg_rows(4.5) == 2
     ours = generate(model, [m["prompt"] for m in metas], [0, 1], num_steps=3, guidance_scale=4.5, metas=metas)
-    stock = _stock_images(folder, model, metas, 3, true_cfg_scale=4.5, negative_prompt="")
+    stock = stock_flux_kontext(folder, model, metas, noise(model, 2), 3, 4.5)  # true CFG
     torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
 
 
@@ -144,26 +97,10 @@ def test_kontext_recipe_trains_rewards_see_the_source_and_the_lora_loads_in_stoc
     JPEG compressibility, which needs no download)."""
     from flowrl.evaluation import generate
 
-    train, test = edit_prompts
-    over = tiny_overrides(
-        kontext,
-        train,
-        test,
-        tmp_path / "run",
-        **{
-            "run.mixed_precision": "no",
-            "model.dtype": "float32",
-            "model.resolution": SIDE,
-            "model.max_sequence_length": 8,
-            "rewards.geneval": "null",
-            "rewards.jpeg_compressibility.weight": 1.0,
-            "sampling.group_size": 4,
-            "sampling.batch_size": 8,
-            "train.minibatch_size": 8,
-            "train.micro_batch_size": "null",
-        },
-    )
-    cfg = load_config(REPO / "configs" / "recipes" / "flux_kontext_grpo.yaml", over)
+    train, _ = edit_prompts
+    settings = {"model.resolution": SIDE, "model.max_sequence_length": 8, **IMAGE_TRAIN, **RECIPE_SIZES}
+    settings.update({"train.minibatch_size": 8, "train.micro_batch_size": "null"})
+    cfg = shrink_recipe("flux_kontext_grpo", kontext, edit_prompts, tmp_path / "run", **settings)
     assert cfg.sampling.num_steps == 3 and cfg.sampling.guidance_scale == 2.5 and cfg.sampling.noise_level == 0.9
     trainer = Trainer(cfg)
     assert isinstance(trainer.model, FluxKontextModel)
@@ -178,8 +115,9 @@ def test_kontext_recipe_trains_rewards_see_the_source_and_the_lora_loads_in_stoc
         ours = generate(
             trainer.model, [m["prompt"] for m in metas], [0, 1], num_steps=3, guidance_scale=2.5, metas=metas
         )
-    stock = _stock_images(kontext, trainer.model, metas, 3, lora=tmp_path / "run" / "lora", guidance_scale=2.5)
-    base = _stock_images(kontext, trainer.model, metas, 3, guidance_scale=2.5)
+    model, lora = trainer.model, tmp_path / "run" / "lora"
+    stock = stock_flux_kontext(kontext, model, metas, noise(model, 2), 3, 2.5, lora)
+    base = stock_flux_kontext(kontext, model, metas, noise(model, 2), 3, 2.5)
     assert (stock - base).abs().max() > 1e-4  # the LoRA changed the model
     torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
 
@@ -188,21 +126,12 @@ def test_kontext_recipe_trains_rewards_see_the_source_and_the_lora_loads_in_stoc
 @pytest.mark.parametrize("preset", ["dgpo"])
 def test_new_methods_train_on_editing_prompts(preset, tmp_path, kontext, edit_prompts):
     """The forward-process methods of 2026 and GARDO take Kontext's source images through the prompt table."""
-    extra = {
-        "run.mixed_precision": "no",
-        "model.dtype": "float32",
-        "model.resolution": SIDE,
-        "model.max_sequence_length": 8,
-        "rewards.geneval": "null",
-        "rewards.jpeg_compressibility.weight": 1.0,
-        "sampling.group_size": 4,
-        "sampling.guidance_scale": 2.5,
-        "train.minibatch_size": 8,
-        "train.gardo.auxiliary": "[]",
-    }
+    extra = {"model.dtype": "float32", "model.resolution": SIDE, "model.max_sequence_length": 8, **IMAGE_TRAIN}
+    extra.update({"sampling.group_size": 4, "sampling.guidance_scale": 2.5, "train.minibatch_size": 8})
+    extra["train.gardo.auxiliary"] = "[]"
     over = tiny_overrides(kontext, *edit_prompts, tmp_path / "run", **extra)
     trainer = Trainer(load_config(REPO / "configs" / f"{preset}.yaml", over))
     assert isinstance(trainer.model, FluxKontextModel)
     trainer.train()
-    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(tmp_path / "run")
     assert len(metrics) == 2 and all(m["policy/optimizer_steps"] > 0 for m in metrics)

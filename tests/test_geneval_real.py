@@ -5,10 +5,9 @@ records; the records -> rules -> score path is checked with injected segmenter o
 logits, and the colour classifier against its formula.
 """
 
-import gzip
-
 import pytest
 import torch
+from tiny_pipelines.clip import cut_clip_tokenizer, save_random_clip
 
 from flowrl.rewards.base import build_reward
 from flowrl.rewards.geneval import geneval
@@ -111,21 +110,6 @@ DOG, CAT = COCO_LABELS.index("dog"), COCO_LABELS.index("cat")
 QUERIES = 6
 
 
-def _tiny_clip_tokenizer(num_merges=300):
-    """A real CLIP BPE tokenizer cut to the first merges of open_clip's vocabulary file (offline)."""
-    import open_clip
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import CLIPTokenizer
-
-    with gzip.open(open_clip.tokenizer.default_bpe(), "rt", encoding="utf-8") as f:
-        lines = f.read().split("\n")[1 : num_merges + 1]  # line 0 is a version header
-    merges = [tuple(line.split()) for line in lines]
-    alphabet = sorted(ByteLevel.alphabet())
-    tokens = alphabet + [c + "</w>" for c in alphabet] + ["".join(m) for m in merges]
-    tokens += ["<|startoftext|>", "<|endoftext|>"]
-    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=merges)
-
-
 @pytest.fixture(scope="module")
 def segmenter_dir(tmp_path_factory):
     """A seeded random Mask2Former (tiny Swin backbone, COCO's 80 labels) with its image processor."""
@@ -169,30 +153,10 @@ def segmenter_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def clip_dir(tmp_path_factory):
-    """A seeded random CLIP with a cut CLIP tokenizer and a 32-pixel image processor."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-
-    tokenizer = _tiny_clip_tokenizer()
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        max_position_embeddings=32,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    vision = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8
-    )
-    torch.manual_seed(1)
-    folder = tmp_path_factory.mktemp("tiny_clip")
-    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(folder)
-    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    CLIPProcessor(image_processor=processor, tokenizer=tokenizer).save_pretrained(folder)
-    return folder
+    """A seeded random CLIP (1 + 1 layers, 32 positions, seed 1) with a cut CLIP tokenizer and a 32-pixel image
+    processor."""
+    sizes = dict(text_layers=1, vision_layers=1, positions=32, seed=1)
+    return save_random_clip(tmp_path_factory.mktemp("tiny_clip"), cut_clip_tokenizer(300), **sizes)
 
 
 @pytest.fixture(scope="module")

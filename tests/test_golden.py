@@ -99,14 +99,14 @@ def test_loop_reproduces_recorded_run(name, tmp_path, random_pipeline, prompt_fi
 if __name__ == "__main__" and "--record" in sys.argv:
     import tempfile
 
-    from conftest import build_random_pipeline
+    from tiny_pipelines.sd3 import build_random_sd3_pipeline
 
     from flowrl.data import write_jsonl
     from flowrl.tiny.prompts import split
 
     with tempfile.TemporaryDirectory() as d:
         d = Path(d)
-        model = build_random_pipeline(d / "model")
+        model = build_random_sd3_pipeline(d / "model")
         train, test = split(0)
         write_jsonl(train, d / "train.jsonl")
         write_jsonl(test, d / "test.jsonl")

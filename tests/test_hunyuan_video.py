@@ -11,153 +11,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, shape_overrides, tiny_overrides
+from conftest import REPO, read_metrics, shape_overrides, tiny_overrides, tiny_pipeline
+from families import FAMILIES
+from tiny_pipelines.common import noise, stock_pipeline
+from tiny_pipelines.hunyuan_video import PROMPTS, build_random_hunyuan_pipeline, stock_hunyuan_video
 
 from flowrl.config import ConfigError, load_config
 from flowrl.models import HunyuanVideoModel, load_model, model_class
 from flowrl.trainer import Trainer
 
-PROMPTS = ["a red circle moving left", "two blue squares moving up, then a green star appears"]  # different lengths
 SIDE, FRAMES, TOKENS = 32, 5, 16  # 32 px, 5 frames: latents (4, 2, 4, 4); 16 Llama tokens after the crop
-LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-    r"\s*[\r\n]+|\s+(?!\S)|\s+"
-)  # Llama 3's pre-tokenizer pattern (its tokenizer.json)
-LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
 
-def brightness(images, prompts, metadata):
-    """A tiny video reward: the mean brightness of each video `(B, F, 3, H, W)` in [0, 1] -> `(B,)` float32 CPU."""
-    return images.float().mean(dim=(1, 2, 3, 4)).cpu()
-
-
-brightness.accepts_video = True
-
-
-def build_llama3_tokenizer():
-    """A Llama-3-style tokenizer (byte-level BPE behind Llama 3's pre-tokenizer, ``<|begin_of_text|>`` prepended, the
-    header and end-of-turn special tokens, padding on the right) trained on HunyuanVideo's prompt template and the
-    prompts here: the template's system part is 95 tokens, as with LLaVA-Llama-3's tokenizer, so the pipeline's
-    ``crop_start`` (95) drops exactly that part. Wrapped in ``PreTrainedTokenizerFast``, the class Llama 3 ships."""
-    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
-    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
-    from tokenizers.models import BPE
-    from tokenizers.trainers import BpeTrainer
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer(BPE())
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    bpe.decoder = decoders.ByteLevel()
-    texts = [DEFAULT_PROMPT_TEMPLATE["template"].format(p) for p in PROMPTS + ["a blurry static video"]]
-    bpe.train_from_iterator(
-        texts * 3,
-        BpeTrainer(
-            vocab_size=600,
-            special_tokens=LLAMA3_SPECIALS,
-            show_progress=False,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        ),
-    )
-    bpe.post_processor = processors.TemplateProcessing(
-        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        bos_token="<|begin_of_text|>",
-        eos_token="<|end_of_text|>",
-        pad_token="<|end_of_text|>",
-        padding_side="right",
-    )
-
-
-def build_random_hunyuan_pipeline(folder: Path) -> Path:
-    """Save a random-weight HunyuanVideoPipeline to `folder`: the tokenizer above with a 3-layer Llama (hidden 32; the
-    pipeline reads the third-last hidden states), a 1-layer CLIP text model with the tiny CLIP tokenizer (77 positions:
-    the pipeline pads CLIP prompts to 77), a HunyuanVideo VAE (4 latent channels, 4x temporal, 8x spatial compression),
-    a transformer of one dual-stream, one single-stream and one refiner block with guidance embedding, and the
-    flow-matching Euler scheduler at HunyuanVideo's shift 7."""
-    from diffusers import (
-        AutoencoderKLHunyuanVideo,
-        FlowMatchEulerDiscreteScheduler,
-        HunyuanVideoPipeline,
-        HunyuanVideoTransformer3DModel,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, LlamaConfig, LlamaModel
-
-    torch.manual_seed(0)
-    tok = build_llama3_tokenizer()
-    llama = LlamaModel(
-        LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-    )
-    clip_tok = CLIPTokenizer.from_pretrained(REPO / "assets" / "tiny-sd3" / "tokenizer")
-    clip = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(clip_tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            max_position_embeddings=77,
-            bos_token_id=clip_tok.bos_token_id,
-            eos_token_id=clip_tok.eos_token_id,
-            pad_token_id=clip_tok.pad_token_id,
-        )
-    )
-    vae = AutoencoderKLHunyuanVideo(
-        latent_channels=4,
-        block_out_channels=(4, 4, 4, 4),
-        layers_per_block=1,
-        norm_num_groups=2,
-        spatial_compression_ratio=8,
-        temporal_compression_ratio=4,
-    )
-    dit = HunyuanVideoTransformer3DModel(
-        in_channels=4,
-        out_channels=4,
-        num_attention_heads=2,
-        attention_head_dim=8,
-        num_layers=1,
-        num_single_layers=1,
-        num_refiner_layers=1,
-        patch_size=2,
-        patch_size_t=1,
-        text_embed_dim=32,
-        pooled_projection_dim=32,
-        rope_axes_dim=(2, 2, 4),
-        guidance_embeds=True,
-    )
-    pipe = HunyuanVideoPipeline(
-        text_encoder=llama,
-        tokenizer=tok,
-        transformer=dit,
-        vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
-        text_encoder_2=clip,
-        tokenizer_2=clip_tok,
-    )
-    pipe.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def hunyuan(tmp_path_factory) -> Path:
-    return build_random_hunyuan_pipeline(tmp_path_factory.mktemp("random-hunyuan"))
+hunyuan = tiny_pipeline("hunyuan", build_random_hunyuan_pipeline)
 
 
 @pytest.fixture(scope="module")
@@ -174,58 +40,16 @@ def _model(folder: Path, **kwargs) -> HunyuanVideoModel:
     return load_model(folder, max_sequence_length=TOKENS, resolution=SIDE, num_frames=FRAMES, **kwargs)
 
 
-def _stock_pipe(folder: Path, lora: Path | None = None):
-    from diffusers import HunyuanVideoPipeline
-
-    pipe = HunyuanVideoPipeline.from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    if lora is not None:
-        pipe.load_lora_weights(str(lora))
-    return pipe
-
-
-def _stock_videos(pipe, model: HunyuanVideoModel, num_steps: int, guidance_scale: float, **kwargs) -> torch.Tensor:
-    """The stock HunyuanVideoPipeline's videos `(2, F, 3, H, W)` from the noise of `flowrl.evaluation.generate` (seeds 0,
-    1)."""
-    noise = torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
-    with torch.no_grad():
-        return pipe(
-            PROMPTS,
-            latents=noise,
-            num_frames=FRAMES,
-            height=SIDE,
-            width=SIDE,
-            num_inference_steps=num_steps,
-            guidance_scale=guidance_scale,
-            max_sequence_length=TOKENS,
-            output_type="pt",
-            **kwargs,
-        ).frames
+def _stock_videos(folder: Path, model: HunyuanVideoModel, guidance_scale: float, **kwargs) -> torch.Tensor:
+    """The stock HunyuanVideoPipeline's videos `(2, F, 3, H, W)` of :data:`PROMPTS` at 3 steps from the noise of
+    `flowrl.evaluation.generate` (seeds 0, 1); ``kwargs``: ``lora``, ``negative_prompt``, ``true_cfg_scale``."""
+    metas = [{"prompt": p} for p in PROMPTS]
+    return stock_hunyuan_video(folder, model, metas, noise(model, 2), 3, guidance_scale, **kwargs)
 
 
 def _video_overrides(folder: Path, prompts: tuple[Path, Path], out: Path, **extra) -> list[str]:
-    train, test = prompts
-    return tiny_overrides(
-        folder,
-        train,
-        test,
-        out,
-        **{
-            "run.mixed_precision": "no",
-            "model.resolution": SIDE,
-            "model.num_frames": FRAMES,
-            "model.max_sequence_length": TOKENS,
-            "rewards.geneval": "null",
-            "rewards.test_hunyuan_video:brightness.weight": 1.0,
-            "sampling.guidance_scale": 6.0,
-            "eval.guidance_scale": 6.0,
-            **extra,
-        },
-    )
-
-
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    """The conformance suite's settings for the HunyuanVideo family (brightness, embedded guidance 6), then ``extra``."""
+    return tiny_overrides(folder, *prompts, out, **{**FAMILIES["HunyuanVideoModel"].run_settings, **extra})
 
 
 # ----------------------------------------------------------------------------------------------- the adapter
@@ -310,16 +134,15 @@ def test_ode_sampling_equals_the_stock_pipeline(hunyuan):
     model = _model(hunyuan)
     assert model.latent_shape == (4, 2, 4, 4) and model.decoded_shape == (FRAMES, 3, SIDE, SIDE) and model.shift == 7.0
     assert model.cfg_rows(6.0) == 1
-    pipe = _stock_pipe(hunyuan)
     ours = generate(model, PROMPTS, [0, 1], num_steps=3, guidance_scale=6.0)
-    stock = _stock_videos(pipe, model, 3, 6.0)
+    stock = _stock_videos(hunyuan, model, 6.0)
     assert ours.shape == stock.shape == (2, FRAMES, 3, SIDE, SIDE)
     torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
-    assert (_stock_videos(pipe, model, 3, 1.0) - stock).abs().max() > 1e-3  # the embedded guidance matters
+    assert (_stock_videos(hunyuan, model, 1.0) - stock).abs().max() > 1e-3  # the embedded guidance matters
     model.true_cfg_scale, model.negative_prompt = 3.0, "a blurry static video"
     assert model.cfg_rows(6.0) == 2
     ours = generate(model, PROMPTS, [0, 1], num_steps=3, guidance_scale=6.0)
-    stock_cfg = _stock_videos(pipe, model, 3, 6.0, true_cfg_scale=3.0, negative_prompt=[model.negative_prompt] * 2)
+    stock_cfg = _stock_videos(hunyuan, model, 6.0, true_cfg_scale=3.0, negative_prompt=model.negative_prompt)
     torch.testing.assert_close(ours, stock_cfg, rtol=0, atol=1e-4)
     assert (stock_cfg - stock).abs().max() > 1e-3  # true CFG matters
 
@@ -345,7 +168,7 @@ def test_presets_train_on_video_latents(preset, tmp_path, hunyuan, video_prompts
     trainer = Trainer(load_config(REPO / "configs" / f"{preset}.yaml", over))
     before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     trainer.train()
-    metrics = _metrics(tmp_path / "run")
+    metrics = read_metrics(tmp_path / "run")
     assert len(metrics) == 2
     assert all(m["cost/trained_transitions"] > 0 and m["policy/optimizer_steps"] > 0 for m in metrics)
     if cfg.train.method in ("grpo", "flow_dppo", "gardo", "awm"):
@@ -389,14 +212,14 @@ def test_hunyuan_dance_grpo_recipe_trains_and_the_lora_loads_in_stock_diffusers(
     trainer = Trainer(load_config(REPO / "configs" / "recipes" / "hunyuan_dance_grpo.yaml", over))
     assert isinstance(trainer.model, HunyuanVideoModel) and trainer.cfg.sampling.shift == 5.0
     trainer.train()
-    metrics = _metrics(tmp_path / "run")
+    metrics = read_metrics(tmp_path / "run")
     assert len(metrics) == 2
     assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
     model, lora = trainer.model, tmp_path / "run" / "lora"
     assert (lora / "pytorch_lora_weights.safetensors").is_file()
-    base, loaded = _stock_pipe(hunyuan), _stock_pipe(hunyuan, lora)
+    loaded = stock_pipeline(hunyuan, "HunyuanVideoPipeline", lora)
     assert any("lora" in n for n, _ in loaded.transformer.named_parameters())
-    before, after = _stock_videos(base, model, 3, 6.0), _stock_videos(loaded, model, 3, 6.0)
+    before, after = _stock_videos(hunyuan, model, 6.0), _stock_videos(hunyuan, model, 6.0, lora=lora)
     assert (after - before).abs().max() > 1e-3  # the LoRA changes the stock pipeline's videos
     torch.testing.assert_close(after, generate(model, PROMPTS, [0, 1], 3, 6.0), rtol=0, atol=1e-4)
     reloaded = _model(hunyuan)

@@ -5,210 +5,31 @@ ClassifierFreeGuidance guider): what is special to HunyuanVideo 1.5. The conform
 family ``HunyuanVideo15Model``; its slow checks with CI=true) checks sampling against the stock pipeline, the ratio,
 resume, LoRA and full fine-tune export."""
 
-import inspect
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, tiny_overrides, train_shrunk_recipe
-from families import noise, prompt_files
+from conftest import REPO, shrink_recipe, tiny_overrides, tiny_pipeline, train_shrunk_recipe
+from families import FAMILIES, HUNYUAN_VIDEO15_RECIPE
+from tiny_pipelines.common import noise
+from tiny_pipelines.hunyuan_video15 import (
+    PROMPTS,
+    build_random_hunyuan_video15_pipeline,
+    stock_hunyuan_video15,
+    system_message,
+)
 
 from flowrl.config import ConfigError, load_config
 from flowrl.models import HunyuanVideo15Model, load_model, model_class
 from flowrl.models.hunyuan_video15 import HunyuanVideo15PromptEmbeds
 from flowrl.trainer import Trainer
 
-PROMPTS = ["a red circle moving left", 'a sign that says "GO" moving up']  # the second has glyph text for ByT5
 SIDE, FRAMES, TOKENS = 32, 5, 16  # 32 px, 5 frames: latents (4, 2, 4, 4); 16 Qwen tokens after the crop
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-"""Qwen2.5-VL's chat template for text-only conversations (its ``<|im_start|>role`` turns)."""
 
 
-def _system_message() -> str:
-    from diffusers import HunyuanVideo15Pipeline
-
-    return inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"].default
-
-
-def build_qwen_chat_tokenizer():
-    """A Qwen2Tokenizer (byte-level BPE behind Qwen2's pre-tokenizer, 500 tokens) with :data:`CHAT_TEMPLATE`, trained
-    on HunyuanVideo 1.5's system message and the prompts here: the template's part before the prompt is then 108 tokens
-    (one per pre-tokenized piece, as with Qwen2.5-VL's own tokenizer), the pipeline's
-    ``prompt_template_encode_start_idx``, so the crop leaves the prompt and the template's tail."""
-    from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
-    from tokenizers.models import BPE
-    from tokenizers.trainers import BpeTrainer
-    from transformers import Qwen2Tokenizer
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    bpe = Tokenizer(BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    texts = [
-        f"<|im_start|>system\n{_system_message()}<|im_end|>\n<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n"
-        for p in [*PROMPTS, "two blue squares moving up", "a green star moving right", "blurry static", " "]
-    ]
-    bpe.train_from_iterator(
-        texts * 3,
-        BpeTrainer(
-            vocab_size=500,
-            special_tokens=specials,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        ),
-    )
-    model = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
-    tok = Qwen2Tokenizer(vocab=model["vocab"], merges=merges, additional_special_tokens=specials[1:])
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
-
-
-def random_hunyuan_video15_text_components() -> dict:
-    """The prompt components of a tiny HunyuanVideo 1.5 pipeline (seeded; the pipelines' keyword names): the tokenizer
-    above with a 2-layer Qwen2.5-VL text model (hidden 32; the pipeline reads the hidden states two layers below the
-    top, here the token embeddings) and a 1-layer T5 encoder (d_model 32) with ByT5's byte tokenizer for the glyph
-    text, the flow-matching Euler scheduler at 480p's shift 5 and a ClassifierFreeGuidance guider at 480p's scale 6."""
-    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
-    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
-
-    torch.manual_seed(0)
-    tok = build_qwen_chat_tokenizer()
-    qwen = Qwen2_5_VLTextModel(
-        Qwen2_5_VLTextConfig(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=2048,
-            bos_token_id=None,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-        )
-    )
-    byt5_tok = ByT5Tokenizer()
-    byt5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(byt5_tok),
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=1,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            pad_token_id=byt5_tok.pad_token_id,
-            eos_token_id=byt5_tok.eos_token_id,
-        )
-    )
-    return {
-        "text_encoder": qwen,
-        "tokenizer": tok,
-        "text_encoder_2": byt5,
-        "tokenizer_2": byt5_tok,
-        "scheduler": FlowMatchEulerDiscreteScheduler(shift=5.0),
-        "guider": ClassifierFreeGuidance(guidance_scale=6.0),
-    }
-
-
-def build_random_hunyuan_video15_pipeline(folder: Path) -> Path:
-    """Save a random-weight HunyuanVideo15Pipeline to ``folder`` (seeded; seconds): the prompt components of
-    :func:`random_hunyuan_video15_text_components`, an AutoencoderKLHunyuanVideo15 compressing 8x in space and 4x in
-    time into 4 channels with scaling factor 0.9 (so that decoding checks the division) and a 1-block
-    HunyuanVideo15Transformer3DModel (in_channels 2 x 4 + 1: the latents, the image-condition latents and their
-    mask)."""
-    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel
-
-    text = random_hunyuan_video15_text_components()
-    vae = AutoencoderKLHunyuanVideo15(
-        latent_channels=4,
-        block_out_channels=(8, 16, 16, 16),
-        layers_per_block=1,
-        spatial_compression_ratio=8,
-        temporal_compression_ratio=4,
-        scaling_factor=0.9,
-    )
-    dit = HunyuanVideo15Transformer3DModel(
-        in_channels=9,
-        out_channels=4,
-        num_attention_heads=2,
-        attention_head_dim=16,
-        num_layers=1,
-        num_refiner_layers=1,
-        mlp_ratio=2.0,
-        patch_size=1,
-        patch_size_t=1,
-        text_embed_dim=32,
-        text_embed_2_dim=32,
-        image_embed_dim=16,
-        rope_axes_dim=(4, 6, 6),
-        target_size=64,
-        task_type="t2v",
-    )
-    pipe = HunyuanVideo15Pipeline(transformer=dit, vae=vae, **text)
-    pipe.save_pretrained(folder)
-    return folder
-
-
-def stock_hunyuan_video15(
-    folder: Path,
-    model,
-    metas: list[dict],
-    latents: torch.Tensor,
-    num_steps: int,
-    guidance_scale: float,
-    negative_prompt: str | None = None,
-) -> torch.Tensor:
-    """The stock HunyuanVideo15Pipeline's videos ``(B, F, 3, H, W)`` float32 in [0, 1] for the prompt records ``metas``
-    from the initial latents ``latents (B, *model.latent_shape)``, at the model's frames, side and prompt length (the
-    pipeline's ``tokenizer_max_length``), guided by its guider at ``guidance_scale``
-    (``guider.new(guidance_scale=...)``: the pipeline takes no guidance argument). The guider's other settings are the
-    folder's. One video per call: the stock VAE cannot decode two at once (diffusers PR #13133)."""
-    from diffusers import HunyuanVideo15Pipeline
-
-    pipe = HunyuanVideo15Pipeline.from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.tokenizer_max_length = model.max_sequence_length
-    pipe.guider = pipe.guider.new(guidance_scale=guidance_scale)
-    videos = []
-    with torch.no_grad():
-        for meta, start in zip(metas, latents):
-            videos.append(
-                pipe(
-                    meta["prompt"],
-                    negative_prompt=negative_prompt,
-                    latents=start[None],
-                    num_frames=model.num_frames,
-                    height=model.resolution,
-                    width=model.resolution,
-                    num_inference_steps=num_steps,
-                    output_type="pt",
-                ).frames
-            )
-    return torch.cat(videos)
-
-
-@pytest.fixture(scope="module")
-def hv15(tmp_path_factory) -> Path:
-    return build_random_hunyuan_video15_pipeline(tmp_path_factory.mktemp("random-hunyuan-video15"))
-
-
-@pytest.fixture(scope="module")
-def video_prompts(tmp_path_factory) -> tuple[Path, Path]:
-    return prompt_files("video", tmp_path_factory.mktemp("video-prompts"))
+hv15 = tiny_pipeline("hv15", build_random_hunyuan_video15_pipeline)
 
 
 def _model(folder: Path, **kwargs) -> HunyuanVideo15Model:
@@ -233,7 +54,7 @@ def test_prompts_are_the_chat_template_and_the_glyph_text(hv15):
 
     model = _model(hv15)
     pipe = model.pipe
-    prefix = f"<|im_start|>system\n{_system_message()}<|im_end|>\n<|im_start|>user\n"
+    prefix = f"<|im_start|>system\n{system_message()}<|im_end|>\n<|im_start|>user\n"
     assert len(pipe.tokenizer(prefix).input_ids) == pipe.prompt_template_encode_start_idx == 108
     emb = model.encode(["", *PROMPTS])
     assert emb.embeds.shape == (3, TOKENS, 32) and emb.mask.shape == (3, TOKENS) and emb.pooled.shape == (3, 0)
@@ -355,26 +176,8 @@ def test_hunyuan_video15_recipe_trains_two_iterations(tmp_path, hv15, video_prom
     assert (s.group_size, s.window.size, s.window.schedule) == (24, 8, "fixed")
     assert (t.learning_rate, t.clip_range, t.adv_std, t.minibatch_size) == (1e-5, 1e-4, "global", 576)
     assert recipe.rewards["frames"].options["reward_options"]["scale"] == 26
-    over = tiny_overrides(
-        hv15,
-        *video_prompts,
-        tmp_path / "run",
-        **{
-            "model.resolution": SIDE,
-            "model.num_frames": FRAMES,
-            "model.max_sequence_length": TOKENS,
-            "model.dtype": "float32",
-            "model.lora_rank": 2,
-            "rewards.frames": "null",
-            "rewards.families:brightness.weight": 1.0,
-            "sampling.window.size": 1,
-            "sampling.batch_size": 4,
-            "train.minibatch_size": 2,
-            "train.learning_rate": 1e-3,
-            "eval.images_per_tag": 1,
-        },
-    )
-    trainer = Trainer(load_config(REPO / "configs" / "recipes" / "hunyuan_video15_flow_grpo.yaml", over))
+    settings = {**FAMILIES["HunyuanVideo15Model"].model_settings, **HUNYUAN_VIDEO15_RECIPE}
+    trainer = Trainer(shrink_recipe("hunyuan_video15_flow_grpo", hv15, video_prompts, tmp_path / "run", **settings))
     assert isinstance(trainer.model, HunyuanVideo15Model) and trainer.cfg.sampling.shift == 5.0
     train_shrunk_recipe(trainer)
     assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").is_file()

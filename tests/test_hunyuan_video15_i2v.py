@@ -1,5 +1,5 @@
 """The HunyuanVideo 1.5 image-to-video adapter (`flowrl.models.HunyuanVideo15ImageToVideoModel`) on tiny random
-HunyuanVideo15ImageToVideoPipelines built offline (test_hunyuan_video15.py's prompt components, a cheaper
+HunyuanVideo15ImageToVideoPipelines built offline (the text-to-video pipeline's prompt components, a cheaper
 AutoencoderKLHunyuanVideo15 compressing 4x in space and time, an image-to-video HunyuanVideo15Transformer3DModel, a
 1-layer SigLIP vision tower and its processor): what is special to the family, the source frame from the prompt record,
 its refusals and the recipe (configs/recipes/hunyuan_video15_i2v_flow_grpo.yaml) shrunk to two iterations. The conformance
@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, record_reward_metadata, tiny_overrides, train_shrunk_recipe
-from families import noise, prompt_files
+from conftest import REPO, record_reward_metadata, shrink_recipe, tiny_overrides, tiny_pipeline, train_shrunk_recipe
+from families import FAMILIES, HUNYUAN_VIDEO15_RECIPE
+from tiny_pipelines.common import noise
+from tiny_pipelines.hunyuan_video15_i2v import build_random_hunyuan_video15_i2v_pipeline, stock_hunyuan_video15_i2v
 
 from flowrl.config import ConfigError, load_config
 from flowrl.data import read_jsonl
@@ -21,112 +23,6 @@ from flowrl.models.hunyuan_video15 import HunyuanVideo15I2VPromptEmbeds
 from flowrl.trainer import Trainer
 
 SIDE, FRAMES, TOKENS = 16, 5, 16  # 16 px, 5 frames: latents (4, 2, 4, 4), condition (5, 2, 4, 4); 16 Qwen tokens
-
-
-def build_random_hunyuan_video15_i2v_pipeline(folder: Path) -> Path:
-    """Save a random-weight HunyuanVideo15ImageToVideoPipeline to ``folder`` (seeded; seconds): the Qwen2.5-VL and ByT5
-    prompt components, scheduler (shift 5) and guider (scale 6) of test_hunyuan_video15.py's tiny pipeline; an
-    AutoencoderKLHunyuanVideo15 of 8-channel blocks compressing 4x in space and 4x in time into 4 channels with
-    scaling factor 0.9 (a quarter of the text-to-video test VAE's decoding cost: the stock comparison decodes 12
-    videos); a 1-block image-to-video HunyuanVideo15Transformer3DModel (in_channels 2 x 4 + 1, 16-wide image tokens,
-    target_size 16); a 1-layer SigLIP vision tower (16 px, 8 px patches: 4 tokens of width 16) with its
-    SiglipImageProcessor, whose last hidden states are the transformer's image tokens."""
-    from diffusers import (
-        AutoencoderKLHunyuanVideo15,
-        HunyuanVideo15ImageToVideoPipeline,
-        HunyuanVideo15Transformer3DModel,
-    )
-    from test_hunyuan_video15 import random_hunyuan_video15_text_components
-    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
-
-    text = random_hunyuan_video15_text_components()  # seeds 0
-    vae = AutoencoderKLHunyuanVideo15(
-        latent_channels=4,
-        block_out_channels=(8, 8, 8),
-        layers_per_block=1,
-        spatial_compression_ratio=4,
-        temporal_compression_ratio=4,
-        scaling_factor=0.9,
-    )
-    dit = HunyuanVideo15Transformer3DModel(
-        in_channels=9,
-        out_channels=4,
-        num_attention_heads=2,
-        attention_head_dim=16,
-        num_layers=1,
-        num_refiner_layers=1,
-        mlp_ratio=2.0,
-        text_embed_dim=32,
-        text_embed_2_dim=32,
-        image_embed_dim=16,
-        rope_axes_dim=(4, 6, 6),
-        target_size=SIDE,
-        task_type="i2v",
-    )
-    siglip = SiglipVisionModel(
-        SiglipVisionConfig(
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=16,
-            patch_size=8,
-        )
-    )
-    pipe = HunyuanVideo15ImageToVideoPipeline(
-        transformer=dit,
-        vae=vae,
-        image_encoder=siglip,
-        feature_extractor=SiglipImageProcessor(size={"height": 16, "width": 16}),
-        **text,
-    )
-    pipe.save_pretrained(folder)
-    return folder
-
-
-def stock_hunyuan_video15_i2v(
-    folder: Path,
-    model,
-    metas: list[dict],
-    latents: torch.Tensor,
-    num_steps: int,
-    guidance_scale: float,
-    negative_prompt: str | None = None,
-) -> torch.Tensor:
-    """The stock HunyuanVideo15ImageToVideoPipeline's videos ``(B, F, 3, H, W)`` float32 in [0, 1] for the prompt
-    records ``metas`` from the initial latents ``latents (B, *model.latent_shape)``: one call per record (the pipeline
-    takes one image), its source read as RGB (a record without one: the adapter's blank frame), at the model's frames
-    and prompt length (``tokenizer_max_length``), its size the ``target_size`` bucket of the source's aspect ratio with
-    ``target_size = model.resolution`` (the square for a square source), guided by its guider at ``guidance_scale``
-    against ``negative_prompt`` (None: ``""``)."""
-    from diffusers import HunyuanVideo15ImageToVideoPipeline
-    from PIL import Image
-
-    from flowrl.models.wan_i2v import BLANK_SOURCE
-
-    pipe = HunyuanVideo15ImageToVideoPipeline.from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.tokenizer_max_length, pipe.target_size = model.max_sequence_length, model.resolution
-    pipe.guider = pipe.guider.new(guidance_scale=guidance_scale)
-    videos = []
-    with torch.no_grad():
-        for meta, start in zip(metas, latents):
-            if meta.get("image"):
-                source = Image.open(meta["image"]).convert("RGB")
-            else:
-                source = Image.new("RGB", (model.resolution, model.resolution), BLANK_SOURCE)
-            videos.append(
-                pipe(
-                    image=source,
-                    prompt=meta["prompt"],
-                    negative_prompt=negative_prompt,
-                    latents=start[None],
-                    num_frames=model.num_frames,
-                    num_inference_steps=num_steps,
-                    output_type="pt",
-                ).frames
-            )
-    return torch.cat(videos)
 
 
 def _config_folder(folder: Path, index: dict | None = None, transformer: dict | None = None) -> Path:
@@ -159,14 +55,7 @@ def test_folder_layout_refusals_name_the_folder(tmp_path):
             HunyuanVideo15ImageToVideoModel.check_layout(folder)
 
 
-@pytest.fixture(scope="module")
-def hv15_i2v(tmp_path_factory) -> Path:
-    return build_random_hunyuan_video15_i2v_pipeline(tmp_path_factory.mktemp("random-hunyuan-video15-i2v"))
-
-
-@pytest.fixture(scope="module")
-def i2v_prompts(tmp_path_factory) -> tuple[Path, Path]:
-    return prompt_files("i2v", tmp_path_factory.mktemp("i2v-prompts"))
+hv15_i2v = tiny_pipeline("hv15_i2v", build_random_hunyuan_video15_i2v_pipeline)
 
 
 def _model(folder: Path, **kwargs) -> HunyuanVideo15ImageToVideoModel:
@@ -242,26 +131,10 @@ def test_hunyuan_video15_i2v_recipe_trains_and_the_rewards_see_the_source(tmp_pa
     assert (s.num_steps, s.kernel, s.noise_level, s.shift, s.guidance_scale) == (16, "flow_sde", 0.25, 5.0, 1.0)
     assert (s.group_size, s.window.size, s.window.schedule) == (24, 8, "fixed")
     assert (t.learning_rate, t.clip_range, t.adv_std) == (1e-5, 1e-4, "global")
-    over = tiny_overrides(
-        hv15_i2v,
-        *i2v_prompts,
-        tmp_path / "run",
-        **{
-            "model.resolution": SIDE,
-            "model.num_frames": FRAMES,
-            "model.max_sequence_length": TOKENS,
-            "model.dtype": "float32",
-            "model.lora_rank": 2,
-            "rewards.frames": "null",
-            "rewards.families:brightness.weight": 1.0,
-            "sampling.window.size": 1,
-            "sampling.batch_size": 4,
-            "train.minibatch_size": 2,
-            "train.learning_rate": 1e-3,
-            "eval.images_per_tag": 1,
-        },
+    settings = {**FAMILIES["HunyuanVideo15ImageToVideoModel"].model_settings, **HUNYUAN_VIDEO15_RECIPE}
+    trainer = Trainer(
+        shrink_recipe("hunyuan_video15_i2v_flow_grpo", hv15_i2v, i2v_prompts, tmp_path / "run", **settings)
     )
-    trainer = Trainer(load_config(REPO / "configs" / "recipes" / "hunyuan_video15_i2v_flow_grpo.yaml", over))
     assert isinstance(trainer.model, HunyuanVideo15ImageToVideoModel) and trainer.cfg.sampling.shift == 5.0
     seen = record_reward_metadata(trainer)
     train_shrunk_recipe(trainer)

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, tiny_overrides, train_shrunk_recipe
-from families import noise, prompt_files
+from conftest import REPO, tiny_overrides, tiny_pipeline, train_shrunk_recipe
+from families import FAMILIES, VIDEO_TRAIN
+from tiny_pipelines.common import noise
+from tiny_pipelines.ltx import build_random_ltx_pipeline, stock_ltx
 
 from flowrl.config import ConfigError, load_config
 from flowrl.models import LTXVideoModel, load_model, model_class, resolve_model
@@ -21,150 +23,20 @@ from flowrl.trainer import Trainer
 
 PROMPTS = ["a red circle moving left", "two blue squares moving up then a green star appears"]  # different lengths
 SIDE, FRAMES, TOKENS = 32, 9, 16  # 32 px, 9 frames: latents (8, 3, 4, 4), 48 video tokens; 16 T5 tokens
-WORDS = (
-    "a an the photo of red blue green yellow circle circles square squares star stars moving left right up down two "
-    "three then appears and blurry static video".split()
-)
-LTX_SCHEDULER = dict(
-    use_dynamic_shifting=True,
-    base_shift=0.95,
-    max_shift=2.05,
-    base_image_seq_len=1024,
-    max_image_seq_len=4096,
-    shift_terminal=0.1,
-)
-"""LTX-Video's scheduler config (diffusers' scripts/convert_ltx_to_diffusers.py, the Lightricks/LTX-Video folders)."""
-
-
-def build_random_ltx_pipeline(folder: Path, timestep_conditioning: bool = True) -> Path:
-    """Save a random-weight LTXPipeline to ``folder`` (seeded; seconds): a T5 tokenizer over a small word-piece
-    vocabulary with a 1-layer T5 encoder (d_model 32), an AutoencoderKLLTXVideo compressing 8x in space (patch 2 x two
-    scaling blocks) and 4x in time into 8 channels, with LTX-Video 0.9.1's residual upsamplers, a timestep-conditioned
-    decoder (``timestep_conditioning``) and random ``latents_mean`` / ``latents_std`` and scaling factor 0.9 (so that
-    decoding checks the de-normalisation), a 2-block LTXVideoTransformer3DModel (patch 1), and LTX-Video's scheduler
-    config (:data:`LTX_SCHEDULER`)."""
-    from diffusers import (
-        AutoencoderKLLTXVideo,
-        FlowMatchEulerDiscreteScheduler,
-        LTXPipeline,
-        LTXVideoTransformer3DModel,
-    )
-    from transformers import T5Config, T5EncoderModel, T5Tokenizer
-
-    torch.manual_seed(0)
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [
-        ("\u2581" + w, -1.0 - 0.01 * i) for i, w in enumerate(WORDS)
-    ]
-    vocab += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"] + [("\u2581", -6.0)]
-    tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0)
-    encoder = T5EncoderModel(
-        T5Config(
-            vocab_size=len(vocab),
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=1,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            pad_token_id=0,
-            eos_token_id=1,
-        )
-    )
-    vae = AutoencoderKLLTXVideo(
-        latent_channels=8,
-        block_out_channels=(8, 8),
-        down_block_types=("LTXVideoDownBlock3D",) * 2,
-        decoder_block_out_channels=(8, 16),
-        layers_per_block=(1, 1, 1),
-        decoder_layers_per_block=(1, 1, 1),
-        spatio_temporal_scaling=(True, True),
-        decoder_spatio_temporal_scaling=(True, True),
-        decoder_inject_noise=(False, False, False),
-        downsample_type=("conv", "conv"),
-        upsample_residual=(True, True),
-        upsample_factor=(2, 2),
-        timestep_conditioning=timestep_conditioning,
-        patch_size=2,
-        patch_size_t=1,
-        scaling_factor=0.9,
-    )
-    vae.latents_mean.copy_(torch.randn(8) * 0.3)
-    vae.latents_std.copy_(torch.rand(8) + 0.5)
-    dit = LTXVideoTransformer3DModel(
-        in_channels=8,
-        out_channels=8,
-        patch_size=1,
-        patch_size_t=1,
-        num_attention_heads=2,
-        attention_head_dim=16,
-        cross_attention_dim=32,
-        num_layers=2,
-        caption_channels=32,
-    )
-    pipe = LTXPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**LTX_SCHEDULER),
-        vae=vae,
-        text_encoder=encoder,
-        tokenizer=tokenizer,
-        transformer=dit,
-    )
-    pipe.save_pretrained(folder)
-    return folder
-
-
-def stock_ltx(
-    folder: Path, model, metas: list[dict], noise: torch.Tensor, num_steps: int, guidance_scale: float, **kwargs
-) -> torch.Tensor:
-    """The stock LTXPipeline's videos ``(B, F, 3, H, W)`` float32 in [0, 1] for the prompt records ``metas`` from the
-    latents ``noise (B, *model.latent_shape)`` (packed with the pipeline's ``_pack_latents``: the pipeline takes
-    ``latents=`` as tokens), at the model's frames, side and prompt length; ``kwargs``: the pipeline's own
-    (``negative_prompt``, ``guidance_rescale``, ``frame_rate``, ``decode_timestep``, ``decode_noise_scale``)."""
-    from diffusers import LTXPipeline
-
-    pipe = LTXPipeline.from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    with torch.no_grad():
-        return pipe(
-            [m["prompt"] for m in metas],
-            latents=pipe._pack_latents(noise),
-            num_frames=model.num_frames,
-            height=model.resolution,
-            width=model.resolution,
-            num_inference_steps=num_steps,
-            guidance_scale=guidance_scale,
-            max_sequence_length=model.max_sequence_length,
-            output_type="pt",
-            **kwargs,
-        ).frames
 
 
 def _model(folder: Path, **kwargs) -> LTXVideoModel:
     return load_model(folder, **{"max_sequence_length": TOKENS, "resolution": SIDE, "num_frames": FRAMES, **kwargs})
 
 
-@pytest.fixture(scope="module")
-def ltx(tmp_path_factory) -> Path:
-    return build_random_ltx_pipeline(tmp_path_factory.mktemp("random-ltx"))
-
-
-@pytest.fixture(scope="module")
-def video_prompts(tmp_path_factory) -> tuple[Path, Path]:
-    """Train and eval prompt files of motion prompts without GenEval metadata (the evaluation is then the rewards'
-    mean): the conformance suite's (:func:`families.prompt_files`)."""
-    return prompt_files("video", tmp_path_factory.mktemp("video-prompts"))
+ltx = tiny_pipeline("ltx", build_random_ltx_pipeline)
 
 
 def _overrides(folder: Path, prompts: tuple[Path, Path], out: Path, **extra) -> list[str]:
-    train, test = prompts
-    settings = {
-        "model.resolution": SIDE,
-        "model.num_frames": FRAMES,
-        "model.max_sequence_length": TOKENS,
-        "rewards.geneval": "null",
-        "rewards.families:brightness.weight": 1.0,
-        **extra,
-    }
-    return tiny_overrides(folder, train, test, out, **settings)
+    """The conformance suite's model settings and rewards for the family (without its guidance), then ``extra``."""
+    return tiny_overrides(
+        folder, *prompts, out, **{**FAMILIES["LTXVideoModel"].model_settings, **VIDEO_TRAIN, **extra}
+    )
 
 
 def test_prompts_schedule_and_folder_checks_are_the_pipelines(ltx, tmp_path):

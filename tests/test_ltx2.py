@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, tiny_overrides, train_shrunk_recipe
-from families import noise, prompt_files
-from test_ltx import LTX_SCHEDULER
-from test_sana import build_gemma_tokenizer
+from conftest import REPO, tiny_overrides, tiny_pipeline, train_shrunk_recipe
+from families import FAMILIES, VIDEO_TRAIN
+from tiny_pipelines.common import noise
+from tiny_pipelines.ltx2 import build_random_ltx2_pipeline, stock_ltx2
 
 from flowrl.config import ConfigError, load_config
 from flowrl.models import LTX2Model, load_model, model_class
@@ -24,224 +24,18 @@ from flowrl.trainer import Trainer
 PROMPTS = ["a red circle moving left", "two blue squares moving up then a green star appears"]  # different lengths
 SIDE, FRAMES, TOKENS = 32, 9, 16  # 32 px, 9 frames: video latents (8, 3, 4, 4), 48 video tokens; 16 Gemma tokens
 AUDIO_TOKENS = 19  # round(9 frames / 24 fps * 16000 Hz / 80 hop / 4): audio latents (2, 19, 2), 19 tokens of 4
-STOCK_OFF = dict(
-    stg_scale=0.0,
-    modality_scale=1.0,
-    guidance_rescale=0.0,
-    audio_guidance_scale=None,
-    audio_stg_scale=None,
-    audio_modality_scale=None,
-    audio_guidance_rescale=None,
-)
-"""LTX2Pipeline's guidance arguments as flowrl's defaults set them: CFG only, the audio terms following the video's
-(the stock defaults are LTX-2.3's: STG 1 at block 28, modality guidance 3, rescale 0.7, audio CFG 7)."""
-
-
-def build_random_ltx2_pipeline(folder: Path) -> Path:
-    """Save a random-weight LTX2Pipeline to ``folder`` (seeded; seconds): a Gemma BPE tokenizer
-    (:func:`test_sana.build_gemma_tokenizer`) with a one-layer Gemma3ForConditionalGeneration (hidden size 8, a
-    one-layer SigLIP tower the pipeline never runs), LTX-2.0-style LTX2TextConnectors (one block each, 8 learnable
-    registers: prompt lengths must be multiples of 8), a 2-block LTX2VideoTransformer3DModel (8 video channels, 4 audio
-    features, both streams 32 wide), an AutoencoderKLLTX2Video compressing 8x in space and 4x in time into 8 channels
-    with a timestep-conditioned decoder, random ``latents_mean`` / ``latents_std`` and scaling factor 0.9, an
-    AutoencoderKLLTX2Audio of 2 latent channels over 8 mel bins at hop 80 (50 latent frames a second) with random latent
-    statistics, a small LTX2Vocoder, and LTX-2's scheduler config (:data:`test_ltx.LTX_SCHEDULER`, as diffusers'
-    scripts/convert_ltx2_to_diffusers.py).
-
-    The widths and the audio rate keep the transformer batch invariant on the CPU (the ratio is exactly 1): with a
-    16-wide stream the per-sample SiLU of the timestep embedding, and with 9 audio tokens a sample (hop 160) the audio
-    stream's projections, round differently for one sample than for several (measured on AMD EPYC, PyTorch's CPU
-    kernels); LTX-2's own streams are 4096 and 2048 wide over 126 audio tokens."""
-    from diffusers import (
-        AutoencoderKLLTX2Audio,
-        AutoencoderKLLTX2Video,
-        FlowMatchEulerDiscreteScheduler,
-        LTX2Pipeline,
-        LTX2VideoTransformer3DModel,
-    )
-    from diffusers.pipelines.ltx2 import LTX2TextConnectors
-    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
-    torch.manual_seed(0)
-    tokenizer = build_gemma_tokenizer()
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=8,
-        intermediate_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=4,
-        max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    vision = dict(
-        hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=8
-    )
-    encoder = Gemma3ForConditionalGeneration(
-        Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=len(tokenizer))
-    )
-    connectors = LTX2TextConnectors(
-        caption_channels=8,
-        text_proj_in_factor=2,  # the encoder's hidden states: embeddings + 1 layer
-        video_connector_num_attention_heads=2,
-        video_connector_attention_head_dim=4,
-        video_connector_num_layers=1,
-        video_connector_num_learnable_registers=8,
-        audio_connector_num_attention_heads=2,
-        audio_connector_attention_head_dim=4,
-        audio_connector_num_layers=1,
-        audio_connector_num_learnable_registers=8,
-        connector_rope_base_seq_len=32,
-        rope_double_precision=False,
-        rope_type="split",
-    )
-    dit = LTX2VideoTransformer3DModel(
-        in_channels=8,
-        out_channels=8,
-        num_attention_heads=2,
-        attention_head_dim=16,
-        cross_attention_dim=32,
-        audio_in_channels=4,
-        audio_out_channels=4,
-        audio_num_attention_heads=2,
-        audio_attention_head_dim=16,
-        audio_cross_attention_dim=32,
-        audio_hop_length=80,
-        num_layers=2,
-        caption_channels=8,
-        rope_double_precision=False,
-        rope_type="split",
-    )
-    vae = AutoencoderKLLTX2Video(
-        latent_channels=8,
-        block_out_channels=(8, 8),
-        down_block_types=("LTX2VideoDownBlock3D",) * 2,
-        decoder_block_out_channels=(8, 16),
-        layers_per_block=(1, 1, 1),
-        decoder_layers_per_block=(1, 1, 1),
-        spatio_temporal_scaling=(True, True),
-        decoder_spatio_temporal_scaling=(True, True),
-        decoder_inject_noise=(False, False, False),
-        downsample_type=("spatiotemporal", "spatiotemporal"),
-        upsample_type=("spatiotemporal", "spatiotemporal"),
-        upsample_residual=(True, True),
-        upsample_factor=(2, 2),
-        timestep_conditioning=True,
-        patch_size=2,
-        patch_size_t=1,
-        scaling_factor=0.9,
-    )
-    vae.latents_mean.copy_(torch.randn(8) * 0.3)
-    vae.latents_std.copy_(torch.rand(8) + 0.5)
-    audio_vae = AutoencoderKLLTX2Audio(
-        base_channels=4,
-        ch_mult=(1,),
-        num_res_blocks=1,
-        resolution=32,
-        latent_channels=2,
-        mel_bins=8,
-        mel_hop_length=80,
-    )
-    audio_vae.latents_mean.copy_(torch.randn(4) * 0.3)
-    audio_vae.latents_std.copy_(torch.rand(4) + 0.5)
-    vocoder = LTX2Vocoder(
-        in_channels=audio_vae.config.output_channels * audio_vae.config.mel_bins,
-        hidden_channels=16,
-        out_channels=2,
-        upsample_kernel_sizes=[4, 4],
-        upsample_factors=[2, 2],
-        resnet_kernel_sizes=[3],
-        resnet_dilations=[[1, 3, 5]],
-        output_sampling_rate=16000,
-    )
-    LTX2Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**LTX_SCHEDULER),
-        vae=vae,
-        audio_vae=audio_vae,
-        text_encoder=encoder,
-        tokenizer=tokenizer,
-        connectors=connectors,
-        transformer=dit,
-        vocoder=vocoder,
-    ).save_pretrained(folder)
-    return folder
-
-
-def stock_ltx2(
-    folder: Path,
-    model,
-    metas: list[dict],
-    noise: torch.Tensor,
-    num_steps: int,
-    guidance_scale: float,
-    output_type: str = "pt",
-    **kwargs,
-):
-    """The stock LTX2Pipeline's videos ``(B, F, 3, H, W)`` float32 in [0, 1] for the prompt records ``metas`` from
-    flowrl's latents ``noise (B, *model.latent_shape)``: its video tokens as the pipeline's packed ``latents=``, its
-    audio tokens de-normalised with the audio VAE's statistics as ``audio_latents=`` (the pipeline normalises what it is
-    given), at the model's frames, frame rate, side and prompt length, with flowrl's default guidance terms
-    (:data:`STOCK_OFF`); ``kwargs``: the pipeline's own arguments (``negative_prompt``, the guidance terms,
-    ``decode_timestep``, ...). With ``output_type="latent"``: ``(video latents (B, C, F, h, w), audio latents (B, C_a,
-    L, M))``, both de-normalised, as the pipeline returns them."""
-    from diffusers import LTX2Pipeline
-
-    pipe = LTX2Pipeline.from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    video, audio = model.split_latents(noise)  # (B, S_v, C), (B, S_a, C_a), normalised
-    audio = audio * pipe.audio_vae.latents_std + pipe.audio_vae.latents_mean
-    negative = kwargs.pop("negative_prompt", None)
-    with torch.no_grad():
-        frames, sound = pipe(
-            [m["prompt"] for m in metas],
-            negative_prompt=[negative] * len(metas) if negative else None,
-            latents=video,
-            audio_latents=audio,
-            num_frames=model.num_frames,
-            frame_rate=model.frame_rate,
-            height=model.resolution,
-            width=model.resolution,
-            num_inference_steps=num_steps,
-            guidance_scale=guidance_scale,
-            max_sequence_length=model.max_sequence_length,
-            output_type=output_type,
-            return_dict=False,
-            **{**STOCK_OFF, **kwargs},
-        )
-    return (frames, sound) if output_type == "latent" else frames
 
 
 def _model(folder: Path, **kwargs) -> LTX2Model:
     return load_model(folder, **{"max_sequence_length": TOKENS, "resolution": SIDE, "num_frames": FRAMES, **kwargs})
 
 
-@pytest.fixture(scope="module")
-def ltx2(tmp_path_factory) -> Path:
-    return build_random_ltx2_pipeline(tmp_path_factory.mktemp("random-ltx2"))
-
-
-@pytest.fixture(scope="module")
-def video_prompts(tmp_path_factory) -> tuple[Path, Path]:
-    """Train and eval prompt files of motion prompts without GenEval metadata (the evaluation is then the rewards'
-    mean): the conformance suite's (:func:`families.prompt_files`)."""
-    return prompt_files("video", tmp_path_factory.mktemp("video-prompts"))
+ltx2 = tiny_pipeline("ltx2", build_random_ltx2_pipeline)
 
 
 def _overrides(folder: Path, prompts: tuple[Path, Path], out: Path, **extra) -> list[str]:
-    train, test = prompts
-    settings = {
-        "model.resolution": SIDE,
-        "model.num_frames": FRAMES,
-        "model.max_sequence_length": TOKENS,
-        "rewards.geneval": "null",
-        "rewards.families:brightness.weight": 1.0,
-        **extra,
-    }
-    return tiny_overrides(folder, train, test, out, **settings)
+    """The conformance suite's model settings and rewards for the family (without its guidance), then ``extra``."""
+    return tiny_overrides(folder, *prompts, out, **{**FAMILIES["LTX2Model"].model_settings, **VIDEO_TRAIN, **extra})
 
 
 def test_prompts_latents_schedule_and_folder_checks_are_the_pipelines(ltx2, tmp_path):

@@ -3,13 +3,24 @@ Qwen2.5-VL text encoder with a byte-level BPE tokenizer trained here on the pipe
 the stock pipeline does (dynamic shift, terminal stretch, true CFG), and trains through the same trainer
 (configs/recipes/qwen_image_flow_grpo.yaml shrunk) to a LoRA the stock pipeline loads."""
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, shape_overrides, tiny_overrides, train_shrunk_recipe
+from conftest import (
+    RECIPE_SIZES,
+    REPO,
+    WHOLE_MINIBATCHES,
+    no_download,
+    read_metrics,
+    shrink_recipe,
+    tiny_overrides,
+    tiny_pipeline,
+    train_shrunk_recipe,
+)
+from tiny_pipelines.common import noise
+from tiny_pipelines.qwen_image import build_random_qwen_image_pipeline, stock_qwen_image
 
 from flowrl.config import ConfigError, load_config
 from flowrl.models import QwenImageModel, load_model, model_class
@@ -19,156 +30,13 @@ PROMPTS = ["a photo of a red star", "a photo of two blue circles and a green squ
 SIDE = 32  # px: VAE factor 4, 4 x 4 packed tokens
 
 
-def build_qwen_tokenizer():
-    """A Qwen2Tokenizer (byte-level BPE, Qwen2's pre-tokenizer) of 400 tokens, trained on the pipeline's prompt
-    template and the tiny world's prompts, so the template's system prefix is 34 tokens, as with Qwen's own
-    tokenizer: ``QwenImagePipeline`` drops exactly that many (``prompt_template_encode_start_idx``)."""
-    from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
-    from tokenizers.models import BPE
-    from tokenizers.trainers import BpeTrainer
-    from transformers import Qwen2Tokenizer
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    from flowrl.tiny.prompts import split
-
-    text = (
-        "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
-        "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
-        "<|im_start|>assistant\n"
-    )
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    bpe = Tokenizer(BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    train, test = split(0)
-    bpe.train_from_iterator(
-        [text.format(m["prompt"]) for m in train + test] * 3,
-        BpeTrainer(
-            vocab_size=400,
-            special_tokens=specials,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        ),
-    )
-    model = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
-    return Qwen2Tokenizer(vocab=model["vocab"], merges=merges, additional_special_tokens=specials[1:])
+qwen = tiny_pipeline("qwen", build_random_qwen_image_pipeline)
 
 
-def build_random_qwen_image_pipeline(folder: Path) -> Path:
-    """Save a random-weight QwenImagePipeline to ``folder``: a 1-layer Qwen2.5-VL text encoder (hidden 32, a 1-block
-    vision tower it never uses), a Qwen-Image VAE of factor 4 with 4 latent channels, a 1-block Qwen-Image transformer
-    and Qwen-Image's scheduler config (dynamic shift 0.5..0.9 over 256..8192 tokens, shift_terminal 0.02)."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    torch.manual_seed(0)
-    tok = build_qwen_tokenizer()
-    n = len(tok)
-    te = Qwen2_5_VLForConditionalGeneration(
-        Qwen2_5_VLConfig(
-            text_config=dict(
-                vocab_size=n,
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                max_position_embeddings=1024,
-                bos_token_id=None,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-            ),
-            vision_config=dict(
-                depth=1,
-                hidden_size=16,
-                intermediate_size=32,
-                num_heads=2,
-                out_hidden_size=32,
-                fullatt_block_indexes=[0],
-                patch_size=2,
-                window_size=8,
-            ),
-            image_token_id=n + 1,
-            video_token_id=n + 2,
-            vision_start_token_id=n + 3,
-            vision_end_token_id=n + 4,
-        )
-    )
-    vae = AutoencoderKLQwenImage(
-        base_dim=8,
-        z_dim=4,
-        dim_mult=[1, 2, 2],
-        num_res_blocks=1,
-        temperal_downsample=[False, True],
-        latents_mean=[0.1, -0.2, 0.3, 0.0],
-        latents_std=[1.5, 0.8, 1.2, 2.0],
-    )
-    dit = QwenImageTransformer2DModel(
-        patch_size=2,
-        in_channels=16,
-        out_channels=4,
-        num_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        axes_dims_rope=(4, 6, 6),
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        base_image_seq_len=256,
-        base_shift=0.5,
-        max_image_seq_len=8192,
-        max_shift=0.9,
-        shift=1.0,
-        shift_terminal=0.02,
-        time_shift_type="exponential",
-        use_dynamic_shifting=True,
-    )
-    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=te, tokenizer=tok, transformer=dit)
-    pipe.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory) -> Path:
-    return build_random_qwen_image_pipeline(tmp_path_factory.mktemp("random-qwen-image"))
-
-
-def _stock_images(
-    folder: Path, model: QwenImageModel, num_steps: int, guidance_scale: float, lora=None
-) -> torch.Tensor:
-    """The stock QwenImagePipeline's images (its schedule; true CFG against "" above 1) from the noise of
+def _stock_images(folder: Path, model: QwenImageModel, guidance_scale: float, lora=None) -> torch.Tensor:
+    """The stock QwenImagePipeline's images of :data:`PROMPTS` at 3 steps from the noise of
     `flowrl.evaluation.generate` (seeds 0, 1)."""
-    from diffusers import QwenImagePipeline
-
-    pipe = QwenImagePipeline.from_pretrained(folder)
-    if lora is not None:
-        pipe.load_lora_weights(str(lora))
-    c, h, w = model.latent_shape
-    noise = torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
-    with torch.no_grad():
-        return pipe(
-            PROMPTS,
-            negative_prompt="" if guidance_scale > 1 else None,
-            true_cfg_scale=guidance_scale,
-            latents=pipe._pack_latents(noise, 2, c, h, w),
-            num_inference_steps=num_steps,
-            height=SIDE,
-            width=SIDE,
-            max_sequence_length=model.max_sequence_length,
-            output_type="pt",
-        ).images
+    return stock_qwen_image(folder, model, [{"prompt": p} for p in PROMPTS], noise(model, 2), 3, guidance_scale, lora)
 
 
 def test_offline_tokenizer_matches_the_pipeline_template(qwen):
@@ -210,29 +78,14 @@ def test_qwen_image_recipe_trains_and_the_lora_loads_in_stock(tmp_path, qwen, pr
     kept; the PickScore reward swapped for JPEG compressibility, which needs no download)."""
     from flowrl.evaluation import generate
 
-    train, test = prompt_files
-    preset = load_config(REPO / "configs" / "recipes" / "qwen_image_flow_grpo.yaml")
-    over = tiny_overrides(
-        qwen,
-        train,
-        test,
-        tmp_path / "run",
-        **{
-            "run.mixed_precision": "no",
-            "model.dtype": "float32",
-            "model.resolution": SIDE,
-            "model.max_sequence_length": 64,
-            "rewards.pickscore": "null",
-            "rewards.jpeg_compressibility.weight": 1.0,
-            "sampling.group_size": 4,
-            "sampling.batch_size": 8,
-            "train.minibatch_size": 8,
-            "train.micro_batch_size": "null",
-            "train.gradient_checkpointing": False,
-            **shape_overrides(preset),
-        },
-    )
-    cfg = load_config(REPO / "configs" / "recipes" / "qwen_image_flow_grpo.yaml", over)
+    settings = {
+        "model.resolution": SIDE,
+        "model.max_sequence_length": 64,
+        **no_download("pickscore"),
+        **RECIPE_SIZES,
+    }
+    settings.update({"train.minibatch_size": 8, **WHOLE_MINIBATCHES})
+    cfg = shrink_recipe("qwen_image_flow_grpo", qwen, prompt_files, tmp_path / "run", keep_shape=True, **settings)
     assert cfg.sampling.window.size == 2 and cfg.sampling.noise_level == 1.2 and cfg.sampling.guidance_scale == 4.0
     trainer = Trainer(cfg)
     assert isinstance(trainer.model, QwenImageModel) and trainer.cfg.sampling.shift == pytest.approx(
@@ -241,8 +94,8 @@ def test_qwen_image_recipe_trains_and_the_lora_loads_in_stock(tmp_path, qwen, pr
     train_shrunk_recipe(trainer)
     # the saved LoRA, loaded by the stock pipeline, samples what the trained adapter samples
     ours = generate(trainer.model, PROMPTS, [0, 1], num_steps=3, guidance_scale=4.0)
-    stock = _stock_images(qwen, trainer.model, 3, 4.0, lora=tmp_path / "run" / "lora")
-    base = _stock_images(qwen, trainer.model, 3, 4.0)
+    stock = _stock_images(qwen, trainer.model, 4.0, lora=tmp_path / "run" / "lora")
+    base = _stock_images(qwen, trainer.model, 4.0)
     assert (stock - base).abs().max() > 1e-4  # the LoRA changed the model
     torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
 
@@ -274,5 +127,5 @@ def test_new_methods_train_on_qwen_image(preset, tmp_path, qwen, prompt_files):
         load_config(REPO / "configs" / f"{preset}.yaml", tiny_overrides(qwen, *prompt_files, tmp_path / "r", **extra))
     )
     trainer.train()
-    metrics = [json.loads(line) for line in (tmp_path / "r/metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(tmp_path / "r")
     assert len(metrics) == 2 and all(m["policy/optimizer_steps"] > 0 for m in metrics)

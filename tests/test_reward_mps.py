@@ -7,33 +7,17 @@ Scores are compared with a functional forward written from the reference's formu
 """
 
 import copy
-import gzip
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from tokenizers.pre_tokenizers import ByteLevel
-from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+from tiny_pipelines.clip import cut_clip_tokenizer, random_clip
 
 from flowrl.rewards import REWARDS, build_reward
 from flowrl.rewards.mps import MPS, MPS_CONDITION, MPSModel, condition_mask, mps
 
 DIM, HEADS, DIM_HEAD, FF_INNER, DEPTH = 16, 2, 8, 64, 2  # the cross model: CLIP's projection dim, 4 x dim inner
-
-
-def _tokenizer(num_merges=2000):
-    """A real CLIP BPE tokenizer cut to the first merges of open_clip's vocabulary file (offline, 77 tokens)."""
-    bpe = Path(importlib.util.find_spec("open_clip").submodule_search_locations[0]) / "bpe_simple_vocab_16e6.txt.gz"
-    with gzip.open(bpe, "rt", encoding="utf-8") as f:
-        lines = f.read().split("\n")[1 : num_merges + 1]  # first line is a version header
-    merges = [tuple(line.split()) for line in lines]
-    alphabet = sorted(ByteLevel.alphabet())
-    tokens = alphabet + [c + "</w>" for c in alphabet] + ["".join(m) for m in merges]
-    tokens += ["<|startoftext|>", "<|endoftext|>"]
-    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, model_max_length=77)
 
 
 def _cross_model_state(generator):
@@ -67,27 +51,11 @@ def _cross_model_state(generator):
 def _save_tiny_mps(folder):
     """(processor folder, weights file, state dict, CLIPModel): a tiny MPS saved in `folder` as the converted
     checkpoint, with the CLIP config, tokenizer and image processor MPS reads from LAION's folder."""
-    tokenizer = _tokenizer()
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=77,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    vision = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
-    )
-    torch.manual_seed(0)
-    clip = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=DIM)).eval()
+    clip, clip_processor = random_clip(cut_clip_tokenizer(2000, model_max_length=77), positions=77, projection_dim=DIM)
+    clip.eval()
     processor = folder / "clip-processor"
     clip.config.save_pretrained(processor)  # config, tokenizer and image processor only, as MPS needs of LAION's
-    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(processor)
+    clip_processor.save_pretrained(processor)
     state = {f"model.{key}": value for key, value in clip.state_dict().items()}
     for tower, positions in (("text", 77), ("vision", (32 // 8) ** 2 + 1)):  # buffers transformers 4.27 saved
         state[f"model.{tower}_model.embeddings.position_ids"] = torch.arange(positions)[None]

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_pipelines.clip import cut_clip_tokenizer, save_random_clip
 
 from flowrl.rewards import REWARDS, WeightedSum, build_reward, check_inputs
 from flowrl.rewards.video import ClipTemporal, Frames, Motion, clip_temporal, frame_indices, frames, motion, raft_size
@@ -174,32 +175,9 @@ def test_frames_of_clipscore_through_build_reward(tiny_clip_dir):
 
 @pytest.fixture(scope="module")
 def tiny_clip_dir(tmp_path_factory):
-    """A random-weight CLIPModel with its tokenizer and image processor, saved as from the hub."""
-    from test_rewards import _tiny_clip_tokenizer
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-
-    tokenizer = _tiny_clip_tokenizer()
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        max_position_embeddings=16,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    vision = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
-    )
-    torch.manual_seed(0)
-    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
-    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    folder = tmp_path_factory.mktemp("tiny_clip")
-    model.save_pretrained(folder)
-    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(folder)
-    return folder
+    """A random-weight CLIPModel (1 text layer, 2 vision layers, seed 0) with a CLIP tokenizer cut to 500 merges and a
+    32 px image processor, saved as from the hub."""
+    return save_random_clip(tmp_path_factory.mktemp("tiny_clip"), cut_clip_tokenizer(500), text_layers=1)
 
 
 def test_clip_temporal_matches_the_formula(tiny_clip_dir):

@@ -1,6 +1,5 @@
 """Tests of the `rewards` package: contract checks, registry, JPEG and CLIP rewards (tiny, offline)."""
 
-import gzip
 import math
 import subprocess
 import sys
@@ -8,6 +7,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_pipelines.clip import cut_clip_tokenizer, save_random_clip
 
 from flowrl import rewards
 from flowrl.rewards import (
@@ -238,47 +238,11 @@ def test_jpeg_quality_checked():
 # --- CLIP -------------------------------------------------------------------------------------
 
 
-def _tiny_clip_tokenizer(num_merges=500):
-    """A real CLIP BPE tokenizer cut to the first merges of open_clip's vocabulary file (offline)."""
-    import open_clip
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import CLIPTokenizer
-
-    with gzip.open(open_clip.tokenizer.default_bpe(), "rt", encoding="utf-8") as f:
-        lines = f.read().split("\n")[1 : num_merges + 1]  # first line is a version header
-    merges = [tuple(line.split()) for line in lines]
-    alphabet = sorted(ByteLevel.alphabet())
-    tokens = alphabet + [c + "</w>" for c in alphabet] + ["".join(m) for m in merges]
-    tokens += ["<|startoftext|>", "<|endoftext|>"]
-    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=merges)
-
-
 @pytest.fixture(scope="module")
 def tiny_clip_dir(tmp_path_factory):
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-
-    tokenizer = _tiny_clip_tokenizer()
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=16,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    vision = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
-    )
-    torch.manual_seed(0)
-    model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
-    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    folder = tmp_path_factory.mktemp("tiny_clip")
-    model.save_pretrained(folder)
-    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(folder)
-    return folder
+    """A random-weight CLIPModel (2 + 2 layers, seed 0) with a CLIP tokenizer cut to 500 merges and a 32 px image
+    processor, saved as from the hub."""
+    return save_random_clip(tmp_path_factory.mktemp("tiny_clip"), cut_clip_tokenizer(500))
 
 
 def test_clipscore_tiny_model(tiny_clip_dir):

@@ -8,45 +8,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, tiny_overrides, train_shrunk_recipe
+from conftest import REPO, no_download, read_metrics, shrink_recipe, tiny_overrides, tiny_pipeline, train_shrunk_recipe
+from tiny_pipelines.common import noise
+from tiny_pipelines.sd15 import build_random_sd15_pipeline, stock_sd15
 
 from flowrl.config import ConfigError, load_config
 from flowrl.models import SD15Model, load_model, model_class
-from flowrl.tiny.sd15 import build_random_sd15_pipeline
 from flowrl.trainer import Trainer
 
 PROMPTS = ["a photo of a red star", "a photo of two circles"]
 
 
-@pytest.fixture(scope="module")
-def sd15(tmp_path_factory) -> Path:
-    return build_random_sd15_pipeline(tmp_path_factory.mktemp("random-sd15"))
-
-
-@pytest.fixture(scope="module")
-def sd15_v(tmp_path_factory) -> Path:
-    return build_random_sd15_pipeline(tmp_path_factory.mktemp("random-sd15-v"), "v_prediction")
+sd15 = tiny_pipeline("sd15", build_random_sd15_pipeline)
+sd15_v = tiny_pipeline("sd15_v", build_random_sd15_pipeline, prediction_type="v_prediction")
 
 
 def _stock_images(folder: Path, model: SD15Model, num_steps: int, guidance_scale: float, lora=None) -> torch.Tensor:
-    """The stock StableDiffusionPipeline's images (its DDIM, eta 0) from the noise of `flowrl.evaluation.generate`."""
-    from diffusers import StableDiffusionPipeline
-
-    pipe = StableDiffusionPipeline.from_pretrained(folder, safety_checker=None, feature_extractor=None)
-    if lora is not None:
-        pipe.load_lora_weights(str(lora))
-    noise = torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
-    with torch.no_grad():
-        return pipe(
-            PROMPTS,
-            latents=noise,
-            num_inference_steps=num_steps,
-            guidance_scale=guidance_scale,
-            eta=0.0,
-            height=model.resolution,
-            width=model.resolution,
-            output_type="pt",
-        ).images
+    """The stock StableDiffusionPipeline's images of :data:`PROMPTS` (its DDIM, eta 0) from the noise of
+    `flowrl.evaluation.generate` (seeds 0, 1)."""
+    metas = [{"prompt": p} for p in PROMPTS]
+    return stock_sd15(folder, model, metas, noise(model, 2), num_steps, guidance_scale, lora)
 
 
 @pytest.mark.parametrize("folder", ["sd15_v"])  # epsilon prediction: tests/test_conformance.py
@@ -83,21 +64,8 @@ def test_the_grid_is_the_stock_ddim_grid(sd15):
 
 def test_ddpo_style_training_keeps_the_ratio_exactly_one_and_the_lora_loads_in_stock(tmp_path, sd15, prompt_files):
     """configs/flow_grpo.yaml on the tiny SD 1.5 pipeline with DDPO's kernel (DDIM, eta 1), 2 iterations."""
-    train, test = prompt_files
-    over = tiny_overrides(
-        sd15,
-        train,
-        test,
-        tmp_path / "run",
-        **{
-            "run.mixed_precision": "no",
-            "sampling.kernel": "ddim",
-            "sampling.noise_level": 1.0,
-            "sampling.train_last_step": True,
-            "rewards.geneval": "null",
-            "rewards.jpeg_compressibility.weight": 1.0,
-        },
-    )
+    ddpo = {"sampling.kernel": "ddim", "sampling.noise_level": 1.0, "sampling.train_last_step": True}
+    over = tiny_overrides(sd15, *prompt_files, tmp_path / "run", **ddpo, **no_download("geneval"))
     cfg = load_config(REPO / "configs" / "flow_grpo.yaml", over)
     trainer = Trainer(cfg)
     assert isinstance(trainer.model, SD15Model) and trainer.cfg.sampling.shift == 1.0
@@ -114,23 +82,10 @@ def test_ddpo_style_training_keeps_the_ratio_exactly_one_and_the_lora_loads_in_s
 
 def test_other_rollout_shapes_run_on_sd15(tmp_path, sd15, prompt_files):
     """A MixGRPO window (Flow-GRPO SDE inside, DDIM = Euler outside) runs unchanged on the mapped UNet."""
-    train, test = prompt_files
-    over = tiny_overrides(
-        sd15,
-        train,
-        test,
-        tmp_path / "run",
-        **{
-            "run.mixed_precision": "no",
-            "run.iterations": 1,
-            "sampling.num_steps": 4,
-            "sampling.window.size": 2,
-            "rewards.geneval": "null",
-            "rewards.jpeg_compressibility.weight": 1.0,
-        },
-    )
+    window = {"run.iterations": 1, "sampling.num_steps": 4, "sampling.window.size": 2}
+    over = tiny_overrides(sd15, *prompt_files, tmp_path / "run", **window, **no_download("geneval"))
     Trainer(load_config(REPO / "configs" / "mix_grpo.yaml", over)).train()
-    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(tmp_path / "run")
     assert metrics[0]["policy/ratio_first_max_dev"] == 0.0 and metrics[0]["cost/trained_transitions"] > 0
 
 
@@ -161,25 +116,13 @@ def test_unsupported_settings_are_one_clear_config_error(tmp_path, sd15, prompt_
 def test_the_ddpo_recipe_shrunk_onto_a_tiny_pipeline_trains(tmp_path, sd15, prompt_files):
     """configs/recipes/sd15_ddpo.yaml (DDPO's settings) with only its sizes and paths shrunk: DDIM at eta 1, every step
     trained, group statistics, two iterations with the ratio exactly 1 before each first step."""
-    train, test = prompt_files
-    over = tiny_overrides(
-        sd15,
-        train,
-        test,
-        tmp_path / "run",
-        **{
-            "run.mixed_precision": "no",
-            "model.dtype": "float32",
-            "model.resolution": "null",
-            "train.micro_batch_size": "null",
-            "sampling.batch_size": 8,
-        },
-    )
-    cfg = load_config(REPO / "configs" / "recipes" / "sd15_ddpo.yaml", over)
+    native = {"model.dtype": "float32", "model.resolution": "null", "train.micro_batch_size": "null"}  # 32 px
+    native["sampling.batch_size"] = 8
+    cfg = shrink_recipe("sd15_ddpo", sd15, prompt_files, tmp_path / "run", **native)
     assert (cfg.sampling.kernel, cfg.sampling.noise_level, cfg.sampling.train_last_step) == ("ddim", 1.0, True)
     trainer = Trainer(cfg)
     trainer.train()
-    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(tmp_path / "run")
     assert len(metrics) == 2 and all(m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)
     assert all(m["cost/trained_transitions"] == 2 * 2 * 3 for m in metrics)  # 2 prompts x 2 images x all 3 steps
 
@@ -209,5 +152,5 @@ def test_grpo_variants_of_2026_run_on_sd15(preset, tmp_path, sd15, prompt_files)
     extra.update({"rewards.clipscore": "null"})
     over = tiny_overrides(sd15, train, test, tmp_path / "run", **extra)
     Trainer(load_config(REPO / "configs" / f"{preset}.yaml", over)).train()
-    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(tmp_path / "run")
     assert len(metrics) == 2 and all(m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)

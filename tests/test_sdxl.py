@@ -8,141 +8,30 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, tiny_overrides
+from conftest import REPO, no_download, read_metrics, shrink_recipe, tiny_overrides, tiny_pipeline
 from safetensors.torch import load_file
+from tiny_pipelines.common import noise
+from tiny_pipelines.sdxl import build_random_sdxl_pipeline, stock_sdxl
 
 from flowrl.config import ConfigError, load_config
 from flowrl.models import SDXLModel, load_model, model_class
 from flowrl.trainer import Trainer
 
 PROMPTS = ["a photo of a red star", "a photo of two circles"]
-SDXL_SCHEDULER = {  # stabilityai/stable-diffusion-xl-base-1.0's scheduler/scheduler_config.json (an Euler config)
-    "_class_name": "EulerDiscreteScheduler",
-    "beta_end": 0.012,
-    "beta_schedule": "scaled_linear",
-    "beta_start": 0.00085,
-    "clip_sample": False,
-    "interpolation_type": "linear",
-    "num_train_timesteps": 1000,
-    "prediction_type": "epsilon",
-    "sample_max_value": 1.0,
-    "set_alpha_to_one": False,
-    "skip_prk_steps": True,
-    "steps_offset": 1,
-    "timestep_spacing": "leading",
-    "trained_betas": None,
-    "use_karras_sigmas": False,
-}
 
 
-def build_random_sdxl_pipeline(folder: Path, prediction_type: str = "epsilon", force_zeros: bool = True) -> Path:
-    """Save a random-weight StableDiffusionXLPipeline to ``folder``: a 2-block UNet (8, 16 channels) with SDXL's
-    ``text_time`` added embedding (8 per time id + the 32-wide pooled projection), two 2-layer CLIP text encoders (the
-    second with projection; 32 + 32 = the UNet's cross-attention width 64) with the tiny CLIP tokenizer, a VAE with
-    factor 4 and SDXL's scaling factor, and SDXL base's scheduler config."""
-    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
-
-    torch.manual_seed(0)
-    tok = CLIPTokenizer.from_pretrained(REPO / "assets" / "tiny-sd3" / "tokenizer")
-    config = dict(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=tok.model_max_length,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    clip, clip_2 = (
-        CLIPTextModel(CLIPTextConfig(**config)),
-        CLIPTextModelWithProjection(CLIPTextConfig(**config, projection_dim=32)),
-    )
-    unet = UNet2DConditionModel(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=1,
-        block_out_channels=(8, 16),
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=64,
-        attention_head_dim=(2, 4),
-        use_linear_projection=True,
-        transformer_layers_per_block=(1, 2),
-        addition_embed_type="text_time",
-        addition_time_embed_dim=8,
-        projection_class_embeddings_input_dim=6 * 8 + 32,
-        norm_num_groups=8,
-    )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(8, 16, 16),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=32,
-        scaling_factor=0.13025,
-        force_upcast=True,
-    )
-    pipe = StableDiffusionXLPipeline(
-        vae=vae,
-        text_encoder=clip,
-        text_encoder_2=clip_2,
-        tokenizer=tok,
-        tokenizer_2=tok,
-        unet=unet,
-        scheduler=EulerDiscreteScheduler(),
-        add_watermarker=False,
-        force_zeros_for_empty_prompt=force_zeros,
-    )
-    pipe.save_pretrained(folder)
-    scheduler = {**SDXL_SCHEDULER, "prediction_type": prediction_type}
-    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(scheduler, indent=2))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def sdxl(tmp_path_factory) -> Path:
-    return build_random_sdxl_pipeline(tmp_path_factory.mktemp("random-sdxl"))
-
-
-@pytest.fixture(scope="module")
-def sdxl_v(tmp_path_factory) -> Path:
-    """v-prediction, and the CFG negative is the empty prompt's embeddings (not zeros)."""
-    return build_random_sdxl_pipeline(tmp_path_factory.mktemp("random-sdxl-v"), "v_prediction", force_zeros=False)
+sdxl = tiny_pipeline("sdxl", build_random_sdxl_pipeline)
+# v-prediction, and the CFG negative is the empty prompt's embeddings (not zeros).
+sdxl_v = tiny_pipeline("sdxl_v", build_random_sdxl_pipeline, prediction_type="v_prediction", force_zeros=False)
 
 
 def _stock_images(
-    folder: Path, model: SDXLModel, num_steps: int, guidance_scale: float, lora=None, guidance_rescale: float = 0.0
+    folder: Path, model: SDXLModel, num_steps: int, guidance_scale: float, lora=None, **kwargs
 ) -> torch.Tensor:
-    """The stock StableDiffusionXLPipeline's images, with DDIM (eta 0) on its scheduler config, from the noise of
-    `flowrl.evaluation.generate`."""
-    from diffusers import DDIMScheduler, StableDiffusionXLPipeline
-
-    pipe = StableDiffusionXLPipeline.from_pretrained(folder, add_watermarker=False)
-    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
-    pipe.set_progress_bar_config(disable=True)
-    if lora is not None:
-        pipe.load_lora_weights(str(lora))
-    noise = torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
-    with torch.no_grad():
-        return pipe(
-            PROMPTS,
-            latents=noise,
-            num_inference_steps=num_steps,
-            guidance_scale=guidance_scale,
-            eta=0.0,
-            height=model.resolution,
-            width=model.resolution,
-            guidance_rescale=guidance_rescale,
-            output_type="pt",
-        ).images
+    """The stock StableDiffusionXLPipeline's images of :data:`PROMPTS`, with DDIM (eta 0) on its scheduler config,
+    from the noise of `flowrl.evaluation.generate` (seeds 0, 1); ``kwargs``: the pipeline's (``guidance_rescale``)."""
+    metas = [{"prompt": p} for p in PROMPTS]
+    return stock_sdxl(folder, model, metas, noise(model, 2), num_steps, guidance_scale, lora, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -201,7 +90,7 @@ def test_ddpm_training_keeps_the_ratio_one_resumes_exactly_and_the_lora_loads_in
     assert isinstance(trainer.model, SDXLModel) and trainer.cfg.sampling.shift == 1.0
     before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     trainer.train()
-    metrics = [json.loads(line) for line in (tmp_path / "full/metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(tmp_path / "full")
     assert len(metrics) == 2
     assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
     # every step of every kept image is trained (a group whose two JPEG sizes tie has no variance and is dropped)
@@ -230,29 +119,15 @@ def test_ddpm_training_keeps_the_ratio_one_resumes_exactly_and_the_lora_loads_in
 def test_the_dance_grpo_recipe_shrunk_onto_a_tiny_pipeline_trains(tmp_path, sdxl, prompt_files):
     """configs/recipes/sdxl_dance_grpo.yaml (DanceGRPO's SD settings) with only its sizes, paths and reward shrunk: DDIM at
     eta 1, shared noise per group, every step but the last trained, two iterations with the ratio exactly 1."""
-    train, test = prompt_files
-    over = tiny_overrides(
-        sdxl,
-        train,
-        test,
-        tmp_path / "run",
-        **{
-            "run.mixed_precision": "no",
-            "model.dtype": "float32",
-            "model.resolution": "null",
-            "train.micro_batch_size": "null",
-            "sampling.batch_size": 8,
-            "rewards.hpsv2": "null",
-            "rewards.jpeg_compressibility.weight": 1.0,
-        },
-    )
-    cfg = load_config(REPO / "configs" / "recipes" / "sdxl_dance_grpo.yaml", over)
+    native = {"model.dtype": "float32", "model.resolution": "null", "train.micro_batch_size": "null"}  # 32 px
+    native.update({"sampling.batch_size": 8, **no_download("hpsv2")})
+    cfg = shrink_recipe("sdxl_dance_grpo", sdxl, prompt_files, tmp_path / "run", **native)
     assert (cfg.sampling.kernel, cfg.sampling.noise_level, cfg.sampling.shared_noise) == ("ddim", 1.0, True)
     assert not cfg.sampling.train_last_step and cfg.train.clip_range == 1e-4 and cfg.sampling.guidance_scale == 5.0
     trainer = Trainer(cfg)
     assert isinstance(trainer.model, SDXLModel)
     trainer.train()
-    metrics = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(tmp_path / "run")
     assert len(metrics) == 2 and all(m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)
     assert all(m["cost/trained_transitions"] == 2 * 2 * 2 for m in metrics)  # 2 prompts x 2 images x steps 0-1 of 3
 

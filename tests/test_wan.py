@@ -8,163 +8,30 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, shape_overrides, tiny_overrides
-from families import prompt_files
+from conftest import REPO, read_metrics, shape_overrides, tiny_overrides, tiny_pipeline
+from families import FAMILIES
+from tiny_pipelines.common import noise
+from tiny_pipelines.wan import build_random_wan_pipeline, stock_wan
 
 from flowrl.config import ConfigError, load_config
 from flowrl.models import WanModel, load_model, model_class
 from flowrl.trainer import Trainer
 
 PROMPTS = ["a red circle moving left", "two blue squares moving up"]
-WORDS = (
-    "a an the photo of red blue green yellow circle circles square squares star stars moving left right up down two "
-    "three then appears and".split()
-)
 SIDE, FRAMES = 16, 5  # 16 px, 5 frames: latents (4, 2, 4, 4)
 
 
-def brightness(images, prompts, metadata):
-    """A tiny video reward: the mean brightness of each video `(B, F, 3, H, W)` in [0, 1] -> `(B,)` float32 CPU."""
-    return images.float().mean(dim=(1, 2, 3, 4)).cpu()
-
-
-brightness.accepts_video = True
-
-
-def build_random_wan_pipeline(folder: Path, two_experts: bool = False, expand_timesteps: bool = False) -> Path:
-    """Save a random-weight WanPipeline to `folder`: a T5 tokenizer over a small word-piece vocabulary, a 1-layer
-    UMT5 encoder, a Wan VAE (4 latent channels, 4x temporal and 4x spatial compression, Wan-style latent
-    mean/std), a 2-block Wan transformer and the flow-matching Euler scheduler at shift 3 (Wan 480P's flow shift);
-    `two_experts`: a second transformer and boundary_ratio 0.5 (Wan 2.2 A14B's layout)."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
-
-    torch.manual_seed(0)
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [
-        ("\u2581" + w, -1.0 - 0.01 * i) for i, w in enumerate(WORDS)
-    ]
-    vocab += [(c, -5.0) for c in "abcdefghijklmnopqrstuvwxyz"] + [("\u2581", -6.0)]
-    tokenizer = T5Tokenizer(vocab=vocab, extra_ids=0)
-    encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(vocab),
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=1,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            pad_token_id=0,
-            eos_token_id=1,
-        )
-    )
-    vae = AutoencoderKLWan(
-        base_dim=4,
-        z_dim=4,
-        dim_mult=[1, 1, 1],
-        num_res_blocks=0,
-        temperal_downsample=[True, True],
-        scale_factor_spatial=4,
-        latents_mean=[0.1, -0.2, 0.05, 0.0],
-        latents_std=[1.5, 0.8, 1.2, 1.0],
-    )
-
-    def transformer():
-        return WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=8,
-            in_channels=4,
-            out_channels=4,
-            text_dim=32,
-            freq_dim=16,
-            ffn_dim=32,
-            num_layers=2,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32,
-        )
-
-    pipe = WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=encoder,
-        vae=vae,
-        transformer=transformer(),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        transformer_2=transformer() if two_experts else None,
-        boundary_ratio=0.5 if two_experts else None,
-        expand_timesteps=expand_timesteps,
-    )
-    pipe.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def wan(tmp_path_factory) -> Path:
-    return build_random_wan_pipeline(tmp_path_factory.mktemp("random-wan"))
-
-
-@pytest.fixture(scope="module")
-def wan22(tmp_path_factory) -> Path:
-    return build_random_wan_pipeline(tmp_path_factory.mktemp("random-wan22"), two_experts=True)
-
-
-@pytest.fixture(scope="module")
-def video_prompts(tmp_path_factory) -> tuple[Path, Path]:
-    """Train and eval prompt files of motion prompts without GenEval metadata (the evaluation is then the rewards'
-    mean): the conformance suite's (:func:`families.prompt_files`, the same three prompts)."""
-    return prompt_files("video", tmp_path_factory.mktemp("video-prompts"))
+wan = tiny_pipeline("wan", build_random_wan_pipeline)
+wan22 = tiny_pipeline("wan22", build_random_wan_pipeline, two_experts=True)
 
 
 def _model(folder: Path, **kwargs) -> WanModel:
     return load_model(folder, max_sequence_length=16, resolution=SIDE, num_frames=FRAMES, **kwargs)
 
 
-def _stock_videos(folder: Path, model: WanModel, num_steps: int, guidance_scale: float, **kwargs) -> torch.Tensor:
-    """The stock WanPipeline's videos `(2, F, 3, H, W)` from the noise of `flowrl.evaluation.generate` (seeds 0, 1)."""
-    from diffusers import WanPipeline
-
-    pipe = WanPipeline.from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    noise = torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
-    with torch.no_grad():
-        return pipe(
-            PROMPTS,
-            latents=noise,
-            num_frames=FRAMES,
-            height=SIDE,
-            width=SIDE,
-            num_inference_steps=num_steps,
-            guidance_scale=guidance_scale,
-            max_sequence_length=16,
-            output_type="pt",
-            **kwargs,
-        ).frames
-
-
 def _video_overrides(folder: Path, prompts: tuple[Path, Path], out: Path, **extra) -> list[str]:
-    train, test = prompts
-    return tiny_overrides(
-        folder,
-        train,
-        test,
-        out,
-        **{
-            "run.mixed_precision": "no",
-            "model.resolution": SIDE,
-            "model.num_frames": FRAMES,
-            "model.max_sequence_length": 16,
-            "rewards.geneval": "null",
-            "rewards.test_wan:brightness.weight": 1.0,
-            "sampling.guidance_scale": 4.0,
-            "eval.guidance_scale": 4.0,
-            **extra,
-        },
-    )
-
-
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    """The conformance suite's settings for the Wan family (brightness, guidance 4), then ``extra``."""
+    return tiny_overrides(folder, *prompts, out, **{**FAMILIES["WanModel"].run_settings, **extra})
 
 
 # ----------------------------------------------------------------------------------------------- the adapter
@@ -229,7 +96,8 @@ def test_two_experts_sample_as_the_stock_pipeline_and_train_the_chosen_one(wan22
     model = _model(wan22, expert="low")
     assert model.transformer is model.pipe.transformer_2 and model.frozen is model.pipe.transformer
     ours = generate(model, PROMPTS, [0, 1], num_steps=4, guidance_scale=4.0)
-    torch.testing.assert_close(ours, _stock_videos(wan22, model, 4, 4.0), rtol=0, atol=1e-4)
+    stock = stock_wan(wan22, model, [{"prompt": p} for p in PROMPTS], noise(model, 2), 4, 4.0)
+    torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
 
     over = _video_overrides(
         wan22,
@@ -241,7 +109,7 @@ def test_two_experts_sample_as_the_stock_pipeline_and_train_the_chosen_one(wan22
     trainer = Trainer(load_config(REPO / "configs" / "flow_grpo.yaml", over))
     high = {n: p.detach().clone() for n, p in trainer.model.frozen.named_parameters()}
     trainer.train()
-    metrics = _metrics(tmp_path / "run")
+    metrics = read_metrics(tmp_path / "run")
     assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
     # only step 3 is trained: steps 0-2 run the frozen expert, step 4 is the untrained last step
     assert trainer.method.shape.plan.trained == [False, False, False, True, False]
@@ -285,7 +153,7 @@ def test_presets_train_on_video_latents(preset, tmp_path, wan, video_prompts):
     before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     result = trainer.train()
     assert result["after"]["n_images"] == 2
-    metrics = _metrics(tmp_path / "run")
+    metrics = read_metrics(tmp_path / "run")
     assert all(m["cost/trained_transitions"] > 0 and m["policy/optimizer_steps"] > 0 for m in metrics)
     if cfg.train.method == "grpo":
         assert all(m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)
@@ -320,7 +188,7 @@ def test_wan_flow_grpo_recipe_trains_and_the_lora_loads_in_stock_diffusers(tmp_p
     trainer = Trainer(load_config(REPO / "configs" / "recipes" / "wan_flow_grpo.yaml", over))
     assert isinstance(trainer.model, WanModel) and trainer.model.shift == 3.0
     trainer.train()
-    metrics = _metrics(tmp_path / "run")
+    metrics = read_metrics(tmp_path / "run")
     assert len(metrics) == 2
     assert all(m["policy/ratio_first_max_dev"] == 0.0 and m["policy/optimizer_steps"] > 0 for m in metrics)
     model = trainer.model
@@ -427,7 +295,7 @@ def test_new_methods_train_on_video_latents(preset, tmp_path, wan, video_prompts
     trainer = Trainer(load_config(REPO / "configs" / f"{preset}.yaml", over))
     before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     trainer.train()
-    metrics = _metrics(tmp_path / "run")
+    metrics = read_metrics(tmp_path / "run")
     assert len(metrics) == 2 and all(m["policy/optimizer_steps"] > 0 for m in metrics)
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
 

@@ -1,5 +1,5 @@
 """The Wan image-to-video adapter (`flowrl.models.WanImageToVideoModel`) on tiny random WanImageToVideoPipelines built
-offline (test_wan.py's UMT5, T5 tokenizer, Wan VAE and scheduler; an image-to-video WanTransformer3DModel of
+offline (the text-to-video pipeline's UMT5, T5 tokenizer, Wan VAE and scheduler; an image-to-video WanTransformer3DModel of
 2 x 4 + 4 input channels; for Wan 2.1 a tiny CLIP vision tower and its processor): what is special to the family, the
 source frame from the prompt record, its refusals, the Wan 2.2 layout (two experts, no image encoder) and the recipe
 (configs/recipes/wan_i2v_flow_grpo.yaml) shrunk to two iterations. The conformance suite (tests/test_conformance.py -k
@@ -7,13 +7,21 @@ WanImageToVideoModel) checks the rest on the Wan 2.1 layout."""
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, record_reward_metadata, tiny_overrides, train_shrunk_recipe
-from families import prompt_files
+from conftest import (
+    REPO,
+    no_download,
+    record_reward_metadata,
+    shrink_recipe,
+    tiny_overrides,
+    tiny_pipeline,
+    train_shrunk_recipe,
+)
+from tiny_pipelines.common import noise
+from tiny_pipelines.wan_i2v import build_random_wan_i2v_pipeline, stock_wan_i2v
 
 from flowrl.config import ConfigError, load_config
 from flowrl.data import read_jsonl
@@ -23,140 +31,8 @@ from flowrl.trainer import Trainer
 SIDE, FRAMES = 16, 5  # 16 px (the pipeline's multiple of 16), 5 frames: latents (4, 2, 4, 4), condition (8, 2, 4, 4)
 
 
-def build_random_wan_i2v_pipeline(folder: Path, image_encoder: bool = True, two_experts: bool = False) -> Path:
-    """Save a random-weight WanImageToVideoPipeline to `folder`: the tokenizer, 1-layer UMT5, Wan VAE (4 latent
-    channels, 4x temporal and spatial compression) and flow-matching scheduler (shift 3) of test_wan.py's tiny
-    WanPipeline, and a 2-block image-to-video transformer taking 2 x 4 + 4 channels (noise, mask, source latents).
-    Its cross-attention keys are normalised with weight 8, not 1: at random weights the prompt's few tokens would be
-    drowned by the 500 padding tokens of the 512 the image-to-video attention needs (guidance and the negative prompt
-    would change the videos by about 3e-4; a trained model attends to the prompt).
-    `image_encoder` (Wan 2.1's layout): a 2-layer CLIP vision tower (32 px, 8 px patches: 17 tokens of 32) with its
-    CLIPImageProcessor, whose second-to-last hidden states the transformer attends to (``image_dim`` 32). Without it
-    (Wan 2.2's layout) `two_experts` adds a second transformer and boundary_ratio 0.5 (Wan 2.2 I2V A14B's)."""
-    from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
-    from test_wan import build_random_wan_pipeline
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
-
-    with tempfile.TemporaryDirectory() as tmp:
-        t2v = WanPipeline.from_pretrained(build_random_wan_pipeline(Path(tmp)))  # seeds 0
-    clip = processor = None
-    if image_encoder:
-        clip = CLIPVisionModel(
-            CLIPVisionConfig(
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                image_size=32,
-                patch_size=8,
-            )
-        )
-        processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-
-    def transformer():
-        dit = WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=8,
-            in_channels=12,
-            out_channels=4,
-            text_dim=32,
-            freq_dim=16,
-            ffn_dim=32,
-            num_layers=2,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            image_dim=32 if image_encoder else None,
-            added_kv_proj_dim=16 if image_encoder else None,  # the transformer's width, as Wan 2.1 I2V's
-            rope_max_seq_len=32,
-        )
-        for block in dit.blocks:  # sharpen the text attention: see the docstring
-            block.attn2.norm_k.weight.data.fill_(8.0)
-        return dit
-
-    pipe = WanImageToVideoPipeline(
-        tokenizer=t2v.tokenizer,
-        text_encoder=t2v.text_encoder,
-        vae=t2v.vae,
-        scheduler=t2v.scheduler,
-        image_processor=processor,
-        image_encoder=clip,
-        transformer=transformer(),
-        transformer_2=transformer() if two_experts else None,
-        boundary_ratio=0.5 if two_experts else None,
-    )
-    pipe.save_pretrained(folder)
-    return folder
-
-
-def stock_wan_i2v(
-    folder: Path,
-    model,
-    metas: list[dict],
-    noise: torch.Tensor,
-    num_steps: int,
-    guidance_scale: float,
-    negative_prompt: str | None = None,
-    lora: Path | None = None,
-) -> torch.Tensor:
-    """The stock pipeline's videos ``(B, F, 3, H, W)`` float32 in [0, 1] (``output_type="pt"``) of the records `metas`
-    from the noise latents ``noise (B, *model.latent_shape)``: one call per record (the pipeline takes one image), its
-    source read as RGB (a record without one: the adapter's blank frame), CFG against `negative_prompt` (None: ``""``)
-    above 1; `lora`: a LoRA folder it loads first. The scheduler is the folder's flow-matching Euler one."""
-    from diffusers import WanImageToVideoPipeline
-    from PIL import Image
-
-    from flowrl.models.wan_i2v import BLANK_SOURCE
-
-    pipe = WanImageToVideoPipeline.from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    if lora is not None:
-        pipe.load_lora_weights(str(lora))
-    videos = []
-    for i, meta in enumerate(metas):
-        if meta.get("image"):
-            source = Image.open(meta["image"]).convert("RGB")
-        else:
-            source = Image.new("RGB", (model.resolution, model.resolution), BLANK_SOURCE)
-        with torch.no_grad():
-            videos.append(
-                pipe(
-                    image=source,
-                    prompt=[meta["prompt"]],
-                    negative_prompt=[negative_prompt] if negative_prompt else None,
-                    latents=noise[i : i + 1],
-                    num_frames=model.num_frames,
-                    height=model.resolution,
-                    width=model.resolution,
-                    num_inference_steps=num_steps,
-                    guidance_scale=guidance_scale,
-                    max_sequence_length=model.max_sequence_length,
-                    output_type="pt",
-                ).frames
-            )
-    return torch.cat(videos)
-
-
-def _noise(model, seeds) -> torch.Tensor:
-    """The noise `flowrl.evaluation.generate` draws for `seeds`: ``(B, *model.latent_shape)``."""
-    return torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
-
-
-@pytest.fixture(scope="module")
-def wan21(tmp_path_factory) -> Path:
-    return build_random_wan_i2v_pipeline(tmp_path_factory.mktemp("random-wan21-i2v"))
-
-
-@pytest.fixture(scope="module")
-def wan22(tmp_path_factory) -> Path:
-    return build_random_wan_i2v_pipeline(
-        tmp_path_factory.mktemp("random-wan22-i2v"), image_encoder=False, two_experts=True
-    )
-
-
-@pytest.fixture(scope="module")
-def i2v_prompts(tmp_path_factory) -> tuple[Path, Path]:
-    return prompt_files("i2v", tmp_path_factory.mktemp("i2v-prompts"))
+wan21 = tiny_pipeline("wan21", build_random_wan_i2v_pipeline)
+wan22 = tiny_pipeline("wan22", build_random_wan_i2v_pipeline, image_encoder=False, two_experts=True)
 
 
 def _model(folder: Path, **kwargs) -> WanImageToVideoModel:
@@ -183,7 +59,7 @@ def test_the_source_frame_conditions_the_video(wan21, i2v_prompts):
     blank = generate(model, prompts, [0, 1], 3, 4.0)  # the prompts alone: the blank frame
     torch.testing.assert_close(
         blank,
-        stock_wan_i2v(wan21, model, [{"prompt": p} for p in prompts], _noise(model, [0, 1]), 3, 4.0),
+        stock_wan_i2v(wan21, model, [{"prompt": p} for p in prompts], noise(model, 2), 3, 4.0),
         rtol=0,
         atol=1e-4,
     )
@@ -202,7 +78,7 @@ def test_wan22_layout_two_experts_without_image_encoder(wan22, i2v_prompts):
     metas = read_jsonl(i2v_prompts[0])[:2]
     assert model.prompt_table(metas).image.shape == (3, 0, 0)
     ours = generate(model, [m["prompt"] for m in metas], [0, 1], 4, 3.0, metas=metas)
-    stock = stock_wan_i2v(wan22, model, metas, _noise(model, [0, 1]), 4, 3.0)
+    stock = stock_wan_i2v(wan22, model, metas, noise(model, 2), 4, 3.0)
     torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
 
 
@@ -252,30 +128,14 @@ def test_refusals_name_the_setting(wan21, tmp_path, i2v_prompts):
 def test_wan_i2v_recipe_trains_and_the_rewards_see_the_source(tmp_path, wan21, i2v_prompts):
     """configs/recipes/wan_i2v_flow_grpo.yaml shrunk onto the tiny Wan 2.1 I2V pipeline (its 1-step random SDE window and
     guidance 5 kept; PickScore over the frames swapped for brightness, which needs no download)."""
-    train, test = i2v_prompts
     recipe = load_config(REPO / "configs" / "recipes" / "wan_i2v_flow_grpo.yaml")
     assert (recipe.model.num_frames, recipe.model.resolution, recipe.sampling.num_steps) == (5, 240, 10)
     assert recipe.sampling.window.size == 1 and recipe.sampling.guidance_scale == 5.0
-    over = tiny_overrides(
-        wan21,
-        train,
-        test,
-        tmp_path / "run",
-        **{
-            "model.dtype": "float32",
-            "model.resolution": SIDE,
-            "model.num_frames": FRAMES,
-            "rewards.frames": "null",
-            "rewards.families:brightness.weight": 1.0,
-            "rewards.geneval": "null",
-            "sampling.num_steps": 5,
-            "sampling.group_size": 2,
-            "sampling.batch_size": 4,
-            "train.minibatch_size": 2,
-            "train.ema_decay": 0.0,
-        },
-    )
-    trainer = Trainer(load_config(REPO / "configs" / "recipes" / "wan_i2v_flow_grpo.yaml", over))
+    settings = {"model.dtype": "float32", "model.resolution": SIDE, "model.num_frames": FRAMES}
+    settings.update({**no_download("frames", "geneval", reward="families:brightness"), "sampling.num_steps": 5})
+    settings.update({"sampling.group_size": 2, "sampling.batch_size": 4, "train.minibatch_size": 2})
+    settings["train.ema_decay"] = 0.0
+    trainer = Trainer(shrink_recipe("wan_i2v_flow_grpo", wan21, i2v_prompts, tmp_path / "run", **settings))
     assert isinstance(trainer.model, WanImageToVideoModel) and trainer.cfg.sampling.shift == 3.0
     seen = record_reward_metadata(trainer)
     train_shrunk_recipe(trainer)

@@ -1,16 +1,25 @@
 """The Z-Image adapter (`flowrl.models.ZImageModel`) on tiny random ZImagePipelines built offline (a tiny Qwen3 text
-encoder with the offline byte-level BPE tokenizer of tests/test_qwen_image.py and a Qwen3-style chat template): it
+encoder with the offline byte-level BPE tokenizer of tests/tiny_pipelines/text.py and a Qwen3-style chat template): it
 samples as the stock pipeline does (its schedule, its guidance convention ``w - 1``, ``cfg_normalization`` and
 ``cfg_truncation``), and trains through the same trainer (configs/recipes/z_image_flow_grpo.yaml shrunk) to a LoRA the stock
 pipeline loads."""
 
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, shape_overrides, tiny_overrides, train_shrunk_recipe
+from conftest import (
+    RECIPE_SIZES,
+    WHOLE_MINIBATCHES,
+    no_download,
+    shrink_recipe,
+    tiny_overrides,
+    tiny_pipeline,
+    train_shrunk_recipe,
+)
+from tiny_pipelines.common import noise
+from tiny_pipelines.z_image import build_random_z_image_pipeline, stock_z_image
 
 from flowrl.config import ConfigError, load_config
 from flowrl.models import PromptEmbeds, ZImageModel, load_model, model_class
@@ -19,111 +28,8 @@ from flowrl.trainer import Trainer
 PROMPTS = ["a photo of a red star", "a photo of two blue circles and a green square"]  # of different token lengths
 SIDE = 32  # px: VAE factor 4, 8 x 8 latents, 4 x 4 patches
 
-QWEN3_CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
-)
-"""Qwen3's chat template for the single user message ``ZImagePipeline`` encodes: with ``enable_thinking=True`` (the
-pipeline's) the prompt ends with the assistant header, without the empty think block."""
 
-
-def build_random_z_image_pipeline(folder: Path) -> Path:
-    """Save a random-weight ZImagePipeline to ``folder``: a 2-layer Qwen3 text encoder (hidden 32; the pipeline reads
-    its second-to-last hidden states) with an offline Qwen2 tokenizer and a Qwen3-style chat template, a VAE of factor
-    4 with 4 latent channels and FLUX's scaling and shift factors (Z-Image's VAE is FLUX's), a Z-Image transformer of
-    one main layer and one noise and one context refiner, and Z-Image-Turbo's scheduler config (static shift 3)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
-    from test_qwen_image import build_qwen_tokenizer
-    from transformers import Qwen3Config, Qwen3Model
-
-    torch.manual_seed(0)
-    tok = build_qwen_tokenizer()
-    tok.chat_template = QWEN3_CHAT_TEMPLATE
-    te = Qwen3Model(
-        Qwen3Config(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            max_position_embeddings=1024,
-            bos_token_id=None,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-    )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(8, 16, 16),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=32,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
-    dit = ZImageTransformer2DModel(
-        in_channels=4,
-        dim=32,
-        n_layers=1,
-        n_refiner_layers=1,
-        n_heads=2,
-        n_kv_heads=2,
-        cap_feat_dim=32,
-        axes_dims=[4, 6, 6],
-        axes_lens=[256, 32, 32],
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
-    pipe = ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=te, tokenizer=tok, transformer=dit)
-    pipe.save_pretrained(folder)
-    return folder
-
-
-def stock_z_image(
-    folder: Path, model, metas: list[dict], noise: torch.Tensor, num_steps: int, guidance_scale: float, **options
-) -> torch.Tensor:
-    """The stock ZImagePipeline's images ``(B, 3, H, W)`` float32 in [0, 1] for the prompt records ``metas`` from the
-    latents ``noise (B, *model.latent_shape)``, with flowrl's guidance scale ``w`` (the pipeline's ``guidance_scale``
-    is ``w - 1``, its negative the empty prompt); ``options``: the pipeline's ``cfg_normalization`` /
-    ``cfg_truncation``."""
-    from diffusers import ZImagePipeline
-
-    pipe = ZImagePipeline.from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    with torch.no_grad():
-        return pipe(
-            [m["prompt"] for m in metas],
-            negative_prompt=None,  # the pipeline's default: "" for each prompt
-            guidance_scale=guidance_scale - 1.0,
-            latents=noise,
-            num_inference_steps=num_steps,
-            height=model.resolution,
-            width=model.resolution,
-            max_sequence_length=model.max_sequence_length,
-            output_type="pt",
-            **options,
-        ).images
-
-
-def _noise(model, n: int) -> torch.Tensor:
-    """The noise `flowrl.evaluation.generate` draws for seeds ``0..n-1``: ``(n, *model.latent_shape)``."""
-    return torch.stack([torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in range(n)])
-
-
-@pytest.fixture(scope="module")
-def zimage(tmp_path_factory) -> Path:
-    return build_random_z_image_pipeline(tmp_path_factory.mktemp("random-z-image"))
+zimage = tiny_pipeline("zimage", build_random_z_image_pipeline)
 
 
 def test_prompts_schedule_and_resolution_are_the_pipelines(zimage, tmp_path):
@@ -176,7 +82,7 @@ def test_deterministic_sampling_equals_the_stock_pipeline(zimage, guidance_scale
     assert model.cfg_rows(guidance_scale) == (2 if guidance_scale > 1 else 1)
     metas = [{"prompt": p} for p in PROMPTS]
     ours = generate(model, PROMPTS, [0, 1], num_steps=3, guidance_scale=guidance_scale)
-    stock = stock_z_image(zimage, model, metas, _noise(model, 2), 3, guidance_scale, **options)
+    stock = stock_z_image(zimage, model, metas, noise(model, 2), 3, guidance_scale, **options)
     assert ours.shape == stock.shape == (2, 3, SIDE, SIDE)
     torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
     if guidance_scale > 1 and not options:  # the guidance matters, and so do the options
@@ -193,29 +99,10 @@ def test_z_image_recipe_trains_and_the_lora_loads_in_stock(tmp_path, zimage, pro
     the trained weights)."""
     from diffusers import ZImagePipeline
 
-    train, test = prompt_files
-    preset = load_config(REPO / "configs" / "recipes" / "z_image_flow_grpo.yaml")
-    over = tiny_overrides(
-        zimage,
-        train,
-        test,
-        tmp_path / "run",
-        **{
-            "model.dtype": "float32",
-            "model.resolution": SIDE,
-            "model.max_sequence_length": 64,
-            "rewards.pickscore": "null",
-            "rewards.jpeg_compressibility.weight": 1.0,
-            "sampling.group_size": 4,
-            "sampling.batch_size": 8,
-            "train.minibatch_size": 4,
-            "train.micro_batch_size": "null",
-            "train.gradient_checkpointing": False,
-            "train.ema_decay": 0.0,  # run/lora holds the EMA when there is one: here the trained weights
-            **shape_overrides(preset),
-        },
-    )
-    cfg = load_config(REPO / "configs" / "recipes" / "z_image_flow_grpo.yaml", over)
+    settings = {"model.resolution": SIDE, "model.max_sequence_length": 64, **no_download("pickscore")}
+    settings.update({**RECIPE_SIZES, "train.minibatch_size": 4, **WHOLE_MINIBATCHES})
+    settings["train.ema_decay"] = 0.0  # run/lora holds the EMA when there is one: here the trained weights
+    cfg = shrink_recipe("z_image_flow_grpo", zimage, prompt_files, tmp_path / "run", keep_shape=True, **settings)
     assert cfg.sampling.window.size == 1 and cfg.sampling.noise_level == 0.7 and cfg.sampling.guidance_scale == 5.0
     trainer = Trainer(cfg)
     assert isinstance(trainer.model, ZImageModel) and trainer.cfg.sampling.shift == 3.0

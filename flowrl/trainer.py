@@ -27,9 +27,10 @@ from .diversity import DiversityProbe, StopRules
 from .evaluation import evaluate, evaluate_reward, expand_per_tag, generate
 from .files import atomic_output, write_text_atomic
 from .methods import Rewards, build_method
-from .models import build_adapter, resolve_model
+from .models import build_adapter
 from .models.memory import place_frozen
 from .overlap import ChunkWorker, cat_scores, chunk_images
+from .pairing import resolve_model
 from .plots import save_diagnostics, save_grid, save_reward_curve
 from .policy import Policy, check_accelerate_engine, check_accelerate_precision, check_optimizer
 from .precision import describe_device, resolve_precision

@@ -15,8 +15,9 @@ from conftest import REPO, tiny_overrides, train_shrunk_recipe
 from families import noise, prompt_files
 
 from flowrl.config import ConfigError, load_config
-from flowrl.models import LTXVideoModel, load_model, model_class, resolve_model
+from flowrl.models import LTXVideoModel, load_model, model_class
 from flowrl.models.ltx import vae_compression
+from flowrl.pairing import resolve_model
 from flowrl.trainer import Trainer
 
 PROMPTS = ["a red circle moving left", "two blue squares moving up then a green star appears"]  # different lengths

@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from .fields import ConfigError, config_key, setting
 from .fields import check as _check
 from .fields import precision_value as _precision
+from .files import REPO_ROOT, resolve_path
 from .methods import (
     METHODS,
     SHAPES,
@@ -38,6 +39,7 @@ from .precision import PRECISIONS
 from .samplers import KERNEL_SPECS, STOCHASTIC_KERNELS, UNIT_ETA_KERNELS
 
 __all__ = [
+    "REPO_ROOT",
     "Config",
     "ConfigError",
     "EvalConfig",
@@ -52,10 +54,9 @@ __all__ = [
     "WindowConfig",
     "config_key",
     "load_config",
+    "resolve_path",
     "save_config",
 ]
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _choices(summaries: dict[str, str]) -> str:
@@ -624,12 +625,6 @@ def save_config(config: Config, path: str | Path) -> None:
     from .files import write_text_atomic
 
     write_text_atomic(path, OmegaConf.to_yaml(OmegaConf.structured(config)))
-
-
-def resolve_path(path: str | Path) -> Path:
-    """A path as given if it exists, else relative to the repository root (for ``assets/...``)."""
-    path = Path(path)
-    return path if path.exists() or path.is_absolute() else REPO_ROOT / path
 
 
 def shipped_configs() -> dict[str, list[tuple[str, str]]]:

@@ -21,6 +21,16 @@ LOCK_FILE = ".flowrl.lock"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 """Weight files that are pickles: flowrl never loads them."""
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+"""The repository's root folder (``assets/``, ``configs/``): where a relative path that does not exist is looked up."""
+
+
+def resolve_path(path: str | Path) -> Path:
+    """``path`` as given if it exists or is absolute, else relative to :data:`REPO_ROOT` (for ``assets/...`` from any
+    working folder)."""
+    path = Path(path)
+    return path if path.exists() or path.is_absolute() else REPO_ROOT / path
+
 
 class RunFolderInUse(RuntimeError):
     """Another process holds a run folder's lock; the message names the folder and that process's id."""

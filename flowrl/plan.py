@@ -150,10 +150,10 @@ def memory_plan(cfg, processes: int = 1) -> dict:
         ``total_gpu`` adds the frozen parts).
 
     Raises:
-        ConfigError: as :func:`flowrl.models.resolve_model` (a bad ``model.path`` and the like), or ``processes < 1``.
+        ConfigError: as :func:`flowrl.pairing.resolve_model` (a bad ``model.path`` and the like), or ``processes < 1``.
     """
     from .config import ConfigError, resolve_path
-    from .models import resolve_model
+    from .pairing import resolve_model
 
     if processes < 1:
         raise ConfigError(f"--processes must be >= 1, got {processes}")

@@ -23,20 +23,18 @@ from tqdm import tqdm
 
 from .checkpoint import explain_disk_full
 from .checkpointer import Checkpointer
-from .config import Config, ConfigError, RewardConfig, resolve_path, save_config
+from .config import Config, ConfigError, RewardConfig, save_config
 from .diagnostics import diversity_metrics, diversity_probe, peak_memory, precision_summary, resolve_precisions
 from .diversity import StopRules
 from .evaluator import Evaluator, eval_metrics
 from .methods import Rewards, build_method
-from .models import build_adapter, resolve_model
 from .models.memory import place_frozen
+from .pairing import build_model, resolve_model
 from .policy import Policy, check_accelerate_engine, check_accelerate_precision, check_optimizer
 from .prompt_sampler import PromptSampler, read_prompt_records
 from .run import RunFolder
 from .scoring import Scorer, build_rewards, given_rewards
 from .trackers import Trackers
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Trainer:
@@ -100,21 +98,7 @@ class Trainer:
         self.held_out_metas = read_prompt_records("eval.held_out", cfg.eval.held_out) if cfg.eval.held_out else []
         self.prompts = PromptSampler(self.train_metas, cfg, acc.process_index)
         self.rewards = build_rewards(cfg.rewards, given)
-        video = (
-            dict(num_frames=cfg.model.num_frames, expert=cfg.model.expert, negative_prompt=cfg.model.negative_prompt)
-            if adapter.VIDEO
-            else {}
-        )  # checked by resolve_model
-        self.model = build_adapter(
-            adapter,
-            resolve_path(cfg.model.path),
-            self.device,
-            DTYPES[cfg.model.dtype],
-            cfg.model.max_sequence_length,
-            cfg.model.resolution,
-            **video,
-            **cfg.model.options,
-        )
+        self.model = build_model(cfg, adapter, self.device)
         self._prepare_model()
         self.policy = Policy(self.model, cfg.train, cfg.run.mixed_precision, acc)
         self.method = build_method(cfg, self.model, self.policy, self.rewards)

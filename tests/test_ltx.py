@@ -17,8 +17,9 @@ from tiny_pipelines.common import noise
 from tiny_pipelines.ltx import build_random_ltx_pipeline, stock_ltx
 
 from flowrl.config import ConfigError, load_config
-from flowrl.models import LTXVideoModel, load_model, model_class, resolve_model
+from flowrl.models import LTXVideoModel, load_model, model_class
 from flowrl.models.ltx import vae_compression
+from flowrl.pairing import resolve_model
 from flowrl.trainer import Trainer
 
 PROMPTS = ["a red circle moving left", "two blue squares moving up then a green star appears"]  # different lengths

@@ -385,14 +385,15 @@ def test_offline_data_reads_pick_a_pic_rows_and_names_bad_rows(tmp_path):
 
 
 def test_offline_methods_refuse_a_missing_data_key_and_families_without_vae_latents(random_pipeline):
-    from flowrl.methods.offline import _check_family
-    from flowrl.models.sd15 import SD15Model
+    from flowrl.methods import METHODS
+    from flowrl.models import FluxKontextModel, SD15Model, WanModel
+    from flowrl.pairing import check_pairing
 
     with pytest.raises(ConfigError, match=r"train\.offline\.data"):
         load_config(REPO / "configs" / "sft.yaml", ["train.offline.data="])
-    from flowrl.models.flux_kontext import FluxKontextModel
-
-    with pytest.raises(ValueError, match="the SD15Model family's latents are its own"):
-        _check_family(SD15Model.__new__(SD15Model), "sft")
-    with pytest.raises(ValueError, match="FluxKontextModel edits source images"):
-        _check_family(FluxKontextModel.__new__(FluxKontextModel), "dpo_offline")
+    with pytest.raises(ConfigError, match=r"'sft' \(SFT\) needs a flow-matching model"):
+        check_pairing(METHODS["sft"], SD15Model, "sd15")  # the forward process first: a DDPM family lacks both
+    with pytest.raises(ConfigError, match="the WanModel family's latents are its own"):
+        check_pairing(METHODS["sft"], WanModel, "wan")
+    with pytest.raises(ConfigError, match="FluxKontextModel edits source images"):
+        check_pairing(METHODS["dpo_offline"], FluxKontextModel, "kontext")

@@ -156,5 +156,5 @@ def test_guidance_rescale_is_a_config_option(tmp_path, sdxl, prompt_files):
     over = tiny_overrides(sdxl, *prompt_files, tmp_path / "run", **{"model.options.guidance_rescale": 0.7})
     assert Trainer(load_config(None, over)).model.guidance_rescale == 0.7
     bad = tiny_overrides(sdxl, *prompt_files, tmp_path / "bad", **{"model.options.guidance_rescale": 2.0})
-    with pytest.raises(ConfigError, match=r"'model.options'.*guidance_rescale must be in \[0, 1\]"):
+    with pytest.raises(ConfigError, match=r"'model\.options\.guidance_rescale': guidance_rescale must be in \[0, 1\]"):
         Trainer(load_config(None, bad))

@@ -14,7 +14,8 @@ Each iteration the loop (:meth:`flowrl.trainer.Trainer.step`) calls, in order:
 The iteration's generator (every random draw) is passed to each call that draws. A method's state beyond the
 policy's (a window position, an old policy) goes into checkpoints through :meth:`Method.state_dict` /
 :meth:`Method.save_files` and comes back through their ``load_`` twins. Methods register themselves in
-:data:`METHODS` with :func:`register_method`; ``train.method`` is checked against it.
+:data:`METHODS` with :func:`register_method`; ``train.method`` is checked against it, and the model family against
+what the method needs (:attr:`Method.requires`).
 """
 
 from __future__ import annotations
@@ -176,6 +177,12 @@ class Method:
 
     name = ""
     online = True  # False: an offline method (its rollout reads a data set; the loop scores nothing)
+    requires: tuple[str, ...] = ()
+    """What the method needs of a model family, by capability name (:data:`flowrl.models.base.CAPABILITIES`, each a
+    family's class flag): ``"forward_process"`` (it trains the flow-matching loss at arbitrary times from clean samples:
+    :class:`flowrl.methods.forward.ForwardProcess`), ``"vae_inverse"`` (it encodes images into latents: the offline
+    methods), ``"text_only"`` (its data rows are text prompts alone: the offline methods). A family lacking one is
+    refused in one line before any weight loads (:func:`flowrl.pairing.check_pairing`). Default: nothing."""
 
     def __init__(self, cfg, model, policy, rewards):
         self.cfg, self.model, self.policy, self.rewards = cfg, model, policy, rewards

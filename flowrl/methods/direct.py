@@ -103,6 +103,9 @@ class DirectReward(ForwardProcess):
             ``frames`` over a differentiable image reward).
     """
 
+    requires = ()
+    """Nothing of the family: the direct-reward methods sample and decode (they run on the DDPM families too)."""
+
     @classmethod
     def check_config(cls, cfg) -> None:
         from ..fields import ConfigError

@@ -41,6 +41,9 @@ def flow_matching_error(velocity: torch.Tensor, x0: torch.Tensor, eps: torch.Ten
 class ForwardProcess(Method):
     """Base of the methods trained on clean samples (see the module docstring). Args: as :class:`Method`."""
 
+    requires = ("forward_process",)
+    """The flow-matching loss at arbitrary times from samples taken as ``x_0``: the DDPM families refuse it."""
+
     @classmethod
     def check_final_samples(cls, cfg, why: str = "it trains on final samples") -> None:
         """Refuse, naming the key, the GRPO-only settings a method on final samples cannot use: a rollout shape other

@@ -147,21 +147,6 @@ def load_image(source, side: int) -> torch.Tensor:
     )
 
 
-def _check_family(model, method: str) -> None:
-    """Refuse, in one line, a family whose latents are not the VAE's scaled ones (SD 1.x/XL's VP state, Qwen-Image's
-    and the video families' normalised latents) and an editing family (its rows would need source images)."""
-    if not model.encodes_images():
-        raise ValueError(
-            f"train.method {method!r} encodes its images with the VAE; the {type(model).__name__} family's latents "
-            "are its own (built: the SD3, FLUX.1 and Z-Image families)"
-        )
-    if hasattr(model, "encode_images"):  # FLUX.1 Kontext: conditioned on a source image per prompt
-        raise ValueError(
-            f"train.method {method!r}: {type(model).__name__} edits source images; data sets with a source image per "
-            "row are not built (built: the SD3, FLUX.1 and Z-Image text-to-image families)"
-        )
-
-
 class OfflineData:
     """An offline data set, its images encoded into latents once (module docstring).
 
@@ -196,6 +181,9 @@ class OfflineDPO(DiffusionDPO):
 
     online = False
     pairs = True
+    requires = ("forward_process", "vae_inverse", "text_only")
+    """The flow-matching loss, images encoded by the family's VAE, and data rows of text prompts alone (no source
+    image per row: not built)."""
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -204,7 +192,6 @@ class OfflineDPO(DiffusionDPO):
 
     def __init__(self, cfg, model, policy, rewards):
         super().__init__(cfg, model, policy, rewards)
-        _check_family(model, self.name)
         self.data = OfflineData(read_preference_rows(cfg.train.offline.data, self.pairs), model)
 
     def rollout(self, metas: list[dict], generator: torch.Generator) -> DataSamples:
@@ -239,7 +226,6 @@ class SFT(OfflineDPO):
 
     def __init__(self, cfg, model, policy, rewards):
         super(DiffusionDPO, self).__init__(cfg, model, policy, rewards)
-        _check_family(model, self.name)
         self.data = OfflineData(read_preference_rows(cfg.train.offline.data, False), model)
         self.reference = None
 

@@ -2,13 +2,15 @@
 
 An adapter is a thin layer over a diffusers pipeline loaded with ``from_pretrained``. The samplers see only
 :meth:`FlowModel.velocity_fn` (a velocity over latents of any trailing shape); the trainer and the evaluation
-use the rest. A family (one file beside this one) subclasses :class:`FlowModel` and provides:
+use the rest. A family (one file beside this one) subclasses :class:`FlowModel`, registers it
+(:func:`register_family`) and provides:
 
 ====================================  ==========================================================================
 ``PIPELINE``                          the diffusers pipeline class name its folders' ``model_index.json`` names
 ``OPTIONAL``                          components a folder may leave out (``null`` in ``model_index.json``)
 ``LORA_TARGETS``                      module-name suffixes a LoRA adapts
 ``SIGMA_SPACING``                     how the stock pipeline spaces its steps (:func:`samplers.flow_sigmas`)
+``PROMPT_LENGTH``, ``PROMPT_RULE``    the prompt lengths the family takes and why (:meth:`check_max_sequence_length`)
 ``_resolution_grid`` (classmethod)    default side, unit and largest side in px a folder can draw (read from configs)
 ``scheduler_shift`` / ``shift``       the sigma-schedule shift read from the scheduler config (static by default)
 ``_default_length`` (staticmethod)    the prompt length the stock pipeline uses (``max_sequence_length``)
@@ -17,27 +19,61 @@ use the rest. A family (one file beside this one) subclasses :class:`FlowModel` 
 ``_forward``                          one transformer call: latents, times in [0, 1], embeddings -> prediction
 ====================================  ==========================================================================
 
-Shared here: loading (every component in ``dtype``, the trained network in float32 on CPU), classifier-free
-guidance (:meth:`FlowModel.velocity`), chunked decoding, LoRA (add, save in diffusers' format, load, the
-LoRA-disabled reference), full fine-tuning and saving the whole pipeline, and batch invariance
-(:func:`make_batch_invariant`: the PPO ratio is exactly 1 before the first optimizer step).
-:func:`flowrl.models.load_model` picks the family from a folder's ``model_index.json``.
+What a family supports, declared as class attributes (a method names what it needs in its ``requires``, and
+:func:`flowrl.pairing.check_pairing` refuses a method a family cannot run, before any weight loads):
+
+====================================  ==========================================================================
+``FORWARD_PROCESS`` (True)            ``x_t = (1 - t) x0 + t eps`` holds for its latents at every flow time ``t``
+                                      (False: the DDPM families, whose samples end at ``final_alpha_cumprod``)
+``VAE_INVERSE`` (False)               :meth:`FlowModel.encode_latents` inverts :meth:`FlowModel.decode` (latents
+                                      are the VAE's scaled ones: SD3, FLUX.1, Z-Image)
+``TEXT_ONLY`` (True)                  a prompt record is its text alone (False: the families that read a source
+                                      or reference image from the record: edit, image-to-video, FLUX.2)
+``VIDEO`` (False)                     it draws videos and takes ``model.num_frames`` / ``model.expert``
+====================================  ==========================================================================
+
+Guidance, once for every family (:meth:`FlowModel.velocity`): the CFG pair batched as one forward of
+``PromptEmbeds.cat([negative, cond])`` (every field), the negative prompt put into the table's row 0
+(:meth:`FlowModel.velocity_fn`), ``v_u + w (v_c - v_u)``, then ``guidance_rescale``. A family whose mathematics
+differs overrides a hook, not the velocity: :meth:`~FlowModel.cfg_scale` and :meth:`~FlowModel.embedded_guidance`
+(the scale as a transformer input: FLUX.1-dev, FLUX.2 [dev], SANA-Sprint, HunyuanVideo and its true CFG),
+:meth:`~FlowModel.guided_rows` (CFG truncation), :meth:`~FlowModel._guide` (another combination: Qwen-Image's norm
+rescale, Z-Image's normalisation), :meth:`~FlowModel._cfg_batch` (a negative per row: Qwen-Image-Edit) and
+:attr:`PromptEmbeds.SHARED` (a negative that sees the row's source image).
+
+Shared here as well: loading (every component in ``dtype``, the trained network in float32 on CPU), chunked decoding,
+LoRA (add, save in diffusers' format, load, the LoRA-disabled reference), full fine-tuning and saving the whole
+pipeline, and batch invariance (:func:`make_batch_invariant`: the PPO ratio is exactly 1 before the first optimizer
+step). :func:`flowrl.models.load_model` picks the family from a folder's ``model_index.json`` (:data:`FAMILIES`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
 
+from ..fields import config_key
+from ..files import resolve_path
 from ..samplers import flow_sigmas
+from .invariance import make_batch_invariant
 
-MIN_ROWS = {torch.nn.Linear: (2, 16), torch.nn.Conv2d: (4, 4)}
-"""For each layer type: the input rank that carries one row per sample, and the fewest rows it runs at."""
+JOINT_ATTENTION_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+"""LoRA targets of the joint-attention (MMDiT) transformers: both streams' query, key, value and output projections of
+every dual-stream block (Flow-GRPO's for SD3); FLUX.1, FLUX.2, Qwen-Image and HunyuanVideo 1.5 add their
+feed-forward layers."""
 
 
 def resolve_device(name: str, option: str = "--device") -> str:
@@ -95,91 +131,15 @@ def source_image(meta: dict, family: str) -> str | None:
     return meta.get("image")
 
 
-def make_batch_invariant(module: torch.nn.Module, probe: Callable[[], object] | None) -> int:
-    """Make the per-sample layers of `module` give each sample the same bits at any batch size.
-
-    Matrix-product libraries pick a different kernel, with a different summation order, for a product
-    of only a few rows: on an AVX-512 CPU, MKL's results for a linear layer on up to 5-10 rows, and
-    oneDNN's for a convolution of a single image, differ in the last bits from those of larger batches.
-    In an SD3 transformer that hits the conditioning path (timestep and pooled-text embedders and the
-    AdaLayerNorm modulation run linear layers on `(N, features)`, one row per sample) and the patch
-    embedding (a `Conv2d` on `(N, C, H, W)`). A sample's velocity would then depend on how many samples
-    share its forward call, the log-probs recomputed for training (minibatches of any composition)
-    would differ from the rollout's (a tree node evaluated with few rows), and the PPO ratio before the
-    first optimizer step would not be exactly 1. Zero-padding such inputs up to the row counts of
-    :data:`MIN_ROWS` (16 rows for a 2-D linear input, 4 images for a convolution) and dropping the
-    padded outputs keeps every call on the large-batch kernel. Only the layers that `probe` shows
-    receiving per-sample inputs are padded; the token-wise layers, whose inputs
-    `(N, tokens, features)` are large already, get no hook. This is measured, not guaranteed: another
-    BLAS or a GPU may switch kernels elsewhere.
-
-    Args:
-        module (`torch.nn.Module`): e.g. an `SD3Transformer2DModel`, with or without peft LoRA layers.
-        probe (callable or None): runs one forward of `module` (any batch size); it is called once, under
-            `torch.no_grad()`, to see which `torch.nn.Linear` and `torch.nn.Conv2d` layers receive
-            inputs of the per-sample rank (2-D for a linear layer, 4-D for a convolution). None hooks every such
-            layer (an input of another rank passes through untouched): for modules whose forward is not one call,
-            such as the text encoders behind a family's ``encode``.
-
-    Returns:
-        `int`: the number of layers newly padded (a layer already padded is skipped, so calling it again
-        after adding an adapter pads only the adapter's per-sample layers).
-    """
-    rules = {
-        m: rule
-        for m in module.modules()
-        if not hasattr(m, "_flowrl_min_rows")
-        for kind, rule in MIN_ROWS.items()
-        if isinstance(m, kind)
-    }  # layer -> (rank, min rows)
-    seen: set[torch.nn.Module] = set()
-
-    def record(layer, args):
-        if args and torch.is_tensor(args[0]) and args[0].ndim == rules[layer][0]:
-            seen.add(layer)
-
-    if probe is None:
-        seen.update(rules)
-    handles = [m.register_forward_pre_hook(record) for m in rules] if probe is not None else []
-    try:
-        if probe is not None:
-            with torch.no_grad():
-                probe()
-    finally:
-        for handle in handles:
-            handle.remove()
-    for layer in seen:
-        layer._flowrl_ndim, layer._flowrl_min_rows = rules[layer]
-        layer._flowrl_rows = None
-        layer.register_forward_pre_hook(_pad_rows)
-        layer.register_forward_hook(_unpad_rows)
-    return len(seen)
-
-
-def _pad_rows(layer: torch.nn.Module, args: tuple):
-    """Forward pre-hook: zero-pad a per-sample input of fewer than ``layer._flowrl_min_rows`` rows."""
-    x = args[0]
-    if x.ndim != layer._flowrl_ndim or x.shape[0] >= layer._flowrl_min_rows:
-        layer._flowrl_rows = None
-        return None
-    layer._flowrl_rows = x.shape[0]
-    pad = x.new_zeros(layer._flowrl_min_rows - x.shape[0], *x.shape[1:])
-    return (torch.cat([x, pad]),) + args[1:]
-
-
-def _unpad_rows(layer: torch.nn.Module, args: tuple, output: torch.Tensor):
-    """Forward hook: drop the rows :func:`_pad_rows` added."""
-    rows, layer._flowrl_rows = layer._flowrl_rows, None
-    return output if rows is None else output[:rows]
-
-
 @dataclass
 class PromptEmbeds:
-    """Encoded prompts: ``embeds (P, T, D)`` and ``pooled (P, D_pooled)`` on the model's device.
+    """Encoded prompts: ``embeds (P, T, D)`` and ``pooled (P, D_pooled)`` on the model's device; a family's subclass adds
+    fields (a padding ``mask (P, T)``, a source image's latents), every one a tensor with one row per prompt.
 
     A prompt table (:meth:`FlowModel.prompt_table`) holds the empty prompt, the CFG negative, in row
     :attr:`NEGATIVE_ROW` and the iteration's prompt ``p`` in row ``rows(p)``: samplers and methods index it through
-    :meth:`rows`, never by arithmetic of their own.
+    :meth:`rows`, never by arithmetic of their own. Indexing (``table[rows]``) and :meth:`cat` keep every field and the
+    subclass.
     """
 
     embeds: torch.Tensor
@@ -187,6 +147,9 @@ class PromptEmbeds:
 
     NEGATIVE_ROW = 0
     """The row of the empty prompt (the CFG negative) in a prompt table."""
+    SHARED = ()
+    """Fields a CFG negative takes from the row it guides, not from the negative prompt (a source image's latents and
+    tokens: the negative of an edit or image-to-video row sees that row's source); every other field is the text's."""
 
     @staticmethod
     def rows(prompt_index: torch.Tensor) -> torch.Tensor:
@@ -199,9 +162,26 @@ class PromptEmbeds:
         """The rows of several tables of one class, stacked in order: every tensor field concatenated on dim 0."""
         return type(parts[0])(**{f.name: torch.cat([getattr(p, f.name) for p in parts]) for f in fields(parts[0])})
 
+    @classmethod
+    def text_fields(cls) -> tuple[str, ...]:
+        """The fields that encode a prompt's text (all but :attr:`SHARED`)."""
+        return tuple(f.name for f in fields(cls) if f.name not in cls.SHARED)
+
+    def negative(self, uncond: PromptEmbeds) -> PromptEmbeds:
+        """The CFG negative of these ``N`` rows: the text fields of ``uncond`` (``N`` rows of the negative prompt) with
+        the :attr:`SHARED` fields of these rows."""
+        return replace(self, **{name: getattr(uncond, name) for name in self.text_fields()})
+
+    def with_negative(self, negative: PromptEmbeds) -> PromptEmbeds:
+        """This table with the text of row :attr:`NEGATIVE_ROW` (0) replaced by ``negative``'s one row (a re-encoded
+        negative prompt); its :attr:`SHARED` fields and the other rows kept."""
+        return replace(
+            self, **{n: torch.cat([getattr(negative, n), getattr(self, n)[1:]]) for n in self.text_fields()}
+        )
+
     def __getitem__(self, index: torch.Tensor) -> PromptEmbeds:
-        """The rows `index` (`(N,)` long) of both tensors: ``(N, T, D)`` and ``(N, D_pooled)``."""
-        return PromptEmbeds(self.embeds[index], self.pooled[index])
+        """The rows `index` (`(N,)` long) of every field, in this class: ``(N, T, D)``, ``(N, D_pooled)``, ..."""
+        return type(self)(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
 
 def _pipeline_folder(path: str | Path) -> Path:
@@ -270,6 +250,44 @@ def _model_index(path: str | Path) -> dict:
     return json.loads((_pipeline_folder(path) / "model_index.json").read_text())
 
 
+def _json(path: Path) -> dict:
+    """A parsed JSON config file."""
+    return json.loads(path.read_text())
+
+
+def _stretch_to_terminal(sigmas: torch.Tensor, terminal: float) -> torch.Tensor:
+    """diffusers' ``FlowMatchEulerDiscreteScheduler.stretch_shift_to_terminal``: the schedule ``sigmas (N,)`` (without
+    the final 0) scaled in ``1 - sigma`` so that its last value is ``terminal``: ``1 - (1 - s) (1 - terminal) / (1 -
+    s_N)``."""
+    one_minus = 1 - sigmas
+    return 1 - one_minus / (one_minus[-1] / (1 - terminal))
+
+
+FAMILIES: dict[str, type[FlowModel]] = {}
+"""The registered families by the pipeline class they load (``PIPELINE``, the ``_class_name`` of a folder's
+``model_index.json``): :func:`register_family`; :func:`flowrl.models.model_class` looks a folder's family up here."""
+
+
+def register_family(cls: type[FlowModel]) -> type[FlowModel]:
+    """Class decorator: register a :class:`FlowModel` subclass as the family of its ``PIPELINE`` (:data:`FAMILIES`).
+
+    Raises:
+        ValueError: naming the class, for one without ``PIPELINE`` or a pipeline registered already.
+    """
+    if not cls.PIPELINE:
+        raise ValueError(f"{cls.__name__} names no PIPELINE: a family registers under its diffusers pipeline class")
+    if cls.PIPELINE in FAMILIES:
+        raise ValueError(f"pipeline {cls.PIPELINE} is registered already ({FAMILIES[cls.PIPELINE].__name__})")
+    FAMILIES[cls.PIPELINE] = cls
+    return cls
+
+
+CAPABILITIES = ("forward_process", "vae_inverse", "text_only")
+"""What a family may support, each a boolean class attribute of :class:`FlowModel` of the same name in capitals
+(``FORWARD_PROCESS``, ``VAE_INVERSE``, ``TEXT_ONLY``): the names a method's ``requires`` lists
+(:class:`flowrl.methods.base.Method`)."""
+
+
 class FlowModel:
     """The base of every model adapter: a flow-matching text-to-image (or video) pipeline behind one contract
     (this module's docstring lists what a family provides). Construct a family's subclass, or let
@@ -284,11 +302,13 @@ class FlowModel:
         max_sequence_length: T5 tokens; None: :meth:`default_max_sequence_length` (the stock pipeline's).
         resolution: image side in pixels for sampling and evaluation (square images); None for the
             family's default (:meth:`check_resolution`).
+        options: the family's own settings (:attr:`OPTIONS`), each checked by its ``check_<name>``.
 
     Raises:
         FileNotFoundError: if ``path`` is not a folder with ``model_index.json``.
-        ValueError: for a ``resolution`` or ``max_sequence_length`` the family cannot take, or a folder of
-            another pipeline class.
+        ValueError: for a ``resolution``, ``max_sequence_length`` or option value the family cannot take, or a folder
+            of another pipeline class.
+        TypeError: for an option the family does not take.
     """
 
     PIPELINE: str | None = None
@@ -308,17 +328,57 @@ class FlowModel:
         return cls.NETWORK
 
     OPTIONS: tuple[str, ...] = ()
-    """Keyword arguments of the family's constructor that ``model.options`` may set (e.g. HunyuanVideo's
-    ``true_cfg_scale``, SDXL's ``guidance_rescale``)."""
+    """The family's own settings, keyword arguments of its constructor that ``model.options`` may set (e.g.
+    HunyuanVideo's ``true_cfg_scale``, SDXL's ``guidance_rescale``): each is checked by the family's ``check_<name>``
+    (:meth:`check_option`) and kept as the attribute of its name, whose class value is its default."""
     VIDEO = False
     """Whether the family draws videos (latents ``(C, F, H, W)`` decoded to ``(B, F, 3, H, W)``); only a video family
     takes ``model.num_frames`` and ``model.expert`` (its constructor's ``num_frames`` and ``expert``)."""
     VAE_CHANNELS_LAST = True
     """Whether the VAE runs in channels-last memory format (False for a VAE of 3-D convolutions, Qwen-Image's)."""
+    DECODE_CHUNK = 32
+    """Latents per VAE decode call (:attr:`decode_chunk`; see :meth:`decode`)."""
     PROMPT_PADDING = "fixed"
     """How :meth:`encode` pads a batch's tokens: ``"fixed"`` (to a length that does not depend on the batch) or
     ``"longest"`` (to the batch's longest prompt, marked by a ``mask`` field: Qwen-Image); the prompt cache
     (:mod:`flowrl.models.memory`) stores a ``"longest"`` row without its padding."""
+    FAMILY = ""
+    """The family's name in error messages (``"FLUX"``, ``"Wan"``)."""
+    PROMPT_LENGTH: tuple[int, int | None] = (0, None)
+    """The ``max_sequence_length`` values the family takes, ``(least, most or None)`` (SD3: any ``>= 0``, 0 without
+    T5), checked by :meth:`check_max_sequence_length`."""
+    PROMPT_RULE = ""
+    """Why the family limits the prompt length, for the error (``"its T5 tokens condition every block"``)."""
+    SHIFT_TERMINAL = False
+    """Whether :meth:`sigmas` stretches the schedule to the scheduler config's ``shift_terminal`` as the stock pipeline's
+    scheduler does (Qwen-Image, Z-Image, FLUX.2, LTX-Video)."""
+    FORWARD_PROCESS = True
+    """Capability: the flow-matching forward process ``x_t = (1 - t) x0 + t eps`` holds for the family's latents (the
+    forward-process methods train on it); False for the DDPM families (SD 1.x, SDXL)."""
+    VAE_INVERSE = False
+    """Capability: :meth:`encode_latents` is the inverse of :meth:`decode` (the family's latents are the VAE's scaled
+    ones and it decodes with :meth:`FlowModel.decode`): what the offline methods encode their images with."""
+    TEXT_ONLY = True
+    """Capability: a prompt record is its text alone; False for a family that reads a source or reference image from
+    the record (edit and image-to-video families, FLUX.2)."""
+    negative_prompt = ""
+    """The CFG negative prompt: ``""`` (the prompt table's empty row) unless a family takes one (the video families'
+    ``negative_prompt``); :meth:`velocity_fn` puts a non-empty one into the table's row 0."""
+    guidance_rescale = 0.0
+    """The ``guidance_rescale`` of :meth:`_guide` in [0, 1] (0: off); a family that takes it sets it (from an option or
+    the folder's guider)."""
+    _negative: tuple[str, PromptEmbeds] | None = None  # (negative prompt, its encoding): negative_encoding's cache
+
+    @classmethod
+    def supports(cls, capability: str) -> bool:
+        """Whether the family has ``capability`` (one of :data:`CAPABILITIES`, the lower-case name of its flag).
+
+        Raises:
+            KeyError: naming the known capabilities, for another name.
+        """
+        if capability not in CAPABILITIES:
+            raise KeyError(f"unknown family capability {capability!r}; known: {', '.join(CAPABILITIES)}")
+        return bool(getattr(cls, capability.upper()))
 
     def __init__(
         self,
@@ -327,6 +387,7 @@ class FlowModel:
         dtype: torch.dtype = torch.float32,
         max_sequence_length: int | None = None,
         resolution: int | None = None,
+        **options,
     ):
         import diffusers
         from diffusers.utils import logging as diffusers_logging
@@ -344,9 +405,11 @@ class FlowModel:
                 f"{path / 'model_index.json'} names pipeline {index.get('_class_name')!r}, not "
                 f"{self.PIPELINE}: load it with flowrl.models.load_model"
             )
+        self.check_folder(path)
+        self._set_options(path, options)
         self.resolution = self.check_resolution(path, resolution)
         self.max_sequence_length = self._default_length(index) if max_sequence_length is None else max_sequence_length
-        self.check_max_sequence_length(self.max_sequence_length)
+        self.check_prompt_length(path, self.max_sequence_length)
         kwargs = {name: None for name in self.OPTIONAL if _absent(index, name)}  # optional parts the folder leaves out
         diffusers_logging.disable_progress_bar()
         transformers_logging.disable_progress_bar()
@@ -361,18 +424,55 @@ class FlowModel:
         if self.transformer.dtype != train_dtype:
             self.transformer.to(train_dtype)
         self.transformer.requires_grad_(False)
-        for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder"):
             if (module := getattr(self.pipe, name, None)) is not None:
                 module.requires_grad_(False).eval()
         if self.VAE_CHANNELS_LAST:
             self.pipe.vae.to(memory_format=torch.channels_last)  # its convolutions run faster so, on CPU as on GPU
         self.device, self.dtype, self.path = torch.device(device), dtype, path
-        self.decode_chunk = 32  # latents per VAE decode call (:meth:`decode`)
+        self.decode_chunk = self.DECODE_CHUNK  # latents per VAE decode call (:meth:`decode`)
         self.wrapped = None  # the transformer wrapped for several processes (DDP), set by flowrl.policy.Policy
         make_batch_invariant(self.transformer, self._probe)  # the ratio is exactly 1 before the first optimizer step
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):  # a prompt's row whatever its batch: the
             if isinstance(module := getattr(self.pipe, name, None), torch.nn.Module):  # prompt cache equals encode
                 make_batch_invariant(module, None)
+        self._after_load()
+
+    @classmethod
+    def check_option_names(cls, names) -> None:
+        """Refuse a keyword the family's constructor does not take.
+
+        Raises:
+            TypeError: naming the family, the first unknown name and its :attr:`OPTIONS`.
+        """
+        unknown = [name for name in names if name not in cls.OPTIONS]
+        if unknown:
+            takes = ", ".join(cls.OPTIONS) or "none"
+            raise TypeError(f"{cls.__name__} takes no option {unknown[0]!r}; its options: {takes}")
+
+    def _set_options(self, path: Path, options: dict) -> None:
+        """Each option given (:attr:`OPTIONS`), checked (:meth:`check_option`), as the attribute of its name; the others
+        keep their class defaults.
+
+        Raises:
+            TypeError: for a name the family does not take. ValueError: as :meth:`check_option`.
+        """
+        self.check_option_names(options)
+        for name, value in options.items():
+            setattr(self, name, self.check_option(path, name, value))
+
+    def _after_load(self) -> None:
+        """A family's own set-up once the pipeline is loaded and batch-invariant (a frozen second expert, a check of the
+        loaded tokenizer). Default: nothing."""
+
+    @classmethod
+    def check_folder(cls, path: Path) -> None:
+        """Refuse a pipeline folder of this class that the family cannot run, reading its configs (no weights loaded):
+        called before loading and by :meth:`check_config` (``model.path``). Default: nothing to refuse.
+
+        Raises:
+            ValueError, FileNotFoundError: naming the folder and what does not fit.
+        """
 
     @classmethod
     def default_max_sequence_length(cls, path: str | Path) -> int:
@@ -393,15 +493,31 @@ class FlowModel:
         """The family's default prompt length for a parsed ``model_index.json``."""
         raise NotImplementedError
 
-    @staticmethod
-    def check_max_sequence_length(length: int) -> None:
-        """Check a T5 prompt length before anything loads (SD3: any ``>= 0``; 0 without T5).
+    @classmethod
+    def check_prompt_length(cls, path: Path, length: int) -> None:
+        """Check the prompt length against the pipeline folder ``path`` before anything loads: by default
+        :meth:`check_max_sequence_length`; a family whose folder bounds it further (Wan 2.1 I2V's CLIP tokens, LTX-2's
+        registers) adds its check.
 
         Raises:
-            ValueError: for a length this family cannot take.
+            ValueError: for a length this family or folder cannot take.
         """
-        if length < 0:
-            raise ValueError(f"max_sequence_length must be >= 0, got {length}")
+        cls.check_max_sequence_length(length)
+
+    @classmethod
+    def check_max_sequence_length(cls, length: int) -> None:
+        """Check a prompt length before anything loads against :attr:`PROMPT_LENGTH` (SD3: any ``>= 0``; 0 without T5).
+
+        Raises:
+            ValueError: ``max_sequence_length must be >= 1 for FLUX (its T5 tokens condition every block), got 0``,
+                for a length this family cannot take.
+        """
+        least, most = cls.PROMPT_LENGTH
+        if least <= length and (most is None or length <= most):
+            return
+        span = f">= {least}" if most is None else str(least) if least == most else f"in {least}..{most}"
+        family = f" for {cls.FAMILY} ({cls.PROMPT_RULE})" if cls.PROMPT_RULE else ""
+        raise ValueError(f"max_sequence_length must be {span}{family}, got {length}")
 
     @classmethod
     def check_resolution(cls, path: str | Path, resolution: int | None) -> int:
@@ -433,8 +549,30 @@ class FlowModel:
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """Refuse run settings (a :class:`flowrl.config.Config`) this family cannot sample or train, before weights
-        load; the flow families run every method. Raises :class:`flowrl.config.ConfigError` naming the key."""
+        """Refuse run settings this family cannot sample or train, before weights load: the folder (:meth:`check_folder`,
+        ``model.path``) and each ``model.options`` value (:meth:`check_option`). ``cfg`` is a
+        :class:`flowrl.config.Config`, read by its keys (a family imports no config module); what a method needs of
+        the family is checked apart (:func:`flowrl.pairing.check_pairing`).
+
+        Raises:
+            flowrl.fields.ConfigError: naming the key.
+        """
+        path = resolve_path(cfg.model.path)
+        with config_key("model.path", (ValueError, FileNotFoundError)):
+            cls.check_folder(path)
+        for name, value in cfg.model.options.items():
+            with config_key(f"model.options.{name}"):
+                cls.check_option(path, name, value)
+
+    @classmethod
+    def check_option(cls, path: Path, name: str, value):
+        """``value`` of the family's option ``name`` (one of :attr:`OPTIONS`) checked, by the family's ``check_<name>``
+        (its constructor calls the same).
+
+        Raises:
+            ValueError: naming the option, for a value it cannot take.
+        """
+        return getattr(cls, f"check_{name}")(value)
 
     @classmethod
     def scheduler_shift(cls, path: str | Path, resolution: int | None = None, num_frames: int | None = None) -> float:
@@ -463,12 +601,17 @@ class FlowModel:
 
     def sigmas(self, num_steps: int, shift: float | None = None) -> torch.Tensor:
         """The sigma schedule ``(num_steps + 1,)`` float32 (CPU) from 1 to 0 that the stock pipeline samples with
-        (:func:`samplers.flow_sigmas` with :attr:`SIGMA_SPACING`), at ``shift`` (None: :attr:`shift`).
+        (:func:`samplers.flow_sigmas` with :attr:`SIGMA_SPACING`), at ``shift`` (None: :attr:`shift`); with
+        :attr:`SHIFT_TERMINAL`, stretched to end at the scheduler's ``shift_terminal`` when it has one, then 0.
 
         Raises:
             ValueError: as :func:`samplers.flow_sigmas`.
         """
-        return flow_sigmas(num_steps, self.shift if shift is None else shift, spacing=self.SIGMA_SPACING)
+        sigmas = flow_sigmas(num_steps, self.shift if shift is None else shift, spacing=self.SIGMA_SPACING)  # (N + 1,)
+        terminal = self.pipe.scheduler.config.get("shift_terminal") if self.SHIFT_TERMINAL else None
+        if not terminal:
+            return sigmas
+        return torch.cat([_stretch_to_terminal(sigmas[:-1].double(), terminal).float(), sigmas[-1:]])
 
     @property
     def latent_shape(self) -> tuple[int, ...]:
@@ -530,33 +673,88 @@ class FlowModel:
         finally:
             self.transformer.enable_adapters()
 
+    # ------------------------------------------------------------------------------ guidance
     def velocity(
         self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None, guidance_scale: float
     ) -> torch.Tensor:
-        """Velocity with classifier-free guidance: v = v_u + w (v_c - v_u) (one batched forward).
+        """Velocity with guidance: the family's CFG ``v = v_u + w (v_c - v_u)`` against ``uncond`` in one batched
+        forward of both rows (:meth:`_cfg_batch`, :meth:`_guide`) at the CFG scale :meth:`cfg_scale`, the guidance
+        scale given to the transformer where it takes one (:meth:`embedded_guidance`); one row per sample when the CFG
+        scale is 1, ``uncond`` is None, or no row is guided at its time (:meth:`guided_rows`).
 
         Args:
-            x: latents ``(N, C, H, W)``; t: ``(N,)`` times in [0, 1] (1 = noise).
-            cond: ``N`` prompt embeddings; uncond: ``N`` empty-prompt embeddings, or None when w = 1.
-            guidance_scale: w >= 1.
+            x: latents ``(N, *latent_shape)``; t: ``(N,)`` times in [0, 1] (1 = noise).
+            cond: ``N`` prompt embeddings; uncond: ``N`` rows of the negative prompt, or None (no CFG).
+            guidance_scale: w in [1, 100].
 
         Returns:
-            float32 ``(N, C, H, W)``.
+            float32 ``(N, *latent_shape)``.
 
         Raises:
-            ValueError: if ``guidance_scale < 1``.
+            ValueError: for a ``guidance_scale`` outside [1, 100] or one the family cannot take (:meth:`cfg_scale`).
+        """
+        scale = self.cfg_scale(guidance_scale)
+        dtype = next(self.transformer.parameters()).dtype
+        inputs = self.embedded_guidance(guidance_scale)
+        rows = self.guided_rows(t)  # (N,) bool or None (every row)
+        if uncond is None or scale == 1.0 or (rows is not None and not rows.any()):
+            return self._forward(x, t, cond, dtype, **inputs).float()
+        both = self._cfg_batch(cond, uncond)  # (2N) rows: the negatives, then the prompts
+        v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype, **inputs).float().chunk(2)
+        v = self._guide(x, t, v_u, v_c, scale)
+        return v if rows is None else torch.where(rows.view(-1, *[1] * (v.ndim - 1)), v, v_c)
+
+    def cfg_scale(self, guidance_scale: float) -> float:
+        """The classifier-free guidance scale a velocity at ``guidance_scale`` applies against the negative prompt
+        (1: none, one row per sample): ``guidance_scale`` itself; a family whose transformer takes the scale as an input
+        returns 1 (or its true-CFG scale: HunyuanVideo).
+
+        Raises:
+            ValueError: for a ``guidance_scale`` outside [1, 100] (:func:`check_guidance`), or one the family refuses.
         """
         check_guidance(guidance_scale)
-        dtype = next(self.transformer.parameters()).dtype
-        if uncond is None or guidance_scale == 1.0:
-            return self._forward(x, t, cond, dtype).float()
-        both = PromptEmbeds(torch.cat([uncond.embeds, cond.embeds]), torch.cat([uncond.pooled, cond.pooled]))
-        v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
-        return v_u + guidance_scale * (v_c - v_u)
+        return guidance_scale
+
+    def uses_negative(self, guidance_scale: float) -> bool:
+        """Whether a velocity at ``guidance_scale`` evaluates the negative prompt (a CFG scale other than 1).
+
+        Raises:
+            ValueError: as :meth:`cfg_scale`.
+        """
+        return self.cfg_scale(guidance_scale) != 1.0
+
+    def embedded_guidance(self, guidance_scale: float) -> dict:
+        """Keyword arguments of :meth:`_forward` that give the transformer the guidance scale (``{"guidance": w}`` for
+        the guidance-distilled transformers: FLUX.1-dev, FLUX.2 [dev], SANA-Sprint, HunyuanVideo); ``{}`` for CFG."""
+        return {}
+
+    def guided_rows(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Which rows at times ``t`` `(N,)` CFG guides, `(N,)` bool (the others take the conditional velocity: CFG
+        truncation, Z-Image); None: every row."""
+        return None
+
+    def _cfg_batch(self, cond: PromptEmbeds, uncond: PromptEmbeds) -> PromptEmbeds:
+        """The ``2N`` rows of one CFG forward: the negatives (``uncond``'s text with ``cond``'s
+        :attr:`PromptEmbeds.SHARED` fields, :meth:`PromptEmbeds.negative`), then ``cond``; every field batched."""
+        return PromptEmbeds.cat([cond.negative(uncond), cond])
+
+    def _guide(
+        self, x: torch.Tensor, t: torch.Tensor, v_u: torch.Tensor, v_c: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """The guided velocity ``(N, *latent_shape)`` float32 from the negative's and the prompt's, ``v_u + w (v_c -
+        v_u)`` at CFG scale ``w = scale``, then pulled towards ``v_c``'s per-sample standard deviation by
+        :attr:`guidance_rescale` (Lin et al., arXiv 2305.08891, Sec. 3.4; diffusers' ``rescale_noise_cfg``) when it is
+        set. ``x (N, *latent_shape)`` and ``t (N,)``: the state and times, for a family whose combination reads them."""
+        v = v_u + scale * (v_c - v_u)
+        if not self.guidance_rescale:
+            return v
+        from diffusers.guiders.guider_utils import rescale_noise_cfg
+
+        return rescale_noise_cfg(v, v_c, guidance_rescale=self.guidance_rescale)
 
     def negative_encoding(self) -> PromptEmbeds:
-        """The encoding of the video families' CFG ``negative_prompt`` (one row), cached until the prompt changes."""
-        cached = getattr(self, "_negative", None)
+        """The encoding of :attr:`negative_prompt` (one row), cached until the prompt changes."""
+        cached = self._negative
         if cached is None or cached[0] != self.negative_prompt:
             self._negative = (self.negative_prompt, self.encode([self.negative_prompt]))
         return self._negative[1]
@@ -575,7 +773,9 @@ class FlowModel:
 
     def _forward(self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, dtype: torch.dtype) -> torch.Tensor:
         """One transformer call: latents ``x (N, *latent_shape)`` at times ``t (N,)`` in [0, 1] (1 = noise), prompt
-        embeddings ``cond`` (``N`` rows), inputs cast to ``dtype``; returns the prediction ``(N, *latent_shape)``."""
+        embeddings ``cond`` (``N`` rows), inputs cast to ``dtype``; returns the prediction ``(N, *latent_shape)``. A
+        family with embedded guidance also takes :meth:`embedded_guidance`'s ``guidance`` (the scale, None or absent:
+        1)."""
         raise NotImplementedError
 
     def trainable_times(self, sigmas: torch.Tensor) -> torch.Tensor | None:
@@ -585,21 +785,25 @@ class FlowModel:
         return None
 
     def cfg_rows(self, guidance_scale: float) -> int:
-        """Transformer rows one velocity evaluation costs per sample (the ``cost/nfe`` unit): 2 under CFG
-        (conditional and unconditional, as :meth:`velocity_fn` batches them), 1 at ``guidance_scale == 1``."""
-        return 2 if guidance_scale != 1.0 else 1
+        """Transformer rows one velocity evaluation costs per sample (the ``cost/nfe`` unit): 2 when it evaluates the
+        negative prompt too (:meth:`uses_negative`, as :meth:`velocity` batches them), else 1."""
+        return 2 if self.uses_negative(guidance_scale) else 1
 
     def velocity_fn(self, table: PromptEmbeds, guidance_scale: float):
-        """A :class:`samplers.VelocityFn` ``fn(x (N, C, H, W), t (N,), cond (N,) long) -> (N, C, H, W)`` float32 over
-        a table of prompts: ``cond`` indexes ``table``, whose row 0 must be the empty prompt (the CFG negative).
+        """A :class:`samplers.VelocityFn` ``fn(x (N, *latent_shape), t (N,), cond (N,) long) -> (N, *latent_shape)``
+        float32 over a table of prompts: ``cond`` indexes ``table``, whose row 0 is the CFG negative: the empty prompt,
+        or :attr:`negative_prompt` re-encoded into it (its text; the row's :attr:`PromptEmbeds.SHARED` fields kept)
+        when that is set and the velocity evaluates it (:meth:`uses_negative`).
 
         Raises:
-            ValueError: if ``guidance_scale < 1``.
+            ValueError: as :meth:`cfg_scale`.
         """
-        check_guidance(guidance_scale)
+        guided = self.uses_negative(guidance_scale)
+        if guided and self.negative_prompt:
+            table = table.with_negative(self.negative_encoding())  # (P + 1) rows, row 0 the negative prompt's text
 
         def fn(x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-            uncond = table[torch.full_like(cond, table.NEGATIVE_ROW)] if guidance_scale != 1.0 else None
+            uncond = table[torch.full_like(cond, table.NEGATIVE_ROW)] if guided else None
             return self.velocity(x, t, table[cond], uncond, guidance_scale)
 
         return fn
@@ -636,9 +840,9 @@ class FlowModel:
         return getattr(decode, "__wrapped__", decode)(self, latents)  # the body under its @torch.no_grad()
 
     def encodes_images(self) -> bool:
-        """Whether :meth:`encode_latents` is this family's inverse of :meth:`decode` (the families whose latents are the
-        VAE's scaled ones: SD3, FLUX)."""
-        return type(self).decode is FlowModel.decode
+        """Whether :meth:`encode_latents` is this family's inverse of :meth:`decode` (:attr:`VAE_INVERSE`: the families
+        whose latents are the VAE's scaled ones, SD3, FLUX.1, Z-Image)."""
+        return self.VAE_INVERSE
 
     @torch.no_grad()
     def encode_latents(self, images: torch.Tensor) -> torch.Tensor:
@@ -649,7 +853,7 @@ class FlowModel:
         Raises:
             NotImplementedError: for a family whose :meth:`decode` is its own (its latents are not the VAE's scaled).
         """
-        if not self.encodes_images():
+        if not self.VAE_INVERSE:
             raise NotImplementedError(f"{type(self).__name__} decodes its own latents: encoding images is not built")
         vae = self.pipe.vae
         out = []

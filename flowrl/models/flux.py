@@ -8,17 +8,17 @@ from pathlib import Path
 
 import torch
 
-from .base import FlowModel, PromptEmbeds, _config_shift, _scheduler_file, _vae_factor, check_guidance
+from .base import (
+    JOINT_ATTENTION_TARGETS,
+    FlowModel,
+    PromptEmbeds,
+    _config_shift,
+    _scheduler_file,
+    _vae_factor,
+    register_family,
+)
 
-FLUX_LORA_TARGETS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
+FLUX_LORA_TARGETS = JOINT_ATTENTION_TARGETS + (
     "ff.net.0.proj",
     "ff.net.2",
     "ff_context.net.0.proj",
@@ -94,13 +94,14 @@ def _image_tokens(resolution: int, vae_factor: int) -> int:
     return (resolution // (2 * vae_factor)) ** 2
 
 
+@register_family
 class FluxModel(PackedTokenShift, FlowModel):
     """A FLUX.1 text-to-image flow model (``FluxPipeline`` folder: FLUX.1-dev, FLUX.1-schnell or a small one), with
     :class:`FlowModel`'s interface; the samplers and the trainer see no difference.
 
     What the adapter does differently, all inside it:
 
-    - Latents stay ``(B, C, H, W)`` (``C`` the VAE's latent channels, 16 for FLUX.1) for the samplers; :meth:`velocity`
+    - Latents stay ``(B, C, H, W)`` (``C`` the VAE's latent channels, 16 for FLUX.1) for the samplers; :meth:`_forward`
       packs them into FLUX's tokens of 2x2 latent patches, with the pipeline's own ``_pack_latents``,
       ``_prepare_latent_image_ids`` and ``_unpack_latents``, and unpacks the prediction.
     - Guidance: a guidance-distilled transformer (``guidance_embeds``, FLUX.1-dev) takes the guidance scale as an
@@ -118,23 +119,19 @@ class FluxModel(PackedTokenShift, FlowModel):
     """
 
     PIPELINE = "FluxPipeline"
+    FAMILY = "FLUX"
     OPTIONAL = ("image_encoder", "feature_extractor")
     LORA_TARGETS = FLUX_LORA_TARGETS
+    VAE_INVERSE = True
     SIGMA_SPACING = "flux"
+    PROMPT_LENGTH = (1, None)
+    PROMPT_RULE = "its T5 tokens condition every block"
     DEFAULT_SAMPLE_SIZE = 128
     """Latents per image side when no resolution is given (``FluxPipeline.default_sample_size``)."""
 
     @staticmethod
     def _default_length(index: dict) -> int:
         return 512  # FluxPipeline's default; FLUX.1-schnell was trained with 256
-
-    @staticmethod
-    def check_max_sequence_length(length: int) -> None:
-        """Raise ValueError for a T5 prompt length below 1 (FLUX's T5 tokens condition every block)."""
-        if length < 1:
-            raise ValueError(
-                f"max_sequence_length must be >= 1 for FLUX (its T5 tokens condition every block), got {length}"
-            )
 
     @classmethod
     def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
@@ -163,24 +160,19 @@ class FluxModel(PackedTokenShift, FlowModel):
         )
         return PromptEmbeds(embeds.float(), pooled.float())
 
-    def velocity(
-        self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None, guidance_scale: float
-    ) -> torch.Tensor:
-        """Velocity ``(N, C, H, W)`` float32 of latents ``x (N, C, H, W)`` at times ``t (N,)`` in [0, 1]: with the
-        guidance scale as the transformer's input if it is guidance-distilled (``uncond`` unused), else with
-        classifier-free guidance as :meth:`FlowModel.velocity`.
+    def cfg_scale(self, guidance_scale: float) -> float:
+        """1 for a guidance-distilled transformer (the scale is its input, :meth:`embedded_guidance`; ``uncond`` unused,
+        one row per sample), else ``guidance_scale`` (classifier-free guidance with the empty prompt, as SD3).
 
         Raises:
-            ValueError: if ``guidance_scale < 1``.
+            ValueError: for a ``guidance_scale`` outside [1, 100].
         """
-        if not self.guidance_embeds:
-            return super().velocity(x, t, cond, uncond, guidance_scale)
-        check_guidance(guidance_scale)
-        return self._forward(x, t, cond, next(self.transformer.parameters()).dtype, guidance_scale).float()
+        scale = super().cfg_scale(guidance_scale)
+        return 1.0 if self.guidance_embeds else scale
 
-    def cfg_rows(self, guidance_scale: float) -> int:
-        """Transformer rows per sample and velocity: 1 for a guidance-distilled transformer, else as SD3's."""
-        return 1 if self.guidance_embeds else super().cfg_rows(guidance_scale)
+    def embedded_guidance(self, guidance_scale: float) -> dict:
+        """``{"guidance": w}`` for a guidance-distilled transformer (``FluxPipeline(guidance_scale=w)``), else ``{}``."""
+        return {"guidance": guidance_scale} if self.guidance_embeds else {}
 
     def _forward(self, x, t, cond: PromptEmbeds, dtype, guidance: float = 1.0) -> torch.Tensor:
         n, c, h, w = x.shape

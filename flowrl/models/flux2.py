@@ -18,7 +18,6 @@ the transformer's ``guidance`` input for [dev], the CFG scale for a klein base m
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -26,19 +25,20 @@ from pathlib import Path
 
 import torch
 
-from ..samplers import flow_sigmas
-from .base import FlowModel, PromptEmbeds, _config_shift, _model_index, _scheduler_file, _vae_factor, check_guidance
-from .qwen_image import _stretch_to_terminal
+from ..fields import ConfigError
+from ..files import resolve_path
+from .base import (
+    JOINT_ATTENTION_TARGETS,
+    FlowModel,
+    PromptEmbeds,
+    _config_shift,
+    _model_index,
+    _scheduler_file,
+    _vae_factor,
+    register_family,
+)
 
-FLUX2_LORA_TARGETS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
+FLUX2_LORA_TARGETS = JOINT_ATTENTION_TARGETS + (
     "ff.linear_in",
     "ff.linear_out",
     "ff_context.linear_in",
@@ -97,9 +97,8 @@ class Flux2PromptEmbeds(PromptEmbeds):
     image: torch.Tensor = None
     image_ids: torch.Tensor = None
 
-    def __getitem__(self, index: torch.Tensor) -> Flux2PromptEmbeds:
-        """The rows `index` (`(N,)` long) of every tensor."""
-        return Flux2PromptEmbeds(*(getattr(self, f.name)[index] for f in dataclasses.fields(self)))
+    SHARED = ("image", "image_ids")
+    """A klein base model's CFG negative sees the row's references, as ``Flux2KleinPipeline``'s."""
 
 
 def reference_paths(meta: dict) -> list[str]:
@@ -124,6 +123,7 @@ def reference_paths(meta: dict) -> list[str]:
     return paths
 
 
+@register_family
 class Flux2Model(FlowModel):
     """A FLUX.2 [dev] flow model (``Flux2Pipeline`` folder) drawing from text, or from text and reference images, with
     :class:`FlowModel`'s interface; the samplers and the trainer see no difference. :class:`Flux2KleinModel` is the same model with klein's text encoder
@@ -142,7 +142,7 @@ class Flux2Model(FlowModel):
     - Guidance: [dev] is guidance-distilled (``guidance_embeds``): the scale is the transformer's ``guidance`` input,
       one forward per sample (:meth:`cfg_rows` 1, the empty prompt unused), as ``Flux2Pipeline(guidance_scale=w)``
       (default 4). A ``Flux2Pipeline`` transformer without a guidance embedding ignores the scale in the stock
-      pipeline; flowrl refuses a scale other than 1 for it (:meth:`velocity`).
+      pipeline; flowrl refuses a scale other than 1 for it (:meth:`cfg_scale`).
     - Schedule: ``linspace(1, 1/N, N)`` shifted by ``exp(mu)``, ``mu = compute_empirical_mu(image tokens, N)``: the
       shift depends on the step count (:meth:`sigmas` with ``shift=None`` gives the stock schedule at every ``N``;
       :meth:`scheduler_shift`, which a config fills ``sampling.shift`` with, assumes :data:`DEFAULT_STEPS`).
@@ -177,24 +177,20 @@ class Flux2Model(FlowModel):
     """
 
     PIPELINE = "Flux2Pipeline"
+    FAMILY = "FLUX.2"
     OPTIONS = ("reference_resolution",)
+    reference_resolution = DEFAULT_REFERENCE_RESOLUTION
+    """The side of the square whose area caps each reference image (:meth:`check_reference_resolution`)."""
     LORA_TARGETS = FLUX2_LORA_TARGETS
     SIGMA_SPACING = "flux"
     """The pipelines' ``linspace(1, 1/N, N)`` before the shift."""
+    SHIFT_TERMINAL = True
+    PROMPT_LENGTH = (1, None)
+    PROMPT_RULE = "its text tokens"
+    TEXT_ONLY = False
+    """A prompt record may name reference images."""
     TEXT_LAYERS = (10, 20, 30)
     """The text encoder's hidden states the pipeline concatenates (its ``text_encoder_out_layers`` default)."""
-
-    def __init__(
-        self,
-        path,
-        device="cpu",
-        dtype=torch.float32,
-        max_sequence_length=None,
-        resolution=None,
-        reference_resolution: int | None = None,
-    ):
-        self.reference_resolution = self.check_reference_resolution(reference_resolution)
-        super().__init__(path, device, dtype, max_sequence_length, resolution)
 
     @staticmethod
     def check_reference_resolution(value) -> int:
@@ -212,28 +208,9 @@ class Flux2Model(FlowModel):
             )
         return value
 
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        """Check ``model.options.reference_resolution`` before weights load.
-
-        Raises:
-            flowrl.config.ConfigError: naming the key.
-        """
-        from ..config import config_key
-
-        if "reference_resolution" in cfg.model.options:
-            with config_key("model.options.reference_resolution"):
-                cls.check_reference_resolution(cfg.model.options["reference_resolution"])
-
     @staticmethod
     def _default_length(index: dict) -> int:
         return 512  # the FLUX.2 pipelines' max_sequence_length
-
-    @staticmethod
-    def check_max_sequence_length(length: int) -> None:
-        """Raise ValueError for a prompt length below 1 (the text tokens condition every block)."""
-        if length < 1:
-            raise ValueError(f"max_sequence_length must be >= 1 for FLUX.2 (its text tokens), got {length}")
 
     @classmethod
     def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
@@ -289,12 +266,7 @@ class Flux2Model(FlowModel):
         Raises:
             ValueError: as :func:`samplers.flow_sigmas`.
         """
-        shift = self._shift(num_steps) if shift is None else shift
-        sigmas = flow_sigmas(num_steps, shift, spacing=self.SIGMA_SPACING)  # (N + 1,)
-        terminal = self.pipe.scheduler.config.get("shift_terminal")
-        if not terminal:
-            return sigmas
-        return torch.cat([_stretch_to_terminal(sigmas[:-1].double(), terminal).float(), sigmas[-1:]])
+        return super().sigmas(num_steps, self._shift(num_steps) if shift is None else shift)
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -393,27 +365,25 @@ class Flux2Model(FlowModel):
         """Whether the transformer takes the guidance scale as an input (FLUX.2 [dev]'s ``guidance_embeds``)."""
         return bool(self.transformer.config.guidance_embeds)
 
-    def velocity(
-        self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None, guidance_scale: float
-    ) -> torch.Tensor:
-        """Velocity ``(N, C', h, w)`` float32 of latents ``x (N, C', h, w)`` at times ``t (N,)`` in [0, 1], the
-        guidance scale the transformer's input (``uncond`` unused).
+    def cfg_scale(self, guidance_scale: float) -> float:
+        """1: the guidance scale is the transformer's input (:meth:`embedded_guidance`; ``uncond`` unused, one row per
+        sample).
 
         Raises:
             ValueError: if ``guidance_scale`` is outside [1, 100], or not 1 for a transformer without a guidance
                 embedding (the stock pipeline would ignore it).
         """
-        check_guidance(guidance_scale)
+        super().cfg_scale(guidance_scale)
         if not self.guidance_embeds and guidance_scale != 1.0:
             raise ValueError(
                 f"guidance_scale {guidance_scale}: the transformer of {self.path} has no guidance embedding "
                 "(guidance_embeds false), so Flux2Pipeline ignores the scale; use guidance_scale 1.0"
             )
-        return self._forward(x, t, cond, next(self.transformer.parameters()).dtype, guidance_scale).float()
+        return 1.0
 
-    def cfg_rows(self, guidance_scale: float) -> int:
-        """Transformer rows per sample and velocity: 1 (the guidance scale is an input, no CFG batch)."""
-        return 1
+    def embedded_guidance(self, guidance_scale: float) -> dict:
+        """``{"guidance": w}`` for a transformer with a guidance embedding (``Flux2Pipeline(guidance_scale=w)``)."""
+        return {"guidance": guidance_scale} if self.guidance_embeds else {}
 
     def _forward(self, x, t, cond: PromptEmbeds, dtype, guidance: float | None = None) -> torch.Tensor:
         ids = getattr(cond, "image_ids", None)
@@ -478,6 +448,7 @@ class Flux2Model(FlowModel):
         return (torch.cat(images) / 2 + 0.5).clamp(0, 1)
 
 
+@register_family
 class Flux2KleinModel(Flux2Model):
     """A FLUX.2 klein flow model (``Flux2KleinPipeline`` folder: klein 4B / 9B, their base models or a small one):
     :class:`Flux2Model` (reference images included) with klein's text encoder and guidance.
@@ -488,7 +459,7 @@ class Flux2KleinModel(Flux2Model):
     - Guidance: a base model (``is_distilled`` false in ``model_index.json``) takes classifier-free guidance against
       the empty prompt, ``v_u + w (v_c - v_u)`` as :meth:`FlowModel.velocity` (the pipeline's own formula), the
       negative with the row's reference images; a step-distilled one (klein 4B / 9B) samples without it:
-      ``guidance_scale`` must be 1 (the stock pipeline ignores it; flowrl refuses it, :meth:`velocity`,
+      ``guidance_scale`` must be 1 (the stock pipeline ignores it; flowrl refuses it, :meth:`cfg_scale`,
       :meth:`check_config`).
 
     Args, Raises: as :class:`Flux2Model`.
@@ -504,11 +475,9 @@ class Flux2KleinModel(Flux2Model):
         weights load.
 
         Raises:
-            flowrl.config.ConfigError: naming ``model.options.reference_resolution``, ``sampling.guidance_scale`` or
+            flowrl.fields.ConfigError: naming ``model.options.reference_resolution``, ``sampling.guidance_scale`` or
                 ``eval.guidance_scale``.
         """
-        from ..config import ConfigError, resolve_path
-
         super().check_config(cfg)
         path = resolve_path(cfg.model.path)
         if not cls.distilled(path):
@@ -520,30 +489,20 @@ class Flux2KleinModel(Flux2Model):
                     f"which samples without CFG; set it to 1.0 (got {value})"
                 )
 
-    def velocity(
-        self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None, guidance_scale: float
-    ) -> torch.Tensor:
-        """Velocity ``(N, C', h, w)`` float32 of latents ``x (N, C', h, w)`` at times ``t (N,)`` in [0, 1], with
-        classifier-free guidance as :meth:`FlowModel.velocity` for a base model; the negative (``uncond``'s text) is
-        given the reference images of ``cond``, as ``Flux2KleinPipeline`` gives its negative the ``image_latents``.
+    def cfg_scale(self, guidance_scale: float) -> float:
+        """``guidance_scale``: a base model takes classifier-free guidance as :meth:`FlowModel.velocity` (the
+        pipeline's own formula), the negative with the row's reference images (:attr:`Flux2PromptEmbeds.SHARED`).
 
         Raises:
-            ValueError: if ``guidance_scale < 1``, or ``> 1`` for a step-distilled model.
+            ValueError: if ``guidance_scale`` is not 1 for a step-distilled model, or outside [1, 100].
         """
         if guidance_scale != 1.0 and self.is_distilled:
             raise ValueError(
                 f"guidance_scale {guidance_scale}: {self.path} is a step-distilled FLUX.2 klein (is_distilled), "
                 "which samples without CFG; use guidance_scale 1.0"
             )
-        if uncond is None or guidance_scale == 1.0 or not isinstance(cond, Flux2PromptEmbeds):
-            return FlowModel.velocity(self, x, t, cond, uncond, guidance_scale)
-        check_guidance(guidance_scale)
-        negative = dataclasses.replace(cond, embeds=uncond.embeds, pooled=uncond.pooled)  # the same references
-        both = PromptEmbeds.cat([negative, cond])  # (2N) rows: negatives first
-        dtype = next(self.transformer.parameters()).dtype
-        v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
-        return v_u + guidance_scale * (v_c - v_u)
+        return FlowModel.cfg_scale(self, guidance_scale)
 
-    def cfg_rows(self, guidance_scale: float) -> int:
-        """Transformer rows per sample and velocity: 2 under CFG, as :meth:`FlowModel.cfg_rows`."""
-        return FlowModel.cfg_rows(self, guidance_scale)
+    def embedded_guidance(self, guidance_scale: float) -> dict:
+        """``{}``: klein's guidance is CFG."""
+        return {}

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import PromptEmbeds, check_guidance, source_image
+from .base import PromptEmbeds, register_family, source_image
 from .flux import FLUX_LORA_TARGETS, FluxModel
 
 KONTEXT_LORA_TARGETS = FLUX_LORA_TARGETS + ("proj_mlp",)
@@ -27,11 +27,11 @@ class KontextPromptEmbeds(PromptEmbeds):
     image: torch.Tensor = None
     has_image: torch.Tensor = None
 
-    def __getitem__(self, index: torch.Tensor) -> KontextPromptEmbeds:
-        """The rows `index` (`(N,)` long) of the four tensors."""
-        return KontextPromptEmbeds(self.embeds[index], self.pooled[index], self.image[index], self.has_image[index])
+    SHARED = ("image", "has_image")
+    """Under CFG the negative sees the row's source image, as ``FluxKontextPipeline(true_cfg_scale=w)``."""
 
 
+@register_family
 class FluxKontextModel(FluxModel):
     """A FLUX.1 Kontext image-editing flow model (``FluxKontextPipeline`` folder: FLUX.1-Kontext-dev or a small one):
     :class:`FluxModel` (prompts, packing, distilled guidance, dynamic shift, resolution, LoRA) plus a source image per
@@ -53,6 +53,7 @@ class FluxKontextModel(FluxModel):
 
     PIPELINE = "FluxKontextPipeline"
     LORA_TARGETS = KONTEXT_LORA_TARGETS
+    TEXT_ONLY = False
 
     def prompt_table(self, metas: list[dict]) -> KontextPromptEmbeds:
         """:meth:`FlowModel.prompt_table` with each record's source image (row 0, the empty prompt, has none).
@@ -93,33 +94,6 @@ class FluxKontextModel(FluxModel):
         latents = pipe._encode_vae_image(pixels, generator=None)  # (k, C, h, w): the VAE's mode, as the pipeline
         tokens[rows] = pipe._pack_latents(latents, len(rows), c, h, w).float()  # (k, L, 4C)
         return tokens, has_image
-
-    def velocity(
-        self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None, guidance_scale: float
-    ) -> torch.Tensor:
-        """:meth:`FluxModel.velocity`; under classifier-free guidance the negative (``uncond``'s text) is given the
-        source images of ``cond``, as ``FluxKontextPipeline(true_cfg_scale=w)``. Shapes as there.
-
-        Raises:
-            ValueError: if ``guidance_scale < 1``.
-        """
-        check_guidance(guidance_scale)
-        if (
-            self.guidance_embeds
-            or uncond is None
-            or guidance_scale == 1.0
-            or not isinstance(cond, KontextPromptEmbeds)
-        ):
-            return super().velocity(x, t, cond, uncond, guidance_scale)
-        both = KontextPromptEmbeds(
-            torch.cat([uncond.embeds, cond.embeds]),
-            torch.cat([uncond.pooled, cond.pooled]),
-            torch.cat([cond.image, cond.image]),
-            torch.cat([cond.has_image, cond.has_image]),
-        )
-        dtype = next(self.transformer.parameters()).dtype
-        v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
-        return v_u + guidance_scale * (v_c - v_u)
 
     def _forward(self, x, t, cond: PromptEmbeds, dtype, guidance: float = 1.0) -> torch.Tensor:
         has_image = getattr(cond, "has_image", None)

@@ -13,14 +13,16 @@ of the transformer (the distilled CFG): one forward per sample. The samplers see
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .base import FlowModel, PromptEmbeds, _pipeline_folder, check_guidance
+from ..fields import ConfigError
+from ..files import resolve_path
+from .base import PromptEmbeds, _json, _pipeline_folder, register_family
+from .video import VideoModel
 
 HUNYUAN_VIDEO_LORA_TARGETS = (
     "to_q",
@@ -46,17 +48,9 @@ class HunyuanPromptEmbeds(PromptEmbeds):
 
     mask: torch.Tensor = None
 
-    def __getitem__(self, index: torch.Tensor) -> HunyuanPromptEmbeds:
-        """The rows `index` (`(N,)` long) of the three tensors."""
-        return HunyuanPromptEmbeds(self.embeds[index], self.pooled[index], self.mask[index])
 
-
-def _json(path: Path) -> dict:
-    """A parsed JSON config file."""
-    return json.loads(path.read_text())
-
-
-class HunyuanVideoModel(FlowModel):
+@register_family
+class HunyuanVideoModel(VideoModel):
     """A HunyuanVideo text-to-video flow model (``HunyuanVideoPipeline`` folder), with :class:`FlowModel`'s interface.
 
     - Latents: ``(C, F_lat, H/8, W/8)`` per video (:attr:`latent_shape`), ``F_lat = (num_frames - 1) / 4 + 1`` with the
@@ -96,12 +90,12 @@ class HunyuanVideoModel(FlowModel):
 
     PIPELINE = "HunyuanVideoPipeline"
     """The diffusers pipeline class this adapter loads (``_class_name`` in ``model_index.json``)."""
+    FAMILY = "HunyuanVideo"
     LORA_TARGETS = HUNYUAN_VIDEO_LORA_TARGETS
+    PROMPT_LENGTH = (1, None)
+    PROMPT_RULE = "its Llama tokens condition every block"
     SIGMA_SPACING = "flux"
     """``linspace(1, 1/N, N)`` before the shift: ``HunyuanVideoPipeline``'s ``np.linspace(1, 0, N + 1)[:-1]``."""
-    VIDEO = True
-    VAE_CHANNELS_LAST = False
-    """The HunyuanVideo VAE's convolutions are 3-D (channels-last is a 4-D format)."""
     DEFAULT_FRAMES = 129
     """Frames per video when none is given (``HunyuanVideoPipeline``'s default)."""
     DEFAULT_SIDE = 720
@@ -110,6 +104,8 @@ class HunyuanVideoModel(FlowModel):
     """``HunyuanVideoPipeline.check_inputs`` wants height and width divisible by 16."""
 
     OPTIONS = ("true_cfg_scale",)
+    true_cfg_scale = 1.0
+    """True CFG's scale on top of the embedded guidance (1: off, the stock default): :meth:`check_true_cfg_scale`."""
 
     @staticmethod
     def check_true_cfg_scale(value) -> float:
@@ -124,48 +120,24 @@ class HunyuanVideoModel(FlowModel):
             )
         return float(value)
 
-    def __init__(
-        self,
-        path,
-        device="cpu",
-        dtype=torch.float32,
-        max_sequence_length=None,
-        resolution=None,
-        num_frames: int | None = None,
-        expert: str | None = None,
-        negative_prompt: str = "",
-        true_cfg_scale: float = 1.0,
-    ):
-        if expert is not None:
-            raise ValueError(
-                f"{Path(path)} is a HunyuanVideo model (one transformer): leave the expert unset, got {expert!r}"
-            )
-        self.true_cfg_scale = self.check_true_cfg_scale(true_cfg_scale)
-        self.num_frames = self.check_num_frames(path, num_frames)
-        self.expert, self.negative_prompt = None, negative_prompt
-        self._negative: tuple[str, HunyuanPromptEmbeds] | None = None  # (prompt, its encoding), made on first use
-        super().__init__(path, device, dtype, max_sequence_length, resolution)
+    def _after_load(self) -> None:
+        """Refuse a tokenizer that pads on the left (the transformer treats the first ``mask.sum()`` tokens as the
+        prompt).
+
+        Raises:
+            ValueError: naming the tokenizer folder.
+        """
         if self.pipe.tokenizer.padding_side != "right":
             raise ValueError(
-                f"{Path(path) / 'tokenizer'} pads on the {self.pipe.tokenizer.padding_side}; "
+                f"{Path(self.path) / 'tokenizer'} pads on the {self.pipe.tokenizer.padding_side}; "
                 "HunyuanVideo's transformer needs the prompt tokens first: set padding_side 'right'"
             )
-        self.decode_chunk = 4  # videos per VAE decode call
 
     # ------------------------------------------------------------------------------ folder checks
     @staticmethod
     def _default_length(index: dict) -> int:
         """256 Llama tokens after the template's crop, ``HunyuanVideoPipeline``'s default."""
         return 256
-
-    @staticmethod
-    def check_max_sequence_length(length: int) -> None:
-        """Raise ValueError for a Llama prompt length below 1."""
-        if length < 1:
-            raise ValueError(
-                f"max_sequence_length must be >= 1 for HunyuanVideo (its Llama tokens condition every "
-                f"block), got {length}"
-            )
 
     @classmethod
     def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
@@ -201,46 +173,21 @@ class HunyuanVideoModel(FlowModel):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """Refuse ``model.num_frames``, ``model.expert`` and ``model.negative_prompt`` the folder cannot take, before
-        weights load (the trainer samples with the embedded guidance alone: a negative prompt would be unused).
+        """:meth:`VideoModel.check_config` (frames, expert, ``true_cfg_scale``), and refuse ``model.negative_prompt``
+        without true CFG, before weights load (the embedded guidance alone uses no negative prompt).
 
         Raises:
-            flowrl.config.ConfigError: naming the key.
+            flowrl.fields.ConfigError: naming the key.
         """
-        from ..config import ConfigError, config_key, resolve_path
-
-        path = resolve_path(cfg.model.path)
-        with config_key("model.num_frames"):
-            cls.check_num_frames(path, cfg.model.num_frames)
-        if cfg.model.expert is not None:
+        super().check_config(cfg)
+        if cfg.model.negative_prompt and cls.check_true_cfg_scale(cfg.model.options.get("true_cfg_scale", 1.0)) == 1:
             raise ConfigError(
-                f"config key 'model.expert': {path} is a HunyuanVideo model (one transformer); leave it "
-                f"unset (got {cfg.model.expert!r})"
-            )
-        with config_key("model.options.true_cfg_scale"):
-            true_cfg = cls.check_true_cfg_scale(cfg.model.options.get("true_cfg_scale", 1.0))
-        if cfg.model.negative_prompt and true_cfg == 1:
-            raise ConfigError(
-                f"config key 'model.negative_prompt': HunyuanVideo ({path}) samples with embedded "
+                f"config key 'model.negative_prompt': HunyuanVideo ({resolve_path(cfg.model.path)}) samples with embedded "
                 f"guidance (sampling.guidance_scale), which uses no negative prompt; leave it empty, or "
                 f"turn true CFG on with model.options.true_cfg_scale > 1"
             )
 
     # ------------------------------------------------------------------------------ the model
-    @property
-    def latent_shape(self) -> tuple[int, int, int, int]:
-        """``(C, F_lat, H, W)`` of one video's latents: ``F_lat = (num_frames - 1) / 4 + 1``, ``H = W = resolution / 8``
-        (the VAE's compressions)."""
-        pipe = self.pipe
-        side = self.resolution // pipe.vae_scale_factor_spatial
-        frames = (self.num_frames - 1) // pipe.vae_scale_factor_temporal + 1
-        return (self.transformer.config.in_channels, frames, side, side)
-
-    @property
-    def decoded_shape(self) -> tuple[int, int, int, int]:
-        """``(F, 3, H, W)`` of one decoded video (what the rewards get per sample)."""
-        return (self.num_frames, 3, self.resolution, self.resolution)
-
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> HunyuanPromptEmbeds:
         """Encode prompts with ``HunyuanVideoPipeline.encode_prompt``: Llama states ``(P, max_sequence_length, D)``
@@ -251,50 +198,19 @@ class HunyuanVideoModel(FlowModel):
         )
         return HunyuanPromptEmbeds(embeds.float(), pooled.float(), mask.long())
 
-    def cfg_rows(self, guidance_scale: float) -> int:
-        """Transformer rows per sample and velocity: 1 (embedded guidance), 2 with true CFG (``true_cfg_scale > 1``)."""
-        return 2 if self.true_cfg_scale > 1 else 1
-
-    def velocity_fn(self, table: HunyuanPromptEmbeds, guidance_scale: float):
-        """A :class:`samplers.VelocityFn` ``fn(x (N, C, F, H, W), t (N,), cond (N,) long) -> (N, C, F, H, W)`` float32
-        over a table of prompts (``cond`` indexes ``table``; its row 0, the empty prompt, is unused: the guidance is
-        embedded, and true CFG's negative is :attr:`negative_prompt`).
+    def cfg_scale(self, guidance_scale: float) -> float:
+        """:attr:`true_cfg_scale`: the guidance scale itself is embedded (:meth:`embedded_guidance`), and true CFG against
+        the negative prompt (``v = v_neg + s (v_c - v_neg)``, two rows per sample) is on when ``s > 1``.
 
         Raises:
-            ValueError: if ``guidance_scale < 1``.
+            ValueError: if ``guidance_scale`` is outside [1, 100].
         """
-        check_guidance(guidance_scale)
+        super().cfg_scale(guidance_scale)
+        return self.true_cfg_scale
 
-        def fn(x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-            return self.velocity(x, t, table[cond], None, guidance_scale)
-
-        return fn
-
-    def velocity(
-        self,
-        x: torch.Tensor,
-        t: torch.Tensor,
-        cond: HunyuanPromptEmbeds,
-        uncond: HunyuanPromptEmbeds | None,
-        guidance_scale: float,
-    ) -> torch.Tensor:
-        """Velocity ``(N, C, F, H, W)`` float32 of latents ``x (N, C, F, H, W)`` at times ``t (N,)`` in [0, 1] with the
-        guidance scale ``guidance_scale`` embedded, and with true CFG against ``uncond`` (None: the encoded
-        :attr:`negative_prompt`) when :attr:`true_cfg_scale` ``> 1`` (one batched forward of both rows).
-
-        Raises:
-            ValueError: if ``guidance_scale < 1``.
-        """
-        check_guidance(guidance_scale)
-        dtype = next(self.transformer.parameters()).dtype
-        if self.true_cfg_scale == 1.0:
-            return self._forward(x, t, cond, dtype, guidance_scale).float()
-        if uncond is None:
-            negative = self.negative_encoding()
-            uncond = negative[torch.zeros(len(x), dtype=torch.long, device=negative.embeds.device)]  # N rows
-        both = PromptEmbeds.cat([uncond, cond])
-        v_n, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype, guidance_scale).float().chunk(2)
-        return v_n + self.true_cfg_scale * (v_c - v_n)
+    def embedded_guidance(self, guidance_scale: float) -> dict:
+        """``{"guidance": w}``: ``1000 w`` is the transformer's ``guidance`` input, as ``HunyuanVideoPipeline``."""
+        return {"guidance": guidance_scale}
 
     def _forward(self, x, t, cond: HunyuanPromptEmbeds, dtype, guidance: float = 1.0) -> torch.Tensor:
         """One transformer call on ``x (N, C, F, H, W)`` at times ``t (N,)``: timestep ``1000 t``, embedded guidance

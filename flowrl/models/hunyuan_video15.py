@@ -24,27 +24,27 @@ mask_concat]`` (the source's latents in frame 0, a mask of frame 0), ``image`` -
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import types
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .base import FlowModel, PromptEmbeds, _absent, _model_index, _pipeline_folder, check_fraction, check_guidance
+from .base import (
+    JOINT_ATTENTION_TARGETS,
+    PromptEmbeds,
+    _absent,
+    _json,
+    _model_index,
+    _pipeline_folder,
+    check_fraction,
+    register_family,
+)
 from .hunyuan_video import HunyuanVideoModel
+from .video import VideoModel
 from .wan_i2v import WanImageToVideoModel, source_rows
 
-HUNYUAN_VIDEO15_LORA_TARGETS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
+HUNYUAN_VIDEO15_LORA_TARGETS = JOINT_ATTENTION_TARGETS + (
     "ff.net.0.proj",
     "ff.net.2",
     "ff_context.net.0.proj",
@@ -71,15 +71,6 @@ class HunyuanVideo15PromptEmbeds(PromptEmbeds):
     embeds_2: torch.Tensor = None
     mask_2: torch.Tensor = None
 
-    def __getitem__(self, index: torch.Tensor) -> HunyuanVideo15PromptEmbeds:
-        """The rows `index` (`(N,)` long) of every tensor (of this class: the image-to-video fields too)."""
-        return type(self)(**{f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)})
-
-
-TEXT_FIELDS = tuple(f.name for f in dataclasses.fields(HunyuanVideo15PromptEmbeds))
-"""The fields of a prompt's text (``embeds``, ``pooled``, ``mask``, ``embeds_2``, ``mask_2``): what the CFG negative
-takes from the negative prompt; any other field (an image-to-video source) it takes from the row it guides."""
-
 
 def per_sample(module: torch.nn.Module) -> None:
     """Make ``module`` (a convolution over ``(N, ...)``) run one sample at a time, so that a sample's output has the
@@ -95,12 +86,8 @@ def _forward_per_sample(module: torch.nn.Module, x: torch.Tensor) -> torch.Tenso
     return torch.cat([type(module).forward(module, x[i : i + 1]) for i in range(len(x))])
 
 
-def _json(path: Path) -> dict:
-    """A parsed JSON config file."""
-    return json.loads(path.read_text())
-
-
-class HunyuanVideo15Model(FlowModel):
+@register_family
+class HunyuanVideo15Model(VideoModel):
     """A HunyuanVideo 1.5 text-to-video flow model (``HunyuanVideo15Pipeline`` folder), with :class:`FlowModel`'s
     interface.
 
@@ -153,53 +140,28 @@ class HunyuanVideo15Model(FlowModel):
 
     PIPELINE = "HunyuanVideo15Pipeline"
     """The diffusers pipeline class this adapter loads (``_class_name`` in ``model_index.json``)."""
+    FAMILY = "HunyuanVideo 1.5"
     LORA_TARGETS = HUNYUAN_VIDEO15_LORA_TARGETS
+    PROMPT_LENGTH = (1, None)
+    PROMPT_RULE = "its Qwen2.5-VL tokens condition every block"
     SIGMA_SPACING = "flux"
     """``linspace(1, 1/N, N)`` before the shift: ``HunyuanVideo15Pipeline``'s ``np.linspace(1, 0, N + 1)[:-1]``."""
-    VIDEO = True
-    VAE_CHANNELS_LAST = False
-    """The HunyuanVideo 1.5 VAE's convolutions are 3-D (channels-last is a 4-D format)."""
     DEFAULT_FRAMES = 121
     """Frames per video when none is given (``HunyuanVideo15Pipeline``'s ``num_frames``)."""
+    DECODE_CHUNK = 1
+    """Videos per VAE decode call: its attention does not take a batch (see the class doc)."""
 
-    def __init__(
-        self,
-        path,
-        device="cpu",
-        dtype=torch.float32,
-        max_sequence_length=None,
-        resolution=None,
-        num_frames: int | None = None,
-        expert: str | None = None,
-        negative_prompt: str = "",
-    ):
-        if expert is not None:
-            raise ValueError(
-                f"{Path(path)} is a HunyuanVideo 1.5 model (one transformer): leave the expert unset, got {expert!r}"
-            )
-        self.guidance_rescale = self.check_guider(path)
-        self.check_channels(path)
-        self.num_frames = self.check_num_frames(path, num_frames)
-        self.expert, self.negative_prompt = None, negative_prompt
-        self._negative: tuple[str, HunyuanVideo15PromptEmbeds] | None = None  # (prompt, its encoding), on first use
-        super().__init__(path, device, dtype, max_sequence_length, resolution)
-        per_sample(self.transformer.x_embedder.proj)  # the patch embedding, a Conv3d
-        self.decode_chunk = 1  # videos per VAE decode call: its attention does not take a batch (see the class doc)
+    def _after_load(self) -> None:
+        """The guider's ``guidance_rescale`` (:meth:`check_guider`), and the patch embedding (a ``Conv3d``) one sample at
+        a time (:func:`per_sample`)."""
+        self.guidance_rescale = self.check_guider(self.path)
+        per_sample(self.transformer.x_embedder.proj)
 
     # ------------------------------------------------------------------------------ folder checks
     @staticmethod
     def _default_length(index: dict) -> int:
         """1000 Qwen tokens after the template's crop, ``HunyuanVideo15Pipeline``'s ``tokenizer_max_length``."""
         return 1000
-
-    @staticmethod
-    def check_max_sequence_length(length: int) -> None:
-        """Raise ValueError for a Qwen prompt length below 1."""
-        if length < 1:
-            raise ValueError(
-                f"max_sequence_length must be >= 1 for HunyuanVideo 1.5 (its Qwen2.5-VL tokens condition every "
-                f"block), got {length}"
-            )
 
     @classmethod
     def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
@@ -222,6 +184,16 @@ class HunyuanVideo15Model(FlowModel):
             ValueError: naming the folder, unless ``num_frames = 4k + 1 >= 1``.
         """
         return HunyuanVideoModel.check_num_frames.__func__(cls, path, num_frames)
+
+    @classmethod
+    def check_folder(cls, path: Path) -> None:
+        """The folder's guider and transformer channels (:meth:`check_guider`, :meth:`check_channels`).
+
+        Raises:
+            FileNotFoundError, ValueError: as those.
+        """
+        cls.check_guider(path)
+        cls.check_channels(path)
 
     @classmethod
     def check_guider(cls, path: str | Path) -> float:
@@ -269,39 +241,12 @@ class HunyuanVideo15Model(FlowModel):
                 f"{latent} image-condition channels and a mask: expected {2 * latent + 1} in, {latent} out"
             )
 
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        """Refuse ``model.path`` (guider, channels), ``model.num_frames`` and ``model.expert`` the folder cannot take,
-        before weights load.
-
-        Raises:
-            flowrl.config.ConfigError: naming the key.
-        """
-        from ..config import ConfigError, config_key, resolve_path
-
-        path = resolve_path(cfg.model.path)
-        with config_key("model.path", (ValueError, FileNotFoundError)):
-            cls.check_guider(path)
-            cls.check_channels(path)
-        with config_key("model.num_frames"):
-            cls.check_num_frames(path, cfg.model.num_frames)
-        if cfg.model.expert is not None:
-            raise ConfigError(
-                f"config key 'model.expert': {path} is a HunyuanVideo 1.5 model (one transformer); leave it unset "
-                f"(got {cfg.model.expert!r})"
-            )
-
     # ------------------------------------------------------------------------------ the model
     @property
     def latent_shape(self) -> tuple[int, int, int, int]:
-        """``(C, F_lat, H, W)`` of one video's latents: ``C`` the VAE's latent channels, ``F_lat = (num_frames - 1) /
-        t + 1``, ``H = W = resolution / s`` (``t``, ``s`` the VAE's temporal and spatial compression)."""
-        pipe = self.pipe
-        side = self.resolution // pipe.vae_scale_factor_spatial
-        frames = (self.num_frames - 1) // pipe.vae_scale_factor_temporal + 1
-        return (pipe.num_channels_latents, frames, side, side)
+        """``(C, F_lat, H, W)`` of one video's latents: ``C`` the VAE's latent channels and :attr:`video_grid`."""
+        return (self.pipe.num_channels_latents, *self.video_grid)
 
-    decoded_shape = HunyuanVideoModel.decoded_shape
     decode = HunyuanVideoModel.decode  # z / scaling_factor, the VAE, x / 2 + 0.5: the same arithmetic
 
     @torch.no_grad()
@@ -313,46 +258,6 @@ class HunyuanVideo15Model(FlowModel):
         embeds, mask, embeds_2, mask_2 = pipe.encode_prompt(list(prompts), device=self.device, batch_size=len(prompts))
         empty = embeds.new_zeros(len(prompts), 0).float()  # (P, 0): no pooled embedding
         return HunyuanVideo15PromptEmbeds(embeds.float(), empty, mask.long(), embeds_2.float(), mask_2.long())
-
-    def velocity_fn(self, table: HunyuanVideo15PromptEmbeds, guidance_scale: float):
-        """:meth:`FlowModel.velocity_fn` with the text of row 0 of ``table`` (the CFG negative) re-encoded as
-        :attr:`negative_prompt` when it is not empty (its other fields, if any, kept)."""
-        if self.negative_prompt and guidance_scale != 1.0:
-            negative = self.negative_encoding()
-            text = {f: torch.cat([getattr(negative, f), getattr(table, f)[1:]]) for f in TEXT_FIELDS}  # (P + 1) rows
-            table = dataclasses.replace(table, **text)
-        return super().velocity_fn(table, guidance_scale)
-
-    def velocity(
-        self,
-        x: torch.Tensor,
-        t: torch.Tensor,
-        cond: HunyuanVideo15PromptEmbeds,
-        uncond: HunyuanVideo15PromptEmbeds | None,
-        guidance_scale: float,
-    ) -> torch.Tensor:
-        """Velocity ``(N, C, F, H, W)`` float32 of latents ``x (N, C, F, H, W)`` at times ``t (N,)`` in [0, 1]: the
-        guider's ``v_u + w (v_c - v_u)`` against ``uncond`` (one batched forward of both rows) when ``w > 1``, then its
-        ``rescale_noise_cfg`` toward ``v_c``'s standard deviation when :attr:`guidance_rescale` > 0. The negative rows
-        are ``uncond``'s text (:data:`TEXT_FIELDS`) with ``cond``'s other fields: an image-to-video row's negative sees
-        that row's source, as the stock pipeline gives both predictions the same image.
-
-        Raises:
-            ValueError: if ``guidance_scale < 1``.
-        """
-        check_guidance(guidance_scale)
-        dtype = next(self.transformer.parameters()).dtype
-        if uncond is None or guidance_scale == 1.0:
-            return self._forward(x, t, cond, dtype).float()
-        negative = dataclasses.replace(cond, **{f: getattr(uncond, f) for f in TEXT_FIELDS})  # (N) rows
-        both = PromptEmbeds.cat([negative, cond])  # (2N) rows: negatives first
-        v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
-        v = v_u + guidance_scale * (v_c - v_u)
-        if not self.guidance_rescale:
-            return v
-        from diffusers.guiders.guider_utils import rescale_noise_cfg
-
-        return rescale_noise_cfg(v, v_c, guidance_rescale=self.guidance_rescale)
 
     def _forward(self, x, t, cond: HunyuanVideo15PromptEmbeds, dtype) -> torch.Tensor:
         """One transformer call on ``x (N, C, F, H, W)`` at times ``t (N,)``, as ``HunyuanVideo15Pipeline`` makes it
@@ -423,7 +328,11 @@ class HunyuanVideo15I2VPromptEmbeds(HunyuanVideo15PromptEmbeds):
     condition: torch.Tensor = None
     image: torch.Tensor = None
 
+    SHARED = ("condition", "image")
+    """Under CFG the negative sees the row's source, as the stock pipeline gives both predictions the same image."""
 
+
+@register_family
 class HunyuanVideo15ImageToVideoModel(HunyuanVideo15Model):
     """A HunyuanVideo 1.5 image-to-video flow model (``HunyuanVideo15ImageToVideoPipeline`` folder: 480p_i2v, 720p_i2v
     or a small one): :class:`HunyuanVideo15Model` (latents, frames, prompts, the guider's CFG, negative prompt,
@@ -440,7 +349,7 @@ class HunyuanVideo15ImageToVideoModel(HunyuanVideo15Model):
       source and ``target_size = resolution`` that is :attr:`resolution` square, flowrl's only shape: a source of
       another aspect ratio is centre-cropped to a square where the stock pipeline would draw an oblong video.
     - :meth:`_forward` gives the transformer ``cat[x, condition]`` (``2 C + 1`` channels) and the image tokens; under
-      CFG the negative sees the same source (:meth:`HunyuanVideo15Model.velocity`), as the stock pipeline. A row
+      CFG the negative sees the same source (:attr:`HunyuanVideo15I2VPromptEmbeds.SHARED`), as the stock pipeline. A row
       without a source (the probe of :func:`~flowrl.models.base.make_batch_invariant`) is drawn as text-to-video
       (zero condition, 729 zero image tokens). The transformer masks the image tokens out only when every row's are
       zero, so rows with and without a source run one transformer call each (a row's velocity does not depend on
@@ -459,23 +368,19 @@ class HunyuanVideo15ImageToVideoModel(HunyuanVideo15Model):
 
     PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
     """The diffusers pipeline class this adapter loads (``_class_name`` in ``model_index.json``)."""
-
-    def __init__(
-        self,
-        path,
-        device="cpu",
-        dtype=torch.float32,
-        max_sequence_length=None,
-        resolution=None,
-        num_frames: int | None = None,
-        expert: str | None = None,
-        negative_prompt: str = "",
-    ):
-        self.check_layout(path)
-        super().__init__(path, device, dtype, max_sequence_length, resolution, num_frames, expert, negative_prompt)
-        self.pipe.image_encoder.requires_grad_(False).eval()
+    TEXT_ONLY = False
 
     # ------------------------------------------------------------------------------ folder checks
+    @classmethod
+    def check_folder(cls, path: Path) -> None:
+        """:meth:`HunyuanVideo15Model.check_folder` and :meth:`check_layout`.
+
+        Raises:
+            FileNotFoundError, ValueError: as those.
+        """
+        super().check_folder(path)
+        cls.check_layout(path)
+
     @classmethod
     def check_layout(cls, path: str | Path) -> None:
         """Check that the folder ``path`` has the SigLIP image encoder and its processor and a transformer sampled
@@ -499,19 +404,6 @@ class HunyuanVideo15ImageToVideoModel(HunyuanVideo15Model):
                 f"{path / 'transformer'} sets use_meanflow (a step-distilled transformer that also takes the next "
                 "step's time): not built in flowrl; load a 480p_i2v / 720p_i2v or CFG-distilled folder"
             )
-
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        """:meth:`HunyuanVideo15Model.check_config` and the folder's layout (:meth:`check_layout`), before weights load.
-
-        Raises:
-            flowrl.config.ConfigError: naming the key (``model.path``, ``model.num_frames``, ...).
-        """
-        from ..config import config_key, resolve_path
-
-        super().check_config(cfg)
-        with config_key("model.path"):
-            cls.check_layout(resolve_path(cfg.model.path))
 
     # ------------------------------------------------------------------------------ the sources
     read_source = WanImageToVideoModel.read_source  # the RGB image at a path, or the blank frame
@@ -543,7 +435,7 @@ class HunyuanVideo15ImageToVideoModel(HunyuanVideo15Model):
         """
         table = self.encode([""] + [m["prompt"] for m in metas])
         condition, image = source_rows(self, metas)  # (P + 1, C + 1, F_lat, h, w), (P + 1, T_img, D_img)
-        text = {f: getattr(table, f) for f in TEXT_FIELDS}
+        text = {f: getattr(table, f) for f in table.text_fields()}
         return HunyuanVideo15I2VPromptEmbeds(**text, condition=condition, image=image)
 
     def _forward(self, x, t, cond: HunyuanVideo15PromptEmbeds, dtype) -> torch.Tensor:

@@ -19,18 +19,15 @@ same convention, ``v_neg + w (v_c - v_neg)``); ``guidance_rescale``, ``frame_rat
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
 
-from ..samplers import flow_sigmas
-from .base import FlowModel, PromptEmbeds, _pipeline_folder, _scheduler_file, check_guidance
+from .base import _json, _pipeline_folder, _scheduler_file, check_fraction, register_family
 from .flux import _dynamic_shift
 from .hunyuan_video import HunyuanPromptEmbeds
-from .qwen_image import _stretch_to_terminal
-from .sdxl import SDXLModel
+from .video import VideoModel
 
 LTX_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 """LoRA targets for LTX-Video transformers, finetrainers' LTX-Video LoRA recipe (a-r-r-o-w/finetrainers,
@@ -45,11 +42,6 @@ DEFAULT_FRAME_RATE = 25.0
 """``LTXPipeline``'s ``frame_rate``: the rotary positions' time scale is ``temporal compression / frame_rate``."""
 STOCK_UNIT = 32
 """``LTXPipeline.check_inputs`` wants height and width divisible by 32."""
-
-
-def _json(path: Path) -> dict:
-    """A parsed JSON config file."""
-    return json.loads(path.read_text())
 
 
 def vae_compression(path: str | Path) -> tuple[int, int]:
@@ -70,7 +62,21 @@ def video_tokens(path: str | Path, resolution: int, num_frames: int) -> int:
     return ((num_frames - 1) // temporal + 1) * (resolution // spatial) ** 2
 
 
-class LTXVideoModel(FlowModel):
+def _number(name: str, value, low: float, high: float | None = None, unset: bool = False) -> float | None:
+    """``value`` as a float in ``[low, high]`` (None allowed when ``unset``), or ValueError naming ``name``."""
+    if unset and value is None:
+        return None
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and value >= low
+    if not ok or (high is not None and value > high):
+        span = f"in [{low:g}, {high:g}]" if high is not None else f">= {low:g}"
+        raise ValueError(
+            f"{name} must be a number {span}{' or null (the video value)' if unset else ''}, got {value!r}"
+        )
+    return float(value)
+
+
+@register_family
+class LTXVideoModel(VideoModel):
     """An LTX-Video text-to-video flow model (``LTXPipeline`` folder), with :class:`FlowModel`'s interface.
 
     - Latents: ``(C, F_lat, H/32, W/32)`` per video (:attr:`latent_shape`; ``C`` = 128), ``F_lat = (num_frames - 1) / 8
@@ -130,61 +136,22 @@ class LTXVideoModel(FlowModel):
     LORA_TARGETS = LTX_LORA_TARGETS
     SIGMA_SPACING = "flux"
     """``linspace(1, 1/N, N)`` before the shift, as ``LTXPipeline`` passes its sigmas."""
-    VIDEO = True
-    VAE_CHANNELS_LAST = False
-    """The LTX-Video VAE's convolutions are 3-D (channels-last is a 4-D format)."""
+    SHIFT_TERMINAL = True
+    PROMPT_LENGTH = (1, None)
+    PROMPT_RULE = "its T5 tokens condition every block"
     OPTIONS = ("frame_rate", "guidance_rescale", "decode_timestep", "decode_noise_scale")
-
-    def __init__(
-        self,
-        path,
-        device="cpu",
-        dtype=torch.float32,
-        max_sequence_length=None,
-        resolution=None,
-        num_frames: int | None = None,
-        expert: str | None = None,
-        negative_prompt: str = "",
-        frame_rate: float = DEFAULT_FRAME_RATE,
-        guidance_rescale: float = 0.0,
-        decode_timestep: float = 0.0,
-        decode_noise_scale: float | None = None,
-    ):
-        if expert is not None:
-            raise ValueError(
-                f"{Path(path)} is an {self.FAMILY} model (one transformer): leave the expert unset, got {expert!r}"
-            )
-        self.check_patches(path)
-        options = self.check_options(
-            path,
-            dict(
-                frame_rate=frame_rate,
-                guidance_rescale=guidance_rescale,
-                decode_timestep=decode_timestep,
-                decode_noise_scale=decode_noise_scale,
-            ),
-        )
-        self.frame_rate, self.guidance_rescale = options["frame_rate"], options["guidance_rescale"]
-        self.decode_timestep, self.decode_noise_scale = options["decode_timestep"], options["decode_noise_scale"]
-        self.num_frames = self.check_num_frames(path, num_frames)
-        self.expert, self.negative_prompt = None, negative_prompt
-        self._negative: tuple[str, HunyuanPromptEmbeds] | None = None  # (prompt, its encoding), made on first use
-        super().__init__(path, device, dtype, max_sequence_length, resolution)
-        self.decode_chunk = 4  # videos per VAE decode call
+    frame_rate = DEFAULT_FRAME_RATE
+    """Frames per second the rotary positions assume (:meth:`check_options`)."""
+    decode_timestep = 0.0
+    """The stock decode timestep (a VAE with ``timestep_conditioning`` only)."""
+    decode_noise_scale = None
+    """The stock decode noise scale (None: :attr:`decode_timestep`)."""
 
     # ------------------------------------------------------------------------------ folder checks
     @staticmethod
     def _default_length(index: dict) -> int:
         """128 T5 tokens, ``LTXPipeline``'s default."""
         return 128
-
-    @staticmethod
-    def check_max_sequence_length(length: int) -> None:
-        """Raise ValueError for a T5 prompt length below 1."""
-        if length < 1:
-            raise ValueError(
-                f"max_sequence_length must be >= 1 for LTX-Video (its T5 tokens condition every block), got {length}"
-            )
 
     @classmethod
     def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
@@ -198,6 +165,15 @@ class LTXVideoModel(FlowModel):
             None,
             f"32, {cls.PIPELINE}'s rule, and VAE spatial compression {spatial}",
         )
+
+    @classmethod
+    def check_folder(cls, path: Path) -> None:
+        """:meth:`check_patches`.
+
+        Raises:
+            ValueError: as :meth:`check_patches`.
+        """
+        cls.check_patches(path)
 
     @classmethod
     def check_patches(cls, path: str | Path) -> None:
@@ -235,13 +211,6 @@ class LTXVideoModel(FlowModel):
             )
         return frames
 
-    @staticmethod
-    def _fraction(name: str, value) -> float:
-        """``value`` as a float in [0, 1], or ValueError naming ``name``."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-            raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
-        return float(value)
-
     @classmethod
     def check_options(cls, path: str | Path, options: dict) -> dict:
         """The family's options (``frame_rate``, ``guidance_rescale``, ``decode_timestep``, ``decode_noise_scale``;
@@ -261,9 +230,9 @@ class LTXVideoModel(FlowModel):
                 f"frame_rate must be a number > 0 (frames per second; {cls.PIPELINE}'s is {cls.DEFAULT_FRAME_RATE:g}), "
                 f"got {rate!r}"
             )
-        decode_timestep = cls._fraction("decode_timestep", options.get("decode_timestep", 0.0))
+        decode_timestep = _number("decode_timestep", options.get("decode_timestep", 0.0), 0.0, 1.0)
         noise_scale = options.get("decode_noise_scale")
-        noise_scale = None if noise_scale is None else cls._fraction("decode_noise_scale", noise_scale)
+        noise_scale = None if noise_scale is None else _number("decode_noise_scale", noise_scale, 0.0, 1.0)
         conditioned = _json(_pipeline_folder(path) / "vae" / "config.json").get("timestep_conditioning", False)
         if not conditioned and (decode_timestep or noise_scale):
             raise ValueError(
@@ -272,34 +241,20 @@ class LTXVideoModel(FlowModel):
             )
         return dict(
             frame_rate=float(rate),
-            guidance_rescale=SDXLModel.check_guidance_rescale(options.get("guidance_rescale", 0.0)),
+            guidance_rescale=check_fraction(options.get("guidance_rescale", 0.0), "guidance_rescale", "0"),
             decode_timestep=decode_timestep,
             decode_noise_scale=noise_scale,
         )
 
     @classmethod
-    def check_config(cls, cfg) -> None:
-        """Refuse ``model.num_frames``, ``model.expert`` and ``model.options`` the folder cannot take, before weights
-        load.
+    def check_option(cls, path: Path, name: str, value):
+        """The option ``name`` checked against the folder ``path`` (:meth:`check_options`, one option at a time so
+        that the error names its key).
 
         Raises:
-            flowrl.config.ConfigError: naming the key.
+            ValueError: as :meth:`check_options`.
         """
-        from ..config import ConfigError, config_key, resolve_path
-
-        path = resolve_path(cfg.model.path)
-        with config_key("model.path"):
-            cls.check_patches(path)
-        with config_key("model.num_frames"):
-            cls.check_num_frames(path, cfg.model.num_frames)
-        if cfg.model.expert is not None:
-            raise ConfigError(
-                f"config key 'model.expert': {path} is an {cls.FAMILY} model (one transformer); leave it unset "
-                f"(got {cfg.model.expert!r})"
-            )
-        for key in cfg.model.options:  # one at a time, so that the error names the key
-            with config_key(f"model.options.{key}"):
-                cls.check_options(path, {key: cfg.model.options[key]})
+        return cls.check_options(path, {name: value})[name]
 
     @classmethod
     def scheduler_shift(cls, path: str | Path, resolution: int | None = None, num_frames: int | None = None) -> float:
@@ -327,37 +282,25 @@ class LTXVideoModel(FlowModel):
     def sigmas(self, num_steps: int, shift: float | None = None) -> torch.Tensor:
         """The stock pipeline's sigma schedule ``(num_steps + 1,)`` float32 (CPU) from 1 to 0: ``linspace(1, 1/N, N)``
         shifted by ``shift`` (None: :attr:`shift`), stretched to end at the scheduler's ``shift_terminal`` when it has
-        one (:func:`~flowrl.models.qwen_image._stretch_to_terminal`), then 0.
+        one (:meth:`FlowModel.sigmas`), then 0.
 
         Raises:
             ValueError: as :func:`samplers.flow_sigmas`, and for one step with a ``shift_terminal`` (the stretch is then
                 0 / 0 in the stock scheduler too).
         """
-        sigmas = flow_sigmas(num_steps, self.shift if shift is None else shift, spacing=self.SIGMA_SPACING)  # (N + 1,)
         terminal = self.pipe.scheduler.config.get("shift_terminal")
-        if not terminal:
-            return sigmas
-        if num_steps == 1:
+        if terminal and num_steps == 1:
             raise ValueError(
                 f"{Path(self.path) / 'scheduler'} stretches the schedule to shift_terminal {terminal}, which needs at "
                 "least 2 steps; got num_steps 1"
             )
-        return torch.cat([_stretch_to_terminal(sigmas[:-1].double(), terminal).float(), sigmas[-1:]])
+        return super().sigmas(num_steps, shift)
 
     # ------------------------------------------------------------------------------ the model
-    @property
-    def latent_shape(self) -> tuple[int, int, int, int]:
-        """``(C, F_lat, H, W)`` of one video's latents: ``F_lat = (num_frames - 1) / t + 1``, ``H = W = resolution / s``
-        (``t``, ``s`` the VAE's temporal and spatial compression)."""
-        pipe = self.pipe
-        side = self.resolution // pipe.vae_spatial_compression_ratio
-        frames = (self.num_frames - 1) // pipe.vae_temporal_compression_ratio + 1
-        return (self.transformer.config.in_channels, frames, side, side)
-
-    @property
-    def decoded_shape(self) -> tuple[int, int, int, int]:
-        """``(F, 3, H, W)`` of one decoded video (what the rewards get per sample)."""
-        return (self.num_frames, 3, self.resolution, self.resolution)
+    def vae_factors(self) -> tuple[int, int]:
+        """``(spatial, temporal)`` compression of the loaded VAE (the pipeline's ``vae_spatial_compression_ratio`` and
+        ``vae_temporal_compression_ratio``)."""
+        return self.pipe.vae_spatial_compression_ratio, self.pipe.vae_temporal_compression_ratio
 
     @property
     def rope_interpolation_scale(self) -> tuple[float, int, int]:
@@ -378,42 +321,6 @@ class LTXVideoModel(FlowModel):
             device=self.device,
         )
         return HunyuanPromptEmbeds(embeds.float(), embeds.new_zeros(len(prompts), 0).float(), mask.long())
-
-    def velocity_fn(self, table: HunyuanPromptEmbeds, guidance_scale: float):
-        """:meth:`FlowModel.velocity_fn` with row 0 of ``table`` (the CFG negative) re-encoded as
-        :attr:`negative_prompt` when it is not empty."""
-        if self.negative_prompt and guidance_scale != 1.0:
-            rest = torch.arange(1, len(table.embeds), device=table.embeds.device)
-            table = PromptEmbeds.cat([self.negative_encoding(), table[rest]])  # (P + 1) rows, row 0 the negative
-        return super().velocity_fn(table, guidance_scale)
-
-    def velocity(
-        self,
-        x: torch.Tensor,
-        t: torch.Tensor,
-        cond: HunyuanPromptEmbeds,
-        uncond: HunyuanPromptEmbeds | None,
-        guidance_scale: float,
-    ) -> torch.Tensor:
-        """Velocity ``(N, C, F, H, W)`` float32 of latents ``x (N, C, F, H, W)`` at times ``t (N,)`` in [0, 1]: with CFG
-        against ``uncond`` (``v_u + w (v_c - v_u)``, one batched forward of both rows) when ``w > 1``, then the stock
-        ``rescale_noise_cfg`` toward ``v_c``'s standard deviation when :attr:`guidance_rescale` > 0.
-
-        Raises:
-            ValueError: if ``guidance_scale < 1``.
-        """
-        check_guidance(guidance_scale)
-        dtype = next(self.transformer.parameters()).dtype
-        if uncond is None or guidance_scale == 1.0:
-            return self._forward(x, t, cond, dtype).float()
-        both = PromptEmbeds.cat([uncond, cond])  # (2N) rows: negatives first, as the stock pipeline batches them
-        v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
-        v = v_u + guidance_scale * (v_c - v_u)
-        if not self.guidance_rescale:
-            return v
-        from diffusers.pipelines.ltx.pipeline_ltx import rescale_noise_cfg
-
-        return rescale_noise_cfg(v, v_c, guidance_rescale=self.guidance_rescale)
 
     def _forward(self, x, t, cond: HunyuanPromptEmbeds, dtype) -> torch.Tensor:
         """One transformer call on ``x (N, C, F, H, W)`` at times ``t (N,)``: the latents packed into ``F H W`` tokens,

@@ -28,14 +28,23 @@ pipeline's arguments of the same names.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .base import MAX_GUIDANCE, PromptEmbeds, _model_index, _pipeline_folder, check_guidance, make_batch_invariant
-from .ltx import LTXVideoModel
+from ..fields import config_key
+from ..files import resolve_path
+from .base import (
+    MAX_GUIDANCE,
+    PromptEmbeds,
+    _json,
+    _pipeline_folder,
+    check_guidance,
+    make_batch_invariant,
+    register_family,
+)
+from .ltx import LTXVideoModel, _number
 
 LTX2_LORA_TARGETS = tuple(
     f"{prefix}.{proj}"
@@ -63,10 +72,6 @@ class LTX2PromptEmbeds(PromptEmbeds):
     audio: torch.Tensor = None
     mask: torch.Tensor = None
 
-    def __getitem__(self, index: torch.Tensor) -> LTX2PromptEmbeds:
-        """The rows `index` (`(N,)` long) of the four tensors."""
-        return LTX2PromptEmbeds(self.embeds[index], self.pooled[index], self.audio[index], self.mask[index])
-
 
 GUIDANCE_DEFAULTS = dict(
     stg_scale=0.0,
@@ -83,24 +88,7 @@ guidance 3, rescale 0.7, audio CFG 7: LTX-2.3's recommendation) cost two more tr
 ``model.options``."""
 
 
-def _json(path: Path) -> dict:
-    """A parsed JSON config file."""
-    return json.loads(path.read_text())
-
-
-def _number(name: str, value, low: float, high: float | None = None, unset: bool = False) -> float | None:
-    """``value`` as a float in ``[low, high]`` (None allowed when ``unset``), or ValueError naming ``name``."""
-    if unset and value is None:
-        return None
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and value >= low
-    if not ok or (high is not None and value > high):
-        span = f"in [{low:g}, {high:g}]" if high is not None else f">= {low:g}"
-        raise ValueError(
-            f"{name} must be a number {span}{' or null (the video value)' if unset else ''}, got {value!r}"
-        )
-    return float(value)
-
-
+@register_family
 class LTX2Model(LTXVideoModel):
     """An LTX-2 text-to-audio-video flow model (``LTX2Pipeline`` folder), with :class:`FlowModel`'s interface; the
     rewards see its videos. LTX-Video's adapter (:class:`LTXVideoModel`) supplies the frame, resolution, patch and
@@ -161,6 +149,7 @@ class LTX2Model(LTXVideoModel):
     OPTIONAL = ("processor", "prompt_enhancer", "duration_head")
     """Components a folder may leave out (the prompt enhancer and LTX-2.5's duration head; flowrl uses neither)."""
     LORA_TARGETS = LTX2_LORA_TARGETS
+    PROMPT_RULE = "its Gemma tokens condition every block"
     OPTIONS = ("frame_rate", "guidance_rescale", "decode_timestep", "decode_noise_scale", *GUIDANCE_DEFAULTS)
     DEFAULT_FRAMES = 121
     """Frames per video when none is given (``LTX2Pipeline``'s ``num_frames`` without a duration head)."""
@@ -169,76 +158,34 @@ class LTX2Model(LTXVideoModel):
     DEFAULT_FRAME_RATE = 24.0
     """``LTX2Pipeline``'s ``frame_rate``."""
 
-    def __init__(
-        self,
-        path,
-        device="cpu",
-        dtype=torch.float32,
-        max_sequence_length=None,
-        resolution=None,
-        num_frames: int | None = None,
-        expert: str | None = None,
-        negative_prompt: str = "",
-        frame_rate: float = DEFAULT_FRAME_RATE,
-        guidance_rescale: float = 0.0,
-        decode_timestep: float = 0.0,
-        decode_noise_scale: float | None = None,
-        stg_scale: float = 0.0,
-        spatio_temporal_guidance_blocks=(28,),
-        modality_scale: float = 1.0,
-        audio_guidance_scale: float | None = None,
-        audio_stg_scale: float | None = None,
-        audio_modality_scale: float | None = None,
-        audio_guidance_rescale: float | None = None,
-    ):
-        if _model_index(path).get("_class_name") == self.PIPELINE:  # else FlowModel's error names the class
-            self.check_audio(path)
-            length = self.default_max_sequence_length(path) if max_sequence_length is None else max_sequence_length
-            self.check_prompt_length(path, length)
-        given = dict(
-            stg_scale=stg_scale,
-            spatio_temporal_guidance_blocks=spatio_temporal_guidance_blocks,
-            modality_scale=modality_scale,
-            audio_guidance_scale=audio_guidance_scale,
-            audio_stg_scale=audio_stg_scale,
-            audio_modality_scale=audio_modality_scale,
-            audio_guidance_rescale=audio_guidance_rescale,
-        )
-        guidance = {k: v for k, v in self.check_options(path, given).items() if k in GUIDANCE_DEFAULTS}
-        self.check_stg_blocks(path, guidance)
-        for name, value in guidance.items():
-            setattr(self, name, value)
-        super().__init__(
-            path,
-            device,
-            dtype,
-            max_sequence_length,
-            resolution,
-            num_frames,
-            expert,
-            negative_prompt,
-            frame_rate,
-            guidance_rescale,
-            decode_timestep,
-            decode_noise_scale,
-        )
-        for name in ("connectors", "audio_vae", "vocoder"):  # frozen; the connectors run in every encode
+    frame_rate = DEFAULT_FRAME_RATE
+    stg_scale = GUIDANCE_DEFAULTS["stg_scale"]
+    spatio_temporal_guidance_blocks = GUIDANCE_DEFAULTS["spatio_temporal_guidance_blocks"]
+    modality_scale = GUIDANCE_DEFAULTS["modality_scale"]
+    audio_guidance_scale = audio_stg_scale = audio_modality_scale = audio_guidance_rescale = None
+    """The audio terms (None: the video's)."""
+
+    def _set_options(self, path: Path, options: dict) -> None:
+        """:meth:`FlowModel._set_options`, then the STG blocks against the transformer (:meth:`check_stg_blocks`).
+
+        Raises:
+            TypeError, ValueError: as those.
+        """
+        super()._set_options(path, options)
+        self.check_stg_blocks(path, {name: getattr(self, name) for name in GUIDANCE_DEFAULTS})
+
+    def _after_load(self) -> None:
+        """The text connectors, the audio VAE and the vocoder frozen; the connectors, which run in every ``encode``,
+        made batch-invariant (a prompt's row whatever its batch: the prompt cache)."""
+        for name in ("connectors", "audio_vae", "vocoder"):
             self.pipe.components[name].requires_grad_(False).eval()
-        make_batch_invariant(self.pipe.connectors, None)  # a prompt's row whatever its batch (the prompt cache)
+        make_batch_invariant(self.pipe.connectors, None)
 
     # ------------------------------------------------------------------------------ folder checks
     @staticmethod
     def _default_length(index: dict) -> int:
         """1024 Gemma tokens, ``LTX2Pipeline``'s default."""
         return DEFAULT_LENGTH
-
-    @staticmethod
-    def check_max_sequence_length(length: int) -> None:
-        """Raise ValueError for a Gemma prompt length below 1."""
-        if length < 1:
-            raise ValueError(
-                f"max_sequence_length must be >= 1 for LTX-2 (its Gemma tokens condition every block), got {length}"
-            )
 
     @classmethod
     def check_prompt_length(cls, path: str | Path, length: int) -> None:
@@ -259,6 +206,16 @@ class LTX2Model(LTXVideoModel):
                     f"replaces padding by {registers} learnable registers, so the length must be a multiple of "
                     f"{registers}, e.g. {max(length // registers, 1) * registers}"
                 )
+
+    @classmethod
+    def check_folder(cls, path: Path) -> None:
+        """:meth:`LTXVideoModel.check_folder` and :meth:`check_audio`.
+
+        Raises:
+            ValueError: as those.
+        """
+        super().check_folder(path)
+        cls.check_audio(path)
 
     @classmethod
     def check_audio(cls, path: str | Path) -> None:
@@ -339,21 +296,14 @@ class LTX2Model(LTXVideoModel):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """:meth:`LTXVideoModel.check_config`, and the audio VAE, the prompt length against the connectors and the STG
-        blocks against the transformer, before weights load.
+        """:meth:`LTXVideoModel.check_config` (the folder's patches and audio VAE, the options, frames and expert), and
+        the STG blocks against the transformer, before weights load.
 
         Raises:
-            flowrl.config.ConfigError: naming the key.
+            flowrl.fields.ConfigError: naming the key.
         """
-        from ..config import config_key, resolve_path
-
         super().check_config(cfg)
         path = resolve_path(cfg.model.path)
-        with config_key("model.path"):
-            cls.check_audio(path)
-        length = cfg.model.max_sequence_length
-        with config_key("model.max_sequence_length"):
-            cls.check_prompt_length(path, cls.default_max_sequence_length(path) if length is None else length)
         with config_key("model.options.spatio_temporal_guidance_blocks"):
             cls.check_stg_blocks(path, cls.check_options(path, dict(cfg.model.options)))
 
@@ -366,13 +316,6 @@ class LTX2Model(LTXVideoModel):
         return _dynamic_shift(dict(self.pipe.scheduler.config), Path(self.path) / "scheduler", frames * height * width)
 
     # ------------------------------------------------------------------------------ latents
-    @property
-    def video_grid(self) -> tuple[int, int, int]:
-        """``(F_lat, H, W)`` of one video's latents at :attr:`num_frames` and :attr:`resolution`."""
-        pipe = self.pipe
-        side = self.resolution // pipe.vae_spatial_compression_ratio
-        return ((self.num_frames - 1) // pipe.vae_temporal_compression_ratio + 1, side, side)
-
     @property
     def audio_frames(self) -> int:
         """Latent audio frames ``L`` of one video, as ``LTX2Pipeline`` counts them: ``round(num_frames / frame_rate x
@@ -458,24 +401,16 @@ class LTX2Model(LTXVideoModel):
         modality guidance when they are on (:meth:`_terms`)."""
         return 1 + sum(self._terms(guidance_scale))
 
-    def velocity_fn(self, table: LTX2PromptEmbeds, guidance_scale: float):
-        """:meth:`FlowModel.velocity_fn`, with the negative row (row 0, re-encoded as :attr:`negative_prompt` when that
-        is not empty) passed whenever either stream is guided (the audio's CFG may be on at ``guidance_scale`` 1).
+    def uses_negative(self, guidance_scale: float) -> bool:
+        """Whether either stream is guided by CFG (:meth:`_terms`: the audio's CFG may be on at ``guidance_scale`` 1):
+        :meth:`FlowModel.velocity_fn` then passes the negative row (row 0, re-encoded as :attr:`negative_prompt` when
+        that is not empty).
 
         Raises:
             ValueError: if ``guidance_scale`` is not in [1, 100].
         """
         check_guidance(guidance_scale)
-        cfg = self._terms(guidance_scale)[0]
-        if cfg and self.negative_prompt:
-            rest = torch.arange(1, len(table.embeds), device=table.embeds.device)
-            table = PromptEmbeds.cat([self.negative_encoding(), table[rest]])  # (P + 1) rows, row 0 the negative
-
-        def fn(x: torch.Tensor, t: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-            uncond = table[torch.full_like(cond, table.NEGATIVE_ROW)] if cfg else None
-            return self.velocity(x, t, table[cond], uncond, guidance_scale)
-
-        return fn
+        return self._terms(guidance_scale)[0]
 
     def velocity(
         self,
@@ -488,7 +423,8 @@ class LTX2Model(LTXVideoModel):
         """Velocity ``(N, D)`` float32 of the joint latents ``x (N, D)`` at times ``t (N,)`` in (0, 1], guided as
         ``LTX2Pipeline`` (the class docstring): the conditional call, the negative one batched with it when CFG is on
         and ``uncond`` is given, one STG call and one modality-isolated call when those are on; the terms combined in
-        the data prediction per stream and converted back to a velocity.
+        the data prediction per stream and converted back to a velocity. Overridden because LTX-2 guides in the data
+        prediction, per stream (video and audio scales apart), with terms beyond CFG (STG, modality guidance).
 
         Raises:
             ValueError: if ``guidance_scale`` is not in [1, 100].
@@ -498,7 +434,7 @@ class LTX2Model(LTXVideoModel):
         cfg, stg, modality = self._terms(guidance_scale)
         cfg = cfg and uncond is not None
         if cfg:
-            both = PromptEmbeds.cat([uncond, cond])  # (2N) rows: negatives first, as the stock pipeline batches them
+            both = self._cfg_batch(cond, uncond)  # (2N) rows: negatives first, as the stock pipeline batches them
             v_neg, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
         else:
             v_c = self._forward(x, t, cond, dtype).float()

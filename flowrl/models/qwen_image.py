@@ -12,19 +12,10 @@ from pathlib import Path
 
 import torch
 
-from ..samplers import flow_sigmas
-from .base import FlowModel, PromptEmbeds, check_guidance
+from .base import JOINT_ATTENTION_TARGETS, FlowModel, PromptEmbeds, register_family
 from .flux import PackedTokenShift
 
-QWEN_IMAGE_LORA_TARGETS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
+QWEN_IMAGE_LORA_TARGETS = JOINT_ATTENTION_TARGETS + (
     "img_mlp.net.0.proj",
     "img_mlp.net.2",
     "txt_mlp.net.0.proj",
@@ -42,10 +33,6 @@ class QwenPromptEmbeds(PromptEmbeds):
 
     mask: torch.Tensor = None
 
-    def __getitem__(self, index: torch.Tensor) -> QwenPromptEmbeds:
-        """The rows `index` (`(N,)` long) of the three tensors."""
-        return QwenPromptEmbeds(self.embeds[index], self.pooled[index], self.mask[index])
-
 
 def _vae_factor(path: Path) -> int:
     """The Qwen-Image VAE's spatial factor of the pipeline folder ``path``, as ``QwenImagePipeline.vae_scale_factor``
@@ -53,14 +40,7 @@ def _vae_factor(path: Path) -> int:
     return 2 ** len(json.loads((path / "vae" / "config.json").read_text())["temperal_downsample"])
 
 
-def _stretch_to_terminal(sigmas: torch.Tensor, terminal: float) -> torch.Tensor:
-    """diffusers' ``FlowMatchEulerDiscreteScheduler.stretch_shift_to_terminal``: the schedule ``sigmas (N,)`` (without
-    the final 0) scaled in ``1 - sigma`` so that its last value is ``terminal``: ``1 - (1 - s) (1 - terminal) / (1 -
-    s_N)``."""
-    one_minus = 1 - sigmas
-    return 1 - one_minus / (one_minus[-1] / (1 - terminal))
-
-
+@register_family
 class QwenImageModel(PackedTokenShift, FlowModel):
     """A Qwen-Image text-to-image flow model (``QwenImagePipeline`` folder), with :class:`FlowModel`'s interface; the
     samplers and the trainer see no difference.
@@ -75,7 +55,7 @@ class QwenImageModel(PackedTokenShift, FlowModel):
       2x2-patch tokens with the pipeline's own ``_pack_latents`` and unpacks the prediction (``img_shapes`` gives the
       transformer the token grid for its rotary embedding).
     - Guidance: "true CFG" against the empty prompt as ``QwenImagePipeline(true_cfg_scale=w, negative_prompt="")``:
-      ``v = v_u + w (v_c - v_u)``, then rescaled per token to the norm of ``v_c`` (:meth:`velocity`).
+      ``v = v_u + w (v_c - v_u)``, then rescaled per token to the norm of ``v_c`` (:meth:`_guide`).
     - Schedule: the scheduler shifts dynamically, by ``exp(mu)`` with ``mu`` linear in the number of image tokens as
       the stock pipeline computes it (:func:`flowrl.models.flux._dynamic_shift`: 2.46 at 1328 px, 1.82 at 512 px with
       Qwen-Image's config), and then stretches the schedule so that its last step before 0 lands on ``shift_terminal``
@@ -90,9 +70,13 @@ class QwenImageModel(PackedTokenShift, FlowModel):
     """
 
     PIPELINE = "QwenImagePipeline"
+    FAMILY = "Qwen-Image"
     _folder_vae_factor = staticmethod(_vae_factor)  # the shift's token count: Qwen-Image's VAE factor
     LORA_TARGETS = QWEN_IMAGE_LORA_TARGETS
     SIGMA_SPACING = "flux"
+    SHIFT_TERMINAL = True
+    PROMPT_LENGTH = (1, 1024)
+    PROMPT_RULE = "QwenImagePipeline's limit"
     VAE_CHANNELS_LAST = False  # 3-D convolutions
     PROMPT_PADDING = "longest"  # encode pads a batch to its longest prompt (the prompt cache stores rows unpadded)
     DEFAULT_SAMPLE_SIZE = 128
@@ -102,34 +86,12 @@ class QwenImageModel(PackedTokenShift, FlowModel):
     def _default_length(index: dict) -> int:
         return 512  # QwenImagePipeline's max_sequence_length
 
-    @staticmethod
-    def check_max_sequence_length(length: int) -> None:
-        """Raise ValueError for a prompt length outside 1..1024 (``QwenImagePipeline.check_inputs``' limit)."""
-        if not 1 <= length <= 1024:
-            raise ValueError(
-                f"max_sequence_length must be in 1..1024 for Qwen-Image (QwenImagePipeline's limit), got {length}"
-            )
-
     @classmethod
     def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
         """Default ``DEFAULT_SAMPLE_SIZE`` latents; any multiple of the VAE factor x 2 (the rotary embedding has no
         practical largest size)."""
         factor = _vae_factor(path)
         return cls.DEFAULT_SAMPLE_SIZE * factor, factor * 2, None, f"VAE factor {factor} x the 2x2 latent packing"
-
-    def sigmas(self, num_steps: int, shift: float | None = None) -> torch.Tensor:
-        """The stock pipeline's sigma schedule ``(num_steps + 1,)`` float32 (CPU) from 1 to 0: ``linspace(1, 1/N, N)``
-        shifted by ``shift`` (None: :attr:`shift`), stretched to end at the scheduler's ``shift_terminal`` when it has
-        one (:func:`_stretch_to_terminal`), then 0.
-
-        Raises:
-            ValueError: as :func:`samplers.flow_sigmas`.
-        """
-        sigmas = flow_sigmas(num_steps, self.shift if shift is None else shift, spacing=self.SIGMA_SPACING)  # (N + 1,)
-        terminal = self.pipe.scheduler.config.get("shift_terminal")
-        if not terminal:
-            return sigmas
-        return torch.cat([_stretch_to_terminal(sigmas[:-1].double(), terminal).float(), sigmas[-1:]])
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -148,33 +110,12 @@ class QwenImageModel(PackedTokenShift, FlowModel):
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
         return QwenPromptEmbeds(embeds.float(), embeds.new_zeros(len(prompts), 0, dtype=torch.float32), mask)
 
-    def velocity(
-        self,
-        x: torch.Tensor,
-        t: torch.Tensor,
-        cond: QwenPromptEmbeds,
-        uncond: QwenPromptEmbeds | None,
-        guidance_scale: float,
+    def _guide(
+        self, x: torch.Tensor, t: torch.Tensor, v_u: torch.Tensor, v_c: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """Velocity ``(N, C, H, W)`` float32 of latents ``x (N, C, H, W)`` at times ``t (N,)`` in [0, 1], with
-        Qwen-Image's true CFG when ``guidance_scale > 1``: ``v = v_u + w (v_c - v_u)``, rescaled per 2x2 token to
-        ``|v_c|`` (the norm over the token's ``4 C`` packed channels), as ``QwenImagePipeline``; one batched forward of
-        both rows.
-
-        Raises:
-            ValueError: if ``guidance_scale < 1``.
-        """
-        check_guidance(guidance_scale)
-        dtype = next(self.transformer.parameters()).dtype
-        if uncond is None or guidance_scale == 1.0:
-            return self._forward(x, t, cond, dtype).float()
-        both = QwenPromptEmbeds(
-            torch.cat([uncond.embeds, cond.embeds]),
-            torch.cat([uncond.pooled, cond.pooled]),
-            torch.cat([uncond.mask, cond.mask]),
-        )
-        v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
-        combined = v_u + guidance_scale * (v_c - v_u)
+        """Qwen-Image's true CFG, as ``QwenImagePipeline``: ``v = v_u + w (v_c - v_u)``, rescaled per 2x2 token to
+        ``|v_c|`` (the norm over the token's ``4 C`` packed channels); ``(N, C, H, W)`` float32."""
+        combined = super()._guide(x, t, v_u, v_c, scale)
         return combined * (_token_norm(v_c) / _token_norm(combined))
 
     def _forward(self, x, t, cond: QwenPromptEmbeds, dtype) -> torch.Tensor:

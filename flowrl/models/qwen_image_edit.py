@@ -13,7 +13,7 @@ Notation (code -> the pipelines): ``source_resolution ** 2`` -> ``VAE_IMAGE_SIZE
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
@@ -22,8 +22,9 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
     calculate_dimensions,
 )
 
-from .base import check_guidance, source_image
-from .qwen_image import QwenImageModel, QwenPromptEmbeds, _token_norm
+from ..fields import ConfigError
+from .base import register_family, source_image
+from .qwen_image import QwenImageModel, QwenPromptEmbeds
 
 DEFAULT_SOURCE_RESOLUTION = round(VAE_IMAGE_SIZE**0.5)
 """The side of the square whose area a source image gets in the VAE when ``source_resolution`` is not given: 1024, the
@@ -52,9 +53,8 @@ class EditPromptEmbeds(QwenPromptEmbeds):
     image: torch.Tensor = None
     grid: torch.Tensor = None
 
-    def __getitem__(self, index: torch.Tensor) -> EditPromptEmbeds:
-        """The rows `index` (`(N,)` long) of every tensor."""
-        return EditPromptEmbeds(*(getattr(self, f.name)[index] for f in fields(self)))
+    SHARED = ("negative", "negative_mask", "image", "grid")
+    """A row carries its own CFG negative and source (:meth:`QwenImageEditModel._cfg_batch`)."""
 
 
 def _padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +70,7 @@ def _pad_tokens(x: torch.Tensor, length: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0) * (x.ndim - 2) + (0, length - x.shape[1]))
 
 
+@register_family
 class QwenImageEditModel(QwenImageModel):
     """A Qwen-Image-Edit image-editing flow model (``QwenImageEditPipeline`` folder: Qwen/Qwen-Image-Edit, or a small
     one): :class:`QwenImageModel` (packing, true CFG with its norm rescale, dynamic shift with the terminal stretch,
@@ -115,19 +116,10 @@ class QwenImageEditModel(QwenImageModel):
 
     PIPELINE = "QwenImageEditPipeline"
     OPTIONS = ("source_resolution",)
-
-    def __init__(
-        self,
-        path,
-        device="cpu",
-        dtype=torch.float32,
-        max_sequence_length=None,
-        resolution=None,
-        source_resolution: int | None = None,
-    ):
-        self.source_resolution = self.check_source_resolution(source_resolution)
-        self._text_only = None  # the pipeline that encodes prompts without an image (:meth:`_text_pipeline`)
-        super().__init__(path, device, dtype, max_sequence_length, resolution)
+    source_resolution = DEFAULT_SOURCE_RESOLUTION
+    """The side of the square whose area each source image gets in the VAE (:meth:`check_source_resolution`)."""
+    _text_only = None  # the pipeline that encodes prompts without an image (:meth:`_text_pipeline`)
+    TEXT_ONLY = False
 
     @staticmethod
     def check_source_resolution(value) -> int:
@@ -151,13 +143,9 @@ class QwenImageEditModel(QwenImageModel):
         are encoded with their source image at every rollout) before weights load.
 
         Raises:
-            flowrl.config.ConfigError: naming the key.
+            flowrl.fields.ConfigError: naming the key.
         """
-        from ..config import ConfigError, config_key
-
-        if "source_resolution" in cfg.model.options:
-            with config_key("model.options.source_resolution"):
-                cls.check_source_resolution(cfg.model.options["source_resolution"])
+        super().check_config(cfg)
         if cfg.model.text_encoders == "drop_after_cache":
             raise ConfigError(
                 f"config key 'model.text_encoders': {cls.__name__} encodes every prompt together with its source image "
@@ -307,31 +295,17 @@ class QwenImageEditModel(QwenImageModel):
         return EditPromptEmbeds(embeds, pooled, mask, negatives, negative_mask, image, grid)
 
     # ------------------------------------------------------------------------------------------- prediction
-    def velocity(
-        self,
-        x: torch.Tensor,
-        t: torch.Tensor,
-        cond: QwenPromptEmbeds,
-        uncond: QwenPromptEmbeds | None,
-        guidance_scale: float,
-    ) -> torch.Tensor:
-        """Velocity ``(N, C, H, W)`` float32 of latents ``x (N, C, H, W)`` at times ``t (N,)`` in [0, 1]; with true CFG
-        (``guidance_scale > 1`` and an ``uncond``) each row of ``cond`` (:class:`EditPromptEmbeds`) is guided against
-        its own negative, the empty prompt with its source image (``uncond``, the table's row 0, is not used):
-        ``v = v_u + w (v_c - v_u)`` rescaled per 2x2 token to ``|v_c|``, as ``QwenImageEditPipeline``; one batched
-        forward per source shape of both halves. Text-only embeddings (:class:`QwenPromptEmbeds`): as
-        :meth:`QwenImageModel.velocity`.
-
-        Raises:
-            ValueError: if ``guidance_scale < 1``.
-        """
-        check_guidance(guidance_scale)
-        if uncond is None or guidance_scale == 1.0 or not isinstance(cond, EditPromptEmbeds):
-            return super().velocity(x, t, cond, uncond, guidance_scale)
+    def _cfg_batch(self, cond: QwenPromptEmbeds, uncond: QwenPromptEmbeds) -> QwenPromptEmbeds:
+        """The ``2N`` rows of a true-CFG forward: for :class:`EditPromptEmbeds` each row's own negative (the empty prompt
+        with its source image, as ``QwenImageEditPipeline(true_cfg_scale=w, negative_prompt="")``; ``uncond``, the
+        table's row 0, is not used), then the prompts, both padded to the longer text; text-only embeddings
+        (:class:`QwenPromptEmbeds`) as :meth:`FlowModel._cfg_batch`. The guidance is Qwen-Image's (:meth:`_guide`)."""
+        if not isinstance(cond, EditPromptEmbeds):
+            return super()._cfg_batch(cond, uncond)
         length = max(cond.embeds.shape[1], cond.negative.shape[1])
         embeds = torch.cat([_pad_tokens(cond.negative, length), _pad_tokens(cond.embeds, length)])  # (2N, T, D)
         mask = torch.cat([_pad_tokens(cond.negative_mask, length), _pad_tokens(cond.mask, length)])  # (2N, T)
-        both = EditPromptEmbeds(
+        return EditPromptEmbeds(
             embeds,
             torch.cat([cond.pooled, cond.pooled]),
             mask,
@@ -340,10 +314,6 @@ class QwenImageEditModel(QwenImageModel):
             torch.cat([cond.image, cond.image]),
             torch.cat([cond.grid, cond.grid]),
         )  # the negatives, then the prompts
-        dtype = next(self.transformer.parameters()).dtype
-        v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
-        combined = v_u + guidance_scale * (v_c - v_u)
-        return combined * (_token_norm(v_c) / _token_norm(combined))
 
     def _forward(self, x, t, cond: QwenPromptEmbeds, dtype) -> torch.Tensor:
         grid = getattr(cond, "grid", None)
@@ -379,6 +349,7 @@ class QwenImageEditModel(QwenImageModel):
         return pipe._unpack_latents(noisy, h * factor, w * factor, factor)[:, :, 0]  # (N, C, h, w)
 
 
+@register_family
 class QwenImageEditPlusModel(QwenImageEditModel):
     """A Qwen-Image-Edit-Plus flow model (``QwenImageEditPlusPipeline`` folder: Qwen/Qwen-Image-Edit-2509 and later):
     :class:`QwenImageEditModel` with the Plus pipeline's conventions for the one source image of a record:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .base import FlowModel, PromptEmbeds, _scheduler_file, check_guidance
+from .base import FlowModel, PromptEmbeds, _scheduler_file, check_guidance, register_family
 from .wan import wan_scheduler_shift
 
 SANA_LORA_TARGETS = (
@@ -53,10 +53,6 @@ class SanaPromptEmbeds(PromptEmbeds):
 
     mask: torch.Tensor = None
 
-    def __getitem__(self, index: torch.Tensor) -> SanaPromptEmbeds:
-        """The rows `index` (`(N,)` long) of the three tensors."""
-        return SanaPromptEmbeds(self.embeds[index], self.pooled[index], self.mask[index])
-
 
 def _dc_vae_factor(path: Path) -> int:
     """The ``AutoencoderDC``'s spatial factor of the pipeline folder ``path`` (the pipelines' ``vae_scale_factor``:
@@ -82,6 +78,7 @@ def sana_scheduler_shift(cfg: dict, where: str | Path) -> float:
     return wan_scheduler_shift(cfg, where)
 
 
+@register_family
 class SanaModel(FlowModel):
     """A SANA text-to-image flow model (``SanaPipeline`` folder: SANA 0.6B / 1.6B, SANA 1.5 or a small one), with
     :class:`FlowModel`'s interface; the samplers and the trainer see no difference.
@@ -116,7 +113,10 @@ class SanaModel(FlowModel):
     """
 
     PIPELINE = "SanaPipeline"
+    FAMILY = "SANA"
     LORA_TARGETS = SANA_LORA_TARGETS
+    PROMPT_LENGTH = (3, None)
+    PROMPT_RULE = "the pipeline keeps L - 2 prompt tokens after its instruction"
     SIGMA_SPACING = "sd3"
     """The flow-matching Euler scheduler's spacing (:func:`samplers.flow_sigmas`)."""
     _ENCODE_KWARGS = {"do_classifier_free_guidance": False}
@@ -125,15 +125,6 @@ class SanaModel(FlowModel):
     @staticmethod
     def _default_length(index: dict) -> int:
         return 300  # the pipelines' max_sequence_length
-
-    @staticmethod
-    def check_max_sequence_length(length: int) -> None:
-        """Raise ValueError below 3: the pipeline keeps ``L - 2`` prompt tokens after its instruction."""
-        if length < 3:
-            raise ValueError(
-                f"max_sequence_length must be >= 3 for SANA (the pipeline keeps L - 2 prompt tokens after its "
-                f"instruction), got {length}"
-            )
 
     @classmethod
     def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
@@ -195,37 +186,21 @@ class SanaModel(FlowModel):
         mask = torch.stack([rows[i][1] for i in range(len(prompts))]).long()  # (P, L)
         return SanaPromptEmbeds(embeds, embeds.new_zeros(len(prompts), 0), mask)
 
-    def velocity(
-        self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None, guidance_scale: float
-    ) -> torch.Tensor:
-        """As :meth:`FlowModel.velocity`, with the padding masks batched beside the embeddings."""
-        check_guidance(guidance_scale)
-        dtype = next(self.transformer.parameters()).dtype
-        if uncond is None or guidance_scale == 1.0:
-            return self._forward(x, t, cond, dtype).float()
-        both = SanaPromptEmbeds(
-            torch.cat([uncond.embeds, cond.embeds]),
-            torch.cat([uncond.pooled, cond.pooled]),
-            torch.cat([uncond.mask, cond.mask]),
-        )
-        v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
-        return v_u + guidance_scale * (v_c - v_u)
-
     def _conditioning(self, t: torch.Tensor, guidance_scale: float) -> dict[str, torch.Tensor]:
         """The transformer's time input: ``timestep (N,)`` float32, the scheduler's ``1000 t`` times
         ``timestep_scale``, as ``SanaPipeline`` passes it (no guidance input)."""
         steps = self.pipe.scheduler.config.num_train_timesteps
         return {"timestep": t.float() * steps * self.transformer.config.timestep_scale}
 
-    def _forward(self, x, t, cond: SanaPromptEmbeds, dtype, guidance_scale: float = 1.0) -> torch.Tensor:
+    def _forward(self, x, t, cond: SanaPromptEmbeds, dtype, guidance: float = 1.0) -> torch.Tensor:
         """One transformer call: latents ``x (N, C, H, W)`` at flow times ``t (N,)`` with ``cond``'s embeddings and
-        padding masks (``guidance_scale``: Sprint's embedded guidance) -> the velocity ``(N, C, H, W)`` in ``dtype``."""
+        padding masks (``guidance``: Sprint's embedded guidance scale) -> the velocity ``(N, C, H, W)`` in ``dtype``."""
         out = self.network()(
             x.to(dtype),
             encoder_hidden_states=cond.embeds.to(dtype),
             encoder_attention_mask=cond.mask,
             return_dict=False,
-            **self._conditioning(t, guidance_scale),
+            **self._conditioning(t, guidance),
         )[0]  # (N, C or 2 C, H, W)
         return out[:, : x.shape[1]]  # (N, C, H, W): a learned-sigma output's first half, as the pipeline
 
@@ -241,6 +216,7 @@ class SanaModel(FlowModel):
         return (torch.cat(images) / 2 + 0.5).clamp(0, 1)
 
 
+@register_family
 class SanaSprintModel(SanaModel):
     """A SANA-Sprint few-step model (``SanaSprintPipeline`` folder: SANA-Sprint 0.6B / 1.6B or a small one): SANA's
     prompts, latents, decoding and LoRA, with Sprint's time and guidance conventions.
@@ -320,21 +296,19 @@ class SanaSprintModel(SanaModel):
         t = (angles.sin() / (angles.sin() + angles.cos())).clamp(max=1.0)  # (N + 1,): t_0 = 1, t_N = 0
         return (shift * t / (1 + (shift - 1) * t)).float()
 
-    def cfg_rows(self, guidance_scale: float) -> int:
-        """1: the guidance is an input of the transformer, not a second row."""
-        return 1
-
-    def velocity(
-        self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None, guidance_scale: float
-    ) -> torch.Tensor:
-        """Velocity ``(N, C, H, W)`` float32 of latents ``x (N, C, H, W)`` at flow times ``t (N,)``, with the guidance
-        scale ``w`` embedded (``uncond`` is not used).
+    def cfg_scale(self, guidance_scale: float) -> float:
+        """1: the guidance scale is an input of the transformer (:meth:`embedded_guidance`), not CFG; ``uncond`` is not
+        used.
 
         Raises:
             ValueError: if ``guidance_scale`` is not in ``[1, 100]``.
         """
         check_guidance(guidance_scale)
-        return self._forward(x, t, cond, next(self.transformer.parameters()).dtype, guidance_scale).float()
+        return 1.0
+
+    def embedded_guidance(self, guidance_scale: float) -> dict:
+        """``{"guidance": w}``: Sprint's transformer takes the scale (``SanaSprintPipeline(guidance_scale=w)``)."""
+        return {"guidance": guidance_scale}
 
     def _conditioning(self, t: torch.Tensor, guidance_scale: float) -> dict[str, torch.Tensor]:
         """``timestep (N,)`` float32: the flow time itself (the pipeline's ``scm_timestep``); ``guidance (N,)``: ``w``

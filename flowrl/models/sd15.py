@@ -27,8 +27,10 @@ from pathlib import Path
 
 import torch
 
+from ..fields import ConfigError, config_key
+from ..files import resolve_path
 from ..samplers import flow_sigma, flow_velocity, vp_scale
-from .base import FlowModel, PromptEmbeds, _scheduler_file, _vae_factor
+from .base import FlowModel, PromptEmbeds, _scheduler_file, _vae_factor, register_family
 
 SD15_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 """The UNet's attention projections (self- and cross-attention), as DDPO and diffusers' SD LoRA training adapt."""
@@ -46,6 +48,7 @@ def _check_scheduler(cfg: dict, where) -> None:
         )
 
 
+@register_family
 class SD15Model(FlowModel):
     """A Stable Diffusion 1.x / 2.x text-to-image UNet (``StableDiffusionPipeline`` folder), sampled and trained as a
     flow model through the change of variables of :mod:`samplers.ddim`.
@@ -65,8 +68,14 @@ class SD15Model(FlowModel):
     LORA_TARGETS = SD15_LORA_TARGETS
     NETWORK = "unet"
     """The trained component: the UNet, held as :attr:`transformer`."""
+    FAMILY = "SD 1.x"
+    PROMPT_LENGTH = (0, 0)
+    PROMPT_RULE = "CLIP encodes prompts at the tokenizer's length: leave it unset"
+    FORWARD_PROCESS = False
+    """The samples end at ``final_alpha_cumprod`` and the times at the largest training timestep, not at the flow's
+    ``x_0`` and ``t = 1``: the forward-process methods are refused (:func:`flowrl.pairing.check_pairing`)."""
 
-    def __init__(self, path, device="cpu", dtype=torch.float32, max_sequence_length=None, resolution=None):
+    def __init__(self, path, device="cpu", dtype=torch.float32, max_sequence_length=None, resolution=None, **options):
         from diffusers import DDIMScheduler
 
         file = _scheduler_file(path)
@@ -76,25 +85,13 @@ class SD15Model(FlowModel):
         self.prediction_type = self.ddim.config.prediction_type
         self._table = flow_sigma(self.ddim.alphas_cumprod.double()).float()  # (T,) CPU, increasing in the timestep
         self.final_sigma = float(flow_sigma(self.ddim.final_alpha_cumprod.double().reshape(1)).float())
-        super().__init__(path, device, dtype, max_sequence_length, resolution)  # probes the UNet: the table is set
+        super().__init__(path, device, dtype, max_sequence_length, resolution, **options)  # probes the UNet
 
     # ------------------------------------------------------------------------------ folder checks
     @staticmethod
     def _default_length(index: dict) -> int:
         """0: SD 1.x prompts are the tokenizer's ``model_max_length`` tokens, not a T5 length."""
         return 0
-
-    @staticmethod
-    def check_max_sequence_length(length: int) -> None:
-        """Only 0 (unset): CLIP's prompt length is the tokenizer's.
-
-        Raises:
-            ValueError: for any other length.
-        """
-        if length != 0:
-            raise ValueError(
-                f"SD 1.x encodes prompts with CLIP at the tokenizer's length; leave it unset (got {length})"
-            )
 
     @classmethod
     def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
@@ -122,33 +119,20 @@ class SD15Model(FlowModel):
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """Refuse what the flow-variable mapping does not cover, naming the key: the forward-process methods
-        (DiffusionNFT, AWM, DGPO, Diffusion-DPO, CRD, SFT: each trains the flow-matching loss at arbitrary times from samples it takes as ``x_0``, but this family's samples
-        end at ``final_alpha_cumprod`` and its times at the largest training timestep), MixGRPO-Flash / BranchGRPO-Flash
+        """Refuse what the flow-variable mapping does not cover, naming the key: MixGRPO-Flash / BranchGRPO-Flash
         re-spacing (``sampling.window.flash_ratio``, ``sampling.tree.flash_ratio``: a shifted flow schedule ending at
         ``sigma = 0``), a ``sampling.shift`` other than 1, and (``model.path``) a scheduler config that clips or
-        thresholds ``x0_hat`` or predicts ``sample``.
+        thresholds ``x0_hat`` or predicts ``sample``. The forward-process methods (DiffusionNFT, AWM, DGPO,
+        Diffusion-DPO, CRD, SFT) are refused by :attr:`FORWARD_PROCESS`.
 
         Raises:
-            flowrl.config.ConfigError: naming the key.
+            flowrl.fields.ConfigError: naming the key.
         """
-        from ..config import ConfigError, config_key, resolve_path
-        from ..methods import METHODS
-        from ..methods.direct import DirectReward
-        from ..methods.forward import ForwardProcess
-
+        super().check_config(cfg)  # the family's options (SDXL's guidance_rescale)
         file = _scheduler_file(resolve_path(cfg.model.path))
         with config_key("model.path"):
             _check_scheduler(json.loads(file.read_text()), file)
         where = f"model.path {cfg.model.path} is a {cls.PIPELINE} (DDPM)"
-        method = METHODS.get(cfg.train.method)
-        forward = method is not None and issubclass(method, ForwardProcess) and not issubclass(method, DirectReward)
-        if forward:  # NFT, AWM, DGPO, DPO, CRD, offline, SFT (the direct-reward methods sample and decode: they run)
-            raise ConfigError(
-                f"config key 'train.method': {cfg.train.method!r} ({method.__name__}) needs a flow-matching model "
-                f"(it trains the flow-matching loss on clean samples); {where}: use train.method grpo, flow_dppo, gardo "
-                "or a direct-reward method (refl, draft, alignprop, srpo)"
-            )
         for key, value in (
             ("sampling.window.flash_ratio", cfg.sampling.window.flash_ratio),
             ("sampling.tree.flash_ratio", cfg.sampling.tree.flash_ratio),

@@ -7,21 +7,13 @@ from pathlib import Path
 
 import torch
 
-from .base import FlowModel, PromptEmbeds, _absent, _vae_factor
+from .base import JOINT_ATTENTION_TARGETS, FlowModel, PromptEmbeds, _absent, _vae_factor, register_family
 
-SD3_LORA_TARGETS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-)
+SD3_LORA_TARGETS = JOINT_ATTENTION_TARGETS
 """Flow-GRPO's LoRA targets for SD3 transformers: both streams of every joint attention block."""
 
 
+@register_family
 class SD3Model(FlowModel):
     """An SD3-family text-to-image flow model (``StableDiffusion3Pipeline`` folder: SD3, SD3.5, the tiny model).
 
@@ -39,6 +31,7 @@ class SD3Model(FlowModel):
     OPTIONAL = ("text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor")
     """Components a folder may leave out (``null`` in ``model_index.json``)."""
     LORA_TARGETS = SD3_LORA_TARGETS
+    VAE_INVERSE = True
     SIGMA_SPACING = "sd3"
     """How the stock pipeline spaces its steps (:func:`samplers.flow_sigmas`' ``spacing``)."""
 

@@ -25,13 +25,14 @@ from __future__ import annotations
 import torch
 
 from ..samplers import flow_velocity
-from .base import PromptEmbeds, check_fraction, check_guidance
+from .base import PromptEmbeds, check_fraction, register_family
 from .sd15 import SD15_LORA_TARGETS, SD15Model
 
 SDXL_LORA_TARGETS = SD15_LORA_TARGETS
 """The UNet's attention projections, as diffusers' SDXL LoRA training (``train_dreambooth_lora_sdxl.py``) adapts."""
 
 
+@register_family
 class SDXLModel(SD15Model):
     """A Stable Diffusion XL text-to-image UNet (``StableDiffusionXLPipeline`` folder), sampled and trained as a flow
     model through the change of variables of :mod:`samplers.ddim` (module docstring: what SDXL adds to SD 1.x).
@@ -68,31 +69,13 @@ class SDXLModel(SD15Model):
         """
         return check_fraction(value, "guidance_rescale", "0")
 
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        """:meth:`SD15Model.check_config`, and ``model.options.guidance_rescale`` (:meth:`check_guidance_rescale`).
+    def _after_load(self) -> None:
+        """Refuse a VAE with ``latents_mean`` / ``latents_std``; run a float16 VAE with ``force_upcast`` in float32, as
+        the stock pipeline decodes (SDXL's VAE overflows in float16).
 
         Raises:
-            flowrl.config.ConfigError: naming the key.
+            ValueError: naming the VAE folder, for an EDM-style VAE.
         """
-        from ..config import config_key
-
-        super().check_config(cfg)
-        if "guidance_rescale" in cfg.model.options:
-            with config_key("model.options"):
-                cls.check_guidance_rescale(cfg.model.options["guidance_rescale"])
-
-    def __init__(
-        self,
-        path,
-        device="cpu",
-        dtype=torch.float32,
-        max_sequence_length=None,
-        resolution=None,
-        guidance_rescale: float = 0.0,
-    ):
-        self.guidance_rescale = self.check_guidance_rescale(guidance_rescale)
-        super().__init__(path, device, dtype, max_sequence_length, resolution)
         vae = self.pipe.vae
         if any(getattr(vae.config, key, None) is not None for key in ("latents_mean", "latents_std")):
             raise ValueError(
@@ -100,7 +83,7 @@ class SDXLModel(SD15Model):
                 "adapter decodes with scaling_factor only"
             )
         if vae.dtype == torch.float16 and vae.config.force_upcast:
-            vae.to(torch.float32)  # as the stock pipeline decodes: SDXL's VAE overflows in float16
+            vae.to(torch.float32)
 
     def _probe(self) -> None:
         """Check the UNet's added-embedding width against the pipeline's time ids and pooled embedding, then one forward
@@ -146,16 +129,23 @@ class SDXLModel(SD15Model):
         added = {"text_embeds": cond.pooled.to(dtype), "time_ids": self.time_ids(rows, dtype)}
         return {"encoder_hidden_states": cond.embeds.to(dtype), "added_cond_kwargs": added}
 
+    def _cfg_batch(self, cond: PromptEmbeds, uncond: PromptEmbeds) -> PromptEmbeds:
+        """:meth:`FlowModel._cfg_batch` with zero embeddings as the negative when the pipeline sets
+        ``force_zeros_for_empty_prompt`` (``uncond``, the empty prompt's rows in flowrl, then only says that CFG is on),
+        as the stock SDXL pipeline guides."""
+        if self.pipe.config.force_zeros_for_empty_prompt:
+            uncond = PromptEmbeds(torch.zeros_like(cond.embeds), torch.zeros_like(cond.pooled))
+        return super()._cfg_batch(cond, uncond)
+
     def velocity(
         self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None, guidance_scale: float
     ) -> torch.Tensor:
         """Velocity with classifier-free guidance as the stock SDXL pipeline guides (one batched forward).
 
-        The negative is zero embeddings when the pipeline sets ``force_zeros_for_empty_prompt`` (``uncond``, the empty
-        prompt's rows in flowrl, then only says that CFG is on), else ``uncond``. Without :attr:`guidance_rescale`
-        this is :meth:`FlowModel.velocity` (CFG on the velocity equals CFG on the UNet's output, an affine map of it);
-        with it, CFG and the rescale act on the UNet's output (``diffusers`` ``rescale_noise_cfg``), then the result
-        becomes a velocity.
+        Overridden because ``guidance_rescale`` acts on the UNet's own output, not on the velocity: without
+        :attr:`guidance_rescale` this is :meth:`FlowModel.velocity` (CFG on the velocity equals CFG on the UNet's output,
+        an affine map of it); with it, CFG and the rescale act on the UNet's output (``diffusers``
+        ``rescale_noise_cfg``), then the result becomes a velocity.
 
         Args:
             x: latents ``(N, C, H, W)``; t: ``(N,)`` flow times in [0, 1].
@@ -166,18 +156,16 @@ class SDXLModel(SD15Model):
             float32 ``(N, C, H, W)``.
 
         Raises:
-            ValueError: if ``guidance_scale < 1``.
+            ValueError: if ``guidance_scale`` is outside [1, 100].
         """
-        check_guidance(guidance_scale)
-        if uncond is not None and self.pipe.config.force_zeros_for_empty_prompt:
-            uncond = PromptEmbeds(torch.zeros_like(cond.embeds), torch.zeros_like(cond.pooled))
-        if uncond is None or guidance_scale == 1.0 or not self.guidance_rescale:
+        scale = self.cfg_scale(guidance_scale)
+        if uncond is None or scale == 1.0 or not self.guidance_rescale:
             return super().velocity(x, t, cond, uncond, guidance_scale)
-        from diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl import rescale_noise_cfg
+        from diffusers.guiders.guider_utils import rescale_noise_cfg
 
         t = self._clamp(t)  # (N,)
-        both = PromptEmbeds(torch.cat([uncond.embeds, cond.embeds]), torch.cat([uncond.pooled, cond.pooled]))
         dtype = next(self.transformer.parameters()).dtype
+        both = self._cfg_batch(cond, uncond)  # (2N) rows: the negatives, then the prompts
         out_u, out_c = self._predict(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
-        out = rescale_noise_cfg(out_u + guidance_scale * (out_c - out_u), out_c, self.guidance_rescale)
+        out = rescale_noise_cfg(out_u + scale * (out_c - out_u), out_c, self.guidance_rescale)
         return flow_velocity(x, out, t, self.prediction_type)

@@ -17,21 +17,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 from pathlib import Path
 
 import torch
 
 from .base import (
-    FlowModel,
     PromptEmbeds,
     _config_shift,
+    _json,
     _model_index,
     _pipeline_folder,
     _scheduler_file,
     built_sample_size,
     make_batch_invariant,
+    register_family,
 )
+from .video import VideoModel
 
 WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 """Flow-GRPO's LoRA targets for Wan (``scripts/train_wan2_1.py``): the query, key, value and output projections of
@@ -41,11 +42,6 @@ image-to-video transformers."""
 EXPERTS = ("high", "low")
 """``model.expert`` values for a two-expert Wan 2.2 folder: ``high`` trains ``transformer`` (the steps at times
 ``>= boundary_ratio``), ``low`` trains ``transformer_2`` (the steps below it)."""
-
-
-def _json(path: Path) -> dict:
-    """A parsed JSON config file."""
-    return json.loads(path.read_text())
 
 
 def wan_scheduler_shift(cfg: dict, where: str | Path) -> float:
@@ -65,8 +61,10 @@ def wan_scheduler_shift(cfg: dict, where: str | Path) -> float:
     return _config_shift(cfg, where)
 
 
-class WanModel(FlowModel):
-    """A Wan 2.1 / 2.2 text-to-video flow model (``WanPipeline`` folder), with :class:`FlowModel`'s interface.
+@register_family
+class WanModel(VideoModel):
+    """A Wan 2.1 / 2.2 text-to-video flow model (``WanPipeline`` folder), with :class:`FlowModel`'s interface
+    (:class:`~flowrl.models.video.VideoModel`).
 
     - Latents: ``(C, F_lat, H/f, W/f)`` per video (:attr:`latent_shape`), ``F_lat = (num_frames - 1) / t + 1`` with
       the VAE's temporal compression ``t`` (4) and spatial compression ``f`` (8, or 16 for Wan 2.2 TI2V-5B).
@@ -104,38 +102,26 @@ class WanModel(FlowModel):
 
     PIPELINE = "WanPipeline"
     """The diffusers pipeline class this adapter loads (``_class_name`` in ``model_index.json``)."""
+    FAMILY = "Wan"
+    PROMPT_LENGTH = (1, None)
+    PROMPT_RULE = "its UMT5 tokens condition every block"
     OPTIONAL = ("transformer_2",)
     """Components a folder may leave out: the second expert (Wan 2.1 and Wan 2.2 TI2V-5B have none)."""
     LORA_TARGETS = WAN_LORA_TARGETS
     SIGMA_SPACING = "sd3"
     """The flow-matching Euler scheduler's spacing (:func:`samplers.flow_sigmas`)."""
-    VIDEO = True
-    VAE_CHANNELS_LAST = False
-    """The Wan VAE's convolutions are 3-D (channels-last is a 4-D format)."""
     DEFAULT_FRAMES = 81
     """Frames per video when none is given (``WanPipeline``'s default)."""
     DEFAULT_SIDE = 480
     """Video side in px when no resolution is given (Wan 480P's short side)."""
 
-    def __init__(
-        self,
-        path,
-        device="cpu",
-        dtype=torch.float32,
-        max_sequence_length=None,
-        resolution=None,
-        num_frames: int | None = None,
-        expert: str | None = None,
-        negative_prompt: str = "",
-    ):
-        self.num_frames = self.check_num_frames(path, num_frames)
-        self.expert = self.check_expert(path, expert)
-        self.NETWORK = self.network_name(self.expert)  # the trained network; base loading holds it as self.transformer
-        self.negative_prompt = negative_prompt
-        self._negative: tuple[str, PromptEmbeds] | None = None  # (prompt, its encoding): negative_encoding
-        self.frozen = None  # the other expert of a two-expert folder, frozen (set after loading)
-        super().__init__(path, device, dtype, max_sequence_length, resolution)
-        self.decode_chunk = 4  # videos per VAE decode call
+    frozen = None
+    """The other expert of a two-expert folder, frozen (None for one transformer)."""
+    boundary = None
+    """The timestep ``boundary_ratio * num_train_timesteps`` at which a two-expert folder switches (None: none)."""
+
+    def _after_load(self) -> None:
+        """The switching boundary and, with two experts, the other expert frozen and made batch-invariant."""
         ratio = self.pipe.config.boundary_ratio
         self.boundary = None if ratio is None else ratio * self.pipe.scheduler.config.num_train_timesteps
         if self.expert is not None:
@@ -148,14 +134,6 @@ class WanModel(FlowModel):
     def _default_length(index: dict) -> int:
         """512 UMT5 tokens, ``WanPipeline``'s default."""
         return 512
-
-    @staticmethod
-    def check_max_sequence_length(length: int) -> None:
-        """Raise ValueError for a UMT5 prompt length below 1."""
-        if length < 1:
-            raise ValueError(
-                f"max_sequence_length must be >= 1 for Wan (its UMT5 tokens condition every block), got {length}"
-            )
 
     @staticmethod
     def _transformer_config(path: Path) -> dict:
@@ -231,20 +209,6 @@ class WanModel(FlowModel):
         return expert
 
     @classmethod
-    def check_config(cls, cfg) -> None:
-        """Refuse ``model.num_frames`` and ``model.expert`` the folder cannot take, before weights load.
-
-        Raises:
-            flowrl.config.ConfigError: naming the key.
-        """
-        from ..config import config_key, resolve_path
-
-        path = resolve_path(cfg.model.path)
-        for key, check in (("num_frames", cls.check_num_frames), ("expert", cls.check_expert)):
-            with config_key(f"model.{key}"):
-                check(path, getattr(cfg.model, key))
-
-    @classmethod
     def scheduler_shift(cls, path: str | Path, resolution: int | None = None, num_frames: int | None = None) -> float:
         """The flow shift of the folder's scheduler (:func:`wan_scheduler_shift`), read without loading weights (the
         same at every resolution and frame count).
@@ -261,19 +225,6 @@ class WanModel(FlowModel):
         return wan_scheduler_shift(dict(self.pipe.scheduler.config), Path(self.path) / "scheduler")
 
     # ------------------------------------------------------------------------------ the model
-    @property
-    def latent_shape(self) -> tuple[int, int, int, int]:
-        """``(C, F_lat, H, W)`` of one video's latents: ``F_lat = (num_frames - 1) / t + 1``, ``H = W = resolution / f``."""
-        pipe = self.pipe
-        side = self.resolution // pipe.vae_scale_factor_spatial
-        frames = (self.num_frames - 1) // pipe.vae_scale_factor_temporal + 1
-        return (self.transformer.config.in_channels, frames, side, side)
-
-    @property
-    def decoded_shape(self) -> tuple[int, int, int, int]:
-        """``(F, 3, H, W)`` of one decoded video (what the rewards get per sample)."""
-        return (self.num_frames, 3, self.resolution, self.resolution)
-
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> PromptEmbeds:
         """Encode prompts with ``WanPipeline.encode_prompt``: UMT5 states ``(P, max_sequence_length, D)`` float32 (zero
@@ -285,16 +236,6 @@ class WanModel(FlowModel):
             device=self.device,
         )
         return PromptEmbeds(embeds.float(), embeds.new_zeros(len(prompts), 0).float())
-
-    def velocity_fn(self, table: PromptEmbeds, guidance_scale: float):
-        """:meth:`FlowModel.velocity_fn` with row 0 of ``table`` (the CFG negative) re-encoded as
-        :attr:`negative_prompt` when it is not empty."""
-        if self.negative_prompt and guidance_scale != 1.0:
-            negative = self.negative_encoding()
-            table = PromptEmbeds(
-                torch.cat([negative.embeds, table.embeds[1:]]), torch.cat([negative.pooled, table.pooled[1:]])
-            )
-        return super().velocity_fn(table, guidance_scale)
 
     def _call(
         self, net: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, dtype: torch.dtype

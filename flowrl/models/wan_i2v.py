@@ -18,13 +18,13 @@ latent_condition]``), ``image`` -> ``image_embeds`` (``encoder_hidden_states_ima
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .base import PromptEmbeds, _absent, _model_index, _pipeline_folder, check_guidance, source_image
-from .wan import WAN_LORA_TARGETS, WanModel, _json
+from .base import PromptEmbeds, _absent, _json, _model_index, _pipeline_folder, register_family, source_image
+from .wan import WAN_LORA_TARGETS, WanModel
 
 WAN_I2V_LORA_TARGETS = WAN_LORA_TARGETS + ("ffn.net.0.proj", "ffn.net.2")
 """Flow-Factory's LoRA targets for Wan image-to-video (github.com/X-GenGroup/Flow-Factory,
@@ -72,15 +72,11 @@ class I2VPromptEmbeds(PromptEmbeds):
     condition: torch.Tensor = None
     image: torch.Tensor = None
 
-    def __getitem__(self, index: torch.Tensor) -> I2VPromptEmbeds:
-        """The rows `index` (`(N,)` long) of every tensor."""
-        return I2VPromptEmbeds(*(getattr(self, f.name)[index] for f in fields(self)))
-
-    def cat(self, other: I2VPromptEmbeds) -> I2VPromptEmbeds:
-        """These rows, then those of ``other`` (``P + P'`` rows of every tensor)."""
-        return I2VPromptEmbeds(*(torch.cat([getattr(self, f.name), getattr(other, f.name)]) for f in fields(self)))
+    SHARED = ("condition", "image")
+    """Under CFG the negative sees the row's source (condition and CLIP tokens), as ``WanImageToVideoPipeline``."""
 
 
+@register_family
 class WanImageToVideoModel(WanModel):
     """A Wan image-to-video flow model (``WanImageToVideoPipeline`` folder: Wan2.1-I2V-14B-480P / 720P, Wan2.2-I2V-A14B
     or a small one): :class:`WanModel` (video latents, frames, prompts, negative prompt, schedule, two experts,
@@ -112,7 +108,8 @@ class WanImageToVideoModel(WanModel):
 
     Raises:
         FileNotFoundError, ValueError: as :class:`WanModel`; ValueError also for a folder this family cannot run
-            (:meth:`check_layout`) or a ``max_sequence_length`` other than 512 with CLIP image tokens.
+            (:meth:`check_layout`) or a ``max_sequence_length`` other than 512 with CLIP image tokens
+            (:meth:`check_prompt_length`).
     """
 
     PIPELINE = "WanImageToVideoPipeline"
@@ -121,25 +118,18 @@ class WanImageToVideoModel(WanModel):
     """Components a folder may leave out: the second expert (Wan 2.1 has none), the CLIP image encoder and its
     processor (Wan 2.2 has none)."""
     LORA_TARGETS = WAN_I2V_LORA_TARGETS
-
-    def __init__(
-        self,
-        path,
-        device="cpu",
-        dtype=torch.float32,
-        max_sequence_length=None,
-        resolution=None,
-        num_frames: int | None = None,
-        expert: str | None = None,
-        negative_prompt: str = "",
-    ):
-        self.check_layout(path)
-        self.check_text_tokens(path, TEXT_TOKENS if max_sequence_length is None else max_sequence_length)
-        super().__init__(path, device, dtype, max_sequence_length, resolution, num_frames, expert, negative_prompt)
-        if self.pipe.image_encoder is not None:
-            self.pipe.image_encoder.requires_grad_(False).eval()
+    TEXT_ONLY = False
 
     # ------------------------------------------------------------------------------ folder checks
+    @classmethod
+    def check_folder(cls, path: Path) -> None:
+        """:meth:`check_layout` (before loading and for ``model.path``).
+
+        Raises:
+            ValueError: as :meth:`check_layout`.
+        """
+        cls.check_layout(path)
+
     @classmethod
     def check_layout(cls, path: str | Path) -> None:
         """Check that the folder ``path`` is an image-to-video layout this adapter runs (no weights loaded).
@@ -170,33 +160,20 @@ class WanImageToVideoModel(WanModel):
             )
 
     @classmethod
-    def check_text_tokens(cls, path: str | Path, length: int) -> None:
-        """Raise ValueError naming the folder ``path`` for a ``max_sequence_length`` other than 512 when its transformer
-        takes CLIP image tokens (:data:`TEXT_TOKENS`)."""
+    def check_prompt_length(cls, path: Path, length: int) -> None:
+        """:meth:`WanModel.check_max_sequence_length`, and 512 when the folder's transformer takes CLIP image tokens
+        (:data:`TEXT_TOKENS`).
+
+        Raises:
+            ValueError: naming the folder ``path``, for another length with CLIP image tokens.
+        """
+        super().check_prompt_length(path, length)
         image_dim = cls._transformer_config(_pipeline_folder(path)).get("image_dim")
         if image_dim is not None and length != TEXT_TOKENS:
             raise ValueError(
                 f"max_sequence_length must be {TEXT_TOKENS} for {path}: its transformer tells the CLIP image tokens "
                 f"from the text by a context of {TEXT_TOKENS} text tokens (got {length})"
             )
-
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        """:meth:`WanModel.check_config`, the folder's layout (:meth:`check_layout`) and its prompt length, before
-        weights load.
-
-        Raises:
-            flowrl.config.ConfigError: naming the key (``model.path``, ``model.max_sequence_length``, ...).
-        """
-        from ..config import config_key, resolve_path
-
-        super().check_config(cfg)
-        path = resolve_path(cfg.model.path)
-        with config_key("model.path"):
-            cls.check_layout(path)
-        with config_key("model.max_sequence_length"):
-            length = cfg.model.max_sequence_length
-            cls.check_text_tokens(path, TEXT_TOKENS if length is None else length)
 
     @classmethod
     def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
@@ -264,7 +241,8 @@ class WanImageToVideoModel(WanModel):
 
     def prompt_table(self, metas: list[dict]) -> I2VPromptEmbeds:
         """:meth:`FlowModel.prompt_table` with each record's source (row 0, the negative's text, gets zeros: under CFG
-        each row's negative takes that row's source, :meth:`velocity`); ``P + 1`` rows of :class:`I2VPromptEmbeds`.
+        each row's negative takes that row's source, :attr:`I2VPromptEmbeds.SHARED`); ``P + 1`` rows of
+        :class:`I2VPromptEmbeds`.
 
         Raises:
             ValueError: naming the file, as :meth:`read_source`.
@@ -273,32 +251,6 @@ class WanImageToVideoModel(WanModel):
         table = self.encode([""] + [m["prompt"] for m in metas])
         condition, image = source_rows(self, metas)  # (P + 1, t + C, F_lat, h, w), (P + 1, T_img, D_img)
         return I2VPromptEmbeds(table.embeds, table.pooled, condition, image)
-
-    def velocity_fn(self, table: PromptEmbeds, guidance_scale: float):
-        """:meth:`WanModel.velocity_fn`, keeping the sources of an :class:`I2VPromptEmbeds` table when row 0 becomes
-        the :attr:`negative_prompt`."""
-        if not (isinstance(table, I2VPromptEmbeds) and self.negative_prompt and guidance_scale != 1.0):
-            return super().velocity_fn(table, guidance_scale)
-        table = replace(table, embeds=torch.cat([self.negative_encoding().embeds, table.embeds[1:]]))  # (P + 1, T, D)
-        return super(WanModel, self).velocity_fn(table, guidance_scale)  # FlowModel's: row 0 is the negative already
-
-    def velocity(
-        self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None, guidance_scale: float
-    ) -> torch.Tensor:
-        """:meth:`FlowModel.velocity` (``x (N, C, F, H, W)``, ``t (N,)``, float32 out); under classifier-free guidance
-        the negative (``uncond``'s text) is given the sources of ``cond`` (:class:`I2VPromptEmbeds`), as
-        ``WanImageToVideoPipeline`` gives its negative the same condition and image tokens.
-
-        Raises:
-            ValueError: if ``guidance_scale < 1``.
-        """
-        check_guidance(guidance_scale)
-        if uncond is None or guidance_scale == 1.0 or not isinstance(cond, I2VPromptEmbeds):
-            return super().velocity(x, t, cond, uncond, guidance_scale)
-        negative = replace(cond, embeds=uncond.embeds, pooled=uncond.pooled)  # the negative text, each row's source
-        dtype = next(self.transformer.parameters()).dtype
-        v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), negative.cat(cond), dtype).float().chunk(2)
-        return v_u + guidance_scale * (v_c - v_u)
 
     def _call(
         self, net: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, dtype: torch.dtype

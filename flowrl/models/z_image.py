@@ -15,10 +15,8 @@ from pathlib import Path
 
 import torch
 
-from ..samplers import flow_sigmas
-from .base import FlowModel, PromptEmbeds, _vae_factor, check_fraction, check_guidance
+from .base import FlowModel, PromptEmbeds, _vae_factor, check_fraction, register_family
 from .flux import PackedTokenShift
-from .qwen_image import _stretch_to_terminal
 
 Z_IMAGE_LORA_TARGETS = (
     "attention.to_q",
@@ -49,11 +47,8 @@ class ZImagePromptEmbeds(PromptEmbeds):
 
     mask: torch.Tensor = None
 
-    def __getitem__(self, index: torch.Tensor) -> ZImagePromptEmbeds:
-        """The rows `index` (`(N,)` long) of the three tensors."""
-        return ZImagePromptEmbeds(self.embeds[index], self.pooled[index], self.mask[index])
 
-
+@register_family
 class ZImageModel(PackedTokenShift, FlowModel):
     """A Z-Image text-to-image flow model (``ZImagePipeline`` folder: Z-Image, Z-Image-Turbo or a small one), with
     :class:`FlowModel`'s interface; the samplers and the trainer see no difference.
@@ -69,8 +64,8 @@ class ZImageModel(PackedTokenShift, FlowModel):
       itself) and time ``1 - t`` (0 = noise), and its output is minus the velocity (the pipeline negates it).
     - Guidance: the pipeline's ``v_c + (w - 1) (v_c - v_u)`` against the empty prompt (its ``guidance_scale`` is
       ``w - 1``: flowrl's ``w = 1`` is the stock ``guidance_scale=0``, Z-Image-Turbo's setting, one row per sample);
-      optionally the pipeline's ``cfg_normalization`` and ``cfg_truncation`` (:meth:`velocity`; off by default, as
-      the stock pipeline).
+      optionally the pipeline's ``cfg_normalization`` and ``cfg_truncation`` (:meth:`_guide`, :meth:`guided_rows`; off
+      by default, as the stock pipeline).
     - Schedule: ``linspace(1, 1/N, N)`` shifted by the scheduler's shift (static, 3, in Z-Image-Turbo's config; a
       dynamically shifting config by ``exp(mu)`` with ``mu = calculate_shift(image tokens)``, as the pipeline passes
       it), stretched to ``shift_terminal`` if the config has one, then 0 (:meth:`sigmas`): ODE sampling equals the
@@ -94,11 +89,20 @@ class ZImageModel(PackedTokenShift, FlowModel):
     """
 
     PIPELINE = "ZImagePipeline"
+    FAMILY = "Z-Image"
     LORA_TARGETS = Z_IMAGE_LORA_TARGETS
+    VAE_INVERSE = True
     SIGMA_SPACING = "flux"
     """``ZImagePipeline``'s ``linspace(1, 1/N, N)`` before the shift."""
+    SHIFT_TERMINAL = True
+    PROMPT_LENGTH = (1, None)
+    PROMPT_RULE = "its Qwen3 prompt tokens"
     PROMPT_PADDING = "longest"  # encode pads a batch to its longest prompt (the prompt cache stores rows unpadded)
     OPTIONS = ("cfg_normalization", "cfg_truncation")
+    cfg_normalization = 0.0
+    """The pipeline's ``cfg_normalization`` (0: off): :meth:`check_cfg_normalization`."""
+    cfg_truncation = 1.0
+    """The pipeline's ``cfg_truncation`` (1: never): :meth:`check_cfg_truncation`."""
 
     @staticmethod
     def check_cfg_normalization(value) -> float:
@@ -120,43 +124,9 @@ class ZImageModel(PackedTokenShift, FlowModel):
         """
         return check_fraction(value, "cfg_truncation", "1")
 
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        """Check ``model.options`` (:meth:`check_cfg_normalization`, :meth:`check_cfg_truncation`) before weights load.
-
-        Raises:
-            flowrl.config.ConfigError: naming the key.
-        """
-        from ..config import config_key
-
-        for name in cls.OPTIONS:
-            if name in cfg.model.options:
-                with config_key(f"model.options.{name}"):
-                    getattr(cls, f"check_{name}")(cfg.model.options[name])
-
-    def __init__(
-        self,
-        path,
-        device="cpu",
-        dtype=torch.float32,
-        max_sequence_length=None,
-        resolution=None,
-        cfg_normalization: float = 0.0,
-        cfg_truncation: float = 1.0,
-    ):
-        self.cfg_normalization = self.check_cfg_normalization(cfg_normalization)
-        self.cfg_truncation = self.check_cfg_truncation(cfg_truncation)
-        super().__init__(path, device, dtype, max_sequence_length, resolution)
-
     @staticmethod
     def _default_length(index: dict) -> int:
         return 512  # ZImagePipeline's max_sequence_length
-
-    @staticmethod
-    def check_max_sequence_length(length: int) -> None:
-        """Raise ValueError for a prompt length below 1 (the chat template's tokens condition the transformer)."""
-        if length < 1:
-            raise ValueError(f"max_sequence_length must be >= 1 for Z-Image (its Qwen3 prompt tokens), got {length}")
 
     @classmethod
     def _resolution_grid(cls, path: Path) -> tuple[int, int, int | None, str]:
@@ -167,20 +137,6 @@ class ZImageModel(PackedTokenShift, FlowModel):
         unit = 2 * factor
         largest = unit * min(lens[1:])
         return min(DEFAULT_SIDE, largest), unit, largest, f"VAE factor {factor} x the 2x2 patches"
-
-    def sigmas(self, num_steps: int, shift: float | None = None) -> torch.Tensor:
-        """The stock pipeline's sigma schedule ``(num_steps + 1,)`` float32 (CPU) from 1 to 0: ``linspace(1, 1/N, N)``
-        shifted by ``shift`` (None: :attr:`shift`), stretched to end at the scheduler's ``shift_terminal`` when it has
-        one, then 0.
-
-        Raises:
-            ValueError: as :func:`samplers.flow_sigmas`.
-        """
-        sigmas = flow_sigmas(num_steps, self.shift if shift is None else shift, spacing=self.SIGMA_SPACING)  # (N + 1,)
-        terminal = self.pipe.scheduler.config.get("shift_terminal")
-        if not terminal:
-            return sigmas
-        return torch.cat([_stretch_to_terminal(sigmas[:-1].double(), terminal).float(), sigmas[-1:]])
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -204,42 +160,26 @@ class ZImageModel(PackedTokenShift, FlowModel):
         mask = (torch.arange(embeds.shape[1], device=embeds.device) < lengths[:, None]).long()  # (P, T)
         return ZImagePromptEmbeds(embeds, embeds.new_zeros(len(prompts), 0), mask)
 
-    def velocity(
-        self,
-        x: torch.Tensor,
-        t: torch.Tensor,
-        cond: ZImagePromptEmbeds,
-        uncond: ZImagePromptEmbeds | None,
-        guidance_scale: float,
+    def guided_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """The rows ``ZImagePipeline`` guides, `(N,)` bool: those whose transformer time ``1 - t`` does not exceed
+        :attr:`cfg_truncation` (the others use the conditional velocity alone; none guided: one row per sample)."""
+        return self._model_time(t) <= self.cfg_truncation  # the pipeline's truncation test, negated
+
+    def _guide(
+        self, x: torch.Tensor, t: torch.Tensor, v_u: torch.Tensor, v_c: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """Velocity ``(N, C, H, W)`` float32 of latents ``x (N, C, H, W)`` at times ``t (N,)`` in [0, 1], with
-        ``ZImagePipeline``'s guidance when ``guidance_scale = w > 1`` (one batched forward of both rows):
+        """``ZImagePipeline``'s guidance ``(N, C, H, W)`` float32 at ``scale = w``:
 
         - ``v = v_c + (w - 1) (v_c - v_u)`` (the pipeline's ``pos + guidance_scale (pos - neg)``);
         - with :attr:`cfg_normalization` ``c > 0``: ``v`` scaled down to norm ``c |v_c|`` (norms over each sample's
-          latents) where it is larger;
-        - with :attr:`cfg_truncation` ``< 1``: ``v = v_c`` for rows whose ``1 - t`` exceeds it.
-
-        Raises:
-            ValueError: if ``guidance_scale < 1``.
+          latents) where it is larger.
         """
-        check_guidance(guidance_scale)
-        dtype = next(self.transformer.parameters()).dtype
-        guided = self._model_time(t) <= self.cfg_truncation  # (N,) bool: the pipeline's truncation test, negated
-        if uncond is None or guidance_scale == 1.0 or not guided.any():
-            return self._forward(x, t, cond, dtype).float()
-        both = ZImagePromptEmbeds(
-            torch.cat([uncond.embeds, cond.embeds]),
-            torch.cat([uncond.pooled, cond.pooled]),
-            torch.cat([uncond.mask, cond.mask]),
-        )
-        v_u, v_c = self._forward(torch.cat([x, x]), torch.cat([t, t]), both, dtype).float().chunk(2)
-        v = v_c + (guidance_scale - 1.0) * (v_c - v_u)
+        v = v_c + (scale - 1.0) * (v_c - v_u)
         if self.cfg_normalization > 0:
             cap = v_c.flatten(1).norm(dim=1) * self.cfg_normalization  # (N,)
             norm = v.flatten(1).norm(dim=1)  # (N,)
             v = v * torch.where(norm > cap, cap / norm, torch.ones_like(norm)).view(-1, *[1] * (v.ndim - 1))
-        return torch.where(guided.view(-1, *[1] * (v.ndim - 1)), v, v_c)
+        return v
 
     @staticmethod
     def _model_time(t: torch.Tensor) -> torch.Tensor:

@@ -159,7 +159,7 @@ def record_reward_metadata(trainer) -> list[dict]:
             seen.extend(metadata)
             return inner(images, prompts, metadata)
 
-    trainer.rewards = trainer.method.rewards = Recording()
+    trainer.rewards = trainer.method.rewards = trainer.scorer.rewards = Recording()
     return seen
 
 

@@ -7,6 +7,7 @@ named. Checks that span fields live in ``__post_init__``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,24 +17,11 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .fields import ConfigError, config_key, setting
+from .fields import SECTIONS, ConfigError, config_key, setting
 from .fields import check as _check
 from .fields import precision_value as _precision
 from .files import REPO_ROOT, resolve_path
-from .methods import (
-    METHODS,
-    SHAPES,
-    AWMConfig,
-    CRDConfig,
-    DGPOConfig,
-    DirectConfig,
-    DPOConfig,
-    FlowDPPOConfig,
-    GARDOConfig,
-    NFTConfig,
-    OfflineConfig,
-    SRPOConfig,
-)
+from .methods import METHODS, SHAPES, NFTConfig
 from .methods.shapes import ProbeConfig, TreeConfig, WindowConfig
 from .precision import PRECISIONS
 from .samplers import KERNEL_SPECS, STOCHASTIC_KERNELS, UNIT_ETA_KERNELS
@@ -155,8 +143,18 @@ class ModelConfig:
         _check(self.vae_placement in ("keep", "cpu"), "model.vae_placement", "keep|cpu", self.vae_placement)
 
 
+def with_sections(base: type, parent: str) -> type:
+    """The config dataclass of ``PARENT.*``: `base`'s own fields, then one field per settings section registered under
+    `parent` (:data:`flowrl.fields.SECTIONS`: a method's ``train.nft``, a rollout shape's ``sampling.window``), so that a
+    method or a shape brings its settings from its own file. `base`'s checks (``__post_init__``) run on the whole."""
+    fields = [(name, cls, setting(factory=cls, help=help)) for name, (cls, help) in SECTIONS[parent].items()]
+    whole = dataclasses.make_dataclass(base.__name__.strip("_").replace("Settings", "Config"), fields, bases=(base,))
+    whole.__module__, whole.__doc__ = __name__, base.__doc__
+    return whole
+
+
 @dataclass
-class SamplingConfig:
+class _SamplingSettings:
     """``sampling.*``: the rollout: schedule, kernel, guidance, group shape and the rollout shape (flat groups with
     an optional MixGRPO window, a BranchGRPO tree or single-step probes: :mod:`flowrl.methods.shapes`)."""
 
@@ -197,9 +195,6 @@ class SamplingConfig:
         "the rollout shape (flowrl.methods.shapes.SHAPES): "
         + _choices({name: shape.summary for name, shape in SHAPES.items()}),
     )
-    window: WindowConfig = setting(factory=WindowConfig, help="MixGRPO's sliding window (flat groups)")
-    tree: TreeConfig = setting(factory=TreeConfig, help="BranchGRPO's tree (shape tree)")
-    probe: ProbeConfig = setting(factory=ProbeConfig, help="single-step probes (shapes tempflow, g2rpo, tp_grpo)")
 
     def __post_init__(self):
         self.decode_precision, self.ode_precision = _precision(self.decode_precision), _precision(self.ode_precision)
@@ -238,6 +233,9 @@ class SamplingConfig:
         _check(self.prompts_per_iteration >= 1, "sampling.prompts_per_iteration", ">= 1", self.prompts_per_iteration)
 
 
+SamplingConfig = with_sections(_SamplingSettings, "sampling")
+
+
 @dataclass
 class RewardConfig:
     """``rewards.NAME.*``: a reward's weight in the weighted sum and the keyword options of its factory."""
@@ -249,26 +247,12 @@ class RewardConfig:
 
 
 @dataclass
-class TrainConfig:
+class _TrainSettings:
     """``train.*``: the objective (GRPO: advantages, PPO clip, KL, GRPO-Guard options; or DiffusionNFT) and AdamW."""
 
     method: str = setting(
         "grpo",
         "the method (flowrl.methods.METHODS): " + _choices({name: m.summary for name, m in METHODS.items()}),
-    )
-    nft: NFTConfig = setting(factory=NFTConfig, help="DiffusionNFT's settings (train.method nft)")
-    flow_dppo: FlowDPPOConfig = setting(factory=FlowDPPOConfig, help="Flow-DPPO's settings (train.method flow_dppo)")
-    dpo: DPOConfig = setting(factory=DPOConfig, help="online Diffusion-DPO's settings (train.method dpo)")
-    dgpo: DGPOConfig = setting(factory=DGPOConfig, help="DGPO's settings (train.method dgpo)")
-    awm: AWMConfig = setting(factory=AWMConfig, help="AWM's settings (train.method awm)")
-    crd: CRDConfig = setting(factory=CRDConfig, help="CRD's settings (train.method crd)")
-    gardo: GARDOConfig = setting(factory=GARDOConfig, help="GARDO's settings (train.method gardo)")
-    direct: DirectConfig = setting(
-        factory=DirectConfig, help="the direct-reward methods' settings (train.method refl, draft, alignprop, srpo)"
-    )
-    srpo: SRPOConfig = setting(factory=SRPOConfig, help="SRPO's Direct-Align settings (train.method srpo)")
-    offline: OfflineConfig = setting(
-        factory=OfflineConfig, help="the data set of the offline methods (train.method dpo_offline, sft)"
     )
     learning_rate: float = setting(3e-4, "AdamW learning rate")
     adam_betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas")
@@ -355,6 +339,9 @@ class TrainConfig:
         )
         _check(0 < self.timestep_fraction <= 1, "train.timestep_fraction", "in (0, 1]", self.timestep_fraction)
         _check(self.optimizer in ("adamw", "adamw_8bit"), "train.optimizer", "adamw|adamw_8bit", self.optimizer)
+
+
+TrainConfig = with_sections(_TrainSettings, "train")
 
 
 @dataclass

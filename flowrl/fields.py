@@ -1,6 +1,7 @@
 """The parts every config section is built from: :class:`ConfigError`, the checks that raise it naming the key,
-:func:`config_key` (turn a ValueError into one), and :func:`setting` (a dataclass field with its help text, which
-``flowrl config`` prints).
+:func:`config_key` (turn a ValueError into one), :func:`setting` (a dataclass field with its help text, which
+``flowrl config`` prints), and :func:`config_section` (a method's or a rollout shape's settings, registered as a
+section of ``train.*`` or ``sampling.*`` from its own file).
 
 Imports nothing of flowrl and nothing heavy, so that the sections can live next to the code they configure (a rollout
 shape's settings in its module, a method's in its file) without import cycles.
@@ -60,3 +61,33 @@ def field_help(cls: type, name: str) -> str:
 def precision_value(value: Any) -> Any:
     """A precision key's value with YAML's reading of a bare ``no`` (false) turned back into ``"no"``."""
     return "no" if value in ("False", "false", "none", False) else value
+
+
+SECTIONS: dict[str, dict[str, tuple[type, str]]] = {"train": {}, "sampling": {}}
+"""The settings sections the methods and rollout shapes bring, by parent: ``SECTIONS["train"]["nft"] = (NFTConfig,
+help)`` is the config's ``train.nft``. :mod:`flowrl.config` makes each a field of ``TrainConfig`` / ``SamplingConfig``
+(:func:`config_section` registers them)."""
+
+
+def config_section(parent: str, name: str, help: str):
+    """Class decorator: register a settings dataclass as the config section ``PARENT.NAME`` (``train.nft``,
+    ``sampling.window``), so that a method or a rollout shape keeps its settings in its own file and the config needs
+    no edit to take them.
+
+    Args:
+        parent (`str`): ``"train"`` (a method's settings) or ``"sampling"`` (a rollout shape's).
+        name (`str`): the section's key. help (`str`): its help text (``flowrl config``).
+
+    Raises:
+        ValueError: (when it decorates) an unknown `parent`, or a section of that name registered already.
+    """
+
+    def register(cls: type) -> type:
+        if parent not in SECTIONS:
+            raise ValueError(f"config section parent {parent!r}: expected one of {sorted(SECTIONS)}")
+        if name in SECTIONS[parent]:
+            raise ValueError(f"config section '{parent}.{name}' is registered already ({SECTIONS[parent][name][0]})")
+        SECTIONS[parent][name] = (cls, help)
+        return cls
+
+    return register

@@ -21,6 +21,7 @@ from families import FAMILIES, TinyFamily, prompt_files
 
 from flowrl.config import ConfigError, load_config
 from flowrl.data import read_jsonl
+from flowrl.methods import METHODS
 from flowrl.models import PromptEmbeds, load_model, model_class
 from flowrl.trainer import Trainer
 
@@ -106,25 +107,46 @@ def test_the_ratio_is_exactly_one_before_the_first_step(family, shape, tmp_path)
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
 
 
-METHODS_2026 = ("awm", "crd", "dgpo", "dpo_online", "flow_dppo", "gardo", "dpo_offline", "sft")
-"""The presets of the methods of 2026 (docs/methods.md): the online ones and the two offline ones."""
-DIRECT = ("refl", "draft", "alignprop", "srpo")
-"""The direct-reward presets: the tiny CLIP score's gradient through the decoder (``frames`` of it for videos)."""
-FORWARD = {"awm", "crd", "dgpo", "dpo_online", "dpo_offline", "sft"}
-"""The methods that train the flow-matching loss on clean samples: the DDPM families refuse them."""
+def _method_presets() -> dict[str, str]:
+    """Every registered method (:data:`flowrl.methods.METHODS`) but those of the families' own runs (GRPO, DiffusionNFT:
+    :attr:`TinyFamily.trains`) -> its preset in configs/: the one of its name, else the only one naming it."""
+    named: dict[str, list[str]] = {}
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        named.setdefault(load_config(path).train.method, []).append(path.stem)
+    own = {load_config(REPO / "configs" / f"{spec.trains}.yaml").train.method for spec in FAMILIES.values()}
+    presets = {}
+    for method in sorted(set(METHODS) - own):
+        choices = named.get(method, [])
+        assert method in choices or len(choices) == 1, f"method {method!r}: presets {choices}; name one after it"
+        presets[method] = method if method in choices else choices[0]
+    return presets
 
 
-def _refusal(spec: TinyFamily, preset: str) -> str | None:
-    """The one-line refusal the family gives the preset (a regular expression), or None where it trains."""
-    if spec.trains == "flow_grpo" and preset in FORWARD:  # the DDPM families
+METHOD_PRESETS = _method_presets()
+"""Each method the suite trains on every family, by its preset (derived from the registry: a new method with its
+preset joins the suite)."""
+FORWARD = {name for name, method in METHODS.items() if "forward_process" in method.requires}
+"""The methods that train the flow-matching loss on clean samples (:attr:`Method.requires`): the DDPM families refuse
+them."""
+OFFLINE = {name for name, method in METHODS.items() if not method.online}
+"""The methods trained on a data set (no rollouts): the families whose latents are the VAE's and whose prompts are text
+alone (:attr:`TinyFamily.offline`) train them, the others refuse them."""
+DIRECT = {name for name, method in METHODS.items() if method.differentiable_reward}
+"""The direct-reward methods: trained on the tiny CLIP score's gradient through the decoder (``frames`` of it for
+videos)."""
+
+
+def _refusal(spec: TinyFamily, method: str) -> str | None:
+    """The one-line refusal the family gives the method (a regular expression), or None where it trains."""
+    if spec.trains == "flow_grpo" and method in FORWARD:  # the DDPM families
         return r"^config key 'train\.method': .* needs a flow-matching model"
-    if preset in ("dpo_offline", "sft") and not spec.offline:
-        return rf"^train\.method '{preset}'.*({spec.adapter} edits source images|{spec.adapter} family's latents are its own)"
+    if method in OFFLINE and not spec.offline:
+        return rf"^train\.method '{method}'.*({spec.adapter} edits source images|{spec.adapter} family's latents are its own)"
     return None
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", METHODS_2026 + DIRECT)
+@pytest.mark.parametrize("preset", sorted(METHOD_PRESETS.values()))
 @pytest.mark.parametrize("family", _params(), indirect=True)
 def test_each_method_trains_two_iterations_or_refuses_in_one_line(family, preset, tmp_path):
     """Every method of 2026 and every direct-reward method through its preset shrunk onto the family (two iterations
@@ -136,18 +158,19 @@ def test_each_method_trains_two_iterations_or_refuses_in_one_line(family, preset
     import math
 
     spec, folder, prompts = family
+    method = load_config(REPO / "configs" / f"{preset}.yaml").train.method
     clip = str(REPO / "assets" / "tiny-clip")
     extra = {"train.offline.batch_size": 4, "train.gardo.auxiliary": "[]", "rewards.clipscore": "null"}
     if spec.video:  # the image rewards of GARDO's preset
         extra["rewards.jpeg_compressibility"] = "null"
-    if preset in DIRECT:  # a differentiable reward alone
+    if method in DIRECT:  # a differentiable reward alone
         extra = {"rewards.jpeg_compressibility": "null", "rewards.clipscore.options.model_path": clip}
         if spec.video:
             extra = {"rewards.clipscore": "null", "rewards.families:brightness": "null", "rewards.frames.weight": 1.0}
             extra.update({"rewards.frames.options.reward": "clipscore", "rewards.frames.options.num_frames": 2})
             extra["rewards.frames.options.reward_options.model_path"] = clip
     config, over = _config(spec, folder, prompts, preset, tmp_path / "run", **extra)
-    refusal = _refusal(spec, preset)
+    refusal = _refusal(spec, method)
     if refusal:
         with pytest.raises((ConfigError, ValueError), match=refusal) as error:
             Trainer(load_config(config, over))
@@ -159,13 +182,13 @@ def test_each_method_trains_two_iterations_or_refuses_in_one_line(family, preset
     assert all(r["policy/optimizer_steps"] > 0 and math.isfinite(r["policy/loss"]) for r in rows)
     assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.policy.params.items())
     first = rows[0]
-    if preset in ("awm", "flow_dppo", "gardo"):
+    if method in ("awm", "flow_dppo", "gardo"):
         assert first["policy/ratio_first_max_dev"] == 0.0
-    if preset == "dgpo":
+    if method == "dgpo":
         assert first["policy/dgpo_objective"] == pytest.approx(math.log(2), abs=1e-6)
-    if preset == "crd":
+    if method == "crd":
         assert first["policy/implicit_reward_first_max"] == 0.0
-    if preset == "dpo_online":
+    if method == "dpo":
         assert first["dpo/pairs"] >= 1
 
 

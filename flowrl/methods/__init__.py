@@ -7,11 +7,15 @@
 ``dpo`` (:class:`DiffusionDPO`, online), ``crd`` (:class:`CRD`); ``gardo`` (:class:`GARDO`: GRPO with a gated,
 resetting KL); the offline ``dpo_offline`` (:class:`OfflineDPO`) and ``sft`` (:class:`SFT`) on a data set; the direct-reward
 ``refl`` (:class:`ReFL`), ``draft`` (:class:`DRaFT`), ``alignprop`` (:class:`AlignProp`) and ``srpo`` (:class:`SRPO`:
-Direct-Align with a semantic relative reward). A new method is a new file
-with a :class:`Method` subclass and its settings, imported here (docs/methods.md "Adding a method").
+Direct-Align with a semantic relative reward). A new method is a new file with a :class:`Method` subclass and its
+settings (:func:`flowrl.fields.config_section`): every module of this package is imported, so nothing here changes
+(docs/methods.md "Extending flowrl").
 """
 
 from __future__ import annotations
+
+import importlib
+import pkgutil
 
 from .awm import AWM, AWMConfig
 from .base import METHODS, FinalSamples, Method, ProbeSamples, Rewards, Samples, SDESamples, register_method
@@ -66,6 +70,9 @@ __all__ = [
     "register_method",
     "register_shape",
 ]
+
+for _module in pkgutil.iter_modules(__path__):  # each method's file registers it (register_method)
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 
 def build_method(cfg, model, policy, rewards) -> Method:

@@ -22,12 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..fields import check, setting
+from ..fields import check, config_section, setting
 from ..losses import ppo_loss
 from .base import FinalSamples, Rewards, register_method
 from .forward import ForwardProcess, flow_matching_error
 
 
+@config_section("train", "awm", "AWM's settings (train.method awm)")
 @dataclass
 class AWMConfig:
     """``train.awm.*``: Advantage Weighted Matching (``train.method: awm``)."""

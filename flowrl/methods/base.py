@@ -183,11 +183,35 @@ class Method:
     :class:`flowrl.methods.forward.ForwardProcess`), ``"vae_inverse"`` (it encodes images into latents: the offline
     methods), ``"text_only"`` (its data rows are text prompts alone: the offline methods). A family lacking one is
     refused in one line before any weight loads (:func:`flowrl.pairing.check_pairing`). Default: nothing."""
+    differentiable_reward = False
+    """Whether the method back-propagates the reward (the direct-reward methods): it then needs rewards with
+    ``score_with_grad``, refused in one line naming the reward otherwise."""
 
     def __init__(self, cfg, model, policy, rewards):
         self.cfg, self.model, self.policy, self.rewards = cfg, model, policy, rewards
         self.accelerator, self.device = policy.accelerator, policy.device
         self.sigmas = model.sigmas(cfg.sampling.num_steps, cfg.sampling.shift)  # (N + 1,) the stock pipeline's grid
+        if self.differentiable_reward:
+            self.check_rewards_differentiable(rewards)
+
+    def check_rewards_differentiable(self, rewards) -> None:
+        """Refuse a weighted reward without ``score_with_grad`` for a method that back-propagates the reward
+        (:attr:`differentiable_reward`); a reward of weight 0 is only logged.
+
+        Raises:
+            ConfigError: naming ``rewards.NAME`` and the differentiable rewards.
+        """
+        from ..fields import ConfigError
+        from ..rewards import REWARDS
+
+        for name, (reward, weight) in rewards.rewards.items():
+            if weight != 0 and not getattr(reward, "differentiable", False):
+                grad = ", ".join(sorted(n for n, f in REWARDS.items() if getattr(f, "differentiable", False)))
+                raise ConfigError(
+                    f"config key 'rewards.{name}': train.method {self.name!r} back-propagates through the reward, and "
+                    f"{name} has no score_with_grad (differentiable: {grad}, and for videos frames over one of them); "
+                    "give it weight 0 to log it only"
+                )
 
     @classmethod
     def check_config(cls, cfg) -> None:

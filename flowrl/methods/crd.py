@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..fields import check, setting
+from ..fields import check, config_section, setting
 from .base import FinalSamples, register_method
 from .forward import ForwardProcess
 
@@ -47,6 +47,7 @@ def _schedule_check(key: str, value) -> None:
     check(ok, key, "[start_step >= 0, start_value in [0, 1], slope >= 0, end_value in [0, 1]]", value)
 
 
+@config_section("train", "crd", "CRD's settings (train.method crd)")
 @dataclass
 class CRDConfig:
     """``train.crd.*``: Centered Reward Distillation (``train.method: crd``)."""

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..fields import check, setting
+from ..fields import check, config_section, setting
 from .base import FinalSamples, register_method
 from .forward import ForwardProcess, flow_matching_error
 
 
+@config_section("train", "dgpo", "DGPO's settings (train.method dgpo)")
 @dataclass
 class DGPOConfig:
     """``train.dgpo.*``: DGPO (``train.method: dgpo``)."""

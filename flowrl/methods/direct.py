@@ -27,11 +27,12 @@ from typing import Optional
 
 import torch
 
-from ..fields import check, setting
+from ..fields import check, config_section, setting
 from .base import Samples, register_method
 from .forward import ForwardProcess
 
 
+@config_section("train", "direct", "the direct-reward methods' settings (train.method refl, draft, alignprop, srpo)")
 @dataclass
 class DirectConfig:
     """``train.direct.*``: ReFL and DRaFT-K (``train.method: refl | draft``)."""
@@ -105,6 +106,7 @@ class DirectReward(ForwardProcess):
 
     requires = ()
     """Nothing of the family: the direct-reward methods sample and decode (they run on the DDPM families too)."""
+    differentiable_reward = True
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -117,20 +119,6 @@ class DirectReward(ForwardProcess):
                 f"config key 'train.direct.lv_samples': DRaFT-LV is train.method 'draft' with grad_steps 1; "
                 f"{cls.name!r} does not read it (set it to 0)"
             )
-
-    def __init__(self, cfg, model, policy, rewards):
-        from ..fields import ConfigError
-        from ..rewards import REWARDS
-
-        super().__init__(cfg, model, policy, rewards)
-        for name, (reward, weight) in rewards.rewards.items():
-            if weight != 0 and not getattr(reward, "differentiable", False):
-                grad = ", ".join(sorted(n for n, f in REWARDS.items() if getattr(f, "differentiable", False)))
-                raise ConfigError(
-                    f"config key 'rewards.{name}': train.method {self.name!r} back-propagates through the reward, and "
-                    f"{name} has no score_with_grad (differentiable: {grad}, and for videos frames over one of them); "
-                    "give it weight 0 to log it only"
-                )
 
     def start_step(self, generator: torch.Generator) -> int:
         """The grid index where the steps with gradient start."""

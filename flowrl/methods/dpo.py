@@ -21,11 +21,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..fields import check, setting
+from ..fields import check, config_section, setting
 from .base import FinalSamples, Rewards, register_method
 from .forward import ForwardProcess, flow_matching_error
 
 
+@config_section("train", "dpo", "online Diffusion-DPO's settings (train.method dpo)")
 @dataclass
 class DPOConfig:
     """``train.dpo.*``: online Diffusion-DPO (``train.method: dpo``)."""

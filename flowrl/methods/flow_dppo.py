@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..fields import check, setting
+from ..fields import check, config_section, setting
 from ..losses import dppo_loss
 from .base import register_method
 from .grpo import GRPO
 
 
+@config_section("train", "flow_dppo", "Flow-DPPO's settings (train.method flow_dppo)")
 @dataclass
 class FlowDPPOConfig:
     """``train.flow_dppo.*``: Flow-DPPO's trust-region mask (``train.method: flow_dppo``)."""

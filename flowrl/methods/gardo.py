@@ -45,13 +45,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..fields import check, config_key, setting
+from ..fields import check, config_key, config_section, setting
 from .base import Rewards, SDESamples, register_method
 from .grpo import GRPO
 
 FEATURES = ("pixels", "dinov3")  # train.gardo.features
 
 
+@config_section("train", "gardo", "GARDO's settings (train.method gardo)")
 @dataclass
 class GARDOConfig:
     """``train.gardo.*``: GARDO (``train.method: gardo``)."""

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..fields import check, setting
+from ..fields import check, config_section, setting
 from ..losses import nft_loss, optimality_weights
 from .base import FinalSamples, Rewards, register_method
 from .forward import ForwardProcess
 
 
+@config_section("train", "nft", "DiffusionNFT's settings (train.method nft)")
 @dataclass
 class NFTConfig:
     """``train.nft.*``: DiffusionNFT (arXiv 2509.16117), used when ``train.method`` is ``nft``."""

@@ -29,12 +29,13 @@ from pathlib import Path
 
 import torch
 
-from ..fields import check, setting
+from ..fields import check, config_section, setting
 from .base import Samples, register_method
 from .dpo import DiffusionDPO
 from .forward import flow_matching_error
 
 
+@config_section("train", "offline", "the data set of the offline methods (train.method dpo_offline, sft)")
 @dataclass
 class OfflineConfig:
     """``train.offline.*``: the data set of ``train.method: dpo_offline`` and ``sft``."""

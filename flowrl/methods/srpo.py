@@ -34,11 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..fields import check, setting
+from ..fields import check, config_section, setting
 from .base import register_method
 from .direct import DirectReward
 
 
+@config_section("train", "srpo", "SRPO's Direct-Align settings (train.method srpo)")
 @dataclass
 class SRPOConfig:
     """``train.srpo.*``: SRPO's Direct-Align and semantic relative preference (``train.method: srpo``)."""

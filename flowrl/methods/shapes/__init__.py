@@ -1,7 +1,10 @@
 """The rollout shapes of the GRPO family, by ``sampling.shape`` (:data:`SHAPES`): ``flat`` (with MixGRPO's window),
 ``tree`` (BranchGRPO), ``tempflow``, ``g2rpo`` and ``tp_grpo`` (single-step branching). Each is a class with its
 ``rollout`` and ``advantages`` and its settings beside it (:mod:`.base` has the contract; docs/methods.md "Adding a
-rollout shape")."""
+rollout shape"). Every module of this package is imported: a new shape's file registers it (register_shape)."""
+
+import importlib
+import pkgutil
 
 from .base import SHAPES, RolloutShape, register_shape, step_subset
 from .flat import FlatShape, WindowConfig
@@ -23,3 +26,6 @@ __all__ = [
     "register_shape",
     "step_subset",
 ]
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")

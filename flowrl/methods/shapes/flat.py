@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...fields import check, setting
+from ...fields import check, config_section, setting
 from ...samplers import (
     WINDOW_SCHEDULES,
     SlidingWindow,
@@ -24,6 +24,7 @@ from ..base import Rewards, SDESamples
 from .base import RolloutShape, register_shape
 
 
+@config_section("sampling", "window", "MixGRPO's sliding window (flat groups)")
 @dataclass
 class WindowConfig:
     """``sampling.window.*``: MixGRPO (arXiv 2507.21802): SDE and training on a sliding window of steps, ODE

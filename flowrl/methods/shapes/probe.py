@@ -13,12 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from ...advantages import process_advantages, sum_by_node, turning_point_rewards
-from ...fields import check, setting
+from ...fields import check, config_section, setting
 from ...samplers import Probes, StepPlan, sample_probes, start_latents
 from ..base import ProbeSamples, Rewards
 from .base import RolloutShape, register_shape
 
 
+@config_section("sampling", "probe", "single-step probes (shapes tempflow, g2rpo, tp_grpo)")
 @dataclass
 class ProbeConfig:
     """``sampling.probe.*``: the probes of ``sampling.shape`` ``tempflow``, ``g2rpo`` and ``tp_grpo``."""

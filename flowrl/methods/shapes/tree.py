@@ -12,12 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from ...advantages import depthwise_advantages, group_advantages, tree_node_rewards, width_prune
-from ...fields import check, setting
+from ...fields import check, config_section, setting
 from ...samplers import leaf_incidence, mix_plan, sample_tree, start_latents
 from ..base import Rewards, SDESamples
 from .base import RolloutShape, register_shape
 
 
+@config_section("sampling", "tree", "BranchGRPO's tree (shape tree)")
 @dataclass
 class TreeConfig:
     """``sampling.tree.*``: BranchGRPO (arXiv 2509.06040) trees, used with ``sampling.shape: tree``."""

@@ -183,6 +183,15 @@ def expand_per_tag(metas: list[dict], images_per_tag: int) -> list[dict]:
     return out
 
 
+def _draw(model, metas: list[dict], idx: list[int], seed: int, num_steps, guidance_scale, shift, batch_size):
+    """:func:`generate` for the records ``metas[i]``, ``i`` in `idx`, each with the seed ``seed + i`` (so an image is the
+    same whichever process or batch draws it): images `(len(idx), 3, H, W)` (videos `(len(idx), F, 3, H, W)`)."""
+    rows = [metas[i] for i in idx]
+    return generate(
+        model, [m["prompt"] for m in rows], [seed + i for i in idx], num_steps, guidance_scale, shift, batch_size, rows
+    )
+
+
 def evaluate(
     model: FlowModel,
     metas: list[dict],
@@ -235,16 +244,7 @@ def evaluate(
 
     def draw_and_judge(idx: list[int]) -> torch.Tensor:  # (len(idx), 2): strict, dense
         nonlocal images
-        images = generate(
-            model,
-            [prompts[i] for i in idx],
-            [seed + i for i in idx],
-            num_steps,
-            guidance_scale,
-            shift,
-            batch_size,
-            [metas[i] for i in idx],
-        )
+        images = _draw(model, metas, idx, seed, num_steps, guidance_scale, shift, batch_size)
         strict, dense = reader.judge(images, [prompts[i] for i in idx], [metas[i] for i in idx])  # one detection pass
         return torch.stack([strict.float(), dense.float()], dim=1)
 
@@ -322,16 +322,7 @@ def evaluate_reward(
     names = []
 
     def score(idx: list[int]) -> torch.Tensor:  # (len(idx), 1 + rewards): total, then each reward
-        images = generate(
-            model,
-            [prompts[i] for i in idx],
-            [seed + i for i in idx],
-            num_steps,
-            guidance_scale,
-            shift,
-            batch_size,
-            [metas[i] for i in idx],
-        )
+        images = _draw(model, metas, idx, seed, num_steps, guidance_scale, shift, batch_size)
         scores = reward(images, [prompts[i] for i in idx], [metas[i] for i in idx])
         names[:] = list(scores.per_reward)
         return torch.stack([scores.total.float(), *(v.float() for v in scores.per_reward.values())], dim=1)

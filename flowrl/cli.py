@@ -9,9 +9,9 @@ import os
 import sys
 from pathlib import Path
 
-from .config import load_config, resolve_path
 from .data import prompt_file, read_jsonl
-from .files import RunFolderInUse, atomic_output, check_model_folder, probe_output, write_text_atomic
+from .deferred import defer
+from .files import RunFolderInUse, atomic_output, check_model_folder, probe_output, resolve_path, write_text_atomic
 
 USER_ERRORS = (
     ValueError,
@@ -31,10 +31,10 @@ USER_ERRORS = (
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """:data:`USER_ERRORS` with :class:`rewards.RewardError` (a reward raised) and :class:`rewards.RewardTypeError`
-    (a reward spec, option or score of the wrong type); imported only when needed (``rewards`` imports torch)."""
-    from .rewards import RewardError, RewardTypeError
-
-    return USER_ERRORS + (RewardError, RewardTypeError)
+    (a reward spec, option or score of the wrong type) once the rewards are imported: before that no reward can have
+    raised, and importing them (they import torch) only to name their errors would cost seconds."""
+    base = sys.modules.get("flowrl.rewards.base")
+    return USER_ERRORS + ((base.RewardError, base.RewardTypeError) if base is not None else ())
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
@@ -80,9 +80,11 @@ def _model(args):
 
 def cmd_train(args) -> dict:
     """``flowrl train CONFIG [key=value ...]``: run the job; returns :meth:`Trainer.train`'s result."""
+    from .config import load_config
+
+    config = load_config(args.config, args.overrides)  # before torch loads: a bad key is refused at once
     from .trainer import Trainer
 
-    config = load_config(args.config, args.overrides)
     trainer = Trainer(config)
     result = trainer.train()
     b, a = result["before"], result["after"]
@@ -106,7 +108,7 @@ def cmd_train(args) -> dict:
 def cmd_config(args) -> list[dict]:
     """``flowrl config [CONFIG] [key=value ...]``: every config key with its type, value (the preset's, or the
     default), default and help (:func:`flowrl.config.describe`); ``--json`` writes them as JSON instead."""
-    from .config import describe, format_description, format_shipped_configs, shipped_configs
+    from .config import describe, format_description, format_shipped_configs, load_config, shipped_configs
 
     if args.list:
         shipped = shipped_configs()
@@ -123,9 +125,14 @@ def cmd_memory(args) -> dict:
     """``flowrl memory CONFIG [key=value ...] --processes N``: print the run's trained weight count and the memory its
     trained weights, gradients and AdamW state take per process under each engine (:func:`flowrl.plan.memory_plan`);
     reads no weights. Returns the plan (bytes)."""
+    from .config import load_config
+
+    config = load_config(args.config, args.overrides)
+    if args.json:
+        probe_output(args.json, "--json")  # before the work, not after it
     from .plan import format_plan, memory_plan
 
-    plan = memory_plan(load_config(args.config, args.overrides), args.processes)
+    plan = memory_plan(config, args.processes)
     print(format_plan(plan))
     if args.json:
         write_text_atomic(args.json, json.dumps(plan, indent=1))
@@ -145,9 +152,6 @@ def cmd_eval(args) -> dict:
     std and per-tag means of each named reward (:func:`_eval_rewards`), written as JSON."""
     if args.reward is not None:
         return _eval_rewards(args)
-    from .evaluation import evaluate
-    from .precision import autocast
-
     if args.option:
         raise ValueError("--option sets a reward's option; give the reward with --reward NAME")
     if args.images_per_prompt is not None:
@@ -162,6 +166,9 @@ def cmd_eval(args) -> dict:
             "the GenEval accuracy needs it: score plain prompts with --reward NAME"
         )
     probe_output(args.out, "--out", (".json",))  # before the work, not after it
+    from .evaluation import evaluate
+    from .precision import autocast
+
     accelerator = _eval_accelerator(args)
     model = _model(args)
     images_per_tag = 64 if args.images_per_tag is None else args.images_per_tag
@@ -241,11 +248,9 @@ def _eval_rewards(args) -> dict:
     """``flowrl eval --reward``: ``--images-per-prompt`` ODE samples of every prompt of a prompt file (any
     :func:`flowrl.prompt_sets.read_prompt_set` format), scored by each reward (weight 1, unsummed); writes and
     returns ``{"rewards": {name: {"mean", "std", "per_tag", "n_images", "options"}}, ...}``
-    (:func:`flowrl.evaluation.evaluate_reward`)."""
-    from .evaluation import evaluate_reward
-    from .precision import autocast
+    (:func:`flowrl.evaluation.evaluate_reward`). The reward names are checked when the rewards are built, after the
+    other checks: the reward registry imports torch."""
     from .prompt_sets import read_prompt_set
-    from .rewards import WeightedSum, build_reward
 
     if args.images_per_tag is not None:
         raise ValueError(
@@ -255,6 +260,10 @@ def _eval_rewards(args) -> dict:
     options = _reward_options(specs, args.option)
     metas = read_prompt_set(args.prompts, args.format)
     probe_output(args.out, "--out", (".json",))  # before the work, not after it
+    from .evaluation import evaluate_reward
+    from .precision import autocast
+    from .rewards import WeightedSum, build_reward
+
     reward = WeightedSum({spec: (build_reward(spec, **options[spec]), 1.0) for spec in specs})
     accelerator = _eval_accelerator(args)
     model = _model(args)
@@ -302,12 +311,12 @@ def _eval_rewards(args) -> dict:
 
 def cmd_sample(args) -> None:
     """``flowrl sample``: ``-n`` images of one prompt (ODE, fixed seeds) saved as one grid PNG."""
+    probe_output(args.out, "--out", IMAGE_SUFFIXES)  # before the work, not after it
     from torchvision.utils import save_image
 
     from .evaluation import generate
     from .precision import autocast
 
-    probe_output(args.out, "--out", IMAGE_SUFFIXES)  # before the work, not after it
     model = _model(args)
     with autocast(model.device, args.bf16, "--bf16"):
         images = generate(
@@ -333,8 +342,6 @@ def cmd_sample(args) -> None:
 def cmd_generate(args) -> int:
     """``flowrl generate``: ``-n`` images per prompt of a prompt file (GenEval jsonl, DrawBench csv, PartiPrompts tsv,
     HPDv2 json, txt) in GenEval's folder layout or flat (:func:`flowrl.image_folders.generate_folder`)."""
-    from .image_folders import generate_folder
-    from .precision import autocast
     from .prompt_sets import read_prompt_set
 
     metas = read_prompt_set(args.prompts, args.format)
@@ -344,6 +351,9 @@ def cmd_generate(args) -> int:
             f"--out {out} exists and is not an empty folder; a benchmark folder must hold only "
             "this run's images (GenEval's script reads every numbered subfolder)"
         )
+    from .image_folders import generate_folder
+    from .precision import autocast
+
     accelerator = None
     if (
         int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -399,10 +409,8 @@ def _options(pairs: list[str] | None) -> dict:
 def cmd_score(args) -> dict:
     """``flowrl score``: score a folder of images with a named reward; per-image rows to ``--out``, mean printed
     (:func:`flowrl.image_folders.score_records`)."""
-    from .evaluation import summarize
     from .image_folders import read_image_folder, score_records, write_scores
     from .prompt_sets import read_prompt_set
-    from .rewards import build_reward
 
     prompts = read_prompt_set(args.prompts, args.format) if args.prompts else None
     records = read_image_folder(args.paths, prompts)
@@ -414,9 +422,13 @@ def cmd_score(args) -> dict:
             "prompt-dependent reward)",
             file=sys.stderr,
         )
-    reward = build_reward(args.reward, **_options(args.option))
+    options = _options(args.option)
+    from .evaluation import summarize
+    from .rewards import build_reward
+
+    reward = build_reward(args.reward, **options)
     scores = score_records(reward, records, args.batch_size)
-    summary = {"reward": args.reward, "options": _options(args.option), **summarize(records, scores)}
+    summary = {"reward": args.reward, "options": options, **summarize(records, scores)}
     if args.out:
         write_scores(records, scores, args.out)
     tags = "".join(f"\n  {tag}: {mean:.4f}" for tag, mean in summary["per_tag"].items())
@@ -430,6 +442,7 @@ def cmd_score(args) -> dict:
 
 def cmd_serve_reward(args) -> None:
     """``flowrl serve-reward NAME``: serve a reward over HTTP until Ctrl-C (:func:`rewards.serve`)."""
+    options = _options(args.option)
     from .rewards import serve
 
     serve(
@@ -439,7 +452,7 @@ def cmd_serve_reward(args) -> None:
         batch_size=args.batch_size,
         workers=args.workers,
         max_queue=args.max_queue,
-        **_options(args.option),
+        **options,
     )
 
 
@@ -550,14 +563,18 @@ def _non_empty(text: str) -> str:
 
 
 def _device(text: str) -> str:
-    """An argparse ``type`` for ``--device``: ``auto`` or a torch device name (``cpu``, ``cuda``, ``cuda:1``)."""
+    """An argparse ``type`` for ``--device``: ``auto`` or a torch device name (``cpu``, ``cuda``, ``cuda:1``). The
+    common names are read without torch; any other is asked of ``torch.device`` (which loads torch)."""
+    import re
+
+    if text == "auto" or re.fullmatch(r"(cpu|cuda|mps)(:(0|[1-9][0-9]*))?", text):
+        return text
     import torch
 
-    if text != "auto":
-        try:
-            torch.device(text)
-        except RuntimeError:
-            raise argparse.ArgumentTypeError(f"must be auto, cpu or cuda[:N], got {text!r}") from None
+    try:
+        torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"must be auto, cpu or cuda[:N], got {text!r}") from None
     return text
 
 
@@ -575,12 +592,18 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="T5 tokens (default: SD3 256 with a T5 encoder, 0 without one as the tiny model; FLUX 512)",
     )
-    p.add_argument("--resolution", type=_at_least(1), default=None, help="image side in px (default: the model's)")
+    p.add_argument(
+        "--resolution",
+        type=_at_least(1),
+        default=None,
+        help="image side in px (default: the model's own: the size a flowrl-built folder was trained at, from its "
+        "build.json, 32 for assets/tiny-wan; else the family's, e.g. 1024 for SD3.5-Medium, 480 for Wan)",
+    )
     p.add_argument(
         "--num-frames",
         type=_at_least(1),
         default=None,
-        help="frames per video, video models only (Wan: 4k+1; default: the model's, 81 for Wan)",
+        help="frames per video, video models only (Wan: 4k+1; default: the model's, 9 for assets/tiny-wan, 81 for Wan)",
     )
     p.add_argument("--num-steps", type=_at_least(1), default=20, help="Euler ODE steps")
     p.add_argument(
@@ -853,9 +876,9 @@ def _machine_error(error: BaseException) -> str | None:
     (an ``OSError``, or a safetensors write that says so), naming the file where the error does; None otherwise."""
     import errno
 
-    from .checkpoint import DiskFullError
-
-    if isinstance(error, DiskFullError):  # a run's full disk: its message names the checkpoint to resume from
+    # a run's full disk: its message names the checkpoint to resume from (not imported: no checkpoint was written)
+    checkpoint = sys.modules.get("flowrl.checkpoint")
+    if checkpoint is not None and isinstance(error, checkpoint.DiskFullError):
         return str(error)
     codes = {errno.EROFS: "the file system is read-only", errno.ENOSPC: "no space left on the device"}
     codes[errno.EDQUOT] = "the disk quota is exceeded"
@@ -890,7 +913,12 @@ def _run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     """The ``flowrl`` command. Bad input (config key, file, reward, preset) exits with status 2 and a
     one-line ``flowrl COMMAND: error: ...`` on stderr instead of a traceback; no command prints the usage (the
-    commands) on stderr and exits with status 2."""
+    commands) on stderr and exits with status 2.
+
+    torch and numpy, if not imported yet, are deferred (:func:`flowrl.deferred.defer`): they load when first used,
+    after the command has checked its arguments, config, prompt file and output path, so that bad input is refused
+    in a fraction of the second torch takes to import, and ``--help`` never loads it."""
+    defer("torch", "numpy")
     parser = _parser()
     if not (sys.argv[1:] if argv is None else argv):
         parser.print_help(sys.stderr)

@@ -84,8 +84,14 @@ class ModelConfig:
     dtype: str = setting(
         "float32", "the frozen parts' dtype: float32 | bfloat16 | float16 (the trained network is float32 on a CPU)"
     )
-    resolution: Optional[int] = setting(None, "image side in px for rollouts and evaluation (null: the model's)")
-    num_frames: Optional[int] = setting(None, "video models: frames per video, 4k+1 for Wan (null: the model's, 81)")
+    resolution: Optional[int] = setting(
+        None,
+        "image side in px for rollouts and evaluation (null: the model's own; a flowrl-built folder's trained size "
+        "from its build.json, 32 for assets/tiny-wan)",
+    )
+    num_frames: Optional[int] = setting(
+        None, "video models: frames per video, 4k+1 for Wan (null: the model's, 81; 9 for assets/tiny-wan)"
+    )
     expert: Optional[str] = setting(
         None, "two-expert Wan 2.2: the trained one, high | low (null for every other model)"
     )

@@ -17,7 +17,6 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 _RULE = re.compile(r"^\s*([\w/.\-]+)\s*(<=|>=|<|>)\s*([-+0-9.eE]+)\s*(?:for\s+(\d+))?\s*$")
 
@@ -91,7 +90,7 @@ def group_diversity(embeddings: torch.Tensor, group: torch.Tensor) -> torch.Tens
     Returns:
         `torch.Tensor` of shape `(n,)`, float64, in [0, 2], one per group with at least two images (id order).
     """
-    e = F.normalize(embeddings.double(), dim=1)
+    e = torch.nn.functional.normalize(embeddings.double(), dim=1)
     out = []
     for g in group.unique():
         rows = e[group == g]
@@ -119,10 +118,10 @@ class DiversityProbe:
 
         self.clip = clipscore(model_path, device=device)
 
-    @torch.no_grad()
     def __call__(self, images: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
         """Per-group diversity `(n,)` float64 of `(B, 3, H, W)` images in [0, 1] (videos `(B, F, 3, H, W)`: their
         middle frames) grouped by `group` `(B,)`."""
         if images.ndim == 5:
             images = images[:, images.shape[1] // 2]
-        return group_diversity(self.clip.image_embeddings(images).cpu(), group.cpu())
+        with torch.no_grad():
+            return group_diversity(self.clip.image_embeddings(images).cpu(), group.cpu())

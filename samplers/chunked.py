@@ -22,7 +22,6 @@ from .rollout import Rollout, StepPlan, VelocityFn, sample
 __all__ = ["cat_flat_rollouts", "sample_in_chunks"]
 
 
-@torch.no_grad()
 def sample_in_chunks(
     velocity_fn: VelocityFn,
     noise: torch.Tensor,
@@ -58,24 +57,27 @@ def sample_in_chunks(
     Raises:
         ValueError: `size < 1`, or as :func:`sample`.
     """
-    if size < 1:
-        raise ValueError(f"size must be >= 1 rows per chunk; got {size}")
-    batch = noise.shape[0]
-    device = generator.device if generator is not None else noise.device
-    step_noise = [  # sample()'s draws, in its order: one (B, C, H, W) eps per stochastic step
-        torch.randn(noise.shape, generator=generator, device=device, dtype=torch.float32)
-        if kernel in STOCHASTIC_KERNELS
-        else None
-        for kernel in plan.kernels
-    ]
-    parts = []
-    for start in range(0, batch, size):
-        rows = slice(start, min(start + size, batch))
-        eps = [None if n is None else n[rows] for n in step_noise]
-        part = sample(velocity_fn, noise[rows], cond[rows], group[rows], sigmas, plan, generator, ode_velocity_fn, eps)
-        on_chunk(rows, part.final)
-        parts.append(part)
-    return cat_flat_rollouts(parts)
+    with torch.no_grad():
+        if size < 1:
+            raise ValueError(f"size must be >= 1 rows per chunk; got {size}")
+        batch = noise.shape[0]
+        device = generator.device if generator is not None else noise.device
+        step_noise = [  # sample()'s draws, in its order: one (B, C, H, W) eps per stochastic step
+            torch.randn(noise.shape, generator=generator, device=device, dtype=torch.float32)
+            if kernel in STOCHASTIC_KERNELS
+            else None
+            for kernel in plan.kernels
+        ]
+        parts = []
+        for start in range(0, batch, size):
+            rows = slice(start, min(start + size, batch))
+            eps = [None if n is None else n[rows] for n in step_noise]
+            part = sample(
+                velocity_fn, noise[rows], cond[rows], group[rows], sigmas, plan, generator, ode_velocity_fn, eps
+            )
+            on_chunk(rows, part.final)
+            parts.append(part)
+        return cat_flat_rollouts(parts)
 
 
 def cat_flat_rollouts(parts: list[Rollout]) -> Rollout:

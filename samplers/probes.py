@@ -319,7 +319,6 @@ class _ProbeRun:
         return ProbeRollout(rollout, found.x, found.root, found.step, found.child, found.g, found.node, cost)
 
 
-@torch.no_grad()
 def sample_probes(
     velocity_fn: VelocityFn,
     noise: torch.Tensor,
@@ -358,14 +357,15 @@ def sample_probes(
             multistep kernel such as DPM-Solver++), or bad shapes (as :func:`samplers.sample`).
         TypeError: `options` beside a :class:`Probes`, or an option :class:`Probes` has no field for.
     """
-    if isinstance(probes, Probes) and options:
-        raise TypeError(
-            f"sample_probes: give the probe settings in probes or as keywords, not both; got {sorted(options)}"
-        )
-    spec = probes if isinstance(probes, Probes) else Probes(tuple(probes), **options)
-    _check_sample_inputs(noise, cond, group, sigmas, plan)
-    spec.check_plan(plan)
-    run = _ProbeRun((velocity_fn, ode_velocity_fn), noise, cond, sigmas, plan, spec, generator)
-    for j in range(plan.num_steps):
-        run.step(j)
-    return run.result(group)
+    with torch.no_grad():
+        if isinstance(probes, Probes) and options:
+            raise TypeError(
+                f"sample_probes: give the probe settings in probes or as keywords, not both; got {sorted(options)}"
+            )
+        spec = probes if isinstance(probes, Probes) else Probes(tuple(probes), **options)
+        _check_sample_inputs(noise, cond, group, sigmas, plan)
+        spec.check_plan(plan)
+        run = _ProbeRun((velocity_fn, ode_velocity_fn), noise, cond, sigmas, plan, spec, generator)
+        for j in range(plan.num_steps):
+            run.step(j)
+        return run.result(group)

@@ -528,7 +528,6 @@ class TransitionBuffer:
         )
 
 
-@torch.no_grad()
 def sample(
     velocity_fn: VelocityFn,
     noise: torch.Tensor,
@@ -568,32 +567,35 @@ def sample(
         ValueError: if a shape or dtype is wrong, `sigmas` is not decreasing in `[0, 1]`, `step_noise` is not one
             entry per step, or `velocity_fn` returns a tensor of the wrong shape.
     """
-    _check_sample_inputs(noise, cond, group, sigmas, plan)
-    if step_noise is not None and len(step_noise) != plan.num_steps:
-        raise ValueError(f"step_noise has {len(step_noise)} entries for a {plan.num_steps}-step plan")
-    batch = noise.shape[0]
-    x = noise.float()
-    sigmas = sigmas.to(device=x.device, dtype=torch.float32)
-    cond, group = cond.to(x.device), group.to(x.device)
-    buffer = TransitionBuffer(sigmas, tuple(dict.fromkeys(plan.kernels)))
-    leaves, last = torch.arange(batch, device=x.device), torch.full_like(cond, -1)  # (B,), (B,)
-    prev_x0, prev_sigma = None, None
-    for k in range(plan.num_steps):
-        kernel = plan.kernels[k]
-        velocity = _step_policy(kernel, velocity_fn, ode_velocity_fn)(x, sigmas[k].expand(batch).contiguous(), cond)
-        if velocity.shape != x.shape:
-            raise ValueError(f"velocity_fn returned shape {tuple(velocity.shape)}; expected {tuple(x.shape)}")
-        noise_k = None if step_noise is None else step_noise[k]
-        out = plan_step(plan, k, x, velocity, sigmas, prev_x0, prev_sigma, generator, noise_k)
-        # history of the multistep kernels; after an SDE window it is the window's last x0_hat, so the first
-        # DPM-Solver++ step is second order, as in MixGRPO's code (its x0 history is updated on SDE steps too)
-        prev_x0, prev_sigma = x - sigmas[k] * velocity.float(), sigmas[k]
-        if kernel in STOCHASTIC_KERNELS:
-            last = buffer.append(
-                x, out, k, kernel, plan.noise_levels[k], plan.trained[k], parent=last, leaf=leaves, cond=cond
-            )  # (B,)
-        x = out.prev_sample
-    return buffer.to_rollout(x, cond, group, last, nfe=plan.num_steps * batch)
+    with torch.no_grad():
+        _check_sample_inputs(noise, cond, group, sigmas, plan)
+        if step_noise is not None and len(step_noise) != plan.num_steps:
+            raise ValueError(f"step_noise has {len(step_noise)} entries for a {plan.num_steps}-step plan")
+        batch = noise.shape[0]
+        x = noise.float()
+        sigmas = sigmas.to(device=x.device, dtype=torch.float32)
+        cond, group = cond.to(x.device), group.to(x.device)
+        buffer = TransitionBuffer(sigmas, tuple(dict.fromkeys(plan.kernels)))
+        leaves, last = torch.arange(batch, device=x.device), torch.full_like(cond, -1)  # (B,), (B,)
+        prev_x0, prev_sigma = None, None
+        for k in range(plan.num_steps):
+            kernel = plan.kernels[k]
+            velocity = _step_policy(kernel, velocity_fn, ode_velocity_fn)(
+                x, sigmas[k].expand(batch).contiguous(), cond
+            )
+            if velocity.shape != x.shape:
+                raise ValueError(f"velocity_fn returned shape {tuple(velocity.shape)}; expected {tuple(x.shape)}")
+            noise_k = None if step_noise is None else step_noise[k]
+            out = plan_step(plan, k, x, velocity, sigmas, prev_x0, prev_sigma, generator, noise_k)
+            # history of the multistep kernels; after an SDE window it is the window's last x0_hat, so the first
+            # DPM-Solver++ step is second order, as in MixGRPO's code (its x0 history is updated on SDE steps too)
+            prev_x0, prev_sigma = x - sigmas[k] * velocity.float(), sigmas[k]
+            if kernel in STOCHASTIC_KERNELS:
+                last = buffer.append(
+                    x, out, k, kernel, plan.noise_levels[k], plan.trained[k], parent=last, leaf=leaves, cond=cond
+                )  # (B,)
+            x = out.prev_sample
+        return buffer.to_rollout(x, cond, group, last, nfe=plan.num_steps * batch)
 
 
 def ode_sample(

@@ -46,7 +46,6 @@ def _check_branch(plan: StepPlan, branch: list[int], sigmas: torch.Tensor) -> No
             )
 
 
-@torch.no_grad()
 def sample_tree(
     velocity_fn: VelocityFn,
     noise: torch.Tensor,
@@ -93,45 +92,48 @@ def sample_tree(
         ValueError: bad shapes (as :func:`samplers.sample`), a `branch` of the wrong length, a factor
             `< 1`, or a split at a deterministic step or at a ``"cps"`` step onto ``t' = 0``.
     """
-    _check_sample_inputs(noise, cond, group, sigmas, plan)
-    _check_branch(plan, branch, sigmas)
-    x = noise.float()
-    device = x.device
-    sigmas = sigmas.to(device=device, dtype=torch.float32)
-    cond, group = cond.to(device), group.to(device)
-    last = torch.full_like(cond, -1)  # (F,) node id of the last stored transition on each frontier path
-    depth = torch.zeros_like(cond)  # (F,)
-    buffer = TransitionBuffer(sigmas, tuple(dict.fromkeys(plan.kernels)))
-    below = _leaves_below(branch)
-    nfe, prev_x0, prev_sigma = 0, None, None
-    for k in range(plan.num_steps):
-        kernel = plan.kernels[k]
-        velocity = _frontier_velocity(_step_policy(kernel, velocity_fn, ode_velocity_fn), x, sigmas[k], cond, batched)
-        nfe += x.shape[0]
-        b = branch[k]
-        if b > 1:
-            x, velocity, cond, group, last = (z.repeat_interleave(b, 0) for z in (x, velocity, cond, group, last))
-            depth = depth.repeat_interleave(b, 0) + 1
-            if prev_x0 is not None:
-                prev_x0 = prev_x0.repeat_interleave(b, 0)
-        out = plan_step(plan, k, x, velocity, sigmas, prev_x0, prev_sigma, generator)
-        prev_x0, prev_sigma = x - sigmas[k] * velocity, sigmas[k]
-        if kernel in STOCHASTIC_KERNELS:
-            leaf = torch.arange(x.shape[0], device=device) * below[k]  # (F,) the first leaf below each node
-            last = buffer.append(
-                x,
-                out,
-                k,
-                kernel,
-                plan.noise_levels[k],
-                plan.trained[k],
-                parent=last,
-                leaf=leaf,
-                cond=cond,
-                depth=depth,
-            )  # (F,) the new nodes' ids
-        x = out.prev_sample
-    return buffer.to_rollout(x, cond, group, last, nfe)
+    with torch.no_grad():
+        _check_sample_inputs(noise, cond, group, sigmas, plan)
+        _check_branch(plan, branch, sigmas)
+        x = noise.float()
+        device = x.device
+        sigmas = sigmas.to(device=device, dtype=torch.float32)
+        cond, group = cond.to(device), group.to(device)
+        last = torch.full_like(cond, -1)  # (F,) node id of the last stored transition on each frontier path
+        depth = torch.zeros_like(cond)  # (F,)
+        buffer = TransitionBuffer(sigmas, tuple(dict.fromkeys(plan.kernels)))
+        below = _leaves_below(branch)
+        nfe, prev_x0, prev_sigma = 0, None, None
+        for k in range(plan.num_steps):
+            kernel = plan.kernels[k]
+            velocity = _frontier_velocity(
+                _step_policy(kernel, velocity_fn, ode_velocity_fn), x, sigmas[k], cond, batched
+            )
+            nfe += x.shape[0]
+            b = branch[k]
+            if b > 1:
+                x, velocity, cond, group, last = (z.repeat_interleave(b, 0) for z in (x, velocity, cond, group, last))
+                depth = depth.repeat_interleave(b, 0) + 1
+                if prev_x0 is not None:
+                    prev_x0 = prev_x0.repeat_interleave(b, 0)
+            out = plan_step(plan, k, x, velocity, sigmas, prev_x0, prev_sigma, generator)
+            prev_x0, prev_sigma = x - sigmas[k] * velocity, sigmas[k]
+            if kernel in STOCHASTIC_KERNELS:
+                leaf = torch.arange(x.shape[0], device=device) * below[k]  # (F,) the first leaf below each node
+                last = buffer.append(
+                    x,
+                    out,
+                    k,
+                    kernel,
+                    plan.noise_levels[k],
+                    plan.trained[k],
+                    parent=last,
+                    leaf=leaf,
+                    cond=cond,
+                    depth=depth,
+                )  # (F,) the new nodes' ids
+            x = out.prev_sample
+        return buffer.to_rollout(x, cond, group, last, nfe)
 
 
 def _frontier_velocity(

@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..fields import check, config_section, setting
 from .base import FinalSamples, Rewards, register_method
@@ -70,7 +69,7 @@ def dpo_loss(
         `torch.Tensor` of shape `(P,)`: ``log 2`` where the policy's errors equal the reference's.
     """
     inside = -0.5 * beta * ((err_w - ref_err_w) - (err_l - ref_err_l))
-    return -F.logsigmoid(inside)
+    return -torch.nn.functional.logsigmoid(inside)
 
 
 @register_method("dpo", "online Diffusion-DPO on each group's best and worst")

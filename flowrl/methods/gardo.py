@@ -43,7 +43,6 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..fields import check, config_key, config_section, setting
 from .base import Rewards, SDESamples, register_method
@@ -187,7 +186,9 @@ def dinov3_pixels(images: torch.Tensor, size: int = DINOV3_SIZE) -> torch.Tensor
     long = int(size * max(h, w) / min(h, w))
     new_h, new_w = (long, size) if w <= h else (size, long)
     if (new_h, new_w) != (h, w):
-        x = F.interpolate(x, size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True)
+        x = torch.nn.functional.interpolate(
+            x, size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True
+        )
     top, left = int(round((new_h - size) / 2.0)), int(round((new_w - size) / 2.0))
     x = x[..., top : top + size, left : left + size]  # (N, 3, size, size)
     mean, std = x.new_tensor(IMAGENET_MEAN).view(1, 3, 1, 1), x.new_tensor(IMAGENET_STD).view(1, 3, 1, 1)
@@ -245,18 +246,18 @@ class DINOv3Features:
         self.model = model.eval().requires_grad_(False).to(self.device)
         self.prefix = 1 + int(model.config.num_register_tokens)  # CLS, then the registers, then the patches
 
-    @torch.no_grad()
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
         """Features of `(B, 3, H, W)` images, or of each frame of `(B, F, 3, H, W)` videos concatenated; floating in
         [0, 1]. Returns `(B, D)` or `(B, F * D)` float32 on the CPU."""
-        x = images.flatten(0, 1) if images.ndim == 5 else images  # (B', 3, H, W)
-        out = []
-        for c in range(0, len(x), self.batch_size):
-            pixels = dinov3_pixels(x[c : c + self.batch_size].to(self.device))  # (n, 3, 256, 256)
-            with torch.autocast(self.device.type, enabled=False):
-                hidden = self.model(pixel_values=pixels).last_hidden_state  # (n, 1 + R + P, D)
-            out.append(hidden[:, self.prefix :].float().mean(1).cpu())  # (n, D)
-        return torch.cat(out).reshape(len(images), -1)
+        with torch.no_grad():
+            x = images.flatten(0, 1) if images.ndim == 5 else images  # (B', 3, H, W)
+            out = []
+            for c in range(0, len(x), self.batch_size):
+                pixels = dinov3_pixels(x[c : c + self.batch_size].to(self.device))  # (n, 3, 256, 256)
+                with torch.autocast(self.device.type, enabled=False):
+                    hidden = self.model(pixel_values=pixels).last_hidden_state  # (n, 1 + R + P, D)
+                out.append(hidden[:, self.prefix :].float().mean(1).cpu())  # (n, D)
+            return torch.cat(out).reshape(len(images), -1)
 
 
 def std_weights(std: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:

@@ -105,21 +105,21 @@ class FlatShape(RolloutShape):
         )
         return sigmas, self.only_trainable(sigmas, plan)
 
-    @torch.no_grad()
     def rollout(self, metas: list[dict], generator: torch.Generator) -> SDESamples:
-        ro, table = self._sample(metas, generator)
-        return SDESamples(self.method.decode(ro.final), ro.group.cpu(), self.nfe(ro), ro, table)
+        with torch.no_grad():
+            ro, table = self._sample(metas, generator)
+            return SDESamples(self.method.decode(ro.final), ro.group.cpu(), self.nfe(ro), ro, table)
 
     @classmethod
     def chunked_rollout(cls, cfg) -> bool:
         """One initial noise per image samples in chunks; ``sampling.shared_noise`` (a group's shared prefix) not."""
         return not cfg.sampling.shared_noise
 
-    @torch.no_grad()
     def rollout_in_chunks(self, metas: list[dict], generator: torch.Generator, size: int, on_chunk) -> SDESamples:
         """:meth:`rollout` in chunks of `size` images (:func:`flowrl.samplers.sample_in_chunks`), ``images`` empty."""
-        ro, table = self._sample(metas, generator, size, on_chunk)
-        return SDESamples(torch.empty(0), ro.group.cpu(), self.nfe(ro), ro, table)
+        with torch.no_grad():
+            ro, table = self._sample(metas, generator, size, on_chunk)
+            return SDESamples(torch.empty(0), ro.group.cpu(), self.nfe(ro), ro, table)
 
     def _sample(self, metas: list[dict], generator: torch.Generator, size: int = 0, on_chunk=None):
         """The iteration's :class:`flowrl.samplers.Rollout` and prompt table; with `on_chunk`, sampled in chunks of

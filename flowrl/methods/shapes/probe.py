@@ -82,38 +82,43 @@ class ProbeShape(RolloutShape):
         """Per-image process advantages `(B,)` of the probes' completions from their rewards `(B,)`."""
         raise NotImplementedError
 
-    @torch.no_grad()
     def rollout(self, metas: list[dict], generator: torch.Generator) -> ProbeSamples:
         """Main paths with probes completed by ODE (:func:`flowrl.samplers.sample_probes`); the images are the
         completions, each drawn for its trunk's prompt."""
-        sampling, p = self.cfg.sampling, self.cfg.sampling.probe
-        table = self.model.prompt_table(metas)
-        trunks = self.trunks()
-        roots = torch.arange(len(metas)).repeat_interleave(trunks)  # (R,)
-        shape = self.model.latent_shape
-        if sampling.shared_noise or trunks == 1:
-            noise = torch.randn((len(metas), *shape), generator=generator).repeat_interleave(trunks, 0)
-        else:
-            noise = torch.randn((len(roots), *shape), generator=generator)
-        noise = start_latents(noise, self.sigmas[0])  # the state at the first time (noise itself at sigma 1)
-        steps = list(p.steps) or list(range(sampling.num_steps - 1))
-        velocity = self.velocity(table)
-        with self.policy.autocast():
-            pr = sample_probes(
-                velocity,
-                noise.to(self.device),
-                table.rows(roots).to(self.device),
-                roots.to(self.device),
-                self.sigmas.to(self.device),
-                self.trunk_plan(steps),
-                Probes(
-                    steps, self.children(), sampling.kernel, sampling.noise_level, p.granularities, self.INCLUDE_START
-                ),
-                generator=generator,
-                ode_velocity_fn=self.ode_velocity(velocity),
-            )
-        ro = pr.rollout
-        return ProbeSamples(self.method.decode(pr.final), roots[pr.root.cpu()], self.nfe(ro), ro, table, pr)
+        with torch.no_grad():
+            sampling, p = self.cfg.sampling, self.cfg.sampling.probe
+            table = self.model.prompt_table(metas)
+            trunks = self.trunks()
+            roots = torch.arange(len(metas)).repeat_interleave(trunks)  # (R,)
+            shape = self.model.latent_shape
+            if sampling.shared_noise or trunks == 1:
+                noise = torch.randn((len(metas), *shape), generator=generator).repeat_interleave(trunks, 0)
+            else:
+                noise = torch.randn((len(roots), *shape), generator=generator)
+            noise = start_latents(noise, self.sigmas[0])  # the state at the first time (noise itself at sigma 1)
+            steps = list(p.steps) or list(range(sampling.num_steps - 1))
+            velocity = self.velocity(table)
+            with self.policy.autocast():
+                pr = sample_probes(
+                    velocity,
+                    noise.to(self.device),
+                    table.rows(roots).to(self.device),
+                    roots.to(self.device),
+                    self.sigmas.to(self.device),
+                    self.trunk_plan(steps),
+                    Probes(
+                        steps,
+                        self.children(),
+                        sampling.kernel,
+                        sampling.noise_level,
+                        p.granularities,
+                        self.INCLUDE_START,
+                    ),
+                    generator=generator,
+                    ode_velocity_fn=self.ode_velocity(velocity),
+                )
+            ro = pr.rollout
+            return ProbeSamples(self.method.decode(pr.final), roots[pr.root.cpu()], self.nfe(ro), ro, table, pr)
 
     def advantages(self, samples: ProbeSamples, rewards: Rewards):
         """Process advantages of this process's own probes (:meth:`process_advantages`), summed per transition

@@ -119,14 +119,14 @@ class TreeShape(RolloutShape):
         self.branch = [tree.branch if k in tree.split_steps else 1 for k in range(self.plan.num_steps)]
         self.plan = self.only_trainable(self.plan_sigmas, self.plan)
 
-    @torch.no_grad()
     def rollout(self, metas: list[dict], generator: torch.Generator) -> SDESamples:
-        table = self.model.prompt_table(metas)
-        velocity = self.velocity(table)
-        noise = torch.randn((len(metas), *self.model.latent_shape), generator=generator).to(self.device)
-        noise = start_latents(noise, self.sigmas[0])  # one root per prompt: the tree makes the group
-        ro = self.tree(velocity, table, noise, generator, self.ode_velocity(velocity))
-        return SDESamples(self.method.decode(ro.final), ro.group.cpu(), self.nfe(ro), ro, table)
+        with torch.no_grad():
+            table = self.model.prompt_table(metas)
+            velocity = self.velocity(table)
+            noise = torch.randn((len(metas), *self.model.latent_shape), generator=generator).to(self.device)
+            noise = start_latents(noise, self.sigmas[0])  # one root per prompt: the tree makes the group
+            ro = self.tree(velocity, table, noise, generator, self.ode_velocity(velocity))
+            return SDESamples(self.method.decode(ro.final), ro.group.cpu(), self.nfe(ro), ro, table)
 
     def tree(
         self, velocity, table, noise: torch.Tensor, generator: torch.Generator, ode_velocity=None, batched: bool = True

@@ -14,6 +14,20 @@ from tiny_pipelines.sd3 import build_random_sd3_pipeline
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``-n``), each worker takes an equal share of this machine's cores for torch and for the
+    processes a test launches (``OMP_NUM_THREADS``), instead of every worker starting one thread per core: the suite's
+    tests are mostly single-threaded, so two workers on two cores run it in about half the time, where four threads
+    on two cores would stall one another. A run without workers keeps torch's default."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        affinity = getattr(os, "sched_getaffinity", None)  # absent on macOS
+        cores = len(affinity(0)) if affinity else os.cpu_count() or 1
+        threads = max(1, cores // workers)
+        torch.set_num_threads(threads)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``slow`` (end-to-end runs of a minute or more) run in CI (``CI=true``, as ``.ci/run``) or when
     asked for (``-m slow``); the default run skips them, so that it stays within a few minutes on 2 cores."""

@@ -32,6 +32,7 @@ SCRIPTS = (
     "nft_text_encoders",
     "overlap_rewards",
     "policy_step_check",
+    "quickstart_profile",
     "reward_server_load",
     "step_influence",
     "tree_speedup",
@@ -177,6 +178,16 @@ def test_gradient_snr(tmp_path, preset, monkeypatch):
     result = json.loads(out.read_text())
     assert len(result["pairwise_cosine"]) == 1 and -1 <= result["pairwise_cosine"][0] <= 1
     assert result["images_per_batch"] == 2 * 4 and all(n > 0 for n in result["grad_norms"])
+
+
+def test_quickstart_profile_times_every_part(tmp_path, preset, monkeypatch):
+    out = tmp_path / "profile.json"
+    run_script("quickstart_profile", ["--config", *preset, "--iterations", 2, "--out", out], monkeypatch)
+    result = json.loads(out.read_text())
+    median, parts = result["median"], ("transformer", "transformer (grad)", "VAE decode", "update", "rollout+score")
+    assert len(result["rows"]) == 2 and all(median[k] > 0 for k in parts)
+    assert median["transformer"] + median["VAE decode"] <= median["iteration"]  # the parts are within the whole
+    assert result["eval_s"] > 0 and result["eval_parts"]["transformer"] > 0
 
 
 def test_step_influence(tmp_path, preset, monkeypatch):

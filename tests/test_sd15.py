@@ -154,3 +154,27 @@ def test_grpo_variants_of_2026_run_on_sd15(preset, tmp_path, sd15, prompt_files)
     Trainer(load_config(REPO / "configs" / f"{preset}.yaml", over)).train()
     metrics = read_metrics(tmp_path / "run")
     assert len(metrics) == 2 and all(m["policy/ratio_first_max_dev"] == 0.0 for m in metrics)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_velocity_is_batch_invariant_on_one_thread_too(sd15, threads):
+    """A sample's guided velocity has the same bits alone, in small batches and in a batch of 20, with one torch thread
+    as with two: on one thread oneDNN picks another convolution kernel below 16 images, so the UNet's convolutions are
+    padded further there (flowrl.models.invariance.MIN_ROWS_ONE_THREAD); without it the ratio drifted by 6e-8."""
+    model = load_model(sd15)
+    table = model.encode(["", *PROMPTS])
+    velocity = model.velocity_fn(table, guidance_scale=4.5)
+    gen = torch.Generator().manual_seed(0)
+    n = 20
+    x = torch.randn(n, *model.latent_shape, generator=gen)
+    t, cond = torch.rand(n, generator=gen), torch.randint(1, 3, (n,), generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            full = velocity(x, t, cond)
+            for rows in ([0], [1, 2], [3, 4, 5, 6, 7], list(range(8, 19))):
+                idx = torch.tensor(rows)
+                assert torch.equal(velocity(x[idx], t[idx], cond[idx]), full[idx]), rows
+    finally:
+        torch.set_num_threads(before)

@@ -10,6 +10,11 @@ import torch
 MIN_ROWS = {torch.nn.Linear: (2, 16), torch.nn.Conv2d: (4, 4)}
 """For each layer type: the input rank that carries one row per sample, and the fewest rows it runs at."""
 
+MIN_ROWS_ONE_THREAD = {torch.nn.Linear: 16, torch.nn.Conv2d: 16}
+"""The fewest rows on a CPU where torch runs one thread (``torch.get_num_threads() == 1``): there oneDNN picks another
+convolution kernel for fewer than 16 images (an SD 1.5 UNet's velocity of a sample in a batch of 4-15 differed in
+the last bit from its velocity in a batch of 16 or more; with two threads from 4 images on they agree)."""
+
 
 def make_batch_invariant(module: torch.nn.Module, probe: Callable[[], object] | None) -> int:
     """Make the per-sample layers of `module` give each sample the same bits at any batch size.
@@ -66,6 +71,9 @@ def make_batch_invariant(module: torch.nn.Module, probe: Callable[[], object] | 
             handle.remove()
     for layer in seen:
         layer._flowrl_ndim, layer._flowrl_min_rows = rules[layer]
+        layer._flowrl_min_rows_one_thread = next(
+            n for kind, n in MIN_ROWS_ONE_THREAD.items() if isinstance(layer, kind)
+        )
         layer._flowrl_rows = None
         layer.register_forward_pre_hook(_pad_rows)
         layer.register_forward_hook(_unpad_rows)
@@ -73,13 +81,17 @@ def make_batch_invariant(module: torch.nn.Module, probe: Callable[[], object] | 
 
 
 def _pad_rows(layer: torch.nn.Module, args: tuple):
-    """Forward pre-hook: zero-pad a per-sample input of fewer than ``layer._flowrl_min_rows`` rows."""
+    """Forward pre-hook: zero-pad a per-sample input of fewer than ``layer._flowrl_min_rows`` rows (on a CPU with one
+    torch thread, ``layer._flowrl_min_rows_one_thread``: :data:`MIN_ROWS_ONE_THREAD`)."""
     x = args[0]
-    if x.ndim != layer._flowrl_ndim or x.shape[0] >= layer._flowrl_min_rows:
+    least = layer._flowrl_min_rows
+    if x.device.type == "cpu" and torch.get_num_threads() == 1:
+        least = max(least, layer._flowrl_min_rows_one_thread)
+    if x.ndim != layer._flowrl_ndim or x.shape[0] >= least:
         layer._flowrl_rows = None
         return None
     layer._flowrl_rows = x.shape[0]
-    pad = x.new_zeros(layer._flowrl_min_rows - x.shape[0], *x.shape[1:])
+    pad = x.new_zeros(least - x.shape[0], *x.shape[1:])
     return (torch.cat([x, pad]),) + args[1:]
 
 

@@ -75,14 +75,31 @@ def main(argv: list[str] | None = None) -> dict:
         trainer = Trainer(cfg)
         setup_s = time.perf_counter() - t
         clock, model = Clock(), trainer.model
-        network = model.transformer
-        clock.wrap(network, "forward", lambda: "transformer (grad)" if torch.is_grad_enabled() else "transformer")
+        phase = {"now": "other"}
+
+        def in_phase(obj, attr: str, name: str) -> None:
+            """Time ``obj.attr`` as ``name`` and mark the transformer calls inside it as of phase ``name``."""
+            inner = getattr(obj, attr)
+
+            def marked(*args, **kwargs):
+                phase["now"] = name
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    phase["now"] = "other"
+
+            setattr(obj, attr, marked)
+            clock.wrap(obj, attr, name)
+
+        def transformer_part() -> str:
+            return f"transformer in {phase['now']}" + (", with gradients" if torch.is_grad_enabled() else "")
+
+        clock.wrap(model.transformer, "forward", transformer_part)
         clock.wrap(model, "decode", "VAE decode")
         clock.wrap(model, "_guide", "guidance combination")
-        clock.wrap(trainer.scorer, "rollout", "rollout+score")
-        clock.wrap(trainer.method, "update", "update")
-        optimizer = trainer.policy.optimizer
-        clock.wrap(optimizer, "step", "optimizer step")
+        in_phase(trainer.scorer, "rollout", "rollout and scoring")
+        in_phase(trainer.method, "update", "update")
+        clock.wrap(trainer.policy.optimizer, "step", "optimizer step")
         trainer.step(0)  # warm-up
         clock.totals = defaultdict(float)
         for it in range(1, args.iterations + 1):
@@ -97,12 +114,21 @@ def main(argv: list[str] | None = None) -> dict:
         eval_s = None
         if not args.skip_eval:
             t = time.perf_counter()
+            phase["now"] = "evaluation"
             with clock.part("evaluation"):
                 trainer.evaluator.with_held_out()
             eval_s = time.perf_counter() - t
             eval_parts = dict(clock.totals)
     keys = sorted({k for row in clock.rows for k in row})
     median = {k: statistics.median(row.get(k, 0.0) for row in clock.rows) for k in keys}
+    get = median.get
+    median["rollout, the rest (sampler steps, Python)"] = (
+        get("sample_s", 0.0) - get("transformer in rollout and scoring", 0.0) - get("VAE decode", 0.0)
+    )
+    median["update, the rest (backward, loss, optimizer)"] = (
+        get("update", 0.0) - get("transformer in update", 0.0) - get("transformer in update, with gradients", 0.0)
+    )
+    keys = sorted(median)
     result = {
         "config": args.config,
         "overrides": args.overrides,

@@ -184,10 +184,13 @@ def test_quickstart_profile_times_every_part(tmp_path, preset, monkeypatch):
     out = tmp_path / "profile.json"
     run_script("quickstart_profile", ["--config", *preset, "--iterations", 2, "--out", out], monkeypatch)
     result = json.loads(out.read_text())
-    median, parts = result["median"], ("transformer", "transformer (grad)", "VAE decode", "update", "rollout+score")
+    median = result["median"]
+    parts = ("transformer in rollout and scoring", "transformer in update, with gradients", "VAE decode", "update")
     assert len(result["rows"]) == 2 and all(median[k] > 0 for k in parts)
-    assert median["transformer"] + median["VAE decode"] <= median["iteration"]  # the parts are within the whole
-    assert result["eval_s"] > 0 and result["eval_parts"]["transformer"] > 0
+    assert (
+        median["transformer in rollout and scoring"] + median["VAE decode"] <= median["sample_s"]
+    )  # within the whole
+    assert result["eval_s"] > 0 and result["eval_parts"]["transformer in evaluation"] > 0
 
 
 def test_step_influence(tmp_path, preset, monkeypatch):

@@ -159,7 +159,7 @@ def test_grpo_variants_of_2026_run_on_sd15(preset, tmp_path, sd15, prompt_files)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_velocity_is_batch_invariant_on_one_thread_too(sd15, threads):
     """A sample's guided velocity has the same bits alone, in small batches and in a batch of 20, with one torch thread
-    as with two: on one thread oneDNN picks another convolution kernel below 16 images, so the UNet's convolutions are
+    as with two: on one thread oneDNN picks other convolution kernels for small batches, so the UNet's convolutions are
     padded further there (flowrl.models.invariance.MIN_ROWS_ONE_THREAD); without it the ratio drifted by 6e-8."""
     model = load_model(sd15)
     table = model.encode(["", *PROMPTS])

@@ -10,10 +10,11 @@ import torch
 MIN_ROWS = {torch.nn.Linear: (2, 16), torch.nn.Conv2d: (4, 4)}
 """For each layer type: the input rank that carries one row per sample, and the fewest rows it runs at."""
 
-MIN_ROWS_ONE_THREAD = {torch.nn.Linear: 16, torch.nn.Conv2d: 16}
-"""The fewest rows on a CPU where torch runs one thread (``torch.get_num_threads() == 1``): there oneDNN picks another
-convolution kernel for fewer than 16 images (an SD 1.5 UNet's velocity of a sample in a batch of 4-15 differed in
-the last bit from its velocity in a batch of 16 or more; with two threads from 4 images on they agree)."""
+MIN_ROWS_ONE_THREAD = {torch.nn.Linear: 16, torch.nn.Conv2d: 32}
+"""The fewest rows on a CPU where torch runs one thread (``torch.get_num_threads() == 1``): there oneDNN picks other
+convolution kernels for small batches (a sample's velocity in a batch of 4-15 differed in the last bit from its
+velocity in a larger batch for an SD 1.5 UNet, and below 32 images for SANA's convolutions; with two threads they
+agree from 4 images on)."""
 
 
 def make_batch_invariant(module: torch.nn.Module, probe: Callable[[], object] | None) -> int:

@@ -27,6 +27,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+ABORT = "terminate called without an active exception"
+"""A C++ abort seen twice in CI at the trained model's evaluation of a two-process launch (not reproduced in 40
+launches beside a busy core): the launch is retried once on it, and says so."""
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_scale import build_pipeline  # noqa: E402
@@ -69,25 +72,26 @@ def run(pipeline: Path, folder: Path, wrap: str, resolution: int) -> dict:
         "FLOWRL_TEST_FSDP2": "1",
         "FLOWRL_TEST_FSDP_WRAP": wrap,
         "FLOWRL_TEST_NO_SPLIT": "1",
+        "PYTHONFAULTHANDLER": "1",  # a process that aborts prints every thread's Python stack
     }
     start = time.perf_counter()
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(ROOT / "tests/distributed_worker.py"),
-            str(folder / "c.yaml"),
-            str(folder),
-            *overrides,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "tests/distributed_worker.py"),
+        str(folder / "c.yaml"),
+        str(folder),
+        *overrides,
+    ]
+    r = subprocess.run(command, capture_output=True, text=True, env=env)
+    if r.returncode and ABORT in r.stderr:  # the C++ abort tests/test_distributed.py also retries once
+        print(f"torchrun aborted ({ABORT!r}); launched again:\n{r.stderr[-3000:]}", file=sys.stderr)
+        start = time.perf_counter()
+        r = subprocess.run(command, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"the {wrap} run failed:\n{r.stderr[-3000:]}")
     ranks = [json.loads((folder / f"rank{i}.json").read_text()) for i in (0, 1)]

@@ -122,17 +122,20 @@ def cmd_config(args) -> list[dict]:
 
 
 def cmd_memory(args) -> dict:
-    """``flowrl memory CONFIG [key=value ...] --processes N``: print the run's trained weight count and the memory its
-    trained weights, gradients and AdamW state take per process under each engine (:func:`flowrl.plan.memory_plan`);
-    reads no weights. Returns the plan (bytes)."""
+    """``flowrl memory CONFIG [key=value ...] --processes N [--family NAME]``: print the run's trained weight count and
+    the memory its trained weights, gradients, AdamW state, frozen parts and activations take per process under each
+    engine (:func:`flowrl.plan.memory_plan`), from the model folder or the published model ``NAME``; reads no
+    weights. Returns the plan (bytes)."""
     from .config import load_config
+    from .plan import format_plan, load_published, memory_plan  # torch loads only when the plan is worked out
 
     config = load_config(args.config, args.overrides)
+    if args.family is not None:
+        load_published(args.family)  # ValueError naming the known ones
     if args.json:
         probe_output(args.json, "--json")  # before the work, not after it
-    from .plan import format_plan, memory_plan
 
-    plan = memory_plan(config, args.processes)
+    plan = memory_plan(config, args.processes, args.family)
     print(format_plan(plan))
     if args.json:
         write_text_atomic(args.json, json.dumps(plan, indent=1))
@@ -663,13 +666,19 @@ def _add_train(sub) -> None:
     c.set_defaults(fn=cmd_config)
     m = sub.add_parser(
         "memory",
-        help="memory per process of a run's trained weights under each engine, from the "
-        "model folder (reads no weights)",
+        help="memory per process of a run (weights, optimizer, activations) under each engine, from the model "
+        "folder or a published model's configs (reads no weights)",
     )
     m.add_argument("config", help="configs/*.yaml or configs/recipes/*.yaml")
     m.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.path=/ckpt/flux model.lora_rank=0")
     m.add_argument("--processes", type=_at_least(1), default=8, help="processes (GPUs) of the run")
     m.add_argument("--json", default=None, help="also write the plan (bytes) to this JSON file")
+    m.add_argument(
+        "--family",
+        default=None,
+        help="plan from a published model's configs shipped with flowrl (flux2_dev, sd35_medium, qwen_image, "
+        "wan21_14b, ...: see flowrl/models/published/) instead of model.path's folder; nothing to download",
+    )
     m.set_defaults(fn=cmd_memory)
 
 
@@ -923,7 +932,12 @@ def main(argv: list[str] | None = None) -> None:
     if not (sys.argv[1:] if argv is None else argv):
         parser.print_help(sys.stderr)
         raise SystemExit(2)
-    _run(parser.parse_args(argv))
+    args, extra = parser.parse_known_args(argv)
+    if extra and isinstance(getattr(args, "overrides", None), list) and not any(x.startswith("-") for x in extra):
+        args.overrides += extra  # key=value overrides after an option: flowrl memory C --family F model.lora_rank=0
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    _run(args)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ SCRIPTS = (
     "gpu_scale",
     "gradient_snr",
     "methods_table",
+    "memory_table",
     "nft_text_encoders",
     "overlap_rewards",
     "policy_step_check",
@@ -452,3 +453,16 @@ def test_overlap_rewards_times_both_settings_against_a_served_reward(
     assert result["same_metrics"] and result["same_weights"] and result["machine"]["cores"] >= 1
     assert [r["overlap_rewards"] for r in result["runs"]] == [False, True]
     assert result["runs"][1]["time/score_worker_s"] > 0 and result["runs"][0]["time/score_worker_s"] == 0
+
+
+def test_memory_table_plans_each_published_model_at_its_recipe(tmp_path, monkeypatch, capsys):
+    """The memory table's rows (docs/distributed.md): an engine under 80 GB or "does not fit" with the best, for LoRA on
+    one GPU and full fine-tuning on eight."""
+    out = tmp_path / "table.json"
+    run_script("memory_table", ["--names", "sd15", "flux2_klein_4b", "--out", out], monkeypatch)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["name"] for r in rows] == ["sd15", "flux2_klein_4b"]
+    for r in rows:
+        assert r["lora_1gpu"]["fits"] and r["lora_1gpu"]["total_gib"] < 81559 / 1024
+        assert r["full_8gpu"]["trained_params"] > r["lora_1gpu"]["trained_params"]
+    assert "| sd15 (`sd15_ddpo`) |" in capsys.readouterr().out

@@ -66,6 +66,11 @@ def _flowrl(tmp_path: Path, *argv: str) -> tuple[int, list[str], list[str]]:
             ".png, .tif, .tiff, .webp",
         ),
         (
+            ["memory", str(REPO / "configs" / "quickstart.yaml"), "--family", "flux9"],
+            "flowrl memory: error: --family 'flux9': no published model of that name; known: "
+            + ", ".join(sorted(p.stem for p in (REPO / "flowrl/models/published").glob("*.json"))),
+        ),
+        (
             ["serve-reward", "clipscore", "--option", "no_equals_sign"],
             "flowrl serve-reward: error: --option 'no_equals_sign' must look like key=value (e.g. --option "
             "model_path=/ckpt/PickScore_v1)",

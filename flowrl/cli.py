@@ -80,27 +80,15 @@ def _model(args):
 
 def cmd_train(args) -> dict:
     """``flowrl train CONFIG [key=value ...]``: run the job; returns :meth:`Trainer.train`'s result."""
-    from .config import load_config
+    from .resume import load_run_config, say
 
-    config = load_config(args.config, args.overrides)  # before torch loads: a bad key is refused at once
+    # before torch loads: a bad key is refused at once; a resume takes the run's own config.yaml
+    config, note = load_run_config(args.config, args.overrides)
+    say([note] if note else [])
     from .trainer import Trainer
 
     trainer = Trainer(config)
-    result = trainer.train()
-    b, a = result["before"], result["after"]
-    if trainer.accelerator.is_main_process:
-        # GenEval prompts: strict accuracy; other prompts: the weighted reward mean (evaluate_reward), per reward too
-        rewards = b.get("per_reward", {})
-        what = "mean weighted reward" if "per_reward" in b else "GenEval strict accuracy"
-        line = f"{what} on {config.eval.prompts} prompts: {b['overall']:.3f} -> {a['overall']:.3f}"
-        if len(rewards) > 1:
-            line += " (" + ", ".join(f"{k} {v:.3f} -> {a['per_reward'][k]:.3f}" for k, v in rewards.items()) + ")"
-        if "held_out" in b:
-            line += (
-                f"; held-out {config.eval.held_out} prompts: {b['held_out']['overall']:.3f} -> "
-                f"{a['held_out']['overall']:.3f}"
-            )
-        print(f"{line} in {result['wall_time_s'] / 60:.1f} min; run folder {config.run.output_dir}")
+    result = trainer.train()  # prints the before -> after line
     _end(trainer.accelerator)
     return result
 

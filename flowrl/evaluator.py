@@ -14,7 +14,7 @@ import torch
 
 from .evaluation import evaluate, evaluate_reward, expand_per_tag, generate
 
-__all__ = ["Evaluator", "eval_metrics", "geneval_reader"]
+__all__ = ["Evaluator", "before_after_line", "eval_metrics", "geneval_reader"]
 
 GRID_IMAGES = 12
 """Images in the before/after grid."""
@@ -34,6 +34,39 @@ def eval_metrics(result: dict) -> dict[str, float]:
     """An evaluation's logged metrics: ``eval/overall`` and ``eval/<tag>`` per tag, from :meth:`Evaluator.evaluate`'s
     ``overall`` and ``per_tag``."""
     return {"eval/overall": result["overall"], **{f"eval/{k}": v for k, v in result["per_tag"].items()}}
+
+
+COMPARED = ("n_images", "num_steps", "guidance_scale")
+"""What two evaluations must share to be printed as one before -> after comparison."""
+
+
+def before_after_line(before: dict, after: dict, prompts: str, held_out: str | None = None) -> str:
+    """The run's summary, e.g. ``"GenEval strict accuracy on test prompts: 0.250 -> 0.279"`` (other prompts: the mean
+    weighted reward, and each reward's where there are several; ``held_out``: the same for ``eval.held_out``). Two
+    evaluations that differ in :data:`COMPARED` are printed apart, each with its image count, not as one comparison.
+
+    Args:
+        before, after (`dict`): :meth:`Evaluator.with_held_out` results before and after training.
+        prompts (`str`): ``eval.prompts``. held_out (`str`, optional): ``eval.held_out``.
+    """
+    rewards = before.get("per_reward", {})
+    what = "mean weighted reward" if "per_reward" in before else "GenEval strict accuracy"
+
+    def pair(b: dict, a: dict) -> str:
+        if all(b.get(k) == a.get(k) for k in COMPARED):
+            return f"{b['overall']:.3f} -> {a['overall']:.3f}"
+        return (
+            f"before {b['overall']:.3f} ({b.get('n_images')} images, {b.get('num_steps')} steps), after "
+            f"{a['overall']:.3f} ({a.get('n_images')} images, {a.get('num_steps')} steps): evaluated differently, "
+            "not compared"
+        )
+
+    line = f"{what} on {prompts} prompts: {pair(before, after)}"
+    if len(rewards) > 1 and all(before.get(k) == after.get(k) for k in COMPARED):
+        line += " (" + ", ".join(f"{k} {v:.3f} -> {after['per_reward'][k]:.3f}" for k, v in rewards.items()) + ")"
+    if "held_out" in before and "held_out" in after:
+        line += f"; held-out {held_out} prompts: {pair(before['held_out'], after['held_out'])}"
+    return line
 
 
 class Evaluator:

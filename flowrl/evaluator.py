@@ -91,19 +91,26 @@ class Evaluator:
         """What an evaluation draws, in words, e.g. ``"256 images of eval.prompts, 192 of eval.held_out, 10 Euler
         steps"``."""
         e = self.cfg.eval
-
-        def images(metas: list[dict], per_tag: int) -> int:
-            return len(expand_per_tag(metas, per_tag)) if all("include" in m for m in metas) else len(metas)
-
-        plan = f"{images(self.metas, e.images_per_tag)} images of eval.prompts"
+        plan = f"{len(self.selection(self.metas, e.images_per_tag))} images of eval.prompts"
         if self.held_out:
-            plan += f", {images(self.held_out, e.held_out_images_per_tag)} of eval.held_out"
+            plan += f", {len(self.selection(self.held_out, e.held_out_images_per_tag))} of eval.held_out"
         return f"{plan}, {e.num_steps} Euler steps"
+
+    @staticmethod
+    def selection(metas: list[dict], images_per_tag: int) -> list[dict]:
+        """The prompt records an evaluation of `metas` draws one image of each, for every prompt file alike (GenEval
+        metadata or not): `images_per_tag` per tag, each tag's prompts taken in turn (records without a ``tag`` are
+        one tag; :func:`flowrl.evaluation.expand_per_tag`); 0: every record once (in the file's order where the
+        records carry no GenEval metadata)."""
+        if images_per_tag == 0 and not all("include" in m for m in metas):
+            return list(metas)
+        return expand_per_tag(metas, images_per_tag)
 
     def evaluate(self, metas: list[dict] | None = None, images_per_tag: int | None = None) -> dict:
         """Evaluation with ODE sampling (EMA weights if configured) of ``eval.prompts`` (or `metas`, with
-        `images_per_tag` instead of ``eval.images_per_tag``): GenEval strict accuracy where the prompts carry GenEval
-        metadata, else the mean of the run's rewards. Every process calls it and gets the whole result.
+        `images_per_tag` instead of ``eval.images_per_tag``), one image per record of :meth:`selection`: GenEval
+        strict accuracy where the prompts carry GenEval metadata, else the mean of the run's rewards. Every process
+        calls it and gets the whole result.
 
         Returns:
             `dict`: ``{"overall": float, "per_tag": {tag: float}, "n_images": int, ...}`` (accuracies in [0, 1]:
@@ -111,7 +118,8 @@ class Evaluator:
             :func:`flowrl.evaluation.evaluate_reward`).
         """
         e, shift, batch = self.cfg.eval, self.cfg.sampling.shift, self.cfg.sampling.batch_size
-        metas, images_per_tag = metas or self.metas, images_per_tag or e.images_per_tag
+        metas = metas or self.metas
+        images_per_tag = e.images_per_tag if images_per_tag is None else images_per_tag
         acc = self.accelerator
         with self.policy.ema_weights(), self.policy.autocast():
             if all("include" in m for m in metas):
@@ -119,7 +127,8 @@ class Evaluator:
                 steps = (images_per_tag, e.num_steps, e.guidance_scale, shift, e.seed, batch)
                 return evaluate(self.model, metas, *steps, accelerator=acc, judge=judge)
             steps = (1, e.num_steps, e.guidance_scale, shift, e.seed, batch)
-            return evaluate_reward(self.model, metas, self.rewards, *steps, accelerator=acc)
+            chosen = self.selection(metas, images_per_tag)
+            return evaluate_reward(self.model, chosen, self.rewards, *steps, accelerator=acc)
 
     def with_held_out(self) -> dict:
         """:meth:`evaluate`, with ``"held_out"``: the same evaluation of ``eval.held_out``

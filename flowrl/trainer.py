@@ -103,6 +103,7 @@ class Trainer:
         self.held_out_metas = read_prompt_records("eval.held_out", cfg.eval.held_out) if cfg.eval.held_out else []
         self.prompts = PromptSampler(self.train_metas, cfg, acc.process_index)
         self.rewards = build_rewards(cfg.rewards, given)
+        self._say(f"loading {cfg.model.path} onto {self.device} ({adapter.PIPELINE})")  # the start-up's long part
         self.model = build_model(cfg, adapter, self.device)
         self._prepare_model()
         self.policy = Policy(self.model, cfg.train, cfg.run.mixed_precision, acc)
@@ -114,6 +115,7 @@ class Trainer:
             cfg, self.model, self.policy, acc, self.rewards, self.eval_metas, self.held_out_metas
         )
         self.checkpointer = Checkpointer(cfg, self.run, self.model, self.policy, self.method)
+        self._say(f"checking the rewards ({', '.join(self.rewards.rewards)}) on one batch")
         self.scorer.smoke(self.model, self.train_metas)  # a broken reward fails here, named
 
     def _prepare_model(self) -> None:
@@ -167,6 +169,7 @@ class Trainer:
         if main:
             self.checkpointer.write_eval("eval.json", result)
         self.trackers.log(eval_metrics(after), cfg.run.iterations)
+        self._say(f"trained model: {after['overall']:.3f}; drawing the grid's after half, plots and exports")
         self.checkpointer.export(self.evaluator, self.trackers, self.rewards)
         self.trackers.finish()
         if main:
@@ -186,6 +189,7 @@ class Trainer:
         before = self.evaluator.with_held_out()
         if self.accelerator.is_main_process:
             self.checkpointer.write_eval("eval_before.json", before)
+            self._say(f"base model: {before['overall']:.3f}; drawing the before/after grid's before half")
             grid = self.evaluator.grid_images()
             self.checkpointer.write_grid_before(grid)
             self.trackers.log_images("grid/before", grid, 0)
@@ -295,4 +299,4 @@ class Trainer:
     def _say(self, line: str) -> None:
         """Print ``flowrl train: <line>`` to stderr on the main process."""
         if self.accelerator.is_main_process:
-            print(f"flowrl train: {line}", file=sys.stderr)
+            print(f"flowrl train: {line}", file=sys.stderr, flush=True)

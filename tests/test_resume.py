@@ -97,7 +97,10 @@ def test_resume_with_overrides_keeps_the_run_settings(tmp_path, random_pipeline,
     run = tmp_path / "run"
     first = tiny_overrides(random_pipeline, *prompt_files, run, **{"run.iterations": 1})
     cli.main(["train", str(tmp_path / "c.yaml"), *first])
-    capsys.readouterr()
+    said = [line.removeprefix("flowrl train: ") for line in capsys.readouterr().err.splitlines()]
+    # a line before each long piece of work: loading, the base evaluation and its grid, the export
+    for start in ("loading ", "checking the rewards", "evaluating the base model", "base model: ", "trained model: "):
+        assert any(line.startswith(start) for line in said), start
     # the preset as a user would pass it again, with other sizes than the run's: they are not read
     (tmp_path / "c.yaml").write_text(
         "rewards:\n  jpeg_compressibility:\n    weight: 1.0\nsampling:\n  prompts_per_iteration: 4\n"

@@ -124,15 +124,15 @@ def _batches(n: int, batch: int, steps: int, gen: torch.Generator):
 
 
 def _optimizer_step(loss, params, opt, sched, bar, max_grad_norm: float | None = None) -> None:
-    """Backward, optional gradient clipping of the parameters ``params``, optimizer and scheduler step,
-    progress-bar loss."""
+    """Backward, optional gradient clipping of the parameters ``params``, optimizer and scheduler step, and every 25
+    steps (counted by the scheduler: ``bar.n`` only moves when the bar redraws) the step's loss on the bar."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
     if max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     opt.step()
     sched.step()
-    if bar.n % 25 == 0:  # reading the loss waits for the device
+    if sched.last_epoch % 25 == 1:  # steps 1, 26, 51, ...: reading the loss waits for the device
         bar.set_postfix(loss=f"{loss.item():.4f}")
 
 

@@ -623,10 +623,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_train(sub) -> None:
-    """The ``train`` sub-command: ``CONFIG`` and ``key=value`` overrides, run by :func:`cmd_train`."""
+    """The ``train`` sub-command: ``CONFIG`` and ``key=value`` overrides, run by :func:`cmd_train`; its help names the
+    methods of the registry (:data:`flowrl.methods.METHODS`: a new method appears there by registering)."""
+    from .methods import METHODS  # torch deferred: the registry's names and summaries load without it
+
     t = sub.add_parser(
         "train",
-        help="run a training job (GRPO or DiffusionNFT) from a YAML preset",
+        help=f"run a training job from a YAML preset (train.method: {', '.join(sorted(METHODS))})",
         epilog="Every config key with its type, default and help: flowrl config [CONFIG]",
     )
     t.add_argument("config", help="configs/*.yaml (presets) or configs/recipes/*.yaml (real models)")
@@ -770,7 +773,14 @@ def _add_serve_reward(sub) -> None:
 
 def _add_rewards(sub) -> None:
     """The ``rewards`` sub-command, run by :func:`cmd_rewards`."""
-    sub.add_parser("rewards", help="list the registered rewards").set_defaults(fn=cmd_rewards)
+    sub.add_parser(
+        "rewards",
+        help="list the registered rewards",
+        description="Every registered reward and installed flowrl.rewards entry point, one line each: its name, "
+        "modality (image, video or both), whether it is differentiable (GRAD: the direct methods train on it), the "
+        "weights it needs and its summary. Use one in a config as rewards.NAME.weight=W (options under "
+        "rewards.NAME.options), or score images with flowrl score --reward NAME.",
+    ).set_defaults(fn=cmd_rewards)
 
 
 def _add_bench(sub) -> None:

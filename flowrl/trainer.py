@@ -210,7 +210,7 @@ class Trainer:
             self.run.log(metrics)
             self.trackers.log(metrics, it + 1)
             if "reward/total/mean" in metrics:  # offline methods score no rollouts
-                bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}")
+                bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3g}")  # 0.00023, not 0.000
             stopped = self.run.on_main(lambda m=metrics: self.stop_rules.update(m))  # one verdict for every process
             if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations or stopped:
                 self.checkpointer.save(it + 1, time.time() - t_start)

@@ -145,6 +145,7 @@ def ppo_update(
         stats["loss"].append(loss.item())
         stats["grad_norm"].append(grad_norm.item())
         stats["clipfrac"].append(st["policy/clipfrac"].item())
+        stats["approx_kl"].append(st["policy/approx_kl"].item())
     model.transformer.eval()
     return {k: sum(v) / len(v) for k, v in stats.items()}
 
@@ -173,8 +174,9 @@ def train(args: Args, log=print) -> dict:
         adv, keep = advantages(total, prompt_index, ro, args)
         stats = ppo_update(model, table, ro, adv, keep, params, optimizer, args, generator)
         curve.append(total.mean().item())
+        # what shows learning: the reward and how far the update moved the policy (the PPO loss at ratio 1 is ~0)
         log(
-            f"iteration {it + 1}: reward {curve[-1]:.3f}, loss {stats.get('loss', 0.0):.4f}, "
+            f"iteration {it + 1}: reward {curve[-1]:.3f}, approx KL {stats.get('approx_kl', 0.0):.2e}, "
             f"clipfrac {stats.get('clipfrac', 0.0):.3f}, {time.time() - t0:.1f} s"
         )
     weights = {n: p.detach().clone() for n, p in model.transformer.named_parameters() if p.requires_grad}

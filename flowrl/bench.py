@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -83,10 +84,16 @@ def load_preset_overrides(path: str | Path) -> dict[str, list[str]]:
     return out
 
 
-def _median_iteration(trainer, start: int, count: int) -> dict[str, float]:
+def say(line: str) -> None:
+    """Print ``flowrl bench: <line>`` to stderr at once: the bench's progress, a line per iteration of each preset."""
+    print(f"flowrl bench: {line}", file=sys.stderr, flush=True)
+
+
+def _median_iteration(trainer, start: int, count: int, progress=say, name: str = "") -> dict[str, float]:
     """Medians over `count` iterations ``start, start + 1, ...`` of `trainer` of the cost and time metrics
     (``cost/nfe``, ``cost/trained_transitions``, ``cost/reward_calls``, ``time/*_s``) and of their sum
-    ``time/iteration_s``; a progressive or decaying window is put at evenly spaced starts (restored after)."""
+    ``time/iteration_s``; a progressive or decaying window is put at evenly spaced starts (restored after).
+    ``progress(line)`` is called after each iteration with `name`, its number and seconds."""
     window = getattr(
         trainer.method, "window", None
     )  # a sliding window is timed at evenly spaced starts, the positions a run cycles through
@@ -97,6 +104,8 @@ def _median_iteration(trainer, start: int, count: int) -> dict[str, float]:
         if spread:
             window.load_state_dict({"start": round(i * window.last / max(count - 1, 1)), "count": 0, "iteration": 0})
         rows.append(trainer.step(start + i))
+        seconds = rows[-1]["time/sample_s"] + rows[-1]["time/score_s"] + rows[-1]["time/train_s"]
+        progress(f"{name} timed iteration {i + 1}/{count}: {seconds:.1f} s")
     if spread:
         window.load_state_dict(state)
     out = {
@@ -157,8 +166,11 @@ def run_bench(
     overrides=(),
     out: str | Path = "runs/bench.json",
     preset_overrides: str | Path | None = None,
+    progress=say,
 ) -> dict:
     """Benchmark `presets` (names in configs/); see the module docstring. Returns the results dict.
+    ``progress(line)`` hears what it is doing: each preset as it starts, each iteration and evaluation as it ends
+    (default: a ``flowrl bench:`` line on stderr; an iteration of the tiny world takes seconds).
 
     Overrides apply in this order: the same-images settings, `preset_overrides` (a file read by
     :func:`load_preset_overrides`: its ``all`` list, then the preset's list), then `overrides` (every preset).
@@ -192,15 +204,20 @@ def run_bench(
     for name in presets:  # a bad override stops the bench before any preset has run
         config(name, "unused")
     results, base_accuracy = {}, None
-    for name in presets:
+    for k, name in enumerate(presets):
+        progress(f"{name} ({k + 1}/{len(presets)}): building the trainer")
         with tempfile.TemporaryDirectory() as tmp:
             trainer = Trainer(config(name, f"{tmp}/run"))
             if budget_s > 0 and base_accuracy is None:  # every preset starts from the same base model
+                progress(f"evaluating the base model ({trainer.evaluator.plan()})")
                 base_accuracy = trainer.evaluator.evaluate()["overall"]
             for i in range(warmup):
+                t0 = time.time()
                 trainer.step(i)
-            row = _median_iteration(trainer, warmup, iterations)
+                progress(f"{name} warm-up iteration {i + 1}/{warmup}: {time.time() - t0:.1f} s")
+            row = _median_iteration(trainer, warmup, iterations, progress, name)
             if trainer.cfg.train.method == "grpo" and trainer.cfg.sampling.shape == "tree":
+                progress(f"{name}: timing the tree batched and node by node")
                 row["tree"] = bench_tree(trainer)
             if budget_s > 0:  # training time only: the half-way evaluation is not counted
                 it, trained = warmup + iterations, 0.0
@@ -209,9 +226,12 @@ def run_bench(
                     trainer.step(it)
                     trained += time.time() - t0
                     it += 1
+                    progress(f"{name} budget: {trained:.0f} of {budget_s:.0f} s trained")
                     if "budget_half_accuracy" not in row and trained >= budget_s / 2:
+                        progress(f"{name}: evaluating at half the budget")
                         row["budget_half_accuracy"] = trainer.evaluator.evaluate()["overall"]
                 row["budget_iterations"] = it
+                progress(f"{name}: evaluating after the budget")
                 row["budget_accuracy"] = trainer.evaluator.evaluate()["overall"]
             results[name] = row
             print(name, json.dumps(row))

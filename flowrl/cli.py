@@ -80,27 +80,15 @@ def _model(args):
 
 def cmd_train(args) -> dict:
     """``flowrl train CONFIG [key=value ...]``: run the job; returns :meth:`Trainer.train`'s result."""
-    from .config import load_config
+    from .resume import load_run_config, say
 
-    config = load_config(args.config, args.overrides)  # before torch loads: a bad key is refused at once
+    # before torch loads: a bad key is refused at once; a resume takes the run's own config.yaml
+    config, note = load_run_config(args.config, args.overrides)
+    say([note] if note else [])
     from .trainer import Trainer
 
     trainer = Trainer(config)
-    result = trainer.train()
-    b, a = result["before"], result["after"]
-    if trainer.accelerator.is_main_process:
-        # GenEval prompts: strict accuracy; other prompts: the weighted reward mean (evaluate_reward), per reward too
-        rewards = b.get("per_reward", {})
-        what = "mean weighted reward" if "per_reward" in b else "GenEval strict accuracy"
-        line = f"{what} on {config.eval.prompts} prompts: {b['overall']:.3f} -> {a['overall']:.3f}"
-        if len(rewards) > 1:
-            line += " (" + ", ".join(f"{k} {v:.3f} -> {a['per_reward'][k]:.3f}" for k, v in rewards.items()) + ")"
-        if "held_out" in b:
-            line += (
-                f"; held-out {config.eval.held_out} prompts: {b['held_out']['overall']:.3f} -> "
-                f"{a['held_out']['overall']:.3f}"
-            )
-        print(f"{line} in {result['wall_time_s'] / 60:.1f} min; run folder {config.run.output_dir}")
+    result = trainer.train()  # prints the before -> after line
     _end(trainer.accelerator)
     return result
 
@@ -638,10 +626,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_train(sub) -> None:
-    """The ``train`` sub-command: ``CONFIG`` and ``key=value`` overrides, run by :func:`cmd_train`."""
+    """The ``train`` sub-command: ``CONFIG`` and ``key=value`` overrides, run by :func:`cmd_train`; its help names the
+    methods of the registry (:data:`flowrl.methods.METHODS`: a new method appears there by registering)."""
+    from .methods import METHODS  # torch deferred: the registry's names and summaries load without it
+
     t = sub.add_parser(
         "train",
-        help="run a training job (GRPO or DiffusionNFT) from a YAML preset",
+        help=f"run a training job from a YAML preset (train.method: {', '.join(sorted(METHODS))})",
         epilog="Every config key with its type, default and help: flowrl config [CONFIG]",
     )
     t.add_argument("config", help="configs/*.yaml (presets) or configs/recipes/*.yaml (real models)")
@@ -791,7 +782,14 @@ def _add_serve_reward(sub) -> None:
 
 def _add_rewards(sub) -> None:
     """The ``rewards`` sub-command, run by :func:`cmd_rewards`."""
-    sub.add_parser("rewards", help="list the registered rewards").set_defaults(fn=cmd_rewards)
+    sub.add_parser(
+        "rewards",
+        help="list the registered rewards",
+        description="Every registered reward and installed flowrl.rewards entry point, one line each: its name, "
+        "modality (image, video or both), whether it is differentiable (GRAD: the direct methods train on it), the "
+        "weights it needs and its summary. Use one in a config as rewards.NAME.weight=W (options under "
+        "rewards.NAME.options), or score images with flowrl score --reward NAME.",
+    ).set_defaults(fn=cmd_rewards)
 
 
 def _add_bench(sub) -> None:

@@ -356,7 +356,11 @@ class EvalConfig:
 
     prompts: str = setting("test", "train | test | a .jsonl file of prompt records")
     every: int = setting(0, "iterations between evaluations during training (0 = only before and after)")
-    images_per_tag: int = setting(64, "images per prompt tag")
+    images_per_tag: int = setting(
+        64,
+        "images per prompt tag, each tag's prompts taken in turn with new seeds (every prompt file: GenEval metadata "
+        "or not; records without a tag are one tag); 0: each prompt once",
+    )
     num_steps: int = setting(20, "Euler ODE steps")
     guidance_scale: float = setting(4.5, "classifier-free guidance scale")
     seed: int = setting(1234, "seed of the evaluation's noise (the same images before and after)")
@@ -366,12 +370,17 @@ class EvalConfig:
         "held-out test prompts when eval.prompts are the trained ones), "
         "printed beside; null: none",
     )
-    held_out_images_per_tag: int = setting(32, "images per tag of eval.held_out")
+    held_out_images_per_tag: int = setting(32, "images per tag of eval.held_out, as eval.images_per_tag")
 
     def __post_init__(self):
         _check(self.every >= 0, "eval.every", ">= 0 (0 = only before and after training)", self.every)
-        _check(self.images_per_tag >= 1, "eval.images_per_tag", ">= 1", self.images_per_tag)
-        _check(self.held_out_images_per_tag >= 1, "eval.held_out_images_per_tag", ">= 1", self.held_out_images_per_tag)
+        _check(self.images_per_tag >= 0, "eval.images_per_tag", ">= 0 (0: each prompt once)", self.images_per_tag)
+        _check(
+            self.held_out_images_per_tag >= 0,
+            "eval.held_out_images_per_tag",
+            ">= 0 (0: each prompt once)",
+            self.held_out_images_per_tag,
+        )
         _check(self.num_steps >= 1, "eval.num_steps", ">= 1", self.num_steps)
         _check(1.0 <= self.guidance_scale <= 100.0, "eval.guidance_scale", "in [1, 100]", self.guidance_scale)
         _check(0 <= self.seed < 2**63, "eval.seed", "in [0, 2^63)", self.seed)

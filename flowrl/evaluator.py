@@ -14,7 +14,7 @@ import torch
 
 from .evaluation import evaluate, evaluate_reward, expand_per_tag, generate
 
-__all__ = ["Evaluator", "eval_metrics", "geneval_reader"]
+__all__ = ["Evaluator", "before_after_line", "eval_metrics", "geneval_reader"]
 
 GRID_IMAGES = 12
 """Images in the before/after grid."""
@@ -34,6 +34,39 @@ def eval_metrics(result: dict) -> dict[str, float]:
     """An evaluation's logged metrics: ``eval/overall`` and ``eval/<tag>`` per tag, from :meth:`Evaluator.evaluate`'s
     ``overall`` and ``per_tag``."""
     return {"eval/overall": result["overall"], **{f"eval/{k}": v for k, v in result["per_tag"].items()}}
+
+
+COMPARED = ("n_images", "num_steps", "guidance_scale")
+"""What two evaluations must share to be printed as one before -> after comparison."""
+
+
+def before_after_line(before: dict, after: dict, prompts: str, held_out: str | None = None) -> str:
+    """The run's summary, e.g. ``"GenEval strict accuracy on test prompts: 0.250 -> 0.279"`` (other prompts: the mean
+    weighted reward, and each reward's where there are several; ``held_out``: the same for ``eval.held_out``). Two
+    evaluations that differ in :data:`COMPARED` are printed apart, each with its image count, not as one comparison.
+
+    Args:
+        before, after (`dict`): :meth:`Evaluator.with_held_out` results before and after training.
+        prompts (`str`): ``eval.prompts``. held_out (`str`, optional): ``eval.held_out``.
+    """
+    rewards = before.get("per_reward", {})
+    what = "mean weighted reward" if "per_reward" in before else "GenEval strict accuracy"
+
+    def pair(b: dict, a: dict) -> str:
+        if all(b.get(k) == a.get(k) for k in COMPARED):
+            return f"{b['overall']:.3f} -> {a['overall']:.3f}"
+        return (
+            f"before {b['overall']:.3f} ({b.get('n_images')} images, {b.get('num_steps')} steps), after "
+            f"{a['overall']:.3f} ({a.get('n_images')} images, {a.get('num_steps')} steps): evaluated differently, "
+            "not compared"
+        )
+
+    line = f"{what} on {prompts} prompts: {pair(before, after)}"
+    if len(rewards) > 1 and all(before.get(k) == after.get(k) for k in COMPARED):
+        line += " (" + ", ".join(f"{k} {v:.3f} -> {after['per_reward'][k]:.3f}" for k, v in rewards.items()) + ")"
+    if "held_out" in before and "held_out" in after:
+        line += f"; held-out {held_out} prompts: {pair(before['held_out'], after['held_out'])}"
+    return line
 
 
 class Evaluator:
@@ -58,19 +91,26 @@ class Evaluator:
         """What an evaluation draws, in words, e.g. ``"256 images of eval.prompts, 192 of eval.held_out, 10 Euler
         steps"``."""
         e = self.cfg.eval
-
-        def images(metas: list[dict], per_tag: int) -> int:
-            return len(expand_per_tag(metas, per_tag)) if all("include" in m for m in metas) else len(metas)
-
-        plan = f"{images(self.metas, e.images_per_tag)} images of eval.prompts"
+        plan = f"{len(self.selection(self.metas, e.images_per_tag))} images of eval.prompts"
         if self.held_out:
-            plan += f", {images(self.held_out, e.held_out_images_per_tag)} of eval.held_out"
+            plan += f", {len(self.selection(self.held_out, e.held_out_images_per_tag))} of eval.held_out"
         return f"{plan}, {e.num_steps} Euler steps"
+
+    @staticmethod
+    def selection(metas: list[dict], images_per_tag: int) -> list[dict]:
+        """The prompt records an evaluation of `metas` draws one image of each, for every prompt file alike (GenEval
+        metadata or not): `images_per_tag` per tag, each tag's prompts taken in turn (records without a ``tag`` are
+        one tag; :func:`flowrl.evaluation.expand_per_tag`); 0: every record once (in the file's order where the
+        records carry no GenEval metadata)."""
+        if images_per_tag == 0 and not all("include" in m for m in metas):
+            return list(metas)
+        return expand_per_tag(metas, images_per_tag)
 
     def evaluate(self, metas: list[dict] | None = None, images_per_tag: int | None = None) -> dict:
         """Evaluation with ODE sampling (EMA weights if configured) of ``eval.prompts`` (or `metas`, with
-        `images_per_tag` instead of ``eval.images_per_tag``): GenEval strict accuracy where the prompts carry GenEval
-        metadata, else the mean of the run's rewards. Every process calls it and gets the whole result.
+        `images_per_tag` instead of ``eval.images_per_tag``), one image per record of :meth:`selection`: GenEval
+        strict accuracy where the prompts carry GenEval metadata, else the mean of the run's rewards. Every process
+        calls it and gets the whole result.
 
         Returns:
             `dict`: ``{"overall": float, "per_tag": {tag: float}, "n_images": int, ...}`` (accuracies in [0, 1]:
@@ -78,7 +118,8 @@ class Evaluator:
             :func:`flowrl.evaluation.evaluate_reward`).
         """
         e, shift, batch = self.cfg.eval, self.cfg.sampling.shift, self.cfg.sampling.batch_size
-        metas, images_per_tag = metas or self.metas, images_per_tag or e.images_per_tag
+        metas = metas or self.metas
+        images_per_tag = e.images_per_tag if images_per_tag is None else images_per_tag
         acc = self.accelerator
         with self.policy.ema_weights(), self.policy.autocast():
             if all("include" in m for m in metas):
@@ -86,7 +127,8 @@ class Evaluator:
                 steps = (images_per_tag, e.num_steps, e.guidance_scale, shift, e.seed, batch)
                 return evaluate(self.model, metas, *steps, accelerator=acc, judge=judge)
             steps = (1, e.num_steps, e.guidance_scale, shift, e.seed, batch)
-            return evaluate_reward(self.model, metas, self.rewards, *steps, accelerator=acc)
+            chosen = self.selection(metas, images_per_tag)
+            return evaluate_reward(self.model, chosen, self.rewards, *steps, accelerator=acc)
 
     def with_held_out(self) -> dict:
         """:meth:`evaluate`, with ``"held_out"``: the same evaluation of ``eval.held_out``

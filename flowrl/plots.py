@@ -56,15 +56,15 @@ def save_reward_curve(metrics: list[dict], result: dict | None, path: str | Path
 
 
 def reward_curve_figure(metrics: list[dict], result: dict | None):
-    """The training reward per iteration and the evaluations (``eval.prompts``: held-out or the trained prompts) on one
-    iteration axis.
+    """The training reward per iteration (top panel) and the evaluations of ``eval.prompts`` (bottom panel) on one
+    iteration axis: each quantity on its own panel and scale, no second y axis.
 
-    Training reward (left axis): ``reward/total/mean`` in black and each prompt tag's ``reward/tag/<tag>/mean``
-    in its own colour, labelled by the tag's name (and each reward's ``reward/<name>/mean`` when there are
-    several), as faint per-iteration points under a moving average over :data:`SMOOTHING_WINDOW` iterations
-    (:func:`moving_average`). Evaluation (right axis, strict accuracy in [0, 1]): ``eval/overall``
-    (black diamonds) and ``eval/<tag>`` (circles in the tag's colour) on the iterations that logged them, with
-    ``result``'s ``before`` at iteration 0 and ``after`` at its last iteration.
+    Training reward: ``reward/total/mean`` in black and each prompt tag's ``reward/tag/<tag>/mean`` in its own colour,
+    labelled by the tag's name (and each reward's ``reward/<name>/mean`` when there are several), as faint
+    per-iteration points under a moving average over :data:`SMOOTHING_WINDOW` iterations (:func:`moving_average`;
+    none drawn where the iteration logged none). Evaluation (strict accuracy in [0, 1] for GenEval prompts, else the
+    mean weighted reward): ``eval/overall`` (black diamonds) and ``eval/<tag>`` (circles in the tag's colour) on the
+    iterations that logged them, with ``result``'s ``before`` at iteration 0 and ``after`` at its last iteration.
 
     Args:
         metrics: the rows of ``metrics.jsonl``, each with ``iteration`` and ``reward/...`` means (``eval/...``
@@ -73,13 +73,12 @@ def reward_curve_figure(metrics: list[dict], result: dict | None):
             ``per_tag``; ``iterations``), or None for the evaluations during training only.
 
     Returns:
-        The matplotlib ``Figure``; its axes are ``[training reward, evaluation accuracy]``, the legend on the first.
+        The matplotlib ``Figure``; its axes are ``[training reward, evaluation]``, each with its legend right of it.
     """
     from matplotlib.lines import Line2D
 
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(9, 4.8))
-    ev = ax.twinx()
+    fig, (ax, ev) = plt.subplots(2, 1, figsize=(9, 6.4), sharex=True, height_ratios=(3, 2))
     tags = sorted({k.split("/")[2] for m in metrics for k in m if re.fullmatch(r"reward/tag/[^/]+/mean", k)})
     colors = {tag: plt.cm.tab10(i % 10) for i, tag in enumerate(tags)}
     handles = _plot_training_reward(ax, metrics, colors)
@@ -91,19 +90,22 @@ def reward_curve_figure(metrics: list[dict], result: dict | None):
     xs, ys = _eval_points(metrics, result, last, "eval/overall", lambda r: r.get("overall"))
     ev.plot(xs, ys, "D--", color="black", ms=6, lw=1.2)
     accuracy = not any("per_reward" in (result or {}).get(k, {}) for k in ("before", "after"))  # GenEval prompts
-    what = "evaluation accuracy" if accuracy else "evaluation reward"
     handles += [
         Line2D([], [], color="0.3", marker=".", ls="", alpha=0.4, label="per iteration"),
         Line2D([], [], color="0.3", lw=1.5, label=f"mean of last {SMOOTHING_WINDOW} iterations"),
-        Line2D([], [], color="black", marker="D", ls="--", label=f"{what} (right axis)"),
-        Line2D([], [], color="0.3", marker="o", ls=":", label=f"{what} per tag"),
     ]
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("training reward (mean per iteration)")
+    what = "accuracy" if accuracy else "reward"
+    ev_handles = [
+        Line2D([], [], color="black", marker="D", ls="--", label=f"evaluation {what}"),
+        Line2D([], [], color="0.3", marker="o", ls=":", label=f"evaluation {what} per tag"),
+    ]
+    ax.set_ylabel("training reward\n(mean per iteration)")
+    ev.set_xlabel("iteration")
     ev.set_ylabel("GenEval strict accuracy on eval.prompts" if accuracy else "mean weighted reward on eval.prompts")
     if accuracy:
         ev.set_ylim(-0.02, 1.02)
-    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.1, 1), borderaxespad=0)
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
+    ev.legend(handles=ev_handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
     fig.tight_layout()
     return fig
 
@@ -111,7 +113,7 @@ def reward_curve_figure(metrics: list[dict], result: dict | None):
 def _plot_training_reward(ax, metrics: list[dict], colors: dict) -> list:
     """Plot each tag's reward (``colors``: tag -> colour), each reward's when there are several, and the total
     on ``ax``: faint points per iteration under their :func:`moving_average`. Sets the y range to [0, 1] when
-    every value lies there (the right axis's range). Returns the legend handles, one per curve."""
+    every value lies there. Returns the legend handles, one per curve."""
     from matplotlib.lines import Line2D
 
     names = sorted({k.split("/")[1] for m in metrics for k in m if re.fullmatch(r"reward/[^/]+/mean", k)} - {"total"})
@@ -131,7 +133,9 @@ def _plot_training_reward(ax, metrics: list[dict], colors: dict) -> list:
             continue
         seen += [r for r in raw if r is not None]
         ax.plot(its, np.asarray(raw, dtype=np.float64), ".", color=color, alpha=0.2, ms=3)
-        ax.plot(its, moving_average(raw, SMOOTHING_WINDOW), style, color=color, lw=width)
+        smooth = moving_average(raw, SMOOTHING_WINDOW)
+        smooth[[r is None for r in raw]] = np.nan  # a tag missing from an iteration is not carried forward
+        ax.plot(its, smooth, style, color=color, lw=width)
         handles.append(Line2D([], [], color=color, ls=style, lw=width, label=label))
     if seen and 0 <= min(seen) and max(seen) <= 1:
         ax.set_ylim(-0.02, 1.02)
@@ -174,47 +178,101 @@ def save_grid(before: torch.Tensor, after: torch.Tensor, prompts: list[str], pat
     plt.close(fig)
 
 
-def save_diagnostics(metrics: list[dict], path: str | Path, watched: Sequence[str] = ()) -> None:
-    """Policy diagnostics over training. With per-step statistics (the GRPO family, GRPO-Guard arXiv 2510.22319, Fig. 2
-    style): the ratio's mean and std, the clip fractions above and below 1 and the gradient norm per denoising step
-    (heatmaps: iteration x step; see ``train.step_grad_norms``). Without them (DiffusionNFT and other forward-process
-    methods): the loss, the gradient norm and the method's other ``policy/*`` scalars per iteration. Then the
-    advantage statistics with the fraction of zero-variance groups and the within-group diversity (``diversity/*``:
-    falling towards 0 as the groups collapse onto one image) and the rollouts' mean of each ``watched`` reward (rewards
-    at weight 0, logged as ``reward/<name>/mean`` and not trained on: a gold metric such as ``flowrl overopt``'s)."""
+STEP_PANELS = ("ratio_mean", "ratio_std", "clip_high", "clip_low", "grad_norm")
+"""The per-step statistics (``diag/step_NN/<name>``) drawn as heatmaps, iteration x denoising step."""
+
+DIAGNOSTICS_COLUMNS = 3
+"""Panels per row of ``diagnostics.png``."""
+
+
+def _values(metrics: list[dict], key: str) -> np.ndarray:
+    return np.asarray([row.get(key, np.nan) for row in metrics], dtype=np.float64)  # (N,)
+
+
+def diagnostics_panels(metrics: list[dict]) -> tuple[list[str], dict[str, float]]:
+    """What ``diagnostics.png`` draws: the per-step statistics a run logged (:data:`STEP_PANELS`, by name), or without
+    them each ``policy/*`` scalar; a metric the run never logged, or that kept one value over two or more
+    iterations (a method's ``clipfrac`` at 0, DiffusionNFT's ``old_decay`` at 0.5), gets no panel.
+
+    Returns:
+        ``(panels, constant)``: the panel names in order, and ``{metric: value}`` of those left out for being
+        constant (named in the figure's title instead).
+    """
+    steps = sorted({int(m.group(1)) for row in metrics for k in row if (m := re.match(r"diag/step_(\d+)/", k))})
+    if steps:
+
+        def filled(name: str) -> bool:
+            return any(np.isfinite(_values(metrics, f"diag/step_{k:02d}/{name}")).any() for k in steps)
+
+        return [name for name in STEP_PANELS if filled(name)] or list(STEP_PANELS[:1]), {}
+    keys = sorted({k for row in metrics for k in row if k.startswith("policy/")} - {"policy/optimizer_steps"})
+    panels, constant = [], {}
+    for key in keys:
+        v = _values(metrics, key)
+        v = v[np.isfinite(v)]
+        if v.size >= 2 and v.min() == v.max():
+            constant[key] = float(v[0])
+        elif v.size:
+            panels.append(key)
+    return panels or ["policy/loss"], constant
+
+
+def diagnostics_figure(metrics: list[dict], watched: Sequence[str] = ()):
+    """Policy diagnostics over training, a grid of :data:`DIAGNOSTICS_COLUMNS` panels a row, each with a labelled y
+    axis. With per-step statistics (the GRPO family, GRPO-Guard arXiv 2510.22319, Fig. 2 style): the ratio's mean and
+    std, the clip fractions above and below 1 and the gradient norm per denoising step (heatmaps: iteration x step;
+    see ``train.step_grad_norms``). Without them (DiffusionNFT and other forward-process methods): the loss, the
+    gradient norm and the method's other ``policy/*`` scalars per iteration. Only the panels the run's metrics fill
+    (:func:`diagnostics_panels`; constant ones named in the title). Last, the advantage statistics with the fraction of
+    zero-variance groups and the within-group diversity (``diversity/*``: falling towards 0 as the groups collapse
+    onto one image) and the rollouts' mean of each ``watched`` reward (rewards at weight 0, logged as
+    ``reward/<name>/mean`` and not trained on: a gold metric such as ``flowrl overopt``'s).
+
+    Returns:
+        The matplotlib ``Figure``; its first axes are the panels in order, the advantages' panel after them (then the
+        heatmaps' colour bars).
+    """
     plt = _plt()
+    panels, constant = diagnostics_panels(metrics)
     steps = sorted({int(m.group(1)) for row in metrics for k in row if (m := re.match(r"diag/step_(\d+)/", k))})
     its = [row["iteration"] for row in metrics]
-    if steps:
-        panels = ("ratio_mean", "ratio_std", "clip_high", "clip_low", "grad_norm")
-    else:  # no per-step statistics: the run-level policy scalars, each in its own panel
-        keys = sorted({k for row in metrics for k in row if k.startswith("policy/")} - {"policy/optimizer_steps"})
-        panels = tuple(keys) or ("policy/loss",)
-    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(3.5 * (len(panels) + 1), 3.2))
-    for ax, name in zip(axes[:-1], panels):
+    n = len(panels) + 1
+    cols = min(DIAGNOSTICS_COLUMNS, n)
+    rows = -(-n // cols)
+    fig, grid = plt.subplots(rows, cols, figsize=(4.4 * cols, 3.3 * rows), squeeze=False)
+    axes = list(grid.flat)
+    for ax in axes[n:]:
+        ax.remove()
+    for ax, name in zip(axes, panels):
         if steps:
-            grid = [[row.get(f"diag/step_{k:02d}/{name}", float("nan")) for row in metrics] for k in steps]
+            values = [[row.get(f"diag/step_{k:02d}/{name}", float("nan")) for row in metrics] for k in steps]
             if its:
-                im = ax.imshow(
-                    grid,
-                    aspect="auto",
-                    origin="lower",
-                    interpolation="nearest",
-                    extent=(its[0] - 0.5, its[-1] + 0.5, steps[0] - 0.5, steps[-1] + 0.5),
-                )
-                fig.colorbar(im, ax=ax)
-            ax.set_title(name.replace("_", " ")), ax.set_xlabel("iteration"), ax.set_ylabel("denoising step")
+                extent = (its[0] - 0.5, its[-1] + 0.5, steps[0] - 0.5, steps[-1] + 0.5)
+                im = ax.imshow(values, aspect="auto", origin="lower", interpolation="nearest", extent=extent)
+                fig.colorbar(im, ax=ax, label=name.replace("_", " "))
+            ax.set_title(name.replace("_", " ")), ax.set_ylabel("denoising step")
         else:
-            ax.plot(its, [row.get(name, float("nan")) for row in metrics], ".-", ms=3)
-            ax.set_title(name.split("/", 1)[1].replace("_", " ")), ax.set_xlabel("iteration")
-    ax = axes[-1]
+            ax.plot(its, _values(metrics, name), ".-", ms=3)
+            ax.set_title(name.split("/", 1)[1].replace("_", " ")), ax.set_ylabel(name)
+        ax.set_xlabel("iteration")
+    ax = axes[len(panels)]
     for key in ("advantage/abs_mean", "advantage/zero_variance_frac", "diversity/clip", "diversity/clip_min"):
-        values = [row.get(key, float("nan")) for row in metrics]
-        if key.startswith("advantage/") or any(v == v for v in values):  # the diversity curves where measured
+        values = _values(metrics, key)
+        if key.startswith("advantage/") or np.isfinite(values).any():  # the diversity curves where measured
             ax.plot(its, values, label=key.replace("advantage/", "").replace("/", " "))
     for name in watched:
-        ax.plot(its, [row.get(f"reward/{name}/mean", float("nan")) for row in metrics], "--", label=f"{name} (gold)")
-    ax.set_title("advantages, collapse"), ax.set_xlabel("iteration"), ax.legend(fontsize=8)
+        ax.plot(its, _values(metrics, f"reward/{name}/mean"), "--", label=f"{name} (gold)")
+    ax.set_title("advantages, collapse"), ax.set_xlabel("iteration"), ax.set_ylabel("value"), ax.legend(fontsize=8)
+    if constant:
+        said = ", ".join(f"{k.split('/', 1)[1].replace('_', ' ')} {v:g}" for k, v in constant.items())
+        fig.suptitle(f"constant over the run, not drawn: {said}", fontsize=9)
     fig.tight_layout()
+    return fig
+
+
+def save_diagnostics(metrics: list[dict], path: str | Path, watched: Sequence[str] = ()) -> None:
+    """Write :func:`diagnostics_figure` of ``metrics`` (and the ``watched`` rewards) as a PNG to ``path``."""
+    plt = _plt()
+    fig = diagnostics_figure(metrics, watched)
     fig.savefig(path, dpi=90)
     plt.close(fig)

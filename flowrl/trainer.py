@@ -26,12 +26,13 @@ from .checkpointer import Checkpointer
 from .config import Config, ConfigError, RewardConfig, save_config
 from .diagnostics import diversity_metrics, diversity_probe, peak_memory, precision_summary, resolve_precisions
 from .diversity import StopRules
-from .evaluator import Evaluator, eval_metrics
+from .evaluator import Evaluator, before_after_line, eval_metrics
 from .methods import Rewards, build_method
 from .models.memory import place_frozen
 from .pairing import build_model, resolve_model
 from .policy import Policy, check_accelerate_engine, check_accelerate_precision, check_optimizer
 from .prompt_sampler import PromptSampler, read_prompt_records
+from .resume import check_resume, say
 from .run import RunFolder
 from .scoring import Scorer, build_rewards, given_rewards
 from .trackers import Trackers
@@ -67,6 +68,7 @@ class Trainer:
         from accelerate import Accelerator, DistributedDataParallelKwargs
         from accelerate.utils import ProjectConfiguration
 
+        self._built_at = time.time()  # the summary's minutes count start-up and export too
         if not isinstance(config, Config):
             raise TypeError(f"Trainer takes a flowrl.Config (flowrl.load_config(...)), got {type(config).__name__}")
         given = given_rewards(rewards)  # name -> (callable, weight); checked before any work
@@ -92,12 +94,16 @@ class Trainer:
         self.cfg = cfg = resolve_precisions(cfg, self.device)  # auto -> bf16 or no; config.yaml records the choice
         check_accelerate_precision(acc, cfg.run.mixed_precision)
         check_optimizer(cfg.train.optimizer, acc.device)
-        adapter = resolve_model(cfg)
+        adapter = resolve_model(cfg)  # fills sampling.shift and model.max_sequence_length, as config.yaml has them
+        if cfg.run.resume:  # the run's evaluations stay comparable; other changes are named (flowrl.resume)
+            lines = self.run.on_main(lambda: check_resume(cfg, self.out))  # every process: one verdict
+            say(lines if acc.is_main_process else [])
         self.train_metas = read_prompt_records("train_prompts", cfg.train_prompts)
         self.eval_metas = read_prompt_records("eval.prompts", cfg.eval.prompts)
         self.held_out_metas = read_prompt_records("eval.held_out", cfg.eval.held_out) if cfg.eval.held_out else []
         self.prompts = PromptSampler(self.train_metas, cfg, acc.process_index)
         self.rewards = build_rewards(cfg.rewards, given)
+        self._say(f"loading {cfg.model.path} onto {self.device} ({adapter.PIPELINE})")  # the start-up's long part
         self.model = build_model(cfg, adapter, self.device)
         self._prepare_model()
         self.policy = Policy(self.model, cfg.train, cfg.run.mixed_precision, acc)
@@ -109,6 +115,7 @@ class Trainer:
             cfg, self.model, self.policy, acc, self.rewards, self.eval_metas, self.held_out_metas
         )
         self.checkpointer = Checkpointer(cfg, self.run, self.model, self.policy, self.method)
+        self._say(f"checking the rewards ({', '.join(self.rewards.rewards)}) on one batch")
         self.scorer.smoke(self.model, self.train_metas)  # a broken reward fails here, named
 
     def _prepare_model(self) -> None:
@@ -129,7 +136,8 @@ class Trainer:
                 place_frozen(self.model, m.prompt_cache, m.text_encoders, m.vae_placement, prompts)
 
     def train(self) -> dict:
-        """Run (or resume) the job, holding the run folder's lock throughout.
+        """Run (or resume) the job, holding the run folder's lock throughout; the main process prints the before ->
+        after line (:func:`flowrl.evaluator.before_after_line`) with the minutes taken.
 
         Returns:
             `dict`: ``{"before": eval, "after": eval, "wall_time_s": float, "iterations": int}``, plus ``"stopped"``
@@ -161,8 +169,17 @@ class Trainer:
         if main:
             self.checkpointer.write_eval("eval.json", result)
         self.trackers.log(eval_metrics(after), cfg.run.iterations)
+        self._say(f"trained model: {after['overall']:.3f}; drawing the grid's after half, plots and exports")
         self.checkpointer.export(self.evaluator, self.trackers, self.rewards)
         self.trackers.finish()
+        if main:
+            line = before_after_line(before, after, cfg.eval.prompts, cfg.eval.held_out)
+            whole, trained = (time.time() - self._built_at) / 60, result["wall_time_s"] / 60
+            print(
+                f"{line} in {trained:.1f} min of training ({whole:.1f} min in this call with start-up and export); "
+                f"run folder {self.out}",
+                flush=True,
+            )
         return result
 
     def _evaluate_base(self) -> dict:
@@ -172,6 +189,7 @@ class Trainer:
         before = self.evaluator.with_held_out()
         if self.accelerator.is_main_process:
             self.checkpointer.write_eval("eval_before.json", before)
+            self._say(f"base model: {before['overall']:.3f}; drawing the before/after grid's before half")
             grid = self.evaluator.grid_images()
             self.checkpointer.write_grid_before(grid)
             self.trackers.log_images("grid/before", grid, 0)
@@ -192,7 +210,7 @@ class Trainer:
             self.run.log(metrics)
             self.trackers.log(metrics, it + 1)
             if "reward/total/mean" in metrics:  # offline methods score no rollouts
-                bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}")
+                bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3g}")  # 0.00023, not 0.000
             stopped = self.run.on_main(lambda m=metrics: self.stop_rules.update(m))  # one verdict for every process
             if (it + 1) % cfg.run.save_every == 0 or it + 1 == cfg.run.iterations or stopped:
                 self.checkpointer.save(it + 1, time.time() - t_start)
@@ -281,4 +299,4 @@ class Trainer:
     def _say(self, line: str) -> None:
         """Print ``flowrl train: <line>`` to stderr on the main process."""
         if self.accelerator.is_main_process:
-            print(f"flowrl train: {line}", file=sys.stderr)
+            print(f"flowrl train: {line}", file=sys.stderr, flush=True)

@@ -17,6 +17,23 @@ from flowrl.tiny.build import (
 )
 
 
+def test_the_builder_bar_shows_the_moving_loss():
+    """The bar's loss is the loss of a recent step, not the first step's repeated (tqdm's ``n`` lags its loop)."""
+    from tqdm import tqdm
+
+    from flowrl.tiny.build import _optimizer_step
+
+    w = torch.nn.Parameter(torch.tensor(1.0))
+    opt = torch.optim.SGD([w], lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    shown = []
+    bar = tqdm(range(60), disable=True)
+    for step in bar:
+        _optimizer_step(w * (step + 1), [w], opt, sched, bar)  # loss = step + 1
+        shown.append(bar.postfix)
+    assert shown[0] == "loss=1.0000" and shown[25] == "loss=26.0000" and shown[59] == "loss=51.0000"
+
+
 def test_tokenizer_is_the_real_clip_bpe():
     tok = build_tokenizer()
     assert len(tok) == 49408 and tok.model_max_length == MAX_TOKENS

@@ -53,8 +53,26 @@ def _evaluator(model, metas, held_out=(), **over) -> Evaluator:
 def test_the_plan_counts_the_images_of_each_prompt_set(model):
     geneval = split(0)[1]  # 90 prompts of 6 tags: one image per tag
     assert _evaluator(model, geneval).plan() == "6 images of eval.prompts, 2 Euler steps"
-    both = _evaluator(model, geneval, PLAIN, **{"eval.held_out_images_per_tag": 2})
-    assert both.plan() == "6 images of eval.prompts, 3 of eval.held_out, 2 Euler steps"  # plain prompts: each once
+    both = _evaluator(model, geneval, PLAIN, **{"eval.held_out_images_per_tag": 3})
+    assert both.plan() == "6 images of eval.prompts, 3 of eval.held_out, 2 Euler steps"  # plain prompts: one tag
+
+
+def test_images_per_tag_counts_for_video_and_reward_only_prompt_files(model):
+    """eval.images_per_tag means the same for every prompt file: the motion prompts' four directions are tags, a
+    reward-only file without tags is one tag; 0 keeps each prompt once, in the file's order."""
+    from flowrl.files import REPO_ROOT
+    from flowrl.prompt_sets import read_prompt_set
+
+    video = read_prompt_set(REPO_ROOT / "assets/prompts/video_test.jsonl")
+    assert len(video) == 80 and not any("include" in m for m in video)
+    two = Evaluator.selection(video, 2)
+    assert len(two) == 8 and sorted(m["tag"] for m in two) == sorted(["left", "right", "up", "down"] * 2)
+    assert _evaluator(model, video, **{"eval.images_per_tag": 2}).plan() == "8 images of eval.prompts, 2 Euler steps"
+    assert Evaluator.selection(video, 0) == video  # each once, in order: the shipped tiny_video evaluation
+    assert _evaluator(model, PLAIN, **{"eval.images_per_tag": 5}).plan() == "5 images of eval.prompts, 2 Euler steps"
+    assert [m["prompt"] for m in Evaluator.selection(PLAIN, 4)] == [m["prompt"] for m in PLAIN + PLAIN[:1]]
+    result = _evaluator(model, PLAIN, **{"eval.images_per_tag": 2}).evaluate()
+    assert result["n_images"] == 2 and result["rewards"]["brightness"]["n_images"] == 2
 
 
 def test_geneval_prompts_are_judged_with_the_ema_weights_under_autocast(model):
@@ -69,7 +87,7 @@ def test_geneval_prompts_are_judged_with_the_ema_weights_under_autocast(model):
 
 
 def test_prompts_without_geneval_metadata_are_scored_by_the_runs_rewards(model):
-    result = _evaluator(model, PLAIN).evaluate()
+    result = _evaluator(model, PLAIN, **{"eval.images_per_tag": 0}).evaluate()
     assert result["n_images"] == 3 and set(result["per_reward"]) == {"brightness"}
     assert 0 <= result["overall"] <= 1 and result["overall"] == pytest.approx(result["per_reward"]["brightness"])
 
@@ -78,7 +96,7 @@ def test_held_out_prompts_are_evaluated_beside_and_named(model):
     evaluator = _evaluator(model, PLAIN, PLAIN[:2], **{"eval.held_out_images_per_tag": 2})
     evaluator.cfg.eval.held_out = "held.jsonl"
     result = evaluator.with_held_out()
-    assert result["n_images"] == 3 and result["held_out"]["n_images"] == 2
+    assert result["n_images"] == 1 and result["held_out"]["n_images"] == 2  # one tag: 1 and 2 images
     assert result["held_out"]["prompts"] == "held.jsonl"
     assert "held_out" not in _evaluator(model, PLAIN).with_held_out()
 

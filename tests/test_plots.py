@@ -99,14 +99,15 @@ def test_reward_evaluations_are_labelled_as_rewards_and_several_rewards_are_told
 
 
 def test_diagnostics_of_a_method_without_per_step_statistics_plot_its_policy_scalars(tmp_path):
-    from flowrl.plots import save_diagnostics
+    from flowrl.plots import diagnostics_figure, save_diagnostics
 
     rows = [
         {
             "iteration": i,
             "policy/loss": 0.1 * i,
-            "policy/grad_norm": 1.0,
-            "policy/old_decay": 0.5,
+            "policy/grad_norm": 1.0 + 0.1 * i,
+            "policy/old_decay": 0.5,  # DiffusionNFT's constant: no panel
+            "policy/clipfrac": 0.0,
             "policy/optimizer_steps": 2,
             "advantage/abs_mean": 0.8,
         }
@@ -114,17 +115,58 @@ def test_diagnostics_of_a_method_without_per_step_statistics_plot_its_policy_sca
     ]
     save_diagnostics(rows, tmp_path / "nft.png")
     assert (tmp_path / "nft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    import matplotlib.pyplot as plt
-
-    captured = {}
-    original = plt.Figure.savefig
-    plt.Figure.savefig = lambda fig, *a, **k: captured.setdefault("axes", fig.axes)
     for row in rows:
         row["reward/geneval_strict/mean"] = 0.25
-    try:
-        save_diagnostics(rows, tmp_path / "again.png", watched=["geneval_strict"])
-    finally:
-        plt.Figure.savefig = original
-    assert [x.get_title() for x in captured["axes"]][:3] == ["grad norm", "loss", "old decay"]  # no empty heatmaps
-    gold = [line for line in captured["axes"][-1].get_lines() if line.get_label() == "geneval_strict (gold)"]
+    fig = diagnostics_figure(rows, watched=["geneval_strict"])
+    assert [x.get_title() for x in fig.axes] == ["grad norm", "loss", "advantages, collapse"]
+    assert all(x.get_ylabel() for x in fig.axes)
+    assert fig._suptitle.get_text() == "constant over the run, not drawn: clipfrac 0, old decay 0.5"
+    gold = [line for line in fig.axes[-1].get_lines() if line.get_label() == "geneval_strict (gold)"]
     assert len(gold) == 1 and list(gold[0].get_ydata()) == [0.25] * 5  # the watched reward drawn with collapse
+
+
+def test_diagnostics_is_a_grid_of_the_panels_a_method_fills():
+    """AWM-like: eight varying policy scalars and two constant ones make 8 + 1 panels in 3 rows of 3, readable at
+    normal size; GRPO-like per-step heatmaps without gradient norms leave that heatmap out."""
+    from flowrl.plots import diagnostics_figure
+
+    names = [f"policy/m{k}" for k in range(8)]
+    rows = [
+        {"iteration": i, **{n: i * (k + 1) for k, n in enumerate(names)}, "policy/clipfrac": 0.0, "policy/kl": 0.0}
+        for i in range(1, 4)
+    ]
+    fig = diagnostics_figure(rows)
+    panels = list(fig.axes)
+    assert len(panels) == 9 and {x.get_subplotspec().get_geometry()[:2] for x in panels} == {(3, 3)}
+    width, height = fig.get_size_inches() * 90
+    assert width <= 1400 and height >= 0.5 * width  # about square, not a strip of 2835 x 288 px
+    assert [x.get_title() for x in panels[:8]] == [n.split("/")[1] for n in names]
+    steps = [
+        {
+            "iteration": i,
+            **{f"diag/step_{k:02d}/{s}": 0.1 * i * k for k in range(3) for s in ("ratio_mean", "clip_high")},
+        }
+        for i in range(1, 4)
+    ]
+    fig = diagnostics_figure(steps)
+    titles = [x.get_title() for x in fig.axes if x.get_title()]
+    assert titles == ["ratio mean", "clip high", "advantages, collapse"]
+    assert fig.axes[0].get_subplotspec().get_topmost_subplotspec().get_geometry()[:2] == (1, 3)
+    assert fig.axes[0].get_ylabel() == "denoising step"
+
+
+def test_the_reward_curve_keeps_one_scale_per_quantity_and_carries_no_missing_tag_forward():
+    metrics = fake_metrics(iterations=20)
+    for row in metrics[10:]:
+        del row["reward/tag/colors/mean"]  # the tag is no longer drawn
+    fig = reward_curve_figure(metrics, RESULT)
+    ax, ev = fig.axes  # two panels, no twin axis: each its own quantity and y label
+    assert ax.get_position().y0 > ev.get_position().y1 - 1e-6  # training above, evaluation below
+    assert ev.get_ylim() == (-0.02, 1.02) and ev.get_legend() is not None
+    colors = next(line for line in ax.get_lines() if line.get_linestyle() == "-" and len(line.get_ydata()) == 20)
+    smoothed = [
+        line.get_ydata()
+        for line in ax.get_lines()
+        if line.get_linestyle() == "-" and np.isnan(line.get_ydata()[10:]).all()
+    ]
+    assert colors is not None and len(smoothed) == 1  # the missing tag's curve stops where it stopped

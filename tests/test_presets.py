@@ -104,7 +104,20 @@ def test_bench_budget_reports_base_half_and_full_budget_accuracy(tmp_path, rando
         for o in tiny_overrides(random_pipeline, train, test, tmp_path / "unused")
         if not o.startswith("run.output_dir")
     ]
-    results = run_bench(["flow_grpo"], iterations=1, warmup=0, budget_s=1e-3, overrides=over, out=tmp_path / "b.json")
+    lines = []
+    results = run_bench(
+        ["flow_grpo"],
+        iterations=1,
+        warmup=0,
+        budget_s=1e-3,
+        overrides=over,
+        out=tmp_path / "b.json",
+        progress=lines.append,
+    )
+    # a line for each piece of work as it starts or ends: never minutes without a word
+    assert lines[0] == "flow_grpo (1/1): building the trainer" and lines[1].startswith("evaluating the base model (")
+    assert lines[2].startswith("flow_grpo timed iteration 1/1: ") and lines[2].endswith(" s")
+    assert lines[3].startswith("flow_grpo budget: ") and lines[-1] == "flow_grpo: evaluating after the budget"
     row = results["flow_grpo"]
     assert row["budget_iterations"] == 2  # one timed iteration, then one budget iteration (> 1 ms of training)
     assert 0.0 <= row["budget_half_accuracy"] <= 1.0 and 0.0 <= row["budget_accuracy"] <= 1.0
@@ -173,8 +186,10 @@ def test_bench_times_a_sliding_window_at_evenly_spaced_starts():
             "time/train_s": 0.0,
         }
 
-    row = _median_iteration(SimpleNamespace(method=SimpleNamespace(window=window), step=step), 1, 3)
+    lines = []
+    row = _median_iteration(SimpleNamespace(method=SimpleNamespace(window=window), step=step), 1, 3, lines.append, "w")
     assert starts == [0, 4, 8] and row["time/iteration_s"] == 4.0  # the median over the window's range
+    assert lines == ["w timed iteration 1/3: 0.0 s", "w timed iteration 2/3: 4.0 s", "w timed iteration 3/3: 8.0 s"]
     assert window.state_dict() == {"start": 0, "count": 1, "iteration": 1}  # the run's schedule is restored
 
 

@@ -124,15 +124,15 @@ def _batches(n: int, batch: int, steps: int, gen: torch.Generator):
 
 
 def _optimizer_step(loss, params, opt, sched, bar, max_grad_norm: float | None = None) -> None:
-    """Backward, optional gradient clipping of the parameters ``params``, optimizer and scheduler step,
-    progress-bar loss."""
+    """Backward, optional gradient clipping of the parameters ``params``, optimizer and scheduler step, and every 25
+    steps (counted by the scheduler: ``bar.n`` only moves when the bar redraws) the step's loss on the bar."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
     if max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     opt.step()
     sched.step()
-    if bar.n % 25 == 0:  # reading the loss waits for the device
+    if sched.last_epoch % 25 == 1:  # steps 1, 26, 51, ...: reading the loss waits for the device
         bar.set_postfix(loss=f"{loss.item():.4f}")
 
 
@@ -807,14 +807,16 @@ def _read_build(init: str | Path | None) -> dict | None:
 def builder_parser(doc: str, folder: str) -> argparse.ArgumentParser:
     """An asset builder's command line, described by the first line of `doc`, with the arguments every builder takes:
     ``--out`` (the folder the pipeline folder `folder` is built in), ``--overwrite`` and ``--seed``."""
-    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=doc.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )  # every option's help ends with its default
     p.add_argument("--out", default="assets", help=f"folder of the built assets ({folder} inside it)")
     p.add_argument(
         "--overwrite",
         action="store_true",
         help="replace a finished build in --out (the shipped model, with the default --out)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the data, the initial weights and every draw")
     return p
 
 
@@ -830,10 +832,10 @@ def refuse_finished_build(p: argparse.ArgumentParser, out: str, folder: str, all
 
 def main(argv=None) -> None:
     p = builder_parser(__doc__, "tiny-sd3")
-    p.add_argument("--n-scenes", type=int, default=20000)
-    p.add_argument("--clip-steps", type=int, default=600)
-    p.add_argument("--vae-steps", type=int, default=900)
-    p.add_argument("--dit-steps", type=int, default=3000)
+    p.add_argument("--n-scenes", type=int, default=20000, help="rendered training scenes")
+    p.add_argument("--clip-steps", type=int, default=600, help="tiny CLIP optimizer steps")
+    p.add_argument("--vae-steps", type=int, default=900, help="tiny VAE optimizer steps")
+    p.add_argument("--dit-steps", type=int, default=3000, help="transformer optimizer steps")
     p.add_argument("--dit-lr", type=float, default=1e-3, help="peak learning rate of the transformer")
     p.add_argument("--dit-t-mean", type=float, default=0.0, help="logit-normal mean of the training times")
     p.add_argument("--dit-batch", type=int, default=128, help="scenes per transformer optimizer step")

@@ -385,13 +385,13 @@ def _write_build_json(folder: Path, settings: dict, times: dict[str, float]) -> 
 def main(argv=None) -> None:
     p = builder_parser(__doc__, "tiny-wan")
     p.add_argument("--n-clips", type=int, default=2000, help="rendered pre-training clips")
-    p.add_argument("--vae-steps", type=int, default=200)
+    p.add_argument("--vae-steps", type=int, default=200, help="tiny Wan VAE optimizer steps")
     p.add_argument("--vae-batch", type=int, default=8, help="clips per VAE optimizer step")
-    p.add_argument("--dit-steps", type=int, default=1000)
+    p.add_argument("--dit-steps", type=int, default=1000, help="transformer optimizer steps")
     p.add_argument("--dit-batch", type=int, default=64, help="clips per transformer optimizer step")
     p.add_argument("--dit-lr", type=float, default=1e-3, help="peak learning rate of the transformer")
     p.add_argument("--text-lr", type=float, default=1e-3, help="peak learning rate of the text encoder (0: frozen)")
-    p.add_argument("--dit-layers", type=int, default=4)
+    p.add_argument("--dit-layers", type=int, default=4, help="transformer blocks")
     p.add_argument("--dit-width", type=int, default=64, help="hidden size (a multiple of 32)")
     p.add_argument("--vae-from", default=None, help="reuse the VAE of an earlier build's tiny-wan folder")
     p.add_argument(

@@ -100,9 +100,11 @@ class Trainer:
         check_accelerate_precision(acc, cfg.run.mixed_precision)
         check_optimizer(cfg.train.optimizer, acc.device)
         adapter = resolve_model(cfg)
-        self.train_metas = read_prompt_records("train_prompts", cfg.train_prompts)
-        self.eval_metas = read_prompt_records("eval.prompts", cfg.eval.prompts)
-        self.held_out_metas = read_prompt_records("eval.held_out", cfg.eval.held_out) if cfg.eval.held_out else []
+        sources = adapter.SOURCE_REQUIRED  # image-to-video: every record names its first frame
+        self.train_metas = read_prompt_records("train_prompts", cfg.train_prompts, sources)
+        self.eval_metas = read_prompt_records("eval.prompts", cfg.eval.prompts, sources)
+        held_out = read_prompt_records("eval.held_out", cfg.eval.held_out, sources) if cfg.eval.held_out else []
+        self.held_out_metas = held_out
         self.prompts = PromptSampler(self.train_metas, cfg, acc.process_index)
         self.rewards = build_rewards(cfg.rewards, given)
         self.model = build_model(cfg, adapter, self.device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import REPO, tiny_overrides
 
 from flowrl.config import ConfigError, load_config
 from flowrl.trainer import Trainer, iteration_seed
@@ -78,3 +78,27 @@ def test_a_stop_rule_on_a_metric_the_first_iteration_does_not_log_is_named(
     assert len(warnings) == 2, warnings  # the diversity model is off (tiny_overrides)
     assert "'policy/clipfrc' is not logged at this iteration" in warnings[0] and "reward/total/mean" in warnings[0]
     assert "'diversity/clip' is not logged" in warnings[1]
+
+
+def test_image_to_video_records_without_their_source_are_refused_before_the_model_loads(
+    tmp_path, video_prompts, i2v_prompts, monkeypatch
+):
+    """A record of an image-to-video run without ``image`` would train a video from a blank frame: named by file and
+    line before any weight loads (``flowrl sample --prompt`` still draws from the blank frame)."""
+    from tiny_pipelines.wan_i2v import build_random_wan_i2v_pipeline
+
+    import flowrl.trainer as trainer_mod
+    from flowrl.data import read_jsonl
+
+    model = build_random_wan_i2v_pipeline(tmp_path / "wan21")
+    monkeypatch.setattr(trainer_mod, "build_model", lambda *a: pytest.fail("the model loaded"))
+    lines = i2v_prompts[0].read_text().splitlines()
+    mixed = i2v_prompts[0].parent / "mixed.jsonl"  # beside the sources its records name
+    mixed.write_text("\n".join([lines[0], '{"prompt": "a red circle moving up", "tag": "motion"}', *lines[1:]]) + "\n")
+    for train, line in ((video_prompts[0], 1), (mixed, 2)):
+        over = tiny_overrides(model, train, i2v_prompts[1], tmp_path / f"run{line}", **{"model.resolution": 16})
+        with pytest.raises(ConfigError, match=rf"config key 'train_prompts': .*{train.name}:{line}: no 'image'"):
+            Trainer(
+                load_config(REPO / "configs" / "recipes" / "wan_i2v_flow_grpo.yaml", over + ["model.num_frames=5"])
+            )
+    assert len(read_jsonl(mixed)) == 4  # a text-to-image family reads the same file

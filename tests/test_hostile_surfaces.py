@@ -102,3 +102,57 @@ def test_image_to_video_records_without_their_source_are_refused_before_the_mode
                 load_config(REPO / "configs" / "recipes" / "wan_i2v_flow_grpo.yaml", over + ["model.num_frames=5"])
             )
     assert len(read_jsonl(mixed)) == 4  # a text-to-image family reads the same file
+
+
+# ------------------------------------------------------------------------------------------------ offline data sets
+def _offline_rows(data, pairs=True):
+    from types import SimpleNamespace
+
+    from flowrl.methods.offline import offline_rows
+
+    return offline_rows(SimpleNamespace(train=SimpleNamespace(offline=SimpleNamespace(data=str(data)))), pairs)
+
+
+@pytest.mark.parametrize(
+    "name,content,message",
+    [
+        ("latin1.jsonl", '{"prompt": "caf\xe9", "image_w": "a.png", "image_l": "b.png"}\n'.encode("latin-1"),
+         r"data file .*latin1\.jsonl is not UTF-8 text \(byte 15"),
+        ("html.jsonl", b"<!DOCTYPE html>\n<html><body>Not Found</body></html>\n", r"html\.jsonl line 1: not JSON"),
+        ("empty.jsonl", b"\n\n", r"empty\.jsonl: no usable rows"),
+        ("list.jsonl", b"[1, 2]\n", r"list\.jsonl line 1: expected a JSON object, got list"),
+        ("torn.parquet", b"PAR1\x00\x01", r"torn\.parquet is not a readable parquet file"),
+        ("null.jsonl", b'{"caption": "a cat", "jpg_0": null, "jpg_1": "b.png", "label_0": 1}\n',
+         r"null\.jsonl row 1: 'jpg_0' is None; expected an image path"),
+        ("caption.jsonl", b'{"caption": null, "jpg_0": "a.png", "jpg_1": "b.png", "label_0": 0}\n',
+         r"caption\.jsonl row 1: 'caption' is None; expected the prompt's text"),
+        ("number.jsonl", b'{"prompt": "x", "image_w": 3, "image_l": "b.png"}\n', r"number\.jsonl row 1: 'image_w' is 3"),
+    ],
+)  # fmt: skip
+def test_a_bad_offline_data_file_is_named_with_its_row(name, content, message, tmp_path):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ConfigError, match=rf"^config key 'train\.offline\.data': .*{message}"):
+        _offline_rows(tmp_path / name)
+
+
+def test_a_pick_a_pic_parquet_row_with_a_null_image_is_named(tmp_path):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    table = {"caption": ["a", "b"], "jpg_0": [b"\x89PNG", None], "jpg_1": [b"\x89PNG"] * 2, "label_0": [1, 0]}
+    pq.write_table(pa.table(table), tmp_path / "pick.parquet")
+    with pytest.raises(ConfigError, match=r"pick\.parquet row 2: 'jpg_0' is None"):
+        _offline_rows(tmp_path / "pick.parquet")
+
+
+def test_an_offline_data_path_resolves_as_a_prompt_file_does(tmp_path, monkeypatch):
+    """``train.offline.data: assets/preferences/pairs.jsonl`` (the shipped preset's) is found from any working folder;
+    a file of that name in the working folder comes first."""
+    monkeypatch.chdir(tmp_path)
+    assert len(_offline_rows("assets/preferences/pairs.jsonl")) == 229
+    (tmp_path / "assets/preferences").mkdir(parents=True)
+    (tmp_path / "assets/preferences/pairs.jsonl").write_text(
+        '{"prompt": "x", "image_w": "a.png", "image_l": "b.png"}\n'
+    )
+    assert _offline_rows("assets/preferences/pairs.jsonl") == [("x", str(tmp_path / "assets/preferences/a.png"),
+                                                                str(tmp_path / "assets/preferences/b.png"))]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"'train\.offline\.data': no file .*missing\.jsonl"):
+        _offline_rows("missing.jsonl")

@@ -156,3 +156,68 @@ def test_an_offline_data_path_resolves_as_a_prompt_file_does(tmp_path, monkeypat
                                                                 str(tmp_path / "assets/preferences/b.png"))]  # fmt: skip
     with pytest.raises(ConfigError, match=r"'train\.offline\.data': no file .*missing\.jsonl"):
         _offline_rows("missing.jsonl")
+
+
+# ------------------------------------------------------------------------------------------------ paths
+PRESETS = sorted((REPO / "configs").glob("*.yaml"))
+FAST_ELSEWHERE = {"refl"}  # a direct-reward preset (its reward model a path of the preset); the rest in CI (slow)
+
+
+@pytest.mark.parametrize(
+    "preset",
+    [pytest.param(p.stem, marks=[] if p.stem in FAST_ELSEWHERE else pytest.mark.slow) for p in PRESETS],
+)
+def test_every_shipped_preset_trains_from_a_folder_outside_the_repository(preset, tmp_path):
+    """``flowrl train <repo>/configs/PRESET.yaml`` from another working folder: the preset's model, prompt sets, data
+    set and reward model folders (``assets/...``) are found in the repository; its run folder is made in the working
+    folder (docs/reliability.md, "Paths")."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import FLOAT32, shape_overrides
+
+    config = REPO / "configs" / f"{preset}.yaml"
+    video = load_config(config).model.path.endswith("tiny-wan")
+    sizes = {
+        "run.iterations": 2, "run.save_every": 1, "run.device": "cpu", "sampling.num_steps": 3,
+        "sampling.group_size": 2, "sampling.prompts_per_iteration": 2, "sampling.batch_size": 8,
+        "eval.images_per_tag": 1, "eval.num_steps": 2, "train.minibatch_size": 4, "model.lora_rank": 2,
+        "train.offline.batch_size": 4, "eval.every": 0, **FLOAT32, **shape_overrides(load_config(config)),
+    }  # fmt: skip
+    if video:
+        sizes["model.num_frames"] = 5
+    argv = [sys.executable, "-m", "flowrl.cli", "train", str(config), *[f"{k}={v}" for k, v in sizes.items()]]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / load_config(config).run.output_dir  # relative: in the working folder
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert (run / "eval.json").is_file() and not (REPO / load_config(config).run.output_dir / ".flowrl.lock").exists()
+
+
+# ------------------------------------------------------------------------------------------------ commands
+def _fails(capsys, *argv) -> str:
+    from flowrl import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([str(a) for a in argv])
+    assert exit_info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip().startswith("flowrl ")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "name,text",
+    [
+        ("p.txt", "un caf\xe9\n"),
+        ("p.csv", "prompt,tag\nun caf\xe9,food\n"),
+        ("p.json", '["un caf\xe9"]'),
+        ("p.jsonl", '{"prompt": "un caf\xe9"}\n'),
+    ],
+)
+def test_generate_names_a_prompt_file_that_is_not_utf8(name, text, tmp_path, capsys):
+    (tmp_path / name).write_bytes(text.encode("latin-1"))
+    line = _fails(capsys, "generate", "--prompts", tmp_path / name, "--out", tmp_path / "images")
+    assert line.startswith("flowrl generate: error: prompt file ") and f"{name} is not UTF-8 text (byte" in line

@@ -221,3 +221,12 @@ def test_generate_names_a_prompt_file_that_is_not_utf8(name, text, tmp_path, cap
     (tmp_path / name).write_bytes(text.encode("latin-1"))
     line = _fails(capsys, "generate", "--prompts", tmp_path / name, "--out", tmp_path / "images")
     assert line.startswith("flowrl generate: error: prompt file ") and f"{name} is not UTF-8 text (byte" in line
+
+
+def test_overopt_refuses_an_offline_preset_before_any_work(tmp_path, capsys, monkeypatch):
+    import flowrl.trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod, "Trainer", lambda cfg: pytest.fail("a preset ran"))
+    argv = ("overopt", "--presets", "flow_grpo", "dpo_offline", "sft", "--out", tmp_path / "o.json")
+    line = _fails(capsys, *argv)
+    assert line.startswith("flowrl overopt: error: preset(s) dpo_offline, sft train on a data set")

@@ -354,6 +354,47 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 """Weight files that are pickles: no reward model loads them."""
 
 
+def read_json(path: str | os.PathLike, reward: str) -> Any:
+    """The JSON value of the file `path` (a model folder's ``config.json``, a converter's ``model_config.json``).
+
+    Raises:
+        FileNotFoundError: ``"{reward}: no file PATH"``.
+        ValueError: ``"{reward}: PATH is not JSON (...)"`` naming the file, for one that is empty, not UTF-8, or not
+            JSON: an HTML error page saved by a failed download is named as such.
+    """
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{reward}: no file {path}")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{reward}: {path} is not JSON (not UTF-8 text: byte {e.start}, {e.reason})") from None
+    if not text.strip():
+        raise ValueError(f"{reward}: {path} is empty; expected JSON (download the file again)")
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        html = text.lstrip()[:15].lower().startswith(("<!doctype html", "<html", "<?xml", "<head"))
+        what = "an HTML page (a failed download?)" if html else f"not JSON ({e})"
+        raise ValueError(f"{reward}: {path} is {what}; download the file again") from None
+
+
+def check_json_files(folder: str | os.PathLike, reward: str) -> None:
+    """Check that every ``*.json`` file of a model folder (``config.json``, the tokenizer's and processor's) is JSON,
+    before transformers reads one and fails without naming it.
+
+    Raises:
+        ValueError: naming the file (:func:`read_json`).
+    """
+    from pathlib import Path
+
+    for file in sorted(Path(folder).glob("*.json")):
+        read_json(file, reward)
+
+
 def check_weights_folder(folder: str | os.PathLike, reward: str) -> None:
     """Check a reward model's folder before it loads: not only pickled weights, and every ``*.safetensors`` file whole
     (its header and length, read by the safetensors library without loading a tensor).
@@ -365,13 +406,14 @@ def check_weights_folder(folder: str | os.PathLike, reward: str) -> None:
     Raises:
         ValueError: ``"{reward}: FOLDER holds only pickled weights (...)"`` for a folder of ``*.bin`` / ``*.pt`` files
             and no safetensors (they are never unpickled), or ``"{reward}: FILE is not a whole safetensors file"``
-            for a truncated or mislabelled one.
+            for a truncated or mislabelled one, or a ``*.json`` file that is not JSON (:func:`check_json_files`).
     """
     from pathlib import Path
 
     from safetensors import SafetensorError, safe_open
 
     folder = Path(folder)
+    check_json_files(folder, reward)
     safe = sorted(folder.glob("*.safetensors"))
     pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
     if pickled and not safe:

@@ -230,3 +230,37 @@ def test_overopt_refuses_an_offline_preset_before_any_work(tmp_path, capsys, mon
     argv = ("overopt", "--presets", "flow_grpo", "dpo_offline", "sft", "--out", tmp_path / "o.json")
     line = _fails(capsys, *argv)
     assert line.startswith("flowrl overopt: error: preset(s) dpo_offline, sft train on a data set")
+
+
+# ------------------------------------------------------------------------------------------------ reward models
+HTML = b"<!DOCTYPE html>\n<html><head><title>502 Bad Gateway</title></head></html>\n"
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (HTML, "is an HTML page"),
+        (b"", "is empty"),
+        (b'{"a": ', "is not JSON"),
+        (b"\xff\xfe{}", "is not JSON (not UTF-8"),
+    ],
+)
+def test_videoalign_convert_names_a_model_config_that_is_not_json(content, message, tmp_path, capsys):
+    from flowrl.rewards.videoalign_convert import main
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src/model_config.json").write_bytes(content)
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base/config.json").write_text("{}")
+    assert main([str(tmp_path / "src"), str(tmp_path / "dst"), "--base", str(tmp_path / "base")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: videoalign_convert: ") and f"src/model_config.json {message}" in line
+
+
+def test_vqascore_names_a_config_json_that_is_an_html_page(tmp_path):
+    from flowrl.rewards import build_reward
+
+    (tmp_path / "vlm").mkdir()
+    (tmp_path / "vlm/config.json").write_bytes(HTML)
+    with pytest.raises(ValueError, match=r"^vqascore: .*vlm/config\.json is an HTML page \(a failed download\?\)"):
+        build_reward("vqascore", model_path=str(tmp_path / "vlm"))

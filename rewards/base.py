@@ -314,6 +314,8 @@ def build_reward(spec: str, **kwargs: Any) -> Reward:
             path whose module or attribute is missing, or an entry point that does not load (named).
         RewardTypeError (a TypeError): `spec` is not a string, an option the factory does not accept (the
             message lists the accepted ones), or the named or built object is not callable.
+        RewardError: a user's or a plug-in's factory (a dotted path or an entry point) raised while building
+            (``reward factory 'SPEC' raised TYPE: message``, the exception chained).
     """
     if not isinstance(spec, str):
         raise RewardTypeError(f"reward spec must be a registered name or 'package.module:function', got {spec!r}")
@@ -344,7 +346,16 @@ def build_reward(spec: str, **kwargs: Any) -> Reward:
         raise RewardTypeError(f"reward {spec!r}: {err}; accepted options: {accepted or '(none)'}") from None
     except ValueError:  # some builtins have no signature; let the call itself complain
         pass
-    reward = target(**kwargs)
+    if spec in REWARDS:
+        reward = target(**kwargs)
+    else:  # a user's or a plug-in's factory: its own exception (a GPU out of memory while loading) named in one line
+        try:
+            reward = target(**kwargs)
+        except RewardTypeError:
+            raise
+        except Exception as err:
+            message = " ".join(str(err).split()) or "(no message)"
+            raise RewardError(f"reward factory {spec!r} raised {type(err).__name__}: {message}") from err
     if not callable(reward):
         raise RewardTypeError(f"reward factory {spec!r} returned a {type(reward).__name__}, not a callable")
     return reward

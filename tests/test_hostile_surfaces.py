@@ -264,3 +264,15 @@ def test_vqascore_names_a_config_json_that_is_an_html_page(tmp_path):
     (tmp_path / "vlm/config.json").write_bytes(HTML)
     with pytest.raises(ValueError, match=r"^vqascore: .*vlm/config\.json is an HTML page \(a failed download\?\)"):
         build_reward("vqascore", model_path=str(tmp_path / "vlm"))
+
+
+def test_serve_reward_names_a_factory_that_raises(tmp_path, capsys):
+    (tmp_path / "mine.py").write_text(
+        "def factory(device='cpu'):\n    raise RuntimeError('CUDA out of memory.\\nTried to allocate 20.00 GiB')\n"
+    )
+    spec = f"{tmp_path / 'mine.py'}:factory"
+    line = _fails(capsys, "serve-reward", spec, "--port", "0", "--option", "device=cuda")
+    assert line == (
+        f"flowrl serve-reward: error: reward factory '{spec}' raised RuntimeError: CUDA out of memory. Tried to "
+        "allocate 20.00 GiB"
+    )

@@ -276,3 +276,32 @@ def test_serve_reward_names_a_factory_that_raises(tmp_path, capsys):
         f"flowrl serve-reward: error: reward factory '{spec}' raised RuntimeError: CUDA out of memory. Tried to "
         "allocate 20.00 GiB"
     )
+
+
+def test_a_silent_reward_server_is_named_while_it_is_awaited(capsys):
+    """A server that accepts and never answers: a line after ``notice_after`` seconds names the server, the batch and
+    the attempt (first attempts once per reward, every retry); the defaults give up within about a minute and a half."""
+    import socket
+    import time
+
+    from flowrl.rewards import RemoteReward
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # the kernel accepts; nothing ever reads or answers
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        reward = RemoteReward(url, timeout=0.6, retries=1, notice_after=0.2, batch_size=2)
+        for call in (1, 2):
+            start = time.monotonic()
+            with pytest.raises(ConnectionError, match=rf"reward server {url} is unreachable after 2 attempt\(s\)"):
+                reward(torch.rand(3, 3, 8, 8), ["a", "b", "c"], [{}] * 3)
+            assert time.monotonic() - start < 3
+            lines = capsys.readouterr().err.splitlines()
+            waits = [f"remote reward: waiting for {url}/score (batch 1 of 2, 2 images; attempt {n} of 2): no answer "
+                     "after 0.2 s; the attempt gives up after 0.6 s (option timeout)" for n in (1, 2)]  # fmt: skip
+            assert lines == (waits if call == 1 else waits[1:])  # the first attempt's line once per reward
+    finally:
+        silent.close()
+    default = RemoteReward(url)
+    assert (default.retries + 1) * default.timeout + 0.5 + 1.0 <= 100 and default.notice_after == 5.0

@@ -11,7 +11,15 @@ from pathlib import Path
 
 from .data import prompt_file, read_jsonl
 from .deferred import defer
-from .files import RunFolderInUse, atomic_output, check_model_folder, probe_output, resolve_path, write_text_atomic
+from .files import (
+    RunFolderInUse,
+    atomic_output,
+    check_model_folder,
+    probe_output,
+    resolve_option_paths,
+    resolve_path,
+    write_text_atomic,
+)
 
 USER_ERRORS = (
     ValueError,
@@ -255,7 +263,7 @@ def _eval_rewards(args) -> dict:
     from .precision import autocast
     from .rewards import WeightedSum, build_reward
 
-    reward = WeightedSum({spec: (build_reward(spec, **options[spec]), 1.0) for spec in specs})
+    reward = WeightedSum({spec: (build_reward(spec, **resolve_option_paths(options[spec])), 1.0) for spec in specs})
     accelerator = _eval_accelerator(args)
     model = _model(args)
     k = 1 if args.images_per_prompt is None else args.images_per_prompt
@@ -417,7 +425,7 @@ def cmd_score(args) -> dict:
     from .evaluation import summarize
     from .rewards import build_reward
 
-    reward = build_reward(args.reward, **options)
+    reward = build_reward(args.reward, **resolve_option_paths(options))
     scores = score_records(reward, records, args.batch_size)
     summary = {"reward": args.reward, "options": options, **summarize(records, scores)}
     if args.out:

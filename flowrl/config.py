@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -491,6 +493,7 @@ class Config:
             "0: no log-prob; only a DDPM scheduler with set_alpha_to_one false ends above 0)",
             sampling.train_last_step,
         )
+        self._check_stop_rules()
         METHODS[self.train.method].check_config(self)  # what the method (and its rollout shape) cannot run
         if self.sampling.overlap_rewards:  # only where the method samples in chunks
             chunked = sorted(name for name, method in METHODS.items() if method.chunked_rollout(self))
@@ -501,6 +504,13 @@ class Config:
                 f"{' | '.join(chunked)}; the GRPO family with sampling.shape flat and no sampling.shared_noise)",
                 True,
             )
+
+    def _check_stop_rules(self) -> None:
+        """``run.stop_if`` against the metrics known before the run (:func:`flowrl.diversity.check_stop_metrics`)."""
+        from .diversity import check_stop_metrics
+
+        with config_key("run.stop_if"):
+            check_stop_metrics(self.run.stop_if, list(self.rewards))
 
 
 def _load_yaml(path: Path, chain: tuple[Path, ...] = ()):
@@ -538,6 +548,30 @@ def _load_yaml(path: Path, chain: tuple[Path, ...] = ()):
     return OmegaConf.merge(_load_yaml(path.parent / str(base), chain + (path,)), cfg)
 
 
+FREE_FORM = ("model.options", "rewards.*.options")
+"""Keys whose values a family or a reward factory reads (and checks) itself: :func:`check_finite` leaves them alone."""
+
+
+def check_finite(values: dict, prefix: str = "") -> None:
+    """Check that every number of a config (nested dicts and lists, as ``OmegaConf.to_container`` gives them) is
+    finite: a weight, a scale, a rate or a bound of ``inf`` or ``nan`` is a typo, never a setting (``train.awm.kl_beta``
+    of ``inf`` would train on NaN). :data:`FREE_FORM` keys are skipped.
+
+    Raises:
+        ConfigError: ``config key 'KEY' must be a finite number, got inf`` (a list's item named ``KEY[i]``).
+    """
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if any(re.fullmatch(pattern.replace(".", r"\.").replace("*", r"[^.]+"), name) for pattern in FREE_FORM):
+            continue
+        items = [(name, value)] if not isinstance(value, list) else [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+        for label, item in items:
+            if isinstance(item, dict):
+                check_finite(item, label + ".")
+            elif isinstance(item, float):
+                _check(math.isfinite(item), label, "a finite number", item)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Load a YAML preset, apply ``key=value`` overrides and validate.
 
@@ -568,6 +602,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
                 raise ConfigError(f"override {item!r} must look like key=value")
         parts.append(OmegaConf.from_dotlist(list(overrides)))
         merged = OmegaConf.merge(*parts)
+        check_finite(OmegaConf.to_container(merged, resolve=True))
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)

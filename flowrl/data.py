@@ -38,16 +38,17 @@ def write_jsonl(metas: list[dict], path: str | Path) -> None:
     Path(path).write_text("".join(json.dumps(m) + "\n" for m in metas))
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
+def read_jsonl(path: str | Path, require_image: bool = False) -> list[dict]:
     """Read a prompt file: one JSON object with a string ``prompt`` per non-empty line (any GenEval metadata file).
     A record's optional ``image`` (an editing model's source image) is a path relative to the file, returned absolute;
-    its optional ``images`` (FLUX.2's reference images) a non-empty list of such paths, each returned absolute.
+    its optional ``images`` (FLUX.2's reference images) a non-empty list of such paths, each returned absolute. With
+    `require_image` (an image-to-video model, ``FlowModel.SOURCE_REQUIRED``) every record must name its ``image``.
 
     Raises:
         FileNotFoundError: naming the path.
         ValueError: naming the file, for a file that is not UTF-8; naming the file and line of a line that is not JSON, or not an object with a string
             ``prompt``, or whose ``image`` is not a string naming an existing file (or ``images`` not a non-empty list
-            of them); naming the file when it holds no prompt at all.
+            of them), or without ``image`` where `require_image`; naming the file when it holds no prompt at all.
     """
     path = Path(path)
     if not path.is_file():
@@ -67,6 +68,11 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 ) from None
             if not isinstance(meta, dict) or not isinstance(meta.get("prompt"), str):
                 raise ValueError(f"{path}:{i}: expected a JSON object with a 'prompt' key")
+            if require_image and "image" not in meta:
+                raise ValueError(
+                    f"{path}:{i}: no 'image'; this model starts each video from its record's source image (a path "
+                    "relative to the prompt file)"
+                )
             if "image" in meta:
                 image = path.parent / str(meta["image"])  # an absolute path stays as it is
                 if not isinstance(meta["image"], str) or not image.is_file():
@@ -99,10 +105,11 @@ def _image_list(value, path: Path, line: int) -> list[str]:
     return [str(f.resolve()) for f in files]
 
 
-def read_prompts(name: str | Path) -> list[dict]:
-    """The prompt records of a shipped set's name or a file (:func:`prompt_file`, :func:`read_jsonl`).
+def read_prompts(name: str | Path, require_image: bool = False) -> list[dict]:
+    """The prompt records of a shipped set's name or a file (:func:`prompt_file`, :func:`read_jsonl` with
+    `require_image`).
 
     Raises:
         FileNotFoundError, ValueError: as :func:`read_jsonl`.
     """
-    return read_jsonl(prompt_file(name))
+    return read_jsonl(prompt_file(name), require_image)

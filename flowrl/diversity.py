@@ -57,6 +57,28 @@ def parse_stop_rule(text: str) -> StopRule:
     return StopRule(m.group(1), m.group(2), value, count)
 
 
+DIVERSITY_METRICS = ("diversity/clip", "diversity/clip_min")
+"""The metrics :class:`DiversityProbe` logs each iteration (``run.diversity_model``)."""
+
+
+def check_stop_metrics(rules: list[str], rewards: list[str]) -> None:
+    """Check the metrics of ``run.stop_if`` rules that can be known before a run starts: a ``diversity/`` metric must be
+    one of :data:`DIVERSITY_METRICS`, and a ``reward/NAME/`` metric must name one of `rewards` (or ``total`` or
+    ``tag``). The rest, and a diversity metric of a run without a diversity model, are compared with the first
+    iteration's metrics (:meth:`StopRules.unlogged`).
+
+    Raises:
+        ValueError: naming the rule and the metrics it could have meant.
+    """
+    for rule in map(parse_stop_rule, rules):
+        if rule.metric.startswith("diversity/") and rule.metric not in DIVERSITY_METRICS:
+            raise ValueError(f"rule '{rule}': unknown metric {rule.metric!r}; known: {', '.join(DIVERSITY_METRICS)}")
+        parts = rule.metric.split("/")
+        if parts[0] == "reward" and len(parts) > 2 and parts[1] not in (*rewards, "total", "tag"):
+            known = ", ".join(f"reward/{name}/mean" for name in (*rewards, "total"))
+            raise ValueError(f"rule '{rule}': reward {parts[1]!r} is not one of the run's rewards; known: {known}")
+
+
 class StopRules:
     """The run's ``run.stop_if`` rules and how long each has held.
 
@@ -67,6 +89,19 @@ class StopRules:
     def __init__(self, rules: list[str]):
         self.rules = [parse_stop_rule(r) for r in rules]
         self.held = [0] * len(self.rules)
+
+    def unlogged(self, names) -> list[str]:
+        """The rules whose metric is not among `names` (an iteration's metrics and the evaluation's), each as a line
+        naming the rule and the metrics logged. Some metrics are absent from some iterations (``policy/*`` where every
+        group had one reward, ``reward/tag/T/mean`` where no prompt of tag T was drawn), so this is a warning: what
+        can be known before the run (:func:`check_stop_metrics`) is refused there."""
+        names = set(names)
+        return [
+            f"run.stop_if rule '{rule}': {rule.metric!r} is not logged at this iteration (misspelt? it holds only where "
+            f"it is logged); logged: {', '.join(sorted(names))}"
+            for rule in self.rules
+            if rule.metric not in names
+        ]
 
     def update(self, metrics: dict) -> str | None:
         """Count one iteration's `metrics`; returns why the run stops (one line), or None. A metric absent from an

@@ -32,6 +32,29 @@ def resolve_path(path: str | Path) -> Path:
     return path if path.exists() or path.is_absolute() else REPO_ROOT / path
 
 
+PATH_OPTIONS = ("path", "_dir", "_file", "checkpoint")
+"""How the names of a reward's path options end (``model_path``, ``processor_path``, ``checkpoint``, ...): the options
+:func:`resolve_option_paths` resolves."""
+
+
+def resolve_option_paths(options: dict) -> dict:
+    """A reward's options with every relative path option (a key ending in one of :data:`PATH_OPTIONS`, in nested
+    option dicts too) resolved as :func:`resolve_path` does, where the file is in the repository only: the working
+    folder's file first, else the repository's (``model_path: assets/tiny-clip`` from any working folder). A value
+    found in neither is left as given (a hub id such as ``openai/clip-vit-large-patch14``, or a missing folder the
+    reward names)."""
+    out = {}
+    for key, value in options.items():
+        if isinstance(value, dict):
+            value = resolve_option_paths(value)
+        elif isinstance(value, str) and value and str(key).endswith(PATH_OPTIONS):
+            path = Path(value)
+            if not path.is_absolute() and not path.exists() and (REPO_ROOT / path).exists():
+                value = str(REPO_ROOT / path)
+        out[key] = value
+    return out
+
+
 class RunFolderInUse(RuntimeError):
     """Another process holds a run folder's lock; the message names the folder and that process's id."""
 

@@ -61,6 +61,24 @@ def proxy_and_gold(trainer, proxy) -> dict[str, float]:
     }
 
 
+def check_trains_on_rewards(presets) -> None:
+    """Check that every preset trains on its rewards, which ``overopt`` swaps for the proxy: an offline method
+    (``dpo_offline``, ``sft``) trains on its data set and scores no rollout.
+
+    Raises:
+        ValueError: naming the presets of offline methods and what overopt needs.
+    """
+    from .methods import METHODS
+
+    offline = [n for n in presets if not METHODS[load_config(REPO_ROOT / "configs" / f"{n}.yaml").train.method].online]
+    if offline:
+        raise ValueError(
+            f"preset(s) {', '.join(offline)} train on a data set (train.offline.data), not on a reward: overopt trains "
+            "on the proxy reward and needs a method that samples and scores rollouts (a GRPO, forward-process or "
+            "direct-reward preset)"
+        )
+
+
 def run_overopt(
     presets=PRESETS,
     iterations: int = 30,
@@ -84,13 +102,15 @@ def run_overopt(
         ``{"proxy", "gold"}``) and ``out`` with suffix ``.md`` (table).
 
     Raises:
-        ValueError: ``eval_every`` < 1 or ``iterations`` < 1.
+        ValueError: ``eval_every`` < 1 or ``iterations`` < 1, or a preset of an offline method
+            (:func:`check_trains_on_rewards`), before any work.
     """
     from .rewards import build_reward
     from .trainer import Trainer
 
     if iterations < 1 or eval_every < 1:
         raise ValueError(f"overopt: iterations ({iterations}) and eval_every ({eval_every}) must be >= 1")
+    check_trains_on_rewards(presets)
     if proxy_options is None:
         proxy_options = {"model_path": str(REPO_ROOT / "assets" / "tiny-clip")} if proxy == "clipscore" else {}
     scorer = build_reward(proxy, **proxy_options)

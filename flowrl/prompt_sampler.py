@@ -11,14 +11,16 @@ from .data import read_prompts
 __all__ = ["PromptSampler", "read_prompt_records"]
 
 
-def read_prompt_records(key: str, name: str) -> list[dict]:
-    """The prompt records of config key `key` (a shipped set's name or a JSONL file: :func:`flowrl.data.read_prompts`).
+def read_prompt_records(key: str, name: str, require_image: bool = False) -> list[dict]:
+    """The prompt records of config key `key` (a shipped set's name or a JSONL file: :func:`flowrl.data.read_prompts`),
+    each naming its source ``image`` where `require_image` (an image-to-video model).
 
     Raises:
-        FileNotFoundError: a missing file. ConfigError: naming `key`, for a malformed line or no prompt.
+        FileNotFoundError: a missing file. ConfigError: naming `key`, for a malformed line, a record without its
+            ``image`` where `require_image`, or no prompt.
     """
     with config_key(key):
-        return read_prompts(name)
+        return read_prompts(name, require_image)
 
 
 class PromptSampler:

@@ -60,8 +60,9 @@ def _table(path: Path, delimiter: str) -> list[dict]:
 
 def _json(path: Path) -> list[dict]:
     """A JSON list of prompt strings (HPDv2's per-style files; tag: the file's stem) or of objects with a prompt."""
+    text = path.read_text(encoding="utf-8")  # not UTF-8: named by read_prompt_set
     try:
-        items = json.loads(path.read_text(encoding="utf-8"))
+        items = json.loads(text)
     except ValueError as e:
         raise ValueError(f"prompt file {path} is not valid JSON ({e})") from None
     if not isinstance(items, list):
@@ -93,8 +94,8 @@ def read_prompt_set(name: str | Path, fmt: str = "auto") -> list[dict]:
         written back unchanged into GenEval's folder layout.
 
     Raises:
-        FileNotFoundError: naming the file. ValueError: an unknown `fmt`, no prompt in the file, or a malformed
-            line or row (file and line named).
+        FileNotFoundError: naming the file. ValueError: an unknown `fmt`, a file that is not UTF-8 or holds no
+            prompt (the file named), or a malformed line or row (file and line named).
     """
     if fmt not in FORMATS:
         raise ValueError(f"prompt format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -106,12 +107,17 @@ def read_prompt_set(name: str | Path, fmt: str = "auto") -> list[dict]:
         fmt = suffix if suffix in ("jsonl", "csv", "tsv", "json") else "txt"
     if fmt == "jsonl":
         return read_jsonl(path)
-    if fmt in ("csv", "tsv"):
-        metas = _table(path, "," if fmt == "csv" else "\t")
-    elif fmt == "json":
-        metas = _json(path)
-    else:
-        metas = [{"prompt": line.strip()} for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        if fmt in ("csv", "tsv"):
+            metas = _table(path, "," if fmt == "csv" else "\t")
+        elif fmt == "json":
+            metas = _json(path)
+        else:
+            metas = [
+                {"prompt": line.strip()} for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
+            ]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"prompt file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     if not metas:
         raise ValueError(f"prompt file {path} holds no prompts")
     return metas

@@ -17,6 +17,7 @@ import torch
 
 from .config import ConfigError, RewardConfig
 from .diagnostics import tag_means
+from .files import resolve_option_paths
 from .methods import Rewards
 from .overlap import ChunkWorker, cat_scores, chunk_images
 from .rewards import CombinedScores, RewardTypeError, WeightedSum, build_reward, reward_name
@@ -65,7 +66,7 @@ def build_rewards(configured: dict[str, RewardConfig], given: dict[str, tuple] |
     built = {}
     for name, r in configured.items():
         try:
-            built[name] = (build_reward(name, **r.options), r.weight)
+            built[name] = (build_reward(name, **resolve_option_paths(r.options)), r.weight)
         except (ValueError, TypeError) as e:
             if isinstance(e, TypeError) and not isinstance(e, RewardTypeError):
                 raise  # a bug inside the reward's factory: not disguised as bad input

@@ -38,6 +38,13 @@ from .scoring import Scorer, build_rewards, given_rewards
 from .trackers import Trackers
 
 
+def iteration_seed(seed: int, iteration: int, process: int) -> int:
+    """The seed of iteration `iteration`'s generator on process `process` for ``run.seed`` `seed` (any in
+    ``[0, 2^63)``): ``seed * 1000003 + iteration * 1009 + process`` modulo ``2^64``, the range ``torch.Generator``
+    takes (below ``2^64``, every seed of a run that fitted before gets the same draws)."""
+    return (seed * 1_000_003 + iteration * 1009 + process) % 2**64
+
+
 class Trainer:
     """Runs one configured job end to end, writing everything to ``config.run.output_dir``.
 
@@ -98,9 +105,11 @@ class Trainer:
         if cfg.run.resume:  # the run's evaluations stay comparable; other changes are named (flowrl.resume)
             lines = self.run.on_main(lambda: check_resume(cfg, self.out))  # every process: one verdict
             say(lines if acc.is_main_process else [])
-        self.train_metas = read_prompt_records("train_prompts", cfg.train_prompts)
-        self.eval_metas = read_prompt_records("eval.prompts", cfg.eval.prompts)
-        self.held_out_metas = read_prompt_records("eval.held_out", cfg.eval.held_out) if cfg.eval.held_out else []
+        sources = adapter.SOURCE_REQUIRED  # image-to-video: every record names its first frame
+        self.train_metas = read_prompt_records("train_prompts", cfg.train_prompts, sources)
+        self.eval_metas = read_prompt_records("eval.prompts", cfg.eval.prompts, sources)
+        held_out = read_prompt_records("eval.held_out", cfg.eval.held_out, sources) if cfg.eval.held_out else []
+        self.held_out_metas = held_out
         self.prompts = PromptSampler(self.train_metas, cfg, acc.process_index)
         self.rewards = build_rewards(cfg.rewards, given)
         self._say(f"loading {cfg.model.path} onto {self.device} ({adapter.PIPELINE})")  # the start-up's long part
@@ -161,7 +170,7 @@ class Trainer:
         t_start = time.time() - elapsed
         self._say(f"{precision_summary(cfg, self.device)}; run folder {self.out}")
         before = self._evaluate_base() if start == 0 else self.checkpointer.read_eval("eval_before.json")
-        last, stopped = self._iterate(start, t_start)
+        last, stopped = self._iterate(start, t_start, eval_metrics(before).keys())
         self._say(f"evaluating the trained model ({self.evaluator.plan()})")
         after = self.evaluator.with_held_out()
         result = {"before": before, "after": after, "wall_time_s": time.time() - t_start, "iterations": last}
@@ -195,9 +204,10 @@ class Trainer:
             self.trackers.log_images("grid/before", grid, 0)
         return before
 
-    def _iterate(self, start: int, t_start: float) -> tuple[int, str | None]:
+    def _iterate(self, start: int, t_start: float, eval_names) -> tuple[int, str | None]:
         """Iterations ``start ..``: each :meth:`step`, the evaluation every ``eval.every``, the metrics row, the stop
-        rules and the checkpoints. Returns ``(iterations done, the stop rule that held or None)``."""
+        rules (a warning for a rule whose metric is neither in the first row nor in `eval_names`, the evaluation's) and the
+        checkpoints. Returns ``(iterations done, the stop rule that held or None)``."""
         cfg, main = self.cfg, self.accelerator.is_main_process
         todo, n = range(start, cfg.run.iterations), cfg.run.iterations
         bar = tqdm(todo, initial=start, total=n, desc="flowrl train", disable=not main)
@@ -207,6 +217,9 @@ class Trainer:
             metrics["time/elapsed_s"] = time.time() - t_start
             if cfg.eval.every and (it + 1) % cfg.eval.every == 0 and it + 1 < cfg.run.iterations:
                 metrics.update(eval_metrics(self.evaluator.evaluate()))
+            if it == start:  # a misspelt metric would never hold
+                for line in self.stop_rules.unlogged([*metrics, *eval_names]):
+                    self._say(f"warning: {line}")
             self.run.log(metrics)
             self.trackers.log(metrics, it + 1)
             if "reward/total/mean" in metrics:  # offline methods score no rollouts
@@ -285,8 +298,9 @@ class Trainer:
 
     def _generator(self, iteration: int) -> torch.Generator:
         """The iteration's CPU generator (every noise draw and minibatch order), per ``run.seed`` and process."""
-        seed = self.cfg.run.seed * 1_000_003 + iteration * 1009 + self.accelerator.process_index
-        return torch.Generator().manual_seed(seed)
+        return torch.Generator().manual_seed(
+            iteration_seed(self.cfg.run.seed, iteration, self.accelerator.process_index)
+        )
 
     def score(self, images: torch.Tensor, image_prompt: torch.Tensor, metas: list[dict]):
         """:meth:`flowrl.scoring.Scorer.score`: the scores of ``images`` `(B, 3, H, W)` drawn for ``metas``."""

@@ -314,6 +314,8 @@ def build_reward(spec: str, **kwargs: Any) -> Reward:
             path whose module or attribute is missing, or an entry point that does not load (named).
         RewardTypeError (a TypeError): `spec` is not a string, an option the factory does not accept (the
             message lists the accepted ones), or the named or built object is not callable.
+        RewardError: a user's or a plug-in's factory (a dotted path or an entry point) raised while building
+            (``reward factory 'SPEC' raised TYPE: message``, the exception chained).
     """
     if not isinstance(spec, str):
         raise RewardTypeError(f"reward spec must be a registered name or 'package.module:function', got {spec!r}")
@@ -344,7 +346,16 @@ def build_reward(spec: str, **kwargs: Any) -> Reward:
         raise RewardTypeError(f"reward {spec!r}: {err}; accepted options: {accepted or '(none)'}") from None
     except ValueError:  # some builtins have no signature; let the call itself complain
         pass
-    reward = target(**kwargs)
+    if spec in REWARDS:
+        reward = target(**kwargs)
+    else:  # a user's or a plug-in's factory: its own exception (a GPU out of memory while loading) named in one line
+        try:
+            reward = target(**kwargs)
+        except RewardTypeError:
+            raise
+        except Exception as err:
+            message = " ".join(str(err).split()) or "(no message)"
+            raise RewardError(f"reward factory {spec!r} raised {type(err).__name__}: {message}") from err
     if not callable(reward):
         raise RewardTypeError(f"reward factory {spec!r} returned a {type(reward).__name__}, not a callable")
     return reward
@@ -352,6 +363,47 @@ def build_reward(spec: str, **kwargs: Any) -> Reward:
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 """Weight files that are pickles: no reward model loads them."""
+
+
+def read_json(path: str | os.PathLike, reward: str) -> Any:
+    """The JSON value of the file `path` (a model folder's ``config.json``, a converter's ``model_config.json``).
+
+    Raises:
+        FileNotFoundError: ``"{reward}: no file PATH"``.
+        ValueError: ``"{reward}: PATH is not JSON (...)"`` naming the file, for one that is empty, not UTF-8, or not
+            JSON: an HTML error page saved by a failed download is named as such.
+    """
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{reward}: no file {path}")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{reward}: {path} is not JSON (not UTF-8 text: byte {e.start}, {e.reason})") from None
+    if not text.strip():
+        raise ValueError(f"{reward}: {path} is empty; expected JSON (download the file again)")
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        html = text.lstrip()[:15].lower().startswith(("<!doctype html", "<html", "<?xml", "<head"))
+        what = "an HTML page (a failed download?)" if html else f"not JSON ({e})"
+        raise ValueError(f"{reward}: {path} is {what}; download the file again") from None
+
+
+def check_json_files(folder: str | os.PathLike, reward: str) -> None:
+    """Check that every ``*.json`` file of a model folder (``config.json``, the tokenizer's and processor's) is JSON,
+    before transformers reads one and fails without naming it.
+
+    Raises:
+        ValueError: naming the file (:func:`read_json`).
+    """
+    from pathlib import Path
+
+    for file in sorted(Path(folder).glob("*.json")):
+        read_json(file, reward)
 
 
 def check_weights_folder(folder: str | os.PathLike, reward: str) -> None:
@@ -365,13 +417,14 @@ def check_weights_folder(folder: str | os.PathLike, reward: str) -> None:
     Raises:
         ValueError: ``"{reward}: FOLDER holds only pickled weights (...)"`` for a folder of ``*.bin`` / ``*.pt`` files
             and no safetensors (they are never unpickled), or ``"{reward}: FILE is not a whole safetensors file"``
-            for a truncated or mislabelled one.
+            for a truncated or mislabelled one, or a ``*.json`` file that is not JSON (:func:`check_json_files`).
     """
     from pathlib import Path
 
     from safetensors import SafetensorError, safe_open
 
     folder = Path(folder)
+    check_json_files(folder, reward)
     safe = sorted(folder.glob("*.safetensors"))
     pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES and p.is_file())
     if pickled and not safe:

@@ -430,8 +430,9 @@ class RemoteReward:
 
     Args:
         url (`str`): the server, ``http://HOST:PORT`` (as printed by ``flowrl serve-reward``).
-        timeout (`float`, `> 0`): seconds per request once connected (scoring included): a slow server fails after
-            ``(retries + 1) * timeout`` seconds and the backoff.
+        timeout (`float`, `> 0`): seconds per request once connected (scoring included): a server that accepts but
+            does not answer fails after ``(retries + 1) * timeout`` seconds and the backoff (about 92 s with the
+            defaults, 30 s and 2 retries, for a reward that answers a batch in seconds; raise it for a slower one).
         connect_timeout (`float`, `> 0`): seconds to open the connection: an unreachable server fails within
             ``(retries + 1) * connect_timeout`` seconds and the backoff (about 10 s with the defaults).
         retries (`int`, `>= 0`): retries per request after the first attempt.
@@ -439,6 +440,8 @@ class RemoteReward:
             scores equal local ones exactly), ``uint8`` or ``png`` (8-bit, for slow links).
         batch_size (`int` or `None`): images per request; `None` sends each call as one request.
         video (`bool`): the served reward scores `(B, F, 3, H, W)` videos (sets :attr:`accepts_video`).
+        notice_after (`float`, `> 0`): a request still unanswered after this many seconds prints one line on stderr
+            naming the server, the batch and the attempt (once per reward for first attempts, on every retry).
 
     Raises:
         ValueError: a `url` that is not ``http(s)://HOST[:PORT]``, or an option out of range (named).
@@ -449,12 +452,13 @@ class RemoteReward:
     def __init__(
         self,
         url: str,
-        timeout: float = 120.0,
+        timeout: float = 30.0,
         retries: int = 2,
         encoding: str = "float32",
         batch_size: int | None = None,
         video: bool = False,
         connect_timeout: float = 2.0,
+        notice_after: float = 5.0,
     ):
         parsed = urllib.parse.urlparse(url if isinstance(url, str) else "")
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -472,6 +476,8 @@ class RemoteReward:
             or not connect_timeout > 0
         ):
             raise ValueError(f"remote reward: connect_timeout must be seconds > 0, got {connect_timeout!r}")
+        if not isinstance(notice_after, (int, float)) or isinstance(notice_after, bool) or not notice_after > 0:
+            raise ValueError(f"remote reward: notice_after must be seconds > 0, got {notice_after!r}")
         if encoding not in ENCODINGS:
             raise ValueError(f"remote reward: encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
         if batch_size is not None and (not is_integer(batch_size) or batch_size < 1):
@@ -479,11 +485,31 @@ class RemoteReward:
         self.url = url.rstrip("/")
         self.timeout, self.retries, self.encoding, self.batch_size = float(timeout), retries, encoding, batch_size
         self.accepts_video = bool(video)
-        self.connect_timeout = float(connect_timeout)
+        self.connect_timeout, self.notice_after, self._noticed = float(connect_timeout), float(notice_after), False
         self.address = (parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80))
 
-    def _request(self, path: str, body: bytes | None = None) -> dict:
-        """The JSON reply of ``GET`` (no body) or ``POST`` ``path``, retried as the class says.
+    def _notice(self, target: str, what: str, attempt: int) -> threading.Timer | None:
+        """A started timer that prints, after ``notice_after`` seconds without an answer, what the request waits for
+        (None where it would not print: a first attempt once one has printed)."""
+        if attempt == 0 and self._noticed:
+            return None
+        line = (
+            f"remote reward: waiting for {target} ({what}attempt {attempt + 1} of {self.retries + 1}): no answer "
+            f"after {self.notice_after:g} s; the attempt gives up after {self.timeout:g} s (option timeout)"
+        )
+
+        def say() -> None:
+            self._noticed = True
+            print(line, file=sys.stderr, flush=True)
+
+        timer = threading.Timer(self.notice_after, say)
+        timer.daemon = True
+        timer.start()
+        return timer
+
+    def _request(self, path: str, body: bytes | None = None, what: str = "") -> dict:
+        """The JSON reply of ``GET`` (no body) or ``POST`` ``path``, retried as the class says; `what` (``"batch 2
+        of 3, 8 images; "``) is named in the line printed while an answer is late.
 
         Raises:
             ConnectionError: the server cannot be reached (or times out) after the retries; the message names
@@ -496,8 +522,10 @@ class RemoteReward:
             if attempt:
                 time.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
             request = urllib.request.Request(target, data=body, headers=headers, method="POST" if body else "GET")
+            timer = None
             try:
                 socket.create_connection(self.address, timeout=self.connect_timeout).close()  # unreachable: fast
+                timer = self._notice(target, what, attempt)
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
                     raw = response.read()
                 break
@@ -516,6 +544,9 @@ class RemoteReward:
             ) as e:
                 cause = getattr(e, "reason", e)
                 reason = f"{type(cause).__name__}: {_one_line(cause)}" if str(cause) else type(cause).__name__
+            finally:
+                if timer is not None:
+                    timer.cancel()
         else:
             raise ConnectionError(
                 f"remote reward: reward server {self.url} is unreachable after "
@@ -541,11 +572,11 @@ class RemoteReward:
         """
         return self._request("/health")
 
-    def _score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+    def _score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict], what: str = "") -> torch.Tensor:
         body = json.dumps(
             {"images": encode_images(images, self.encoding), "prompts": prompts, "metadata": metadata}
         ).encode()
-        reply = self._request("/score", body)
+        reply = self._request("/score", body, what)
         scores = reply.get("scores")
         if (
             not isinstance(scores, list)
@@ -575,9 +606,15 @@ class RemoteReward:
         check_inputs(images, prompts, metadata, video=self.accepts_video)
         prompts, metadata = list(prompts), [dict(m) for m in metadata]
         step = self.batch_size or max(len(prompts), 1)
+        starts = range(0, len(prompts), step)
         parts = [
-            self._score(images[i : i + step], prompts[i : i + step], metadata[i : i + step])
-            for i in range(0, len(prompts), step)
+            self._score(
+                images[i : i + step],
+                prompts[i : i + step],
+                metadata[i : i + step],
+                f"batch {n} of {len(starts)}, {len(prompts[i : i + step])} images; ",
+            )
+            for n, i in enumerate(starts, 1)
         ]
         return torch.cat(parts) if parts else torch.zeros(0)
 

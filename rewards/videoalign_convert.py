@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .base import load_pretrained
+from .base import load_pretrained, read_json
 from .convert import load_state_dict, run_conversion
 from .videoalign import HEAD_FILE, PROMPT_FILE, SPECIAL_TOKENS
 
@@ -140,7 +140,7 @@ def _read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
         )
     config = folder / "adapter_config.json"
     return {**load_state_dict(rest, NAME), **load_state_dict(adapter, NAME)}, (
-        json.loads(config.read_text()) if config.is_file() else {}
+        read_json(config, NAME) if config.is_file() else {}
     )
 
 
@@ -171,7 +171,7 @@ def _check_token_ids(folder: Path, tokenizer: Any) -> None:
     saved = folder / "tokenizer" / "tokenizer.json"
     if not saved.is_file():
         return
-    theirs = {t["content"]: t["id"] for t in json.loads(saved.read_text()).get("added_tokens", [])}
+    theirs = {t["content"]: t["id"] for t in read_json(saved, NAME).get("added_tokens", [])}
     ours = dict(zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))))
     if any(theirs.get(token) != ours[token] for token in SPECIAL_TOKENS):
         raise ValueError(
@@ -236,7 +236,8 @@ def convert_videoalign(
         FileNotFoundError: a missing folder or file (`model_config.json`, a checkpoint, `--base`, `--prompt-file`).
         ValueError: `dst` not empty, an unknown `dtype`, a checkpoint VideoAlign's `videoalign` reward cannot run
             (`reward_token: mean`, `sample_type` other than `uniform`, a head not of shape `(3, hidden)`), tensors
-            that do not fit the base model, or reward token ids that differ from the checkpoint's tokenizer.
+            that do not fit the base model, or reward token ids that differ from the checkpoint's tokenizer; a JSON
+            file of the checkpoint that is empty, not UTF-8 or not JSON (an HTML page), named.
     """
     from safetensors.torch import save_file
     from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
@@ -250,7 +251,11 @@ def convert_videoalign(
         raise FileNotFoundError(f"{NAME}: --base '{base}' is not a model folder with config.json (Qwen2-VL-2B)")
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"{NAME}: output '{dst}' exists and is not an empty folder")
-    config = json.loads((src / "model_config.json").read_text())
+    config = read_json(src / "model_config.json", NAME)
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"{NAME}: {src / 'model_config.json'} holds a {type(config).__name__}, not VideoAlign's object"
+        )
     data, model_config = dict(config.get("data_config") or {}), config.get("model_config") or {}
     if model_config.get("reward_token", "last") not in ("special", "last"):
         raise ValueError(f"{NAME}: reward_token {model_config['reward_token']!r}: videoalign reads special or last")

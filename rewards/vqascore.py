@@ -29,7 +29,15 @@ from typing import Any
 
 import torch
 
-from .base import check_batch_size, check_inputs, chunk_slices, is_integer, load_pretrained, register_reward
+from .base import (
+    check_batch_size,
+    check_inputs,
+    check_json_files,
+    chunk_slices,
+    is_integer,
+    load_pretrained,
+    register_reward,
+)
 from .clipscore import _check_folder
 from .frozen import as_dtype, frozen
 
@@ -255,7 +263,8 @@ def load_vlm(reward: str, model_path: str | os.PathLike) -> tuple[torch.nn.Modul
 
     Raises:
         FileNotFoundError: `model_path` is neither a folder nor a cached hub id, or has no ``config.json``.
-        ValueError: another ``model_type``; the message names it and the supported ones.
+        ValueError: another ``model_type``; the message names it and the supported ones. A ``*.json`` file of the
+            folder that is not JSON, named.
     """
     import transformers
     from transformers import AutoConfig, AutoProcessor
@@ -265,6 +274,7 @@ def load_vlm(reward: str, model_path: str | os.PathLike) -> tuple[torch.nn.Modul
         raise FileNotFoundError(
             f"{reward}: model_path '{model_path}' has no config.json (save it with save_pretrained)"
         )
+    check_json_files(folder, reward)  # an HTML page saved as config.json: named, not a transformers OSError
     model_type = AutoConfig.from_pretrained(folder, local_files_only=True).model_type
     if model_type not in ARCHITECTURES:
         raise ValueError(

@@ -237,6 +237,9 @@ class DINOv3Features:
     def __init__(self, folder: str, device: torch.device, batch_size: int = 16):
         from transformers import DINOv3ViTModel
 
+        from ..files import resolve_path
+
+        folder = str(resolve_path(folder))  # the working folder's, else the repository's
         with config_key("train.gardo.feature_model", (ValueError, OSError)):
             check_feature_model(folder)
             model = DINOv3ViTModel.from_pretrained(

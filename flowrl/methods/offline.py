@@ -66,18 +66,27 @@ def _read_rows(path: Path) -> list[dict]:
     """The data file's rows as dicts (jsonl: one object per line; parquet: through pyarrow).
 
     Raises:
-        ValueError: naming the file (and line), for a missing file, a bad line or a missing pyarrow.
+        ValueError: naming the file (and line), for a missing file, one that is not UTF-8 (jsonl) or not readable
+            parquet, a bad line or a missing pyarrow.
     """
     if not path.is_file():
-        raise ValueError(f"config key 'train.offline.data': no file {path}")
+        raise ValueError(f"no file {path}")
     if path.suffix == ".parquet":
         try:
+            import pyarrow
             import pyarrow.parquet as pq
         except ImportError:
             raise ValueError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except (OSError, pyarrow.ArrowException) as e:  # truncated, or not parquet at all
+            raise ValueError(f"{path} is not a readable parquet file ({_one_line(e)})") from None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"data file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 row = json.loads(line)
@@ -89,28 +98,45 @@ def _read_rows(path: Path) -> list[dict]:
     return rows
 
 
+def _one_line(error: BaseException) -> str:
+    """An exception's message on one line."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def read_preference_rows(path: str | Path, pairs: bool) -> list[tuple]:
     """Rows of a data set as ``(prompt, image_a, image_b)`` for `pairs` (a preferred first), else ``(prompt, image)``;
     an image is a path (resolved against the file's folder) or encoded bytes.
 
     Raises:
-        ValueError: naming the file and row, for a row without the fields of either layout, or an empty set.
+        ValueError: naming the file and row, for a row without the fields of either layout, an image that is neither
+            a path nor bytes (a null), a prompt that is not text, or an empty set; as :func:`_read_rows`.
     """
     path = Path(path)
     folder, out = path.parent, []
 
-    def image(value):
-        return value if isinstance(value, (bytes, bytearray)) else str(folder / value)
+    def image(row: dict, key: str, n: int):
+        value = row[key]
+        if isinstance(value, (bytes, bytearray)):
+            return value
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{path} row {n}: {key!r} is {value!r}; expected an image path (relative to the file) or "
+                             "an encoded image's bytes")  # fmt: skip
+        return str(folder / value)
+
+    def prompt(row: dict, key: str, n: int) -> str:
+        if not isinstance(row[key], str):
+            raise ValueError(f"{path} row {n}: {key!r} is {row[key]!r}; expected the prompt's text")
+        return row[key]
 
     for n, row in enumerate(_read_rows(path), 1):
         if pairs and {"prompt", "image_w", "image_l"} <= row.keys():
-            out.append((row["prompt"], image(row["image_w"]), image(row["image_l"])))
+            out.append((prompt(row, "prompt", n), image(row, "image_w", n), image(row, "image_l", n)))
         elif pairs and {"caption", "jpg_0", "jpg_1", "label_0"} <= row.keys():
             if row["label_0"] in (0, 1):  # Pick-a-Pic: ties (0.5) carry no preference
-                a, b = (row["jpg_0"], row["jpg_1"]) if row["label_0"] == 1 else (row["jpg_1"], row["jpg_0"])
-                out.append((row["caption"], image(a), image(b)))
+                a, b = ("jpg_0", "jpg_1") if row["label_0"] == 1 else ("jpg_1", "jpg_0")
+                out.append((prompt(row, "caption", n), image(row, a, n), image(row, b, n)))
         elif not pairs and {"prompt", "image"} <= row.keys():
-            out.append((row["prompt"], image(row["image"])))
+            out.append((prompt(row, "prompt", n), image(row, "image", n)))
         else:
             need = (
                 "prompt, image_w, image_l (or Pick-a-Pic's caption, jpg_0, jpg_1, label_0)"
@@ -121,6 +147,20 @@ def read_preference_rows(path: str | Path, pairs: bool) -> list[tuple]:
     if not out:
         raise ValueError(f"{path}: no usable rows")
     return out
+
+
+def offline_rows(cfg, pairs: bool) -> list[tuple]:
+    """The rows of config key ``train.offline.data`` (:func:`read_preference_rows`), its path resolved as every
+    relative path of a config (:func:`flowrl.files.resolve_path`: the working folder, else the repository).
+
+    Raises:
+        ConfigError: naming ``train.offline.data``, for what :func:`read_preference_rows` refuses.
+    """
+    from ..fields import config_key
+    from ..files import resolve_path
+
+    with config_key("train.offline.data"):
+        return read_preference_rows(resolve_path(cfg.train.offline.data).absolute(), pairs)
 
 
 def load_image(source, side: int) -> torch.Tensor:
@@ -193,7 +233,7 @@ class OfflineDPO(DiffusionDPO):
 
     def __init__(self, cfg, model, policy, rewards):
         super().__init__(cfg, model, policy, rewards)
-        self.data = OfflineData(read_preference_rows(cfg.train.offline.data, self.pairs), model)
+        self.data = OfflineData(offline_rows(cfg, self.pairs), model)
 
     def rollout(self, metas: list[dict], generator: torch.Generator) -> DataSamples:
         """The iteration's rows of the data set (`metas` unused: the data set holds the prompts)."""
@@ -227,7 +267,7 @@ class SFT(OfflineDPO):
 
     def __init__(self, cfg, model, policy, rewards):
         super(DiffusionDPO, self).__init__(cfg, model, policy, rewards)
-        self.data = OfflineData(read_preference_rows(cfg.train.offline.data, False), model)
+        self.data = OfflineData(offline_rows(cfg, False), model)
         self.reference = None
 
     def sampling_weights(self):

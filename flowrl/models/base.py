@@ -30,6 +30,7 @@ What a family supports, declared as class attributes (a method names what it nee
 ``TEXT_ONLY`` (True)                  a prompt record is its text alone (False: the families that read a source
                                       or reference image from the record: edit, image-to-video, FLUX.2)
 ``VIDEO`` (False)                     it draws videos and takes ``model.num_frames`` / ``model.expert``
+``SOURCE_REQUIRED`` (False)           every prompt record of a run names its source ``image`` (image-to-video)
 ====================================  ==========================================================================
 
 Guidance, once for every family (:meth:`FlowModel.velocity`): the CFG pair batched as one forward of
@@ -361,6 +362,10 @@ class FlowModel:
     TEXT_ONLY = True
     """Capability: a prompt record is its text alone; False for a family that reads a source or reference image from
     the record (edit and image-to-video families, FLUX.2)."""
+    SOURCE_REQUIRED = False
+    """Whether every prompt record a run trains or evaluates on must name its source ``image`` (the image-to-video
+    families: the video's first frame; a record without one would start from a blank frame), checked when the prompt
+    files are read, before the model loads."""
     negative_prompt = ""
     """The CFG negative prompt: ``""`` (the prompt table's empty row) unless a family takes one (the video families'
     ``negative_prompt``); :meth:`velocity_fn` puts a non-empty one into the table's row 0."""

@@ -369,6 +369,7 @@ class HunyuanVideo15ImageToVideoModel(HunyuanVideo15Model):
     PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
     """The diffusers pipeline class this adapter loads (``_class_name`` in ``model_index.json``)."""
     TEXT_ONLY = False
+    SOURCE_REQUIRED = True
 
     # ------------------------------------------------------------------------------ folder checks
     @classmethod

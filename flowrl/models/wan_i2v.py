@@ -119,6 +119,7 @@ class WanImageToVideoModel(WanModel):
     processor (Wan 2.2 has none)."""
     LORA_TARGETS = WAN_I2V_LORA_TARGETS
     TEXT_ONLY = False
+    SOURCE_REQUIRED = True
 
     # ------------------------------------------------------------------------------ folder checks
     @classmethod

@@ -1,0 +1,307 @@
+"""Hostile inputs, third pass (docs/reliability.md): the surfaces of offline data sets, direct-reward and forward-process
+presets, stop rules, `flowrl overopt`, `serve-reward FILE.py:factory`, the VLM and VideoAlign rewards and
+image-to-video records, and the shipped presets run from a folder outside the repository. Each case ends in one line
+naming the file, key, reward or server, or in the sensible behaviour."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import REPO, tiny_overrides
+
+from flowrl.config import ConfigError, load_config
+from flowrl.trainer import Trainer, iteration_seed
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("train.awm.kl_beta", "inf"),
+        ("train.awm.ema_beta", "inf"),
+        ("train.dpo.beta", "inf"),
+        ("train.dgpo.beta", "inf"),
+        ("train.crd.kl_beta", "inf"),
+        ("train.nft.beta", "inf"),
+        ("train.direct.scale", "inf"),
+        ("train.direct.margin", "-inf"),
+        ("train.srpo.relative_weight", "nan"),
+        ("train.srpo.discount_shift", "inf"),
+        ("train.adv_clip_max", "inf"),
+        ("rewards.geneval.weight", "inf"),
+        ("train.crd.old_decay", "[0,0.25,.inf,0.999]"),
+    ],
+)
+def test_every_number_of_a_config_is_finite(key, value):
+    with pytest.raises(ConfigError, match=rf"config key '{key.replace('.', '[.]')}(\[2\])?' must be a finite number"):
+        load_config(None, [f"{key}={value}"])
+
+
+def test_a_reward_option_may_be_any_number():
+    """The options a reward factory reads are its own to check."""
+    assert load_config(None, ["rewards.geneval.options={bound: .inf}"]).rewards["geneval"].options["bound"] == float(
+        "inf"
+    )
+
+
+def test_every_seed_in_the_range_of_run_seed_draws():
+    """``run.seed`` up to 2^63 - 1 gives every iteration and process a generator (the seed times 1000003 overflowed
+    int64 above 9.2e12); seeds that fitted before draw as before."""
+    for seed in (0, 2**63 - 1):
+        torch.Generator().manual_seed(iteration_seed(seed, 10**6, 7))
+    assert iteration_seed(5, 3, 1) == 5 * 1_000_003 + 3 * 1009 + 1
+    with pytest.raises(ConfigError, match=r"run\.seed' must be in \[0, 2\^63\)"):
+        load_config(None, [f"run.seed={2**63}"])
+
+
+@pytest.mark.parametrize(
+    "rule,known",
+    [
+        ("diversity/clpi < 0.05 for 3", "known: diversity/clip, diversity/clip_min"),
+        ("reward/clipscor/mean < 0.1", "known: reward/geneval/mean, reward/total/mean"),
+    ],
+)
+def test_a_stop_rule_on_a_misspelt_metric_is_refused_at_start(rule, known):
+    with pytest.raises(ConfigError, match=f"config key 'run.stop_if': rule .*{known}"):
+        load_config(None, [f"run.stop_if=['{rule}']"])
+
+
+def test_a_stop_rule_on_a_metric_the_first_iteration_does_not_log_is_named(
+    tmp_path, random_pipeline, prompt_files, capsys
+):
+    """A metric only the loop knows (``policy/*`` is absent where every group had one reward) or a diversity metric
+    without a diversity model is named at the first iteration, with the metrics that were logged; the evaluation's
+    metrics count as logged."""
+    rules = "['policy/clipfrc > 0.5', 'eval/overall > 2', 'reward/total/mean > 2', 'diversity/clip < 0']"
+    cfg = load_config(None, tiny_overrides(random_pipeline, *prompt_files, tmp_path / "run", **{"run.stop_if": rules}))
+    assert Trainer(cfg).train()["iterations"] == 2
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning: run.stop_if" in line]
+    assert len(warnings) == 2, warnings  # the diversity model is off (tiny_overrides)
+    assert "'policy/clipfrc' is not logged at this iteration" in warnings[0] and "reward/total/mean" in warnings[0]
+    assert "'diversity/clip' is not logged" in warnings[1]
+
+
+def test_image_to_video_records_without_their_source_are_refused_before_the_model_loads(
+    tmp_path, video_prompts, i2v_prompts, monkeypatch
+):
+    """A record of an image-to-video run without ``image`` would train a video from a blank frame: named by file and
+    line before any weight loads (``flowrl sample --prompt`` still draws from the blank frame)."""
+    from tiny_pipelines.wan_i2v import build_random_wan_i2v_pipeline
+
+    import flowrl.trainer as trainer_mod
+    from flowrl.data import read_jsonl
+
+    model = build_random_wan_i2v_pipeline(tmp_path / "wan21")
+    monkeypatch.setattr(trainer_mod, "build_model", lambda *a: pytest.fail("the model loaded"))
+    lines = i2v_prompts[0].read_text().splitlines()
+    mixed = i2v_prompts[0].parent / "mixed.jsonl"  # beside the sources its records name
+    mixed.write_text("\n".join([lines[0], '{"prompt": "a red circle moving up", "tag": "motion"}', *lines[1:]]) + "\n")
+    for train, line in ((video_prompts[0], 1), (mixed, 2)):
+        over = tiny_overrides(model, train, i2v_prompts[1], tmp_path / f"run{line}", **{"model.resolution": 16})
+        with pytest.raises(ConfigError, match=rf"config key 'train_prompts': .*{train.name}:{line}: no 'image'"):
+            Trainer(
+                load_config(REPO / "configs" / "recipes" / "wan_i2v_flow_grpo.yaml", over + ["model.num_frames=5"])
+            )
+    assert len(read_jsonl(mixed)) == 4  # a text-to-image family reads the same file
+
+
+# ------------------------------------------------------------------------------------------------ offline data sets
+def _offline_rows(data, pairs=True):
+    from types import SimpleNamespace
+
+    from flowrl.methods.offline import offline_rows
+
+    return offline_rows(SimpleNamespace(train=SimpleNamespace(offline=SimpleNamespace(data=str(data)))), pairs)
+
+
+@pytest.mark.parametrize(
+    "name,content,message",
+    [
+        ("latin1.jsonl", '{"prompt": "caf\xe9", "image_w": "a.png", "image_l": "b.png"}\n'.encode("latin-1"),
+         r"data file .*latin1\.jsonl is not UTF-8 text \(byte 15"),
+        ("html.jsonl", b"<!DOCTYPE html>\n<html><body>Not Found</body></html>\n", r"html\.jsonl line 1: not JSON"),
+        ("empty.jsonl", b"\n\n", r"empty\.jsonl: no usable rows"),
+        ("list.jsonl", b"[1, 2]\n", r"list\.jsonl line 1: expected a JSON object, got list"),
+        ("torn.parquet", b"PAR1\x00\x01", r"torn\.parquet is not a readable parquet file"),
+        ("null.jsonl", b'{"caption": "a cat", "jpg_0": null, "jpg_1": "b.png", "label_0": 1}\n',
+         r"null\.jsonl row 1: 'jpg_0' is None; expected an image path"),
+        ("caption.jsonl", b'{"caption": null, "jpg_0": "a.png", "jpg_1": "b.png", "label_0": 0}\n',
+         r"caption\.jsonl row 1: 'caption' is None; expected the prompt's text"),
+        ("number.jsonl", b'{"prompt": "x", "image_w": 3, "image_l": "b.png"}\n', r"number\.jsonl row 1: 'image_w' is 3"),
+    ],
+)  # fmt: skip
+def test_a_bad_offline_data_file_is_named_with_its_row(name, content, message, tmp_path):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ConfigError, match=rf"^config key 'train\.offline\.data': .*{message}"):
+        _offline_rows(tmp_path / name)
+
+
+def test_a_pick_a_pic_parquet_row_with_a_null_image_is_named(tmp_path):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    table = {"caption": ["a", "b"], "jpg_0": [b"\x89PNG", None], "jpg_1": [b"\x89PNG"] * 2, "label_0": [1, 0]}
+    pq.write_table(pa.table(table), tmp_path / "pick.parquet")
+    with pytest.raises(ConfigError, match=r"pick\.parquet row 2: 'jpg_0' is None"):
+        _offline_rows(tmp_path / "pick.parquet")
+
+
+def test_an_offline_data_path_resolves_as_a_prompt_file_does(tmp_path, monkeypatch):
+    """``train.offline.data: assets/preferences/pairs.jsonl`` (the shipped preset's) is found from any working folder;
+    a file of that name in the working folder comes first."""
+    monkeypatch.chdir(tmp_path)
+    assert len(_offline_rows("assets/preferences/pairs.jsonl")) == 229
+    (tmp_path / "assets/preferences").mkdir(parents=True)
+    (tmp_path / "assets/preferences/pairs.jsonl").write_text(
+        '{"prompt": "x", "image_w": "a.png", "image_l": "b.png"}\n'
+    )
+    assert _offline_rows("assets/preferences/pairs.jsonl") == [("x", str(tmp_path / "assets/preferences/a.png"),
+                                                                str(tmp_path / "assets/preferences/b.png"))]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"'train\.offline\.data': no file .*missing\.jsonl"):
+        _offline_rows("missing.jsonl")
+
+
+# ------------------------------------------------------------------------------------------------ paths
+PRESETS = sorted((REPO / "configs").glob("*.yaml"))
+FAST_ELSEWHERE = {"refl"}  # a direct-reward preset (its reward model a path of the preset); the rest in CI (slow)
+
+
+@pytest.mark.parametrize(
+    "preset",
+    [pytest.param(p.stem, marks=[] if p.stem in FAST_ELSEWHERE else pytest.mark.slow) for p in PRESETS],
+)
+def test_every_shipped_preset_trains_from_a_folder_outside_the_repository(preset, tmp_path):
+    """``flowrl train <repo>/configs/PRESET.yaml`` from another working folder: the preset's model, prompt sets, data
+    set and reward model folders (``assets/...``) are found in the repository; its run folder is made in the working
+    folder (docs/reliability.md, "Paths")."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import FLOAT32, shape_overrides
+
+    config = REPO / "configs" / f"{preset}.yaml"
+    video = load_config(config).model.path.endswith("tiny-wan")
+    sizes = {
+        "run.iterations": 2, "run.save_every": 1, "run.device": "cpu", "sampling.num_steps": 3,
+        "sampling.group_size": 2, "sampling.prompts_per_iteration": 2, "sampling.batch_size": 8,
+        "eval.images_per_tag": 1, "eval.num_steps": 2, "train.minibatch_size": 4, "model.lora_rank": 2,
+        "train.offline.batch_size": 4, "eval.every": 0, **FLOAT32, **shape_overrides(load_config(config)),
+    }  # fmt: skip
+    if video:
+        sizes["model.num_frames"] = 5
+    argv = [sys.executable, "-m", "flowrl.cli", "train", str(config), *[f"{k}={v}" for k, v in sizes.items()]]
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / load_config(config).run.output_dir  # relative: in the working folder
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert (run / "eval.json").is_file() and not (REPO / load_config(config).run.output_dir / ".flowrl.lock").exists()
+
+
+# ------------------------------------------------------------------------------------------------ commands
+def _fails(capsys, *argv) -> str:
+    from flowrl import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([str(a) for a in argv])
+    assert exit_info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip().startswith("flowrl ")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "name,text",
+    [
+        ("p.txt", "un caf\xe9\n"),
+        ("p.csv", "prompt,tag\nun caf\xe9,food\n"),
+        ("p.json", '["un caf\xe9"]'),
+        ("p.jsonl", '{"prompt": "un caf\xe9"}\n'),
+    ],
+)
+def test_generate_names_a_prompt_file_that_is_not_utf8(name, text, tmp_path, capsys):
+    (tmp_path / name).write_bytes(text.encode("latin-1"))
+    line = _fails(capsys, "generate", "--prompts", tmp_path / name, "--out", tmp_path / "images")
+    assert line.startswith("flowrl generate: error: prompt file ") and f"{name} is not UTF-8 text (byte" in line
+
+
+def test_overopt_refuses_an_offline_preset_before_any_work(tmp_path, capsys, monkeypatch):
+    import flowrl.trainer as trainer_mod
+
+    monkeypatch.setattr(trainer_mod, "Trainer", lambda cfg: pytest.fail("a preset ran"))
+    argv = ("overopt", "--presets", "flow_grpo", "dpo_offline", "sft", "--out", tmp_path / "o.json")
+    line = _fails(capsys, *argv)
+    assert line.startswith("flowrl overopt: error: preset(s) dpo_offline, sft train on a data set")
+
+
+# ------------------------------------------------------------------------------------------------ reward models
+HTML = b"<!DOCTYPE html>\n<html><head><title>502 Bad Gateway</title></head></html>\n"
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (HTML, "is an HTML page"),
+        (b"", "is empty"),
+        (b'{"a": ', "is not JSON"),
+        (b"\xff\xfe{}", "is not JSON (not UTF-8"),
+    ],
+)
+def test_videoalign_convert_names_a_model_config_that_is_not_json(content, message, tmp_path, capsys):
+    from flowrl.rewards.videoalign_convert import main
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src/model_config.json").write_bytes(content)
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base/config.json").write_text("{}")
+    assert main([str(tmp_path / "src"), str(tmp_path / "dst"), "--base", str(tmp_path / "base")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: videoalign_convert: ") and f"src/model_config.json {message}" in line
+
+
+def test_vqascore_names_a_config_json_that_is_an_html_page(tmp_path):
+    from flowrl.rewards import build_reward
+
+    (tmp_path / "vlm").mkdir()
+    (tmp_path / "vlm/config.json").write_bytes(HTML)
+    with pytest.raises(ValueError, match=r"^vqascore: .*vlm/config\.json is an HTML page \(a failed download\?\)"):
+        build_reward("vqascore", model_path=str(tmp_path / "vlm"))
+
+
+def test_serve_reward_names_a_factory_that_raises(tmp_path, capsys):
+    (tmp_path / "mine.py").write_text(
+        "def factory(device='cpu'):\n    raise RuntimeError('CUDA out of memory.\\nTried to allocate 20.00 GiB')\n"
+    )
+    spec = f"{tmp_path / 'mine.py'}:factory"
+    line = _fails(capsys, "serve-reward", spec, "--port", "0", "--option", "device=cuda")
+    assert line == (
+        f"flowrl serve-reward: error: reward factory '{spec}' raised RuntimeError: CUDA out of memory. Tried to "
+        "allocate 20.00 GiB"
+    )
+
+
+def test_a_silent_reward_server_is_named_while_it_is_awaited(capsys):
+    """A server that accepts and never answers: a line after ``notice_after`` seconds names the server, the batch and
+    the attempt (first attempts once per reward, every retry); the defaults give up within about a minute and a half."""
+    import socket
+    import time
+
+    from flowrl.rewards import RemoteReward
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # the kernel accepts; nothing ever reads or answers
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        reward = RemoteReward(url, timeout=0.6, retries=1, notice_after=0.2, batch_size=2)
+        for call in (1, 2):
+            start = time.monotonic()
+            with pytest.raises(ConnectionError, match=rf"reward server {url} is unreachable after 2 attempt\(s\)"):
+                reward(torch.rand(3, 3, 8, 8), ["a", "b", "c"], [{}] * 3)
+            assert time.monotonic() - start < 3
+            lines = capsys.readouterr().err.splitlines()
+            waits = [f"remote reward: waiting for {url}/score (batch 1 of 2, 2 images; attempt {n} of 2): no answer "
+                     "after 0.2 s; the attempt gives up after 0.6 s (option timeout)" for n in (1, 2)]  # fmt: skip
+            assert lines == (waits if call == 1 else waits[1:])  # the first attempt's line once per reward
+    finally:
+        silent.close()
+    default = RemoteReward(url)
+    assert (default.retries + 1) * default.timeout + 0.5 + 1.0 <= 100 and default.notice_after == 5.0

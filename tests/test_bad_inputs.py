@@ -44,7 +44,7 @@ def _fails(capsys, *argv) -> str:
     assert exit_info.value.code == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert "Traceback" not in "\n".join(lines)
-    errors = [line for line in lines if line.startswith("flowrl ")]
+    errors = [line for line in lines if line.startswith("flowrl ") and ": error: " in line]  # beside progress lines
     assert len(errors) == 1, lines
     return errors[0]
 

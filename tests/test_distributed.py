@@ -122,6 +122,66 @@ def _torchrun(tmp: Path, worker_args: list[str], fsdp2: bool, zero: str) -> None
         raise AssertionError(f"torchrun failed (whole log: {tmp / 'torchrun.log'}):\n" + "\n".join(own)[-4000:])
 
 
+def _free_port() -> int:
+    """A TCP port free on the loopback now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_train_to_the_one_node_weights(two_process_run, tmp_path):
+    """The DDP run launched as two machines of one process each (torchrun ``--nnodes 2 --node_rank R`` against a
+    rendezvous on this machine's loopback, as docs/distributed.md's multi-node command) trains the weights of the
+    one-node two-process run: global rank 1 is local rank 0 of its node, and every file is still written once."""
+    ddp, overrides = two_process_run
+    (tmp_path / "c.yaml").write_text((ddp / "c.yaml").read_text())
+    overrides = [o for o in overrides if not o.startswith("run.output_dir=")] + [f"run.output_dir={tmp_path / 'run'}"]
+    env = {**_env(), "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    port = _free_port()
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(rank),
+                "--nproc_per_node",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                str(HERE / "distributed_worker.py"),
+                str(tmp_path / "c.yaml"),
+                str(tmp_path),
+                *overrides,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**env, "FLOWRL_TEST_FSDP2": "0", "FLOWRL_TEST_ZERO": ""},
+        )
+        for rank in (0, 1)
+    ]
+    logs = [node.communicate(timeout=1200)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    for rank in (0, 1):
+        one_node, two_nodes = (
+            load_file(ddp / f"rank{rank}.safetensors"),
+            load_file(tmp_path / f"rank{rank}.safetensors"),
+        )
+        assert one_node.keys() == two_nodes.keys()
+        for k in one_node:
+            torch.testing.assert_close(two_nodes[k], one_node[k], rtol=1e-4, atol=1e-6)
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3]  # written once, by the global main process
+
+
 def test_two_processes_train_to_identical_weights(two_process_run):
     tmp, _ = two_process_run
     w0, w1 = load_file(tmp / "rank0.safetensors"), load_file(tmp / "rank1.safetensors")

@@ -387,21 +387,35 @@ def _lora_grads(model, checkpointing: bool) -> dict[str, torch.Tensor]:
     x, t = torch.randn(3, *model.latent_shape, generator=g), torch.tensor([0.9, 0.5, 0.2])
     v = model.velocity_fn(table, 2.0)(x, t, torch.tensor([1, 2, 1]))
     v.square().mean().backward()
-    return {n: p.grad.clone() for n, p in model.transformer.named_parameters() if p.requires_grad}
+    trained = model.transformer.named_parameters()
+    return {n: p.grad.clone() for n, p in trained if p.requires_grad and p.grad is not None}  # LoRA the call reaches
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux"])
-def test_gradient_checkpointing_keeps_the_update(family, random_pipeline, random_flux_pipeline, monkeypatch):
+def _checkpointed_families():
+    from families import FAMILIES
+
+    return [
+        pytest.param(spec, id=spec.id)
+        for spec in FAMILIES.values()
+        if spec.prompts not in ("edit", "i2v", "references")  # their networks are the text-to-image entries' classes
+    ]
+
+
+@pytest.mark.parametrize("spec", _checkpointed_families())
+def test_gradient_checkpointing_keeps_the_update_on_every_family(spec, tmp_path, monkeypatch):
+    """``train.gradient_checkpointing`` (diffusers' checkpointing of each transformer block, or a UNet's resnets and
+    attentions) recomputes the blocks in the backward: the LoRA's gradient of a guided velocity loss is the one
+    without it, float32, on each family's tiny pipeline."""
     from flowrl.models import load_model
 
-    folder = random_pipeline if family == "sd3" else random_flux_pipeline
-    plain = _lora_grads(load_model(folder, "cpu"), False)
+    folder = spec.build(tmp_path / spec.id)
+    plain = _lora_grads(load_model(folder, "cpu", **spec.load), False)
     calls = _counting_checkpoint(monkeypatch)
-    ckpt = _lora_grads(load_model(folder, "cpu"), True)
-    assert calls[0] >= 2  # every transformer block ran checkpointed
+    ckpt = _lora_grads(load_model(folder, "cpu", **spec.load), True)
+    assert calls[0] >= 1  # the blocks ran checkpointed (the tiny Qwen-Image and HunyuanVideo 1.5 have one)
     assert plain.keys() == ckpt.keys() and plain
     for n in plain:
-        torch.testing.assert_close(ckpt[n], plain[n], rtol=0, atol=1e-7)
+        torch.testing.assert_close(ckpt[n], plain[n], rtol=1e-5, atol=1e-6)
 
 
 def test_gradient_checkpointing_keeps_a_unet_gradient(monkeypatch):

@@ -148,7 +148,8 @@ def test_presets_train_on_video_latents(preset, tmp_path, wan, video_prompts):
     """Every rollout shape on 5-D latents: full SDE, a MixGRPO window, a BranchGRPO tree, TempFlow probes; the PPO
     ratio is exactly 1 before the first optimizer step; DiffusionNFT changes the LoRA."""
     cfg = load_config(REPO / "configs" / f"{preset}.yaml")
-    over = _video_overrides(wan, video_prompts, tmp_path / "run", **shape_overrides(cfg))
+    each_once = {"eval.images_per_tag": 0}  # each of the 2 untagged evaluation prompts once
+    over = _video_overrides(wan, video_prompts, tmp_path / "run", **shape_overrides(cfg), **each_once)
     trainer = Trainer(load_config(REPO / "configs" / f"{preset}.yaml", over))
     before = {n: p.detach().clone() for n, p in trainer.policy.params.items()}
     result = trainer.train()

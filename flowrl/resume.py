@@ -19,6 +19,7 @@ from .config import Config, ConfigError, load_config
 
 __all__ = [
     "EVALUATION_KEYS",
+    "REWARD_CONNECTION",
     "SILENT_KEYS",
     "changed_keys",
     "check_resume",
@@ -72,9 +73,38 @@ def changed_keys(saved: Config, given: Config) -> dict[str, tuple[object, object
     return {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k) and k not in SILENT_KEYS}
 
 
+REWARD_CONNECTION = tuple(
+    f".options.{name}"
+    for name in (
+        "url",
+        "base_url",
+        "api_key",
+        "timeout",
+        "connect_timeout",
+        "read_timeout",
+        "retries",
+        "max_retries",
+        "notice_after",
+        "concurrency",
+        "workers",
+        "batch_size",
+        "device",
+    )
+)
+"""Reward options that say where and how a reward is reached (a reward server restarted on another port, a judge's
+endpoint, timeouts, batching, the device), not what it judges: a resume may change them, named in its line."""
+
+
 def evaluation_changes(changes: dict[str, tuple[object, object]]) -> list[str]:
-    """The keys of `changes` (:func:`changed_keys`) that change what an evaluation gives (:data:`EVALUATION_KEYS`)."""
-    return [k for k in changes if k.startswith(EVALUATION_KEYS) and not k.startswith(PLACEMENT_KEYS)]
+    """The keys of `changes` (:func:`changed_keys`) that change what an evaluation gives (:data:`EVALUATION_KEYS`,
+    less :data:`PLACEMENT_KEYS` and the rewards' :data:`REWARD_CONNECTION` options)."""
+    return [
+        k
+        for k in changes
+        if k.startswith(EVALUATION_KEYS)
+        and not k.startswith(PLACEMENT_KEYS)
+        and not (k.startswith("rewards.") and k.endswith(REWARD_CONNECTION))
+    ]
 
 
 def _describe(changes: dict[str, tuple[object, object]]) -> str:

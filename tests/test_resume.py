@@ -69,6 +69,20 @@ def test_placement_and_eval_every_are_not_refused(tmp_path):
     assert len(reconcile(saved, given, folder / "config.yaml")) == 1
 
 
+def test_a_reward_server_moved_to_another_port_is_not_refused(tmp_path):
+    """A reward's connection options (a server restarted on another port, its timeout) change where the reward is
+    reached, not what it judges: the resume names them; its model is still refused."""
+    server = {"rewards.remote.weight": 1.0, "rewards.remote.options": "{url: 'http://127.0.0.1:1', timeout: 30}"}
+    folder, saved = _saved_run(tmp_path, **server)
+    moved = "rewards.remote.options={url: 'http://127.0.0.1:2', timeout: 60}"
+    given = load_config(None, [f"run.output_dir={folder}", "rewards.remote.weight=1.0", moved])
+    lines = reconcile(saved, given, folder / "config.yaml")
+    assert len(lines) == 1 and "rewards.remote.options.url" in lines[0]
+    other = "rewards.remote.options={url: 'http://127.0.0.1:1', timeout: 30, model: other}"
+    with pytest.raises(ConfigError, match=r"rewards\.remote\.options\.model"):
+        reconcile(saved, load_config(None, [f"run.output_dir={folder}", "rewards.remote.weight=1.0", other]), "c")
+
+
 def test_the_cli_resume_reads_the_run_config_not_the_preset(tmp_path):
     folder, _ = _saved_run(tmp_path, **{"sampling.prompts_per_iteration": 4, "eval.images_per_tag": 2})
     preset = tmp_path / "preset.yaml"

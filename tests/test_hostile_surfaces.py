@@ -183,7 +183,7 @@ def test_every_shipped_preset_trains_from_a_folder_outside_the_repository(preset
     sizes = {
         "run.iterations": 2, "run.save_every": 1, "run.device": "cpu", "sampling.num_steps": 3,
         "sampling.group_size": 2, "sampling.prompts_per_iteration": 2, "sampling.batch_size": 8,
-        "eval.images_per_tag": 1, "eval.num_steps": 2, "train.minibatch_size": 4, "model.lora_rank": 2,
+        "eval.images_per_tag": 1, "eval.held_out_images_per_tag": 1, "eval.num_steps": 2, "train.minibatch_size": 4, "model.lora_rank": 2,
         "train.offline.batch_size": 4, "eval.every": 0, **FLOAT32, **shape_overrides(load_config(config)),
     }  # fmt: skip
     if video:

@@ -28,8 +28,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 ABORT = "terminate called without an active exception"
-"""A C++ abort seen twice in CI at the trained model's evaluation of a two-process launch (not reproduced in 40
-launches beside a busy core): the launch is retried once on it, and says so."""
+"""A C++ abort seen twice in CI at the trained model's evaluation of a two-process launch (under the AVX2 emulation
+recipe both times): the launch is retried once on it, and says so."""
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_scale import build_pipeline  # noqa: E402

@@ -86,10 +86,10 @@ def _launch_runs(tmp: Path, runs: list[dict], fsdp2: bool = False, zero: str = "
 
 ABORT = "terminate called without an active exception"
 """A C++ abort (a ``std::thread`` destroyed while joinable) seen in two of four CI runs, each time in one process of a
-two-process launch at the start of the trained model's evaluation, while a second pytest-xdist worker ran beside it;
-not reproduced in 40 launches of the DDP fixture beside a busy core. The launch is retried once on it, with a warning,
-so that it stays visible without failing CI; the processes run with ``PYTHONFAULTHANDLER=1`` so that the next one
-shows every thread's Python stack in ``torchrun-aborted.log``."""
+two-process launch at the start of the trained model's evaluation, while a second pytest-xdist worker ran beside it,
+both under the AVX2 emulation recipe (none in a run on the native CPU). The launch is retried once on it, with a
+warning, so that it stays visible without failing CI; the processes run with ``PYTHONFAULTHANDLER=1`` so that the next
+one shows every thread's Python stack in ``torchrun-aborted.log``."""
 
 
 def _torchrun(tmp: Path, worker_args: list[str], fsdp2: bool, zero: str) -> None:

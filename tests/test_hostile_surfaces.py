@@ -38,6 +38,27 @@ def test_every_number_of_a_config_is_finite(key, value):
         load_config(None, [f"{key}={value}"])
 
 
+@pytest.mark.parametrize(
+    "preset,key,value,index,got",
+    [
+        ("crd", "train.crd.old_decay", "[0,0.25,inf,0.999]", 2, "inf"),
+        ("crd", "train.crd.sampler_decay", "[75,nan,0.0075,0.999]", 1, "nan"),
+        ("alignprop", "train.direct.alignprop_range", "[0,-inf]", 1, "-inf"),
+        ("alignprop", "train.direct.alignprop_range", "[0,Infinity]", 1, "inf"),
+    ],
+)
+def test_a_non_finite_number_in_a_list_from_the_command_line_is_refused_naming_the_key(
+    preset, key, value, index, got, capsys
+):
+    """``inf`` / ``nan`` typed into a list on the command line (YAML reads them as strings) is refused as a scalar's
+    is, with the key and the item, before any work; the lists' numbers are floats."""
+    line = _fails(capsys, "train", REPO / "configs" / f"{preset}.yaml", f"{key}={value}")
+    assert line == f"flowrl train: error: config key '{key}[{index}]' must be a finite number, got {got}"
+    assert load_config(None, ["train.crd.old_decay=[0,1,0,1]"]).train.crd.old_decay == [0.0, 1.0, 0.0, 1.0]
+    with pytest.raises(ConfigError, match=r"'train\.direct\.alignprop_range\[1\]'.*'high'"):
+        load_config(None, ["train.direct.alignprop_range=[0,high]"])
+
+
 def test_a_reward_option_may_be_any_number():
     """The options a reward factory reads are its own to check."""
     assert load_config(None, ["rewards.geneval.options={bound: .inf}"]).rewards["geneval"].options["bound"] == float(

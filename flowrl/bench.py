@@ -59,16 +59,27 @@ def load_preset_overrides(path: str | Path) -> dict[str, list[str]]:
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
-        ValueError: for a key that is neither ``all`` nor a preset in ``configs/``, or a value that is not a list of
-            ``key=value`` strings (the file and the key are named).
+        ValueError: naming the file, for one that is not UTF-8, not YAML (with the line) or not a mapping (an empty
+            file included); for a key that is neither ``all`` nor a preset in ``configs/``, or a value that is not a
+            list of ``key=value`` strings (the file and the key are named).
     """
-    from omegaconf import OmegaConf
+    import yaml
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"preset override file {path} does not exist")
-    raw = OmegaConf.to_container(OmegaConf.load(path))
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"preset override file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except yaml.YAMLError as e:  # a syntax error: the file and the line, in one line
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"preset override file {path} is not valid YAML{where}: {getattr(e, 'problem', e)}") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"preset override file {path}: expected a mapping of preset names to key=value lists")
+        got = "nothing (an empty file)" if raw is None else f"a {type(raw).__name__}"
+        raise ValueError(
+            f"preset override file {path}: expected a mapping of preset names to key=value lists, got {got}"
+        )
     out = {}
     for key, items in raw.items():
         if key != "all" and not (REPO_ROOT / "configs" / f"{key}.yaml").is_file():

@@ -57,11 +57,10 @@ def _model(args):
             pipeline or holds damaged or pickled weights, a resolution the model cannot take, or a LoRA folder
             without weights.
     """
-    from .models import build_adapter, model_class, resolve_device
+    from .models import build_adapter, resolve_device
 
     device, path = resolve_device(args.device), resolve_path(args.model)
-    check_model_folder(path)  # readable JSON, whole safetensors weights (no pickles), each file named
-    adapter = model_class(path)  # SD3 family or FLUX, from model_index.json
+    adapter = _family(args)
     if args.max_sequence_length is not None:
         try:
             adapter.check_max_sequence_length(args.max_sequence_length)
@@ -84,6 +83,38 @@ def _model(args):
     if args.lora:
         model.load_lora(args.lora)
     return model
+
+
+def _family(args):
+    """The model family (:class:`flowrl.models.FlowModel` subclass) of the ``--model`` folder, from its
+    ``model_index.json``; the folder is checked first (readable JSON, whole safetensors weights, no pickles, each file
+    named) and no weight loads.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`flowrl.files.check_model_folder` and
+            :func:`flowrl.models.model_class`.
+    """
+    from .models import model_class
+
+    path = resolve_path(args.model)
+    check_model_folder(path)
+    return model_class(path)
+
+
+def _check_sources(args, read) -> None:
+    """Where the ``--model`` family starts each video from a source image (``FlowModel.SOURCE_REQUIRED``:
+    image-to-video), read the prompt file again with ``read(True)`` (a reader that requires every record's
+    ``image``), so that a record without one is refused naming its file and line before the model loads, as
+    ``flowrl train`` refuses it; an edit family draws a record without ``image`` as text-to-image and reads nothing.
+
+    Raises:
+        ValueError: ``--prompts: FILE:LINE: no 'image'; ...``, or a prompt format that names no source images.
+    """
+    if _family(args).SOURCE_REQUIRED:
+        try:
+            read(True)
+        except ValueError as e:
+            raise ValueError(f"--prompts: {e}") from None
 
 
 def cmd_train(args) -> dict:
@@ -165,6 +196,7 @@ def cmd_eval(args) -> dict:
             "the GenEval accuracy needs it: score plain prompts with --reward NAME"
         )
     probe_output(args.out, "--out", (".json",))  # before the work, not after it
+    _check_sources(args, lambda required: read_jsonl(prompt_file(args.prompts), required))
     from .evaluation import evaluate
     from .precision import autocast
 
@@ -259,6 +291,7 @@ def _eval_rewards(args) -> dict:
     options = _reward_options(specs, args.option)
     metas = read_prompt_set(args.prompts, args.format)
     probe_output(args.out, "--out", (".json",))  # before the work, not after it
+    _check_sources(args, lambda required: read_prompt_set(args.prompts, args.format, required))
     from .evaluation import evaluate_reward
     from .precision import autocast
     from .rewards import WeightedSum, build_reward
@@ -350,6 +383,7 @@ def cmd_generate(args) -> int:
             f"--out {out} exists and is not an empty folder; a benchmark folder must hold only "
             "this run's images (GenEval's script reads every numbered subfolder)"
         )
+    _check_sources(args, lambda required: read_prompt_set(args.prompts, args.format, required))
     from .image_folders import generate_folder
     from .precision import autocast
 

@@ -532,15 +532,18 @@ def _load_yaml(path: Path, chain: tuple[Path, ...] = ()):
             "write base: configs/quickstart.yaml and the keys to change)"
         )
     try:
+        top = yaml.safe_load(text)  # its shape: OmegaConf.load reads a lone string as a key
         cfg = OmegaConf.load(path)
     except yaml.YAMLError as e:  # a syntax error: name the file and the line, in one line
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         raise ConfigError(f"config file {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
-    if not isinstance(cfg, DictConfig):
+    if text.lstrip()[:15].lower().startswith(("<!doctype html", "<html")):
+        raise ConfigError(f"config file {path} is an HTML page (a failed download?), not YAML")
+    if not isinstance(top, dict) or not isinstance(cfg, DictConfig):
         raise ConfigError(
             f"config file {path} must hold a mapping of keys (model:, sampling:, train:, ...), "
-            f"got a {type(cfg).__name__.removesuffix('Config').lower()}"
+            f"got a {type(top).__name__}"
         )
     base = cfg.pop("base", None)
     if base is None:

@@ -314,7 +314,8 @@ def check_model_folder(path: str | Path) -> None:
         path (`Path`): the pipeline folder.
 
     Raises:
-        FileNotFoundError: if ``path`` has no ``model_index.json``.
+        FileNotFoundError: if ``path`` has no ``model_index.json``, or a component folder holds weights without their
+            ``config.json`` (named).
         ValueError: naming the file: a broken JSON file, a damaged weight file, or pickled weights only (with
             the conversion to run).
     """
@@ -335,3 +336,8 @@ def check_model_folder(path: str | Path) -> None:
         if (folder / "config.json").is_file():
             _read_json(folder / "config.json")
             check_weights_folder(folder, hint)
+        elif any(p.suffix in (".safetensors", *PICKLE_SUFFIXES) for p in folder.iterdir()):
+            raise FileNotFoundError(
+                f"{folder / 'config.json'} does not exist: the weights of the model's {name} need it (copy or "
+                "download the file again)"
+            )

@@ -147,11 +147,20 @@ def load_image(path: str | Path) -> torch.Tensor:
 
 
 def _geneval_folder(folder: Path) -> list[dict]:
-    """The records of a GenEval-layout folder (``<i>/metadata.jsonl`` + ``<i>/samples/<j>.png``)."""
+    """The records of a GenEval-layout folder (``<i>/metadata.jsonl`` + ``<i>/samples/<j>.png``).
+
+    Raises:
+        ValueError: naming the file, for a ``metadata.jsonl`` that is not one JSON object with a string ``prompt``, or
+            missing beside a ``samples`` folder.
+    """
     records = []
     for sub in sorted(p for p in folder.iterdir() if p.is_dir() and p.name.isdigit()):
         meta_file = sub / "metadata.jsonl"
         if not meta_file.is_file():
+            if (sub / "samples").is_dir():  # its images would be left out without a word
+                raise ValueError(
+                    f"{meta_file} does not exist; GenEval's layout has the prompt's record beside {sub / 'samples'}"
+                )
             continue
         try:
             meta = json.loads(meta_file.read_text())

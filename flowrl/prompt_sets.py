@@ -81,13 +81,16 @@ def _json(path: Path) -> list[dict]:
     return metas
 
 
-def read_prompt_set(name: str | Path, fmt: str = "auto") -> list[dict]:
+def read_prompt_set(name: str | Path, fmt: str = "auto", require_image: bool = False) -> list[dict]:
     """The prompt records of a benchmark prompt file: one dict per prompt, with ``prompt`` and, where the file
     has one, ``tag`` (GenEval's tag, DrawBench's and PartiPrompts' category, HPDv2's style) and the other fields.
 
     Args:
         name: a path (or a shipped set's name, ``train`` / ``test``, see :func:`flowrl.data.prompt_file`).
         fmt (`str`): one of :data:`FORMATS`.
+        require_image (`bool`): every record names its source ``image`` (an image-to-video model,
+            ``FlowModel.SOURCE_REQUIRED``): a JSON lines file read with :func:`flowrl.data.read_jsonl`'s check; the
+            other formats name no source images and are refused.
 
     Returns:
         `list[dict]`, at least one, in file order. GenEval records keep every key of the file, so that they can be
@@ -95,7 +98,8 @@ def read_prompt_set(name: str | Path, fmt: str = "auto") -> list[dict]:
 
     Raises:
         FileNotFoundError: naming the file. ValueError: an unknown `fmt`, a file that is not UTF-8 or holds no
-            prompt (the file named), or a malformed line or row (file and line named).
+            prompt (the file named), or a malformed line or row (file and line named); with `require_image`, a
+            record without ``image`` (file and line) or a format other than JSON lines (the file).
     """
     if fmt not in FORMATS:
         raise ValueError(f"prompt format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -106,7 +110,13 @@ def read_prompt_set(name: str | Path, fmt: str = "auto") -> list[dict]:
         suffix = path.suffix.lower().lstrip(".")
         fmt = suffix if suffix in ("jsonl", "csv", "tsv", "json") else "txt"
     if fmt == "jsonl":
-        return read_jsonl(path)
+        return read_jsonl(path, require_image)
+    if require_image:
+        raise ValueError(
+            f"prompt file {path} is read as {fmt}, which names no source images; this model starts each video from "
+            "its record's source image: give a JSON lines file (.jsonl) whose records name it ('image', a path "
+            "relative to the file)"
+        )
     try:
         if fmt in ("csv", "tsv"):
             metas = _table(path, "," if fmt == "csv" else "\t")

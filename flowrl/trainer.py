@@ -27,7 +27,7 @@ from .config import Config, ConfigError, RewardConfig, save_config
 from .diagnostics import diversity_metrics, diversity_probe, peak_memory, precision_summary, resolve_precisions
 from .diversity import StopRules
 from .evaluator import Evaluator, before_after_line, eval_metrics
-from .methods import Rewards, build_method
+from .methods import METHODS, Rewards, build_method
 from .models.memory import place_frozen
 from .pairing import build_model, resolve_model
 from .policy import Policy, check_accelerate_engine, check_accelerate_precision, check_optimizer
@@ -111,12 +111,13 @@ class Trainer:
         held_out = read_prompt_records("eval.held_out", cfg.eval.held_out, sources) if cfg.eval.held_out else []
         self.held_out_metas = held_out
         self.prompts = PromptSampler(self.train_metas, cfg, acc.process_index)
+        data = METHODS[cfg.train.method].read_data(cfg)  # an offline data set: a bad file refused before the model
         self.rewards = build_rewards(cfg.rewards, given)
         self._say(f"loading {cfg.model.path} onto {self.device} ({adapter.PIPELINE})")  # the start-up's long part
         self.model = build_model(cfg, adapter, self.device)
         self._prepare_model()
         self.policy = Policy(self.model, cfg.train, cfg.run.mixed_precision, acc)
-        self.method = build_method(cfg, self.model, self.policy, self.rewards)
+        self.method = build_method(cfg, self.model, self.policy, self.rewards, data)
         self.diversity = diversity_probe(cfg.run.diversity_model, self.device) if self.method.online else None
         self.stop_rules = StopRules(cfg.run.stop_if)
         self.scorer = Scorer(self.rewards, cfg.sampling, acc)

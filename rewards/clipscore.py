@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import load_pretrained, register_reward
+from .base import check_json_files, load_pretrained, register_reward
 from .frozen import FrozenNetworkReward, channel_stats, frozen
 
 __all__ = ["ClipScore", "clip_preprocess", "clipscore"]
@@ -66,7 +66,8 @@ def _load_clip(
     """Load `(CLIPModel, tokenizer, image processor)` from local folders or cached hub ids.
 
     Raises:
-        FileNotFoundError: see `_check_folder`.
+        FileNotFoundError: see `_check_folder`. ValueError: a ``*.json`` file of either folder that is not JSON
+            (named: :func:`rewards.base.check_json_files`).
         OSError: no CLIP tokenizer and image processor in `processor_path`.
     """
     from transformers import CLIPModel
@@ -74,6 +75,8 @@ def _load_clip(
     processor_path = model_path if processor_path is None else processor_path
     model_dir = _check_folder(model_path, "model_path", need_config=True, reward=reward)
     processor_dir = _check_folder(processor_path, "processor_path", need_config=False, reward=reward)
+    for folder in dict.fromkeys((model_dir, processor_dir)):  # each *.json file named before transformers reads it
+        check_json_files(folder, reward)
     tokenizer, image_processor = load_clip_processor(processor_dir, processor_path, reward)
     model = load_pretrained(CLIPModel, model_dir, reward)  # pickled-only folders refused in one line
     return model, tokenizer, image_processor

@@ -5,6 +5,8 @@ naming the file, key, reward or server, or in the sensible behaviour."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import REPO, tiny_overrides
@@ -34,6 +36,27 @@ from flowrl.trainer import Trainer, iteration_seed
 def test_every_number_of_a_config_is_finite(key, value):
     with pytest.raises(ConfigError, match=rf"config key '{key.replace('.', '[.]')}(\[2\])?' must be a finite number"):
         load_config(None, [f"{key}={value}"])
+
+
+@pytest.mark.parametrize(
+    "preset,key,value,index,got",
+    [
+        ("crd", "train.crd.old_decay", "[0,0.25,inf,0.999]", 2, "inf"),
+        ("crd", "train.crd.sampler_decay", "[75,nan,0.0075,0.999]", 1, "nan"),
+        ("alignprop", "train.direct.alignprop_range", "[0,-inf]", 1, "-inf"),
+        ("alignprop", "train.direct.alignprop_range", "[0,Infinity]", 1, "inf"),
+    ],
+)
+def test_a_non_finite_number_in_a_list_from_the_command_line_is_refused_naming_the_key(
+    preset, key, value, index, got, capsys
+):
+    """``inf`` / ``nan`` typed into a list on the command line (YAML reads them as strings) is refused as a scalar's
+    is, with the key and the item, before any work; the lists' numbers are floats."""
+    line = _fails(capsys, "train", REPO / "configs" / f"{preset}.yaml", f"{key}={value}")
+    assert line == f"flowrl train: error: config key '{key}[{index}]' must be a finite number, got {got}"
+    assert load_config(None, ["train.crd.old_decay=[0,1,0,1]"]).train.crd.old_decay == [0.0, 1.0, 0.0, 1.0]
+    with pytest.raises(ConfigError, match=r"'train\.direct\.alignprop_range\[1\]'.*'high'"):
+        load_config(None, ["train.direct.alignprop_range=[0,high]"])
 
 
 def test_a_reward_option_may_be_any_number():
@@ -102,6 +125,65 @@ def test_image_to_video_records_without_their_source_are_refused_before_the_mode
                 load_config(REPO / "configs" / "recipes" / "wan_i2v_flow_grpo.yaml", over + ["model.num_frames=5"])
             )
     assert len(read_jsonl(mixed)) == 4  # a text-to-image family reads the same file
+
+
+@pytest.fixture(scope="module")
+def tiny_wan_i2v(tmp_path_factory):
+    """A random tiny Wan 2.1 image-to-video pipeline folder."""
+    from tiny_pipelines.wan_i2v import build_random_wan_i2v_pipeline
+
+    return build_random_wan_i2v_pipeline(tmp_path_factory.mktemp("wan21") / "pipeline")
+
+
+@pytest.mark.parametrize(
+    "command,suffix",
+    [
+        (("generate", "--out", "images"), ".jsonl"),
+        (("eval", "--reward", "jpeg_compressibility", "--out", "r.json"), ".jsonl"),
+        (("eval", "--out", "r.json"), ".jsonl"),  # the GenEval accuracy
+        (("generate", "--out", "images"), ".txt"),
+        (("eval", "--reward", "jpeg_compressibility", "--out", "r.json"), ".csv"),
+    ],
+)
+def test_eval_and_generate_refuse_image_to_video_records_without_their_source_before_the_model_loads(
+    command, suffix, tmp_path, tiny_wan_i2v, i2v_prompts, capsys, monkeypatch
+):
+    """As ``flowrl train`` does: a record without ``image`` (file and line), or a prompt format that names no source
+    images, is refused before any weight loads; a file whose records all name theirs goes on to load the model."""
+    import flowrl.models as models
+
+    def loads(*args, **kwargs):
+        raise RuntimeError("the model loads")
+
+    monkeypatch.setattr(models, "build_adapter", loads)
+    source = str(i2v_prompts[0].parent / json.loads(i2v_prompts[0].read_text().splitlines()[0])["image"])
+    geneval = {"tag": "single_object", "include": [{"class": "circle", "count": 1}]}
+    records = [{"prompt": "a red circle moving up", "image": source, **geneval}, {"prompt": "a circle", **geneval}]
+    prompts = tmp_path / f"p{suffix}"
+    if suffix == ".jsonl":
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+    else:
+        prompts.write_text("prompt\na red circle moving up\n" if suffix == ".csv" else "a red circle moving up\n")
+    argv = [tmp_path / a if a in ("images", "r.json") else a for a in command]
+    line = _fails(capsys, *argv, "--model", tiny_wan_i2v, "--prompts", prompts, "--device", "cpu")
+    if suffix == ".jsonl":
+        assert line == (
+            f"flowrl {command[0]}: error: --prompts: {prompts}:2: no 'image'; this model starts each video from its "
+            "record's source image (a path relative to the prompt file)"
+        )
+        prompts.write_text(json.dumps(records[0]) + "\n")
+        with pytest.raises(RuntimeError, match="the model loads"):
+            cli_main([str(a) for a in (*argv, "--model", tiny_wan_i2v, "--prompts", prompts, "--device", "cpu")])
+    else:
+        assert line.startswith(f"flowrl {command[0]}: error: --prompts: prompt file {prompts} is read as {suffix[1:]}")
+        assert "give a JSON lines file (.jsonl)" in line
+
+
+def cli_main(argv):
+    """``flowrl ARGV`` in this process."""
+    from flowrl import cli
+
+    cli.main(argv)
 
 
 # ------------------------------------------------------------------------------------------------ offline data sets

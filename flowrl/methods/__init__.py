@@ -75,8 +75,9 @@ for _module in pkgutil.iter_modules(__path__):  # each method's file registers i
     importlib.import_module(f"{__name__}.{_module.name}")
 
 
-def build_method(cfg, model, policy, rewards) -> Method:
-    """The method ``cfg.train.method`` names, built on the model adapter, policy and rewards.
+def build_method(cfg, model, policy, rewards, data=None) -> Method:
+    """The method ``cfg.train.method`` names, built on the model adapter, policy and rewards, and the `data` its
+    :meth:`Method.read_data` read before the model loaded (None: none, or read now).
 
     Raises:
         ValueError: naming ``train.method`` and the known names, for an unknown method.
@@ -85,4 +86,5 @@ def build_method(cfg, model, policy, rewards) -> Method:
         raise ValueError(
             f"config key 'train.method': unknown method {cfg.train.method!r}; expected one of {sorted(METHODS)}"
         )
-    return METHODS[cfg.train.method](cfg, model, policy, rewards)
+    method = METHODS[cfg.train.method]
+    return method(cfg, model, policy, rewards) if data is None else method(cfg, model, policy, rewards, data=data)

@@ -218,6 +218,13 @@ class Method:
         """Refuse settings this method cannot run, naming the key (:class:`flowrl.config.ConfigError`); called when
         the config is built. Default: nothing to refuse."""
 
+    @classmethod
+    def read_data(cls, cfg):
+        """What the method reads from files besides the prompt sets (an offline method's data set), read by the
+        trainer before the model loads, so that a bad file is refused first, and given to the constructor as
+        ``data`` (:func:`flowrl.methods.build_method`). Default: None, nothing to read."""
+        return None
+
     def rollout(self, metas: list[dict], generator: torch.Generator) -> Samples:
         """Draw this iteration's images for the prompt records `metas` (``P`` prompts)."""
         raise NotImplementedError

@@ -56,11 +56,11 @@ class CRDConfig:
     timesteps: int = setting(0, "noise times per sample and iteration (0: int(0.99 * sampling.num_steps), official)")
     kl_beta: float = setting(0.1, "weight of the reward-adaptive velocity KL to the guided base (official 0.1)")
     kl_guidance_scale: float = setting(4.5, "CFG of the base in the KL (official kl_cfg 4.5; 1: no CFG)")
-    old_decay: list = setting(
+    old_decay: list[float] = setting(
         factory=lambda: [0, 0.25, 0.005, 0.999],
         help="the old copy's decay schedule [start_step, start_value, slope, end_value] (official 0-0.25-0.005-0.999)",
     )
-    sampler_decay: list = setting(
+    sampler_decay: list[float] = setting(
         factory=lambda: [75, 0.0, 0.0075, 0.999],
         help="the sampler copy's decay schedule (official 75-0.0-0.0075-0.999: on-policy for 75 optimizer steps)",
     )

@@ -42,7 +42,7 @@ class DirectConfig:
     margin: Optional[float] = setting(None, "loss relu(margin - r) (ReFL's 2.0 for ImageReward); null: -r")
     scale: float = setting(1.0, "the loss times this (ReFL's grad_scale 1e-3)")
     kl_beta: float = setting(0.0, "weight of the velocity KL to the base at the steps with gradient (needs a LoRA)")
-    alignprop_range: list = setting(
+    alignprop_range: list[float] = setting(
         factory=lambda: [0.0, 1.0],
         help="AlignProp's truncation: the first step with gradient drawn from [int(lo N), min(int(hi N), N - 1)] "
         "each iteration (official (0, 50) of 50 steps)",

@@ -231,9 +231,14 @@ class OfflineDPO(DiffusionDPO):
         check(bool(cfg.train.offline.data), "train.offline.data", f"a data file with train.method {cls.name!r}", "")
         check(cfg.train.kl_beta == 0.0, "train.kl_beta", f"0 with train.method {cls.name!r}", cfg.train.kl_beta)
 
-    def __init__(self, cfg, model, policy, rewards):
+    @classmethod
+    def read_data(cls, cfg) -> list[tuple]:
+        """The rows of ``train.offline.data`` (:func:`offline_rows`), read before the model loads."""
+        return offline_rows(cfg, cls.pairs)
+
+    def __init__(self, cfg, model, policy, rewards, data: list[tuple] | None = None):
         super().__init__(cfg, model, policy, rewards)
-        self.data = OfflineData(offline_rows(cfg, self.pairs), model)
+        self.data = OfflineData(offline_rows(cfg, self.pairs) if data is None else data, model)
 
     def rollout(self, metas: list[dict], generator: torch.Generator) -> DataSamples:
         """The iteration's rows of the data set (`metas` unused: the data set holds the prompts)."""
@@ -265,9 +270,9 @@ class SFT(OfflineDPO):
 
     pairs = False
 
-    def __init__(self, cfg, model, policy, rewards):
+    def __init__(self, cfg, model, policy, rewards, data: list[tuple] | None = None):
         super(DiffusionDPO, self).__init__(cfg, model, policy, rewards)
-        self.data = OfflineData(offline_rows(cfg, False), model)
+        self.data = OfflineData(offline_rows(cfg, False) if data is None else data, model)
         self.reference = None
 
     def sampling_weights(self):

@@ -254,6 +254,11 @@ class RewardConfig:
     options: dict[str, Any] = setting(
         factory=dict, help="keyword options of the reward's factory (flowrl rewards lists the rewards)"
     )
+    spec: Optional[str] = setting(
+        None,
+        "what builds the reward, where NAME is not itself a reward: package.module:function or FILE.py:function "
+        "(default: NAME); Trainer(rewards=...) records here the import path of a callable that has one",
+    )
 
 
 @dataclass
@@ -467,8 +472,8 @@ class Config:
     sampling: SamplingConfig = setting(factory=SamplingConfig, help="the rollouts")
     rewards: dict[str, Optional[RewardConfig]] = setting(
         factory=dict,
-        help="name (registered, or 'package.module:function') -> weight and options; empty = geneval; "
-        "null drops a reward inherited from a base preset",
+        help="name (registered, or 'package.module:function') -> weight, options and spec (what builds it, default "
+        "the name); empty = geneval; null drops a reward inherited from a base preset",
     )
     train_prompts: str = setting("train", "train | test | a .jsonl file of prompt records")
     tag_balanced: bool = setting(True, "draw a tag uniformly, then a prompt of that tag")

@@ -72,9 +72,20 @@ def changed_keys(saved: Config, given: Config) -> dict[str, tuple[object, object
     return {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k) and k not in SILENT_KEYS}
 
 
+def _records_a_spec(key: str, old: object) -> bool:
+    """Whether `key` is a ``rewards.NAME.spec`` the saved config left unset (a reward callable given in Python,
+    without an import path or before flowrl recorded one): setting it names the same reward, not another."""
+    return key.startswith("rewards.") and key.endswith(".spec") and old is None
+
+
 def evaluation_changes(changes: dict[str, tuple[object, object]]) -> list[str]:
-    """The keys of `changes` (:func:`changed_keys`) that change what an evaluation gives (:data:`EVALUATION_KEYS`)."""
-    return [k for k in changes if k.startswith(EVALUATION_KEYS) and not k.startswith(PLACEMENT_KEYS)]
+    """The keys of `changes` (:func:`changed_keys`) that change what an evaluation gives (:data:`EVALUATION_KEYS`),
+    except a reward's ``spec`` the saved config left unset (:func:`_records_a_spec`)."""
+    return [
+        k
+        for k, (old, _) in changes.items()
+        if k.startswith(EVALUATION_KEYS) and not k.startswith(PLACEMENT_KEYS) and not _records_a_spec(k, old)
+    ]
 
 
 def _describe(changes: dict[str, tuple[object, object]]) -> str:

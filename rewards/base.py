@@ -189,6 +189,29 @@ def reward_name(reward: Callable) -> str:
     return getattr(reward, "name", None) or getattr(reward, "__name__", None) or type(reward).__name__
 
 
+def reward_spec(reward: Callable) -> str | None:
+    """The ``'package.module:name'`` that :func:`build_reward` resolves to `reward` itself: a function or class at a
+    module's top level (or a method, ``'module:Class.method'``), or an object a module holds by name; None for a
+    lambda, a function defined inside another, a ``functools.partial``, or anything of ``__main__`` (importing a
+    script again would run it). What :class:`flowrl.Trainer` records in ``config.yaml`` for a reward callable, so that
+    ``flowrl train RUN/config.yaml run.resume=true`` rebuilds it."""
+    module_name = getattr(reward, "__module__", None)
+    module = sys.modules.get(module_name) if isinstance(module_name, str) else None
+    if module is None or module_name == "__main__" or getattr(module, "__spec__", None) is None:
+        return None
+    if module.__spec__.name != module_name:  # a file imported by path, under another name: not importable so
+        return None
+    qualname = getattr(reward, "__qualname__", None)
+    if isinstance(qualname, str) and "<" not in qualname:  # not '<lambda>' or 'f.<locals>.g'
+        obj = module
+        for part in qualname.split("."):
+            obj = getattr(obj, part, None)
+        if obj is reward or (obj is not None and obj == reward):  # a bound method compares equal, not identical
+            return f"{module_name}:{qualname}"
+    names = [name for name, value in vars(module).items() if value is reward]
+    return f"{module_name}:{names[0]}" if names else None
+
+
 def _import_file(spec: str, path: str) -> Any:
     """The module of the Python file `path` (``reward spec 'PATH.py:function'``), imported under its file name.
 

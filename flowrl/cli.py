@@ -230,6 +230,9 @@ def _eval_accelerator(args):
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from accelerate import Accelerator
 
+        from .zero import quiet_cpu_notice
+
+        quiet_cpu_notice()
         return Accelerator(cpu=args.device == "cpu")
     return None
 
@@ -398,6 +401,9 @@ def cmd_generate(args) -> int:
     ):  # accelerate launch / torchrun: split the prompts over the processes
         from accelerate import Accelerator
 
+        from .zero import quiet_cpu_notice
+
+        quiet_cpu_notice()
         accelerator = Accelerator(cpu=args.device == "cpu")
         accelerator.wait_for_everyone()  # every process checked --out before any writes into it
     model = _model(args)

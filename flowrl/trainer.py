@@ -37,6 +37,7 @@ from .rewards import reward_spec
 from .run import RunFolder
 from .scoring import Scorer, build_rewards, given_rewards
 from .trackers import Trackers
+from .zero import quiet_cpu_notice
 
 
 def iteration_seed(seed: int, iteration: int, process: int) -> int:
@@ -92,6 +93,7 @@ class Trainer:
         # precision is run.mixed_precision (our autocast); DDP: a family may leave parameters unused in a forward,
         # and every forward without gradients (rollouts, evaluation) bypasses the wrapper, so buffers are not synced
         ddp = DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)
+        quiet_cpu_notice()  # a ZeRO launch imports DeepSpeed here
         self.accelerator = acc = Accelerator(
             cpu=cfg.run.device == "cpu",
             kwargs_handlers=[ddp],

@@ -48,6 +48,32 @@ def user_errors() -> tuple[type[BaseException], ...]:
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 """What ``flowrl sample --out`` may end with (the image formats PIL writes)."""
 
+CONFIG_HELP = (
+    "a YAML file, or a preset or recipe by name: dgpo is configs/dgpo.yaml, sd35m_pickscore "
+    "configs/recipes/sd35m_pickscore.yaml (flowrl config --list)"
+)
+"""The help of every command's config argument (``train``, ``config``, ``memory``): one spelling, name or path."""
+
+PRESETS_HELP = "presets of configs/, by name (dgpo) or path (configs/dgpo.yaml)"
+"""The help of ``--presets`` (``bench``, ``overopt``), completed with what the command does with them."""
+
+JSON_HELP = "print JSON instead of text"
+"""The help of ``--json`` (``config``, ``memory``): a flag everywhere; files are written with ``--out``."""
+
+OPTION_HELP = (
+    "a reward option, e.g. model_path=assets/tiny-clip; NAME.KEY=VALUE names the reward (needed with several "
+    "rewards); repeat for more"
+)
+"""The help of ``--option`` (``eval``, ``score``, ``serve-reward``): one spelling, read by :func:`_reward_options`."""
+
+
+def _alias(parser: argparse.ArgumentParser, old: str, dest: str, **kwargs) -> None:
+    """Accept `old`, the former spelling of the option stored in `dest`, hidden from ``--help`` (the new option's help
+    names it): scripts written for it keep working. ``kwargs`` (``type``, ...) are the new option's; errors name `old`,
+    as the user wrote it."""
+    kwargs.update(dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    parser.add_argument(old, **kwargs)
+
 
 def _model(args):
     """The ``--model`` pipeline on ``--device``, with the ``--lora`` loaded if given.
@@ -152,20 +178,28 @@ def cmd_memory(args) -> dict:
     """``flowrl memory CONFIG [key=value ...] --processes N [--family NAME]``: print the run's trained weight count and
     the memory its trained weights, gradients, AdamW state, frozen parts and activations take per process under each
     engine (:func:`flowrl.plan.memory_plan`), from the model folder or the published model ``NAME``; reads no
-    weights. Returns the plan (bytes)."""
+    weights. ``--json`` prints the plan as JSON instead, ``--out FILE`` also writes it (``--json FILE``, the old
+    spelling, writes it too). Returns the plan (bytes)."""
     from .config import load_config
     from .plan import format_plan, load_published, memory_plan  # torch loads only when the plan is worked out
 
+    as_json, out = args.json, args.out
+    if isinstance(as_json, str) and "=" in as_json and not as_json.endswith(".json"):  # --json key=value: a flag
+        args.overrides, as_json = [*args.overrides, as_json], True
+    if isinstance(as_json, str):  # the old spelling --json FILE: the text printed, the JSON written to FILE
+        if out is not None and out != as_json:
+            raise ValueError(f"--json {as_json} is the old spelling of --out FILE; give --out {out} alone")
+        as_json, out = False, as_json
     config = load_config(args.config, args.overrides)
     if args.family is not None:
         load_published(args.family)  # ValueError naming the known ones
-    if args.json:
-        probe_output(args.json, "--json")  # before the work, not after it
+    if out:
+        probe_output(out, "--out")  # before the work, not after it
 
     plan = memory_plan(config, args.processes, args.family)
-    print(format_plan(plan))
-    if args.json:
-        write_text_atomic(args.json, json.dumps(plan, indent=1))
+    print(json.dumps(plan, indent=1) if as_json else format_plan(plan))
+    if out:
+        write_text_atomic(out, json.dumps(plan, indent=1))
     return plan
 
 
@@ -228,6 +262,9 @@ def _eval_accelerator(args):
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from accelerate import Accelerator
 
+        from .zero import quiet_cpu_notice
+
+        quiet_cpu_notice()
         return Accelerator(cpu=args.device == "cpu")
     return None
 
@@ -248,18 +285,22 @@ def _reward_specs(text: str) -> list[str]:
 
 
 def _reward_options(specs: list[str], pairs: list[str] | None) -> dict[str, dict]:
-    """Each reward's options from ``--option NAME.key=value`` pairs (``key=value`` when there is one reward); the
-    name is everything before the key's last dot, so a dotted-path reward ``pkg.mod:fn`` takes ``pkg.mod:fn.key=v``.
+    """Each reward's options from ``--option`` pairs, spelt alike by ``eval``, ``score`` and ``serve-reward``:
+    ``NAME.key=value``, or ``key=value`` when there is one reward; the name is everything before the key's last dot,
+    so a dotted-path reward ``pkg.mod:fn`` takes ``pkg.mod:fn.key=v``. Each value is read as YAML (:func:`_options`).
 
     Raises:
-        ValueError: a pair without ``=``, without a reward name among several rewards, or naming a reward that
-            ``--reward`` does not list.
+        ValueError: a pair without ``=``, without a reward name among several rewards, or naming a reward that is
+            not among `specs`.
     """
     grouped: dict[str, list[str]] = {spec: [] for spec in specs}
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"--option {pair!r} must look like NAME.key=value (e.g. clipscore.model_path=/ckpt/clip)")
+            raise ValueError(
+                f"--option {pair!r} must look like key=value or NAME.key=value (e.g. --option "
+                "model_path=/ckpt/PickScore_v1)"
+            )
         name, dot, option = key.strip().rpartition(".")
         if not dot and len(specs) > 1:
             raise ValueError(
@@ -269,7 +310,7 @@ def _reward_options(specs: list[str], pairs: list[str] | None) -> dict[str, dict
         name = name if dot else specs[0]
         if name not in grouped:
             raise ValueError(
-                f"--option {pair!r} is for reward {name!r}, which --reward does not list ({', '.join(specs)})"
+                f"--option {pair!r} is for reward {name!r}, not one of this command's: {', '.join(specs)}"
             )
         grouped[name].append(f"{option}={value}")
     return {spec: _options(opts) for spec, opts in grouped.items()}
@@ -342,7 +383,7 @@ def _eval_rewards(args) -> dict:
 
 
 def cmd_sample(args) -> None:
-    """``flowrl sample``: ``-n`` images of one prompt (ODE, fixed seeds) saved as one grid PNG."""
+    """``flowrl sample``: ``--num-images`` images of one prompt (ODE, fixed seeds) saved as one grid PNG."""
     probe_output(args.out, "--out", IMAGE_SUFFIXES)  # before the work, not after it
     from torchvision.utils import save_image
 
@@ -353,8 +394,8 @@ def cmd_sample(args) -> None:
     with autocast(model.device, args.bf16, "--bf16"):
         images = generate(
             model,
-            [args.prompt] * args.n,
-            [args.seed + i for i in range(args.n)],
+            [args.prompt] * args.num_images,
+            [args.seed + i for i in range(args.num_images)],
             args.num_steps,
             args.guidance_scale,
             args.shift,
@@ -364,16 +405,17 @@ def cmd_sample(args) -> None:
 
         with atomic_output(args.out) as tmp, atomic_output(Path(args.out).with_suffix(".mp4")) as tmp_mp4:
             save_videos(images, tmp, mp4=tmp_mp4)
-        print(f"wrote {args.n} videos to {Path(args.out).with_suffix('.mp4')} and their frames to {args.out}")
+        print(f"wrote {args.num_images} videos to {Path(args.out).with_suffix('.mp4')} and their frames to {args.out}")
         return
     with atomic_output(args.out) as tmp:
-        save_image(images, tmp, nrow=min(args.n, 8), padding=1)
-    print(f"wrote {args.n} images to {args.out}")
+        save_image(images, tmp, nrow=min(args.num_images, 8), padding=1)
+    print(f"wrote {args.num_images} images to {args.out}")
 
 
 def cmd_generate(args) -> int:
-    """``flowrl generate``: ``-n`` images per prompt of a prompt file (GenEval jsonl, DrawBench csv, PartiPrompts tsv,
-    HPDv2 json, txt) in GenEval's folder layout or flat (:func:`flowrl.image_folders.generate_folder`)."""
+    """``flowrl generate``: ``--images-per-prompt`` images per prompt of a prompt file (GenEval jsonl, DrawBench csv,
+    PartiPrompts tsv, HPDv2 json, txt) in GenEval's folder layout or flat
+    (:func:`flowrl.image_folders.generate_folder`)."""
     from .prompt_sets import read_prompt_set
 
     metas = read_prompt_set(args.prompts, args.format)
@@ -393,6 +435,9 @@ def cmd_generate(args) -> int:
     ):  # accelerate launch / torchrun: split the prompts over the processes
         from accelerate import Accelerator
 
+        from .zero import quiet_cpu_notice
+
+        quiet_cpu_notice()
         accelerator = Accelerator(cpu=args.device == "cpu")
         accelerator.wait_for_everyone()  # every process checked --out before any writes into it
     model = _model(args)
@@ -401,7 +446,7 @@ def cmd_generate(args) -> int:
             model,
             metas,
             out,
-            args.n,
+            args.images_per_prompt,
             args.layout,
             args.seed,
             args.num_steps,
@@ -415,7 +460,8 @@ def cmd_generate(args) -> int:
     if accelerator is None or accelerator.is_main_process:
         kind = "videos (mp4, and a PNG of 8 frames each)" if model.VIDEO else "images"
         print(
-            f"wrote {len(metas) * args.n} {kind} ({len(metas)} prompts x {args.n}) to {out} in the {args.layout} layout"
+            f"wrote {len(metas) * args.images_per_prompt} {kind} ({len(metas)} prompts x {args.images_per_prompt}) "
+            f"to {out} in the {args.layout} layout"
         )
     return written
 
@@ -445,6 +491,7 @@ def cmd_score(args) -> dict:
     from .image_folders import read_image_folder, score_records, write_scores
     from .prompt_sets import read_prompt_set
 
+    options = _reward_options([args.reward], args.option)  # before the images are read
     prompts = read_prompt_set(args.prompts, args.format) if args.prompts else None
     records = read_image_folder(args.paths, prompts)
     if args.out:
@@ -455,7 +502,7 @@ def cmd_score(args) -> dict:
             "prompt-dependent reward)",
             file=sys.stderr,
         )
-    options = _options(args.option)
+    options = options[args.reward]
     from .evaluation import summarize
     from .rewards import build_reward
 
@@ -475,7 +522,7 @@ def cmd_score(args) -> dict:
 
 def cmd_serve_reward(args) -> None:
     """``flowrl serve-reward NAME``: serve a reward over HTTP until Ctrl-C (:func:`rewards.serve`)."""
-    options = _options(args.option)
+    options = _reward_options([args.name], args.option)[args.name]
     from .rewards import serve
 
     serve(
@@ -533,10 +580,11 @@ def cmd_rewards(args) -> list[dict]:
 
 def cmd_bench(args) -> dict:
     """``flowrl bench``: every sampler preset on the tiny world (see :mod:`flowrl.bench`); ``--presets`` may
-    name any preset in configs/ (e.g. ``diffusion_nft``)."""
+    name any preset in configs/ by name or path (``diffusion_nft``, ``configs/diffusion_nft.yaml``)."""
     from .bench import PRESETS, run_bench
-    from .config import REPO_ROOT
+    from .config import REPO_ROOT, preset_name
 
+    args.presets = [preset_name(p) for p in args.presets]  # configs/dgpo.yaml -> dgpo
     available = sorted(p.stem for p in (REPO_ROOT / "configs").glob("*.yaml"))
     unknown = set(args.presets) - set(available)
     if unknown:
@@ -544,7 +592,13 @@ def cmd_bench(args) -> dict:
     probe_output(Path(args.out).with_suffix(".md"), "--out")  # and its .json: before the work
     probe_output(args.out, "--out")
     results = run_bench(
-        args.presets, args.iterations, args.warmup, args.budget_s, args.overrides, args.out, args.preset_overrides
+        args.presets,
+        args.timed_iterations,
+        args.warmup,
+        args.budget_s,
+        args.overrides,
+        args.out,
+        args.preset_overrides,
     )
     print(Path(args.out).with_suffix(".md").read_text())
     return results
@@ -552,9 +606,10 @@ def cmd_bench(args) -> dict:
 
 def cmd_overopt(args) -> dict:
     """``flowrl overopt``: train on the clipscore proxy and track the GenEval gold reward."""
-    from .config import REPO_ROOT
+    from .config import REPO_ROOT, preset_name
     from .overopt import run_overopt
 
+    args.presets = [preset_name(p) for p in args.presets]  # configs/dgpo.yaml -> dgpo
     known = {p.stem for p in (REPO_ROOT / "configs").glob("*.yaml")}
     unknown = set(args.presets) - known
     if unknown:
@@ -677,7 +732,7 @@ def _add_train(sub) -> None:
         help=f"run a training job from a YAML preset (train.method: {', '.join(sorted(METHODS))})",
         epilog="Every config key with its type, default and help: flowrl config [CONFIG]",
     )
-    t.add_argument("config", help="configs/*.yaml (presets) or configs/recipes/*.yaml (real models)")
+    t.add_argument("config", help=CONFIG_HELP)
     t.add_argument(
         "overrides", nargs="*", help="key=value overrides, e.g. run.iterations=10 (flowrl config lists the keys)"
     )
@@ -685,14 +740,9 @@ def _add_train(sub) -> None:
     c = sub.add_parser(
         "config", help="every config key with its type, value, default and help (of a preset, or the defaults)"
     )
-    c.add_argument(
-        "config",
-        nargs="?",
-        default=None,
-        help="configs/*.yaml or configs/recipes/*.yaml (default: the built-in defaults)",
-    )
+    c.add_argument("config", nargs="?", default=None, help=CONFIG_HELP + " (default: the built-in defaults)")
     c.add_argument("overrides", nargs="*", help="key=value overrides")
-    c.add_argument("--json", action="store_true", help="print JSON rows instead of text")
+    c.add_argument("--json", action="store_true", help=JSON_HELP)
     c.add_argument(
         "--list", action="store_true", help="list the presets in configs/ and the recipes in configs/recipes/ instead"
     )
@@ -702,10 +752,18 @@ def _add_train(sub) -> None:
         help="memory per process of a run (weights, optimizer, activations) under each engine, from the model "
         "folder or a published model's configs (reads no weights)",
     )
-    m.add_argument("config", help="configs/*.yaml or configs/recipes/*.yaml")
+    m.add_argument("config", help=CONFIG_HELP)
     m.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.path=/ckpt/flux model.lora_rank=0")
     m.add_argument("--processes", type=_at_least(1), default=8, help="processes (GPUs) of the run")
-    m.add_argument("--json", default=None, help="also write the plan (bytes) to this JSON file")
+    m.add_argument(
+        "--json",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="FILE",
+        help=JSON_HELP + " (--json FILE, the old spelling of --out FILE, still writes FILE)",
+    )
+    m.add_argument("--out", default=None, help="also write the plan (bytes) to this FILE.json")
     m.add_argument(
         "--family",
         default=None,
@@ -733,13 +791,7 @@ def _add_eval(sub) -> None:
         default=None,
         help="NAME[,NAME...]: registered rewards or package.module:function (default: GenEval accuracy)",
     )
-    e.add_argument(
-        "--option",
-        action="append",
-        metavar="NAME.KEY=VALUE",
-        help="a reward option, e.g. clipscore.model_path=assets/tiny-clip (KEY=VALUE with one reward; "
-        "repeat for more)",
-    )
+    e.add_argument("--option", action="append", metavar="[NAME.]KEY=VALUE", help=OPTION_HELP)
     e.add_argument(
         "--images-per-tag",
         type=_at_least(0),
@@ -747,26 +799,35 @@ def _add_eval(sub) -> None:
         help="GenEval accuracy: images per tag (default 64; 0: each prompt once)",
     )
     e.add_argument(
-        "--images-per-prompt", type=_at_least(1), default=None, help="with --reward: samples per prompt (default 1)"
+        "--images-per-prompt",
+        type=_at_least(1),
+        default=None,
+        help="with --reward: images per prompt, as generate's (default 1)",
     )
     e.add_argument("--out", required=True, help="FILE.json")
     e.set_defaults(fn=cmd_eval)
 
 
 def _add_sample(sub) -> None:
-    """The ``sample`` sub-command: the model options, the prompt, ``-n`` and the PNG output, run by
+    """The ``sample`` sub-command: the model options, the prompt, ``--num-images`` and the PNG output, run by
     :func:`cmd_sample`."""
     s = sub.add_parser("sample", help="a grid of images for one prompt")
     _model_args(s)
     s.add_argument("--prompt", type=_non_empty, required=True, help="the text prompt")
-    s.add_argument("-n", type=_at_least(1), default=8, help="images")
+    s.add_argument(
+        "--num-images",
+        type=_at_least(1),
+        default=8,
+        help="images of the prompt in the grid, all of them (-n, the old spelling, still works)",
+    )
+    _alias(s, "-n", "num_images", type=_at_least(1))
     s.add_argument("--out", default="grid.png", help=f"image file ({', '.join(IMAGE_SUFFIXES)})")
     s.set_defaults(fn=cmd_sample)
 
 
 def _add_generate(sub) -> None:
-    """The ``generate`` sub-command: the model options, a benchmark prompt file, ``-n``, the layout and the output
-    folder, run by :func:`cmd_generate`."""
+    """The ``generate`` sub-command: the model options, a benchmark prompt file, ``--images-per-prompt``, the layout
+    and the output folder, run by :func:`cmd_generate`."""
     from .image_folders import LAYOUTS
     from .prompt_sets import FORMATS
 
@@ -785,7 +846,13 @@ def _add_generate(sub) -> None:
         default="geneval",
         help="geneval: <i>/metadata.jsonl + <i>/samples/<j>.png; flat: <n>.png + prompts.jsonl",
     )
-    g.add_argument("-n", type=_at_least(1), default=4, help="images per prompt (GenEval: 4)")
+    g.add_argument(
+        "--images-per-prompt",
+        type=_at_least(1),
+        default=4,
+        help="images per prompt, as eval --reward's (GenEval: 4; -n, the old spelling, still works)",
+    )
+    _alias(g, "-n", "images_per_prompt", type=_at_least(1))
     g.add_argument("--batch-size", type=_at_least(1), default=16, help="images generated at once")
     g.set_defaults(fn=cmd_generate)
 
@@ -798,7 +865,7 @@ def _add_score(sub) -> None:
     s = sub.add_parser("score", help="score a folder of images with a named reward")
     s.add_argument("paths", nargs="+", help="a folder written by flowrl generate, a folder of images, or image files")
     s.add_argument("--reward", type=_non_empty, required=True, help="a registered name or package.module:function")
-    s.add_argument("--option", action="append", metavar="KEY=VALUE", help="a reward option (repeat for more)")
+    s.add_argument("--option", action="append", metavar="[NAME.]KEY=VALUE", help=OPTION_HELP)
     s.add_argument("--prompts", default=None, help="prompts of loose images (any flowrl generate --prompts format)")
     s.add_argument("--format", choices=FORMATS, default="auto", help="--prompts file format")
     s.add_argument("--batch-size", type=_at_least(1), default=16, help="images per reward call")
@@ -811,7 +878,7 @@ def _add_serve_reward(sub) -> None:
     :func:`cmd_serve_reward`."""
     r = sub.add_parser("serve-reward", help="serve a reward over HTTP for the 'remote' reward of another process")
     r.add_argument("name", type=_non_empty, help="a registered reward or package.module:function")
-    r.add_argument("--option", action="append", metavar="KEY=VALUE", help="a reward option (repeat for more)")
+    r.add_argument("--option", action="append", metavar="[NAME.]KEY=VALUE", help=OPTION_HELP)
     r.add_argument("--host", default="127.0.0.1", help="address to bind (no authentication: keep it local)")
     r.add_argument("--port", type=_at_least(0), default=8000, help="port (0: a free one, printed)")
     r.add_argument("--batch-size", type=_at_least(1), default=None, help="images per reward call (default: a request)")
@@ -840,8 +907,14 @@ def _add_bench(sub) -> None:
     from .bench import PRESETS
 
     b = sub.add_parser("bench", help="time every sampler preset on the tiny world (one table)")
-    b.add_argument("--presets", nargs="+", default=list(PRESETS), help="presets of configs/ to time")
-    b.add_argument("--iterations", type=int, default=3, help="timed iterations per preset (median)")
+    b.add_argument("--presets", nargs="+", default=list(PRESETS), help=PRESETS_HELP + " to time")
+    b.add_argument(
+        "--timed-iterations",
+        type=int,
+        default=3,
+        help="timed iterations per preset, their median reported (--iterations, the old spelling, still works)",
+    )
+    _alias(b, "--iterations", "timed_iterations", type=int)
     b.add_argument("--warmup", type=int, default=1, help="untimed iterations before them")
     b.add_argument(
         "--budget-s",
@@ -865,8 +938,8 @@ def _add_overopt(sub) -> None:
     from .overopt import PRESETS
 
     o = sub.add_parser("overopt", help="over-optimisation study: train on the clipscore proxy, track GenEval gold")
-    o.add_argument("--presets", nargs="+", default=list(PRESETS), help="presets of configs/ to train")
-    o.add_argument("--iterations", type=int, default=30, help="training iterations per preset")
+    o.add_argument("--presets", nargs="+", default=list(PRESETS), help=PRESETS_HELP + " to train")
+    o.add_argument("--iterations", type=int, default=30, help="training iterations per preset, as run.iterations")
     o.add_argument("--eval-every", type=int, default=10, help="iterations between gold and proxy evaluations")
     o.add_argument("--out", default="runs/overopt.json", help="the results as JSON, and a Markdown table beside it")
     o.add_argument("overrides", nargs="*", help="key=value overrides for every preset")

@@ -44,6 +44,8 @@ __all__ = [
     "WindowConfig",
     "config_key",
     "load_config",
+    "preset_name",
+    "resolve_config",
     "resolve_path",
     "save_config",
 ]
@@ -251,6 +253,11 @@ class RewardConfig:
     weight: float = setting(1.0, "the reward's weight in the weighted sum")
     options: dict[str, Any] = setting(
         factory=dict, help="keyword options of the reward's factory (flowrl rewards lists the rewards)"
+    )
+    spec: Optional[str] = setting(
+        None,
+        "what builds the reward, where NAME is not itself a reward: package.module:function or FILE.py:function "
+        "(default: NAME); Trainer(rewards=...) records here the import path of a callable that has one",
     )
 
 
@@ -465,8 +472,8 @@ class Config:
     sampling: SamplingConfig = setting(factory=SamplingConfig, help="the rollouts")
     rewards: dict[str, Optional[RewardConfig]] = setting(
         factory=dict,
-        help="name (registered, or 'package.module:function') -> weight and options; empty = geneval; "
-        "null drops a reward inherited from a base preset",
+        help="name (registered, or 'package.module:function') -> weight, options and spec (what builds it, default "
+        "the name); empty = geneval; null drops a reward inherited from a base preset",
     )
     train_prompts: str = setting("train", "train | test | a .jsonl file of prompt records")
     tag_balanced: bool = setting(True, "draw a tag uniformly, then a prompt of that tag")
@@ -575,6 +582,44 @@ def check_finite(values: dict, prefix: str = "") -> None:
                 _check(math.isfinite(item), label, "a finite number", item)
 
 
+CONFIG_FOLDERS = ("configs", "configs/recipes")
+"""Where :func:`resolve_config` looks for a preset or recipe given by name (relative to :data:`REPO_ROOT`)."""
+
+
+def resolve_config(path: str | Path) -> Path:
+    """The YAML file a config argument names: a file (the working folder's, else the repository's, as
+    :func:`resolve_path` reads paths), or a preset or recipe by name: ``dgpo`` is ``configs/dgpo.yaml``,
+    ``sd35m_pickscore`` is ``configs/recipes/sd35m_pickscore.yaml`` (``flowrl config --list`` lists them).
+
+    Raises:
+        FileNotFoundError: ``config file PATH does not exist``; for a bare name, also that no preset or recipe has it.
+    """
+    given = Path(path)
+    if resolve_path(given).is_file():
+        return resolve_path(given)
+    bare = given.suffix not in (".yaml", ".yml") and len(given.parts) == 1
+    if bare:
+        for folder in CONFIG_FOLDERS:
+            if (REPO_ROOT / folder / f"{given}.yaml").is_file():
+                return REPO_ROOT / folder / f"{given}.yaml"
+        raise FileNotFoundError(
+            f"config file {path} does not exist, nor a preset configs/{path}.yaml or recipe "
+            f"configs/recipes/{path}.yaml (flowrl config --list lists them)"
+        )
+    raise FileNotFoundError(f"config file {path} does not exist")
+
+
+def preset_name(path: str | Path) -> str:
+    """The name of a preset in ``configs/`` given by name (``dgpo``) or by path (``configs/dgpo.yaml``, from any
+    working folder), as ``flowrl bench`` and ``flowrl overopt`` take them; anything else is returned as given (their
+    check names it)."""
+    try:
+        file = resolve_config(path).resolve()
+    except FileNotFoundError:
+        return str(path)
+    return file.stem if file.parent == (REPO_ROOT / "configs").resolve() else str(path)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Load a YAML preset, apply ``key=value`` overrides and validate.
 
@@ -582,14 +627,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     first and the preset's keys override it (``rewards`` entries are merged, not replaced).
 
     Args:
-        path: a YAML file (``configs/*.yaml``) or None for the defaults.
+        path: a YAML file (``configs/*.yaml``), a preset or recipe by name (``"dgpo"``: :func:`resolve_config`), or
+            None for the defaults.
         overrides: dot-list strings like ``train.learning_rate=1e-4``.
 
     Returns:
         A validated :class:`Config`.
 
     Raises:
-        FileNotFoundError: if ``path`` does not exist.
+        FileNotFoundError: if ``path`` names no file, preset or recipe.
         ConfigError: for an unknown key, a value of the wrong type or out of range (the key is named), or a
             preset that is not valid YAML or not a mapping (the file and line are named).
     """
@@ -597,9 +643,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     try:
         parts = [schema]
         if path is not None:
-            if not Path(path).is_file():
-                raise FileNotFoundError(f"config file {path} does not exist")
-            parts.append(_load_yaml(Path(path)))
+            parts.append(_load_yaml(resolve_config(path)))
         for item in overrides:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} must look like key=value")

@@ -45,6 +45,10 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} CPU cores, {gpu}, torch {torch.__version__}"
 
 
+QUIET_IMAGES = 16
+""":func:`generate` shows no bar for this many images or fewer (a grid, a sample: one short batch)."""
+
+
 def generate(
     model: FlowModel,
     prompts: list[str],
@@ -79,32 +83,49 @@ def generate(
         )
     sigmas = model.sigmas(num_steps, shift).to(model.device)  # the stock pipeline's spacing (SD3 or FLUX)
     images = []
-    starts = range(0, len(prompts), batch_size)  # a bar for a long evaluation (several batches), on local rank 0
-    for start in tqdm(
-        starts,
-        desc="generate",
-        unit="batch",
+    starts = range(0, len(prompts), batch_size)
+    # a bar on local rank 0 that ticks at each Euler step of each batch (a batch of 64 images can take minutes on a
+    # CPU), except for a batch of a few images (a grid, a sample)
+    bar = tqdm(
+        total=len(starts) * (sigmas.shape[0] - 1),
+        desc=f"generate {len(prompts)} images",
+        unit="step",
         leave=False,
-        disable=len(starts) < 2 or os.environ.get("LOCAL_RANK", "0") != "0",
-    ):
-        chunk = prompts[start : start + batch_size]
-        records = [{"prompt": p} for p in chunk] if metas is None else metas[start : start + batch_size]
-        keys = [json.dumps(m, sort_keys=True, default=str) for m in records]
-        unique = dict(zip(keys, records))  # each distinct record (prompt and conditioning) is encoded once
-        table = model.prompt_table(list(unique.values()))
-        row = {k: i + 1 for i, k in enumerate(unique)}
-        cond = torch.tensor([row[k] for k in keys], device=model.device)
-        noise = torch.stack(
-            [
-                torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s))
-                for s in seeds[start : start + batch_size]
-            ]
-        ).to(model.device)  # (b, C, H, W)
-        noise = start_latents(noise, sigmas[0])  # the state at the first time (noise itself at sigma 1)
-        with torch.no_grad():
-            latents = ode_sample(model.velocity_fn(table, guidance_scale), noise, cond, sigmas)
-            images.append(model.decode(latents).cpu())
+        disable=len(prompts) <= QUIET_IMAGES or os.environ.get("LOCAL_RANK", "0") != "0",
+    )
+    with bar:
+        for start in starts:
+            bar.set_postfix_str(f"batch {start // batch_size + 1}/{len(starts)}", refresh=False)
+            chunk = prompts[start : start + batch_size]
+            records = [{"prompt": p} for p in chunk] if metas is None else metas[start : start + batch_size]
+            images.append(_ode_batch(model, records, seeds[start : start + batch_size], sigmas, guidance_scale, bar))
     return torch.cat(images)
+
+
+def _ode_batch(
+    model: FlowModel, records: list[dict], seeds: list[int], sigmas, guidance_scale: float, bar
+) -> torch.Tensor:
+    """One batch of :func:`generate`: the images of `records` (``b`` prompt records) from `seeds`, each Euler step
+    ticking `bar`; float32 ``(b, 3, H, W)`` (videos ``(b, F, 3, H, W)``) in [0, 1] on CPU."""
+    keys = [json.dumps(m, sort_keys=True, default=str) for m in records]
+    unique = dict(zip(keys, records))  # each distinct record (prompt and conditioning) is encoded once
+    table = model.prompt_table(list(unique.values()))
+    row = {k: i + 1 for i, k in enumerate(unique)}
+    cond = torch.tensor([row[k] for k in keys], device=model.device)
+    noise = torch.stack(
+        [torch.randn(model.latent_shape, generator=torch.Generator().manual_seed(s)) for s in seeds]
+    ).to(model.device)  # (b, C, H, W)
+    noise = start_latents(noise, sigmas[0])  # the state at the first time (noise itself at sigma 1)
+    velocity = model.velocity_fn(table, guidance_scale)
+
+    def ticking(x: torch.Tensor, t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        v = velocity(x, t, c)  # one call per Euler step
+        bar.update(1)
+        return v
+
+    with torch.no_grad():
+        latents = ode_sample(ticking, noise, cond, sigmas)
+        return model.decode(latents).cpu()
 
 
 def generate_per_prompt(

@@ -95,15 +95,23 @@ REWARD_CONNECTION = tuple(
 endpoint, timeouts, batching, the device), not what it judges: a resume may change them, named in its line."""
 
 
+def _records_a_spec(key: str, old: object) -> bool:
+    """Whether `key` is a ``rewards.NAME.spec`` the saved config left unset (a reward callable given in Python,
+    without an import path or before flowrl recorded one): setting it names the same reward, not another."""
+    return key.startswith("rewards.") and key.endswith(".spec") and old is None
+
+
 def evaluation_changes(changes: dict[str, tuple[object, object]]) -> list[str]:
-    """The keys of `changes` (:func:`changed_keys`) that change what an evaluation gives (:data:`EVALUATION_KEYS`,
-    less :data:`PLACEMENT_KEYS` and the rewards' :data:`REWARD_CONNECTION` options)."""
+    """The keys of `changes` (:func:`changed_keys`) that change what an evaluation gives (:data:`EVALUATION_KEYS`),
+    less :data:`PLACEMENT_KEYS`, the rewards' :data:`REWARD_CONNECTION` options and a reward's ``spec`` the saved
+    config left unset (:func:`_records_a_spec`)."""
     return [
         k
-        for k in changes
+        for k, (old, _) in changes.items()
         if k.startswith(EVALUATION_KEYS)
         and not k.startswith(PLACEMENT_KEYS)
         and not (k.startswith("rewards.") and k.endswith(REWARD_CONNECTION))
+        and not _records_a_spec(k, old)
     ]
 
 

@@ -55,7 +55,8 @@ def given_rewards(rewards: dict | list | None) -> dict[str, tuple]:
 
 def build_rewards(configured: dict[str, RewardConfig], given: dict[str, tuple] | None = None) -> WeightedSum:
     """The run's rewards: `given` (``{name: (callable, weight)}``, :func:`given_rewards`) when there are any, else each
-    config key ``rewards.NAME`` built (:func:`flowrl.rewards.build_reward` with its ``options``) at its ``weight``.
+    config key ``rewards.NAME`` built (:func:`flowrl.rewards.build_reward` of its ``spec``, default ``NAME``, with its
+    ``options``) at its ``weight``.
 
     Raises:
         ConfigError: naming ``rewards.NAME``, for an unknown reward, a missing module or a bad option.
@@ -66,11 +67,16 @@ def build_rewards(configured: dict[str, RewardConfig], given: dict[str, tuple] |
     built = {}
     for name, r in configured.items():
         try:
-            built[name] = (build_reward(name, **resolve_option_paths(r.options)), r.weight)
+            built[name] = (build_reward(r.spec or name, **resolve_option_paths(r.options)), r.weight)
         except (ValueError, TypeError) as e:
             if isinstance(e, TypeError) and not isinstance(e, RewardTypeError):
                 raise  # a bug inside the reward's factory: not disguised as bad input
-            raise ConfigError(f"config key 'rewards.{name}': {e}") from None
+            hint = (
+                f" (a reward passed to Trainer(rewards=...) from a script: set rewards.{name}.spec=module:function)"
+                if r.spec is None and str(e).startswith("unknown reward")
+                else ""
+            )
+            raise ConfigError(f"config key 'rewards.{name}': {e}{hint}") from None
     return WeightedSum(built)
 
 

@@ -33,9 +33,11 @@ from .pairing import build_model, resolve_model
 from .policy import Policy, check_accelerate_engine, check_accelerate_precision, check_optimizer
 from .prompt_sampler import PromptSampler, read_prompt_records
 from .resume import check_resume, say
+from .rewards import reward_spec
 from .run import RunFolder
 from .scoring import Scorer, build_rewards, given_rewards
 from .trackers import Trackers
+from .zero import quiet_cpu_notice
 
 
 def iteration_seed(seed: int, iteration: int, process: int) -> int:
@@ -53,7 +55,9 @@ class Trainer:
         rewards (optional): reward callables ``reward(images, prompts, metadata) -> scores`` to train on instead of
             the config's ``rewards`` section, as trl's trainers take ``reward_funcs``: a dict ``name -> callable`` or
             ``name -> (callable, weight)``, or a list of callables (named by their ``name`` or ``__name__``,
-            weight 1). ``config.yaml`` records their names and weights; a resume passes them again.
+            weight 1). ``config.yaml`` records their names, weights and, where a callable has one, its import path
+            (``rewards.NAME.spec``, :func:`flowrl.rewards.reward_spec`): ``flowrl train RUN/config.yaml
+            run.resume=true`` then rebuilds it; a Python resume passes them again.
 
     Attributes: ``cfg`` (resolved), ``out`` (the run folder), ``accelerator``, ``model`` (the adapter), ``policy``,
     ``method``, ``rewards`` (:class:`flowrl.rewards.WeightedSum`), ``train_metas`` / ``eval_metas`` /
@@ -79,8 +83,9 @@ class Trainer:
         if not isinstance(config, Config):
             raise TypeError(f"Trainer takes a flowrl.Config (flowrl.load_config(...)), got {type(config).__name__}")
         given = given_rewards(rewards)  # name -> (callable, weight); checked before any work
-        if given:  # they replace the config's rewards section (recorded by name in config.yaml)
-            config = dataclasses.replace(config, rewards={n: RewardConfig(weight=w) for n, (_, w) in given.items()})
+        if given:  # they replace the config's rewards section (recorded with each import path in config.yaml)
+            recorded = {n: RewardConfig(weight=w, spec=reward_spec(fn)) for n, (fn, w) in given.items()}
+            config = dataclasses.replace(config, rewards=recorded)
         self.cfg = cfg = config
         if cfg.run.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("config key 'run.device' is 'cuda' but no CUDA device is available; use auto or cpu")
@@ -88,6 +93,7 @@ class Trainer:
         # precision is run.mixed_precision (our autocast); DDP: a family may leave parameters unused in a forward,
         # and every forward without gradients (rollouts, evaluation) bypasses the wrapper, so buffers are not synced
         ddp = DistributedDataParallelKwargs(find_unused_parameters=True, broadcast_buffers=False)
+        quiet_cpu_notice()  # a ZeRO launch imports DeepSpeed here
         self.accelerator = acc = Accelerator(
             cpu=cfg.run.device == "cpu",
             kwargs_handlers=[ddp],

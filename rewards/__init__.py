@@ -25,6 +25,7 @@ from .base import (
     check_scores,
     register_reward,
     reward_name,
+    reward_spec,
 )
 from .clipscore import ClipScore, clipscore
 from .geneval import geneval, geneval_strict
@@ -104,5 +105,6 @@ __all__ = [
     "register_reward",
     "pref_winrate",
     "reward_name",
+    "reward_spec",
     "win_rates",
 ]

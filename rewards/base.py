@@ -10,6 +10,7 @@ This module imports nothing else of flowrl (the samplers, the trainer).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import math
@@ -187,6 +188,29 @@ def chunk_slices(count: int, size: int | None) -> list[slice]:
 def reward_name(reward: Callable) -> str:
     """The reward's `name` attribute, else its `__name__`, else its class name (for error messages)."""
     return getattr(reward, "name", None) or getattr(reward, "__name__", None) or type(reward).__name__
+
+
+def reward_spec(reward: Callable) -> str | None:
+    """The ``'package.module:name'`` that :func:`build_reward` resolves to `reward` itself: a function or class at a
+    module's top level (or a method, ``'module:Class.method'``), or an object a module holds by name; None for a
+    lambda, a function defined inside another, a ``functools.partial``, or anything of ``__main__`` (importing a
+    script again would run it). What :class:`flowrl.Trainer` records in ``config.yaml`` for a reward callable, so that
+    ``flowrl train RUN/config.yaml run.resume=true`` rebuilds it."""
+    module_name = getattr(reward, "__module__", None)
+    module = sys.modules.get(module_name) if isinstance(module_name, str) else None
+    if module is None or module_name == "__main__" or getattr(module, "__spec__", None) is None:
+        return None
+    if module.__spec__.name != module_name:  # a file imported by path, under another name: not importable so
+        return None
+    qualname = getattr(reward, "__qualname__", None)
+    if isinstance(qualname, str) and "<" not in qualname:  # not '<lambda>' or 'f.<locals>.g'
+        obj = module
+        for part in qualname.split("."):
+            obj = getattr(obj, part, None)
+        if obj is reward or (obj is not None and obj == reward):  # a bound method compares equal, not identical
+            return f"{module_name}:{qualname}"
+    names = [name for name, value in vars(module).items() if value is reward]
+    return f"{module_name}:{names[0]}" if names else None
 
 
 def _import_file(spec: str, path: str) -> Any:
@@ -440,6 +464,34 @@ def check_weights_folder(folder: str | os.PathLike, reward: str) -> None:
             raise ValueError(f"{reward}: {file} is not a whole safetensors file ({e})") from None
 
 
+PROGRESS_BAR_LOGGERS = ("transformers.utils.logging", "diffusers.utils.logging")
+"""The libraries' logging modules whose progress bars :func:`quiet_loading` turns off (each has
+``is_progress_bar_enabled``, ``disable_progress_bar`` and ``enable_progress_bar``)."""
+
+
+@contextlib.contextmanager
+def quiet_loading():
+    """Within the block, transformers' and diffusers' progress bars are off (transformers' "Loading weights", one
+    bar a model; diffusers' "Loading pipeline components"), through the libraries' own switches; after it each is as
+    it was, so a caller's own loads keep their bars. Every model flowrl loads (a pipeline, a reward's network) loads
+    within it: a model of a few seconds says so on flowrl's own line, not on a bar in every log. A library not
+    installed is left alone."""
+    turned_off = []
+    for name in PROGRESS_BAR_LOGGERS:
+        try:
+            logging_module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if logging_module.is_progress_bar_enabled():
+            logging_module.disable_progress_bar()
+            turned_off.append(logging_module)
+    try:
+        yield
+    finally:
+        for logging_module in turned_off:
+            logging_module.enable_progress_bar()
+
+
 def load_pretrained(cls: Any, folder: str | os.PathLike, reward: str, **kwargs: Any) -> Any:
     """``cls.from_pretrained(folder)`` of a local transformers model, from safetensors only.
 
@@ -454,7 +506,8 @@ def load_pretrained(cls: Any, folder: str | os.PathLike, reward: str, **kwargs: 
             files and no safetensors (they are never unpickled), or names a damaged safetensors file.
     """
     check_weights_folder(folder, reward)
-    return cls.from_pretrained(folder, local_files_only=True, use_safetensors=True, **kwargs)
+    with quiet_loading():  # no "Loading weights" bar: the caller says what loads
+        return cls.from_pretrained(folder, local_files_only=True, use_safetensors=True, **kwargs)
 
 
 def is_integer(value: Any) -> bool:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .base import check_batch_size, check_inputs, chunk_slices, is_integer, register_reward
+from .base import check_batch_size, check_inputs, chunk_slices, is_integer, quiet_loading, register_reward
 from .frozen import as_dtype, frozen
 from .video import _check_folder
 from .vqascore import chat_texts
@@ -306,9 +306,10 @@ def hpsv3(
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     config.get_text_config().vocab_size = embeddings.shape[0]
     try:
-        model, info = Qwen2VLModel.from_pretrained(
-            None, config=config, state_dict=backbone, dtype=as_dtype(dtype), output_loading_info=True
-        )
+        with quiet_loading():
+            model, info = Qwen2VLModel.from_pretrained(
+                None, config=config, state_dict=backbone, dtype=as_dtype(dtype), output_loading_info=True
+            )
     except RuntimeError as err:  # shape mismatches
         detail = str(err).strip().splitlines()[-1]
         raise ValueError(f"hpsv3: '{path}' does not fit the Qwen2-VL config in '{folder}' ({detail})") from None

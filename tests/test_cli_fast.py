@@ -72,8 +72,8 @@ def _flowrl(tmp_path: Path, *argv: str) -> tuple[int, list[str], list[str]]:
         ),
         (
             ["serve-reward", "clipscore", "--option", "no_equals_sign"],
-            "flowrl serve-reward: error: --option 'no_equals_sign' must look like key=value (e.g. --option "
-            "model_path=/ckpt/PickScore_v1)",
+            "flowrl serve-reward: error: --option 'no_equals_sign' must look like key=value or NAME.key=value (e.g. "
+            "--option model_path=/ckpt/PickScore_v1)",
         ),
     ],
 )
@@ -88,9 +88,11 @@ def test_help_does_not_execute_torch(tmp_path, argv):
     assert (status, err, executed) == (0, [], [])
 
 
-def test_a_valid_config_loads_without_torch(tmp_path):
-    """``flowrl config PRESET`` validates every key (methods, kernels, rollout shapes, precision) torch-free."""
-    status, err, executed = _flowrl(tmp_path, "config", str(REPO / "configs" / "quickstart.yaml"), "--json")
+@pytest.mark.parametrize("preset", [str(REPO / "configs" / "quickstart.yaml"), "dgpo"])
+def test_a_valid_config_loads_without_torch(tmp_path, preset):
+    """``flowrl config PRESET`` (a path, or a preset's name) validates every key (methods, kernels, rollout shapes,
+    precision) torch-free."""
+    status, err, executed = _flowrl(tmp_path, "config", preset, "--json")
     assert (status, err, executed) == (0, [], [])
 
 

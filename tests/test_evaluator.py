@@ -129,3 +129,39 @@ def test_eval_metrics_and_the_geneval_reader():
     real = GenEval(detector=object())  # a real-backend reader
     assert geneval_reader(WeightedSum({"b": (brightness, 1.0), "geneval": (real, 1.0)})) is real
     assert geneval_reader(WeightedSum({"geneval": (GenEval(), 1.0)})) is None  # the tiny world's detector
+
+
+def test_the_generate_bar_ticks_at_every_step_of_every_batch(model, monkeypatch):
+    """A long evaluation says how far it is every Euler step, not once a batch of 64 images (minutes on a CPU); a
+    grid's few images draw no bar."""
+    import flowrl.evaluation
+
+    bars = []
+
+    class Bar:
+        def __init__(self, **kwargs):
+            self.kwargs, self.n, self.postfixes = kwargs, 0, []
+            bars.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def set_postfix_str(self, text, refresh=True):
+            self.postfixes.append((text, self.n))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(flowrl.evaluation, "tqdm", lambda **kwargs: Bar(**kwargs))
+    prompts = [m["prompt"] for m in PLAIN] * 6  # 18 images in batches of 8: 3 batches of 2 steps
+    images = generate(model, prompts, list(range(18)), 2, 1.0, batch_size=8)
+    (bar,) = bars
+    assert images.shape[0] == 18 and bar.kwargs["total"] == 6 and bar.n == 6 and not bar.kwargs["disable"]
+    assert bar.postfixes == [("batch 1/3", 0), ("batch 2/3", 2), ("batch 3/3", 4)]
+    assert bar.kwargs["desc"] == "generate 18 images" and bar.kwargs["unit"] == "step"
+    generate(model, prompts[:12], list(range(12)), 2, 1.0, batch_size=8)  # a grid's 12 images
+    assert bars[1].kwargs["disable"] and bars[1].n == 4
+    assert torch.equal(generate(model, prompts[:8], list(range(8)), 2, 1.0), images[:8])  # the bar changes no image

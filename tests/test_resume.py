@@ -136,3 +136,74 @@ def test_resume_with_overrides_keeps_the_run_settings(tmp_path, random_pipeline,
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
     assert len(errors) == 1 and "eval.images_per_tag 1 -> 3" in errors[0]
+
+
+def brightness(images, prompts, metadata):
+    """A reward callable at a module's top level: its import path is recorded."""
+    return images.flatten(1).mean(1)
+
+
+class _Scaled:
+    def __call__(self, images, prompts, metadata):
+        return 2 * images.flatten(1).mean(1)
+
+
+SCALED = _Scaled()
+
+
+def test_a_reward_callables_import_path_is_what_builds_it_again():
+    import functools
+
+    from flowrl.rewards import build_reward, reward_spec
+
+    assert reward_spec(brightness) == f"{__name__}:brightness" and build_reward(reward_spec(brightness)) is brightness
+    assert reward_spec(SCALED) == f"{__name__}:SCALED" and build_reward(f"{__name__}:SCALED") is SCALED
+
+    def local(images, prompts, metadata):
+        return images.flatten(1).mean(1)
+
+    script = type("Script", (), {"__call__": lambda self, *a: None, "__module__": "__main__"})()
+    for unrecorded in (local, lambda i, p, m: i.mean(), functools.partial(brightness), script):
+        assert reward_spec(unrecorded) is None
+
+
+def test_a_recorded_spec_builds_the_reward_and_a_missing_one_says_what_to_set():
+    from flowrl.config import RewardConfig
+    from flowrl.scoring import build_rewards
+
+    built = build_rewards({"bright": RewardConfig(weight=2.0, spec=f"{__name__}:brightness")})
+    assert built.rewards == {"bright": (brightness, 2.0)}
+    with pytest.raises(
+        ConfigError, match=r"'rewards\.redness': unknown reward 'redness'.*set rewards\.redness\.spec="
+    ):
+        build_rewards({"redness": RewardConfig()})
+
+
+def test_a_resume_may_record_a_spec_the_run_left_unset_but_not_change_one(tmp_path):
+    folder, saved = _saved_run(tmp_path, **{"rewards.redness.weight": 1.0})
+    given = load_config(None, [f"run.output_dir={folder}", "rewards.redness.weight=1.0", "rewards.redness.spec=m:f"])
+    assert reconcile(saved, given, folder / "config.yaml") == [
+        f"resuming with {folder / 'config.yaml'}; changed: rewards.redness.spec None -> 'm:f'"
+    ]
+    other = load_config(None, [f"run.output_dir={folder}", "rewards.redness.weight=1.0", "rewards.redness.spec=m:g"])
+    with pytest.raises(ConfigError, match=r"rewards\.redness\.spec 'm:f' -> 'm:g' would evaluate"):
+        reconcile(given, other, folder / "config.yaml")
+
+
+def test_a_run_started_in_python_with_a_reward_callable_resumes_from_the_cli(
+    tmp_path, random_pipeline, prompt_files, capsys
+):
+    """``Trainer(config, rewards={"brightness": brightness})`` records ``rewards.brightness.spec``; ``flowrl train
+    RUN/config.yaml run.resume=true`` rebuilds the callable from it and trains on."""
+    from flowrl import Trainer
+
+    run = tmp_path / "run"
+    config = load_config(None, tiny_overrides(random_pipeline, *prompt_files, run, **{"run.iterations": 1}))
+    Trainer(config, rewards={"brightness": (brightness, 2.0)}).train()
+    saved = load_config(run / "config.yaml")
+    assert set(saved.rewards) == {"brightness"} and saved.rewards["brightness"].spec == f"{__name__}:brightness"
+    capsys.readouterr()
+    cli.main(["train", str(run / "config.yaml"), "run.resume=true", "run.iterations=2"])
+    assert "changed: run.iterations 1 -> 2" in capsys.readouterr().err
+    rows = read_metrics(run)
+    assert [r["iteration"] for r in rows] == [1, 2] and "reward/brightness/mean" in rows[1]

@@ -168,9 +168,12 @@ def test_eval_reward_writes_the_means_of_scoring_the_images_directly(tmp_path, p
         ),
         (
             ["--reward", "clipscore", "--option", "pickscore.scale=26"],
-            "--option 'pickscore.scale=26' is for reward 'pickscore', which --reward does not list (clipscore)",
+            "--option 'pickscore.scale=26' is for reward 'pickscore', not one of this command's: clipscore",
         ),
-        (["--reward", "clipscore", "--option", "model_path"], "--option 'model_path' must look like NAME.key=value"),
+        (
+            ["--reward", "clipscore", "--option", "model_path"],
+            "--option 'model_path' must look like key=value or NAME.key=value",
+        ),
         (["--reward", "clipscore,clipscore"], "--reward 'clipscore,clipscore' names clipscore twice"),
         (["--reward", "clipscore,"], "--reward 'clipscore,': expected NAME or NAME,NAME,... with no empty name"),
         (

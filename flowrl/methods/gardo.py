@@ -238,9 +238,10 @@ class DINOv3Features:
         from transformers import DINOv3ViTModel
 
         from ..files import resolve_path
+        from ..rewards.base import quiet_loading
 
         folder = str(resolve_path(folder))  # the working folder's, else the repository's
-        with config_key("train.gardo.feature_model", (ValueError, OSError)):
+        with config_key("train.gardo.feature_model", (ValueError, OSError)), quiet_loading():
             check_feature_model(folder)
             model = DINOv3ViTModel.from_pretrained(
                 folder, local_files_only=True, use_safetensors=True, dtype=torch.float32

@@ -395,8 +395,8 @@ class FlowModel:
         **options,
     ):
         import diffusers
-        from diffusers.utils import logging as diffusers_logging
-        from transformers.utils import logging as transformers_logging
+
+        from ..rewards.base import quiet_loading  # the leaf's switch for every model flowrl loads
 
         path = Path(path)
         index = _model_index(path)  # the folder, its pipeline class and resolution are checked before weights load
@@ -416,13 +416,12 @@ class FlowModel:
         self.max_sequence_length = self._default_length(index) if max_sequence_length is None else max_sequence_length
         self.check_prompt_length(path, self.max_sequence_length)
         kwargs = {name: None for name in self.OPTIONAL if _absent(index, name)}  # optional parts the folder leaves out
-        diffusers_logging.disable_progress_bar()
-        transformers_logging.disable_progress_bar()
-        self.pipe = (
-            getattr(diffusers, self.PIPELINE)
-            .from_pretrained(path, dtype=dtype, use_safetensors=True, **kwargs)
-            .to(device)
-        )
+        with quiet_loading():  # the pipeline's and its text encoders' loading bars: off for this load only
+            self.pipe = (
+                getattr(diffusers, self.PIPELINE)
+                .from_pretrained(path, dtype=dtype, use_safetensors=True, **kwargs)
+                .to(device)
+            )
         self.pipe.set_progress_bar_config(disable=True)
         self.transformer = getattr(self.pipe, self.NETWORK)  # the trained network (a transformer, or a UNet)
         train_dtype = torch.float32 if torch.device(device).type == "cpu" else dtype

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..base import check_batch_size, chunk_slices, is_integer
+from ..base import check_batch_size, chunk_slices, is_integer, quiet_loading
 from ..clipscore import _pooled
 from ..frozen import as_dtype, frozen
 from . import COUNTING_THRESHOLD, THRESHOLD
@@ -661,12 +661,14 @@ def load_real_detector(
     seg_dir = _config(segmenter_path, "segmenter_path", "mask2former", "facebook/mask2former-swin-small-coco-instance")
     clip_dir = _config(clip_path, "clip_path", "clip", "openai/clip-vit-large-patch14")
     try:
-        seg_model = Mask2FormerForUniversalSegmentation.from_pretrained(seg_dir, local_files_only=True)
+        with quiet_loading():
+            seg_model = Mask2FormerForUniversalSegmentation.from_pretrained(seg_dir, local_files_only=True)
         seg_processor = AutoImageProcessor.from_pretrained(seg_dir, local_files_only=True)
     except (OSError, ValueError) as err:
         raise _load_error("segmenter_path", segmenter_path, "Mask2Former model and image processor", err) from err
     try:
-        clip_model = CLIPModel.from_pretrained(clip_dir, local_files_only=True)
+        with quiet_loading():
+            clip_model = CLIPModel.from_pretrained(clip_dir, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(clip_dir, local_files_only=True)
         clip_processor = AutoImageProcessor.from_pretrained(clip_dir, local_files_only=True)
     except (OSError, ValueError) as err:

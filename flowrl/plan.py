@@ -68,7 +68,12 @@ def build_network(
         model = cls.from_config(config)
         if lora_rank > 0:
             model.requires_grad_(False)
-            model.to(frozen_dtype or torch.float32)
+            level = diffusers.logging.get_verbosity()
+            diffusers.logging.set_verbosity_error()  # its notice on casting with to(): no module here needs float32
+            try:
+                model.to(frozen_dtype or torch.float32)
+            finally:
+                diffusers.logging.set_verbosity(level)
             model.add_adapter(
                 LoraConfig(
                     r=lora_rank, lora_alpha=lora_alpha, init_lora_weights="gaussian", target_modules=list(targets)

@@ -133,9 +133,14 @@ def _check_sources(args, read) -> None:
     ``image``), so that a record without one is refused naming its file and line before the model loads, as
     ``flowrl train`` refuses it; an edit family draws a record without ``image`` as text-to-image and reads nothing.
 
+    A ``--model`` that is not a pipeline folder is left to the model's own check (after the rewards' names and options
+    are checked).
+
     Raises:
         ValueError: ``--prompts: FILE:LINE: no 'image'; ...``, or a prompt format that names no source images.
     """
+    if not (resolve_path(args.model) / "model_index.json").is_file():
+        return
     if _family(args).SOURCE_REQUIRED:
         try:
             read(True)

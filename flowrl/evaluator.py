@@ -40,6 +40,15 @@ COMPARED = ("n_images", "num_steps", "guidance_scale")
 """What two evaluations must share to be printed as one before -> after comparison."""
 
 
+def run_summary(cfg, result: dict, whole_s: float, out) -> str:
+    """The line a finished run prints: :func:`before_after_line` of ``result`` (:meth:`flowrl.trainer.Trainer.train`'s)
+    with its minutes of training and ``whole_s`` seconds of the whole call (start-up and export too), and the run
+    folder ``out``."""
+    line = before_after_line(result["before"], result["after"], cfg.eval.prompts, cfg.eval.held_out)
+    trained, whole = result["wall_time_s"] / 60, whole_s / 60
+    return f"{line} in {trained:.1f} min of training ({whole:.1f} min in this call with start-up and export); run folder {out}"
+
+
 def before_after_line(before: dict, after: dict, prompts: str, held_out: str | None = None) -> str:
     """The run's summary, e.g. ``"GenEval strict accuracy on test prompts: 0.250 -> 0.279"`` (other prompts: the mean
     weighted reward, and each reward's where there are several; ``held_out``: the same for ``eval.held_out``). Two

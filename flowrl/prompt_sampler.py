@@ -11,6 +11,24 @@ from .data import read_prompts
 __all__ = ["PromptSampler", "read_prompt_records"]
 
 
+def iteration_seed(seed: int, iteration: int, process: int) -> int:
+    """The seed of iteration `iteration`'s generator on process `process` for ``run.seed`` `seed` (any in
+    ``[0, 2^63)``): ``seed * 1000003 + iteration * 1009 + process`` modulo ``2^64``, the range ``torch.Generator``
+    takes (below ``2^64``, every seed of a run that fitted before gets the same draws)."""
+    return (seed * 1_000_003 + iteration * 1009 + process) % 2**64
+
+
+def read_run_prompts(cfg, require_image: bool = False) -> tuple[list[dict], list[dict], list[dict]]:
+    """The run's prompt records (a :class:`flowrl.config.Config`'s): ``train_prompts``, ``eval.prompts`` and
+    ``eval.held_out`` (empty where unset), each as :func:`read_prompt_records` reads it."""
+    held_out = read_prompt_records("eval.held_out", cfg.eval.held_out, require_image) if cfg.eval.held_out else []
+    return (
+        read_prompt_records("train_prompts", cfg.train_prompts, require_image),
+        read_prompt_records("eval.prompts", cfg.eval.prompts, require_image),
+        held_out,
+    )
+
+
 def read_prompt_records(key: str, name: str, require_image: bool = False) -> list[dict]:
     """The prompt records of config key `key` (a shipped set's name or a JSONL file: :func:`flowrl.data.read_prompts`),
     each naming its source ``image`` where `require_image` (an image-to-video model).

@@ -26,25 +26,18 @@ from .checkpointer import Checkpointer
 from .config import Config, ConfigError, RewardConfig, save_config
 from .diagnostics import diversity_metrics, diversity_probe, peak_memory, precision_summary, resolve_precisions
 from .diversity import StopRules
-from .evaluator import Evaluator, before_after_line, eval_metrics
+from .evaluator import Evaluator, eval_metrics, run_summary
 from .methods import METHODS, Rewards, build_method
 from .models.memory import place_frozen
 from .pairing import build_model, resolve_model
 from .policy import Policy, check_accelerate_engine, check_accelerate_precision, check_optimizer
-from .prompt_sampler import PromptSampler, read_prompt_records
+from .prompt_sampler import PromptSampler, iteration_seed, read_run_prompts
 from .resume import check_resume, say
 from .rewards import reward_spec
 from .run import RunFolder
 from .scoring import Scorer, build_rewards, given_rewards
 from .trackers import Trackers
 from .zero import quiet_cpu_notice
-
-
-def iteration_seed(seed: int, iteration: int, process: int) -> int:
-    """The seed of iteration `iteration`'s generator on process `process` for ``run.seed`` `seed` (any in
-    ``[0, 2^63)``): ``seed * 1000003 + iteration * 1009 + process`` modulo ``2^64``, the range ``torch.Generator``
-    takes (below ``2^64``, every seed of a run that fitted before gets the same draws)."""
-    return (seed * 1_000_003 + iteration * 1009 + process) % 2**64
 
 
 class Trainer:
@@ -111,11 +104,8 @@ class Trainer:
         if cfg.run.resume:  # the run's evaluations stay comparable; other changes are named (flowrl.resume)
             lines = self.run.on_main(lambda: check_resume(cfg, self.out))  # every process: one verdict
             say(lines if acc.is_main_process else [])
-        sources = adapter.SOURCE_REQUIRED  # image-to-video: every record names its first frame
-        self.train_metas = read_prompt_records("train_prompts", cfg.train_prompts, sources)
-        self.eval_metas = read_prompt_records("eval.prompts", cfg.eval.prompts, sources)
-        held_out = read_prompt_records("eval.held_out", cfg.eval.held_out, sources) if cfg.eval.held_out else []
-        self.held_out_metas = held_out
+        # image-to-video: every record names its first frame
+        self.train_metas, self.eval_metas, self.held_out_metas = read_run_prompts(cfg, adapter.SOURCE_REQUIRED)
         self.prompts = PromptSampler(self.train_metas, cfg, acc.process_index)
         data = METHODS[cfg.train.method].read_data(cfg)  # an offline data set: a bad file refused before the model
         self.rewards = build_rewards(cfg.rewards, given)
@@ -153,7 +143,7 @@ class Trainer:
 
     def train(self) -> dict:
         """Run (or resume) the job, holding the run folder's lock throughout; the main process prints the before ->
-        after line (:func:`flowrl.evaluator.before_after_line`) with the minutes taken.
+        after line with the minutes taken (:func:`flowrl.evaluator.run_summary`).
 
         Returns:
             `dict`: ``{"before": eval, "after": eval, "wall_time_s": float, "iterations": int}``, plus ``"stopped"``
@@ -189,13 +179,7 @@ class Trainer:
         self.checkpointer.export(self.evaluator, self.trackers, self.rewards)
         self.trackers.finish()
         if main:
-            line = before_after_line(before, after, cfg.eval.prompts, cfg.eval.held_out)
-            whole, trained = (time.time() - self._built_at) / 60, result["wall_time_s"] / 60
-            print(
-                f"{line} in {trained:.1f} min of training ({whole:.1f} min in this call with start-up and export); "
-                f"run folder {self.out}",
-                flush=True,
-            )
+            print(run_summary(cfg, result, time.time() - self._built_at, self.out), flush=True)
         return result
 
     def _evaluate_base(self) -> dict:

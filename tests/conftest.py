@@ -209,3 +209,15 @@ def assert_resume_is_exact(config: Path, overrides, out: Path):
     key = "reward/total/mean" if "reward/total/mean" in last_a else "policy/loss"  # offline methods score nothing
     assert last_a[key] == last_b[key]
     return trainers["full"]
+
+
+def cli_fails(capsys, *argv) -> str:
+    """Run ``flowrl ARGV`` in this process; assert exit status 2 and one ``flowrl ...`` line on stderr, and return it."""
+    from flowrl import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([str(a) for a in argv])
+    assert exit_info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip().startswith("flowrl ")]
+    assert len(lines) == 1, lines
+    return lines[0]

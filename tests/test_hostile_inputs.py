@@ -10,20 +10,13 @@ import socket
 import time
 
 import pytest
-from conftest import REPO, tiny_overrides
+from conftest import REPO, cli_fails, tiny_overrides
 
 from flowrl import cli
 from flowrl.config import ConfigError, load_config
 from flowrl.trainer import Trainer
 
-
-def _fails(capsys, *argv) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main([str(a) for a in argv])
-    assert exit_info.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip().startswith("flowrl ")]
-    assert len(lines) == 1, lines
-    return lines[0]
+_fails = cli_fails
 
 
 @pytest.mark.parametrize("left", ["lora/pytorch_lora_weights.safetensors", "grid.png", "pipeline/model_index.json"])

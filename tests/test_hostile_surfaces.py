@@ -9,10 +9,11 @@ import json
 
 import pytest
 import torch
-from conftest import REPO, tiny_overrides
+from conftest import REPO, cli_fails, tiny_overrides
 
 from flowrl.config import ConfigError, load_config
-from flowrl.trainer import Trainer, iteration_seed
+from flowrl.prompt_sampler import iteration_seed
+from flowrl.trainer import Trainer
 
 
 @pytest.mark.parametrize(
@@ -279,15 +280,7 @@ def test_every_shipped_preset_trains_from_a_folder_outside_the_repository(preset
 
 
 # ------------------------------------------------------------------------------------------------ commands
-def _fails(capsys, *argv) -> str:
-    from flowrl import cli
-
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main([str(a) for a in argv])
-    assert exit_info.value.code == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip().startswith("flowrl ")]
-    assert len(lines) == 1, lines
-    return lines[0]
+_fails = cli_fails
 
 
 @pytest.mark.parametrize(

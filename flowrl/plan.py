@@ -284,7 +284,7 @@ def activation_plan(
     length = m.max_sequence_length if m.max_sequence_length is not None else adapter._default_length(index)
     text = FIXED_PROMPT.get(pipeline, PROMPT_PREFIX.get(pipeline, 0) + length)
     rows = update_rows(cfg, bool(network.config.get("guidance_embeds")) and pipeline != "SanaSprintPipeline")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[m.dtype]
+    dtype = getattr(torch, m.dtype)  # model.dtype: float32 | bfloat16 | float16
     shape = Shape(rows, latent_grid(name, side, side, frames, spatial), text, dtype)
     autocast = None if cfg.run.mixed_precision == "no" else torch.bfloat16
     counted = activation_bytes(network, INPUTS[name](dict(network.config), shape), autocast)
@@ -343,12 +343,12 @@ def memory_plan(cfg, processes: int = 1, family: str | None = None) -> dict:
         index = json.loads((path / "model_index.json").read_text())
         where = {"path": str(path), "source": str(path)}
         side, spatial = adapter.check_resolution(path, m.resolution), vae_factor(path)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[m.dtype]
+    dtype = getattr(torch, m.dtype)  # model.dtype: float32 | bfloat16 | float16
     model = build_network(cls_name, config, m.lora_rank, m.lora_alpha, adapter.LORA_TARGETS, dtype)
     total, trained, block = network_counts(model)
     if family is not None:  # the stored buffers (SD3's positional table) beside the published weight count
         elements[network] += sum(b.numel() for b in model.buffers())
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[m.dtype]
+    dtype_bytes = dtype.itemsize
     frozen = frozen_gpu_bytes(elements, network, total, m.lora_rank > 0, dtype_bytes, m.text_encoders, m.vae_placement)
     activations = activation_plan(model, adapter.PIPELINE, cfg, index, side, spatial)
     engines = engine_bytes(trained, block, processes)

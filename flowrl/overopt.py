@@ -11,6 +11,7 @@ rises. Writes JSON (every evaluation) and a Markdown table.
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +25,11 @@ PRESETS = ("flow_grpo", "grpo_guard", "dance_grpo", "grpo_guard_dance")
 GOLD = "geneval_strict"
 """The gold reward: kept in every preset at weight 0, so each iteration logs the rollouts' gold mean
 (``reward/geneval_strict/mean``, also drawn in ``diagnostics.png``) beside the held-out evaluations."""
+
+
+def say(line: str) -> None:
+    """Print ``flowrl overopt: <line>`` to stderr at once: the study's progress, a line per training iteration."""
+    print(f"flowrl overopt: {line}", file=sys.stderr, flush=True)
 
 
 def proxy_and_gold(trainer, proxy) -> dict[str, float]:
@@ -87,6 +93,7 @@ def run_overopt(
     proxy_options: dict | None = None,
     overrides=(),
     out: str | Path = "runs/overopt.json",
+    progress=say,
 ) -> dict:
     """Train each preset (names in configs/) on ``proxy`` and track proxy and gold on held-out prompts.
 
@@ -95,6 +102,8 @@ def run_overopt(
         proxy: registered reward name used as the only training reward; proxy_options: its options (default
             for ``clipscore``: the shipped tiny CLIP, ``assets/tiny-clip``).
         overrides: ``key=value`` overrides applied to every preset (after the proxy swap).
+        progress: called with a line of what the study is doing: each preset as it starts, each evaluation as it
+            starts and each training iteration as it ends (default :func:`say`, to stderr).
 
     Returns:
         ``{preset: [{"iteration", "proxy", "gold", "gold_dense", "per_tag", "elapsed_s"}, ...]}``; also
@@ -115,7 +124,8 @@ def run_overopt(
         proxy_options = {"model_path": str(REPO_ROOT / "assets" / "tiny-clip")} if proxy == "clipscore" else {}
     scorer = build_reward(proxy, **proxy_options)
     results, per_iteration = {}, {}
-    for name in presets:
+    for k, name in enumerate(presets):
+        progress(f"{name} ({k + 1}/{len(presets)}): building the trainer")
         base = load_config(REPO_ROOT / "configs" / f"{name}.yaml")
         swap = [f"rewards.{r}=null" for r in base.rewards if r not in (proxy, GOLD)] + [f"rewards.{proxy}.weight=1.0"]
         swap += [f"rewards.{GOLD}.weight=0.0"]  # watched on every rollout, not trained on
@@ -129,12 +139,17 @@ def run_overopt(
             rows, rollouts, t0 = [], [], time.time()
             for it in range(iterations + 1):
                 if it % eval_every == 0 or it == iterations:
+                    progress(f"{name} iteration {it}: evaluating proxy and gold ({trainer.evaluator.plan()})")
                     row = {"iteration": it, **proxy_and_gold(trainer, scorer), "elapsed_s": time.time() - t0}
                     rows.append(row)
                     print(name, json.dumps(row))
                 if it < iterations:
                     m = trainer.step(it)
                     rollouts.append({"proxy": m[f"reward/{proxy}/mean"], "gold": m[f"reward/{GOLD}/mean"]})
+                    progress(
+                        f"{name} iteration {it + 1}/{iterations}: rollout proxy {rollouts[-1]['proxy']:.3f}, "
+                        f"gold {rollouts[-1]['gold']:.3f}, {time.time() - t0:.0f} s"
+                    )
             results[name] = rows
             per_iteration[name] = rollouts
     meta = {"iterations": iterations, "eval_every": eval_every, "proxy": proxy, "overrides": list(overrides)}

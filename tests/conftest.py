@@ -3,7 +3,9 @@ prompts, and the helpers that shrink a run onto a tiny pipeline and check it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,29 @@ def pytest_collection_modifyitems(config, items):
 
 
 ASSETS = REPO / "assets"
+
+
+@contextlib.contextmanager
+def built_once(tmp_path_factory, name: str):
+    """A folder of this test session shared by every pytest-xdist worker, for fixtures whose work takes minutes (the
+    two-process launches): yields ``(folder, todo)``; ``todo`` is True for the one worker that must fill the folder
+    (the others wait on a file lock, then get False and read what it wrote). Without it, a module-scoped fixture is
+    built again on every worker that runs one of its tests. A build that raises leaves the folder to be built
+    again by the next worker that asks."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own
+    folder, built = root / name, root / name / ".built"
+    with FileLock(str(root / f"{name}.lock")):
+        if built.exists():
+            yield folder, False
+            return
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        yield folder, True
+        built.touch()
 
 
 def tiny_pipeline(name: str, build, scope: str = "module", **kwargs):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from conftest import built_once, tiny_overrides
 from safetensors.torch import load_file
 
 from flowrl.config import load_config
@@ -24,25 +24,27 @@ pytestmark = pytest.mark.slow  # torchrun launches of two processes: run in CI (
 
 @pytest.fixture(scope="module")
 def two_process_run(tmp_path_factory, random_pipeline, prompt_files):
-    tmp = tmp_path_factory.mktemp("ddp")
-    (tmp / "c.yaml").write_text("rewards:\n  distributed_worker:rank_reward:\n    weight: 1.0\n")
-    overrides = tiny_overrides(
-        random_pipeline,
-        *prompt_files,
-        tmp / "run",
-        **{
-            "run.mixed_precision": "no",
-            "run.iterations": 3,
-            "eval.images_per_tag": 3,
-            "train.minibatch_size": 2,
-            # step weights normalised over both processes' minibatch; each minibatch accumulated in parts of 3
-            "train.step_weighting": "noise_aware",
-            "train.micro_batch_size": 3,
-        },
-    )
-    _launch(tmp, overrides)
-    (tmp / "overrides.json").write_text(json.dumps(overrides))
-    return tmp, overrides
+    """A DDP run of two processes, three iterations (launched once per test session: :func:`conftest.built_once`)."""
+    with built_once(tmp_path_factory, "ddp") as (tmp, todo):
+        if todo:
+            (tmp / "c.yaml").write_text("rewards:\n  distributed_worker:rank_reward:\n    weight: 1.0\n")
+            overrides = tiny_overrides(
+                random_pipeline,
+                *prompt_files,
+                tmp / "run",
+                **{
+                    "run.mixed_precision": "no",
+                    "run.iterations": 3,
+                    "eval.images_per_tag": 3,
+                    "train.minibatch_size": 2,
+                    # step weights normalised over both processes' minibatch; each minibatch accumulated in parts of 3
+                    "train.step_weighting": "noise_aware",
+                    "train.micro_batch_size": 3,
+                },
+            )
+            _launch(tmp, overrides)
+            (tmp / "overrides.json").write_text(json.dumps(overrides))
+    return tmp, _fixture_overrides(tmp)
 
 
 def _fixture_overrides(folder: Path) -> list[str]:
@@ -54,10 +56,11 @@ def _fixture_overrides(folder: Path) -> list[str]:
 def fsdp2_run(tmp_path_factory, two_process_run):
     """The DDP run's config and data under FSDP2 (accelerate's FSDP2 path forced onto the CPU processes)."""
     ddp, overrides = two_process_run
-    tmp = tmp_path_factory.mktemp("fsdp2")
-    (tmp / "c.yaml").write_text((ddp / "c.yaml").read_text())
-    overrides = [o for o in overrides if not o.startswith("run.output_dir=")] + [f"run.output_dir={tmp / 'run'}"]
-    _launch(tmp, overrides, fsdp2=True)
+    with built_once(tmp_path_factory, "fsdp2") as (tmp, todo):
+        overrides = [o for o in overrides if not o.startswith("run.output_dir=")] + [f"run.output_dir={tmp / 'run'}"]
+        if todo:
+            (tmp / "c.yaml").write_text((ddp / "c.yaml").read_text())
+            _launch(tmp, overrides, fsdp2=True)
     return tmp, ddp
 
 
@@ -434,10 +437,11 @@ def _assert_full_fine_tuning_matches_ddp(
 def zero2_run(tmp_path_factory, two_process_run):
     """The DDP run's config and data under DeepSpeed ZeRO-2 (forced onto the CPU processes)."""
     ddp, overrides = two_process_run
-    tmp = tmp_path_factory.mktemp("zero2")
-    (tmp / "c.yaml").write_text((ddp / "c.yaml").read_text())
-    overrides = [o for o in overrides if not o.startswith("run.output_dir=")] + [f"run.output_dir={tmp / 'run'}"]
-    _launch(tmp, overrides, zero="2")
+    with built_once(tmp_path_factory, "zero2") as (tmp, todo):
+        overrides = [o for o in overrides if not o.startswith("run.output_dir=")] + [f"run.output_dir={tmp / 'run'}"]
+        if todo:
+            (tmp / "c.yaml").write_text((ddp / "c.yaml").read_text())
+            _launch(tmp, overrides, zero="2")
     return tmp, ddp, overrides
 
 
@@ -541,8 +545,15 @@ HELD_RESETS = {
 def new_method_runs(tmp_path_factory, random_pipeline, prompt_files):
     """Every method of 2026 and every direct-reward method trained two iterations under DDP, FSDP2 and DeepSpeed
     ZeRO-2: one torchrun launch per engine, the presets one after another in it, each in ``ROOT/ENGINE/PRESET`` (its
-    overrides in ``overrides.json``). Returns ROOT."""
-    root = tmp_path_factory.mktemp("new_methods")
+    overrides in ``overrides.json``), once per test session (:func:`conftest.built_once`). Returns ROOT."""
+    with built_once(tmp_path_factory, "new_methods") as (root, todo):
+        if todo:
+            _train_new_methods(root, random_pipeline, prompt_files)
+    return root
+
+
+def _train_new_methods(root: Path, random_pipeline: Path, prompt_files: tuple[Path, Path]) -> None:
+    """:func:`new_method_runs`'s launches, into ``root``."""
     for engine, launch in ENGINES.items():
         runs = []
         for preset in NEW_METHODS + DIRECT_METHODS:
@@ -565,7 +576,6 @@ def new_method_runs(tmp_path_factory, random_pipeline, prompt_files):
             (tmp / "overrides.json").write_text(json.dumps(overrides))
             runs.append({"config": str(tmp / "c.yaml"), "out": str(tmp), "overrides": overrides})
         _launch_runs(root / engine, runs, **launch)
-    return root
 
 
 @pytest.mark.parametrize("preset", ["refl", "draft", "alignprop"])

@@ -131,7 +131,7 @@ def test_bench_budget_reports_base_half_and_full_budget_accuracy(tmp_path, rando
 
 @pytest.mark.parametrize("preset", ["grpo_guard", pytest.param("refl", marks=pytest.mark.slow)])  # slow: in CI
 def test_overopt_trains_on_the_proxy_and_scores_proxy_and_gold(
-    preset, tmp_path, random_pipeline, prompt_files, monkeypatch
+    preset, tmp_path, random_pipeline, prompt_files, monkeypatch, capsys
 ):
     """A GRPO preset and a direct-reward preset (ReFL back-propagates the proxy) train on the proxy alone and are
     scored by proxy and gold at every evaluation."""
@@ -163,6 +163,10 @@ def test_overopt_trains_on_the_proxy_and_scores_proxy_and_gold(
     assert f"| {preset} |" in (tmp_path / "o.md").read_text()
     rollouts = json.loads((tmp_path / "o.json").read_text())["rollouts"][preset]
     assert len(rollouts) == 2 and all(0 <= r["gold"] <= 1 for r in rollouts)  # the gold of every iteration
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("flowrl overopt: ")]
+    assert f"flowrl overopt: {preset} (1/1): building the trainer" in said  # no silent minutes: a line per step
+    assert sum(f"{preset} iteration {i}/2: rollout proxy" in line for line in said for i in (1, 2)) == 2
+    assert sum("evaluating proxy and gold" in line for line in said) == 3
 
 
 def test_bench_times_a_sliding_window_at_evenly_spaced_starts():

@@ -161,9 +161,10 @@ def teachers(random_pipeline, tmp_path_factory) -> dict[str, Path]:
     from flowrl.models import load_model
 
     root = tmp_path_factory.mktemp("teachers")
-    out = {}
+    out, model = {}, load_model(random_pipeline)
     for name, rank, alpha, seed in (("objects", 2, 4.0, 1), ("attributes", 3, 3.0, 2)):
-        model = load_model(random_pipeline)
+        if name == "attributes":
+            model.transformer.delete_adapters("default")
         torch.manual_seed(seed)
         model.add_lora(rank, alpha)
         with torch.no_grad():
@@ -268,7 +269,8 @@ def test_flow_opd_trains_two_iterations_and_resumes_exactly(random_pipeline, pro
     """The preset trains two iterations on the tiny world: the ratio is 1 before each first step, the advantages are
     the teachers' negative KLs (each teacher labelling its own transitions), the student moves, the teachers stay
     frozen and inactive; 1 iteration + a resume equals 2 straight."""
-    trainer = assert_resume_is_exact(PRESET, _overrides(random_pipeline, prompt_files, teachers), tmp_path)
+    over = _overrides(random_pipeline, prompt_files, teachers, **{"sampling.num_steps": 2})  # one trained step
+    trainer = assert_resume_is_exact(PRESET, over, tmp_path)
     rows = read_metrics(tmp_path / "full")
     for r in rows:
         assert r["policy/ratio_first_max_dev"] == 0.0 and r["policy/optimizer_steps"] > 0

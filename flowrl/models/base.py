@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -950,7 +951,9 @@ class FlowModel:
         diffusers_logging.set_verbosity_error()  # not "no LoRA keys for the text encoders": flowrl trains none
         try:
             named = {} if adapter_name is None else {"adapter_name": adapter_name}
-            self.pipe.load_lora_weights(str(directory), use_safetensors=True, **named)
+            with warnings.catch_warnings():  # peft's notice that a second adapter joins the first: the point here
+                warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+                self.pipe.load_lora_weights(str(directory), use_safetensors=True, **named)
         except (ValueError, KeyError, RuntimeError) as e:  # diffusers' and peft's "not a LoRA of this model"
             message = " ".join(str(e).split())[:300]
             raise ValueError(f"{file} is not a LoRA of this model ({type(e).__name__}: {message})") from None

@@ -298,12 +298,28 @@ def test_a_teacher_of_another_model_is_refused_in_one_line(random_pipeline, prom
 
 def test_cold_start_sets_the_student_to_the_merged_teachers(random_pipeline, prompt_files, teachers, tmp_path):
     """``train.opd.init``: the student starts from the teachers' merge (svd at the student's rank 2, alpha 4): its
-    weight deltas equal the merged LoRA's; a LoRA of another rank is refused in one line."""
+    weight deltas equal the merged LoRA's; a LoRA of another rank is refused in one line. ``train.opd.anchor``: a
+    LoRA, run alone inside :meth:`FlowOPD.reference` (the velocity of the teacher of that LoRA, not the student's)."""
     from flowrl.trainer import Trainer
 
     merged = merge_loras(list(teachers.values()), tmp_path / "merged", [0.5, 0.5], "svd", 2)
-    over = _overrides(random_pipeline, prompt_files, teachers, **{"train.opd.init": merged, "model.lora_alpha": 4})
-    trainer = Trainer(load_config(PRESET, over(tmp_path / "run")))
+    settings = {"train.opd.init": merged, "model.lora_alpha": 4, "train.opd.anchor": teachers["objects"]}
+    trainer = Trainer(
+        load_config(PRESET, _overrides(random_pipeline, prompt_files, teachers, **settings)(tmp_path / "run"))
+    )
+    model, x = trainer.model, torch.randn(1, *trainer.model.latent_shape, generator=torch.Generator().manual_seed(0))
+    velocity, t, row = (
+        model.velocity_fn(model.prompt_table([{"prompt": "a cat"}]), 1.0),
+        torch.tensor([0.5]),
+        torch.ones(1, dtype=torch.long),
+    )
+    with torch.no_grad():
+        with trainer.method.reference():
+            anchor = velocity(x, t, row)
+        with model.adapter(teacher_adapter("geneval")):
+            teacher = velocity(x, t, row)
+        student = velocity(x, t, row)
+    assert torch.equal(anchor, teacher) and (anchor - student).abs().max() > 1e-4
     params, want = trainer.policy.params, _deltas(merged)
     for key, delta in want.items():
         module = key.split(".", 1)[1]

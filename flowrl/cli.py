@@ -1,5 +1,5 @@
 """``flowrl`` command line: ``train``, ``eval``, ``sample``, ``generate``, ``score``, ``serve-reward``, ``rewards``,
-``bench`` and ``overopt``."""
+``bench``, ``overopt`` and ``merge``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from .deferred import defer
 from .files import (
     RunFolderInUse,
     atomic_output,
+    check_folder_writable,
     check_model_folder,
     probe_output,
     resolve_option_paths,
@@ -469,6 +470,37 @@ def cmd_generate(args) -> int:
             f"to {out} in the {args.layout} layout"
         )
     return written
+
+
+def cmd_merge(args) -> Path:
+    """``flowrl merge``: LoRA folders (or finished runs) merged with a weight each into one LoRA folder
+    (:func:`flowrl.merge.merge_loras`), or with ``--base`` fused into that pipeline and written whole
+    (:func:`flowrl.merge.merge_into_pipeline`). Python: ``flowrl.merge.merge_loras(folders, out, weights, combination)``.
+    """
+    import tempfile
+
+    from .merge import LORA_FILE, check_merge_args, merge_into_pipeline, merge_loras
+
+    check_merge_args(args.loras, args.weights, args.combination, args.rank)  # before torch loads
+    out = Path(args.out)
+    if args.base is not None:
+        check_model_folder(resolve_path(args.base))
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise FileExistsError(f"--out {out} exists and is not an empty folder; name a new folder for the pipeline")
+    elif (out / LORA_FILE).exists():
+        raise FileExistsError(f"--out {out} holds a LoRA already; choose a new folder")
+    check_folder_writable(out, "--out")
+    if args.base is None:
+        merge_loras(args.loras, out, args.weights, args.combination, args.rank)
+        print(f"wrote the {args.combination} merge of {len(args.loras)} LoRAs to {out}")
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        merged = merge_loras(args.loras, Path(tmp) / "lora", args.weights, args.combination, args.rank)
+        if out.is_dir():
+            out.rmdir()  # empty: checked above
+        merge_into_pipeline(merged, args.base, out, args.device)
+    print(f"wrote {args.base} with the {args.combination} merge of {len(args.loras)} LoRAs fused in to {out}")
+    return out
 
 
 def _options(pairs: list[str] | None) -> dict:
@@ -951,6 +983,36 @@ def _add_overopt(sub) -> None:
     o.set_defaults(fn=cmd_overopt)
 
 
+def _add_merge(sub) -> None:
+    """The ``merge`` sub-command: LoRA folders, their weights, the combination and the output, run by
+    :func:`cmd_merge`."""
+    from .merge import COMBINATIONS
+
+    m = sub.add_parser(
+        "merge",
+        help="merge LoRA folders (or finished runs) with a weight each into one LoRA, or fused into a pipeline "
+        "(Flow-OPD's cold start)",
+    )
+    m.add_argument("loras", nargs="+", help="LoRA folders (pytorch_lora_weights.safetensors) or finished run folders")
+    m.add_argument("--out", required=True, help="the merged LoRA's folder (with --base: the new pipeline folder)")
+    m.add_argument(
+        "--weights", type=float, nargs="+", default=None, help="one weight per LoRA (default: 1/n each, the average)"
+    )
+    m.add_argument(
+        "--combination",
+        choices=COMBINATIONS,
+        default="cat",
+        help="cat: the exact weighted sum of the weight deltas (rank: the sum); linear: the weighted sum of the "
+        "factors (one rank and alpha; Flow-OPD's script); svd: the sum's truncated SVD at --rank",
+    )
+    m.add_argument("--rank", type=_at_least(1), default=None, help="svd only: the merged rank (default: the largest)")
+    m.add_argument(
+        "--base", default=None, help="a pipeline folder: fuse the merge into it and write the whole pipeline"
+    )
+    m.add_argument("--device", type=_device, default="cpu", help="with --base: where the pipeline loads")
+    m.set_defaults(fn=cmd_merge)
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` with each option's default, except where there is none to show (None, False, a positional list)."""
 
@@ -974,7 +1036,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     """The ``flowrl`` parser: one sub-command each for train (and memory), eval, sample, generate, score, serve-reward,
-    rewards, bench and overopt (in that order, as ``--help`` lists them); each sets ``fn``, the ``cmd_*`` function that
+    rewards, bench, overopt and merge (in that order, as ``--help`` lists them); each sets ``fn``, the ``cmd_*`` function that
     runs it."""
     parser = _Parser(prog="flowrl", description="Online RL for text-to-image and text-to-video flow models")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -988,6 +1050,7 @@ def _parser() -> argparse.ArgumentParser:
         _add_rewards,
         _add_bench,
         _add_overopt,
+        _add_merge,
     ):
         add(sub)
     return parser

@@ -98,6 +98,31 @@ def kl_to_reference(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tenso
     return dmu2.div(2 * std.float() ** 2).mean()
 
 
+def step_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Per transition, the KL between two Gaussian steps of one std, reduced by the mean over latent dims:
+    ``KL_m = mean_d (mean_m - ref_mean_m)_d^2 / (2 std_m^2)``, :func:`kl_to_reference` before its mean over
+    transitions (Flow-OPD's dense reward, arXiv 2605.08063, is ``-KL`` to the routed teacher's step).
+
+    Args:
+        mean, ref_mean (`torch.Tensor` of shape `(M, *latent_shape)`): step means (computed in float32, or float64 for
+            float64 inputs). std (`torch.Tensor` of shape `(M,)`): the step std, > 0.
+
+    Returns:
+        `torch.Tensor` of shape `(M,)`, >= 0.
+
+    Raises:
+        ValueError: mismatched shapes, or a `std` that is not one value per row.
+    """
+    if mean.shape != ref_mean.shape or mean.dim() < 2:
+        raise ValueError(
+            f"mean {tuple(mean.shape)} and ref_mean {tuple(ref_mean.shape)} must have one shape (M, C, H, W)"
+        )
+    _check_per_row(len(mean), std=std)
+    dtype = torch.promote_types(mean.dtype, torch.float32)
+    dmu2 = ((mean.to(dtype) - ref_mean.to(dtype)) ** 2).mean(tuple(range(1, mean.dim())))  # (M,)
+    return dmu2 / (2 * std.to(dtype) ** 2)
+
+
 def ratio_norm(
     log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor, std: torch.Tensor
 ) -> torch.Tensor:

@@ -230,7 +230,7 @@ def test_kl_type_flow_grpo_is_the_exact_kl_times_dt():
     for kl_type, expected in (("mean", per_row.mean()), ("flow_grpo", (per_row * dt).mean())):
         fake = SimpleNamespace(
             cfg=SimpleNamespace(train=SimpleNamespace(kl_type=kl_type)),
-            model=SimpleNamespace(reference=contextlib.nullcontext),
+            reference=contextlib.nullcontext,  # GRPO.reference: the reference's context (the base, Flow-OPD's anchor)
             policy=SimpleNamespace(autocast=contextlib.nullcontext),
         )
         kl = GRPO.kl_to_reference(fake, lambda x, t, c: 0.5 * x, ro, v, mean)

@@ -48,6 +48,11 @@ def _params(video_slow: bool = False, core_only: bool = False):
     return [pytest.param(i, marks=pytest.mark.slow, id=i) if slow(i) else pytest.param(i, id=i) for i in IDS]
 
 
+def config_path(preset: str) -> Path:
+    """The preset's file in configs/."""
+    return REPO / "configs" / f"{preset}.yaml"
+
+
 def _config(spec: TinyFamily, folder: Path, prompts, preset: str, out: Path, **extra) -> tuple[Path, list[str]]:
     """The preset's config file and the overrides that shrink it onto the family's tiny pipeline."""
     cfg = load_config(REPO / "configs" / f"{preset}.yaml")
@@ -148,12 +153,13 @@ def _refusal(spec: TinyFamily, method: str) -> str | None:
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(METHOD_PRESETS.values()))
 @pytest.mark.parametrize("family", _params(), indirect=True)
-def test_each_method_trains_two_iterations_or_refuses_in_one_line(family, preset, tmp_path):
+def test_each_method_trains_two_iterations_or_refuses_in_one_line(family, preset, tmp_path, request):
     """Every method of 2026 and every direct-reward method through its preset shrunk onto the family (two iterations
     of rollout, rewards and update; the offline ones on the shipped preference data set; the direct ones on the tiny
     CLIP score, ``frames`` of it for a video family): the optimizer steps, the policy moves, the loss is finite, and
     what each method promises before its first step holds (the ratio 1, DGPO's objective log 2, CRD's implicit reward
-    0); or the family refuses the method in one line (the DDPM families the forward-process methods, the families
+    0); Flow-OPD distils the family's own trained run (:func:`nft_run`, its teacher for every prompt); or the family
+    refuses the method in one line (the DDPM families the forward-process methods, the families
     without VAE-scaled latents or with source images the offline data sets)."""
     import math
 
@@ -169,6 +175,12 @@ def test_each_method_trains_two_iterations_or_refuses_in_one_line(family, preset
             extra = {"rewards.clipscore": "null", "rewards.families:brightness": "null", "rewards.frames.weight": 1.0}
             extra.update({"rewards.frames.options.reward": "clipscore", "rewards.frames.options.num_frames": 2})
             extra["rewards.frames.options.reward_options.model_path"] = clip
+    if method == "opd":  # the preset's teachers are LoRAs of the shipped model: the family's own run instead
+        _, run = request.getfixturevalue("nft_run")
+        extra.update(
+            {f"train.opd.teachers.{name}": "null" for name in load_config(config_path(preset)).train.opd.teachers}
+        )
+        extra["train.opd.teachers.run.lora"] = str(run)
     config, over = _config(spec, folder, prompts, preset, tmp_path / "run", **extra)
     refusal = _refusal(spec, method)
     if refusal:

@@ -180,10 +180,10 @@ class GRPO(Method):
 
     def kl_to_reference(self, velocity, sub, v: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
         """The KL penalty (scalar, before ``train.kl_beta``) of the policy's velocity `v` / step mean `mean` at
-        transitions `sub` to the LoRA-disabled base's (``train.kl_type``: ``velocity`` -> :func:`losses.velocity_kl`,
+        transitions `sub` to the reference's (:meth:`reference`: the LoRA-disabled base; ``train.kl_type``: ``velocity`` -> :func:`losses.velocity_kl`,
         else the Gaussian steps' :func:`losses.kl_to_reference` at the recorded std; ``flow_grpo``: at the std per
         unit time, Flow-GRPO's code's KL)."""
-        with torch.no_grad(), self.model.reference(), self.policy.autocast():
+        with torch.no_grad(), self.reference(), self.policy.autocast():
             v_ref = velocity(sub.state, sub.sigma, sub.cond)
         if self.cfg.train.kl_type == "velocity":
             return velocity_kl(v, v_ref)
@@ -191,6 +191,11 @@ class GRPO(Method):
         if self.cfg.train.kl_type == "flow_grpo":
             std = std / (sub.sigma - sub.sigma_next).abs().sqrt()
         return kl_to_reference(mean, recompute_log_prob(sub, v_ref)[1], std)
+
+    def reference(self):
+        """The context in which the transformer is the KL's reference: the LoRA-disabled base
+        (:meth:`FlowModel.reference`); Flow-OPD's anchor teacher overrides it."""
+        return self.model.reference()
 
     def param_grad_norms(
         self, sub, log_prob: torch.Tensor, adv: torch.Tensor, weights: torch.Tensor | None

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -677,6 +678,17 @@ class FlowModel:
         finally:
             self.transformer.enable_adapters()
 
+    @contextlib.contextmanager
+    def adapter(self, name: str):
+        """Context in which the transformer runs the LoRA adapter `name` alone (loaded by :meth:`load_lora` with
+        ``adapter_name``), for forwards without gradients; the trained adapter (``default``) is active again after it,
+        its parameters trainable (peft's ``set_adapter`` sets ``requires_grad`` of the active adapter only)."""
+        self.transformer.set_adapter(name)
+        try:
+            yield
+        finally:
+            self.transformer.set_adapter("default")
+
     # ------------------------------------------------------------------------------ guidance
     def velocity(
         self, x: torch.Tensor, t: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None, guidance_scale: float
@@ -911,8 +923,9 @@ class FlowModel:
             diffusers_logging.set_verbosity(verbosity)
             setattr(self.pipe, attr, module)
 
-    def load_lora(self, directory: str | Path) -> None:
-        """Load a diffusers-format LoRA folder into the transformer (as the default adapter).
+    def load_lora(self, directory: str | Path, adapter_name: str | None = None) -> None:
+        """Load a diffusers-format LoRA folder into the transformer: as diffusers names it (the first adapter), or as
+        the extra peft adapter `adapter_name` beside the trained one (a Flow-OPD teacher: :meth:`adapter`).
 
         Raises:
             FileNotFoundError: if the folder has no ``pytorch_lora_weights.safetensors``.
@@ -937,7 +950,10 @@ class FlowModel:
         verbosity = diffusers_logging.get_verbosity()
         diffusers_logging.set_verbosity_error()  # not "no LoRA keys for the text encoders": flowrl trains none
         try:
-            self.pipe.load_lora_weights(str(directory), use_safetensors=True)
+            named = {} if adapter_name is None else {"adapter_name": adapter_name}
+            with warnings.catch_warnings():  # peft's notice that a second adapter joins the first: the point here
+                warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+                self.pipe.load_lora_weights(str(directory), use_safetensors=True, **named)
         except (ValueError, KeyError, RuntimeError) as e:  # diffusers' and peft's "not a LoRA of this model"
             message = " ".join(str(e).split())[:300]
             raise ValueError(f"{file} is not a LoRA of this model ({type(e).__name__}: {message})") from None

@@ -299,14 +299,14 @@ class HunyuanVideo15Model(VideoModel):
             directory, transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata
         )
 
-    def load_lora(self, directory: str | Path) -> None:
+    def load_lora(self, directory: str | Path, adapter_name: str | None = None) -> None:
         """:meth:`FlowModel.load_lora` through the transformer's ``load_lora_adapter(directory, prefix="transformer",
         use_safetensors=True)`` (``HunyuanVideo15Pipeline`` has no ``load_lora_weights``)."""
         self.pipe.load_lora_weights = lambda folder, **kwargs: self.transformer.load_lora_adapter(
             folder, prefix="transformer", **kwargs
         )
         try:
-            super().load_lora(directory)
+            super().load_lora(directory, adapter_name)
         finally:
             del self.pipe.load_lora_weights
 

@@ -300,14 +300,14 @@ class WanModel(VideoModel):
             videos.append(vae.decode(z, return_dict=False)[0].float().permute(0, 2, 1, 3, 4))  # (b, F, 3, H, W)
         return (torch.cat(videos) / 2 + 0.5).clamp(0, 1)
 
-    def load_lora(self, directory: str | Path) -> None:
+    def load_lora(self, directory: str | Path, adapter_name: str | None = None) -> None:
         """:meth:`FlowModel.load_lora` into the trained expert (``transformer_2`` for ``expert="low"``, loaded as the
         stock pipeline's ``load_lora_weights(directory, load_into_transformer_2=True)``)."""
         context = contextlib.nullcontext()
         if self.expert == "low":
             context = _loads_into_transformer_2(self.pipe)
         with context:
-            super().load_lora(directory)
+            super().load_lora(directory, adapter_name)
 
 
 @contextlib.contextmanager

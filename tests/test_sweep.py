@@ -270,6 +270,15 @@ PLACES = {
         kinds=tuple(k for k in KINDS if k != "latin1"),
         setup=lambda tmp, p: p.parent.mkdir(parents=True, exist_ok=True),
     ),
+    "merge LORA": Place(
+        "lora/pytorch_lora_weights.safetensors",
+        LORA,
+        40,
+        _tiny_png(),
+        lambda tmp, p: ["merge", p.parent, p.parent, "--out", tmp / "merged"],
+        kinds=tuple(k for k in KINDS if k != "latin1"),
+        setup=lambda tmp, p: p.parent.mkdir(parents=True, exist_ok=True),
+    ),
     "score --option model_path config.json": Place(
         "clip/config.json",
         '{"_note": "café", "model_type": "clip"}',
@@ -344,7 +353,7 @@ def test_the_sweep_covers_every_command_and_preset_kind():
     """Each command that reads a file, and each preset kind (online GRPO, forward-process, direct-reward, offline)."""
     commands = {place.split()[0] for place in PLACES}
     assert commands == {"train", "config", "memory", "bench", "overopt", "eval", "sample", "generate", "score",
-                        "serve-reward"}  # fmt: skip
+                        "serve-reward", "merge"}  # fmt: skip
     presets = {place.split()[1] for place in PLACES if place.startswith("train ")}
     assert {"flow_grpo", "diffusion_nft", "refl", "dpo_offline", "sft"} <= presets
     assert len(CASES) == sum(len(p.kinds) for p in PLACES.values())

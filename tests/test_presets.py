@@ -15,8 +15,9 @@ CONFIG_DIR = Path(__file__).parent.parent / "configs"
 PRESETS = sorted(CONFIG_DIR.glob("*.yaml"))  # the method presets on the tiny world
 RECIPES = sorted((CONFIG_DIR / "recipes").glob("*.yaml"))  # real models' paths: run shrunk in their families' tests
 CONFIGS = PRESETS + RECIPES
-# the tiny video world's own model: test_tiny_video; Flow-OPD's teachers, LoRAs of the model: test_flow_opd
-TINY = [c for c in PRESETS if c.name not in ("tiny_video.yaml", "flow_opd.yaml")]
+# the tiny video world's own model: test_tiny_video; Flow-OPD's teachers, LoRAs of the model: test_flow_opd; tdm:
+# test_distill trains it two iterations (and resumes it)
+TINY = [c for c in PRESETS if c.name not in ("tiny_video.yaml", "flow_opd.yaml", "tdm.yaml")]
 SLOW_PRESETS = {"g2rpo", "branch_grpo", "branch_grpo_mix", "branch_grpo_mix_flash"}  # trees: run in CI (CI=true)
 SLOW_PRESETS |= {"awm", "crd", "dgpo", "dpo_online", "flow_dppo", "gardo", "dpo_offline", "sft"}  # test_methods trains
 SLOW_PRESETS |= {"refl", "draft", "alignprop", "srpo"}  # test_direct trains them: here in CI only

@@ -1,0 +1,697 @@
+"""Few-step generators and distillation: a student sampled in a few deterministic steps, the teacher's score (the
+real score) and a fake score trained on the student's samples, shared by TDM (arXiv 2503.06674), DMD (DMD2, arXiv
+2405.14867) and DMDR (arXiv 2511.13649).
+
+Notation (code name -> paper): on flowrl's rectified-flow path ``x_t = (1 - t) x0 + t eps`` (``alpha_t = 1 - t``,
+``sigma_t = t``), a velocity ``v`` at ``(x, t)`` predicts ``x0 = x - t v`` and ``eps = x + (1 - t) v``
+(:func:`flow_predictions`); ``sigmas`` -> the student's times ``s_0 = 1 > s_1 > ... > s_K = 0``; ``states[:, k]`` ->
+the student's deterministic trajectory point ``x_{s_k}``; ``t_mid`` -> TDM's ``timesteps_mid`` (the next trajectory
+point), ``t`` -> the time the real and fake scores are queried at; ``real``/``fake`` -> their clean predictions
+``x0_real(x_t)`` (with CFG) and ``x0_fake(x_t)``.
+
+- :func:`student_trajectory`: the student's ``K``-step deterministic sampler (Euler, which on this path is DDIM: TDM's
+  ``generate_new``), every trajectory point kept;
+- :func:`renoise`, :func:`mixed_noise`, :func:`importance_weights`: TDM's diffusion from the student's next trajectory
+  point ``x_{t_mid}`` to ``x_t`` and the fake score's importance weight;
+- :func:`tdm_loss`, :func:`dmd_loss`: the generator's distribution-matching losses (TDM's, DMD2's);
+- :func:`tdm_fake_loss`: TDM's fake-score loss (DMD's is the flow-matching loss,
+  :func:`flowrl.methods.forward.flow_matching_error`);
+- :class:`HeldScore`: a score network held as a second copy of the trainable tensors (a LoRA, or every weight) with
+  its own AdamW, trained through the policy's forward by swapping its weights in (:meth:`flowrl.policy.Policy.holding`);
+- :class:`Distillation`: the method base (rollout, the fake-score phase, the generator phase, checkpoints); ``tdm``
+  (:class:`TDM`), ``dmd`` (:class:`DMD`) and ``dmdr`` (:class:`DMDR`) register on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..fields import ConfigError, check, config_section, setting
+from ..losses import nft_loss, optimality_weights
+from .base import FinalSamples, Rewards, register_method
+from .forward import ForwardProcess, flow_matching_error
+
+
+# ------------------------------------------------------------------------------------------------ the equations
+def _rows(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Per-row values `(N,)` viewed as `(N, 1, ...)` against `like` `(N, *latent_shape)`."""
+    return t.view((-1,) + (1,) * (like.ndim - 1)).to(like.dtype)
+
+
+def flow_predictions(x: torch.Tensor, t: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clean sample and the noise a velocity predicts on the path ``x_t = (1 - t) x0 + t eps``:
+    ``x0 = x - t v``, ``eps = x + (1 - t) v`` (TDM's ``predicted_origin`` and the model's noise, in flow terms).
+
+    Args:
+        x, v (`torch.Tensor` of shape `(N, *latent_shape)`): the state and the velocity at it.
+        t (`torch.Tensor` of shape `(N,)`, in [0, 1]): the state's time (1 = noise).
+
+    Returns:
+        ``(x0, eps)``, each `(N, *latent_shape)`, in `v`'s dtype (with `v`'s gradient).
+    """
+    t = _rows(t, v)
+    return x - t * v, x + (1 - t) * v
+
+
+def student_trajectory(velocity, noise: torch.Tensor, cond: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """The student's deterministic ``K``-step trajectory from `noise`: ``x_{k+1} = x_k + (s_{k+1} - s_k) v(x_k, s_k)``,
+    Euler, which on the rectified-flow path is DDIM (``x_{k+1} = (1 - s_{k+1}) x0 + s_{k+1} eps`` of the step's
+    predictions), as TDM's ``generate_new`` (train_tdm_demo.py lines 59-101).
+
+    Args:
+        velocity: a :class:`flowrl.samplers.VelocityFn` ``(x (N, ...), t (N,), cond (N,)) -> v``.
+        noise (`torch.Tensor` of shape `(N, *latent_shape)`): ``x_{s_0}``. cond (`(N,)` long): prompt rows.
+        sigmas (`torch.Tensor` of shape `(K + 1,)`, from 1 to 0): the student's times.
+
+    Returns:
+        `torch.Tensor` of shape `(N, K + 1, *latent_shape)`, float32: every trajectory point, the last the sample.
+    """
+    x, states = noise.float(), [noise.float()]
+    for k in range(len(sigmas) - 1):
+        t = sigmas[k].expand(len(x)).to(x.device)
+        x = x + (sigmas[k + 1] - sigmas[k]).item() * velocity(x, t, cond).float()
+        states.append(x)
+    return torch.stack(states, dim=1)  # (N, K + 1, *latent_shape)
+
+
+def renoise(x_mid: torch.Tensor, t_mid: torch.Tensor, t: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """The forward diffusion from time `t_mid` to a later time `t >= t_mid`:
+    ``x_t = (alpha_t / alpha_mid) x_mid + sqrt(sigma_t^2 - (alpha_t sigma_mid / alpha_mid)^2) z`` with ``alpha = 1 -
+    t``, ``sigma = t`` (TDM's ``Predictor.add_noise``, train_tdm_demo.py lines 1036-1045; with ``t_mid = 0`` it is the
+    plain ``(1 - t) x0 + t z``).
+
+    Args:
+        x_mid, z (`torch.Tensor` of shape `(N, *latent_shape)`): the state at `t_mid` and fresh standard noise.
+        t_mid, t (`torch.Tensor` of shape `(N,)`): times in [0, 1), ``t >= t_mid``.
+
+    Returns:
+        `torch.Tensor` of shape `(N, *latent_shape)`.
+    """
+    a_mid, s_mid, a_t, s_t = _rows(1 - t_mid, x_mid), _rows(t_mid, x_mid), _rows(1 - t, x_mid), _rows(t, x_mid)
+    beta = (s_t**2 - (a_t / a_mid * s_mid) ** 2).clamp_min(0).sqrt()
+    return x_mid * (a_t / a_mid) + beta * z
+
+
+def mixed_noise(eps: torch.Tensor, z: torch.Tensor, t_mid: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The total noise of :func:`renoise`'s ``x_t`` around the student's ``x0`` in units of ``sigma_t``, when ``x_mid``
+    is the student's DDIM point ``alpha_mid x0 + sigma_mid eps``: ``(eps alpha_t sigma_mid / alpha_mid + beta z) /
+    sigma_t`` (TDM's ``obtain_mixed_noise``, train_tdm_demo.py lines 1047-1057).
+
+    Args:
+        eps, z (`torch.Tensor` of shape `(N, *latent_shape)`): the student's predicted noise and the fresh noise.
+        t_mid, t (`torch.Tensor` of shape `(N,)`): as :func:`renoise`, ``t > 0``.
+
+    Returns:
+        `torch.Tensor` of shape `(N, *latent_shape)`.
+    """
+    a_mid, s_mid, a_t, s_t = _rows(1 - t_mid, eps), _rows(t_mid, eps), _rows(1 - t, eps), _rows(t, eps)
+    beta = (s_t**2 - (a_t / a_mid * s_mid) ** 2).clamp_min(0).sqrt()
+    return (eps * (a_t / a_mid) * s_mid + beta * z) / s_t
+
+
+def importance_weights(mixed: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """TDM's importance weight of each row for the fake-score loss, ``exp(-mean(mixed^2) / 2) / exp(-mean(z^2) / 2)``
+    (means over the latent's elements; train_tdm_demo.py line 1129).
+
+    Args:
+        mixed, z (`torch.Tensor` of shape `(N, *latent_shape)`): :func:`mixed_noise` and the fresh noise.
+
+    Returns:
+        `torch.Tensor` of shape `(N,)`, positive.
+    """
+    return torch.exp(-0.5 * mixed.pow(2).flatten(1).mean(1)) / torch.exp(-0.5 * z.pow(2).flatten(1).mean(1))
+
+
+def min_snr_weights(t: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Min-SNR weights ``min(SNR(t), gamma)`` with ``SNR = (alpha_t / sigma_t)^2 = ((1 - t) / t)^2`` (Hang et al.,
+    arXiv 2303.09556; TDM's fake loss with gamma 5, train_tdm_demo.py lines 1131-1133).
+
+    Args:
+        t (`torch.Tensor` of shape `(N,)`, in (0, 1]). gamma (`float`): the cap, > 0.
+
+    Returns:
+        `torch.Tensor` of shape `(N,)`, in [0, gamma].
+    """
+    return (((1 - t) / t) ** 2).clamp(max=gamma)
+
+
+def tdm_fake_loss(
+    x0_fake: torch.Tensor, x0_student: torch.Tensor, t: torch.Tensor, weights: torch.Tensor, gamma: float
+) -> torch.Tensor:
+    """TDM's fake-score loss: the fake score denoises the diffused student trajectory towards the student's clean
+    prediction, ``mean_rows(mean_d (x0_fake - x0_student)^2 * min(SNR(t), gamma) * w)`` (train_tdm_demo.py lines
+    1127-1134; ``w``: :func:`importance_weights`, or ones).
+
+    Args:
+        x0_fake (`torch.Tensor` of shape `(N, *latent_shape)`): the fake score's clean prediction at ``x_t`` (with
+            the gradient); x0_student (same shape): the student's (detached).
+        t (`(N,)`): the query times; weights (`(N,)`): importance weights. gamma: the Min-SNR cap.
+
+    Returns:
+        A scalar tensor (float32, or float64 for float64 inputs).
+    """
+    dtype = torch.promote_types(x0_fake.dtype, torch.float32)
+    err = (x0_fake.to(dtype) - x0_student.detach().to(dtype)).pow(2).flatten(1).mean(1)  # (N,)
+    return (err * min_snr_weights(t.to(dtype), gamma) * weights.to(dtype)).mean()
+
+
+def revised_x0_loss(x0: torch.Tensor, correction: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """The student's clean prediction pulled along a detached `correction`, normalised per row by its distance to a
+    `reference`: ``mean((x0 - sg(x0 + correction))^2 / sg(mean_d |x0 - reference|))``, the shape of TDM's generator
+    loss (train_tdm_demo.py lines 1174-1187) and of each of TDM-R1's reward terms.
+
+    Args:
+        x0 (`torch.Tensor` of shape `(N, *latent_shape)`): the student's clean prediction (with its gradient).
+        correction, reference (same shape): the direction and the normaliser's reference (both detached here).
+
+    Returns:
+        A scalar tensor (float32, or float64 for float64 inputs); its gradient in ``x0`` is ``-2 correction / (D w)``.
+    """
+    dtype = torch.promote_types(x0.dtype, torch.float32)
+    x0, correction, reference = x0.to(dtype), correction.detach().to(dtype), reference.detach().to(dtype)
+    target = (x0 + correction).detach()
+    w = (x0.detach() - reference).abs().flatten(1).mean(1)  # (N,)
+    return ((x0 - target).pow(2) / _rows(w, x0)).mean()
+
+
+def tdm_loss(x0: torch.Tensor, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+    """TDM's generator loss (arXiv 2503.06674, Eq. 9's gradient; train_tdm_demo.py lines 1165-1187): the student's
+    clean prediction pulled along ``real - fake`` and normalised per row by ``mean_d |x0 - real|``:
+    ``mean(( x0 - sg(x0 + real - fake) )^2 / sg(mean_d |x0 - real|))``, whose gradient in ``x0`` is ``2 (fake - real)
+    / (D w)``.
+
+    Args:
+        x0 (`torch.Tensor` of shape `(N, *latent_shape)`): the student's clean prediction (with its gradient).
+        real, fake (same shape): the real score's clean prediction at ``x_t`` with CFG, the fake score's.
+
+    Returns:
+        A scalar tensor (float32, or float64 for float64 inputs).
+    """
+    return revised_x0_loss(x0, real.detach() - fake.detach(), real)
+
+
+def dmd_loss(x0: torch.Tensor, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+    """DMD2's distribution-matching loss (arXiv 2405.14867, Eq. 2 with DMD's normalisation, arXiv 2311.18828 Eq. 8;
+    DMD2 main/sd_guidance.py lines 235-241): ``grad = (fake - real) / mean_d |x0 - real|``,
+    ``loss = mean((x0 - sg(x0 - grad))^2) / 2``, whose gradient in ``x0`` is ``grad / D``.
+
+    Args:
+        x0 (`torch.Tensor` of shape `(N, *latent_shape)`): the generator's sample (with its gradient).
+        real, fake (same shape): the real score's clean prediction at ``x_t`` (with CFG), the fake score's.
+
+    Returns:
+        A scalar tensor (float32, or float64 for float64 inputs).
+    """
+    dtype = torch.promote_types(x0.dtype, torch.float32)
+    x0, real, fake = x0.to(dtype), real.detach().to(dtype), fake.detach().to(dtype)
+    grad = torch.nan_to_num((fake - real) / _rows((x0.detach() - real).abs().flatten(1).mean(1), x0))
+    return 0.5 * (x0 - (x0 - grad).detach()).pow(2).mean()
+
+
+# ------------------------------------------------------------------------------------------------ the fake score
+class HeldScore:
+    """A score network held as a second copy of the policy's trainable tensors (a LoRA, or every weight) with its own
+    AdamW: DMD's and TDM's fake score. Its forwards run the policy's network with these weights swapped in
+    (:meth:`flowrl.policy.Policy.holding`), its backwards through the policy's (summed over processes as the policy's),
+    and :meth:`step` moves the gradients the backwards left on the live parameters onto the copy and steps it.
+
+    Args:
+        policy (:class:`flowrl.policy.Policy`): whose trainable tensors the copy mirrors (one process's whole tensors:
+            not FSDP2 or DeepSpeed).
+        weights (`dict[str, torch.Tensor]`): the initial copy, by the policy's parameter names (float32).
+        lr (`float`), betas (`tuple[float, float]`): its AdamW's; max_grad_norm (`float`): its gradient clip.
+    """
+
+    def __init__(self, policy, weights: dict[str, torch.Tensor], lr: float, betas, max_grad_norm: float):
+        self.policy, self.weights, self.max_grad_norm = policy, weights, max_grad_norm
+        params = list(weights.values())
+        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=0.0)
+        for p in params:  # eager state, so that checkpoints hold it from the start
+            self.optimizer.state[p] = {
+                "step": torch.tensor(0.0),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p),
+            }
+
+    def holding(self):
+        """Context in which the policy's forwards are this score's."""
+        return self.policy.holding(self.weights)
+
+    def step(self) -> float:
+        """Move the live parameters' gradients onto the copy (clearing them), clip at `max_grad_norm` and step AdamW.
+
+        Returns:
+            The gradient norm before clipping.
+        """
+        for n, p in self.policy.params.items():
+            self.weights[n].grad, p.grad = p.grad, None
+        norm = torch.nn.utils.clip_grad_norm_(list(self.weights.values()), self.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm.item()
+
+    def moments(self, which: str) -> dict[str, torch.Tensor]:
+        """AdamW's ``exp_avg`` or ``exp_avg_sq`` by parameter name (the tensors themselves: loading writes them)."""
+        return {n: self.optimizer.state[p][which] for n, p in self.weights.items()}
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken."""
+        return int(self.optimizer.state[next(iter(self.weights.values()))]["step"].item())
+
+    @steps.setter
+    def steps(self, count: int) -> None:
+        for p in self.weights.values():
+            self.optimizer.state[p]["step"].fill_(float(count))
+
+    def files(self, stem: str) -> dict[str, dict[str, torch.Tensor]]:
+        """Its weights and AdamW moments as checkpoint files ``STEM.safetensors``, ``STEM_exp_avg.safetensors``,
+        ``STEM_exp_avg_sq.safetensors`` (:meth:`flowrl.methods.base.Method.snapshots`)."""
+        return {
+            f"{stem}.safetensors": self.weights,
+            f"{stem}_exp_avg.safetensors": self.moments("exp_avg"),
+            f"{stem}_exp_avg_sq.safetensors": self.moments("exp_avg_sq"),
+        }
+
+
+def lora_state_to_params(state: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
+    """A diffusers-format LoRA file's tensors (``transformer.MODULE.lora_A.weight``) by the policy's parameter names
+    (``MODULE.lora_A.default.weight``: peft's default adapter).
+
+    Raises:
+        ValueError: naming the first parameter the file lacks.
+    """
+    out = {}
+    for n in names:
+        key = "transformer." + n.replace(".default", "")
+        if key not in state:
+            raise ValueError(f"has no tensor {key} for the trained LoRA (same model.lora_rank and targets expected)")
+        out[n] = state[key]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the settings
+@config_section("train", "distill", "few-step distillation's settings (train.method tdm, dmd, dmdr)")
+@dataclass
+class DistillConfig:
+    """``train.distill.*``: the student, the real and the fake scores of ``tdm`` (arXiv 2503.06674), ``dmd`` (arXiv
+    2405.14867) and ``dmdr`` (arXiv 2511.13649). The student samples ``sampling.num_steps`` deterministic steps at
+    ``sampling.guidance_scale`` (1: no CFG, TDM's and DMD's generator)."""
+
+    teacher_guidance: float = setting(
+        4.5, "CFG of the real score (the teacher: the LoRA-disabled base) in the matching gradient (TDM's cfg)"
+    )
+    fake_learning_rate: float = setting(3.0e-4, "AdamW learning rate of the fake score (TDM's: 5x the student's)")
+    fake_betas: tuple[float, float] = setting((0.0, 0.95), "AdamW betas of the fake score (TDM's (0, 0.95))")
+    fake_updates: int = setting(
+        1, "fake-score passes (each of train.inner_epochs) over the iteration's rows before the student's steps (TTUR)"
+    )
+    fake_init: str = setting(
+        "teacher", "the fake score starts as: teacher (the LoRA's B zeroed, or the base weights) | student"
+    )
+    min_time: float = setting(0.02, "lowest time the scores are queried at (TDM 20/1000, DMD2 min_step_percent)")
+    max_time: float = setting(0.98, "highest time the scores are queried at (DMD2's max_step_percent)")
+    random_mid: bool = setting(False, "TDM's use_randmid: the next trajectory point at a random time within the step")
+    separate: bool = setting(False, "TDM's use_separate: query times capped at the trajectory point's own time")
+    min_snr: float = setting(5.0, "Min-SNR cap of TDM's fake-score loss weight")
+    importance_weight: bool = setting(True, "TDM's importance weight of the fake-score loss")
+    student_lora: str = setting(
+        "", "a LoRA folder (pytorch_lora_weights.safetensors) to start the student from (a tdm run's export)"
+    )
+    dynamic_guidance: float = setting(
+        0.0,
+        "DMDR's dynamic distribution guidance: the real score is the teacher plus the fake score's LoRA at this scale, "
+        "decayed by a half cosine to 0 over dynamic_steps optimizer steps (0: off; the official lora_scale_r)",
+    )
+    dynamic_steps: int = setting(0, "optimizer steps over which dynamic_guidance decays (DMDR's dynamic_step)")
+    dmd_weight: float = setting(1.0, "dmdr: weight of the DMD regulariser beside the RL loss")
+    nft_beta: float = setting(1.0, "dmdr: DiffusionNFT's beta of the RL loss (arXiv 2509.16117)")
+
+    def __post_init__(self):
+        check(self.teacher_guidance >= 1, "train.distill.teacher_guidance", ">= 1", self.teacher_guidance)
+        check(self.fake_learning_rate > 0, "train.distill.fake_learning_rate", "> 0", self.fake_learning_rate)
+        betas = list(self.fake_betas)
+        check(len(betas) == 2 and all(0 <= b < 1 for b in betas), "train.distill.fake_betas", "two in [0, 1)", betas)
+        check(self.fake_updates >= 1, "train.distill.fake_updates", ">= 1", self.fake_updates)
+        check(self.fake_init in ("teacher", "student"), "train.distill.fake_init", "teacher|student", self.fake_init)
+        check(0 < self.min_time < self.max_time < 1, "train.distill.min_time", "0 < min_time < max_time < 1",
+              (self.min_time, self.max_time))  # fmt: skip
+        check(self.min_snr > 0, "train.distill.min_snr", "> 0", self.min_snr)
+        check(self.dynamic_guidance >= 0, "train.distill.dynamic_guidance", ">= 0", self.dynamic_guidance)
+        check(
+            self.dynamic_guidance == 0 or self.dynamic_steps > 0,
+            "train.distill.dynamic_steps",
+            "> 0 with train.distill.dynamic_guidance > 0",
+            self.dynamic_steps,
+        )
+        check(self.dmd_weight >= 0, "train.distill.dmd_weight", ">= 0", self.dmd_weight)
+        check(self.nft_beta > 0, "train.distill.nft_beta", "> 0", self.nft_beta)
+
+
+@dataclass
+class TrajectorySamples(FinalSamples):
+    """A few-step student's rollout: its final samples (``x0``) and every trajectory point.
+
+    Attributes:
+        states (`torch.Tensor` of shape `(B, K + 1, *latent_shape)`, float32): ``x_{s_0}`` (noise) to ``x_{s_K}``
+            (``x0``), on the device.
+    """
+
+    states: torch.Tensor
+
+
+# ------------------------------------------------------------------------------------------------ the methods
+class Distillation(ForwardProcess):
+    """Base of the few-step methods (module docstring): the student is the policy, the real score the teacher (the
+    LoRA-disabled base; with full fine-tuning a held copy of the starting weights), the fake score a
+    :class:`HeldScore`. Each iteration: the student's trajectories (:meth:`rollout`), ``train.distill.fake_updates``
+    passes of the fake score over the rows (:meth:`fake_phase`), then the student's optimizer steps
+    (:meth:`generator_loss`). A subclass says where the scores are queried (:meth:`query`) and the two losses.
+
+    Args: as :class:`flowrl.methods.base.Method`.
+
+    Raises:
+        ConfigError: for an FSDP2 or DeepSpeed run (the held copies are one process's whole tensors), or a
+            ``train.distill.student_lora`` folder without the trained LoRA's tensors.
+    """
+
+    def __init__(self, cfg, model, policy, rewards):
+        super().__init__(cfg, model, policy, rewards)
+        d = cfg.train.distill
+        if policy.sharded or policy.engine is not None:
+            raise ConfigError(f"train.method {self.name!r} holds whole copies of the weights: run it under DDP")
+        if d.student_lora:
+            self.load_student(d.student_lora)
+        self.teacher = None if cfg.model.lora_rank > 0 else policy.copy()  # full fine-tuning: the start is the teacher
+        start = policy.copy()
+        if d.fake_init == "teacher" and cfg.model.lora_rank > 0:
+            start = {n: torch.zeros_like(w) if "lora_B" in n else w for n, w in start.items()}
+        if d.fake_init == "teacher" and self.teacher is not None:
+            start = {n: w.clone() for n, w in self.teacher.items()}
+        self.fake = HeldScore(policy, start, d.fake_learning_rate, d.fake_betas, cfg.train.max_grad_norm)
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Plain groups of deterministic student samples: no rollout shape but ``flat``, no window, no KL; dynamic
+        distribution guidance only with a LoRA (it scales the fake score's)."""
+        cls.check_final_samples(cfg, "it trains a few-step student")
+        check(
+            cfg.train.distill.dynamic_guidance == 0 or cfg.model.lora_rank > 0,
+            "train.distill.dynamic_guidance",
+            "0 unless model.lora_rank > 0 (it adds the fake score's LoRA to the teacher)",
+            cfg.train.distill.dynamic_guidance,
+        )
+
+    def load_student(self, folder: str) -> None:
+        """Start the student's LoRA from `folder`'s ``pytorch_lora_weights.safetensors``.
+
+        Raises:
+            ConfigError: naming ``train.distill.student_lora``, for a missing file or one without this LoRA's tensors.
+        """
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        file = Path(folder) / "pytorch_lora_weights.safetensors"
+        key = "config key 'train.distill.student_lora'"
+        if self.cfg.model.lora_rank == 0 or not file.is_file():
+            raise ConfigError(f"{key}: expected a LoRA folder with {file.name} and model.lora_rank > 0, got {folder}")
+        try:
+            state = lora_state_to_params(load_file(file), self.policy.params)
+        except ValueError as e:
+            raise ConfigError(f"{key}: {file} {e}") from None
+        with torch.no_grad():
+            for n, p in self.policy.params.items():
+                p.copy_(state[n].to(p))
+
+    # ------------------------------------------------------------------------------ the contract
+    def rollout(self, metas: list[dict], generator: torch.Generator) -> TrajectorySamples:
+        """``sampling.group_size`` student trajectories per prompt (:func:`student_trajectory`, at
+        ``sampling.guidance_scale``), decoded for the rewards."""
+        cfg, model = self.cfg, self.model
+        table = model.prompt_table(metas)
+        prompt_index = torch.arange(len(metas), device=self.device).repeat_interleave(cfg.sampling.group_size)  # (B,)
+        cond = table.rows(prompt_index)  # (B,)
+        noise = torch.randn((len(cond), *model.latent_shape), generator=generator).to(self.device)
+        velocity = self.chunked(model.velocity_fn(table, cfg.sampling.guidance_scale))
+        with torch.no_grad(), self.policy.autocast():
+            states = student_trajectory(velocity, noise, cond, self.sigmas.to(self.device))  # (B, K + 1, ...)
+        nfe = len(cond) * cfg.sampling.num_steps * model.cfg_rows(cfg.sampling.guidance_scale)
+        x0 = states[:, -1]
+        return TrajectorySamples(self.decode(x0), prompt_index.cpu(), nfe, x0, cond, table, states)
+
+    def advantages(self, samples: FinalSamples, rewards: Rewards, generator: torch.Generator):
+        """Data-free methods: zeros, every row kept (the rewards are only logged); :class:`DMDR` overrides."""
+        n = len(samples.x0)
+        return torch.zeros(n), torch.ones(n, dtype=torch.bool), {}
+
+    def update(self, samples: TrajectorySamples, adv: torch.Tensor, keep: torch.Tensor, generator) -> dict:
+        """The fake score's passes (:meth:`fake_phase`), then the student's optimizer steps on the kept rows.
+
+        Returns:
+            ``policy/loss``, ``policy/grad_norm``, ``policy/optimizer_steps``, ``fake/loss``, ``fake/grad_norm``,
+            ``cost/trained_transitions`` (rows x epochs) and ``cost/nfe`` (the loss's forwards, CFG rows counted).
+        """
+        rows = keep.nonzero().squeeze(1).to(self.device)  # (N,)
+        k = self.boundaries(samples, rows, generator)
+        fake = self.fake_phase(samples, rows, k, generator)
+        fake.update(self.between_phases(samples, rows, k, adv, generator))
+        gen = self.generator_phase(samples, rows, k, generator)
+        guided = self.model.cfg_rows(self.cfg.train.distill.teacher_guidance)
+        per_row = self.cfg.train.distill.fake_updates * 2 + self.cfg.train.inner_epochs * (3 + guided)
+        return {**gen, **fake, "cost/nfe": len(rows) * per_row, "cost/trained_transitions": len(rows)}
+
+    # ------------------------------------------------------------------------------ the parts
+    def boundaries(self, samples: TrajectorySamples, rows: torch.Tensor, generator) -> torch.Tensor:
+        """The trajectory step ``k`` `(N,)` long in ``[0, K)`` each of `rows` trains at: uniform per row."""
+        return torch.randint(0, self.cfg.sampling.num_steps, (len(rows),), generator=generator).to(self.device)
+
+    def between_phases(self, samples, rows, k, adv, generator) -> dict:
+        """Work between the fake score's passes and the student's steps (:class:`TDMR1`'s surrogate); returns its
+        metrics. Nothing here."""
+        return {}
+
+    def teacher_context(self):
+        """Context in which the forwards are the teacher's (the LoRA disabled, or the held starting weights)."""
+        return self.model.reference() if self.teacher is None else self.policy.holding(self.teacher)
+
+    def student_point(self, samples: TrajectorySamples, idx: torch.Tensor, k: torch.Tensor):
+        """The trajectory points ``x_{s_k}`` `(n, *latent_shape)`, their times `(n,)` and prompt rows of rows `idx`."""
+        x = samples.states[idx, k]  # (n, *latent_shape)
+        return x, self.sigmas.to(self.device)[k], samples.cond[idx]
+
+    def query(self, x0, eps, k: torch.Tensor, generator: torch.Generator):
+        """Where the real and fake scores are queried: ``(x_t (n, ...), t (n,), fake-loss weights (n,), z)`` from the
+        student's predictions `x0`, `eps` at the trajectory points of steps `k` (detached); ``z`` the fresh noise."""
+        raise NotImplementedError
+
+    def fake_loss(self, v_fake, x_t, t, x0, weights, z) -> torch.Tensor:
+        """The fake score's loss from its velocity at ``x_t``, the student's `x0` (detached) and :meth:`query`'s
+        weights and noise."""
+        raise NotImplementedError
+
+    def matching_loss(self, x0, real, fake) -> torch.Tensor:
+        """The generator's distribution-matching loss (:func:`tdm_loss` or :func:`dmd_loss`)."""
+        raise NotImplementedError
+
+    def fake_phase(self, samples, rows, k, generator) -> dict:
+        """``train.distill.fake_updates`` passes of minibatches of `rows` (the policy's sizes), one fake-score AdamW
+        step each: the student's predictions (no gradient) at its trajectory points, :meth:`query`, the fake score's
+        velocity at ``x_t`` with its weights swapped in, :meth:`fake_loss`."""
+        policy, model, d = self.policy, self.model, self.cfg.train.distill
+        velocity = model.velocity_fn(samples.table, 1.0)
+        losses, norms = [], []
+        for _ in range(d.fake_updates):
+            for _, _, mb, total in policy.minibatches(len(rows), generator):
+                share, parts = len(mb) / max(total, 1), []
+                for _, idx, frac in policy.micro_batches(mb):
+                    x, s, c = self.student_point(samples, rows[idx], k[idx])
+                    with torch.no_grad(), policy.autocast():
+                        x0, eps = flow_predictions(x, s, velocity(x, s, c))
+                    x_t, t, w, z = self.query(x0, eps, k[idx], generator)
+                    with self.fake.holding():
+                        with policy.autocast():
+                            loss = self.fake_loss(velocity(x_t, t, c), x_t, t, x0, w, z)
+                        policy.backward(loss, frac * share)
+                    parts.append(loss.item() * frac)
+                norms.append(self.fake.step())
+                losses.append(sum(parts))
+        return {"fake/loss": sum(losses) / max(len(losses), 1), "fake/grad_norm": sum(norms) / max(len(norms), 1)}
+
+    def guidance_scale_now(self) -> float:
+        """DMDR's dynamic distribution guidance (arXiv 2511.13649, Sec. 3.3; vvvvvjdy/dmdr train_sitxl_refl_deepspeed.py
+        lines 517-521): ``lambda = dynamic_guidance (1 + cos(pi min(n / dynamic_steps, 1))) / 2`` after ``n`` student
+        optimizer steps (0 once they are done or when off)."""
+        import math
+
+        d = self.cfg.train.distill
+        if d.dynamic_guidance == 0:
+            return 0.0
+        progress = min(self.policy.steps_taken() / d.dynamic_steps, 1.0)
+        return d.dynamic_guidance * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def real_context(self):
+        """The teacher (:meth:`teacher_context`), or under dynamic distribution guidance the teacher plus the fake
+        score's LoRA at :meth:`guidance_scale_now` (its B matrices scaled)."""
+        scale = self.guidance_scale_now()
+        if scale == 0:
+            return self.teacher_context()
+        return self.policy.holding({n: w * scale if "lora_B" in n else w for n, w in self.fake.weights.items()})
+
+    def scores(self, x_t, t, c, table):
+        """The real score's clean prediction with CFG ``train.distill.teacher_guidance`` (:meth:`real_context`) and
+        the fake score's, at ``x_t`` (no gradient)."""
+        with torch.no_grad(), self.policy.autocast():
+            with self.real_context():
+                v_real = self.model.velocity_fn(table, self.cfg.train.distill.teacher_guidance)(x_t, t, c)
+            with self.fake.holding():
+                v_fake = self.model.velocity_fn(table, 1.0)(x_t, t, c)
+        return flow_predictions(x_t, t, v_real)[0], flow_predictions(x_t, t, v_fake)[0]
+
+    def generator_phase(self, samples, rows, k, generator) -> dict:
+        """The student's optimizer steps (:meth:`flowrl.methods.base.Method.optimizer_steps`) on `rows`: per
+        micro-batch the student's predictions without gradient, the scores at :meth:`query`'s ``x_t`` (weights are
+        swapped in, so before any graph exists), then the student's prediction with gradient and :meth:`step_loss`."""
+        velocity = self.model.velocity_fn(samples.table, self.cfg.sampling.guidance_scale)
+
+        def micro_loss(idx, stats, at):
+            x, s, c = self.student_point(samples, rows[idx], k[idx])
+            with torch.no_grad(), self.policy.autocast():
+                x0, eps = flow_predictions(x, s, velocity(x, s, c))
+            x_t, t, _, _ = self.query(x0, eps, k[idx], generator)
+            real, fake = self.scores(x_t, t, c, samples.table)
+            extra = self.extra_scores(x_t, t, c, samples.table)
+            with self.policy.autocast():
+                x0 = flow_predictions(x, s, velocity(x, s, c))[0]
+            return self.step_loss(x0, real, fake, idx, extra)
+
+        stats, steps = self.optimizer_steps(len(rows), generator, micro_loss)
+        return self.update_metrics(stats, steps)
+
+    def extra_scores(self, x_t, t, c, table):
+        """What else the student's loss reads at ``x_t`` besides the real and fake scores (no gradient): None here,
+        the surrogate's and the teacher's conditional predictions for :class:`TDMR1`."""
+        return None
+
+    def step_loss(self, x0, real, fake, idx, extra):
+        """The student's loss of the micro-batch `idx` (positions in the update's rows): :meth:`matching_loss`
+        (:class:`DMDR` adds its RL loss, :class:`TDMR1` its reward terms)."""
+        loss = self.matching_loss(x0, real, fake)
+        return loss, {"policy/matching_loss": loss.item()}
+
+    # ------------------------------------------------------------------------------ checkpoints
+    snapshot_origin = "by a few-step distillation method (train.method tdm, dmd or dmdr)"
+
+    def snapshots(self) -> dict:
+        """The fake score and its AdamW moments, and with full fine-tuning the teacher."""
+        files = self.fake.files("fake_score")
+        if self.teacher is not None:
+            files["teacher.safetensors"] = self.teacher
+        return files
+
+    def state_dict(self) -> dict:
+        return {"fake_score_steps": self.fake.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.fake.steps = state.get("fake_score_steps", 0)
+
+
+@register_method("tdm", "few-step student, Trajectory Distribution Matching")
+class TDM(Distillation):
+    """``train.method: tdm`` (Luo et al., arXiv 2503.06674; Luo-Yihong/TDM train_tdm_demo.py): data-free distillation
+    of the teacher into a ``sampling.num_steps``-step student that matches the teacher's distribution at every point
+    of its own deterministic trajectory.
+
+    For a row at trajectory point ``x_{s_k}``, the student's step predicts ``x0, eps``; its next point ``x_mid =
+    (1 - t_mid) x0 + t_mid eps`` at ``t_mid = s_{k+1}`` (with ``train.distill.random_mid`` uniform in ``[s_{k+1},
+    s_k)``) is diffused to ``x_t`` (:func:`renoise`) at ``t`` uniform in ``[max(min_time, t_mid), max_time]`` (with
+    ``separate``, ``[.., s_k]``). The fake score learns to denoise ``x_t`` to the student's ``x0``
+    (:func:`tdm_fake_loss`, Min-SNR and importance weighted) and the student follows ``real - fake``
+    (:func:`tdm_loss`).
+    """
+
+    def query(self, x0, eps, k, generator):
+        d, sigmas = self.cfg.train.distill, self.sigmas.to(self.device)
+        s_k, t_mid = sigmas[k], sigmas[k + 1]  # (n,)
+        if d.random_mid:
+            u = torch.rand(len(k), generator=generator).to(self.device)
+            t_mid = t_mid + u * (s_k - t_mid)
+        low = t_mid.clamp(min=d.min_time)
+        high = (s_k if d.separate else torch.full_like(s_k, d.max_time)).clamp(min=low)
+        t = low + torch.rand(len(k), generator=generator).to(self.device) * (high - low)  # (n,)
+        z = torch.randn(x0.shape, generator=generator).to(x0.device)
+        x_mid = (1 - _rows(t_mid, x0)) * x0 + _rows(t_mid, x0) * eps
+        x_t = renoise(x_mid, t_mid, t, z)
+        w = importance_weights(mixed_noise(eps, z, t_mid, t), z) if d.importance_weight else torch.ones_like(t)
+        return x_t, t, w, z
+
+    def fake_loss(self, v_fake, x_t, t, x0, weights, z):
+        return tdm_fake_loss(flow_predictions(x_t, t, v_fake)[0], x0, t, weights, self.cfg.train.distill.min_snr)
+
+    def matching_loss(self, x0, real, fake):
+        return tdm_loss(x0, real, fake)
+
+
+@register_method("dmd", "few-step student, Distribution Matching Distillation (DMD2)")
+class DMD(Distillation):
+    """``train.method: dmd`` (DMD2, Yin et al., arXiv 2405.14867; tianweiy/DMD2 main/sd_guidance.py): the student's
+    clean prediction at a random point of its trajectory (DMD2's backward simulation for a multi-step generator) is
+    noised afresh, ``x_t = (1 - t) x0 + t z`` with ``t`` uniform in ``[min_time, max_time]``; the fake score learns
+    the flow-matching loss on it (:func:`flowrl.methods.forward.flow_matching_error`, DMD2's denoising loss) and the
+    student follows ``real - fake`` normalised (:func:`dmd_loss`)."""
+
+    def query(self, x0, eps, k, generator):
+        d = self.cfg.train.distill
+        t = d.min_time + torch.rand(len(k), generator=generator).to(self.device) * (d.max_time - d.min_time)
+        z = torch.randn(x0.shape, generator=generator).to(x0.device)
+        return (1 - _rows(t, x0)) * x0 + _rows(t, x0) * z, t, torch.ones_like(t), z
+
+    def fake_loss(self, v_fake, x_t, t, x0, weights, z):
+        return flow_matching_error(v_fake, x0, z).mean()
+
+    def matching_loss(self, x0, real, fake):
+        return dmd_loss(x0, real, fake)
+
+
+@register_method("dmdr", "few-step student, DiffusionNFT's RL loss with the DMD loss as regulariser")
+class DMDR(DMD):
+    """``train.method: dmdr`` (DMDR, arXiv 2511.13649): RL on a few-step student with the DMD loss (real and fake
+    scores, :class:`DMD`) as its regulariser: the student's loss is DiffusionNFT's (arXiv 2509.16117,
+    :func:`flowrl.losses.nft_loss`) on its final samples noised at the sampler's grid times, with the group-relative
+    advantages of the rewards as optimality weights, plus ``train.distill.dmd_weight`` times :func:`dmd_loss`. The
+    old velocity of the NFT loss is the student's at the iteration's start (no soft-updated copy)."""
+
+    def advantages(self, samples: FinalSamples, rewards: Rewards, generator: torch.Generator):
+        """Group z-scores over every process's images (:meth:`ForwardProcess.advantages`); every row is kept for
+        the DMD term (a flat group's rows have ``r = 1/2``)."""
+        adv, keep, stats = ForwardProcess.advantages(self, samples, rewards, generator)
+        return adv, torch.ones_like(keep), stats
+
+    def update(self, samples: TrajectorySamples, adv: torch.Tensor, keep: torch.Tensor, generator) -> dict:
+        """As :meth:`Distillation.update`, the RL loss's rows prepared first: each final sample noised once at a
+        grid time, its optimality weight, and the student's velocity there before the update (DiffusionNFT's old
+        policy)."""
+        rows = keep.nonzero().squeeze(1).to(self.device)  # (N,)
+        x_0, c = samples.x0[rows], samples.cond[rows]
+        t = self.grid_times(len(rows), generator)
+        x_t, _ = self.noised(x_0, t, generator)
+        velocity = self.chunked(self.model.velocity_fn(samples.table, self.cfg.sampling.guidance_scale))
+        with torch.no_grad(), self.policy.autocast():
+            v_old = velocity(x_t, t, c) if len(rows) else x_t
+        r = optimality_weights(adv[rows.cpu()], self.cfg.train.adv_clip_max).to(self.device)
+        self._rl = (x_0, c, t, x_t, v_old, r, samples.table)
+        try:
+            return super().update(samples, adv, keep, generator)
+        finally:
+            self._rl = None
+
+    def step_loss(self, x0, real, fake, idx, extra):
+        d, train = self.cfg.train.distill, self.cfg.train
+        x_0, c, t, x_t, v_old, r, table = self._rl
+        with self.policy.autocast():
+            v = self.model.velocity_fn(table, self.cfg.sampling.guidance_scale)(x_t[idx], t[idx], c[idx])
+        rl = nft_loss(v, v_old[idx], x_t[idx], x_0[idx], t[idx], r[idx], d.nft_beta, train.adv_clip_max)
+        dmd = dmd_loss(x0, real, fake)
+        return rl + d.dmd_weight * dmd, {"policy/rl_loss": rl.item(), "policy/matching_loss": dmd.item()}

@@ -1,0 +1,242 @@
+"""Few-step distillation (flowrl/methods/distill.py): TDM's and DMD's losses against their equations written out in
+float64 and against re-expressions of the official code's lines on identical inputs; the student's sampler; the held
+fake score; the student's LoRA start; resume. The presets train two iterations in test_presets.py."""
+
+import pytest
+import torch
+from conftest import REPO, assert_resume_is_exact, tiny_overrides
+
+from flowrl.config import ConfigError, load_config
+from flowrl.methods.distill import (
+    dmd_loss,
+    flow_predictions,
+    importance_weights,
+    lora_state_to_params,
+    min_snr_weights,
+    mixed_noise,
+    renoise,
+    student_trajectory,
+    tdm_fake_loss,
+    tdm_loss,
+)
+
+TDM_COMMIT = "81b019f91539948d49da86cef12ccc64030c5022"  # Luo-Yihong/TDM, train_tdm_demo.py
+DMD2_COMMIT = "8d8fa55633d47cfb81bbc7a892e7248f9518763f"  # tianweiy/DMD2, main/sd_guidance.py
+
+
+def _draw(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+# ------------------------------------------------------------------------------ the equations, written out
+def test_tdm_loss_and_its_gradient_are_the_equations():
+    x0, real, fake = _draw(3, 2, 4, 4, seed=1).requires_grad_(), _draw(3, 2, 4, 4, seed=2), _draw(3, 2, 4, 4, seed=3)
+    loss = tdm_loss(x0, real, fake)
+    n, d = x0.shape[0], x0[0].numel()
+    w = torch.stack([(x0[i].detach() - real[i]).abs().sum() / d for i in range(n)])
+    expected = sum(((real[i] - fake[i]) ** 2).sum() / w[i] for i in range(n)) / (n * d)
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
+    (grad,) = torch.autograd.grad(loss, x0)
+    torch.testing.assert_close(grad, 2 * (fake - real) / (w.view(-1, 1, 1, 1) * n * d), rtol=1e-12, atol=0)
+
+
+def test_dmd_loss_and_its_gradient_are_the_equations():
+    x0, real, fake = _draw(3, 2, 4, 4, seed=4).requires_grad_(), _draw(3, 2, 4, 4, seed=5), _draw(3, 2, 4, 4, seed=6)
+    loss = dmd_loss(x0, real, fake)
+    n, d = x0.shape[0], x0[0].numel()
+    grad = torch.stack([(fake[i] - real[i]) / ((x0[i].detach() - real[i]).abs().sum() / d) for i in range(n)])
+    torch.testing.assert_close(loss, 0.5 * (grad**2).sum() / (n * d), rtol=1e-12, atol=0)
+    (g,) = torch.autograd.grad(loss, x0)
+    torch.testing.assert_close(g, grad / (n * d), rtol=1e-12, atol=0)
+
+
+def test_renoise_is_the_forward_process_around_the_students_prediction():
+    """x_mid = (1 - t_mid) x0 + t_mid eps diffused to t is (1 - t) x0 + t mixed, and mixed is standard normal in
+    law: its variance over many draws is 1 when eps and z are."""
+    x0, eps, z = _draw(4, 3, 8, 8, seed=7), _draw(4, 3, 8, 8, seed=8), _draw(4, 3, 8, 8, seed=9)
+    t_mid, t = (
+        torch.tensor([0.0, 0.2, 0.5, 0.7], dtype=torch.float64),
+        torch.tensor([0.3, 0.4, 0.9, 0.7], dtype=torch.float64),
+    )
+    x_mid = (1 - t_mid.view(-1, 1, 1, 1)) * x0 + t_mid.view(-1, 1, 1, 1) * eps
+    x_t, mixed = renoise(x_mid, t_mid, t, z), mixed_noise(eps, z, t_mid, t)
+    torch.testing.assert_close(x_t, (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * mixed, rtol=1e-12, atol=0)
+    torch.testing.assert_close(x_t[0], 0.7 * x0[0] + 0.3 * z[0], rtol=1e-12, atol=0)  # t_mid 0: plain forward
+    torch.testing.assert_close(mixed[3], eps[3], rtol=1e-12, atol=0)  # t = t_mid: no fresh noise
+    # variance of the mixed noise: (a_t s_mid / a_mid)^2 + beta^2 = s_t^2, over sigma_t^2 = 1
+    big_eps, big_z = _draw(20000, seed=10), _draw(20000, seed=11)
+    var = mixed_noise(big_eps, big_z, torch.full((20000,), 0.3).double(), torch.full((20000,), 0.6).double()).var()
+    assert abs(var.item() - 1) < 0.03
+    w = importance_weights(mixed, z)
+    torch.testing.assert_close(w, torch.exp(-0.5 * (mixed**2).mean((1, 2, 3)) + 0.5 * (z**2).mean((1, 2, 3))))
+
+
+def test_the_fake_loss_and_min_snr_are_the_equations():
+    fake, x0 = _draw(3, 2, 4, 4, seed=12).requires_grad_(), _draw(3, 2, 4, 4, seed=13)
+    t, w = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64), torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
+    snr = torch.tensor([min((0.9 / 0.1) ** 2, 5.0), 1.0, (0.1 / 0.9) ** 2], dtype=torch.float64)
+    torch.testing.assert_close(min_snr_weights(t, 5.0), snr, rtol=1e-12, atol=0)
+    expected = sum(((fake[i] - x0[i]) ** 2).mean() * snr[i] * w[i] for i in range(3)) / 3
+    torch.testing.assert_close(tdm_fake_loss(fake, x0, t, w, 5.0), expected, rtol=1e-12, atol=0)
+
+
+def test_the_students_sampler_is_euler_and_ddim():
+    """Euler on the velocity equals DDIM on the clean prediction and noise it implies, x' = (1 - s') x0 + s' eps."""
+    a = _draw(2, 2, seed=14).float() * 0.3  # the sampler runs in float32
+    velocity = lambda x, t, c: torch.einsum("ij,bjhw->bihw", a, x) * (1 + t.view(-1, 1, 1, 1))  # noqa: E731
+    noise, sigmas = _draw(3, 2, 4, 4, seed=15), torch.tensor([1.0, 0.75, 0.4, 0.1, 0.0], dtype=torch.float64)
+    states = student_trajectory(velocity, noise, torch.zeros(3, dtype=torch.long), sigmas)
+    assert states.shape == (3, 5, 2, 4, 4)
+    x = noise.float()
+    for k in range(4):
+        t = sigmas[k].expand(3)
+        x0, eps = flow_predictions(x, t, velocity(x, t, None).float())
+        x = (1 - sigmas[k + 1]) * x0 + sigmas[k + 1] * eps
+        torch.testing.assert_close(states[:, k + 1], x.float(), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ the official lines, re-expressed
+def _tdm_official_generator_loss(model_latents, sd, sd_uncond, fake, cfg):
+    """train_tdm_demo.py lines 1174-1187 (TDM_COMMIT), use_huber off: the CFG'd real prediction, the target and the
+    per-sample weighting, in x0 space."""
+    coop = model_latents.detach() + (sd - fake) + (cfg - 1) * (sd - sd_uncond)
+    sd_cfg = sd + (cfg - 1) * (sd - sd_uncond)
+    weighting = torch.abs(model_latents.double() - sd_cfg.double()).mean(dim=[1, 2, 3], keepdim=True).detach()
+    return (torch.nn.functional.mse_loss(model_latents, coop.detach(), reduction="none") / weighting).mean()
+
+
+def _dmd2_official_loss(latents, pred_real_image, pred_fake_image):
+    """main/sd_guidance.py lines 235-241 (DMD2_COMMIT)."""
+    p_real, p_fake = latents - pred_real_image, latents - pred_fake_image
+    grad = torch.nan_to_num((p_real - p_fake) / torch.abs(p_real).mean(dim=[1, 2, 3], keepdim=True))
+    return 0.5 * torch.nn.functional.mse_loss(latents, (latents - grad).detach(), reduction="mean")
+
+
+def _tdm_official_noise(samples, model_noise, noise, t1, t2, alphas, sigmas):
+    """train_tdm_demo.py lines 1036-1057 (Predictor.add_noise, obtain_mixed_noise) and 1129 (is_weight), with the
+    schedules indexed by integer timesteps (extract_into_tensor)."""
+    a1, s1 = alphas[t1].view(-1, 1, 1, 1), sigmas[t1].view(-1, 1, 1, 1)
+    a2, s2 = alphas[t2].view(-1, 1, 1, 1), sigmas[t2].view(-1, 1, 1, 1)
+    beta = (s2**2 - (a2 / a1 * s1) ** 2) ** 0.5
+    x = samples / a1 * a2 + beta * noise
+    mixed = (model_noise / a1 * a2 * s1 + beta * noise) / s2
+    bsz = len(samples)
+    is_w = torch.exp(-0.5 * (mixed**2).view(bsz, -1).mean(dim=1)) / torch.exp(-0.5 * (noise**2).view(bsz, -1).mean(1))
+    return x, mixed, is_w
+
+
+def _tdm_official_fake_loss(fake_latents, model_latents, timesteps, is_weight, alphas, sigmas):
+    """train_tdm_demo.py lines 1130-1134 with compute_snr (lines 103-126): Min-SNR 5 times the importance weight."""
+    loss = torch.nn.functional.mse_loss(fake_latents, model_latents, reduction="none")
+    snr = (alphas[timesteps] / sigmas[timesteps]) ** 2
+    snr = torch.stack([snr, 5 * torch.ones_like(snr)], dim=1).min(dim=1)[0]
+    return (loss.mean(dim=list(range(1, loss.ndim))) * snr * is_weight).mean()
+
+
+def test_tdm_generator_loss_matches_the_official_lines():
+    x0 = _draw(3, 4, 8, 8, seed=20).requires_grad_()
+    sd, sd_uncond, fake = _draw(3, 4, 8, 8, seed=21), _draw(3, 4, 8, 8, seed=22), _draw(3, 4, 8, 8, seed=23)
+    cfg = 2.0
+    official = _tdm_official_generator_loss(x0, sd, sd_uncond, fake, cfg)
+    ours = tdm_loss(x0, sd_uncond + cfg * (sd - sd_uncond), fake)
+    torch.testing.assert_close(ours, official, rtol=1e-12, atol=0)
+    g_official, g_ours = torch.autograd.grad(official, x0)[0], torch.autograd.grad(ours, x0)[0]
+    torch.testing.assert_close(g_ours, g_official, rtol=1e-12, atol=0)
+
+
+def test_dmd_loss_matches_the_official_lines():
+    x0 = _draw(3, 4, 8, 8, seed=24).requires_grad_()
+    real, fake = _draw(3, 4, 8, 8, seed=25), _draw(3, 4, 8, 8, seed=26)
+    official, ours = _dmd2_official_loss(x0, real, fake), dmd_loss(x0, real, fake)
+    torch.testing.assert_close(ours, official, rtol=1e-12, atol=0)
+    torch.testing.assert_close(
+        torch.autograd.grad(ours, x0)[0], torch.autograd.grad(official, x0)[0], rtol=1e-12, atol=0
+    )
+
+
+def test_tdm_noise_and_fake_loss_match_the_official_lines():
+    """On a grid of 1000 flow times (alpha_t = 1 - t, sigma_t = t indexed by integer timesteps, as the official
+    schedules are), the official lines and ours agree on x_t, the mixed noise, the importance weight and the fake
+    loss."""
+    grid = torch.linspace(0, 1, 1001, dtype=torch.float64)[:-1]  # t = i / 1000, i in [0, 1000)
+    alphas, sigmas = 1 - grid, grid
+    t1, t2 = torch.tensor([0, 200, 400, 600]), torch.tensor([150, 380, 700, 999])
+    x_mid, eps, z = _draw(4, 4, 8, 8, seed=27), _draw(4, 4, 8, 8, seed=28), _draw(4, 4, 8, 8, seed=29)
+    x_o, mixed_o, w_o = _tdm_official_noise(x_mid, eps, z, t1, t2, alphas, sigmas)
+    torch.testing.assert_close(renoise(x_mid, grid[t1], grid[t2], z), x_o, rtol=1e-12, atol=1e-12)
+    mixed = mixed_noise(eps, z, grid[t1], grid[t2])
+    torch.testing.assert_close(mixed, mixed_o, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(importance_weights(mixed, z), w_o, rtol=1e-12, atol=0)
+    fake, x0 = _draw(4, 4, 8, 8, seed=30), _draw(4, 4, 8, 8, seed=31)
+    official = _tdm_official_fake_loss(fake, x0, t2, w_o, alphas, sigmas)
+    torch.testing.assert_close(tdm_fake_loss(fake, x0, grid[t2], w_o, 5.0), official, rtol=1e-12, atol=0)
+
+
+# ------------------------------------------------------------------------------ the method
+def _overrides(random_pipeline, prompt_files, out, **extra):
+    train, test = prompt_files
+    extra = {"sampling.num_steps": 2, "sampling.guidance_scale": 1.0, "eval.num_steps": 2, **extra}
+    return tiny_overrides(random_pipeline, train, test, out, **extra)
+
+
+def test_tdm_trains_its_fake_score_apart_and_resumes_exactly(tmp_path, random_pipeline, prompt_files):
+    """tdm trained two iterations straight and 1 + a resumed one end equal (the student, the fake score and its AdamW
+    moments); the fake score took one step an iteration, moved, and differs from the student; no gradient is left on
+    the policy. Its exported LoRA starts a dmdr student, whose fake score starts at the teacher (B zeroed)."""
+    from safetensors.torch import load_file
+
+    from flowrl.trainer import Trainer
+
+    trainer = assert_resume_is_exact(
+        REPO / "configs/tdm.yaml", lambda out: _overrides(random_pipeline, prompt_files, out), tmp_path
+    )
+    for name in ("fake_score", "fake_score_exp_avg", "fake_score_exp_avg_sq"):
+        a, b = (
+            load_file(tmp_path / run / f"checkpoints/checkpoint-000002/{name}.safetensors") for run in ("full", "part")
+        )
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    method, policy = trainer.method, trainer.policy
+    assert method.fake.steps == 2  # one fake step per iteration (one minibatch)
+    assert any(w.abs().sum() > 0 for n, w in method.fake.weights.items() if "lora_B" in n)  # moved from the teacher
+    assert any(not torch.equal(method.fake.weights[n], p) for n, p in policy.params.items() if "lora_B" in n)
+    assert all(p.grad is None for p in policy.params.values())
+
+    lora = tmp_path / "full/lora"
+    assert lora_state_to_params(load_file(lora / "pytorch_lora_weights.safetensors"), policy.params).keys() == set(
+        policy.params
+    )
+    over = _overrides(random_pipeline, prompt_files, tmp_path / "dmdr", **{"train.distill.student_lora": str(lora)})
+    student = Trainer(load_config(REPO / "configs/dmdr.yaml", over))
+    for n, p in student.policy.params.items():
+        torch.testing.assert_close(p, policy.exported()[n])
+    assert all(torch.equal(w, torch.zeros_like(w)) for n, w in student.method.fake.weights.items() if "lora_B" in n)
+    with pytest.raises(ConfigError, match=r"train\.distill\.student_lora.*pytorch_lora_weights"):
+        student.method.load_student(str(tmp_path))
+
+
+def test_bad_distill_settings_are_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"train\.distill\.fake_init"):
+        load_config(REPO / "configs/tdm.yaml", ["train.distill.fake_init=copy"])
+    with pytest.raises(ConfigError, match=r"train\.distill\.min_time"):
+        load_config(REPO / "configs/tdm.yaml", ["train.distill.min_time=0.99"])
+    with pytest.raises(ConfigError, match=r"sampling\.shape"):
+        load_config(REPO / "configs/dmd.yaml", ["sampling.shape=tree"])
+
+
+def test_dynamic_distribution_guidance_decays_by_a_half_cosine():
+    """DMDR's lambda = lambda_0 (1 + cos(pi min(n / N, 1))) / 2 after n student steps (train_sitxl_refl_deepspeed.py
+    lines 517-521 at vvvvvjdy/dmdr 061dc296)."""
+    import math
+    from types import SimpleNamespace
+
+    from flowrl.methods.distill import DMDR
+
+    for n, expected in ((0, 0.8), (5, 0.4), (10, 0.0), (30, 0.0)):
+        d = SimpleNamespace(dynamic_guidance=0.8, dynamic_steps=10)
+        host = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(distill=d)))
+        host.policy = SimpleNamespace(steps_taken=lambda n=n: n)
+        assert DMDR.guidance_scale_now(host) == pytest.approx(expected, abs=1e-12)
+        assert 0.8 * 0.5 * (1 + math.cos(math.pi * min(n / 10, 1))) == pytest.approx(expected, abs=1e-12)

@@ -82,7 +82,8 @@ def check_deepspeed_config(config: dict, max_grad_norm: float) -> None:
 
     Raises:
         ConfigError: for DeepSpeed missing or without ``managed_gradient_accumulation`` (0.19.8 has it); naming the
-            DeepSpeed key and what to set, for a ZeRO stage other than 1, 2 or 3, parameter offload, DeepSpeed's own
+            DeepSpeed key and what to set, for a ZeRO stage other than 1, 2 or 3, parameter offload, optimizer offload
+            under stage 3, DeepSpeed's own
             bf16/fp16 (flowrl's precision is ``run.mixed_precision``), an ``optimizer`` or ``scheduler`` block (flowrl
             builds AdamW from ``train``), or a ``gradient_clipping`` other than ``train.max_grad_norm``.
     """
@@ -111,6 +112,11 @@ def check_deepspeed_config(config: dict, max_grad_norm: float) -> None:
         raise ConfigError(
             "the DeepSpeed config offloads parameters (zero_optimization.offload_param.device), which flowrl "
             "has not run: set it to none (optimizer offload, offload_optimizer.device: cpu, runs)"
+        )
+    if stage == 3 and _get(config, "zero_optimization.offload_optimizer.device", "none") not in ("none", None):
+        raise ConfigError(
+            "the DeepSpeed config offloads the optimizer under ZeRO stage 3 (zero_optimization.offload_optimizer."
+            "device), which flowrl has not run: set it to none, or use stage 2 with optimizer offload"
         )
     for key in ("bf16", "fp16"):
         if _get(config, f"{key}.enabled", False) is True:

@@ -192,6 +192,10 @@ def test_the_shipped_deepspeed_launch_passes_and_what_flowrl_cannot_run_is_refus
         (changed(zero_optimization__stage=4), "zero_optimization.stage is 4.*stage 1, 2 or 3"),
         (changed(zero_optimization__stage=0), "stage is 0.*ddp.yaml"),
         (changed(zero_optimization__offload_param__device="cpu"), "offload_param.device.*none"),
+        (
+            changed(zero_optimization__stage=3, zero_optimization__offload_optimizer__device="cpu"),
+            "offloads the optimizer under ZeRO stage 3.*set it to none",
+        ),
         (changed(bf16__enabled=True), "enables bf16.*run.mixed_precision=bf16"),
         (changed(optimizer={"type": "AdamW"}), "'optimizer' block.*train.learning_rate"),
         (changed(gradient_clipping=2.0), "gradient_clipping is 2.0.*'train.max_grad_norm' is 0.5"),

@@ -2,6 +2,7 @@
 keep different numbers of transitions, identical weights on every process, the gradient of the union of their
 transitions, and a split evaluation equal to the single-process one."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -93,9 +94,25 @@ warning, so that it stays visible without failing CI; the processes run with ``P
 one shows every thread's Python stack in ``torchrun-aborted.log``."""
 
 
-LAUNCH_TIMEOUT_S = 1200
-"""Seconds a two-process launch may take before it is killed (its whole process group) and the test fails: a
-mismatched collective (one process calling the sharded module more often than the other) hangs rather than fails."""
+LAUNCH_TIMEOUT_S = float(os.environ.get("FLOWRL_TEST_LAUNCH_TIMEOUT_S", 1200))
+"""Seconds a two-process launch may take before it is killed (its whole process group) and the test fails
+(``FLOWRL_TEST_LAUNCH_TIMEOUT_S`` sets it): a mismatched collective (one process calling the sharded module more often
+than the other) may hang rather than fail."""
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes descended from ``pid`` (Linux: read from ``/proc``), children before grandchildren."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        found = children.get(todo.pop(0), [])
+        out += found
+        todo += found
+    return out
 
 
 def _run_killable(command: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
@@ -109,8 +126,10 @@ def _run_killable(command: list[str], env: dict[str, str], timeout: float) -> su
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        for pid in [*_descendants(proc.pid), proc.pid]:  # torchrun starts its workers in sessions of their own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
         raise AssertionError(
             f"torchrun did not finish in {timeout:.0f} s (a mismatched collective hangs); killed. Its last output:\n"
             + (out + err)[-3000:]

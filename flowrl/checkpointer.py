@@ -54,7 +54,8 @@ class Checkpointer:
     def save(self, iteration: int, elapsed: float) -> None:
         """Checkpoint ``iteration`` into ``checkpoints/checkpoint-<iteration>``: the policy, its optimizer and EMA, the
         method's state and files, the LoRA; then delete the oldest beyond ``run.keep_checkpoints``. Every process
-        calls it (under FSDP2 the optimizer state is gathered from the shards); the main process writes.
+        calls it (under FSDP2 the optimizer state is gathered from the shards, under FSDP2 full shard the weights and
+        held copies too); the main process writes.
 
         Args:
             iteration (`int`): iterations completed. elapsed (`float`): the run's wall seconds so far (a resumed
@@ -64,10 +65,18 @@ class Checkpointer:
             OSError: the folder cannot be written (a full disk among them).
         """
 
+        lora, held = None, None
+        if self.policy.lockstep:  # the held shards made whole by every process, before the main process writes
+            lora = self.policy.exported() if self.cfg.model.lora_rank > 0 else None
+            held = {name: self.policy.whole(store) for name, store in self.method.snapshots().items()}
+
         def write_extra(folder: Path) -> None:  # inside the checkpoint before it is sealed
             if self.cfg.model.lora_rank > 0:
-                self.model.save_lora(folder / "lora", self.policy.exported())
-            self.method.save_files(folder)
+                self.model.save_lora(folder / "lora", self.policy.exported() if lora is None else lora)
+            if held is None:
+                self.method.save_files(folder)
+            else:
+                self.method.save_files(folder, held)
 
         saved = self.policy.save(
             self.out / "checkpoints", iteration, {"elapsed_s": elapsed, **self.method.state_dict()}, write_extra
@@ -125,7 +134,8 @@ class Checkpointer:
             save_file({"images": images.contiguous()}, tmp)
 
     def export(self, evaluator, trackers, rewards) -> None:
-        """The finished run's artifacts (main process; the others return at once): ``reward_curve.png``,
+        """The finished run's artifacts (main process; the others return at once, or in lockstep draw the grid and
+        gather the exported weights with it first): ``reward_curve.png``,
         ``diagnostics.png`` (the `rewards` of weight 0 drawn as gold metrics), ``grid.png`` (the base
         model's grid beside `evaluator`'s :meth:`~flowrl.evaluator.Evaluator.grid_images` now, also logged to
         `trackers` as ``grid/after``), and the LoRA (``lora/``) or, fully fine-tuned, the whole pipeline
@@ -135,7 +145,18 @@ class Checkpointer:
             OSError: a file that cannot be read or written (``metrics.jsonl``, ``eval.json`` and
                 ``grid_before.safetensors`` are read).
         """
-        if not self.run.accelerator.is_main_process:
+        main, lockstep = self.run.accelerator.is_main_process, self.policy.lockstep
+        if not (main or lockstep):
+            return
+        after = evaluator.grid_images()  # in lockstep every process draws it alike
+        lora = state = None
+        if self.policy.lockstep:  # whole weights gathered by every process
+            if self.cfg.model.lora_rank > 0:
+                lora = self.policy.exported()
+            else:
+                with self.policy.ema_weights():
+                    state = self.policy.module_state()
+        if not main:
             return
         from safetensors.torch import load_file
 
@@ -143,11 +164,12 @@ class Checkpointer:
         save_reward_curve(metrics, self.read_eval("eval.json"), self.out / "reward_curve.png")
         watched = [name for name, (_, weight) in rewards.rewards.items() if weight == 0]  # gold metrics
         save_diagnostics(metrics, self.out / "diagnostics.png", watched)
-        before, after = load_file(self.out / "grid_before.safetensors")["images"], evaluator.grid_images()
+        before = load_file(self.out / "grid_before.safetensors")["images"]
         trackers.log_images("grid/after", after, self.cfg.run.iterations)
         save_grid(before, after, [m["prompt"] for m in evaluator.grid_metas()], self.out / "grid.png")
         if self.cfg.model.lora_rank > 0:
-            self.model.save_lora(self.out / "lora", self.policy.exported())
+            self.model.save_lora(self.out / "lora", self.policy.exported() if lora is None else lora)
         else:
             with self.policy.ema_weights():
-                self.model.save_pipeline(self.out / "pipeline", plain_copy=self.policy.plain_export)
+                kwargs = {} if state is None else {"state": state}  # whole tensors gathered above
+                self.model.save_pipeline(self.out / "pipeline", plain_copy=self.policy.plain_export, **kwargs)

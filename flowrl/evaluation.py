@@ -166,14 +166,23 @@ def sharded(fn, n: int, accelerator=None) -> torch.Tensor:
     Process ``r`` of ``P`` calls ``fn`` once with the items ``r, r + P, r + 2P, ...`` (a process with none
     makes no call); ``fn(idx)`` returns a float tensor ``(len(idx), K)``. Every process gets the whole
     ``(n, K)`` result on CPU (two all-gathers: the width K, then the padded rows). Without an accelerator, or with one process,
-    it is ``fn(list(range(n)))``.
+    it is ``fn(list(range(n)))``. In lockstep (:func:`flowrl.sharding.lockstep`: the model's weights gathered in every
+    forward) every process calls ``fn`` with ``ceil(n / P)`` items, its own padded with repeats of its last (item 0
+    where it has none), so that all draw the same batches; the padded rows are dropped before the gather.
     """
+    from .sharding import lockstep
+
     procs = 1 if accelerator is None else accelerator.num_processes
     if procs == 1:
         return fn(list(range(n)))
     rank = accelerator.process_index
     idx = list(range(rank, n, procs))
-    mine = fn(idx) if idx else None
+    if lockstep(accelerator) and n:  # every process draws ceil(n / P) images
+        padded = idx + [idx[-1] if idx else 0] * (-(-n // procs) - len(idx))
+        drawn = fn(padded)
+        mine = drawn[: len(idx)] if idx else None
+    else:
+        mine = fn(idx) if idx else None
     # every process needs K for the padded buffer: processes without items (-1) learn it from the others
     ks = accelerator.gather(torch.tensor([mine.shape[1] if mine is not None else -1], device=accelerator.device))
     k = int(ks.max())

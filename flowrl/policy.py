@@ -5,8 +5,9 @@ A method (:mod:`flowrl.methods`) computes a loss per (micro-)batch, back-propaga
 :meth:`Policy.backward` and calls :meth:`Policy.step` once per minibatch; the trainer never touches gradients.
 Under several processes the transformer is wrapped by accelerate: DDP (``accelerator.prepare_model``), FSDP2
 (``accelerator.prepare``, :mod:`flowrl.sharding`: weights, gradients and optimizer state sharded, the weights kept
-gathered between optimizer steps), or a DeepSpeed ZeRO-1/2 engine (``accelerator.prepare``, :mod:`flowrl.zero`:
-optimizer state, and under stage 2 gradients, partitioned; the engine's ``backward`` and ``step`` called here). Each
+gathered between optimizer steps, or under full shard gathered per block for each forward and backward, every process
+then calling the transformer alike: :meth:`Policy.padding`), or a DeepSpeed ZeRO-1/2/3 engine (``accelerator.prepare``, :mod:`flowrl.zero`:
+optimizer state, under stages 2 and 3 gradients, under stage 3 the weights too, partitioned; the engine's ``backward`` and ``step`` called here). Each
 averages the gradients over processes; micro-batches accumulate under ``accelerator.no_sync`` (DDP, FSDP2) or in the
 engine until its step.
 """
@@ -22,8 +23,18 @@ import torch
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .precision import resolve_precision
-from .sharding import full, full_optimizer_state, is_fsdp2, keep_gathered, regather, shard_like, shard_optimizer_state
-from .zero import ZeroLoader, check_deepspeed_config, configure, is_deepspeed
+from .sharding import (
+    full,
+    full_optimizer_state,
+    is_fsdp2,
+    keep_gathered,
+    lockstep,
+    regather,
+    reshard_every_forward,
+    shard_like,
+    shard_optimizer_state,
+)
+from .zero import ZeroLoader, check_deepspeed_config, configure, gathered, is_deepspeed, partition_of, whole_partition
 from .zero import full_optimizer_state as zero_optimizer_state
 
 
@@ -41,17 +52,23 @@ def minibatch_sizes(counts: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def check_accelerate_engine(
-    accelerator, step_grad_norms: str = "none", optimizer: str = "adamw", max_grad_norm: float = 1.0
+    accelerator,
+    step_grad_norms: str = "none",
+    optimizer: str = "adamw",
+    max_grad_norm: float = 1.0,
+    lockstep_blocker: str | None = None,
 ) -> None:
     """Check accelerate's engine before any weights load: DDP (``configs/accelerate/ddp.yaml``), FSDP2 with the
-    weights kept gathered between optimizer steps (``configs/accelerate/fsdp2.yaml``, :mod:`flowrl.sharding`) and
-    DeepSpeed ZeRO stage 1 or 2 (``configs/accelerate/deepspeed_zero2.yaml``, :mod:`flowrl.zero`) run; FSDP1, FSDP2
-    resharding after each forward, ZeRO stage 3 and Megatron-LM are refused.
+    weights kept gathered between optimizer steps (``configs/accelerate/fsdp2.yaml``, :mod:`flowrl.sharding`), FSDP2
+    resharding after each forward (``configs/accelerate/fsdp2_full_shard.yaml``) and DeepSpeed ZeRO stage 1, 2 or 3
+    (``configs/accelerate/deepspeed_zero2.yaml``, ``deepspeed_zero3.yaml``, :mod:`flowrl.zero`) run; FSDP1, DeepSpeed
+    parameter offload and ``zero3_init_flag``, and Megatron-LM are refused.
 
-    FSDP2 resharding after a forward (and ZeRO-3) would all-gather in every forward, a collective call every process
-    must make in the same order, and flowrl's processes make different numbers of forwards (their own transitions,
-    their share of the evaluation, the main process's grids). accelerate 1.15 runs FSDP and DeepSpeed only on
-    accelerator devices: with ``--cpu`` it falls back to DDP.
+    FSDP2 resharding after a forward (and ZeRO-3) all-gathers the weights in every forward, a collective call every process must
+    make in the same order: flowrl pads each optimizer step's micro-batches and each evaluation share to the same
+    counts and draws the grids on every process (:func:`flowrl.sharding.lockstep`), for the methods whose update
+    makes the same forwards once padded (:attr:`flowrl.methods.base.Method.lockstep`). accelerate 1.15 runs FSDP and
+    DeepSpeed only on accelerator devices: with ``--cpu`` it falls back to DDP.
 
     Args:
         step_grad_norms: ``train.step_grad_norms``; ``params`` (a backward per denoising step through the sharded
@@ -59,6 +76,9 @@ def check_accelerate_engine(
         optimizer: ``train.optimizer``; ``adamw_8bit`` (bitsandbytes over ``DTensor`` shards or ZeRO partitions,
             untested) is refused under FSDP2 and DeepSpeed.
         max_grad_norm: ``train.max_grad_norm``, checked against DeepSpeed's ``gradient_clipping``.
+        lockstep_blocker: the setting that keeps the method from calling the transformer alike on every process
+            (:meth:`flowrl.methods.base.Method.lockstep_blocker`), refused under FSDP2 full shard and ZeRO-3; None:
+            none.
 
     Raises:
         ConfigError: naming the launch setting (or ``train.step_grad_norms``, ``train.optimizer``, the DeepSpeed
@@ -75,12 +95,17 @@ def check_accelerate_engine(
                 "launch with configs/accelerate/fsdp2.yaml (fsdp_version: 2, "
                 "fsdp_reshard_after_forward: false)"
             )
-        if plugin.reshard_after_forward is not False:
+        if plugin.reshard_after_forward not in (True, False):
             raise ConfigError(
-                f"accelerate's FSDP2 reshards after each forward (fsdp_config.fsdp_reshard_after_forward"
-                f" = {plugin.reshard_after_forward!r}), which needs every process to make the same "
-                "forwards in the same order, and flowrl's processes do not: set "
-                "fsdp_reshard_after_forward: false (configs/accelerate/fsdp2.yaml)"
+                f"accelerate's FSDP2 reshards after forward to {plugin.reshard_after_forward!r} processes "
+                "(fsdp_config.fsdp_reshard_after_forward): flowrl runs true (configs/accelerate/"
+                "fsdp2_full_shard.yaml) or false (configs/accelerate/fsdp2.yaml)"
+            )
+        if plugin.reshard_after_forward and lockstep_blocker:
+            raise ConfigError(
+                f"accelerate's FSDP2 reshards after each forward (fsdp_config.fsdp_reshard_after_forward: true), "
+                f"which needs every process to call the transformer alike, and {lockstep_blocker} does not: "
+                "set fsdp_reshard_after_forward: false (configs/accelerate/fsdp2.yaml)"
             )
         engine, shards = "FSDP2", "DTensor shards"
     elif kind == "DEEPSPEED":
@@ -91,7 +116,20 @@ def check_accelerate_engine(
                 f"{accelerator.num_processes} (accelerate runs DeepSpeed on GPUs only): on CPUs launch "
                 "with configs/accelerate/ddp.yaml or --cpu"
             )
-        check_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, max_grad_norm)
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        check_deepspeed_config(config, max_grad_norm)
+        if getattr(accelerator.state.deepspeed_plugin, "zero3_init_flag", False):
+            raise ConfigError(
+                "accelerate's DeepSpeed zero3_init_flag is true (deepspeed_config.zero3_init_flag), which would "
+                "partition the frozen text encoders and VAE as they load: set it false "
+                "(configs/accelerate/deepspeed_zero3.yaml)"
+            )
+        if config.get("zero_optimization", {}).get("stage") == 3 and lockstep_blocker:
+            raise ConfigError(
+                f"the DeepSpeed config's zero_optimization.stage is 3, which gathers the weights in every forward "
+                f"and needs every process to call the transformer alike, and {lockstep_blocker} does not: use "
+                "stage 2 (configs/accelerate/deepspeed_zero2.yaml)"
+            )
         engine, shards = "DeepSpeed", "ZeRO partitions"
     elif kind == "MEGATRON_LM":
         raise ConfigError(
@@ -205,6 +243,11 @@ class Policy:
         self.model, self.cfg, self.precision, self.accelerator = model, train, precision, accelerator
         self.device = accelerator.device
         self.sharded = is_fsdp2(accelerator)
+        # every process calls the transformer alike between optimizer steps (FSDP2 full shard, ZeRO-3): micro-batches
+        # padded to the step's count (:meth:`padding`); under FSDP2 full shard the held copies are shards too
+        self.lockstep = lockstep(accelerator)
+        self.full_shard = self.sharded and self.lockstep
+        self.zero3 = is_deepspeed(accelerator) and self.lockstep  # each process holds its partitions only
         params = [p for p in model.transformer.parameters() if p.requires_grad]
         self.wrapped = None  # DDP, FSDP2 or DeepSpeed over the processes; None with one process
         self.engine = None  # the DeepSpeed engine (flowrl.zero), which steps the optimizer
@@ -227,7 +270,9 @@ class Policy:
             self.optimizer = accelerator.prepare(build_optimizer(params, train))
         # the optimizer's parameters (FSDP2: this process's shards), by name
         self.params = {n: p for n, p in model.transformer.named_parameters() if p.requires_grad}
-        if self.sharded:
+        if self.full_shard:
+            reshard_every_forward(model.transformer)
+        elif self.sharded:
             keep_gathered(model.transformer)
         elif accelerator.num_processes > 1 and self.engine is None:
             self.wrapped = model.wrapped = accelerator.prepare_model(model.transformer, device_placement=False)
@@ -290,9 +335,22 @@ class Policy:
         for start in range(0, len(mb), micro):
             idx = mb[start : start + micro]
             last = start + micro >= len(mb)
-            sync = self.wrapped is None or self.engine is not None or last  # the engine accumulates until its step
+            # the engine accumulates until its step; in lockstep every backward reduce-scatters (padding follows)
+            sync = self.wrapped is None or self.engine is not None or self.lockstep or last
             with contextlib.nullcontext() if sync else self.accelerator.no_sync(self.wrapped):
                 yield start, idx, len(idx) / len(mb)
+
+    def padding(self) -> Iterator[None]:
+        """In lockstep (FSDP2 full shard, ZeRO-3: :func:`flowrl.sharding.lockstep`), one item per micro-batch this
+        process still owes the current optimizer step: the consumer runs a micro-batch of zero-weight rows (its own
+        forwards, so that every process calls the sharded module alike) and back-propagates it with
+        :meth:`backward` at ``scale=0``, until this process made as many backwards as the process with the most
+        micro-batches in the step (at least one). Yields nothing otherwise."""
+        while self.lockstep and self._backwards < self._needed:
+            before = self._backwards
+            yield
+            if self._backwards == before:
+                raise RuntimeError("a padding micro-batch made no backward (Policy.padding needs one per item)")
 
     # ----------------------------------------------------------------------------------- update
     def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
@@ -317,7 +375,7 @@ class Policy:
         and steps; under ZeRO-2 a process first adds zero-gradient passes until it made as many backwards as the
         process with the most micro-batches in this step (each backward reduces, a collective call)."""
         params = list(self.params.values())
-        if loss is None and self.wrapped is not None:
+        if loss is None and self.wrapped is not None and not self.lockstep:  # in lockstep :meth:`padding` made it
             self._zero_backward()
         if self.engine is not None:
             if self.engine.zero_optimization_partition_gradients():  # ZeRO-2 reduces in every backward
@@ -329,7 +387,7 @@ class Policy:
             grad_norm = full(torch.nn.utils.clip_grad_norm_(params, self.cfg.max_grad_norm))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        if self.sharded:  # the shards moved: gather the weights the forwards use
+        if self.sharded and not self.full_shard:  # the shards moved: gather the weights the forwards use
             regather(self.model.transformer)
         if self.ema is not None:
             self.move_towards(self.ema, self.cfg.ema_decay)
@@ -352,20 +410,51 @@ class Policy:
         """The trainable tensors, whole, by name, to save or read (not to write: the forwards may not see it):
         :attr:`params` itself, under FSDP2 the gathered weights (equal to the shards after every optimizer step), under
         DeepSpeed copies (its weights are views into one flat buffer, which safetensors refuses to save). No
-        communication."""
+        communication, except under FSDP2 full shard and ZeRO-3: whole tensors all-gathered from the shards or
+        partitions (every process calls it)."""
+        if self.full_shard or self.zero3:
+            return self.whole(self._live())
         if self.engine is not None:
             return {n: p.detach().clone() for n, p in self._live().items()}
         return self._live()
 
+    def whole(self, store: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+        """``store`` (a held copy: :meth:`copy`) with whole tensors: under FSDP2 full shard and ZeRO-3, where held copies
+        are shards or partitions, each all-gathered (:func:`flowrl.sharding.full`, :func:`flowrl.zero.whole_partition`;
+        every process calls it, in the same order); else ``store`` itself. None for None."""
+        if store is None or not (self.full_shard or self.zero3):
+            return store
+        if self.zero3:
+            return {n: whole_partition(v.detach(), self.params[n]) for n, v in store.items()}
+        return {n: full(v.detach()) for n, v in store.items()}
+
+    def module_state(self) -> dict[str, torch.Tensor] | None:
+        """The transformer's parameters and buffers, whole, on the CPU, for a plain copy of it
+        (:meth:`flowrl.models.FlowModel.save_pipeline`'s ``state``), as the forwards now see them (a held copy
+        included): under FSDP2 full shard and ZeRO-3 all-gathered (every process calls it); None otherwise (the
+        pipeline export reads the module itself)."""
+        module = self.model.transformer
+        if self.zero3:
+            with gathered(list(module.parameters())):
+                return {n: t.detach().cpu().clone() for n, t in [*module.named_parameters(), *module.named_buffers()]}
+        if not self.full_shard:
+            return None
+        return {n: full(t.detach()).cpu() for n, t in [*module.named_parameters(), *module.named_buffers()]}
+
     def _live(self) -> dict[str, torch.Tensor]:
-        """The trainable tensors the forwards use, whole, by name (FSDP2: the gathered weights, not the shards)."""
-        if not self.sharded:
+        """The trainable tensors the forwards use, by name: whole, except under FSDP2 full shard, where they are the
+        shards (``DTensor``) the forwards gather, and ZeRO-3, each parameter's 1-D partition ``ds_tensor`` (FSDP2
+        keeping them gathered: the gathered weights, not the shards)."""
+        if self.zero3:  # ZeRO-3: each parameter's partition (1-D, padded) that the forwards gather
+            return {n: p.ds_tensor for n, p in self.params.items()}
+        if not self.sharded or self.full_shard:
             return self.params
         return {n: p for n, p in self.model.transformer.named_parameters() if n in self.params}
 
     def exported(self) -> dict[str, torch.Tensor]:
-        """The weights a LoRA export holds: the EMA when there is one (``train.ema_decay > 0``), else :meth:`weights`."""
-        return self.ema or self.weights()
+        """The weights a LoRA export holds, whole: the EMA when there is one (``train.ema_decay > 0``), else
+        :meth:`weights` (collective under FSDP2 full shard and ZeRO-3: every process calls it)."""
+        return self.whole(self.ema) or self.weights()
 
     @property
     def plain_export(self) -> bool:
@@ -385,13 +474,15 @@ class Policy:
             store[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
 
     def copy(self) -> dict[str, torch.Tensor]:
-        """A detached copy of the trainable tensors, whole (by name)."""
+        """A detached copy of the trainable tensors, by name: whole, or under FSDP2 full shard and ZeRO-3 this process's
+        shards or partitions (:meth:`whole` gathers them)."""
         return {n: p.detach().clone() for n, p in self._live().items()}
 
     @contextlib.contextmanager
     def holding(self, weights: dict[str, torch.Tensor] | None):
-        """Context in which the forwards use ``weights`` (same names, whole; no-op for None). Under FSDP2 only the
-        gathered weights change, not the shards: no communication, so one process may hold weights alone."""
+        """Context in which the forwards use ``weights`` (same names, as :meth:`copy` makes them; no-op for None). Under
+        FSDP2 keeping the weights gathered only the gathered weights change, not the shards; under FSDP2 full shard
+        and ZeRO-3 the shards or partitions change, each process its own. No communication."""
         if weights is None:
             yield
             return
@@ -417,6 +508,8 @@ class Policy:
         :func:`flowrl.checkpoint.save_checkpoint`, written by the main process. Every process calls it (the gathering
         is collective); returns the folder on the main process, None on the others."""
         main = self.accelerator.is_main_process  # the other processes drop each gathered tensor at once
+        whole = self.full_shard or self.zero3
+        weights, ema = (self.weights(), self.whole(self.ema)) if whole else (None, self.ema)  # collective
         if self.engine is not None:
             optimizer = zero_optimizer_state(self.engine, list(self.params.values()), keep=main)
         elif self.sharded:
@@ -426,7 +519,13 @@ class Policy:
         if not main:
             return None
         return save_checkpoint(
-            directory, iteration, self.weights(), optimizer, self.ema, extra=extra, write_extra_files=write_extra_files
+            directory,
+            iteration,
+            self.weights() if weights is None else weights,
+            optimizer,
+            ema,
+            extra=extra,
+            write_extra_files=write_extra_files,
         )
 
     def load(self, path: Path) -> dict:
@@ -438,15 +537,29 @@ class Policy:
         Raises:
             CheckpointError: as :func:`flowrl.checkpoint.load_checkpoint`.
         """
-        if self.engine is not None:
-            loader = ZeroLoader(self.engine, list(self.params.values()))  # after the weights: the master copies them
+        live, ema = self._live(), self.ema
+        if self.full_shard or self.zero3:  # read whole tensors, then keep this process's shards
+            shapes = {n: tuple(p.ds_shape if self.zero3 else p.shape) for n, p in self.params.items()}
+            live = {n: torch.empty(shapes[n], dtype=p.dtype) for n, p in self.params.items()}
+            ema = None if ema is None else {n: torch.empty(shapes[n], dtype=v.dtype) for n, v in ema.items()}
+        if self.engine is not None:  # after the weights: the master copies them
+            loader = ZeroLoader(self.engine, list(self.params.values()), list(live.values()) if self.zero3 else None)
         else:
             loader = _ShardingLoader(self) if self.sharded else self.optimizer
-        state = load_checkpoint(path, self._live(), loader, self.ema)
+        state = load_checkpoint(path, live, loader, ema)
+        if self.zero3:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.ds_tensor.copy_(partition_of(live[n], p))
+                    if ema is not None:
+                        self.ema[n].copy_(partition_of(ema[n], p))
         if self.sharded:
             with torch.no_grad():
-                for n, w in self._live().items():
+                for n, w in live.items():
                     self.params[n].copy_(shard_like(w.detach(), self.params[n]))
+                if self.full_shard and ema is not None:
+                    for n, w in ema.items():
+                        self.ema[n].copy_(shard_like(w, self.ema[n]))
         self.apply_optimizer_config(path)
         return state
 
@@ -474,7 +587,8 @@ class Policy:
         """MiB of one checkpoint: the weights, AdamW's two moments (a byte each under ``adamw_8bit``, float32 weights),
         the EMA and `extra_copies` more copies."""
         copies = 1 + (0.5 if self.cfg.optimizer == "adamw_8bit" else 2) + (self.ema is not None) + extra_copies
-        return copies * sum(t.numel() * t.element_size() for t in self.params.values()) / 2**20
+        numel = {n: getattr(t, "ds_numel", t.numel()) for n, t in self.params.items()}  # ZeRO-3: whole counts
+        return copies * sum(numel[n] * t.element_size() for n, t in self.params.items()) / 2**20
 
 
 class _ShardingLoader:

@@ -1,18 +1,30 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``; FSDP: arXiv 2304.11277, ZeRO: arXiv 1910.02054) as flowrl runs it
 through accelerate: the trained parameters, their gradients and the optimizer state are sharded over the processes,
-and the parameters are gathered once after every optimizer step and kept gathered until the next one.
+in one of two modes.
 
-Why kept gathered: FSDP2 all-gathers a sharded module's parameters in its forward, a collective call every process
-must make in the same order. flowrl's processes make different numbers of forwards between two optimizer steps (each
-keeps its own transitions, evaluates its own share of the prompts, the main process draws the before/after grid), so
-the parameters must not be resharded after a forward or a backward: ``fsdp_reshard_after_forward: false`` (FSDP2's
-ZeRO-2 mode) and :func:`keep_gathered`. The only collective calls left are the gradients' reduce-scatter in the one
-synchronised backward of each optimizer step (every process makes it, as under DDP), the clipping norm's reduction,
-and :func:`regather` after each step, which every process makes too.
+Weights kept gathered (``configs/accelerate/fsdp2.yaml``, ``fsdp_reshard_after_forward: false``, FSDP2's ZeRO-2
+mode): the parameters are gathered once after every optimizer step and kept gathered until the next one
+(:func:`keep_gathered`, :func:`regather`), so the processes may make different numbers of forwards between two
+optimizer steps (their own kept transitions, their share of the evaluation, the main process's grids). The only
+collective calls are the gradients' reduce-scatter in the one synchronised backward of each optimizer step (every
+process makes it, as under DDP), the clipping norm's reduction, and :func:`regather` after each step.
 
-Memory per process, for ``N`` trainable float32 weights over ``P`` processes: the gathered weights ``4N`` bytes plus
-their shard ``4N / P``, the gradient shard ``4N / P`` (a whole gradient only during a backward) and AdamW's moments
-``8N / P``, against ``4N + 4N + 8N`` (plus DDP's ``4N`` buckets) under DDP.
+Full shard (``configs/accelerate/fsdp2_full_shard.yaml``, ``fsdp_reshard_after_forward: true``): each FSDP unit
+all-gathers its parameters for its forward and again for its backward and frees them after (the root unit too:
+:func:`reshard_every_forward`), so between calls every process holds only its shards. Each all-gather is a
+collective call every process must make in the same order, so in this mode (:func:`lockstep`) every process calls
+the transformer alike between optimizer steps: each optimizer step's micro-batches are padded to the count of the
+process with the most, with zero-weight rows through the method's own loss
+(:meth:`flowrl.policy.Policy.padding`, :meth:`flowrl.methods.base.Method.optimizer_steps`); each process's share of an
+evaluation is padded to the same number of images (:func:`flowrl.evaluation.sharded`); the before/after grid is
+drawn on every process and written by one; held copies of the weights (EMA, a method's reference or sampling
+policy) are shards swapped into the shards; checkpoints and exports are made whole by every process
+(:func:`full`) and written by the main process.
+
+Memory per process, for ``N`` trainable float32 weights over ``P`` processes: kept gathered, the gathered weights
+``4N`` bytes plus their shard ``4N / P``, the gradient shard ``4N / P`` (a whole gradient only during a backward) and
+AdamW's moments ``8N / P``, against ``4N + 4N + 8N`` (plus DDP's ``4N`` buckets) under DDP; full shard, ``16N / P``
+plus one unit's gathered weights and gradient during its forward and backward.
 """
 
 from __future__ import annotations
@@ -23,6 +35,29 @@ import torch
 def is_fsdp2(accelerator) -> bool:
     """Whether ``accelerator`` (an ``accelerate.Accelerator``) shards the model with FSDP2."""
     return bool(getattr(accelerator, "is_fsdp2", False))
+
+
+def lockstep(accelerator) -> bool:
+    """Whether ``accelerator`` (an ``accelerate.Accelerator``) gathers the trained module's weights in every forward
+    (FSDP2 with ``fsdp_reshard_after_forward: true``, DeepSpeed ZeRO stage 3), so that every process must call the
+    module the same number of times, in the same order, between two optimizer steps: flowrl then pads each
+    optimizer step's micro-batches and each process's share of an evaluation to the same counts, and draws the
+    grids on every process."""
+    if is_fsdp2(accelerator):
+        return accelerator.state.fsdp_plugin.reshard_after_forward is not False
+    kind = getattr(accelerator, "distributed_type", None)
+    if str(getattr(kind, "value", kind)).upper() == "DEEPSPEED":
+        config = accelerator.state.deepspeed_plugin.deepspeed_config
+        return config.get("zero_optimization", {}).get("stage") == 3
+    return False
+
+
+def reshard_every_forward(module: torch.nn.Module) -> None:
+    """Make every FSDP unit of ``module`` reshard after each forward, the root too (FSDP2 keeps the root gathered
+    after a forward by default, which would leave it gathered on a process whose next call is a forward without
+    gradients): between calls every parameter of ``module`` is then its shard (a ``DTensor``), on every process."""
+    for unit in fsdp_units(module):
+        unit.set_reshard_after_forward(True, recurse=False)
 
 
 def fsdp_units(module: torch.nn.Module) -> list:

@@ -37,7 +37,7 @@ from .rewards import reward_spec
 from .run import RunFolder
 from .scoring import Scorer, build_rewards, given_rewards
 from .trackers import Trackers
-from .zero import quiet_cpu_notice
+from .zero import load_whole, quiet_cpu_notice
 
 
 class Trainer:
@@ -95,7 +95,9 @@ class Trainer:
         )
         self.trackers = Trackers(acc, cfg.run.log_with)
         self.run = RunFolder(self.out, acc, cfg.run.resume)  # not in use, no other run, writable: before any work
-        check_accelerate_engine(acc, cfg.train.step_grad_norms, cfg.train.optimizer, cfg.train.max_grad_norm)
+        blocker = METHODS[cfg.train.method].lockstep_blocker(cfg)
+        check_accelerate_engine(acc, cfg.train.step_grad_norms, cfg.train.optimizer, cfg.train.max_grad_norm, blocker)
+        load_whole(acc)  # ZeRO-3 partitions the trained transformer only
         self.device = acc.device
         self.cfg = cfg = resolve_precisions(cfg, self.device)  # auto -> bf16 or no; config.yaml records the choice
         check_accelerate_precision(acc, cfg.run.mixed_precision)
@@ -184,13 +186,15 @@ class Trainer:
 
     def _evaluate_base(self) -> dict:
         """The base model's evaluation (every process takes part: the images are split) and, on the main process,
-        ``eval_before.json`` and the grid's before half."""
+        ``eval_before.json`` and the grid's before half (drawn by every process alike in lockstep)."""
         self._say(f"evaluating the base model ({self.evaluator.plan()})")
         before = self.evaluator.with_held_out()
         if self.accelerator.is_main_process:
             self.checkpointer.write_eval("eval_before.json", before)
             self._say(f"base model: {before['overall']:.3f}; drawing the before/after grid's before half")
+        if self.accelerator.is_main_process or self.policy.lockstep:  # in lockstep every process draws it alike
             grid = self.evaluator.grid_images()
+        if self.accelerator.is_main_process:
             self.checkpointer.write_grid_before(grid)
             self.trackers.log_images("grid/before", grid, 0)
         return before

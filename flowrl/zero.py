@@ -1,24 +1,29 @@
-"""DeepSpeed ZeRO stage 1 and 2 (Rajbhandari et al., arXiv 1910.02054) as flowrl runs it through accelerate: every
-process holds the whole trained weights, and AdamW's float32 master weights and moments (stage 1), and the gradients
-too (stage 2), are partitioned over the processes.
+"""DeepSpeed ZeRO (Rajbhandari et al., arXiv 1910.02054) as flowrl runs it through accelerate: AdamW's float32 master
+weights and moments (stage 1), the gradients too (stage 2), and the trained weights themselves (stage 3) partitioned
+over the processes.
 
 flowrl drives the DeepSpeed engine itself rather than through ``accelerator.backward`` (which would step the engine
 after every backward): the config is set to ``managed_gradient_accumulation: false`` (DeepSpeed >= 0.19), so a
 backward only accumulates and :meth:`engine.step` is the accumulation boundary, where stage 1 reduces the gradients.
-Stage 2 reduces (reduce-scatters) them in every backward, a collective call, so under stage 2 every process makes the
-same number of backwards per optimizer step (:meth:`flowrl.policy.Policy.step` pads with zero-gradient passes).
-Stage 3 partitions the weights themselves and gathers them in every forward, a collective call every process must make
-in the same order, which flowrl's processes do not (their own transitions, evaluation shares, the main process's
-grids): it is refused, as FSDP2's resharding after forward is.
+Stages 2 and 3 reduce (reduce-scatter) them in every backward, a collective call, so every process makes the same
+number of backwards per optimizer step (:meth:`flowrl.policy.Policy.step` pads with zero-gradient passes under stage
+2). Stage 3 also gathers each module's weights in every forward and backward, so under it every process calls the
+transformer alike between optimizer steps (:func:`flowrl.sharding.lockstep`: micro-batches padded with zero-weight
+rows through the method's own loss, evaluation shares padded, grids drawn on every process); the held copies of the
+weights (EMA, a method's reference or sampling policy) are copies of each parameter's partition (``ds_tensor``) swapped
+into it, every weight is partitioned however small (``stage3_param_persistence_threshold: 0``), and whole weights are
+gathered by every process (:func:`whole_partition`, :func:`gathered`) for checkpoints and exports. The frozen text
+encoders and VAE load whole (:func:`load_whole`); parameter offload is refused.
 
 Gradient clipping is DeepSpeed's (``gradient_clipping`` set to ``train.max_grad_norm``: the same rule as
 ``torch.nn.utils.clip_grad_norm_``, coefficient ``max_norm / (norm + 1e-6)`` when below 1). Checkpoints hold whole
 tensors in torch AdamW's ``state_dict`` layout, gathered from the partitions with DeepSpeed's
 ``safe_get_full_optimizer_state``: the same files as under DDP, FSDP2 or one process, resumable under any of them.
 
-Memory per process, for ``N`` trainable float32 weights over ``P`` processes: the weights ``4N`` bytes, the float32
-master partition ``4N / P``, AdamW's moments ``8N / P``, and the gradients ``4N`` (stage 1) or ``4N / P`` plus a
-reduction bucket (stage 2), against ``16N`` (plus DDP's ``4N`` buckets) under DDP.
+Memory per process, for ``N`` trainable float32 weights over ``P`` processes: the weights ``4N`` bytes (stage 3:
+``4N / P`` plus the gathered module in use), the float32 master partition ``4N / P``, AdamW's moments ``8N / P``, and
+the gradients ``4N`` (stage 1) or ``4N / P`` plus a reduction bucket (stages 2 and 3), against ``16N`` (plus DDP's
+``4N`` buckets) under DDP.
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ import logging
 
 import torch
 
-STAGES = (1, 2)
-"""The ZeRO stages flowrl runs."""
+STAGES = (1, 2, 3)
+"""The ZeRO stages flowrl runs (stage 3 with the methods that run in lockstep: :func:`flowrl.sharding.lockstep`)."""
 
 CPU_NOTICE = "Setting accelerator to CPU"
 """How DeepSpeed's warning on import without a GPU starts (its logger ``DeepSpeed``): :func:`quiet_cpu_notice`."""
@@ -77,7 +82,8 @@ def check_deepspeed_config(config: dict, max_grad_norm: float) -> None:
 
     Raises:
         ConfigError: for DeepSpeed missing or without ``managed_gradient_accumulation`` (0.19.8 has it); naming the
-            DeepSpeed key and what to set, for a ZeRO stage other than 1 or 2, parameter offload, DeepSpeed's own
+            DeepSpeed key and what to set, for a ZeRO stage other than 1, 2 or 3, parameter offload, optimizer offload
+            under stage 3, DeepSpeed's own
             bf16/fp16 (flowrl's precision is ``run.mixed_precision``), an ``optimizer`` or ``scheduler`` block (flowrl
             builds AdamW from ``train``), or a ``gradient_clipping`` other than ``train.max_grad_norm``.
     """
@@ -98,15 +104,19 @@ def check_deepspeed_config(config: dict, max_grad_norm: float) -> None:
     stage = _get(config, "zero_optimization.stage", 0)
     if stage not in STAGES:
         raise ConfigError(
-            f"the DeepSpeed config's zero_optimization.stage is {stage!r}: flowrl runs ZeRO stage 1 or 2 "
-            "(configs/accelerate/deepspeed_zero2.yaml); stage 3 gathers the weights in every forward, "
-            "which needs every process to make the same forwards (use FSDP2 or stage 2), and stage 0 is "
-            "DDP (configs/accelerate/ddp.yaml)"
+            f"the DeepSpeed config's zero_optimization.stage is {stage!r}: flowrl runs ZeRO stage 1, 2 or 3 "
+            "(configs/accelerate/deepspeed_zero2.yaml, deepspeed_zero3.yaml); stage 0 is DDP "
+            "(configs/accelerate/ddp.yaml)"
         )
     if _get(config, "zero_optimization.offload_param.device", "none") not in ("none", None):
         raise ConfigError(
-            "the DeepSpeed config offloads parameters (zero_optimization.offload_param.device), a "
-            "ZeRO stage 3 feature: set it to none (optimizer offload, offload_optimizer.device: cpu, runs)"
+            "the DeepSpeed config offloads parameters (zero_optimization.offload_param.device), which flowrl "
+            "has not run: set it to none (optimizer offload, offload_optimizer.device: cpu, runs)"
+        )
+    if stage == 3 and _get(config, "zero_optimization.offload_optimizer.device", "none") not in ("none", None):
+        raise ConfigError(
+            "the DeepSpeed config offloads the optimizer under ZeRO stage 3 (zero_optimization.offload_optimizer."
+            "device), which flowrl has not run: set it to none, or use stage 2 with optimizer offload"
         )
     for key in ("bf16", "fp16"):
         if _get(config, f"{key}.enabled", False) is True:
@@ -129,6 +139,19 @@ def check_deepspeed_config(config: dict, max_grad_norm: float) -> None:
         )
 
 
+def load_whole(accelerator) -> None:
+    """Let the frozen components (text encoders, VAE) load whole under a ZeRO-3 launch: accelerate (1.16) points
+    transformers at its DeepSpeed config whatever ``zero3_init_flag`` says (``set_deepspeed_weakref``), and transformers
+    then partitions every model it loads (``deepspeed.zero.Init``), the text encoders too, whose forwards flowrl calls
+    outside the engine. Only the trained transformer is partitioned, by the engine. No-op unless ``accelerator`` runs
+    DeepSpeed."""
+    if not is_deepspeed(accelerator):
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+
+
 def configure(config: dict, max_grad_norm: float, num_processes: int) -> None:
     """Fill the keys flowrl owns in a checked DeepSpeed config (:func:`check_deepspeed_config`), in place, before
     ``accelerator.prepare``: clipping at ``train.max_grad_norm``; no managed gradient accumulation (flowrl calls
@@ -141,6 +164,9 @@ def configure(config: dict, max_grad_norm: float, num_processes: int) -> None:
     config["train_batch_size"] = num_processes
     config["zero_allow_untested_optimizer"] = True
     config["zero_force_ds_cpu_optimizer"] = False
+    if config.get("zero_optimization", {}).get("stage") == 3:  # every weight partitioned, however small: the held
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # copies are partitions
+        config["zero_optimization"]["stage3_model_persistence_threshold"] = 0
 
 
 def full_optimizer_state(engine, params: list[torch.Tensor], keep: bool = True) -> dict | None:
@@ -175,6 +201,36 @@ def full_optimizer_state(engine, params: list[torch.Tensor], keep: bool = True) 
     return {"state": state, "param_groups": groups} if keep else None
 
 
+def partition_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This process's ZeRO-3 partition of the whole tensor ``value`` (shaped like ``param.ds_shape``): the flattened
+    tensor, zero-padded to ``processes x`` the partition size, cut into equal parts in process order, as DeepSpeed
+    partitions ``param`` into ``param.ds_tensor``. No communication."""
+    import torch.distributed as dist
+
+    size = param.ds_tensor.numel()
+    flat = value.detach().reshape(-1).to(device=param.ds_tensor.device, dtype=param.ds_tensor.dtype)
+    flat = torch.nn.functional.pad(flat, (0, size * dist.get_world_size() - flat.numel()))
+    return flat[size * dist.get_rank() : size * (dist.get_rank() + 1)]
+
+
+def whole_partition(part: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor, shaped ``param.ds_shape``, of which every process holds the ZeRO-3 partition ``part`` (laid
+    out as ``param.ds_tensor``; an all-gather: every process calls it for the same parameter)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(part) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, part.contiguous())
+    return torch.cat(parts)[: param.ds_numel].view(tuple(param.ds_shape))
+
+
+def gathered(params: list[torch.Tensor]):
+    """Context in which the ZeRO-3 ``params`` hold their whole tensors, to read (DeepSpeed's ``GatheredParameters``;
+    collective: every process enters it with the same parameters)."""
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    return GatheredParameters(params, modifier_rank=None)
+
+
 class ZeroLoader:
     """Loads a whole-tensor AdamW ``state_dict`` (:func:`full_optimizer_state`'s layout) into a DeepSpeed engine's
     ZeRO partitions: the moments with ``safe_set_full_optimizer_state``, the step count into every partition, and
@@ -182,10 +238,12 @@ class ZeroLoader:
 
     Args:
         engine: the DeepSpeed engine; params (`list[torch.Tensor]`): the trained parameters in optimizer order.
+        weights (`list[torch.Tensor]`, optional): their whole tensors, where the parameters hold only partitions
+            (ZeRO-3); None: the parameters themselves.
     """
 
-    def __init__(self, engine, params: list[torch.Tensor]):
-        self.engine, self.params = engine, params
+    def __init__(self, engine, params: list[torch.Tensor], weights: list[torch.Tensor] | None = None):
+        self.engine, self.params, self.weights = engine, params, weights
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state`` (whole tensors). No communication: every process holds the whole state and writes its
@@ -197,13 +255,14 @@ class ZeroLoader:
         saved = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
         for group in inner.param_groups:
             group.update(saved)
-        for p in self.params:
-            safe_set_full_fp32_param(p, p.detach().float())
+        for p, w in zip(self.params, self.weights or self.params):
+            safe_set_full_fp32_param(p, w.detach().float().to(p.device))
         per = {int(k): v for k, v in state["state"].items()}  # parameter index -> its state
         if not per:
             return
         step = next(iter(per.values()))["step"]
-        for flat in zero.single_partition_of_fp32_groups:
+        flats = getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_partitioned_groups_flat  # stage 3
+        for flat in flats:
             if not inner.state[flat]:  # torch AdamW creates its state in its first step: create it now
                 inner.state[flat] = {
                     "step": torch.zeros((), dtype=torch.float32),
@@ -211,7 +270,8 @@ class ZeroLoader:
                     "exp_avg_sq": torch.zeros_like(flat),
                 }
             inner.state[flat]["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
-        zero._lazy_init_hp_params_optimizer_state()  # point each parameter's fragment at the state tensors
+        if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):  # stages 1 and 2: point the fragments at the state
+            zero._lazy_init_hp_params_optimizer_state()
         for i, p in enumerate(self.params):
             for key in ("exp_avg", "exp_avg_sq"):
                 safe_set_full_optimizer_state(p, per[i][key].to(p.device), key)

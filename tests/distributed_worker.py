@@ -3,7 +3,8 @@ or ``python distributed_worker.py --runs RUNS.json`` for several runs one after 
 
 Trains with the given config, then writes this process's trainable parameters, the method's held copies and the
 evaluation results to ``OUT/rank{r}.safetensors``, ``OUT/held{r}.safetensors`` and ``OUT/rank{r}.json``. With
-``FLOWRL_TEST_FSDP2=1`` accelerate's FSDP2 path runs on the CPU (:func:`force_cpu_fsdp2`), with ``FLOWRL_TEST_ZERO``
+``FLOWRL_TEST_FSDP2=1`` accelerate's FSDP2 path runs on the CPU (:func:`force_cpu_fsdp2`; ``full_shard``: with
+``configs/accelerate/fsdp2_full_shard.yaml``), with ``FLOWRL_TEST_ZERO``
 DeepSpeed ZeRO (:func:`force_cpu_deepspeed`).
 """
 
@@ -18,13 +19,13 @@ from safetensors.torch import save_file
 from flowrl.sharding import fsdp_units, full
 
 
-def force_cpu_fsdp2() -> None:
+def force_cpu_fsdp2(config: str = "fsdp2.yaml") -> None:
     """Make every ``accelerate.Accelerator`` built from now on shard with FSDP2 on the CPU processes.
 
     accelerate 1.15 turns an FSDP launch into FSDP only on accelerator devices (``MULTI_GPU`` and kin); on CPU processes
     it stays ``MULTI_CPU`` (DDP). PyTorch's ``fully_shard`` itself runs on gloo, so after accelerate has set the
     processes up, its shared state is switched to FSDP with the plugin that ``accelerate launch --config_file
-    configs/accelerate/fsdp2.yaml`` gives (the launcher's environment, :func:`fsdp2_launch_env`): from there on
+    configs/accelerate/CONFIG`` gives (the launcher's environment, :func:`fsdp2_launch_env`): from there on
     ``Accelerator.prepare``, ``no_sync`` and ``backward`` take their FSDP2 paths, as on GPUs.
     """
     import accelerate
@@ -35,7 +36,7 @@ def force_cpu_fsdp2() -> None:
     class CPUFSDP2Accelerator(accelerate.Accelerator):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            os.environ.update(fsdp2_launch_env())
+            os.environ.update(fsdp2_launch_env(config))
             if os.environ.get("FLOWRL_TEST_FSDP_WRAP"):  # another fsdp_auto_wrap_policy than the shipped file's
                 os.environ["FSDP_AUTO_WRAP_POLICY"] = os.environ["FLOWRL_TEST_FSDP_WRAP"]
             plugin = FullyShardedDataParallelPlugin()  # read from the launcher's FSDP_* variables
@@ -53,7 +54,7 @@ def force_cpu_deepspeed(stage: int, offload_optimizer: str = "none") -> None:
     unset, so ``num_processes`` is 1 while DeepSpeed's own group has every process). DeepSpeed itself runs on the CPU
     (its CPU accelerator, gloo). So the processes are set up as accelerate's ``MULTI_CPU`` (gloo), then its shared state
     is switched to DeepSpeed with the plugin that ``accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml``
-    gives (the launcher's environment, :func:`deepspeed_launch_env`, with the ZeRO stage and optimizer offload device
+    (``deepspeed_zero3.yaml`` for stage 3) gives (the launcher's environment, :func:`deepspeed_launch_env`, with the ZeRO stage and optimizer offload device
     replaced): from there on ``Accelerator.prepare`` builds a DeepSpeed engine, as on GPUs.
     """
     import accelerate
@@ -64,7 +65,7 @@ def force_cpu_deepspeed(stage: int, offload_optimizer: str = "none") -> None:
     class CPUDeepSpeedAccelerator(accelerate.Accelerator):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            os.environ.update(deepspeed_launch_env())
+            os.environ.update(deepspeed_launch_env("deepspeed_zero3.yaml" if stage == 3 else "deepspeed_zero2.yaml"))
             os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = str(stage)
             os.environ["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"] = offload_optimizer
             plugin = DeepSpeedPlugin()  # read from the launcher's ACCELERATE_DEEPSPEED_* variables
@@ -91,22 +92,22 @@ def _launch_args(name: str):
     return args, defaults
 
 
-def deepspeed_launch_env() -> dict[str, str]:
-    """The ``ACCELERATE_*`` DeepSpeed environment ``accelerate launch --config_file
-    configs/accelerate/deepspeed_zero2.yaml`` gives its processes."""
+def deepspeed_launch_env(config: str = "deepspeed_zero2.yaml") -> dict[str, str]:
+    """The ``ACCELERATE_*`` DeepSpeed environment ``accelerate launch --config_file configs/accelerate/CONFIG`` gives
+    its processes."""
     from accelerate.utils.launch import prepare_deepspeed_cmd_env
 
-    args, defaults = _launch_args("deepspeed_zero2.yaml")
+    args, defaults = _launch_args(config)
     args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config)  # as launch_command sets it
     _, env = prepare_deepspeed_cmd_env(args)
     return {k: v for k, v in env.items() if "DEEPSPEED" in k or k == "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"}
 
 
-def fsdp2_launch_env() -> dict[str, str]:
-    """The ``FSDP_*`` environment ``accelerate launch --config_file configs/accelerate/fsdp2.yaml`` gives its processes."""
+def fsdp2_launch_env(config: str = "fsdp2.yaml") -> dict[str, str]:
+    """The ``FSDP_*`` environment ``accelerate launch --config_file configs/accelerate/CONFIG`` gives its processes."""
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    args, _ = _launch_args("fsdp2.yaml")
+    args, _ = _launch_args(config)
     return {k: v for k, v in prepare_multi_gpu_env(args).items() if "FSDP" in k}
 
 
@@ -213,8 +214,9 @@ def train_one(config: str, out: str, overrides: list[str]):
     save_file(
         {n: p.detach().contiguous() for n, p in trainer.policy.weights().items()}, f"{out}/rank{rank}.safetensors"
     )
-    held = {f"{file}/{n}": v.detach().cpu().contiguous() for file, store in trainer.method.snapshots().items()
-            for n, v in store.items()}  # fmt: skip
+    held = {f"{file}/{n}": v.detach().cpu().contiguous()
+            for file, store in trainer.method.snapshots().items()
+            for n, v in trainer.policy.whole(store).items()}  # fmt: skip  # sharded copies: gathered by every process
     save_file(held, f"{out}/held{rank}.safetensors")
     save_file(
         {
@@ -254,6 +256,8 @@ def main() -> None:
     "overrides"}`` one after another in the same processes (one launch for several presets)."""
     if os.environ.get("FLOWRL_TEST_FSDP2") == "1":
         force_cpu_fsdp2()
+    elif os.environ.get("FLOWRL_TEST_FSDP2") == "full_shard":
+        force_cpu_fsdp2("fsdp2_full_shard.yaml")
     if os.environ.get("FLOWRL_TEST_ZERO"):  # "stage" or "stage:offload device"
         stage, _, offload = os.environ["FLOWRL_TEST_ZERO"].partition(":")
         force_cpu_deepspeed(int(stage), offload or "none")

@@ -21,6 +21,7 @@ class _Policy:
     """Writes real checkpoints of one tensor; restores only their JSON state."""
 
     plain_export = False
+    lockstep = False  # one process: nothing gathered
 
     def __init__(self):
         self.weights, self.in_ema = {"w": torch.arange(3.0)}, False

@@ -2,6 +2,7 @@
 keep different numbers of transitions, identical weights on every process, the gradient of the union of their
 transitions, and a split evaluation equal to the single-process one."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -74,13 +75,14 @@ def _env() -> dict[str, str]:
     }
 
 
-def _launch(tmp: Path, overrides: list[str], fsdp2: bool = False, zero: str = "") -> None:
+def _launch(tmp: Path, overrides: list[str], fsdp2: bool | str = False, zero: str = "") -> None:
     """Train ``tmp/c.yaml`` with ``overrides`` in two torchrun processes (see distributed_worker.py), under FSDP2 when
-    ``fsdp2``, DeepSpeed ZeRO when ``zero`` (``"stage"`` or ``"stage:offload device"``), else DDP."""
+    ``fsdp2`` (``"full_shard"``: resharding after each forward), DeepSpeed ZeRO when ``zero`` (``"stage"`` or
+    ``"stage:offload device"``), else DDP."""
     _torchrun(tmp, [str(tmp / "c.yaml"), str(tmp), *overrides], fsdp2, zero)
 
 
-def _launch_runs(tmp: Path, runs: list[dict], fsdp2: bool = False, zero: str = "") -> None:
+def _launch_runs(tmp: Path, runs: list[dict], fsdp2: bool | str = False, zero: str = "") -> None:
     """Train several runs (``{"config", "out", "overrides"}`` each) one after another in one launch of two torchrun
     processes, under the engine :func:`_launch` names."""
     (tmp / "runs.json").write_text(json.dumps(runs))
@@ -95,13 +97,56 @@ warning, so that it stays visible without failing CI; the processes run with ``P
 one shows every thread's Python stack in ``torchrun-aborted.log``."""
 
 
-def _torchrun(tmp: Path, worker_args: list[str], fsdp2: bool, zero: str) -> None:
+LAUNCH_TIMEOUT_S = float(os.environ.get("FLOWRL_TEST_LAUNCH_TIMEOUT_S", 1200))
+"""Seconds a two-process launch may take before it is killed (its whole process group) and the test fails
+(``FLOWRL_TEST_LAUNCH_TIMEOUT_S`` sets it): a mismatched collective (one process calling the sharded module more often
+than the other) may hang rather than fail."""
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes descended from ``pid`` (Linux: read from ``/proc``), children before grandchildren."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        found = children.get(todo.pop(0), [])
+        out += found
+        todo += found
+    return out
+
+
+def _run_killable(command: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """``command`` in a session of its own; past `timeout` seconds every process of the session (torchrun and its
+    workers) is killed and the AssertionError names the hang."""
+    import signal
+
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [*_descendants(proc.pid), proc.pid]:  # torchrun starts its workers in sessions of their own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+        raise AssertionError(
+            f"torchrun did not finish in {timeout:.0f} s (a mismatched collective hangs); killed. Its last output:\n"
+            + (out + err)[-3000:]
+        ) from None
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def _torchrun(tmp: Path, worker_args: list[str], fsdp2: bool | str, zero: str) -> None:
     """distributed_worker.py with ``worker_args`` in two torchrun processes; on failure, rank 0's output in the error
-    and the whole log in ``tmp/torchrun.log``."""
+    and the whole log in ``tmp/torchrun.log``; killed and failed past :data:`LAUNCH_TIMEOUT_S`."""
     env = {
         **_env(),
         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-        "FLOWRL_TEST_FSDP2": "1" if fsdp2 else "0",
+        "FLOWRL_TEST_FSDP2": fsdp2 if isinstance(fsdp2, str) else "1" if fsdp2 else "0",
         "FLOWRL_TEST_ZERO": zero,
     }
     command = [
@@ -114,11 +159,11 @@ def _torchrun(tmp: Path, worker_args: list[str], fsdp2: bool, zero: str) -> None
         str(HERE / "distributed_worker.py"),
         *worker_args,
     ]
-    r = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
+    r = _run_killable(command, env, LAUNCH_TIMEOUT_S)
     if r.returncode and ABORT in r.stderr:  # once in two CI runs beside another test worker: launch again, and say so
         (tmp / "torchrun-aborted.log").write_text(r.stdout + r.stderr)
         warnings.warn(f"torchrun aborted ({ABORT!r}; log: {tmp / 'torchrun-aborted.log'}); launched again")
-        r = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
+        r = _run_killable(command, env, LAUNCH_TIMEOUT_S)
     if r.returncode:
         (tmp / "torchrun.log").write_text(r.stdout + r.stderr)
         own = [line for line in r.stderr.splitlines() if not line.startswith("[rank1]")]  # rank 1's is the echo
@@ -401,22 +446,37 @@ def test_fsdp2_full_fine_tuning_matches_ddp_and_exports_the_pipeline(tmp_path, t
     _assert_full_fine_tuning_matches_ddp(tmp_path, two_process_run[0], {"fsdp2": {"fsdp2": True}}, [], "fsdp2")
 
 
+def _full_fine_tuning_overrides(ddp_tmp: Path, extra: list[str]) -> list[str]:
+    """The DDP fixture's overrides for full fine-tuning (every transformer weight, 2 iterations) with ``extra``, without
+    ``run.output_dir``."""
+    overrides = [o for o in _fixture_overrides(ddp_tmp) if not o.startswith(("run.output_dir=", "run.iterations="))]
+    return overrides + ["model.lora_rank=0", "run.iterations=2", "train.learning_rate=1e-4", *extra]
+
+
 def _assert_full_fine_tuning_matches_ddp(
-    tmp_path: Path, ddp_tmp: Path, engines: dict[str, dict], extra: list[str], exported_by: str
-) -> None:
-    """Train the DDP fixture's config with every transformer weight (2 iterations, ``extra`` overrides) under DDP and
-    under each of ``engines`` (name -> :func:`_launch` keywords): each engine's weights are trained and equal DDP's
-    within float tolerance, and the pipeline ``exported_by`` wrote holds them, whole."""
+    tmp_path: Path,
+    ddp_tmp: Path,
+    engines: dict[str, dict],
+    extra: list[str],
+    exported_by: str,
+    ddp: Path | None = None,
+) -> dict[str, Path]:
+    """Train the DDP fixture's config with every transformer weight (2 iterations, ``extra`` overrides) under DDP (or
+    take the DDP run folder ``ddp`` trained so) and under each of ``engines`` (name -> :func:`_launch` keywords): each
+    engine's weights are trained and equal DDP's within float tolerance, and the pipeline ``exported_by`` wrote holds
+    them, whole. Returns each run's folder by name."""
     from diffusers import SD3Transformer2DModel
 
-    overrides = [o for o in _fixture_overrides(ddp_tmp) if not o.startswith(("run.output_dir=", "run.iterations="))]
-    overrides += ["model.lora_rank=0", "run.iterations=2", "train.learning_rate=1e-4", *extra]
-    runs = {}
-    for name, launch in {"ddp": {}, **engines}.items():
+    overrides = _full_fine_tuning_overrides(ddp_tmp, extra)
+    runs, folders = {}, {}
+    for name, launch in ({**engines} if ddp else {"ddp": {}, **engines}).items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "c.yaml").write_text((ddp_tmp / "c.yaml").read_text())
         _launch(tmp_path / name, [*overrides, f"run.output_dir={tmp_path / name / 'run'}"], **launch)
-        runs[name] = load_file(tmp_path / name / "rank0.safetensors")
+        folders[name] = tmp_path / name
+    if ddp:
+        folders["ddp"] = ddp
+    runs = {name: load_file(folder / "rank0.safetensors") for name, folder in folders.items()}
     base = dict(
         SD3Transformer2DModel.from_pretrained(_fixture_pipeline(overrides), subfolder="transformer").named_parameters()
     )
@@ -431,6 +491,129 @@ def _assert_full_fine_tuning_matches_ddp(
         ).named_parameters()
     )
     assert all(torch.equal(exported[k].detach(), runs[exported_by][k]) for k in runs[exported_by])
+    return folders
+
+
+@pytest.fixture(scope="module")
+def full_ft_ddp(tmp_path_factory, two_process_run) -> tuple[Path, list[str]]:
+    """Full fine-tuning under DDP, one transition per micro-batch (process 0 makes two backwards per optimizer step,
+    process 1 none), with a held-out evaluation of 3 images (two on process 0, one on process 1): the reference of the
+    ZeRO and FSDP2 full-shard full fine-tuning tests. Returns the run folder and the overrides beside the fixture's."""
+    ddp_tmp = two_process_run[0]
+    tmp = tmp_path_factory.mktemp("full_ft_ddp")
+    test_prompts = next(o.split("=", 1)[1] for o in _fixture_overrides(ddp_tmp) if o.startswith("eval.prompts="))
+    (tmp / "held_out.jsonl").write_text(Path(test_prompts).read_text().splitlines()[0] + "\n")
+    extra = ["train.micro_batch_size=1", f"eval.held_out={tmp / 'held_out.jsonl'}", "eval.held_out_images_per_tag=3"]
+    (tmp / "c.yaml").write_text((ddp_tmp / "c.yaml").read_text())
+    _launch(tmp, [*_full_fine_tuning_overrides(ddp_tmp, extra), f"run.output_dir={tmp / 'run'}"])
+    return tmp, extra
+
+
+@pytest.fixture(scope="module")
+def full_shard_run(tmp_path_factory, two_process_run):
+    """The DDP run's config and data under FSDP2 full shard (``configs/accelerate/fsdp2_full_shard.yaml``: each block's
+    weights gathered for its forward and backward only), forced onto the CPU processes."""
+    ddp, overrides = two_process_run
+    tmp = tmp_path_factory.mktemp("full_shard")
+    (tmp / "c.yaml").write_text((ddp / "c.yaml").read_text())
+    overrides = [o for o in overrides if not o.startswith("run.output_dir=")] + [f"run.output_dir={tmp / 'run'}"]
+    _launch(tmp, overrides, fsdp2="full_shard")
+    return tmp, ddp
+
+
+def _checkpoint_files(run: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Every safetensors file of a run folder's checkpoints and LoRA export, by path relative to ``run``."""
+    return {
+        str(f.relative_to(run)): load_file(f) for f in sorted(run.glob("**/*.safetensors")) if "grid" not in f.name
+    }
+
+
+def _assert_lockstep_run_is_ddps(tmp: Path, ddp: Path, wrapped: str) -> None:
+    """The run in ``tmp``, under an engine that gathers the weights in every forward (the module wrapped by
+    ``wrapped``), took the DDP run's optimizer steps while process 1 kept no transitions (it ran zero-weight
+    micro-batches to match process 0's forwards and backwards) and its evaluation share was padded: the same weights
+    within float tolerance on both processes, the same evaluation, the same split evaluation (process 1 padded to 4
+    items), the same gradient norms, and checkpoints and LoRA export of the same files and tensors as DDP's (the
+    moments within float tolerance)."""
+    w0 = _assert_trains_like_ddp(tmp, ddp)
+    r0, r1 = (json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["wrapped"].startswith(wrapped)
+    assert r0["sharded"] == r1["sharded"] == [0.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+    assert r0["sharded_calls"] == [[0, 2, 4, 6]] and r1["sharded_calls"] == [[1, 3, 5, 5]]  # padded to 4 items
+    files, reference = _checkpoint_files(tmp / "run"), _checkpoint_files(ddp / "run")
+    assert (
+        files.keys() == reference.keys() and any("optimizer" in f for f in files) and any("lora" in f for f in files)
+    )
+    for f in files:
+        assert files[f].keys() == reference[f].keys(), f
+        for k in files[f]:
+            tol = (1e-3, 1e-9) if "optimizer" in f else (1e-4, 1e-6)
+            torch.testing.assert_close(files[f][k], reference[f][k], rtol=tol[0], atol=tol[1])
+    saved = files["checkpoints/checkpoint-000003/trainable.safetensors"]
+    assert all(torch.equal(saved[k], w0[k]) for k in w0)
+    meta = [
+        json.loads((r / "run/checkpoints/checkpoint-000003/state.json").read_text())["optimizer"] for r in (tmp, ddp)
+    ]
+    assert meta[0] == meta[1]
+    rows = [json.loads(line) for line in (tmp / "run/metrics.jsonl").read_text().splitlines()]
+    ref_rows = [json.loads(line) for line in (ddp / "run/metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == len(ref_rows) == 3
+    for r, d in zip(rows, ref_rows):
+        assert r["policy/optimizer_steps"] == d["policy/optimizer_steps"]
+        assert abs(r["policy/grad_norm"] - d["policy/grad_norm"]) <= 1e-4 * d["policy/grad_norm"]
+
+
+def test_fsdp2_full_shard_trains_the_weights_ddp_trains_into_the_same_files(full_shard_run):
+    """FSDP2 full shard (:func:`_assert_lockstep_run_is_ddps`), with a unit per block, and its sharded gradients of
+    one split rollout, made whole, equal to DDP's."""
+    tmp, ddp = full_shard_run
+    _assert_lockstep_run_is_ddps(tmp, ddp, "FSDP")
+    assert json.loads((tmp / "rank0.json").read_text())["fsdp_units"] > 1
+    g0, g1, d0 = (
+        load_file(p) for p in (tmp / "grads0.safetensors", tmp / "grads1.safetensors", ddp / "grads0.safetensors")
+    )
+    assert g0.keys() == d0.keys() and len(g0) > 0
+    for k in g0:
+        assert torch.equal(g0[k], g1[k])
+        torch.testing.assert_close(g0[k], d0[k], rtol=1e-4, atol=1e-5 * d0[k].abs().max().item())
+
+
+def _assert_resume_is_exact(tmp: Path, ddp: Path, tmp_path: Path, **launch) -> None:
+    """The two-process run in ``tmp`` (the DDP fixture's config, DDP run in ``ddp``), resumed from its second
+    checkpoint under the engine ``launch`` names (whole weights and AdamW moments read back into each process's shards
+    or partitions), trains the third iteration to the very weights of the run that never stopped."""
+    import shutil
+
+    shutil.copytree(tmp / "run", tmp_path / "run")
+    shutil.rmtree(tmp_path / "run/checkpoints/checkpoint-000003")
+    (tmp_path / "c.yaml").write_text((tmp / "c.yaml").read_text())
+    overrides = [o for o in _fixture_overrides(ddp) if not o.startswith("run.output_dir=")]
+    _launch(tmp_path, [*overrides, f"run.output_dir={tmp_path / 'run'}", "run.resume=true"], **launch)
+    straight, resumed = load_file(tmp / "rank0.safetensors"), load_file(tmp_path / "rank0.safetensors")
+    second = load_file(tmp / "run/checkpoints/checkpoint-000002/trainable.safetensors")
+    assert any(not torch.equal(straight[k], second[k]) for k in straight)  # the third iteration moved the weights
+    assert straight.keys() == resumed.keys() and all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+def test_fsdp2_full_shard_resume_continues_the_run(full_shard_run, tmp_path):
+    """:func:`_assert_resume_is_exact` under FSDP2 full shard."""
+    tmp, ddp = full_shard_run
+    _assert_resume_is_exact(tmp, ddp, tmp_path, fsdp2="full_shard")
+
+
+def test_fsdp2_full_shard_full_fine_tuning_matches_ddp_and_exports_the_pipeline(
+    tmp_path, two_process_run, full_ft_ddp
+):
+    """Full fine-tuning under FSDP2 full shard, one transition per micro-batch: process 0 makes two backwards per
+    optimizer step, process 1 (no transitions) two zero-weight ones, and of the 3 held-out evaluation images process 1
+    draws its one and a padding one. The weights are DDP's within float tolerance, the evaluations DDP's, and the
+    exported pipeline (gathered by every process, written by one) holds the trained weights, whole."""
+    folders = _assert_full_fine_tuning_matches_ddp(
+        tmp_path, two_process_run[0], {"full_shard": {"fsdp2": "full_shard"}}, full_ft_ddp[1], "full_shard",
+        ddp=full_ft_ddp[0],
+    )  # fmt: skip
+    ours, ddp = (json.loads((folders[n] / "rank0.json").read_text()) for n in ("full_shard", "ddp"))
+    assert ours["before"]["held_out"]["n_images"] == 3 and ours["before"] == ddp["before"]
 
 
 @pytest.fixture(scope="module")
@@ -510,7 +693,7 @@ def test_deepspeed_zero2_resume_with_optimizer_offload_continues_the_run(zero2_r
         torch.testing.assert_close(resumed[k], straight[k], rtol=1e-5, atol=1e-7)
 
 
-def test_deepspeed_full_fine_tuning_matches_ddp_and_exports_the_pipeline(tmp_path, two_process_run):
+def test_deepspeed_full_fine_tuning_matches_ddp_and_exports_the_pipeline(tmp_path, two_process_run, full_ft_ddp):
     """Full fine-tuning under ZeRO-1 and ZeRO-2, one transition per micro-batch: process 0 makes two backwards per
     optimizer step, process 1 (no transitions) a zero-gradient pass, and under ZeRO-2, whose every backward reduces,
     one more to match. Both end on DDP's weights within float tolerance, and the exported pipeline holds them."""
@@ -518,9 +701,45 @@ def test_deepspeed_full_fine_tuning_matches_ddp_and_exports_the_pipeline(tmp_pat
         tmp_path,
         two_process_run[0],
         {"zero1": {"zero": "1"}, "zero2": {"zero": "2"}},
-        ["train.micro_batch_size=1"],
+        full_ft_ddp[1],
         "zero2",
+        ddp=full_ft_ddp[0],
     )
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory, two_process_run):
+    """The DDP run's config and data under DeepSpeed ZeRO-3 (``configs/accelerate/deepspeed_zero3.yaml``: the weights
+    partitioned and gathered per module for each forward and backward), forced onto the CPU processes."""
+    ddp, overrides = two_process_run
+    tmp = tmp_path_factory.mktemp("zero3")
+    (tmp / "c.yaml").write_text((ddp / "c.yaml").read_text())
+    overrides = [o for o in overrides if not o.startswith("run.output_dir=")] + [f"run.output_dir={tmp / 'run'}"]
+    _launch(tmp, overrides, zero="3")
+    return tmp, ddp
+
+
+def test_deepspeed_zero3_trains_the_weights_ddp_trains_into_the_same_files(zero3_run):
+    """DeepSpeed ZeRO-3 (:func:`_assert_lockstep_run_is_ddps`)."""
+    tmp, ddp = zero3_run
+    _assert_lockstep_run_is_ddps(tmp, ddp, "DeepSpeedEngine")
+
+
+def test_deepspeed_zero3_resume_continues_the_run(zero3_run, tmp_path):
+    """:func:`_assert_resume_is_exact` under DeepSpeed ZeRO-3."""
+    tmp, ddp = zero3_run
+    _assert_resume_is_exact(tmp, ddp, tmp_path, zero="3")
+
+
+def test_deepspeed_zero3_full_fine_tuning_matches_ddp_and_exports_the_pipeline(tmp_path, two_process_run, full_ft_ddp):
+    """Full fine-tuning under DeepSpeed ZeRO-3, one transition per micro-batch (process 1 pads two zero-weight
+    backwards per step, and its held-out evaluation share): DDP's weights and evaluation, and the exported pipeline
+    (gathered by every process, written by one) holds the trained weights, whole."""
+    folders = _assert_full_fine_tuning_matches_ddp(
+        tmp_path, two_process_run[0], {"zero3": {"zero": "3"}}, full_ft_ddp[1], "zero3", ddp=full_ft_ddp[0]
+    )
+    ours, ddp = (json.loads((folders[n] / "rank0.json").read_text()) for n in ("zero3", "ddp"))
+    assert ours["before"]["held_out"]["n_images"] == 3 and ours["before"] == ddp["before"]
 
 
 def _fixture_pipeline(overrides: list[str]) -> str:

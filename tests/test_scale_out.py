@@ -107,14 +107,40 @@ def test_the_shipped_fsdp2_launch_passes_and_other_sharded_launches_are_refused_
     check_accelerate_engine(_launch("MULTI_GPU"))  # DDP
     with pytest.raises(ConfigError, match="FSDP version 1.*fsdp_version.*configs/accelerate/fsdp2.yaml"):
         check_accelerate_engine(_launch("FSDP", fsdp_version=1, reshard_after_forward=False))
-    with pytest.raises(ConfigError, match="reshards after each forward.*fsdp_reshard_after_forward = True.*false"):
-        check_accelerate_engine(_launch("FSDP", fsdp_version=2, reshard_after_forward=True))
+    for key, value in fsdp2_launch_env("fsdp2_full_shard.yaml").items():  # full shard: every process in lockstep
+        monkeypatch.setenv(key, value)
+    full = FullyShardedDataParallelPlugin().reshard_after_forward
+    assert full is True
+    check_accelerate_engine(_launch("FSDP", fsdp_version=2, reshard_after_forward=full))
+    with pytest.raises(ConfigError, match="reshards after each forward.*train.method 'gardo' does not.*fsdp2.yaml"):
+        check_accelerate_engine(
+            _launch("FSDP", fsdp_version=2, reshard_after_forward=True), lockstep_blocker="train.method 'gardo'"
+        )
+    with pytest.raises(ConfigError, match="reshards after forward to 4 processes.*true.*false"):
+        check_accelerate_engine(_launch("FSDP", fsdp_version=2, reshard_after_forward=4))
     with pytest.raises(ConfigError, match="train.step_grad_norms.*params.*velocity or none"):
         check_accelerate_engine(_launch("FSDP", fsdp_version=2, reshard_after_forward=False), "params")
     with pytest.raises(ConfigError, match="train.optimizer.*adamw_8bit.*use adamw under FSDP2"):
         check_accelerate_engine(_launch("FSDP", fsdp_version=2, reshard_after_forward=False), "none", "adamw_8bit")
     with pytest.raises(ConfigError, match="uses MEGATRON_LM.*ddp.yaml.*fsdp2.yaml.*deepspeed_zero2.yaml"):
         check_accelerate_engine(_launch("MEGATRON_LM"))
+
+
+def test_full_shard_runs_grpo_on_flat_groups_and_names_what_keeps_other_methods_out():
+    """Under FSDP2 full shard (every process calls the transformer alike) GRPO and Flow-DPPO on flat groups run; the
+    setting that keeps another method or shape out is named for check_accelerate_engine's one-line error."""
+    from types import SimpleNamespace
+
+    from flowrl.methods import METHODS
+
+    def blocker(method: str, shape: str = "flat"):
+        cfg = SimpleNamespace(train=SimpleNamespace(method=method), sampling=SimpleNamespace(shape=shape))
+        return METHODS[method].lockstep_blocker(cfg)
+
+    assert blocker("grpo") is None and blocker("flow_dppo") is None
+    assert blocker("grpo", "tree") == "sampling.shape 'tree' (flat runs)"
+    for method in ("gardo", "nft", "awm", "crd", "dgpo", "dpo", "dpo_offline", "sft", "refl", "draft", "srpo"):
+        assert blocker(method) == f"train.method {method!r}", method
 
 
 def test_the_shipped_deepspeed_launch_passes_and_what_flowrl_cannot_run_is_refused_in_one_line(monkeypatch):
@@ -149,10 +175,27 @@ def test_the_shipped_deepspeed_launch_passes_and_what_flowrl_cannot_run_is_refus
             node[last] = value
         return _launch("DEEPSPEED", config)
 
+    for key, value in deepspeed_launch_env("deepspeed_zero3.yaml").items():  # ZeRO-3 runs GRPO on flat groups
+        monkeypatch.setenv(key, value)
+    plugin = DeepSpeedPlugin()
+    assert plugin.deepspeed_config["zero_optimization"]["stage"] == 3 and plugin.zero3_init_flag is False
+    check_accelerate_engine(_launch("DEEPSPEED", plugin.deepspeed_config), max_grad_norm=0.5)
+    with pytest.raises(ConfigError, match="stage is 3.*every process to call the transformer alike.*'gardo' does not"):
+        check_accelerate_engine(
+            changed(zero_optimization__stage=3), max_grad_norm=0.5, lockstep_blocker="train.method 'gardo'"
+        )
+    zero3_init = changed(zero_optimization__stage=3)
+    zero3_init.state.deepspeed_plugin.zero3_init_flag = True
+    with pytest.raises(ConfigError, match="zero3_init_flag is true.*text encoders.*set it false"):
+        check_accelerate_engine(zero3_init, max_grad_norm=0.5)
     cases = [
-        (changed(zero_optimization__stage=3), "zero_optimization.stage is 3.*stage 1 or 2.*FSDP2"),
+        (changed(zero_optimization__stage=4), "zero_optimization.stage is 4.*stage 1, 2 or 3"),
         (changed(zero_optimization__stage=0), "stage is 0.*ddp.yaml"),
         (changed(zero_optimization__offload_param__device="cpu"), "offload_param.device.*none"),
+        (
+            changed(zero_optimization__stage=3, zero_optimization__offload_optimizer__device="cpu"),
+            "offloads the optimizer under ZeRO stage 3.*set it to none",
+        ),
         (changed(bf16__enabled=True), "enables bf16.*run.mixed_precision=bf16"),
         (changed(optimizer={"type": "AdamW"}), "'optimizer' block.*train.learning_rate"),
         (changed(gradient_clipping=2.0), "gradient_clipping is 2.0.*'train.max_grad_norm' is 0.5"),

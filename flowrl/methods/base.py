@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..advantages import aggregate_advantages, best_of_n, gdpo_advantages, group_advantages
+from ..sharding import shard_like
 
 METHODS: dict[str, type[Method]] = {}
 """``train.method`` -> the method class (:func:`register_method`)."""
@@ -148,6 +149,9 @@ class MicroBatch:
         first (`bool`): the first micro-batch of its step.
         frac (`float`): its share of this process's minibatch, in `(0, 1]`.
         scale (`float`): its weight in the backward: `frac` times this process's share of the global minibatch.
+        pad (`bool`): a micro-batch of zero-weight rows that only keeps this process's calls of the sharded module in
+            step with the others' (:meth:`flowrl.policy.Policy.padding`): its loss is back-propagated times 0 and its
+            statistics dropped; the method leaves its own records (diagnostics) alone for it.
     """
 
     step: int
@@ -155,6 +159,7 @@ class MicroBatch:
     first: bool
     frac: float
     scale: float
+    pad: bool = False
 
 
 def _loss_and_stats(out) -> tuple[torch.Tensor, dict[str, float]]:
@@ -183,6 +188,11 @@ class Method:
     :class:`flowrl.methods.forward.ForwardProcess`), ``"vae_inverse"`` (it encodes images into latents: the offline
     methods), ``"text_only"`` (its data rows are text prompts alone: the offline methods). A family lacking one is
     refused in one line before any weight loads (:func:`flowrl.pairing.check_pairing`). Default: nothing."""
+    lockstep = False
+    """Whether the method's update makes the same calls of the transformer on every process once its micro-batches are
+    padded with zero-weight rows (:meth:`optimizer_steps`, ``pad_row``), so that it runs where the weights are gathered
+    in every forward (FSDP2 full shard, ZeRO-3: :func:`flowrl.sharding.lockstep`); :meth:`lockstep_blocker` says
+    which setting stops it. Default: no (refused there, naming ``train.method``)."""
     differentiable_reward = False
     """Whether the method back-propagates the reward (the direct-reward methods): it then needs rewards with
     ``score_with_grad``, refused in one line naming the reward otherwise."""
@@ -217,6 +227,12 @@ class Method:
     def check_config(cls, cfg) -> None:
         """Refuse settings this method cannot run, naming the key (:class:`flowrl.config.ConfigError`); called when
         the config is built. Default: nothing to refuse."""
+
+    @classmethod
+    def lockstep_blocker(cls, cfg) -> str | None:
+        """The config key (with its value) that keeps this method, under `cfg`, from calling the transformer alike on
+        every process (:attr:`lockstep`), or None when it does. Default: ``train.method`` unless :attr:`lockstep`."""
+        return None if cls.lockstep else f"train.method {cfg.train.method!r}"
 
     @classmethod
     def read_data(cls, cfg):
@@ -278,11 +294,12 @@ class Method:
     snapshot_origin = ""
     """What writes the snapshots, for the error of a checkpoint without them (default: ``train.method NAME``)."""
 
-    def save_files(self, folder: Path) -> None:
-        """Write the method's tensors (:meth:`snapshots`) into a checkpoint folder before it is sealed."""
+    def save_files(self, folder: Path, snapshots: dict | None = None) -> None:
+        """Write the method's tensors (:meth:`snapshots`, or `snapshots`: the same made whole by every process under
+        FSDP2 full shard, :meth:`flowrl.policy.Policy.whole`) into a checkpoint folder before it is sealed."""
         from safetensors.torch import save_file
 
-        for name, store in self.snapshots().items():
+        for name, store in (self.snapshots() if snapshots is None else snapshots).items():
             save_file({n: v.detach().cpu().contiguous() for n, v in store.items()}, folder / name)
 
     def load_files(self, folder: Path) -> None:
@@ -299,12 +316,15 @@ class Method:
                 origin = self.snapshot_origin or f"by train.method {self.name}"
                 raise ValueError(f"checkpoint {folder} has no {name}: it was not written {origin}")
             for n, v in load_file(file).items():
-                store[n].copy_(v)
+                store[n].copy_(shard_like(v, store[n]))  # under FSDP2 full shard this process's shard
 
-    def optimizer_steps(self, count: int, generator: torch.Generator, micro_loss, unit: int = 1):
+    def optimizer_steps(self, count: int, generator: torch.Generator, micro_loss, unit: int = 1, pad_row: int = 0):
         """The optimizer steps of ``train.inner_epochs`` passes over `count` rows (or units of `unit` rows:
         :meth:`flowrl.policy.Policy.minibatches`), each minibatch micro-batched for gradient accumulation; a process
-        without rows in a step joins it with a zero gradient.
+        without rows in a step joins it with a zero gradient. In lockstep (:attr:`flowrl.policy.Policy.lockstep`) each
+        step ends with the micro-batches this process owes (:meth:`flowrl.policy.Policy.padding`): ``micro_loss`` of
+        row (unit) `pad_row` alone, with ``at.pad`` set, back-propagated times 0, so that every process makes the
+        step's forwards and backwards alike; the method's data then holds row `pad_row` even where `count` is 0.
 
         Args:
             count (`int`): this process's rows (units). generator: the iteration's generator (the order).
@@ -323,21 +343,24 @@ class Method:
         stats: dict[str, list[float]] = defaultdict(list)
         steps = 0
         self.model.transformer.train()
+        pad = torch.tensor([pad_row], device=self.device)
         for epoch, _, mb, total in policy.minibatches(count, generator, unit=unit):
             steps += 1
-            if len(mb) == 0:  # this process has no rows left, the others do: a zero gradient
-                policy.step(None, stats)
-                continue
-            share = len(mb) / total  # this process's part of the global minibatch
             parts, merged = [], {}
-            for start, idx, frac in policy.micro_batches(mb, unit=unit):  # gradient accumulation
+            share = len(mb) / total if len(mb) else 0.0  # this process's part of the global minibatch
+            for start, idx, frac in policy.micro_batches(mb, unit=unit) if len(mb) else ():  # gradient accumulation
                 at = MicroBatch(steps, epoch, start == 0, frac, frac * share)
                 loss, micro_stats = _loss_and_stats(micro_loss(idx, stats, at))
                 policy.backward(loss, at.scale)
                 parts.append(loss.item() * frac)
                 for k, x in micro_stats.items():
                     merged[k] = max(merged.get(k, x), x) if k.endswith("max_dev") else merged.get(k, 0) + x * frac
-            policy.step(sum(parts), stats)
+            for _ in policy.padding():  # lockstep: zero-weight micro-batches up to the step's count
+                at = MicroBatch(steps, epoch, not parts, 0.0, 0.0, pad=True)
+                loss, _ = _loss_and_stats(micro_loss(pad, defaultdict(list), at))
+                policy.backward(loss, 0.0)
+            # None: this process had no rows in this step, the others had (a zero gradient)
+            policy.step(sum(parts) if parts else None, stats)
             for k, x in merged.items():
                 stats[k].append(x)
         self.model.transformer.eval()

@@ -287,6 +287,8 @@ class GARDO(GRPO):
     Args: as :class:`flowrl.methods.base.Method`.
     """
 
+    lockstep = False  # the reference's forward runs only where a transition is gated: not alike on every process
+
     REFERENCE_FILE = "gardo_reference.safetensors"
 
     @classmethod

@@ -28,10 +28,20 @@ class GRPO(Method):
     Args: as :class:`flowrl.methods.base.Method`.
     """
 
+    lockstep = True
+
     @classmethod
     def check_config(cls, cfg) -> None:
         """The rollout shape's cross-key checks (:meth:`RolloutShape.check_config`)."""
         SHAPES[cfg.sampling.shape].check_config(cfg)
+
+    @classmethod
+    def lockstep_blocker(cls, cfg) -> str | None:
+        """Flat groups (every process samples the same steps for as many images) with a padded update run in lockstep;
+        the tree and probe shapes are untested there."""
+        if cfg.sampling.shape != "flat":
+            return f"sampling.shape {cfg.sampling.shape!r} (flat runs)"
+        return super().lockstep_blocker(cfg)
 
     def __init__(self, cfg, model, policy, rewards):
         super().__init__(cfg, model, policy, rewards)
@@ -106,24 +116,27 @@ class GRPO(Method):
         """
         train = self.cfg.train
         rows = keep.nonzero().squeeze(1)
+        count = len(rows)
+        if count == 0 and self.policy.lockstep:  # row 0 stands in for the zero-weight padding micro-batches
+            rows = torch.zeros(1, dtype=rows.dtype, device=rows.device)
         tv, adv = ro.select(rows), adv_all[rows]  # M' transitions, (M',)
         diagnostics = StepDiagnostics(train.step_grad_norms, train.clip_range)  # filled in the first epoch
         # step weights normalised over the plan's trained steps (the same on every process), then kept rows
         gain = velocity_gain(ro) if train.step_weighting == "guard" else ro.std
-        step_w = step_weights(train.step_weighting, gain, ro.std, ro.step, ro.trained) if len(rows) else None  # (M,)
+        step_w = step_weights(train.step_weighting, gain, ro.std, ro.step, ro.trained) if count else None  # (M,)
         step_w = None if step_w is None else step_w[rows]  # (M',)
         velocity = self.model.velocity_fn(table, self.cfg.sampling.guidance_scale)  # CFG against table row 0
 
         def micro_loss(idx, stats, at):
-            diag = diagnostics if at.epoch == 0 else None
+            diag = diagnostics if at.epoch == 0 and not at.pad else None
             w = None if step_w is None else step_w[idx]
             loss, micro = self.micro_batch_loss(velocity, tv.select(idx), adv[idx], w, at, diag)
             if at.step == 1:  # before any update (absent where this process's first step had no transitions)
                 stats["policy/ratio_first_max_dev"].append(micro["policy/ratio_max_dev"])
             return loss, micro
 
-        stats, steps = self.optimizer_steps(len(tv), generator, micro_loss)
-        return self.update_metrics(stats, steps, len(tv), **diagnostics.metrics())
+        stats, steps = self.optimizer_steps(count, generator, micro_loss)
+        return self.update_metrics(stats, steps, count, **diagnostics.metrics())
 
     def micro_batch_loss(
         self, velocity, sub, adv: torch.Tensor, weights: torch.Tensor | None, at, diag: StepDiagnostics | None

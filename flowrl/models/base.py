@@ -899,19 +899,22 @@ class FlowModel:
             directory, transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata
         )
 
-    def save_pipeline(self, directory: str | Path, plain_copy: bool = False) -> None:
+    def save_pipeline(self, directory: str | Path, plain_copy: bool = False, state: dict | None = None) -> None:
         """Write the whole pipeline, with the transformer as it is now (float32 on CPU), as a diffusers
         folder of safetensors: what full fine-tuning (``model.lora_rank=0``) leaves, loadable by
         ``flowrl eval --model directory`` and ``StableDiffusion3Pipeline.from_pretrained(directory)``.
         For SD3.5-Medium that is the text encoders and the VAE too, several GB.
 
         ``plain_copy``: write a plain CPU copy of the transformer built from its config, parameters and buffers
-        (under FSDP2, whose gathered weights are the trained ones while the module's own state dict holds shards)."""
+        (under FSDP2, whose gathered weights are the trained ones while the module's own state dict holds shards);
+        ``state``: those parameters and buffers, whole, by name, where the module holds only shards (FSDP2 full shard:
+        :meth:`flowrl.policy.Policy.module_state`)."""
         from diffusers.utils import logging as diffusers_logging
 
         attr, module = self.NETWORK, self.transformer
         if plain_copy:
-            state = {n: t.detach().cpu().clone() for n, t in [*module.named_parameters(), *module.named_buffers()]}
+            if state is None:
+                state = {n: t.detach().cpu().clone() for n, t in [*module.named_parameters(), *module.named_buffers()]}
             copy = type(module).from_config(module.config)
             copy.load_state_dict(state)
             setattr(self.pipe, attr, copy)

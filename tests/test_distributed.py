@@ -500,12 +500,19 @@ def full_ft_ddp(tmp_path_factory, two_process_run) -> tuple[Path, list[str]]:
     process 1 none), with a held-out evaluation of 3 images (two on process 0, one on process 1): the reference of the
     ZeRO and FSDP2 full-shard full fine-tuning tests. Returns the run folder and the overrides beside the fixture's."""
     ddp_tmp = two_process_run[0]
-    tmp = tmp_path_factory.mktemp("full_ft_ddp")
-    test_prompts = next(o.split("=", 1)[1] for o in _fixture_overrides(ddp_tmp) if o.startswith("eval.prompts="))
-    (tmp / "held_out.jsonl").write_text(Path(test_prompts).read_text().splitlines()[0] + "\n")
-    extra = ["train.micro_batch_size=1", f"eval.held_out={tmp / 'held_out.jsonl'}", "eval.held_out_images_per_tag=3"]
-    (tmp / "c.yaml").write_text((ddp_tmp / "c.yaml").read_text())
-    _launch(tmp, [*_full_fine_tuning_overrides(ddp_tmp, extra), f"run.output_dir={tmp / 'run'}"])
+    with built_once(tmp_path_factory, "full_ft_ddp") as (tmp, todo):
+        extra = [
+            "train.micro_batch_size=1",
+            f"eval.held_out={tmp / 'held_out.jsonl'}",
+            "eval.held_out_images_per_tag=3",
+        ]
+        if todo:
+            test_prompts = next(
+                o.split("=", 1)[1] for o in _fixture_overrides(ddp_tmp) if o.startswith("eval.prompts=")
+            )
+            (tmp / "held_out.jsonl").write_text(Path(test_prompts).read_text().splitlines()[0] + "\n")
+            (tmp / "c.yaml").write_text((ddp_tmp / "c.yaml").read_text())
+            _launch(tmp, [*_full_fine_tuning_overrides(ddp_tmp, extra), f"run.output_dir={tmp / 'run'}"])
     return tmp, extra
 
 
@@ -514,10 +521,11 @@ def full_shard_run(tmp_path_factory, two_process_run):
     """The DDP run's config and data under FSDP2 full shard (``configs/accelerate/fsdp2_full_shard.yaml``: each block's
     weights gathered for its forward and backward only), forced onto the CPU processes."""
     ddp, overrides = two_process_run
-    tmp = tmp_path_factory.mktemp("full_shard")
-    (tmp / "c.yaml").write_text((ddp / "c.yaml").read_text())
-    overrides = [o for o in overrides if not o.startswith("run.output_dir=")] + [f"run.output_dir={tmp / 'run'}"]
-    _launch(tmp, overrides, fsdp2="full_shard")
+    with built_once(tmp_path_factory, "full_shard") as (tmp, todo):
+        overrides = [o for o in overrides if not o.startswith("run.output_dir=")] + [f"run.output_dir={tmp / 'run'}"]
+        if todo:
+            (tmp / "c.yaml").write_text((ddp / "c.yaml").read_text())
+            _launch(tmp, overrides, fsdp2="full_shard")
     return tmp, ddp
 
 
@@ -712,10 +720,11 @@ def zero3_run(tmp_path_factory, two_process_run):
     """The DDP run's config and data under DeepSpeed ZeRO-3 (``configs/accelerate/deepspeed_zero3.yaml``: the weights
     partitioned and gathered per module for each forward and backward), forced onto the CPU processes."""
     ddp, overrides = two_process_run
-    tmp = tmp_path_factory.mktemp("zero3")
-    (tmp / "c.yaml").write_text((ddp / "c.yaml").read_text())
-    overrides = [o for o in overrides if not o.startswith("run.output_dir=")] + [f"run.output_dir={tmp / 'run'}"]
-    _launch(tmp, overrides, zero="3")
+    with built_once(tmp_path_factory, "zero3") as (tmp, todo):
+        overrides = [o for o in overrides if not o.startswith("run.output_dir=")] + [f"run.output_dir={tmp / 'run'}"]
+        if todo:
+            (tmp / "c.yaml").write_text((ddp / "c.yaml").read_text())
+            _launch(tmp, overrides, zero="3")
     return tmp, ddp
 
 

@@ -5,6 +5,7 @@ transitions, and a split evaluation equal to the single-process one."""
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -90,11 +91,22 @@ def _launch_runs(tmp: Path, runs: list[dict], fsdp2: bool | str = False, zero: s
 
 
 ABORT = "terminate called without an active exception"
-"""A C++ abort (a ``std::thread`` destroyed while joinable) seen in two of four CI runs, each time in one process of a
-two-process launch at the start of the trained model's evaluation, while a second pytest-xdist worker ran beside it,
-both under the AVX2 emulation recipe (none in a run on the native CPU). The launch is retried once on it, with a
-warning, so that it stays visible without failing CI; the processes run with ``PYTHONFAULTHANDLER=1`` so that the next
-one shows every thread's Python stack in ``torchrun-aborted.log``."""
+"""A C++ abort (a ``std::thread`` destroyed while joinable) seen in a few CI runs, each time in one process of a
+two-process launch while a second pytest-xdist worker ran beside it, under the AVX2 emulation recipe (none in a run on
+the native CPU). In the one run whose log showed where (``PYTHONFAULTHANDLER=1``), rank 0 aborted at interpreter exit,
+after the run, its evaluation and its exports had finished, with no Python frame on the main thread. The launch is
+retried once on it, from a clean run folder (:func:`_run_folders`), with a warning, so that it stays visible without
+failing CI."""
+
+
+def _run_folders(worker_args: list[str]) -> list[Path]:
+    """The run folders (``run.output_dir=``) a launch of distributed_worker.py with ``worker_args`` writes, its
+    ``--runs`` file's too."""
+    overrides = list(worker_args)
+    if "--runs" in worker_args:
+        runs = json.loads(Path(worker_args[worker_args.index("--runs") + 1]).read_text())
+        overrides += [o for run in runs for o in run["overrides"]]
+    return [Path(o.split("=", 1)[1]) for o in overrides if o.startswith("run.output_dir=")]
 
 
 LAUNCH_TIMEOUT_S = float(os.environ.get("FLOWRL_TEST_LAUNCH_TIMEOUT_S", 1200))
@@ -163,6 +175,8 @@ def _torchrun(tmp: Path, worker_args: list[str], fsdp2: bool | str, zero: str) -
     if r.returncode and ABORT in r.stderr:  # once in two CI runs beside another test worker: launch again, and say so
         (tmp / "torchrun-aborted.log").write_text(r.stdout + r.stderr)
         warnings.warn(f"torchrun aborted ({ABORT!r}; log: {tmp / 'torchrun-aborted.log'}); launched again")
+        for folder in _run_folders(worker_args):  # the aborted launch's run would refuse the new one
+            shutil.rmtree(folder, ignore_errors=True)
         r = _run_killable(command, env, LAUNCH_TIMEOUT_S)
     if r.returncode:
         (tmp / "torchrun.log").write_text(r.stdout + r.stderr)

@@ -54,15 +54,23 @@ def _fixture_overrides(folder: Path) -> list[str]:
     return json.loads((folder / "overrides.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def fsdp2_run(tmp_path_factory, two_process_run):
-    """The DDP run's config and data under FSDP2 (accelerate's FSDP2 path forced onto the CPU processes)."""
+def _engine_run(tmp_path_factory, two_process_run, name: str, **engine) -> tuple[Path, Path, list[str]]:
+    """The DDP fixture's config and data launched under another engine (:func:`_launch`'s `engine` keywords) into the
+    session folder `name`, once per test session (:func:`conftest.built_once`). Returns the folder, the DDP run's
+    folder and the overrides."""
     ddp, overrides = two_process_run
-    with built_once(tmp_path_factory, "fsdp2") as (tmp, todo):
+    with built_once(tmp_path_factory, name) as (tmp, todo):
         overrides = [o for o in overrides if not o.startswith("run.output_dir=")] + [f"run.output_dir={tmp / 'run'}"]
         if todo:
             (tmp / "c.yaml").write_text((ddp / "c.yaml").read_text())
-            _launch(tmp, overrides, fsdp2=True)
+            _launch(tmp, overrides, **engine)
+    return tmp, ddp, overrides
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory, two_process_run):
+    """The DDP run's config and data under FSDP2 (accelerate's FSDP2 path forced onto the CPU processes)."""
+    tmp, ddp, overrides = _engine_run(tmp_path_factory, two_process_run, "fsdp2", fsdp2=True)
     return tmp, ddp
 
 
@@ -534,12 +542,7 @@ def full_ft_ddp(tmp_path_factory, two_process_run) -> tuple[Path, list[str]]:
 def full_shard_run(tmp_path_factory, two_process_run):
     """The DDP run's config and data under FSDP2 full shard (``configs/accelerate/fsdp2_full_shard.yaml``: each block's
     weights gathered for its forward and backward only), forced onto the CPU processes."""
-    ddp, overrides = two_process_run
-    with built_once(tmp_path_factory, "full_shard") as (tmp, todo):
-        overrides = [o for o in overrides if not o.startswith("run.output_dir=")] + [f"run.output_dir={tmp / 'run'}"]
-        if todo:
-            (tmp / "c.yaml").write_text((ddp / "c.yaml").read_text())
-            _launch(tmp, overrides, fsdp2="full_shard")
+    tmp, ddp, overrides = _engine_run(tmp_path_factory, two_process_run, "full_shard", fsdp2="full_shard")
     return tmp, ddp
 
 
@@ -641,12 +644,7 @@ def test_fsdp2_full_shard_full_fine_tuning_matches_ddp_and_exports_the_pipeline(
 @pytest.fixture(scope="module")
 def zero2_run(tmp_path_factory, two_process_run):
     """The DDP run's config and data under DeepSpeed ZeRO-2 (forced onto the CPU processes)."""
-    ddp, overrides = two_process_run
-    with built_once(tmp_path_factory, "zero2") as (tmp, todo):
-        overrides = [o for o in overrides if not o.startswith("run.output_dir=")] + [f"run.output_dir={tmp / 'run'}"]
-        if todo:
-            (tmp / "c.yaml").write_text((ddp / "c.yaml").read_text())
-            _launch(tmp, overrides, zero="2")
+    tmp, ddp, overrides = _engine_run(tmp_path_factory, two_process_run, "zero2", zero="2")
     return tmp, ddp, overrides
 
 
@@ -733,12 +731,7 @@ def test_deepspeed_full_fine_tuning_matches_ddp_and_exports_the_pipeline(tmp_pat
 def zero3_run(tmp_path_factory, two_process_run):
     """The DDP run's config and data under DeepSpeed ZeRO-3 (``configs/accelerate/deepspeed_zero3.yaml``: the weights
     partitioned and gathered per module for each forward and backward), forced onto the CPU processes."""
-    ddp, overrides = two_process_run
-    with built_once(tmp_path_factory, "zero3") as (tmp, todo):
-        overrides = [o for o in overrides if not o.startswith("run.output_dir=")] + [f"run.output_dir={tmp / 'run'}"]
-        if todo:
-            (tmp / "c.yaml").write_text((ddp / "c.yaml").read_text())
-            _launch(tmp, overrides, zero="3")
+    tmp, ddp, overrides = _engine_run(tmp_path_factory, two_process_run, "zero3", zero="3")
     return tmp, ddp
 
 

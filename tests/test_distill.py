@@ -240,3 +240,27 @@ def test_dynamic_distribution_guidance_decays_by_a_half_cosine():
         host.policy = SimpleNamespace(steps_taken=lambda n=n: n)
         assert DMDR.guidance_scale_now(host) == pytest.approx(expected, abs=1e-12)
         assert 0.8 * 0.5 * (1 + math.cos(math.pi * min(n / 10, 1))) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.slow  # CI: tdm's resume (above) runs in the default command
+@pytest.mark.parametrize("preset", ["dmdr", "tdm_r1"])
+def test_dmdr_and_tdm_r1_resume_exactly(preset, tmp_path, random_pipeline, prompt_files):
+    """dmdr (DiffusionNFT's loss with the DMD regulariser) and tdm_r1 (its surrogate reward beside the fake score)
+    trained two iterations straight and 1 + a resumed one end on the same student, and their held networks' checkpoint
+    files (the fake score, tdm_r1's surrogate, their AdamW moments) are equal."""
+    from safetensors.torch import load_file
+
+    assert_resume_is_exact(
+        REPO / "configs" / f"{preset}.yaml", lambda out: _overrides(random_pipeline, prompt_files, out), tmp_path
+    )
+    held = sorted(
+        p.name
+        for p in (tmp_path / "full/checkpoints/checkpoint-000002").glob("*.safetensors")
+        if p.name not in ("trainable.safetensors", "optimizer.safetensors")
+    )
+    assert "fake_score.safetensors" in held and ("surrogate.safetensors" in held) == (preset == "tdm_r1")
+    for name in held:
+        a, b = (load_file(tmp_path / run / "checkpoints/checkpoint-000002" / name) for run in ("full", "part"))
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)

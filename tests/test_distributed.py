@@ -432,14 +432,19 @@ def test_fsdp2_trains_the_weights_ddp_trains(fsdp2_run):
 
 def test_fsdp2_split_transitions_give_the_gradient_of_their_union(fsdp2_run, two_process_run):
     """The sharded gradients, made whole, equal DDP's for the same split of one rollout's transitions."""
-    tmp, ddp = fsdp2_run
-    f0, f1, d0 = (
+    _assert_sharded_gradients_are_ddps(*fsdp2_run)
+
+
+def _assert_sharded_gradients_are_ddps(tmp: Path, ddp: Path) -> None:
+    """The split-rollout gradients the two processes of the run in ``tmp`` recorded (made whole) are equal on both and
+    equal to the DDP run's in ``ddp`` (rtol 1e-4)."""
+    g0, g1, d0 = (
         load_file(p) for p in (tmp / "grads0.safetensors", tmp / "grads1.safetensors", ddp / "grads0.safetensors")
     )
-    assert f0.keys() == d0.keys() and len(f0) > 0
-    for k in f0:
-        assert torch.equal(f0[k], f1[k])
-        torch.testing.assert_close(f0[k], d0[k], rtol=1e-4, atol=1e-5 * d0[k].abs().max().item())
+    assert g0.keys() == d0.keys() and len(g0) > 0
+    for k in g0:
+        assert torch.equal(g0[k], g1[k])
+        torch.testing.assert_close(g0[k], d0[k], rtol=1e-4, atol=1e-5 * d0[k].abs().max().item())
 
 
 def test_fsdp2_resume_continues_the_run(fsdp2_run, tmp_path):
@@ -594,13 +599,7 @@ def test_fsdp2_full_shard_trains_the_weights_ddp_trains_into_the_same_files(full
     tmp, ddp = full_shard_run
     _assert_lockstep_run_is_ddps(tmp, ddp, "FSDP")
     assert json.loads((tmp / "rank0.json").read_text())["fsdp_units"] > 1
-    g0, g1, d0 = (
-        load_file(p) for p in (tmp / "grads0.safetensors", tmp / "grads1.safetensors", ddp / "grads0.safetensors")
-    )
-    assert g0.keys() == d0.keys() and len(g0) > 0
-    for k in g0:
-        assert torch.equal(g0[k], g1[k])
-        torch.testing.assert_close(g0[k], d0[k], rtol=1e-4, atol=1e-5 * d0[k].abs().max().item())
+    _assert_sharded_gradients_are_ddps(tmp, ddp)
 
 
 def _assert_resume_is_exact(tmp: Path, ddp: Path, tmp_path: Path, **launch) -> None:

@@ -73,7 +73,7 @@ class Checkpointer:
         def write_extra(folder: Path) -> None:  # inside the checkpoint before it is sealed
             if self.cfg.model.lora_rank > 0:
                 self.model.save_lora(folder / "lora", self.policy.exported() if lora is None else lora)
-            if held is None:
+            if held is None:  # a method's own save_files(folder) (an override may take the folder alone)
                 self.method.save_files(folder)
             else:
                 self.method.save_files(folder, held)
@@ -148,9 +148,9 @@ class Checkpointer:
         main, lockstep = self.run.accelerator.is_main_process, self.policy.lockstep
         if not (main or lockstep):
             return
-        after = evaluator.grid_images()  # in lockstep every process draws it alike
+        after = evaluator.shared_grid()
         lora = state = None
-        if self.policy.lockstep:  # whole weights gathered by every process
+        if lockstep:  # whole weights gathered by every process
             if self.cfg.model.lora_rank > 0:
                 lora = self.policy.exported()
             else:

@@ -156,6 +156,14 @@ class Evaluator:
         first = [m for tag in by_tag for m in by_tag[tag][:2]]
         return [first[i % len(first)] for i in range(GRID_IMAGES)]
 
+    def shared_grid(self) -> torch.Tensor | None:
+        """:meth:`grid_images` on the processes that must draw it: the main process (which writes the grid), and in
+        lockstep (:attr:`flowrl.policy.Policy.lockstep`: FSDP2 full shard, ZeRO-3) every process alike, so that all
+        make the same sharded forwards; None on the others."""
+        if self.accelerator.is_main_process or self.policy.lockstep:
+            return self.grid_images()
+        return None
+
     def grid_images(self) -> torch.Tensor:
         """The grid's images, float32 `(12, 3, H, W)` in [0, 1] on CPU (a video model's `(12, F, 3, H, W)`): the
         :meth:`grid_metas` at seeds ``eval.seed + i``, with the evaluation's sampling."""

@@ -185,6 +185,21 @@ def check_accelerate_precision(accelerator, run_precision: str) -> None:
         )
 
 
+def check_launch(accelerator, cfg, lockstep_blocker: str | None = None) -> None:
+    """Every check of the launch against the run's config, before any weights load, in this order: the engine
+    (:func:`check_accelerate_engine`, with the method's `lockstep_blocker`), accelerate's mixed precision against
+    ``run.mixed_precision`` (:func:`check_accelerate_precision`; `cfg` has it resolved from ``auto``) and
+    ``train.optimizer`` on the device (:func:`check_optimizer`).
+
+    Raises:
+        ConfigError: from the first check that fails, naming the setting.
+    """
+    t = cfg.train
+    check_accelerate_engine(accelerator, t.step_grad_norms, t.optimizer, t.max_grad_norm, lockstep_blocker)
+    check_accelerate_precision(accelerator, cfg.run.mixed_precision)
+    check_optimizer(t.optimizer, accelerator.device)
+
+
 def check_optimizer(name: str, device: torch.device | str) -> None:
     """Check ``train.optimizer`` against the run's device before any weights load: ``adamw`` (torch's AdamW) runs
     anywhere; ``adamw_8bit`` is bitsandbytes' 8-bit AdamW (``bnb.optim.AdamW8bit``, Dettmers et al., arXiv 2110.02861;

@@ -28,9 +28,9 @@ from .diagnostics import diversity_metrics, diversity_probe, peak_memory, precis
 from .diversity import StopRules
 from .evaluator import Evaluator, eval_metrics, run_summary
 from .methods import METHODS, Rewards, build_method
-from .models.memory import place_frozen
+from .models.memory import prepare_for_training
 from .pairing import build_model, resolve_model
-from .policy import Policy, check_accelerate_engine, check_accelerate_precision, check_optimizer
+from .policy import Policy, check_launch
 from .prompt_sampler import PromptSampler, iteration_seed, read_run_prompts
 from .resume import check_resume, say
 from .rewards import reward_spec
@@ -95,13 +95,10 @@ class Trainer:
         )
         self.trackers = Trackers(acc, cfg.run.log_with)
         self.run = RunFolder(self.out, acc, cfg.run.resume)  # not in use, no other run, writable: before any work
-        blocker = METHODS[cfg.train.method].lockstep_blocker(cfg)
-        check_accelerate_engine(acc, cfg.train.step_grad_norms, cfg.train.optimizer, cfg.train.max_grad_norm, blocker)
-        load_whole(acc)  # ZeRO-3 partitions the trained transformer only
         self.device = acc.device
         self.cfg = cfg = resolve_precisions(cfg, self.device)  # auto -> bf16 or no; config.yaml records the choice
-        check_accelerate_precision(acc, cfg.run.mixed_precision)
-        check_optimizer(cfg.train.optimizer, acc.device)
+        check_launch(acc, cfg, METHODS[cfg.train.method].lockstep_blocker(cfg))
+        load_whole(acc)  # ZeRO-3 partitions the trained transformer only
         adapter = resolve_model(cfg)  # fills sampling.shift and model.max_sequence_length, as config.yaml has them
         if cfg.run.resume:  # the run's evaluations stay comparable; other changes are named (flowrl.resume)
             lines = self.run.on_main(lambda: check_resume(cfg, self.out))  # every process: one verdict
@@ -113,7 +110,8 @@ class Trainer:
         self.rewards = build_rewards(cfg.rewards, given)
         self._say(f"loading {cfg.model.path} onto {self.device} ({adapter.PIPELINE})")  # the start-up's long part
         self.model = build_model(cfg, adapter, self.device)
-        self._prepare_model()
+        prompts = [x["prompt"] for x in self.train_metas + self.eval_metas + self.held_out_metas]
+        prepare_for_training(self.model, cfg.model, cfg.run.seed, cfg.train.gradient_checkpointing, prompts, acc)
         self.policy = Policy(self.model, cfg.train, cfg.run.mixed_precision, acc)
         self.method = build_method(cfg, self.model, self.policy, self.rewards, data)
         self.diversity = diversity_probe(cfg.run.diversity_model, self.device) if self.method.online else None
@@ -125,23 +123,6 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, self.run, self.model, self.policy, self.method)
         self._say(f"checking the rewards ({', '.join(self.rewards.rewards)}) on one batch")
         self.scorer.smoke(self.model, self.train_metas)  # a broken reward fails here, named
-
-    def _prepare_model(self) -> None:
-        """The LoRA (seeded by ``run.seed``: runs with one seed start from the same weights) or full fine-tuning,
-        gradient checkpointing, and the frozen parts: prompt cache, text encoders and VAE placement."""
-        cfg, m = self.cfg, self.cfg.model
-        torch.manual_seed(cfg.run.seed)
-        if m.lora_rank > 0:
-            self.model.add_lora(m.lora_rank, m.lora_alpha)
-        else:
-            self.model.full_finetune()
-        if cfg.train.gradient_checkpointing:  # only forwards with gradients (training) are checkpointed
-            self.model.transformer.enable_gradient_checkpointing()
-        if m.prompt_cache or m.text_encoders != "keep" or m.vae_placement != "keep":
-            prompts = [x["prompt"] for x in self.train_metas + self.eval_metas + self.held_out_metas]
-            prompts.append(m.negative_prompt)
-            with self.accelerator.main_process_first():  # the main process encodes into the shared cache
-                place_frozen(self.model, m.prompt_cache, m.text_encoders, m.vae_placement, prompts)
 
     def train(self) -> dict:
         """Run (or resume) the job, holding the run folder's lock throughout; the main process prints the before ->
@@ -192,8 +173,7 @@ class Trainer:
         if self.accelerator.is_main_process:
             self.checkpointer.write_eval("eval_before.json", before)
             self._say(f"base model: {before['overall']:.3f}; drawing the before/after grid's before half")
-        if self.accelerator.is_main_process or self.policy.lockstep:  # in lockstep every process draws it alike
-            grid = self.evaluator.grid_images()
+        grid = self.evaluator.shared_grid()
         if self.accelerator.is_main_process:
             self.checkpointer.write_grid_before(grid)
             self.trackers.log_images("grid/before", grid, 0)

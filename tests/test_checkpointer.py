@@ -158,7 +158,8 @@ def _finished_run(checkpointer) -> None:
 def test_export_writes_the_plots_the_grid_and_the_lora_on_the_main_process(tmp_path):
     logged = []
     trackers = SimpleNamespace(log_images=lambda name, images, it: logged.append((name, tuple(images.shape), it)))
-    evaluator = SimpleNamespace(grid_images=lambda: torch.rand(12, 3, 8, 8), grid_metas=lambda: [{"prompt": "p"}] * 12)
+    grid = lambda: torch.rand(12, 3, 8, 8)  # noqa: E731
+    evaluator = SimpleNamespace(grid_images=grid, shared_grid=grid, grid_metas=lambda: [{"prompt": "p"}] * 12)
     rewards = WeightedSum({"total": (lambda *a: None, 1.0), "gold": (lambda *a: None, 0.0)})
     checkpointer = _checkpointer(tmp_path)
     _finished_run(checkpointer)
@@ -179,7 +180,8 @@ def test_export_of_a_full_fine_tune_saves_the_pipeline_with_the_ema_weights(tmp_
     checkpointer.model.save_pipeline = lambda folder, plain_copy: seen.append(
         (folder.name, checkpointer.policy.in_ema)
     )
-    evaluator = SimpleNamespace(grid_images=lambda: torch.rand(12, 3, 8, 8), grid_metas=lambda: [{"prompt": "p"}] * 12)
+    grid = lambda: torch.rand(12, 3, 8, 8)  # noqa: E731
+    evaluator = SimpleNamespace(grid_images=grid, shared_grid=grid, grid_metas=lambda: [{"prompt": "p"}] * 12)
     checkpointer.export(
         evaluator, SimpleNamespace(log_images=lambda *a: None), WeightedSum({"r": (lambda *a: None, 1.0)})
     )

@@ -363,3 +363,23 @@ def place_frozen(
     """
     place_vae(model, vae)
     return place_text_encoders(model, prompt_cache, text_encoders, prompts)
+
+
+def prepare_for_training(
+    model: FlowModel, m, seed: int, gradient_checkpointing: bool, prompts: list[str], accelerator
+) -> None:
+    """Make ``model`` trainable as the run's ``model.*`` settings `m` say: a LoRA of ``m.lora_rank`` (seeded by
+    `seed`: runs with one seed start from the same weights) or full fine-tuning (rank 0), gradient checkpointing of
+    the transformer's blocks (only forwards with gradients, training, are checkpointed), and the frozen parts placed
+    (:func:`place_frozen`: prompt cache of `prompts` and ``m.negative_prompt``, text encoders, VAE), the main process
+    of `accelerator` first (it encodes into the shared cache)."""
+    torch.manual_seed(seed)
+    if m.lora_rank > 0:
+        model.add_lora(m.lora_rank, m.lora_alpha)
+    else:
+        model.full_finetune()
+    if gradient_checkpointing:
+        model.transformer.enable_gradient_checkpointing()
+    if m.prompt_cache or m.text_encoders != "keep" or m.vae_placement != "keep":
+        with accelerator.main_process_first():
+            place_frozen(model, m.prompt_cache, m.text_encoders, m.vae_placement, [*prompts, m.negative_prompt])

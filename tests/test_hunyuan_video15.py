@@ -49,7 +49,8 @@ def _edited(folder: Path, out: Path, component: str, **changes) -> Path:
 def test_prompts_are_the_chat_template_and_the_glyph_text(hv15):
     """The template's part before the prompt is the 108 tokens the pipeline crops; the embeddings are
     encode_prompt's (the empty prompt templated as " "); only a prompt with text in quotes has ByT5 tokens (those of
-    'Text "GO". '), and they condition the transformer."""
+    'Text "GO". '), and they condition the transformer; the ByT5 tokens are capped at max_sequence_length (the stock
+    pipeline pads them to 256), which changes no velocity: the transformer masks the padding out."""
     from diffusers import HunyuanVideo15Pipeline
 
     model = _model(hv15)
@@ -58,15 +59,17 @@ def test_prompts_are_the_chat_template_and_the_glyph_text(hv15):
     assert len(pipe.tokenizer(prefix).input_ids) == pipe.prompt_template_encode_start_idx == 108
     emb = model.encode(["", *PROMPTS])
     assert emb.embeds.shape == (3, TOKENS, 32) and emb.mask.shape == (3, TOKENS) and emb.pooled.shape == (3, 0)
-    assert emb.embeds_2.shape == (3, 256, 32) and emb.mask_2.shape == (3, 256)
+    glyphs = min(256, TOKENS)
+    assert emb.embeds_2.shape == (3, glyphs, 32) and emb.mask_2.shape == (3, glyphs)
     tail = len(pipe.tokenizer(" <|im_end|>\n<|im_start|>assistant\n").input_ids)  # "" is templated as " "
     assert emb.mask.sum(1).tolist()[0] == tail < emb.mask.sum(1).tolist()[1]
     stock = HunyuanVideo15Pipeline.from_pretrained(hv15)
     stock.tokenizer_max_length = TOKENS
     embeds, mask, embeds_2, mask_2 = stock.encode_prompt(["", *PROMPTS], batch_size=3)
     torch.testing.assert_close(emb.embeds, embeds, rtol=0, atol=1e-6)
-    torch.testing.assert_close(emb.embeds_2, embeds_2, rtol=0, atol=1e-6)
-    assert emb.mask.tolist() == mask.long().tolist() and emb.mask_2.tolist() == mask_2.long().tolist()
+    assert embeds_2.shape[1] == 256 and not mask_2[:, glyphs:].any()  # the stock padding beyond the cap
+    torch.testing.assert_close(emb.embeds_2, embeds_2[:, :glyphs], rtol=0, atol=1e-6)
+    assert emb.mask.tolist() == mask.long().tolist() and emb.mask_2.tolist() == mask_2[:, :glyphs].long().tolist()
     glyph = pipe.tokenizer_2('Text "GO". ').input_ids  # the glyph text's bytes and </s>
     assert emb.mask_2.sum(1).tolist() == [0, 0, len(glyph)] and (emb.embeds_2[:2] == 0).all()
     with torch.no_grad():
@@ -77,8 +80,11 @@ def test_prompts_are_the_chat_template_and_the_glyph_text(hv15):
     no_glyph = HunyuanVideo15PromptEmbeds(
         row.embeds, row.pooled, row.mask, torch.zeros_like(row.embeds_2), torch.zeros_like(row.mask_2)
     )
+    padded = HunyuanVideo15PromptEmbeds(row.embeds, row.pooled, row.mask, embeds_2[2:].float(), mask_2[2:].long())
     with torch.no_grad():
-        assert (model.velocity(x, t, row, None, 1.0) - model.velocity(x, t, no_glyph, None, 1.0)).abs().max() > 1e-4
+        v = model.velocity(x, t, row, None, 1.0)
+        assert (v - model.velocity(x, t, no_glyph, None, 1.0)).abs().max() > 1e-4
+        torch.testing.assert_close(v, model.velocity(x, t, padded, None, 1.0), rtol=0, atol=1e-5)
 
 
 def test_folder_checks_and_config_errors_name_the_setting(hv15, tmp_path, video_prompts):

@@ -55,6 +55,11 @@ HUNYUAN_VIDEO15_LORA_TARGETS = JOINT_ATTENTION_TARGETS + (
 attention projections of both streams and both feed-forward networks of every dual-stream block; ``attn.*`` and
 ``ff.*`` also match the text token refiner's blocks (2 in HunyuanVideo 1.5), as in UniRL's peft config."""
 
+GLYPH_TOKENS = 256
+"""ByT5 tokens of a prompt's glyph text (its text in quotes): the pipeline's ``tokenizer_2_max_length``, capped at
+``max_sequence_length`` (:meth:`HunyuanVideo15Model.encode`). The transformer masks the padding out, so a shorter cap
+changes no video whose glyph text fits, only the cost: every glyph token passes the ByT5 projection (2048 wide)."""
+
 GUIDER_DEFAULTS = {"enabled": True, "use_original_formulation": False, "start": 0.0, "stop": 1.0}
 """The ``ClassifierFreeGuidance`` settings flowrl samples with (the guider's defaults, which the HunyuanVideo 1.5
 folders ship): guidance on at every step, ``v_neg + w (v_c - v_neg)``."""
@@ -64,8 +69,8 @@ folders ship): guidance on at every step, ``v_neg + w (v_c - v_neg)``."""
 class HunyuanVideo15PromptEmbeds(PromptEmbeds):
     """HunyuanVideo 1.5 prompt embeddings: Qwen2.5-VL states ``embeds (P, T, D)`` float32 (``T = max_sequence_length``,
     the template's first 108 tokens cropped, padded on the right) and their ``mask (P, T)`` long (1 for a token); ByT5
-    states of the prompt's glyph text ``embeds_2 (P, 256, D_2)`` float32 and their ``mask_2 (P, 256)`` long (all zero
-    for a prompt without text in quotes); ``pooled`` is an empty ``(P, 0)``."""
+    states of the prompt's glyph text ``embeds_2 (P, G, D_2)`` float32 and their ``mask_2 (P, G)`` long (all zero
+    for a prompt without text in quotes; ``G = min(256, max_sequence_length)``, :data:`GLYPH_TOKENS`); ``pooled`` is an empty ``(P, 0)``."""
 
     mask: torch.Tensor = None
     embeds_2: torch.Tensor = None
@@ -102,8 +107,9 @@ class HunyuanVideo15Model(VideoModel):
     - Prompts: the pipeline's own ``encode_prompt`` (:class:`HunyuanVideo15PromptEmbeds`): Qwen2.5-VL states of the
       chat-templated prompt padded to ``108 + max_sequence_length`` tokens (default 1000, the pipeline's
       ``tokenizer_max_length``), 108 cropped; ByT5 states of its glyph text (``"..."`` or curly quotes) padded to
-      256 tokens (the pipeline's ``tokenizer_2_max_length``). The transformer masks both paddings out: a shorter
-      ``max_sequence_length`` changes no video, only the cost (and truncates longer prompts).
+      256 tokens (the pipeline's ``tokenizer_2_max_length``; :data:`GLYPH_TOKENS`), or ``max_sequence_length`` if that is
+      shorter. The transformer masks both paddings out: a shorter ``max_sequence_length`` changes no video, only the
+      cost (and truncates longer prompts and glyph texts).
       The empty prompt is templated as ``" "``, as the stock pipeline does.
     - CFG: the guider's ``v_neg + w (v_c - v_neg)`` (``w`` = ``sampling.guidance_scale``, standing in for the folder's
       ``guider.guidance_scale``: 6 for 480p / 720p, 1 for the CFG-distilled folders) against ``negative_prompt``
@@ -252,9 +258,11 @@ class HunyuanVideo15Model(VideoModel):
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> HunyuanVideo15PromptEmbeds:
         """Encode prompts with ``HunyuanVideo15Pipeline.encode_prompt`` at ``max_sequence_length`` Qwen tokens (the
-        pipeline's ``tokenizer_max_length``, set here): :class:`HunyuanVideo15PromptEmbeds`."""
+        pipeline's ``tokenizer_max_length``, set here) and at most as many ByT5 glyph tokens (its
+        ``tokenizer_2_max_length``, :data:`GLYPH_TOKENS`): :class:`HunyuanVideo15PromptEmbeds`."""
         pipe = self.pipe
         pipe.tokenizer_max_length = self.max_sequence_length  # an attribute of the pipeline, not an argument
+        pipe.tokenizer_2_max_length = min(GLYPH_TOKENS, self.max_sequence_length)  # likewise
         embeds, mask, embeds_2, mask_2 = pipe.encode_prompt(list(prompts), device=self.device, batch_size=len(prompts))
         empty = embeds.new_zeros(len(prompts), 0).float()  # (P, 0): no pooled embedding
         return HunyuanVideo15PromptEmbeds(embeds.float(), empty, mask.long(), embeds_2.float(), mask_2.long())

@@ -348,16 +348,18 @@ def _hunyuan_video(c: dict, s: Shape) -> dict:
 
 def _hunyuan_video15(c: dict, s: Shape) -> dict:
     """HunyuanVideo 1.5 (``HunyuanVideo15Pipeline`` and its image-to-video one): 16x spatial and 4x temporal VAE, the
-    image tokens (729) and a second text stream (ByT5, 256 tokens)."""
+    image tokens (729) and a second text stream (ByT5 glyph tokens: 256, or the text stream's tokens if fewer, as
+    :meth:`flowrl.models.HunyuanVideo15Model.encode` caps them)."""
     f, h, w = s.latent
+    glyphs = min(256, s.text_tokens)
     return dict(
         hidden_states=_e(s.rows, c["in_channels"], f, h, w, s=s),
         image_embeds=_e(s.rows, 729, c["image_embed_dim"], s=s),
         timestep=_e(s.rows, s=s),
         encoder_hidden_states=_e(s.rows, s.text_tokens, c["text_embed_dim"], s=s),
         encoder_attention_mask=_e(s.rows, s.text_tokens, s=s),
-        encoder_hidden_states_2=_e(s.rows, 256, c["text_embed_2_dim"], s=s),
-        encoder_attention_mask_2=_e(s.rows, 256, s=s),
+        encoder_hidden_states_2=_e(s.rows, glyphs, c["text_embed_2_dim"], s=s),
+        encoder_attention_mask_2=_e(s.rows, glyphs, s=s),
     )
 
 

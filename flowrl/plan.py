@@ -26,9 +26,9 @@ import torch
 
 ENGINES = ("ddp", "fsdp2", "zero1", "zero2", "zero2_offload", "fsdp2_full_shard", "zero3", "zero3_offload")
 """DDP, FSDP2 (weights kept gathered, a unit per block), DeepSpeed ZeRO-1, ZeRO-2, ZeRO-2 with the optimizer offloaded
-to the CPU, FSDP2 resharding after each forward, ZeRO-3 (the engines of ``configs/accelerate/``), and ZeRO-3 with the
-optimizer and weights offloaded, planned but not yet run by flowrl (:data:`NOT_RUN`)."""
-NOT_RUN = ("zero3_offload",)
+to the CPU, FSDP2 resharding after each forward, ZeRO-3, and ZeRO-3 with the optimizer and weights offloaded to the
+CPU (the engines of ``configs/accelerate/``)."""
+NOT_RUN: tuple[str, ...] = ()
 """Engines :data:`ENGINES` plans that flowrl does not run yet (docs/distributed.md, "Full sharding")."""
 PUBLISHED = Path(__file__).resolve().parent / "models" / "published"
 """The published models' configs (``NAME.json``: ``pipeline``, ``network``, ``components`` with each one's library,

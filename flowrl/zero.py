@@ -108,15 +108,11 @@ def check_deepspeed_config(config: dict, max_grad_norm: float) -> None:
             "(configs/accelerate/deepspeed_zero2.yaml, deepspeed_zero3.yaml); stage 0 is DDP "
             "(configs/accelerate/ddp.yaml)"
         )
-    if _get(config, "zero_optimization.offload_param.device", "none") not in ("none", None):
+    if stage != 3 and _get(config, "zero_optimization.offload_param.device", "none") not in ("none", None):
         raise ConfigError(
-            "the DeepSpeed config offloads parameters (zero_optimization.offload_param.device), which flowrl "
-            "has not run: set it to none (optimizer offload, offload_optimizer.device: cpu, runs)"
-        )
-    if stage == 3 and _get(config, "zero_optimization.offload_optimizer.device", "none") not in ("none", None):
-        raise ConfigError(
-            "the DeepSpeed config offloads the optimizer under ZeRO stage 3 (zero_optimization.offload_optimizer."
-            "device), which flowrl has not run: set it to none, or use stage 2 with optimizer offload"
+            f"the DeepSpeed config offloads the weights (zero_optimization.offload_param.device) under ZeRO stage "
+            f"{stage}: DeepSpeed offloads weights under stage 3 only (configs/accelerate/deepspeed_zero3_offload.yaml); "
+            "set it to none (optimizer offload, offload_optimizer.device: cpu, runs under stages 1-3)"
         )
     for key in ("bf16", "fp16"):
         if _get(config, f"{key}.enabled", False) is True:

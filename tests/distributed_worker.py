@@ -47,15 +47,15 @@ def force_cpu_fsdp2(config: str = "fsdp2.yaml") -> None:
     accelerate.Accelerator = CPUFSDP2Accelerator
 
 
-def force_cpu_deepspeed(stage: int, offload_optimizer: str = "none") -> None:
+def force_cpu_deepspeed(stage: int, offload_optimizer: str = "none", offload_param: str = "none") -> None:
     """Make every ``accelerate.Accelerator`` built from now on run DeepSpeed ZeRO ``stage`` on the CPU processes.
 
     accelerate 1.15 counts one process per DeepSpeed launch on a machine without an accelerator (its backend stays
     unset, so ``num_processes`` is 1 while DeepSpeed's own group has every process). DeepSpeed itself runs on the CPU
     (its CPU accelerator, gloo). So the processes are set up as accelerate's ``MULTI_CPU`` (gloo), then its shared state
     is switched to DeepSpeed with the plugin that ``accelerate launch --config_file configs/accelerate/deepspeed_zero2.yaml``
-    (``deepspeed_zero3.yaml`` for stage 3) gives (the launcher's environment, :func:`deepspeed_launch_env`, with the ZeRO stage and optimizer offload device
-    replaced): from there on ``Accelerator.prepare`` builds a DeepSpeed engine, as on GPUs.
+    (``deepspeed_zero3.yaml`` for stage 3) gives (the launcher's environment, :func:`deepspeed_launch_env`, with the ZeRO
+    stage and the optimizer's and weights' offload devices replaced): from there on ``Accelerator.prepare`` builds a DeepSpeed engine, as on GPUs.
     """
     import accelerate
     from accelerate import DeepSpeedPlugin
@@ -68,6 +68,7 @@ def force_cpu_deepspeed(stage: int, offload_optimizer: str = "none") -> None:
             os.environ.update(deepspeed_launch_env("deepspeed_zero3.yaml" if stage == 3 else "deepspeed_zero2.yaml"))
             os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = str(stage)
             os.environ["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"] = offload_optimizer
+            os.environ["ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"] = offload_param
             plugin = DeepSpeedPlugin()  # read from the launcher's ACCELERATE_DEEPSPEED_* variables
             for state in (PartialState(), AcceleratorState()):
                 state.distributed_type = DistributedType.DEEPSPEED
@@ -225,6 +226,7 @@ def train_one(config: str, out: str, overrides: list[str]):
         },
         f"{out}/grads{rank}.safetensors",
     )
+    engine = trainer.policy.engine  # a DeepSpeed engine, or None
     calls = []  # items 0..6 over 2 processes: 4 and 3 items, gathered back in item order
     order = sharded(
         lambda idx: calls.append(idx) or torch.tensor(idx, dtype=torch.float32)[:, None] * 10, 7, trainer.accelerator
@@ -238,8 +240,9 @@ def train_one(config: str, out: str, overrides: list[str]):
                 "sharded_calls": calls,
                 "num_processes": trainer.accelerator.num_processes,
                 "wrapped": type(trainer.policy.wrapped).__name__,
-                "optimizer_offload": bool(
-                    getattr(getattr(trainer.policy.engine, "optimizer", None), "cpu_offload", False)
+                "optimizer_offload": bool(engine is not None and engine.zero_cpu_offload()),
+                "weights_offload": bool(
+                    engine is not None and getattr(engine.zero_offload_param(), "device", "none") == "cpu"
                 ),
                 "fsdp_units": len(fsdp_units(trainer.model.transformer)) if trainer.policy.sharded else 0,
                 "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -258,9 +261,9 @@ def main() -> None:
         force_cpu_fsdp2()
     elif os.environ.get("FLOWRL_TEST_FSDP2") == "full_shard":
         force_cpu_fsdp2("fsdp2_full_shard.yaml")
-    if os.environ.get("FLOWRL_TEST_ZERO"):  # "stage" or "stage:offload device"
-        stage, _, offload = os.environ["FLOWRL_TEST_ZERO"].partition(":")
-        force_cpu_deepspeed(int(stage), offload or "none")
+    if os.environ.get("FLOWRL_TEST_ZERO"):  # "stage", "stage:optimizer offload device[:weights offload device]"
+        stage, *offload = os.environ["FLOWRL_TEST_ZERO"].split(":")
+        force_cpu_deepspeed(int(stage), *offload)
     if sys.argv[1] == "--runs":
         with open(sys.argv[2]) as f:
             runs = json.load(f)

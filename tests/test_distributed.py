@@ -746,6 +746,29 @@ def test_deepspeed_zero3_resume_continues_the_run(zero3_run, tmp_path):
     _assert_resume_is_exact(tmp, ddp, tmp_path, zero="3")
 
 
+def test_deepspeed_zero3_offload_resumes_the_run_with_the_weights_and_optimizer_on_the_cpu(zero3_run, tmp_path):
+    """ZeRO-3 with the weights and the optimizer offloaded to the CPU (``deepspeed_zero3_offload.yaml``): the ZeRO-3
+    run resumed from its second checkpoint (whole weights, moments and step count read back into each process's
+    offloaded partitions) trains the third iteration to the weights of the run that never stopped (float tolerance:
+    the offloaded optimizer steps on the CPU copy)."""
+    import shutil
+
+    tmp, ddp = zero3_run
+    shutil.copytree(tmp / "run", tmp_path / "run")
+    shutil.rmtree(tmp_path / "run/checkpoints/checkpoint-000003")
+    (tmp_path / "c.yaml").write_text((tmp / "c.yaml").read_text())
+    overrides = [o for o in _fixture_overrides(ddp) if not o.startswith("run.output_dir=")]
+    _launch(tmp_path, [*overrides, f"run.output_dir={tmp_path / 'run'}", "run.resume=true"], zero="3:cpu:cpu")
+    info = json.loads((tmp_path / "rank0.json").read_text())
+    assert info["optimizer_offload"] and info["weights_offload"]
+    straight, resumed = load_file(tmp / "rank0.safetensors"), load_file(tmp_path / "rank0.safetensors")
+    second = load_file(tmp / "run/checkpoints/checkpoint-000002/trainable.safetensors")
+    assert any(not torch.equal(straight[k], second[k]) for k in straight)  # the third iteration moved the weights
+    assert straight.keys() == resumed.keys()
+    for k in straight:
+        torch.testing.assert_close(resumed[k], straight[k], rtol=1e-5, atol=1e-7)
+
+
 def test_deepspeed_zero3_full_fine_tuning_matches_ddp_and_exports_the_pipeline(tmp_path, two_process_run, full_ft_ddp):
     """Full fine-tuning under DeepSpeed ZeRO-3, one transition per micro-batch (process 1 pads two zero-weight
     backwards per step, and its held-out evaluation share): DDP's weights and evaluation, and the exported pipeline

@@ -13,7 +13,9 @@ rows through the method's own loss, evaluation shares padded, grids drawn on eve
 weights (EMA, a method's reference or sampling policy) are copies of each parameter's partition (``ds_tensor``) swapped
 into it, every weight is partitioned however small (``stage3_param_persistence_threshold: 0``), and whole weights are
 gathered by every process (:func:`whole_partition`, :func:`gathered`) for checkpoints and exports. The frozen text
-encoders and VAE load whole (:func:`load_whole`); parameter offload is refused.
+encoders and VAE load whole (:func:`load_whole`). Under stage 3 the partitions and the optimizer may be offloaded to
+the CPU (``configs/accelerate/deepspeed_zero3_offload.yaml``: DeepSpeed moves each module's partitions in for its
+forward and backward and steps AdamW on the CPU); weights offload under stages 1-2 is refused (DeepSpeed has none).
 
 Gradient clipping is DeepSpeed's (``gradient_clipping`` set to ``train.max_grad_norm``: the same rule as
 ``torch.nn.utils.clip_grad_norm_``, coefficient ``max_norm / (norm + 1e-6)`` when below 1). Checkpoints hold whole
@@ -82,9 +84,8 @@ def check_deepspeed_config(config: dict, max_grad_norm: float) -> None:
 
     Raises:
         ConfigError: for DeepSpeed missing or without ``managed_gradient_accumulation`` (0.19.8 has it); naming the
-            DeepSpeed key and what to set, for a ZeRO stage other than 1, 2 or 3, parameter offload, optimizer offload
-            under stage 3, DeepSpeed's own
-            bf16/fp16 (flowrl's precision is ``run.mixed_precision``), an ``optimizer`` or ``scheduler`` block (flowrl
+            DeepSpeed key and what to set, for a ZeRO stage other than 1, 2 or 3, weights offload under stage 1 or 2,
+            DeepSpeed's own bf16/fp16 (flowrl's precision is ``run.mixed_precision``), an ``optimizer`` or ``scheduler`` block (flowrl
             builds AdamW from ``train``), or a ``gradient_clipping`` other than ``train.max_grad_norm``.
     """
     from .config import ConfigError

@@ -226,7 +226,7 @@ def check_optimizer(name: str, device: torch.device | str) -> None:
     except ImportError:
         raise ConfigError(
             "config key 'train.optimizer' is 'adamw_8bit' but bitsandbytes is not installed: "
-            "pip install 'flowrl[bnb]' (or bitsandbytes), or use train.optimizer=adamw"
+            "pip install bitsandbytes, or use train.optimizer=adamw"
         ) from None
 
 

@@ -147,7 +147,8 @@ def load_run_config(path: str | Path | None, overrides: list[str]) -> tuple[Conf
     preset at `path` is not read; its values could differ from the run's).
 
     Returns:
-        ``(config, note)``: `note` is a line saying the preset was set aside for the run's own config, or None.
+        ``(config, note)``: `note` is a line saying the run's own config is used (and that the preset was set aside,
+        where `path` is not that config), or None.
 
     Raises:
         ConfigError / FileNotFoundError: as :func:`flowrl.config.load_config`, for the preset, the overrides or the
@@ -164,7 +165,8 @@ def load_run_config(path: str | Path | None, overrides: list[str]) -> tuple[Conf
         raise ConfigError(f"run.resume: the run's own {saved} does not load: {e}") from None
     config = dataclasses.replace(config, run=dataclasses.replace(config.run, output_dir=folder))
     note = f"resuming {config.run.output_dir} with the run's own {saved}"
-    return config, note + (f" ({path} is not read; pass key=value to change a setting)" if path else "")
+    set_aside = path is not None and Path(path).resolve() != saved.resolve()  # not when given RUN/config.yaml
+    return config, note + (f" ({path} is not read; pass key=value to change a setting)" if set_aside else "")
 
 
 def check_resume(given: Config, folder: Path) -> list[str]:

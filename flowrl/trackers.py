@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
-"""Tracker name in ``run.log_with`` -> the Python package it needs (``pip install flowrl[trackers]``)."""
+"""Tracker name in ``run.log_with`` -> the Python package it needs (all three: ``pip install -e ".[trackers]"``)."""
 
 
 def check_trackers(names: list[str]) -> None:
@@ -38,7 +38,7 @@ def check_trackers(names: list[str]) -> None:
         if importlib.util.find_spec(TRACKERS[name]) is None:
             raise ValueError(
                 f"config key 'run.log_with' names {name!r}, but its package is not installed: "
-                f"pip install {TRACKERS[name]}  (or pip install 'flowrl[trackers]')"
+                f"pip install {TRACKERS[name]}"
             )
     if len(set(names)) != len(names):
         raise ValueError(f"config key 'run.log_with' lists a tracker twice: {names}")

@@ -95,7 +95,7 @@ def check_deepspeed_config(config: dict, max_grad_norm: float) -> None:
         from deepspeed.runtime.engine import DeepSpeedEngine
     except ImportError:
         raise ConfigError(
-            "accelerate launch uses DeepSpeed, which is not installed: pip install 'flowrl[deepspeed]'"
+            "accelerate launch uses DeepSpeed, which is not installed: pip install 'deepspeed>=0.19.8'"
         ) from None
     if not hasattr(DeepSpeedEngine, "managed_gradient_accumulation"):
         raise ConfigError(

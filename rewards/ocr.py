@@ -136,9 +136,7 @@ class RapidOcrEngine:
         try:
             from rapidocr import RapidOCR
         except ImportError as err:
-            raise ImportError(
-                "ocr: the default engine needs `pip install rapidocr onnxruntime` (flowrl[ocr])"
-            ) from err
+            raise ImportError("ocr: the default engine needs `pip install rapidocr onnxruntime`") from err
         if not 0 <= text_score <= 1:
             raise ValueError(f"ocr: text_score must lie in [0, 1], got {text_score!r}")
         settings = {

@@ -227,7 +227,7 @@ def chat_client(
 
     Raises:
         ValueError: an option out of range, or a `question` with another placeholder (named).
-        ImportError: the ``openai`` package is missing (``pip install 'flowrl[vlm]'``).
+        ImportError: the ``openai`` package is missing (``pip install openai``).
     """
     for key, value, least in (
         ("concurrency", concurrency, 1),
@@ -242,7 +242,7 @@ def chat_client(
     try:
         from openai import OpenAI
     except ImportError as err:
-        raise ImportError(f"{reward} needs the openai client: pip install 'flowrl[vlm]' ({err})") from err
+        raise ImportError(f"{reward} needs the openai client: pip install openai ({err})") from err
     return OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries)
 
 

@@ -119,7 +119,7 @@ class VLMScore:
 
     Raises:
         ValueError: an option out of range (named), or a `question` with a placeholder other than ``{prompt}``.
-        ImportError: the ``openai`` package is missing (``pip install 'flowrl[vlm]'``).
+        ImportError: the ``openai`` package is missing (``pip install openai``).
     """
 
     name = "vlm_score"

@@ -176,6 +176,24 @@ def test_fresh_transformer_keeps_the_init_text_tower_but_not_its_transformer(tmp
     assert kept.config.num_layers == 5  # without fresh: the init transformer, to continue
 
 
+def test_the_transformer_stage_continues_an_init_pipeline(tmp_path):
+    """The stage every `python -m flowrl.tiny.build` command of docs/tiny_world.md reaches (it passed `steps` and
+    `seed` where train_transformer now takes the text tower, a TypeError): one step on 8 scenes moves the shipped
+    transformer and leaves the text tower (text_lr 0) as it was."""
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+
+    from flowrl.tiny.build import _transformer_stage
+
+    init = "assets/tiny-sd3"
+    images, captions = render_dataset(8, seed=0)
+    vae = AutoencoderKL.from_pretrained(f"{init}/vae")
+    options = dict(batch=4, lr=1e-3, t_mean=0.0, ema_decay=0.0, text_lr=0.0)
+    text, transformer = _transformer_stage(tmp_path, images, captions, build_tokenizer(), vae, init, 1, 0, **options)
+    shipped = SD3Transformer2DModel.from_pretrained(f"{init}/transformer").state_dict()
+    assert any(not torch.equal(v, shipped[k]) for k, v in transformer.state_dict().items())
+    assert not text.training and not transformer.training
+
+
 @pytest.mark.parametrize(
     "args",
     [

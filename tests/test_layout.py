@@ -69,3 +69,16 @@ def test_no_top_level_samplers_or_rewards_import_name(tmp_path):
     lines = out.stdout.splitlines()
     assert lines[0] == "None None"
     assert [Path(p).resolve() for p in lines[1:]] == [REPO / "samplers", REPO / "rewards"]
+
+
+def test_install_hints_never_name_a_registry_package_called_flowrl():
+    """flowrl installs from its clone (`pip install -e ".[EXTRA]"`, README): a package named `flowrl` on PyPI is
+    another project, so no doc page or error message may tell a user to `pip install flowrl` or `'flowrl[EXTRA]'`."""
+    import re
+
+    files = [REPO / "README.md", *(REPO / "docs").glob("*.md")]
+    files += [p for d in ("flowrl", "rewards", "samplers") for p in (REPO / d).rglob("*.py")]
+    bad = re.compile(r"pip install\s+['\"]?flowrl\b")
+    hits = [f"{p.relative_to(REPO)}: {m.group(0)}" for p in files for m in bad.finditer(p.read_text())]
+    assert not hits
+    assert re.search(r"pip install -e \"\.\[deepspeed\]\"", (REPO / "docs" / "distributed.md").read_text())

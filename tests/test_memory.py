@@ -39,9 +39,11 @@ def test_adamw_8bit_is_refused_on_cpu_before_weights_load(tmp_path, prompt_files
     assert "train.optimizer" in str(err.value) and "\n" not in str(err.value)
 
 
-def test_adamw_8bit_without_bitsandbytes_names_the_extra(monkeypatch):
+def test_adamw_8bit_without_bitsandbytes_names_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed: import raises ImportError
-    with pytest.raises(ConfigError, match=r"'train.optimizer'.*bitsandbytes is not installed.*flowrl\[bnb\]"):
+    with pytest.raises(
+        ConfigError, match=r"'train.optimizer'.*bitsandbytes is not installed: pip install bitsandbytes"
+    ):
         check_optimizer("adamw_8bit", "cuda")
     check_optimizer("adamw", "cpu")  # the default runs anywhere
 

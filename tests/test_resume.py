@@ -93,6 +93,9 @@ def test_the_cli_resume_reads_the_run_config_not_the_preset(tmp_path):
     assert str(preset) in note and "config.yaml" in note
     fresh, note = load_run_config(preset, [f"run.output_dir={tmp_path / 'new'}", "run.resume=true"])
     assert fresh.sampling.prompts_per_iteration == 16 and note is None  # nothing saved: the preset
+    # docs/rewards.md's `flowrl train RUN/config.yaml run.resume=true`: that file is read, not set aside
+    config, note = load_run_config(folder / "config.yaml", ["run.resume=true", "run.iterations=3"])
+    assert config.sampling.prompts_per_iteration == 4 and "with the run's own" in note and "not read" not in note
 
 
 def test_different_evaluations_are_not_printed_as_one_comparison():

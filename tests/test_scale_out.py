@@ -112,9 +112,9 @@ def test_the_shipped_fsdp2_launch_passes_and_other_sharded_launches_are_refused_
     full = FullyShardedDataParallelPlugin().reshard_after_forward
     assert full is True
     check_accelerate_engine(_launch("FSDP", fsdp_version=2, reshard_after_forward=full))
-    with pytest.raises(ConfigError, match="reshards after each forward.*train.method 'gardo' does not.*fsdp2.yaml"):
+    with pytest.raises(ConfigError, match="reshards after each forward.*train.method 'refl' does not.*fsdp2.yaml"):
         check_accelerate_engine(
-            _launch("FSDP", fsdp_version=2, reshard_after_forward=True), lockstep_blocker="train.method 'gardo'"
+            _launch("FSDP", fsdp_version=2, reshard_after_forward=True), lockstep_blocker="train.method 'refl'"
         )
     with pytest.raises(ConfigError, match="reshards after forward to 4 processes.*true.*false"):
         check_accelerate_engine(_launch("FSDP", fsdp_version=2, reshard_after_forward=4))
@@ -126,9 +126,10 @@ def test_the_shipped_fsdp2_launch_passes_and_other_sharded_launches_are_refused_
         check_accelerate_engine(_launch("MEGATRON_LM"))
 
 
-def test_full_shard_runs_grpo_on_flat_groups_and_names_what_keeps_other_methods_out():
-    """Under FSDP2 full shard (every process calls the transformer alike) GRPO and Flow-DPPO on flat groups run; the
-    setting that keeps another method or shape out is named for check_accelerate_engine's one-line error."""
+def test_full_shard_runs_grpo_and_the_forward_process_methods_and_names_what_keeps_other_methods_out():
+    """Under FSDP2 full shard (every process calls the transformer alike) GRPO, Flow-DPPO and GARDO on flat groups and
+    the forward-process methods (DiffusionNFT, AWM, CRD, DGPO, online and offline Diffusion-DPO, SFT) run; the setting
+    that keeps another method or shape out is named for check_accelerate_engine's one-line error."""
     from types import SimpleNamespace
 
     from flowrl.methods import METHODS
@@ -137,9 +138,11 @@ def test_full_shard_runs_grpo_on_flat_groups_and_names_what_keeps_other_methods_
         cfg = SimpleNamespace(train=SimpleNamespace(method=method), sampling=SimpleNamespace(shape=shape))
         return METHODS[method].lockstep_blocker(cfg)
 
-    assert blocker("grpo") is None and blocker("flow_dppo") is None
+    for method in ("grpo", "flow_dppo", "gardo", "nft", "awm", "crd", "dgpo", "dpo", "dpo_offline", "sft"):
+        assert blocker(method) is None, method
     assert blocker("grpo", "tree") == "sampling.shape 'tree' (flat runs)"
-    for method in ("gardo", "nft", "awm", "crd", "dgpo", "dpo", "dpo_offline", "sft", "refl", "draft", "srpo"):
+    assert blocker("gardo", "tree") == "sampling.shape 'tree' (flat runs)"
+    for method in ("refl", "draft", "alignprop", "srpo", "tdm", "dmd", "dmdr", "tdm_r1"):
         assert blocker(method) == f"train.method {method!r}", method
 
 
@@ -175,14 +178,14 @@ def test_the_shipped_deepspeed_launch_passes_and_what_flowrl_cannot_run_is_refus
             node[last] = value
         return _launch("DEEPSPEED", config)
 
-    for key, value in deepspeed_launch_env("deepspeed_zero3.yaml").items():  # ZeRO-3 runs GRPO on flat groups
+    for key, value in deepspeed_launch_env("deepspeed_zero3.yaml").items():  # ZeRO-3 runs the lockstep methods
         monkeypatch.setenv(key, value)
     plugin = DeepSpeedPlugin()
     assert plugin.deepspeed_config["zero_optimization"]["stage"] == 3 and plugin.zero3_init_flag is False
     check_accelerate_engine(_launch("DEEPSPEED", plugin.deepspeed_config), max_grad_norm=0.5)
-    with pytest.raises(ConfigError, match="stage is 3.*every process to call the transformer alike.*'gardo' does not"):
+    with pytest.raises(ConfigError, match="stage is 3.*every process to call the transformer alike.*'refl' does not"):
         check_accelerate_engine(
-            changed(zero_optimization__stage=3), max_grad_norm=0.5, lockstep_blocker="train.method 'gardo'"
+            changed(zero_optimization__stage=3), max_grad_norm=0.5, lockstep_blocker="train.method 'refl'"
         )
     zero3_init = changed(zero_optimization__stage=3)
     zero3_init.state.deepspeed_plugin.zero3_init_flag = True

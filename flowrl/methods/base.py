@@ -190,7 +190,8 @@ class Method:
     refused in one line before any weight loads (:func:`flowrl.pairing.check_pairing`). Default: nothing."""
     lockstep = False
     """Whether the method's update makes the same calls of the transformer on every process once its micro-batches are
-    padded with zero-weight rows (:meth:`optimizer_steps`, ``pad_row``), so that it runs where the weights are gathered
+    padded with zero-weight rows (:meth:`optimizer_steps`, ``pad_row``) and its forwards without gradients over its own
+    rows padded to the same chunks (:meth:`chunked`'s ``pad``), so that it runs where the weights are gathered
     in every forward (FSDP2 full shard, ZeRO-3: :func:`flowrl.sharding.lockstep`); :meth:`lockstep_blocker` says
     which setting stops it. Default: no (refused there, naming ``train.method``)."""
     differentiable_reward = False
@@ -385,15 +386,29 @@ class Method:
         return out
 
     # ------------------------------------------------------------------------------ shared parts
-    def chunked(self, fn, size: int | None = None):
+    def chunked(self, fn, size: int | None = None, pad: bool = False):
         """`fn` (a :class:`flowrl.samplers.VelocityFn`) evaluated in consecutive chunks of at most `size` rows (default
-        ``sampling.batch_size``: bounds the activation memory of one forward), concatenated."""
+        ``sampling.batch_size``: bounds the activation memory of one forward), concatenated.
+
+        With `pad`, for rows whose count differs between processes (a method's forwards over its own kept rows): in
+        lockstep (:attr:`flowrl.policy.Policy.lockstep`) the call then adds, after its own chunks, as many calls of
+        `fn` on its first row as the process with the most chunks makes more (:meth:`Policy.calls_owed`; their
+        outputs discarded), so that every process calls the transformer alike; every process must then call it at
+        the same point, with at least one row (:meth:`ForwardProcess.stand_in`).
+
+        Raises:
+            RuntimeError: (when called) a padded call without rows in lockstep.
+        """
         size = size or self.cfg.sampling.batch_size
 
         def chunked(x, t, cond):
-            return torch.cat(
-                [fn(x[i : i + size], t[i : i + size], cond[i : i + size]) for i in range(0, len(x), size)]
-            )
+            out = [fn(x[i : i + size], t[i : i + size], cond[i : i + size]) for i in range(0, len(x), size)]
+            owed = self.policy.calls_owed(len(out)) if pad else 0
+            if owed and not len(x):
+                raise RuntimeError("a padded forward in lockstep needs a row to repeat (ForwardProcess.stand_in)")
+            for _ in range(owed):  # lockstep: the calls the process with the most chunks makes beyond ours
+                fn(x[:1], t[:1], cond[:1])
+            return torch.cat(out)
 
         return chunked
 

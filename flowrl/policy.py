@@ -510,6 +510,15 @@ class Policy:
         shards or partitions (:meth:`whole` gathers them)."""
         return {n: p.detach().clone() for n, p in self._live().items()}
 
+    def part_of(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """This process's part of `value`, the whole tensor of the trainable tensor `name`, as a held copy
+        (:meth:`copy`) keeps it: under FSDP2 full shard its shard (:func:`flowrl.sharding.shard_like`), under ZeRO-3 its
+        partition (:func:`flowrl.zero.partition_of`), else `value` itself. No communication: what reads a held copy
+        back from a checkpoint (:meth:`flowrl.methods.base.Method.load_files`) writes it."""
+        if self.zero3:
+            return partition_of(value, self.params[name])
+        return shard_like(value, self._live()[name])
+
     @contextlib.contextmanager
     def holding(self, weights: dict[str, torch.Tensor] | None):
         """Context in which the forwards use ``weights`` (same names, as :meth:`copy` makes them; no-op for None). Under

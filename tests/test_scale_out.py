@@ -146,6 +146,83 @@ def test_full_shard_runs_grpo_and_the_forward_process_methods_and_names_what_kee
         assert blocker(method) == f"train.method {method!r}", method
 
 
+def test_padded_forwards_and_stand_ins_match_the_process_with_the_most_calls():
+    """In lockstep a method's forwards over its own rows (``Method.chunked(..., pad=True)``) add a discarded call of
+    their first row for each chunk the process with the most makes beyond theirs, and return the unpadded result; a
+    process that kept no rows updates on a stand-in (sample 0, or the given spare) that counts as none; outside
+    lockstep nothing changes."""
+    from types import SimpleNamespace
+
+    from flowrl.methods.base import Method
+    from flowrl.methods.forward import ForwardProcess
+
+    calls = []
+
+    def fn(x, t, cond):
+        calls.append(len(x))
+        return x * 2 + t[:, None] + cond[:, None]
+
+    x, t, cond = torch.arange(10.0).view(5, 2), torch.arange(5.0), torch.arange(5)
+    most = SimpleNamespace(cfg=SimpleNamespace(sampling=SimpleNamespace(batch_size=2)))
+    most.policy = SimpleNamespace(calls_owed=lambda n: 4 - n, lockstep=True)  # the process with the most: 4 chunks
+    out = Method.chunked(most, fn, pad=True)(x, t, cond)
+    assert calls == [2, 2, 1, 1] and torch.equal(out, fn(x, t, cond))  # 3 chunks and 1 padding call
+    calls.clear()
+    assert torch.equal(Method.chunked(most, fn)(x, t, cond), out) and calls == [2, 2, 1]  # pad off: as before
+    with pytest.raises(RuntimeError, match="needs a row to repeat.*stand_in"):
+        Method.chunked(most, fn, pad=True)(x[:0], t[:0], cond[:0])
+    rows = torch.tensor([3, 4])
+    kept, real = ForwardProcess.stand_in(most, rows)
+    assert kept is rows and real
+    stand_in, real = ForwardProcess.stand_in(most, rows[:0])
+    assert stand_in.tolist() == [0] and not real
+    assert ForwardProcess.stand_in(most, rows[:0], rows)[0] is rows
+    alone = SimpleNamespace(policy=SimpleNamespace(lockstep=False))
+    assert ForwardProcess.stand_in(alone, rows[:0])[0].numel() == 0  # outside lockstep: no rows, none stand in
+
+
+def test_gardo_calls_its_reference_in_every_micro_batch_in_lockstep(monkeypatch):
+    """GARDO in lockstep runs the reference in a micro-batch without a gated transition too (on its first, discarded:
+    no KL), so every micro-batch makes two forwards on every process; outside lockstep it skips it. A padding
+    micro-batch's KL leaves the reference's reset alone."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from flowrl.methods.gardo import GARDO
+    from flowrl.methods.grpo import GRPO
+
+    rows_seen = []
+    monkeypatch.setattr(GRPO, "policy_log_prob", lambda self, velocity, sub: velocity(sub.state, None, None))
+    sub = SimpleNamespace(leaf=torch.tensor([0, 1, 1]), state=torch.zeros(3, 2))
+    sub.select = lambda idx: SimpleNamespace(state=sub.state[idx], sigma=None, cond=None)
+    m = GARDO.__new__(GARDO)
+    m.reference, m.gate, m.device = {}, torch.tensor([False, False]), torch.device("cpu")
+
+    def velocity(state, sigma, cond):
+        rows_seen.append(len(state))
+        return state
+
+    for lockstep, seen in ((True, [1, 3]), (False, [3])):
+        null = contextlib.nullcontext
+        m.policy = SimpleNamespace(lockstep=lockstep, holding=lambda w: null(), autocast=lambda: null())
+        rows_seen.clear()
+        m.policy_log_prob(velocity, sub)
+        assert rows_seen == seen and m.v_ref is None
+    m.gate = torch.tensor([False, True])
+    m.policy_log_prob(velocity, sub)
+    assert m.v_ref[0].tolist() == [False, True, True] and len(m.v_ref[1].state) == 2  # the gated transitions
+
+    def exceeding(self, *args):
+        self.exceeded = True
+        return torch.zeros(()), {}
+
+    monkeypatch.setattr(GRPO, "micro_batch_loss", exceeding)
+    for pad in (True, False):
+        m.exceeded = False
+        m.micro_batch_loss(None, sub, None, None, SimpleNamespace(pad=pad), None)
+        assert m.exceeded is not pad
+
+
 def test_the_shipped_deepspeed_launch_passes_and_what_flowrl_cannot_run_is_refused_in_one_line(monkeypatch):
     import copy
 

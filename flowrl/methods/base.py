@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 from ..advantages import aggregate_advantages, best_of_n, gdpo_advantages, group_advantages
-from ..sharding import shard_like
 
 METHODS: dict[str, type[Method]] = {}
 """``train.method`` -> the method class (:func:`register_method`)."""
@@ -317,7 +316,7 @@ class Method:
                 origin = self.snapshot_origin or f"by train.method {self.name}"
                 raise ValueError(f"checkpoint {folder} has no {name}: it was not written {origin}")
             for n, v in load_file(file).items():
-                store[n].copy_(shard_like(v, store[n]))  # under FSDP2 full shard this process's shard
+                store[n].copy_(self.policy.part_of(n, v))  # FSDP2 full shard, ZeRO-3: this process's part
 
     def optimizer_steps(self, count: int, generator: torch.Generator, micro_loss, unit: int = 1, pad_row: int = 0):
         """The optimizer steps of ``train.inner_epochs`` passes over `count` rows (or units of `unit` rows:

@@ -51,6 +51,13 @@ def minibatch_sizes(counts: torch.Tensor, size: int) -> torch.Tensor:
     return torch.stack([torch.clamp(int(c) - torch.arange(steps) * size, 0, size) for c in counts])
 
 
+WHAT_RUNS = (
+    "full sharding runs GRPO, Flow-DPPO and GARDO on flat groups, DiffusionNFT, AWM, DGPO, CRD, Diffusion-DPO and SFT"
+)
+"""What the refusals of FSDP2 full shard and ZeRO-3 say runs there (the methods whose ``lockstep`` is true:
+:attr:`flowrl.methods.base.Method.lockstep`; docs/distributed.md, "Full sharding")."""
+
+
 def check_accelerate_engine(
     accelerator,
     step_grad_norms: str = "none",
@@ -104,8 +111,8 @@ def check_accelerate_engine(
         if plugin.reshard_after_forward and lockstep_blocker:
             raise ConfigError(
                 f"accelerate's FSDP2 reshards after each forward (fsdp_config.fsdp_reshard_after_forward: true), "
-                f"which needs every process to call the transformer alike, and {lockstep_blocker} does not: "
-                "set fsdp_reshard_after_forward: false (configs/accelerate/fsdp2.yaml)"
+                f"which needs every process to call the transformer alike, and {lockstep_blocker} does not "
+                f"({WHAT_RUNS}): set fsdp_reshard_after_forward: false (configs/accelerate/fsdp2.yaml)"
             )
         engine, shards = "FSDP2", "DTensor shards"
     elif kind == "DEEPSPEED":
@@ -127,8 +134,8 @@ def check_accelerate_engine(
         if config.get("zero_optimization", {}).get("stage") == 3 and lockstep_blocker:
             raise ConfigError(
                 f"the DeepSpeed config's zero_optimization.stage is 3, which gathers the weights in every forward "
-                f"and needs every process to call the transformer alike, and {lockstep_blocker} does not: use "
-                "stage 2 (configs/accelerate/deepspeed_zero2.yaml)"
+                f"and needs every process to call the transformer alike, and {lockstep_blocker} does not "
+                f"({WHAT_RUNS}): use stage 2 (configs/accelerate/deepspeed_zero2.yaml)"
             )
         engine, shards = "DeepSpeed", "ZeRO partitions"
     elif kind == "MEGATRON_LM":
@@ -367,6 +374,16 @@ class Policy:
             if self._backwards == before:
                 raise RuntimeError("a padding micro-batch made no backward (Policy.padding needs one per item)")
 
+    def calls_owed(self, calls: int) -> int:
+        """In lockstep (:func:`flowrl.sharding.lockstep`), how many calls of the transformer this process owes beyond
+        its own `calls` to make as many as the process that makes the most (a gather of the counts: every process
+        calls it at the same point); 0 elsewhere. What a method's forwards without gradients over its own rows (an
+        old, reference or EMA copy's velocity) pad with: :meth:`flowrl.methods.base.Method.chunked`'s ``pad``."""
+        if not self.lockstep or self.accelerator.num_processes == 1:
+            return 0
+        counts = self.accelerator.gather(torch.tensor([calls], device=self.device))  # (processes,)
+        return int(counts.max().item()) - calls
+
     # ----------------------------------------------------------------------------------- update
     def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
         """Back-propagate ``loss * scale`` (``scale``: the micro-batch's share of the global minibatch). Under
@@ -492,6 +509,15 @@ class Policy:
         """A detached copy of the trainable tensors, by name: whole, or under FSDP2 full shard and ZeRO-3 this process's
         shards or partitions (:meth:`whole` gathers them)."""
         return {n: p.detach().clone() for n, p in self._live().items()}
+
+    def part_of(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """This process's part of `value`, the whole tensor of the trainable tensor `name`, as a held copy
+        (:meth:`copy`) keeps it: under FSDP2 full shard its shard (:func:`flowrl.sharding.shard_like`), under ZeRO-3 its
+        partition (:func:`flowrl.zero.partition_of`), else `value` itself. No communication: what reads a held copy
+        back from a checkpoint (:meth:`flowrl.methods.base.Method.load_files`) writes it."""
+        if self.zero3:
+            return partition_of(value, self.params[name])
+        return shard_like(value, self._live()[name])
 
     @contextlib.contextmanager
     def holding(self, weights: dict[str, torch.Tensor] | None):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import built_once, tiny_overrides
+from conftest import built_once, read_metrics, tiny_overrides
 from safetensors.torch import load_file
 
 from flowrl.config import load_config
@@ -789,7 +789,8 @@ NEW_METHODS = ["awm", "crd", "dgpo", "dpo_online", "dpo_offline", "flow_dppo", "
 DIRECT_METHODS = ["refl", "draft", "alignprop", "srpo"]  # on the tiny CLIP score's gradient
 ENGINES = {"ddp": {}, "fsdp2": {"fsdp2": True}, "zero2": {"zero": "2"}}
 WRAPPED = {"ddp": "DistributedDataParallel", "fsdp2": "FSDP", "zero2": "DeepSpeedEngine"}
-HELD_COPIES = {"awm": 1, "crd": 2, "dpo_online": 1, "dpo_offline": 1, "gardo": 1}  # copies of the weights kept
+# copies of the weights kept
+HELD_COPIES = {"awm": 1, "crd": 2, "dpo_online": 1, "dpo_offline": 1, "gardo": 1, "diffusion_nft": 1}
 # the held copies' resets within the two iterations: DPO's reference copied from the policy after each, GARDO's
 # reference reset after each (its threshold passed by process 0's KL alone: process 1 keeps no rows), its KL on all
 HELD_RESETS = {
@@ -810,29 +811,95 @@ def new_method_runs(tmp_path_factory, random_pipeline, prompt_files):
 
 
 def _train_new_methods(root: Path, random_pipeline: Path, prompt_files: tuple[Path, Path]) -> None:
-    """:func:`new_method_runs`'s launches, into ``root``."""
+    """:func:`new_method_runs`'s launches, into ``root`` (under DDP DiffusionNFT too: :func:`lockstep_method_runs`'
+    reference)."""
     for engine, launch in ENGINES.items():
-        runs = []
-        for preset in NEW_METHODS + DIRECT_METHODS:
-            tmp = root / engine / preset
-            tmp.mkdir(parents=True)
-            reward = (
-                "distributed_worker:rank_reward" if preset not in ("dpo_offline", "sft") else "jpeg_compressibility"
-            )
-            options = ""
-            if preset in DIRECT_METHODS:
-                reward, options = "clipscore", f"    options: {{model_path: {HERE.parent / 'assets' / 'tiny-clip'}}}\n"
-            (tmp / "c.yaml").write_text(
-                f"base: {HERE.parent / 'configs' / (preset + '.yaml')}\n"
-                f"rewards:\n  geneval: null\n  {reward}:\n    weight: 1.0\n{options}"
-            )
-            extra = {"run.mixed_precision": "no", "train.minibatch_size": 8, "train.micro_batch_size": 4}
-            extra.update({"sampling.group_size": 4, "sampling.num_steps": 4, "train.offline.batch_size": 4})
-            extra.update(HELD_RESETS.get(preset, {}))
-            overrides = tiny_overrides(random_pipeline, *prompt_files, tmp / "run", **extra)
-            (tmp / "overrides.json").write_text(json.dumps(overrides))
-            runs.append({"config": str(tmp / "c.yaml"), "out": str(tmp), "overrides": overrides})
+        presets = NEW_METHODS + DIRECT_METHODS + (["diffusion_nft"] if engine == "ddp" else [])
+        runs = [_method_run(root / engine / preset, preset, random_pipeline, prompt_files) for preset in presets]
         _launch_runs(root / engine, runs, **launch)
+
+
+def _method_run(tmp: Path, preset: str, random_pipeline: Path, prompt_files: tuple[Path, Path]) -> dict:
+    """The run of ``configs/PRESET.yaml`` that :func:`new_method_runs` and :func:`lockstep_method_runs` launch, in the
+    new folder ``tmp`` (its config and ``overrides.json`` written there): process 1's groups without reward variance
+    (the direct methods score the tiny CLIP score, the offline ones JPEG compressibility), tiny sizes, two iterations.
+    Returns :func:`_launch_runs`' entry."""
+    tmp.mkdir(parents=True)
+    reward = "distributed_worker:rank_reward" if preset not in ("dpo_offline", "sft") else "jpeg_compressibility"
+    options = ""
+    if preset in DIRECT_METHODS:
+        reward, options = "clipscore", f"    options: {{model_path: {HERE.parent / 'assets' / 'tiny-clip'}}}\n"
+    (tmp / "c.yaml").write_text(
+        f"base: {HERE.parent / 'configs' / (preset + '.yaml')}\n"
+        f"rewards:\n  geneval: null\n  {reward}:\n    weight: 1.0\n{options}"
+    )
+    extra = {"run.mixed_precision": "no", "train.minibatch_size": 8, "train.micro_batch_size": 4}
+    extra.update({"sampling.group_size": 4, "sampling.num_steps": 4, "train.offline.batch_size": 4})
+    extra.update(HELD_RESETS.get(preset, {}))
+    overrides = tiny_overrides(random_pipeline, *prompt_files, tmp / "run", **extra)
+    (tmp / "overrides.json").write_text(json.dumps(overrides))
+    return {"config": str(tmp / "c.yaml"), "out": str(tmp), "overrides": overrides}
+
+
+LOCKSTEP_RUNS = {
+    "full_shard": (["diffusion_nft", "dgpo", "gardo"], {"fsdp2": "full_shard"}, "FSDP"),
+    "zero3": (["awm", "crd", "dpo_online"], {"zero": "3"}, "DeepSpeedEngine"),
+}
+"""Engine -> (presets, :func:`_launch` keywords, the wrapper's class name) of :func:`lockstep_method_runs`: each method
+that runs in lockstep beside GRPO (its ``lockstep``) under one of the two engines that gather the weights in every
+forward, to keep the CI's cost to one launch of three presets per engine (the held copies' forwards, CRD's two copies
+and DPO's reference, under ZeRO-3's partitions). Offline Diffusion-DPO and SFT (equal batches on every process,
+through DiffusionDPO's update and the shared one) are not launched here."""
+
+
+@pytest.fixture(scope="module")
+def lockstep_method_runs(tmp_path_factory, random_pipeline, prompt_files, new_method_runs):
+    """:data:`LOCKSTEP_RUNS`' presets trained as :func:`new_method_runs` trains them, under FSDP2 full shard and
+    DeepSpeed ZeRO-3: one torchrun launch per engine, the presets one after another in it, each in
+    ``ROOT/ENGINE/PRESET``, once per test session (:func:`conftest.built_once`). Returns ROOT and
+    :func:`new_method_runs`' root (the DDP runs)."""
+    with built_once(tmp_path_factory, "lockstep_methods") as (root, todo):
+        if todo:
+            for engine, (presets, launch, _) in LOCKSTEP_RUNS.items():
+                runs = [_method_run(root / engine / p, p, random_pipeline, prompt_files) for p in presets]
+                _launch_runs(root / engine, runs, **launch)
+    return root, new_method_runs
+
+
+@pytest.mark.parametrize(
+    "preset, engine", [(preset, engine) for engine, (presets, _, _) in LOCKSTEP_RUNS.items() for preset in presets]
+)
+def test_forward_process_methods_and_gardo_train_in_lockstep_to_ddps_weights(preset, engine, lockstep_method_runs):
+    """DiffusionNFT, DGPO and GARDO under FSDP2 full shard, AWM, CRD and online Diffusion-DPO under ZeRO-3 (every
+    process gathers the weights in each forward, so each must call the transformer alike): process 1 keeps no rows (no
+    reward variance in its groups), so its update runs on a stand-in sample (CRD: group), its old, reference and EMA
+    forwards are padded to process 0's chunks and its micro-batches are zero-weight ones (GARDO: a reference forward
+    in every micro-batch). The weights and held copies (NFT's old policy, AWM's EMA, CRD's old and sampler copies,
+    DPO's refreshed reference, GARDO's reset reference) end identical on both processes and equal to DDP's (rtol
+    1e-4), the weights trained, with DDP's optimizer steps and reference resets."""
+    root, ddp_root = lockstep_method_runs
+    tmp, ddp = root / engine / preset, ddp_root / "ddp" / preset
+    w0, w1, ref = (
+        load_file(f) for f in (tmp / "rank0.safetensors", tmp / "rank1.safetensors", ddp / "rank0.safetensors")
+    )
+    h0, h1, held = (
+        load_file(f) for f in (tmp / "held0.safetensors", tmp / "held1.safetensors", ddp / "held0.safetensors")
+    )
+    assert w0.keys() == w1.keys() == ref.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert h0.keys() == h1.keys() == held.keys() and all(torch.equal(h0[k], h1[k]) for k in h0)
+    assert len(held) == HELD_COPIES.get(preset, 0) * len(ref)
+    assert any(w0[k].abs().sum() > 0 for k in w0 if "lora_B" in k)
+    assert json.loads((tmp / "rank0.json").read_text())["wrapped"].startswith(LOCKSTEP_RUNS[engine][2])
+    rows, ref_rows = read_metrics(tmp / "run"), read_metrics(ddp / "run")
+    assert [r["iteration"] for r in rows] == [1, 2]
+    for r, d in zip(rows, ref_rows):
+        assert r["policy/optimizer_steps"] == d["policy/optimizer_steps"] >= 1
+    reset = {"dpo_online": "policy/reference_refreshed", "gardo": "gardo/reference_reset"}.get(preset)
+    if reset:
+        assert [r.get(reset) for r in rows] == [d.get(reset) for d in ref_rows] == [1.0, 1.0]
+    for ours, theirs in ((w0, ref), (h0, held)):
+        for k in theirs:
+            torch.testing.assert_close(ours[k], theirs[k], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("preset", ["refl", "draft", "alignprop"])

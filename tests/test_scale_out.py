@@ -112,9 +112,9 @@ def test_the_shipped_fsdp2_launch_passes_and_other_sharded_launches_are_refused_
     full = FullyShardedDataParallelPlugin().reshard_after_forward
     assert full is True
     check_accelerate_engine(_launch("FSDP", fsdp_version=2, reshard_after_forward=full))
-    with pytest.raises(ConfigError, match="reshards after each forward.*train.method 'gardo' does not.*fsdp2.yaml"):
+    with pytest.raises(ConfigError, match="reshards after each forward.*train.method 'refl' does not.*fsdp2.yaml"):
         check_accelerate_engine(
-            _launch("FSDP", fsdp_version=2, reshard_after_forward=True), lockstep_blocker="train.method 'gardo'"
+            _launch("FSDP", fsdp_version=2, reshard_after_forward=True), lockstep_blocker="train.method 'refl'"
         )
     with pytest.raises(ConfigError, match="reshards after forward to 4 processes.*true.*false"):
         check_accelerate_engine(_launch("FSDP", fsdp_version=2, reshard_after_forward=4))
@@ -126,9 +126,10 @@ def test_the_shipped_fsdp2_launch_passes_and_other_sharded_launches_are_refused_
         check_accelerate_engine(_launch("MEGATRON_LM"))
 
 
-def test_full_shard_runs_grpo_on_flat_groups_and_names_what_keeps_other_methods_out():
-    """Under FSDP2 full shard (every process calls the transformer alike) GRPO and Flow-DPPO on flat groups run; the
-    setting that keeps another method or shape out is named for check_accelerate_engine's one-line error."""
+def test_full_shard_runs_grpo_and_the_forward_process_methods_and_names_what_keeps_other_methods_out():
+    """Under FSDP2 full shard (every process calls the transformer alike) GRPO, Flow-DPPO and GARDO on flat groups and
+    the forward-process methods (DiffusionNFT, AWM, CRD, DGPO, online and offline Diffusion-DPO, SFT) run; the setting
+    that keeps another method or shape out is named for check_accelerate_engine's one-line error."""
     from types import SimpleNamespace
 
     from flowrl.methods import METHODS
@@ -137,10 +138,89 @@ def test_full_shard_runs_grpo_on_flat_groups_and_names_what_keeps_other_methods_
         cfg = SimpleNamespace(train=SimpleNamespace(method=method), sampling=SimpleNamespace(shape=shape))
         return METHODS[method].lockstep_blocker(cfg)
 
-    assert blocker("grpo") is None and blocker("flow_dppo") is None
+    for method in ("grpo", "flow_dppo", "gardo", "nft", "awm", "crd", "dgpo", "dpo", "dpo_offline", "sft"):
+        assert blocker(method) is None, method
     assert blocker("grpo", "tree") == "sampling.shape 'tree' (flat runs)"
-    for method in ("gardo", "nft", "awm", "crd", "dgpo", "dpo", "dpo_offline", "sft", "refl", "draft", "srpo"):
+    assert blocker("gardo", "tree") == "sampling.shape 'tree' (flat runs)"
+    for method in ("refl", "draft", "alignprop", "srpo", "tdm", "dmd", "dmdr", "tdm_r1"):
         assert blocker(method) == f"train.method {method!r}", method
+
+
+def test_padded_forwards_and_stand_ins_match_the_process_with_the_most_calls():
+    """In lockstep a method's forwards over its own rows (``Method.chunked(..., pad=True)``) add a discarded call of
+    their first row for each chunk the process with the most makes beyond theirs, and return the unpadded result; a
+    process that kept no rows updates on a stand-in (sample 0, or the given spare) that counts as none; outside
+    lockstep nothing changes."""
+    from types import SimpleNamespace
+
+    from flowrl.methods.base import Method
+    from flowrl.methods.forward import ForwardProcess
+
+    calls = []
+
+    def fn(x, t, cond):
+        calls.append(len(x))
+        return x * 2 + t[:, None] + cond[:, None]
+
+    x, t, cond = torch.arange(10.0).view(5, 2), torch.arange(5.0), torch.arange(5)
+    most = SimpleNamespace(cfg=SimpleNamespace(sampling=SimpleNamespace(batch_size=2)))
+    most.policy = SimpleNamespace(calls_owed=lambda n: 4 - n, lockstep=True)  # the process with the most: 4 chunks
+    out = Method.chunked(most, fn, pad=True)(x, t, cond)
+    assert calls == [2, 2, 1, 1] and torch.equal(out, fn(x, t, cond))  # 3 chunks and 1 padding call
+    calls.clear()
+    assert torch.equal(Method.chunked(most, fn)(x, t, cond), out) and calls == [2, 2, 1]  # pad off: as before
+    with pytest.raises(RuntimeError, match="needs a row to repeat.*stand_in"):
+        Method.chunked(most, fn, pad=True)(x[:0], t[:0], cond[:0])
+    rows = torch.tensor([3, 4])
+    kept, real = ForwardProcess.stand_in(most, rows)
+    assert kept is rows and real
+    stand_in, real = ForwardProcess.stand_in(most, rows[:0])
+    assert stand_in.tolist() == [0] and not real
+    assert ForwardProcess.stand_in(most, rows[:0], rows)[0] is rows
+    alone = SimpleNamespace(policy=SimpleNamespace(lockstep=False))
+    assert ForwardProcess.stand_in(alone, rows[:0])[0].numel() == 0  # outside lockstep: no rows, none stand in
+
+
+def test_gardo_calls_its_reference_in_every_micro_batch_in_lockstep(monkeypatch):
+    """GARDO in lockstep runs the reference in a micro-batch without a gated transition too (on its first, discarded:
+    no KL), so every micro-batch makes two forwards on every process; outside lockstep it skips it. A padding
+    micro-batch's KL leaves the reference's reset alone."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from flowrl.methods.gardo import GARDO
+    from flowrl.methods.grpo import GRPO
+
+    rows_seen = []
+    monkeypatch.setattr(GRPO, "policy_log_prob", lambda self, velocity, sub: velocity(sub.state, None, None))
+    sub = SimpleNamespace(leaf=torch.tensor([0, 1, 1]), state=torch.zeros(3, 2))
+    sub.select = lambda idx: SimpleNamespace(state=sub.state[idx], sigma=None, cond=None)
+    m = GARDO.__new__(GARDO)
+    m.reference, m.gate, m.device = {}, torch.tensor([False, False]), torch.device("cpu")
+
+    def velocity(state, sigma, cond):
+        rows_seen.append(len(state))
+        return state
+
+    for lockstep, seen in ((True, [1, 3]), (False, [3])):
+        null = contextlib.nullcontext
+        m.policy = SimpleNamespace(lockstep=lockstep, holding=lambda w: null(), autocast=lambda: null())
+        rows_seen.clear()
+        m.policy_log_prob(velocity, sub)
+        assert rows_seen == seen and m.v_ref is None
+    m.gate = torch.tensor([False, True])
+    m.policy_log_prob(velocity, sub)
+    assert m.v_ref[0].tolist() == [False, True, True] and len(m.v_ref[1].state) == 2  # the gated transitions
+
+    def exceeding(self, *args):
+        self.exceeded = True
+        return torch.zeros(()), {}
+
+    monkeypatch.setattr(GRPO, "micro_batch_loss", exceeding)
+    for pad in (True, False):
+        m.exceeded = False
+        m.micro_batch_loss(None, sub, None, None, SimpleNamespace(pad=pad), None)
+        assert m.exceeded is not pad
 
 
 def test_the_shipped_deepspeed_launch_passes_and_what_flowrl_cannot_run_is_refused_in_one_line(monkeypatch):
@@ -175,14 +255,14 @@ def test_the_shipped_deepspeed_launch_passes_and_what_flowrl_cannot_run_is_refus
             node[last] = value
         return _launch("DEEPSPEED", config)
 
-    for key, value in deepspeed_launch_env("deepspeed_zero3.yaml").items():  # ZeRO-3 runs GRPO on flat groups
+    for key, value in deepspeed_launch_env("deepspeed_zero3.yaml").items():  # ZeRO-3 runs the lockstep methods
         monkeypatch.setenv(key, value)
     plugin = DeepSpeedPlugin()
     assert plugin.deepspeed_config["zero_optimization"]["stage"] == 3 and plugin.zero3_init_flag is False
     check_accelerate_engine(_launch("DEEPSPEED", plugin.deepspeed_config), max_grad_norm=0.5)
-    with pytest.raises(ConfigError, match="stage is 3.*every process to call the transformer alike.*'gardo' does not"):
+    with pytest.raises(ConfigError, match="stage is 3.*every process to call the transformer alike.*'refl' does not"):
         check_accelerate_engine(
-            changed(zero_optimization__stage=3), max_grad_norm=0.5, lockstep_blocker="train.method 'gardo'"
+            changed(zero_optimization__stage=3), max_grad_norm=0.5, lockstep_blocker="train.method 'refl'"
         )
     for key, value in deepspeed_launch_env("deepspeed_zero3_offload.yaml").items():  # the weights and AdamW on the CPU
         monkeypatch.setenv(key, value)

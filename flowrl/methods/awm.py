@@ -78,6 +78,7 @@ class AWM(ForwardProcess):
     """
 
     EMA_FILE = "awm_ema.safetensors"  # the soft-updated copy of the policy, in each checkpoint
+    lockstep = True  # the old, base and EMA forwards padded, sample 0 standing in where a process keeps none
 
     snapshot_origin = "by train.method awm with train.awm.ema_beta > 0"
 
@@ -108,14 +109,15 @@ class AWM(ForwardProcess):
         """AWM's optimizer steps on the kept samples (module docstring); returns ``policy/loss``, ``policy/kl``,
         ``policy/kl_ema``, ``policy/ratio_first_max_dev`` and the PPO statistics, ``policy/optimizer_steps``, ``cost/*``."""
         a, model = self.cfg.train.awm, self.model
-        rows = keep.nonzero().squeeze(1)
+        rows, real = self.stand_in(keep.nonzero().squeeze(1))  # in lockstep sample 0 stands in for none kept
         times = self.stratified_times(generator)  # (K,)
         r = rows.repeat(len(times)).to(self.device)  # (N,) every kept sample at every time
+        count = len(r) if real else 0
         t = times.repeat_interleave(len(rows))
         x0, cond, adv_n = samples.x0[r], samples.cond[r], adv.to(self.device)[r]
         x_t, eps = self.noised(x0, t, generator)  # a fresh noise per (time, sample)
         velocity = model.velocity_fn(samples.table, a.guidance_scale)
-        chunked = self.chunked(velocity)
+        chunked = self.chunked(velocity, pad=True)
         with torch.no_grad(), self.policy.autocast():
             old = awm_log_likelihood(flow_matching_error(chunked(x_t, t, cond), x0, eps), t, a.power) if len(r) else t
             v_ref = None
@@ -146,9 +148,9 @@ class AWM(ForwardProcess):
                 stats[key].append(st[key].item())
             return loss
 
-        stats, steps = self.optimizer_steps(len(r), generator, micro_loss)
+        stats, steps = self.optimizer_steps(count, generator, micro_loss)
         passes = 2 + int(v_ref is not None) + int(v_ema is not None)  # the old policy's, the trained, ref and EMA rows
-        return self.update_metrics(stats, steps, len(r), passes * len(r) * model.cfg_rows(a.guidance_scale))
+        return self.update_metrics(stats, steps, count, passes * count * model.cfg_rows(a.guidance_scale))
 
     def end_iteration(self, stats: dict) -> None:
         """The EMA copy's soft update (records ``policy/ema_decay``)."""

@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 from ..advantages import aggregate_advantages, best_of_n, gdpo_advantages, group_advantages
-from ..sharding import shard_like
 
 METHODS: dict[str, type[Method]] = {}
 """``train.method`` -> the method class (:func:`register_method`)."""
@@ -190,7 +189,8 @@ class Method:
     refused in one line before any weight loads (:func:`flowrl.pairing.check_pairing`). Default: nothing."""
     lockstep = False
     """Whether the method's update makes the same calls of the transformer on every process once its micro-batches are
-    padded with zero-weight rows (:meth:`optimizer_steps`, ``pad_row``), so that it runs where the weights are gathered
+    padded with zero-weight rows (:meth:`optimizer_steps`, ``pad_row``) and its forwards without gradients over its own
+    rows padded to the same chunks (:meth:`chunked`'s ``pad``), so that it runs where the weights are gathered
     in every forward (FSDP2 full shard, ZeRO-3: :func:`flowrl.sharding.lockstep`); :meth:`lockstep_blocker` says
     which setting stops it. Default: no (refused there, naming ``train.method``)."""
     differentiable_reward = False
@@ -316,7 +316,7 @@ class Method:
                 origin = self.snapshot_origin or f"by train.method {self.name}"
                 raise ValueError(f"checkpoint {folder} has no {name}: it was not written {origin}")
             for n, v in load_file(file).items():
-                store[n].copy_(shard_like(v, store[n]))  # under FSDP2 full shard this process's shard
+                store[n].copy_(self.policy.part_of(n, v))  # FSDP2 full shard, ZeRO-3: this process's part
 
     def optimizer_steps(self, count: int, generator: torch.Generator, micro_loss, unit: int = 1, pad_row: int = 0):
         """The optimizer steps of ``train.inner_epochs`` passes over `count` rows (or units of `unit` rows:
@@ -385,15 +385,29 @@ class Method:
         return out
 
     # ------------------------------------------------------------------------------ shared parts
-    def chunked(self, fn, size: int | None = None):
+    def chunked(self, fn, size: int | None = None, pad: bool = False):
         """`fn` (a :class:`flowrl.samplers.VelocityFn`) evaluated in consecutive chunks of at most `size` rows (default
-        ``sampling.batch_size``: bounds the activation memory of one forward), concatenated."""
+        ``sampling.batch_size``: bounds the activation memory of one forward), concatenated.
+
+        With `pad`, for rows whose count differs between processes (a method's forwards over its own kept rows): in
+        lockstep (:attr:`flowrl.policy.Policy.lockstep`) the call then adds, after its own chunks, as many calls of
+        `fn` on its first row as the process with the most chunks makes more (:meth:`Policy.calls_owed`; their
+        outputs discarded), so that every process calls the transformer alike; every process must then call it at
+        the same point, with at least one row (:meth:`ForwardProcess.stand_in`).
+
+        Raises:
+            RuntimeError: (when called) a padded call without rows in lockstep.
+        """
         size = size or self.cfg.sampling.batch_size
 
         def chunked(x, t, cond):
-            return torch.cat(
-                [fn(x[i : i + size], t[i : i + size], cond[i : i + size]) for i in range(0, len(x), size)]
-            )
+            out = [fn(x[i : i + size], t[i : i + size], cond[i : i + size]) for i in range(0, len(x), size)]
+            owed = self.policy.calls_owed(len(out)) if pad else 0
+            if owed and not len(x):
+                raise RuntimeError("a padded forward in lockstep needs a row to repeat (ForwardProcess.stand_in)")
+            for _ in range(owed):  # lockstep: the calls the process with the most chunks makes beyond ours
+                fn(x[:1], t[:1], cond[:1])
+            return torch.cat(out)
 
         return chunked
 

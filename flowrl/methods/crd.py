@@ -131,6 +131,7 @@ class CRD(ForwardProcess):
 
     OLD_FILE = "crd_old.safetensors"
     SAMPLER_FILE = "crd_sampler.safetensors"
+    lockstep = True  # the old and base forwards padded, group 0 standing in where a process keeps none
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -164,6 +165,8 @@ class CRD(ForwardProcess):
         c, model, g = self.cfg.train.crd, self.model, self.cfg.sampling.group_size
         rows = keep.nonzero().squeeze(1)  # (K,) whole groups
         rows = rows[torch.argsort(samples.image_prompt[rows], stable=True)]  # group by group
+        first = (samples.image_prompt == samples.image_prompt[0]).nonzero().squeeze(1)  # (G,) sample 0's group
+        rows, real = self.stand_in(rows, first.to(rows.device))  # in lockstep group 0 stands in for none kept
         if len(rows) % g:
             raise RuntimeError(f"CRD trains whole groups of {g} samples; {len(rows)} kept rows are not")
         k, steps = len(rows), min(self.num_times(), len(self.sigmas) - 1)
@@ -175,15 +178,17 @@ class CRD(ForwardProcess):
         x_t, eps = self.noised(x0, t, generator)
         target = eps - x0
         units = len(r_idx) // g if k else 0
+        count = units if real else 0  # the units that enter the loss
         velocity = model.velocity_fn(samples.table, c.guidance_scale)
         with torch.no_grad(), self.policy.autocast():
             v_old = v_ref = None
             if units:
                 with self.policy.holding(self.old):
-                    v_old = self.chunked(velocity)(x_t, t, cond)
+                    v_old = self.chunked(velocity, pad=True)(x_t, t, cond)
                 if c.kl_beta > 0:
+                    guided = model.velocity_fn(samples.table, c.kl_guidance_scale)
                     with model.reference():
-                        v_ref = self.chunked(model.velocity_fn(samples.table, c.kl_guidance_scale))(x_t, t, cond)
+                        v_ref = self.chunked(guided, pad=True)(x_t, t, cond)
 
         def micro_loss(u, stats, at):
             idx = (u.view(-1, 1) * g + torch.arange(g, device=u.device)).reshape(-1)  # the units' rows
@@ -202,9 +207,9 @@ class CRD(ForwardProcess):
                 stats["policy/kl"].append(kl.mean().item())
             return loss
 
-        stats, steps = self.optimizer_steps(units, generator, micro_loss, unit=g)
+        stats, steps = self.optimizer_steps(count, generator, micro_loss, unit=g)
         passes = 2 + (model.cfg_rows(c.kl_guidance_scale) if v_ref is not None else 0)
-        return self.update_metrics(stats, steps, len(r_idx), passes * len(r_idx) * model.cfg_rows(c.guidance_scale))
+        return self.update_metrics(stats, steps, count * g, passes * count * g * model.cfg_rows(c.guidance_scale))
 
     def end_iteration(self, stats: dict) -> None:
         """Move the old and sampler copies towards the policy (records ``policy/old_decay``, ``sampling/decay``)."""

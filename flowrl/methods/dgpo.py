@@ -75,6 +75,8 @@ class DGPO(ForwardProcess):
     Args: as :class:`flowrl.methods.base.Method`.
     """
 
+    lockstep = True  # the policy's and base's forwards padded, sample 0 standing in where a process keeps none
+
     @classmethod
     def check_config(cls, cfg) -> None:
         cls.check_final_samples(cfg)
@@ -89,7 +91,7 @@ class DGPO(ForwardProcess):
         """DGPO's optimizer steps on the kept samples at ``train.dgpo.timesteps`` times; returns ``policy/loss``,
         ``policy/dgpo_objective``, ``policy/kl``, ``policy/grad_norm``, ``policy/optimizer_steps`` and ``cost/*``."""
         d, model = self.cfg.train.dgpo, self.model
-        rows = keep.nonzero().squeeze(1)  # (K,) the kept samples
+        rows, real = self.stand_in(keep.nonzero().squeeze(1))  # (K,) the kept samples (in lockstep a stand-in)
         steps = torch.randperm(min(d.max_step, len(self.sigmas) - 2) + 1, generator=generator)[: d.timesteps]
         times = self.sigmas[steps].to(self.device)  # (M,) distinct high-noise times
         groups = samples.image_prompt[rows]  # (K,)
@@ -106,10 +108,11 @@ class DGPO(ForwardProcess):
             self.device
         ).repeat(m)
         velocity = model.velocity_fn(samples.table, d.guidance_scale)
+        count, chunked = len(r) if real else 0, self.chunked(velocity, pad=True)
         with torch.no_grad(), self.policy.autocast():
-            v_theta = self.chunked(velocity)(x_t, t, cond) if len(r) else x_t
+            v_theta = chunked(x_t, t, cond) if len(r) else x_t
             with model.reference():
-                v_ref = self.chunked(velocity)(x_t, t, cond) if len(r) else x_t
+                v_ref = chunked(x_t, t, cond) if len(r) else x_t
         err0, ref_err = flow_matching_error(v_theta, x0, eps), flow_matching_error(v_ref, x0, eps)
         objective, weight = dgpo_objective(err0, ref_err, a, gid, d.beta, self.cfg.sampling.group_size)
 
@@ -121,7 +124,7 @@ class DGPO(ForwardProcess):
             stats["policy/kl"].append(kl.item())
             return (weight[idx] * a[idx] * err).mean() + d.kl_beta * kl
 
-        stats, steps = self.optimizer_steps(len(r), generator, micro_loss)
-        objective_mean = objective.mean().item() if len(objective) else 0.0
-        nfe = 2 * len(r) * model.cfg_rows(d.guidance_scale)
-        return self.update_metrics(stats, steps, len(r), nfe, **{"policy/dgpo_objective": objective_mean})
+        stats, steps = self.optimizer_steps(count, generator, micro_loss)
+        objective_mean = objective.mean().item() if count else 0.0
+        nfe = 2 * count * model.cfg_rows(d.guidance_scale)
+        return self.update_metrics(stats, steps, count, nfe, **{"policy/dgpo_objective": objective_mean})

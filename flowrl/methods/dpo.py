@@ -80,6 +80,7 @@ class DiffusionDPO(ForwardProcess):
     """
 
     REFERENCE_FILE = "reference.safetensors"  # the reference (and sampling) weights, in each checkpoint
+    lockstep = True  # the reference's forwards padded, sample 0 against itself standing in where a process has no pair
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -119,6 +120,8 @@ class DiffusionDPO(ForwardProcess):
             if len(win)
             else win
         )
+        win, real = self.stand_in(win)  # in lockstep, where this process has no pair, sample 0 against itself
+        lose = lose if real else win
         win, lose = win.repeat(d.timesteps), lose.repeat(d.timesteps)  # (N,) pair-times
         times = self.pair_times(len(win), generator)
         x0_w, x0_l = samples.x0[win.to(self.device)], samples.x0[lose.to(self.device)]
@@ -130,10 +133,11 @@ class DiffusionDPO(ForwardProcess):
         x_t, cond, x0 = torch.cat([x_t_w, x_t_l]), torch.cat([cond_w, cond_l]), torch.cat([x0_w, x0_l])
         eps2, times2 = torch.cat([eps, eps]), torch.cat([times, times])
         n = len(win)
+        count = n if real else 0  # the pairs that enter the loss
         ref_err = torch.zeros(0, device=self.device)
         if n:
             with torch.no_grad(), self.policy.holding(self.reference), self.policy.autocast():
-                ref_err = flow_matching_error(self.chunked(velocity)(x_t, times2, cond), x0, eps2)  # (2N,)
+                ref_err = flow_matching_error(self.chunked(velocity, pad=True)(x_t, times2, cond), x0, eps2)  # (2N,)
 
         def micro_loss(idx, stats, at):
             both = torch.cat([idx, idx + n])  # the winners' rows, then their losers'
@@ -145,8 +149,8 @@ class DiffusionDPO(ForwardProcess):
             stats["policy/implicit_acc"].append((margin > 0).float().mean().item())
             return dpo_loss(err[:m], ref_err[idx], err[m:], ref_err[idx + n], d.beta).mean()
 
-        stats, steps = self.optimizer_steps(n, generator, micro_loss)
-        return self.update_metrics(stats, steps, 2 * n, 2 * n * self.model.cfg_rows(d.guidance_scale))
+        stats, steps = self.optimizer_steps(count, generator, micro_loss)
+        return self.update_metrics(stats, steps, 2 * count, 2 * count * self.model.cfg_rows(d.guidance_scale))
 
     def end_iteration(self, stats: dict) -> None:
         """Copy the policy into the reference every ``train.dpo.ref_update_every`` iterations."""

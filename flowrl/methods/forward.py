@@ -116,6 +116,16 @@ class ForwardProcess(Method):
         adv, zero, stats = self.group_advantages(rewards)
         return adv[rewards.mine], ~zero[rewards.mine], stats
 
+    def stand_in(self, rows: torch.Tensor, spare: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+        """The samples an update runs its forwards on: `rows` (this process's kept samples, `(K,)` long) and True, or
+        in lockstep (:attr:`flowrl.policy.Policy.lockstep`) where this process kept none, `spare` (default sample 0,
+        ``[0]``) and False. The stand-in gives the zero-weight padding micro-batches (:meth:`Method.optimizer_steps`,
+        ``pad_row`` 0) and the padded forwards of the held copies (:meth:`Method.chunked`'s ``pad``) a row, so that
+        this process calls the transformer as the others do; the method trains and counts 0 rows of it."""
+        if len(rows) or not self.policy.lockstep:
+            return rows, True
+        return (torch.zeros(1, dtype=rows.dtype, device=rows.device) if spare is None else spare), False
+
     def grid_times(self, count: int, generator: torch.Generator, min_time: float = 0.0) -> torch.Tensor:
         """`count` times drawn uniformly from the sampler's grid ``sigmas[:-1]`` (in (0, 1], starting at 1) at or
         above `min_time`, on the device."""

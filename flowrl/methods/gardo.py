@@ -287,8 +287,6 @@ class GARDO(GRPO):
     Args: as :class:`flowrl.methods.base.Method`.
     """
 
-    lockstep = False  # the reference's forward runs only where a transition is gated: not alike on every process
-
     REFERENCE_FILE = "gardo_reference.safetensors"
 
     @classmethod
@@ -375,17 +373,30 @@ class GARDO(GRPO):
         return super().policy_loss(log_prob, mean, sub, adv, weights)
 
     # ------------------------------------------------------------------------------ the gated KL
+    def micro_batch_loss(self, velocity, sub, adv, weights, at, diag):
+        """:meth:`GRPO.micro_batch_loss`; a zero-weight padding micro-batch's KL (``at.pad``) does not count towards
+        the reference's reset."""
+        exceeded = self.exceeded
+        out = super().micro_batch_loss(velocity, sub, adv, weights, at, diag)
+        if at.pad:
+            self.exceeded = exceeded
+        return out
+
     def policy_log_prob(self, velocity, sub):
         """The reference's velocity at the gated transitions (before the policy's forward: the reference is held in
-        the same weights), then :meth:`GRPO.policy_log_prob`."""
+        the same weights), then :meth:`GRPO.policy_log_prob`. In lockstep (:attr:`flowrl.policy.Policy.lockstep`)
+        a micro-batch without a gated transition runs the reference on its first one, discarded, so that every
+        micro-batch calls the transformer twice on every process."""
         self.v_ref = None
         if self.reference is not None:
             leaf = sub.leaf.to(self.device)
             mask = torch.ones_like(leaf, dtype=torch.bool) if self.gate is None else self.gate[leaf]  # None: all
-            if bool(mask.any()):
-                rows = sub.select(mask.nonzero().squeeze(1).to(sub.leaf.device))
+            gated = mask.nonzero().squeeze(1).to(sub.leaf.device)
+            if len(gated) or self.policy.lockstep:
+                rows = sub.select(gated if len(gated) else torch.zeros(1, dtype=gated.dtype, device=gated.device))
                 with torch.no_grad(), self.policy.holding(self.reference), self.policy.autocast():
-                    self.v_ref = (mask, rows, velocity(rows.state, rows.sigma, rows.cond))
+                    v_ref = velocity(rows.state, rows.sigma, rows.cond)
+                self.v_ref = (mask, rows, v_ref) if len(gated) else None
         return super().policy_log_prob(velocity, sub)
 
     def kl_to_reference(self, velocity, sub, v: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,7 @@ class DiffusionNFT(ForwardProcess):
     """
 
     OLD_POLICY_FILE = "old_policy.safetensors"  # the soft-updated sampling policy, in each checkpoint
+    lockstep = True  # the old policy's forwards padded, sample 0 standing in where a process keeps none
 
     def __init__(self, cfg, model, policy, rewards):
         super().__init__(cfg, model, policy, rewards)
@@ -129,7 +130,9 @@ class DiffusionNFT(ForwardProcess):
         """
         train, model = self.cfg.train, self.model
         x0, cond, table = samples.x0, samples.cond, samples.table
-        rows = keep.nonzero().squeeze(1).repeat_interleave(train.nft.timesteps)  # (N,) noised copies per kept image
+        kept, real = self.stand_in(keep.nonzero().squeeze(1))  # in lockstep sample 0 stands in for none kept
+        rows = kept.repeat_interleave(train.nft.timesteps)  # (N,) noised copies per kept image
+        count = len(rows) if real else 0
         times = self.grid_times(len(rows), generator, train.nft.min_time)  # the sampler's own times, in (0, 1]
         x_0, c = x0[rows.to(self.device)], cond[rows.to(self.device)]
         x_t, _ = self.noised(x_0, times, generator)
@@ -139,10 +142,10 @@ class DiffusionNFT(ForwardProcess):
         )
         trained = model.velocity_fn(table, trained_scale)
         with torch.no_grad(), self.policy.holding(self.old_policy), self.policy.autocast():
-            v_old = self.chunked(trained)(x_t, times, c) if len(rows) else x_t
-        stats = self.optimize(trained, x_t, times, c, x_0, v_old, r, generator)
-        stats["cost/nfe"] = len(rows) * model.cfg_rows(trained_scale)
-        stats["cost/trained_transitions"] = len(rows) * train.inner_epochs
+            v_old = self.chunked(trained, pad=True)(x_t, times, c) if len(rows) else x_t
+        stats = self.optimize(trained, x_t, times, c, x_0, v_old, r, generator, count)
+        stats["cost/nfe"] = count * model.cfg_rows(trained_scale)
+        stats["cost/trained_transitions"] = count * train.inner_epochs
         return stats
 
     def end_iteration(self, stats: dict) -> None:
@@ -176,6 +179,7 @@ class DiffusionNFT(ForwardProcess):
         v_old: torch.Tensor,
         r: torch.Tensor,
         generator: torch.Generator,
+        count: int | None = None,
     ) -> dict[str, float]:
         """DiffusionNFT's optimizer steps (arXiv 2509.16117, Eq. 8: :func:`losses.nft_loss`) on `N` noised rows:
         ``train.inner_epochs`` passes of minibatches (:meth:`flowrl.policy.Policy.minibatches`, micro-batched).
@@ -187,6 +191,8 @@ class DiffusionNFT(ForwardProcess):
             times (`torch.Tensor` of shape `(N,)`, float32 in (0, 1]): the rows' noise times; cond `(N,)` long
                 their prompt rows; r `(N,)` float32 in [0, 1] their optimality weights.
             generator: the iteration's generator (minibatch order).
+            count (`int`): the rows that enter the loss, the first `count` (default all `N`; 0 where the rows are
+                only a stand-in for the padding micro-batches: :meth:`ForwardProcess.stand_in`).
 
         Returns:
             ``policy/loss`` and ``policy/grad_norm`` (means over steps) and ``policy/optimizer_steps``.
@@ -198,5 +204,5 @@ class DiffusionNFT(ForwardProcess):
                 v = velocity(x_t[idx], times[idx], cond[idx])
             return nft_loss(v, v_old[idx], x_t[idx], x_0[idx], times[idx], r[idx], train.nft.beta, train.adv_clip_max)
 
-        stats, steps = self.optimizer_steps(len(x_t), generator, micro_loss)
+        stats, steps = self.optimizer_steps(len(x_t) if count is None else count, generator, micro_loss)
         return self.update_metrics(stats, steps)

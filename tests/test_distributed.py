@@ -764,13 +764,13 @@ def _fixture_pipeline(overrides: list[str]) -> str:
 
 NEW_METHODS = ["awm", "crd", "dgpo", "dpo_online", "dpo_offline", "flow_dppo", "gardo", "sft"]
 DIRECT_METHODS = ["refl", "draft", "alignprop", "srpo"]  # on the tiny CLIP score's gradient
-# whole held copies of the weights, or adapters beside the student: DDP only (refused under FSDP2 and DeepSpeed)
-DDP_METHODS = ["tdm", "dmd", "dmdr", "tdm_r1", "flow_opd"]
+# whole held copies of the weights, or adapters beside the student: DDP only (refused under FSDP2 and DeepSpeed);
+# tdm_r1 is tdm plus its surrogate, dmdr dmd plus its RL loss, so that tdm and dmd add no launch of their own
+DDP_METHODS = ["dmdr", "tdm_r1", "flow_opd"]
 ENGINES = {"ddp": {}, "fsdp2": {"fsdp2": True}, "zero2": {"zero": "2"}}
 WRAPPED = {"ddp": "DistributedDataParallel", "fsdp2": "FSDP", "zero2": "DeepSpeedEngine"}
 # copies of the weights kept: a fake score (TDM-R1's surrogate too) is three, its weights and its AdamW moments
-HELD_COPIES = {"awm": 1, "crd": 2, "dpo_online": 1, "dpo_offline": 1, "gardo": 1, "tdm": 3, "dmd": 3, "dmdr": 3}
-HELD_COPIES["tdm_r1"] = 6
+HELD_COPIES = {"awm": 1, "crd": 2, "dpo_online": 1, "dpo_offline": 1, "gardo": 1, "dmdr": 3, "tdm_r1": 6}
 # the held copies' resets within the two iterations: DPO's reference copied from the policy after each, GARDO's
 # reference reset after each (its threshold passed by process 0's KL alone: process 1 keeps no rows), its KL on all
 HELD_RESETS = {
@@ -857,12 +857,13 @@ def test_flow_opd_under_ddp_gives_the_gradient_of_one_process(new_method_runs):
 @pytest.mark.parametrize("preset", NEW_METHODS + DIRECT_METHODS + DDP_METHODS)
 def test_each_new_method_trains_alike_under_ddp_fsdp2_and_zero2(preset, new_method_runs):
     """Every method of 2026 and every direct-reward method under DDP, FSDP2 and DeepSpeed ZeRO-2 (two gloo processes),
-    the few-step presets (TDM, DMD, DMDR, TDM-R1) and Flow-OPD under DDP: process 1's groups have no reward variance
-    (the online methods of 2026 keep no rows there and take each optimizer step with a zero gradient; the direct ones
-    train on every image's reward gradient, the few-step ones distil on every row); under each engine the weights and
-    the method's held copies (AWM's EMA, CRD's old and sampler copies, DPO's refreshed reference, GARDO's reset
-    reference, the fake score and TDM-R1's surrogate with their AdamW moments) end identical on both processes, the
-    weights trained (the fake score and the surrogate too), and FSDP2's and ZeRO-2's equal to DDP's (rtol 1e-4)."""
+    the few-step presets (DMDR: DMD's student and fake score; TDM-R1: TDM's and a surrogate) and Flow-OPD under DDP:
+    process 1's groups have no reward variance (the online methods of 2026 keep no rows there and take each
+    optimizer step with a zero gradient; the direct ones train on every image's reward gradient, the few-step ones
+    distil on every row); under each engine the weights and the method's held copies (AWM's EMA, CRD's old and
+    sampler copies, DPO's refreshed reference, GARDO's reset reference, the fake score and TDM-R1's surrogate with
+    their AdamW moments) end identical on both processes, the weights trained (the fake score and the surrogate
+    too), and FSDP2's and ZeRO-2's equal to DDP's (rtol 1e-4)."""
     runs, engines = {}, ["ddp"] if preset in DDP_METHODS else list(ENGINES)
     for engine in engines:
         tmp = new_method_runs / engine / preset

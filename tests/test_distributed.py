@@ -787,10 +787,14 @@ def _fixture_pipeline(overrides: list[str]) -> str:
 
 NEW_METHODS = ["awm", "crd", "dgpo", "dpo_online", "dpo_offline", "flow_dppo", "gardo", "sft"]
 DIRECT_METHODS = ["refl", "draft", "alignprop", "srpo"]  # on the tiny CLIP score's gradient
+# whole held copies of the weights, or adapters beside the student: DDP only (refused under FSDP2 and DeepSpeed);
+# tdm_r1 is tdm plus its surrogate, dmdr dmd plus its RL loss, so that tdm and dmd add no launch of their own
+DDP_METHODS = ["dmdr", "tdm_r1", "flow_opd"]
 ENGINES = {"ddp": {}, "fsdp2": {"fsdp2": True}, "zero2": {"zero": "2"}}
 WRAPPED = {"ddp": "DistributedDataParallel", "fsdp2": "FSDP", "zero2": "DeepSpeedEngine"}
-# copies of the weights kept
+# copies of the weights kept: a fake score (TDM-R1's surrogate too) is three, its weights and its AdamW moments
 HELD_COPIES = {"awm": 1, "crd": 2, "dpo_online": 1, "dpo_offline": 1, "gardo": 1, "diffusion_nft": 1}
+HELD_COPIES.update({"dmdr": 3, "tdm_r1": 6})
 # the held copies' resets within the two iterations: DPO's reference copied from the policy after each, GARDO's
 # reference reset after each (its threshold passed by process 0's KL alone: process 1 keeps no rows), its KL on all
 HELD_RESETS = {
@@ -802,8 +806,9 @@ HELD_RESETS = {
 @pytest.fixture(scope="module")
 def new_method_runs(tmp_path_factory, random_pipeline, prompt_files):
     """Every method of 2026 and every direct-reward method trained two iterations under DDP, FSDP2 and DeepSpeed
-    ZeRO-2: one torchrun launch per engine, the presets one after another in it, each in ``ROOT/ENGINE/PRESET`` (its
-    overrides in ``overrides.json``), once per test session (:func:`conftest.built_once`). Returns ROOT."""
+    ZeRO-2, the few-step and Flow-OPD presets under DDP: one torchrun launch per engine, the presets one after another
+    in it, each in ``ROOT/ENGINE/PRESET`` (its overrides in ``overrides.json``), once per test session
+    (:func:`conftest.built_once`). Returns ROOT."""
     with built_once(tmp_path_factory, "new_methods") as (root, todo):
         if todo:
             _train_new_methods(root, random_pipeline, prompt_files)
@@ -811,19 +816,24 @@ def new_method_runs(tmp_path_factory, random_pipeline, prompt_files):
 
 
 def _train_new_methods(root: Path, random_pipeline: Path, prompt_files: tuple[Path, Path]) -> None:
-    """:func:`new_method_runs`'s launches, into ``root`` (under DDP DiffusionNFT too: :func:`lockstep_method_runs`'
-    reference)."""
+    """:func:`new_method_runs`'s launches, into ``root`` (under DDP DiffusionNFT too, :func:`lockstep_method_runs`'
+    reference, and :data:`DDP_METHODS`)."""
+    teacher = _random_lora(random_pipeline, root / "teacher")  # both of flow_opd's teachers
     for engine, launch in ENGINES.items():
-        presets = NEW_METHODS + DIRECT_METHODS + (["diffusion_nft"] if engine == "ddp" else [])
-        runs = [_method_run(root / engine / preset, preset, random_pipeline, prompt_files) for preset in presets]
+        presets = NEW_METHODS + DIRECT_METHODS + (["diffusion_nft", *DDP_METHODS] if engine == "ddp" else [])
+        runs = [
+            _method_run(root / engine / preset, preset, random_pipeline, prompt_files, teacher) for preset in presets
+        ]
         _launch_runs(root / engine, runs, **launch)
 
 
-def _method_run(tmp: Path, preset: str, random_pipeline: Path, prompt_files: tuple[Path, Path]) -> dict:
+def _method_run(
+    tmp: Path, preset: str, random_pipeline: Path, prompt_files: tuple[Path, Path], teacher: Path | None = None
+) -> dict:
     """The run of ``configs/PRESET.yaml`` that :func:`new_method_runs` and :func:`lockstep_method_runs` launch, in the
     new folder ``tmp`` (its config and ``overrides.json`` written there): process 1's groups without reward variance
-    (the direct methods score the tiny CLIP score, the offline ones JPEG compressibility), tiny sizes, two iterations.
-    Returns :func:`_launch_runs`' entry."""
+    (the direct methods score the tiny CLIP score, the offline ones JPEG compressibility), tiny sizes, two iterations;
+    Flow-OPD's teachers both the LoRA ``teacher``. Returns :func:`_launch_runs`' entry."""
     tmp.mkdir(parents=True)
     reward = "distributed_worker:rank_reward" if preset not in ("dpo_offline", "sft") else "jpeg_compressibility"
     options = ""
@@ -831,10 +841,13 @@ def _method_run(tmp: Path, preset: str, random_pipeline: Path, prompt_files: tup
         reward, options = "clipscore", f"    options: {{model_path: {HERE.parent / 'assets' / 'tiny-clip'}}}\n"
     (tmp / "c.yaml").write_text(
         f"base: {HERE.parent / 'configs' / (preset + '.yaml')}\n"
-        f"rewards:\n  geneval: null\n  {reward}:\n    weight: 1.0\n{options}"
+        f"rewards:\n  geneval: null\n{'  geneval_strict: null' + chr(10) if preset == 'tdm_r1' else ''}"
+        f"  {reward}:\n    weight: 1.0\n{options}"
     )
     extra = {"run.mixed_precision": "no", "train.minibatch_size": 8, "train.micro_batch_size": 4}
     extra.update({"sampling.group_size": 4, "sampling.num_steps": 4, "train.offline.batch_size": 4})
+    if preset == "flow_opd":
+        extra.update({f"train.opd.teachers.{n}.lora": teacher for n in ("geneval", "clipscore")})
     extra.update(HELD_RESETS.get(preset, {}))
     overrides = tiny_overrides(random_pipeline, *prompt_files, tmp / "run", **extra)
     (tmp / "overrides.json").write_text(json.dumps(overrides))
@@ -902,6 +915,21 @@ def test_forward_process_methods_and_gardo_train_in_lockstep_to_ddps_weights(pre
             torch.testing.assert_close(ours[k], theirs[k], rtol=1e-4, atol=1e-6)
 
 
+def _random_lora(pipeline: Path, folder: Path) -> Path:
+    """A rank-2 LoRA of `pipeline` with random (nonzero) factors saved into `folder` (diffusers format)."""
+    from flowrl.models import load_model
+
+    model = load_model(pipeline)
+    torch.manual_seed(0)
+    model.add_lora(2, 4.0)
+    with torch.no_grad():
+        for n, p in model.transformer.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    model.save_lora(folder)
+    return folder
+
+
 @pytest.mark.parametrize("preset", ["refl", "draft", "alignprop"])
 def test_direct_methods_under_ddp_give_the_gradient_of_one_process(preset, new_method_runs):
     """ReFL, DRaFT and AlignProp under DDP (two gloo processes): one rollout's images split between the processes
@@ -912,22 +940,35 @@ def test_direct_methods_under_ddp_give_the_gradient_of_one_process(preset, new_m
     _assert_split_gradients_are_one_process(tmp, overrides, "split_direct_gradient")
 
 
-@pytest.mark.parametrize("preset", NEW_METHODS + DIRECT_METHODS)
+def test_flow_opd_under_ddp_gives_the_gradient_of_one_process(new_method_runs):
+    """Flow-OPD's PPO update under DDP: one rollout's transitions split between the processes (every third on process
+    0) give the step of one process training them all (:func:`_assert_split_gradients_are_one_process`)."""
+    tmp = new_method_runs / "ddp" / "flow_opd"
+    overrides = json.loads((tmp / "overrides.json").read_text())
+    _assert_split_gradients_are_one_process(tmp, overrides, "split_gradient")
+
+
+@pytest.mark.parametrize("preset", NEW_METHODS + DIRECT_METHODS + DDP_METHODS)
 def test_each_new_method_trains_alike_under_ddp_fsdp2_and_zero2(preset, new_method_runs):
-    """Every method of 2026 and every direct-reward method under DDP, FSDP2 and DeepSpeed ZeRO-2 (two gloo processes):
-    process 1's groups have no reward variance (the online methods of 2026 keep no rows there and take each optimizer
-    step with a zero gradient; the direct ones train on every image's reward gradient); under
-    each engine the weights and the method's held copies (AWM's EMA, CRD's old and sampler copies, DPO's refreshed
-    reference, GARDO's reset reference) end identical on both processes, the weights trained, and FSDP2's and ZeRO-2's
-    equal to DDP's (rtol 1e-4)."""
-    runs = {}
-    for engine in ENGINES:
+    """Every method of 2026 and every direct-reward method under DDP, FSDP2 and DeepSpeed ZeRO-2 (two gloo processes),
+    the few-step presets (DMDR: DMD's student and fake score; TDM-R1: TDM's and a surrogate) and Flow-OPD under DDP:
+    process 1's groups have no reward variance (the online methods of 2026 keep no rows there and take each
+    optimizer step with a zero gradient; the direct ones train on every image's reward gradient, the few-step ones
+    distil on every row); under each engine the weights and the method's held copies (AWM's EMA, CRD's old and
+    sampler copies, DPO's refreshed reference, GARDO's reset reference, the fake score and TDM-R1's surrogate with
+    their AdamW moments) end identical on both processes, the weights trained (the fake score and the surrogate
+    too), and FSDP2's and ZeRO-2's equal to DDP's (rtol 1e-4)."""
+    runs, engines = {}, ["ddp"] if preset in DDP_METHODS else list(ENGINES)
+    for engine in engines:
         tmp = new_method_runs / engine / preset
         w0, w1 = load_file(tmp / "rank0.safetensors"), load_file(tmp / "rank1.safetensors")
         h0, h1 = load_file(tmp / "held0.safetensors"), load_file(tmp / "held1.safetensors")
         assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
         assert h0.keys() == h1.keys() and all(torch.equal(h0[k], h1[k]) for k in h0)
         assert any(w0[k].abs().sum() > 0 for k in w0 if "lora_B" in k)
+        for score in ("fake_score", "surrogate"):  # start at the teacher (B zeroed), trained through the student's DDP
+            held = [h0[k] for k in h0 if k.startswith(f"{score}.safetensors/") and "lora_B" in k]
+            assert not held or any(h.abs().sum() > 0 for h in held)
         assert json.loads((tmp / "rank0.json").read_text())["wrapped"].startswith(WRAPPED[engine])
         rows = [json.loads(line) for line in (tmp / "run/metrics.jsonl").read_text().splitlines()]
         assert [r["iteration"] for r in rows] == [1, 2] and all(r["policy/optimizer_steps"] >= 1 for r in rows)
@@ -936,7 +977,7 @@ def test_each_new_method_trains_alike_under_ddp_fsdp2_and_zero2(preset, new_meth
             assert [r.get(reset) for r in rows] == [1.0, 1.0]
         runs[engine] = w0, h0
     assert len(runs["ddp"][1]) == HELD_COPIES.get(preset, 0) * len(runs["ddp"][0])
-    for engine in ENGINES:
+    for engine in engines:
         for ddp, other in zip(runs["ddp"], runs[engine]):  # the weights, then the held copies
             assert ddp.keys() == other.keys()
             for k in ddp:

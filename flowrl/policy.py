@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .precision import resolve_precision
+from .precision import bf16_autocast, resolve_precision
 from .sharding import (
     full,
     full_optimizer_state,
@@ -309,7 +309,7 @@ class Policy:
             precision = resolve_precision(precision, self.device, "run.mixed_precision")
         if precision == "no":
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return bf16_autocast(self.device.type)
 
     # ------------------------------------------------------------------------------ minibatches
     def minibatches(

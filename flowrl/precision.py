@@ -103,4 +103,21 @@ def autocast(device: torch.device | str, precision: str | bool | None = "auto", 
     device = torch.device(device)
     if resolve_precision(precision, device, key) == "no":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+    return bf16_autocast(device.type)
+
+
+FUSED_NORM_NOTICE = "Mismatch dtype between input and weight"
+"""How torch's notice starts when a fused RMSNorm falls back to the unfused one for a bf16 input (autocast's output)
+and a float32 weight (Wan's, LTX's and others' norms): the same norm, computed unfused; :func:`bf16_autocast` filters
+it."""
+
+
+@contextlib.contextmanager
+def bf16_autocast(device_type: str):
+    """``torch.autocast(device_type, dtype=torch.bfloat16)``, with torch's fused-RMSNorm fallback notice
+    (:data:`FUSED_NORM_NOTICE`) filtered inside it: under autocast a float32 norm weight meets a bf16 input by design."""
+    import warnings
+
+    with warnings.catch_warnings(), torch.autocast(device_type, dtype=torch.bfloat16):
+        warnings.filterwarnings("ignore", message=FUSED_NORM_NOTICE)
+        yield

@@ -159,3 +159,20 @@ def test_cli_bf16_flag_defaults_to_auto(native, tmp_path, random_pipeline, promp
     assert json.loads(out.read_text())["bf16"] is native
     main([*base, "--no-bf16", "--out", str(out)])
     assert json.loads(out.read_text())["bf16"] is False
+
+
+def test_bf16_autocast_silences_the_fused_norm_fallback_notice_only():
+    """A bf16 autocast forward through an RMSNorm with a float32 weight (Wan's norms): torch's fallback notice is
+    filtered inside flowrl's autocast (the same norm, unfused), and other warnings still pass."""
+    import warnings
+
+    from flowrl.precision import autocast
+
+    norm, x = torch.nn.RMSNorm(8, eps=1e-6), torch.randn(2, 8)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with autocast("cpu", "bf16"):
+            out = norm(x.bfloat16())
+            warnings.warn("another notice")
+    assert out.shape == (2, 8)
+    assert [str(w.message) for w in seen] == ["another notice"]

@@ -126,6 +126,20 @@ FLOAT32 = {"run.mixed_precision": "no", "sampling.decode_precision": "no", "samp
 numbers on CPUs with and without native bf16 (``auto`` would pick bf16 on one and float32 on the other)."""
 
 
+def save_random_lora(model, folder: Path, rank: int, alpha: float, seed: int) -> Path:
+    """Add a LoRA of `rank` and `alpha` to `model` (a loaded :class:`flowrl.models.FlowModel`) with random nonzero
+    factors (``lora_B`` drawn from N(0, 0.05^2) after seeding torch with `seed`) and save it into `folder` (diffusers
+    format): a teacher or a LoRA to load that changes the velocity. Returns `folder`."""
+    torch.manual_seed(seed)
+    model.add_lora(rank, alpha)
+    with torch.no_grad():
+        for n, p in model.transformer.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    model.save_lora(folder)
+    return folder
+
+
 def tiny_overrides(model: Path, train: Path, test: Path, out: Path, **extra) -> list[str]:
     """Overrides that make a run take seconds, in float32 (:data:`FLOAT32`); `extra` overrides them."""
     base = {

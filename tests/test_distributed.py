@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import built_once, read_metrics, tiny_overrides
+from conftest import built_once, read_metrics, save_random_lora, tiny_overrides
 from safetensors.torch import load_file
 
 from flowrl.config import load_config
@@ -916,18 +916,10 @@ def test_forward_process_methods_and_gardo_train_in_lockstep_to_ddps_weights(pre
 
 
 def _random_lora(pipeline: Path, folder: Path) -> Path:
-    """A rank-2 LoRA of `pipeline` with random (nonzero) factors saved into `folder` (diffusers format)."""
+    """A rank-2 LoRA of `pipeline` with random (nonzero) factors saved into `folder` (:func:`save_random_lora`)."""
     from flowrl.models import load_model
 
-    model = load_model(pipeline)
-    torch.manual_seed(0)
-    model.add_lora(2, 4.0)
-    with torch.no_grad():
-        for n, p in model.transformer.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
-    model.save_lora(folder)
-    return folder
+    return save_random_lora(load_model(pipeline), folder, 2, 4.0, seed=0)
 
 
 @pytest.mark.parametrize("preset", ["refl", "draft", "alignprop"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_resume_is_exact, cli_fails, read_metrics, tiny_overrides
+from conftest import REPO, assert_resume_is_exact, cli_fails, read_metrics, save_random_lora, tiny_overrides
 from safetensors.torch import load_file, save_file
 from tiny_pipelines.sd3 import NO_T5
 
@@ -165,14 +165,8 @@ def teachers(random_pipeline, tmp_path_factory) -> dict[str, Path]:
     for name, rank, alpha, seed in (("objects", 2, 4.0, 1), ("attributes", 3, 3.0, 2)):
         if name == "attributes":
             model.transformer.delete_adapters("default")
-        torch.manual_seed(seed)
-        model.add_lora(rank, alpha)
-        with torch.no_grad():
-            for n, p in model.transformer.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0, 0.05)
         out[name] = root / name
-        model.save_lora(out[name] if name == "objects" else out[name] / "lora")
+        save_random_lora(model, out[name] if name == "objects" else out[name] / "lora", rank, alpha, seed)
     return out
 
 

@@ -51,11 +51,13 @@ def minibatch_sizes(counts: torch.Tensor, size: int) -> torch.Tensor:
     return torch.stack([torch.clamp(int(c) - torch.arange(steps) * size, 0, size) for c in counts])
 
 
-WHAT_RUNS = (
-    "full sharding runs GRPO, Flow-DPPO and GARDO on flat groups, DiffusionNFT, AWM, DGPO, CRD, Diffusion-DPO and SFT"
-)
-"""What the refusals of FSDP2 full shard and ZeRO-3 say runs there (the methods whose ``lockstep`` is true:
-:attr:`flowrl.methods.base.Method.lockstep`; docs/distributed.md, "Full sharding")."""
+def what_runs() -> str:
+    """What the refusals of FSDP2 full shard and ZeRO-3 say runs there: the registered methods whose update calls the
+    transformer alike on every process (:attr:`flowrl.methods.base.Method.lockstep`; docs/distributed.md, "Full
+    sharding"), e.g. ``"full sharding runs train.method alignprop, awm, ..."``."""
+    from .methods import METHODS
+
+    return "full sharding runs train.method " + ", ".join(sorted(n for n, m in METHODS.items() if m.lockstep))
 
 
 def check_accelerate_engine(
@@ -64,6 +66,7 @@ def check_accelerate_engine(
     optimizer: str = "adamw",
     max_grad_norm: float = 1.0,
     lockstep_blocker: str | None = None,
+    sharding_blocker: str | None = None,
 ) -> None:
     """Check accelerate's engine before any weights load: DDP (``configs/accelerate/ddp.yaml``), FSDP2 with the
     weights kept gathered between optimizer steps (``configs/accelerate/fsdp2.yaml``, :mod:`flowrl.sharding`), FSDP2
@@ -86,6 +89,8 @@ def check_accelerate_engine(
         lockstep_blocker: the setting that keeps the method from calling the transformer alike on every process
             (:meth:`flowrl.methods.base.Method.lockstep_blocker`), refused under FSDP2 full shard and ZeRO-3; None:
             none.
+        sharding_blocker: why the method runs in one process or under DDP only
+            (:meth:`flowrl.methods.base.Method.sharding_blocker`), refused under FSDP2 and DeepSpeed; None: none.
 
     Raises:
         ConfigError: naming the launch setting (or ``train.step_grad_norms``, ``train.optimizer``, the DeepSpeed
@@ -102,6 +107,7 @@ def check_accelerate_engine(
                 "launch with configs/accelerate/fsdp2.yaml (fsdp_version: 2, "
                 "fsdp_reshard_after_forward: false)"
             )
+        check_not_sharded(sharding_blocker, "FSDP2")
         if plugin.reshard_after_forward not in (True, False):
             raise ConfigError(
                 f"accelerate's FSDP2 reshards after forward to {plugin.reshard_after_forward!r} processes "
@@ -112,7 +118,7 @@ def check_accelerate_engine(
             raise ConfigError(
                 f"accelerate's FSDP2 reshards after each forward (fsdp_config.fsdp_reshard_after_forward: true), "
                 f"which needs every process to call the transformer alike, and {lockstep_blocker} does not "
-                f"({WHAT_RUNS}): set fsdp_reshard_after_forward: false (configs/accelerate/fsdp2.yaml)"
+                f"({what_runs()}): set fsdp_reshard_after_forward: false (configs/accelerate/fsdp2.yaml)"
             )
         engine, shards = "FSDP2", "DTensor shards"
     elif kind == "DEEPSPEED":
@@ -123,6 +129,7 @@ def check_accelerate_engine(
                 f"{accelerator.num_processes} (accelerate runs DeepSpeed on GPUs only): on CPUs launch "
                 "with configs/accelerate/ddp.yaml or --cpu"
             )
+        check_not_sharded(sharding_blocker, "DeepSpeed")
         config = accelerator.state.deepspeed_plugin.deepspeed_config
         check_deepspeed_config(config, max_grad_norm)
         if getattr(accelerator.state.deepspeed_plugin, "zero3_init_flag", False):
@@ -135,7 +142,7 @@ def check_accelerate_engine(
             raise ConfigError(
                 f"the DeepSpeed config's zero_optimization.stage is 3, which gathers the weights in every forward "
                 f"and needs every process to call the transformer alike, and {lockstep_blocker} does not "
-                f"({WHAT_RUNS}): use stage 2 (configs/accelerate/deepspeed_zero2.yaml)"
+                f"({what_runs()}): use stage 2 (configs/accelerate/deepspeed_zero2.yaml)"
             )
         engine, shards = "DeepSpeed", "ZeRO partitions"
     elif kind == "MEGATRON_LM":
@@ -192,9 +199,27 @@ def check_accelerate_precision(accelerator, run_precision: str) -> None:
         )
 
 
-def check_launch(accelerator, cfg, lockstep_blocker: str | None = None) -> None:
+def check_not_sharded(sharding_blocker: str | None, engine: str) -> None:
+    """Refuse `engine` (``"FSDP2"`` or ``"DeepSpeed"``) for a method that runs in one process or under DDP only.
+
+    Args:
+        sharding_blocker: why (:meth:`flowrl.methods.base.Method.sharding_blocker`), or None: nothing to refuse.
+
+    Raises:
+        ConfigError: naming ``train.method``, why, and the DDP launch config.
+    """
+    from .config import ConfigError
+
+    if sharding_blocker:
+        raise ConfigError(
+            f"config key 'train.method': {sharding_blocker}, so it runs in one process or under DDP "
+            f"(configs/accelerate/ddp.yaml), not under {engine}"
+        )
+
+
+def check_launch(accelerator, cfg, lockstep_blocker: str | None = None, sharding_blocker: str | None = None) -> None:
     """Every check of the launch against the run's config, before any weights load, in this order: the engine
-    (:func:`check_accelerate_engine`, with the method's `lockstep_blocker`), accelerate's mixed precision against
+    (:func:`check_accelerate_engine`, with the method's `lockstep_blocker` and `sharding_blocker`), accelerate's mixed precision against
     ``run.mixed_precision`` (:func:`check_accelerate_precision`; `cfg` has it resolved from ``auto``) and
     ``train.optimizer`` on the device (:func:`check_optimizer`).
 
@@ -202,7 +227,9 @@ def check_launch(accelerator, cfg, lockstep_blocker: str | None = None) -> None:
         ConfigError: from the first check that fails, naming the setting.
     """
     t = cfg.train
-    check_accelerate_engine(accelerator, t.step_grad_norms, t.optimizer, t.max_grad_norm, lockstep_blocker)
+    check_accelerate_engine(
+        accelerator, t.step_grad_norms, t.optimizer, t.max_grad_norm, lockstep_blocker, sharding_blocker
+    )
     check_accelerate_precision(accelerator, cfg.run.mixed_precision)
     check_optimizer(t.optimizer, accelerator.device)
 

@@ -97,7 +97,8 @@ class Trainer:
         self.run = RunFolder(self.out, acc, cfg.run.resume)  # not in use, no other run, writable: before any work
         self.device = acc.device
         self.cfg = cfg = resolve_precisions(cfg, self.device)  # auto -> bf16 or no; config.yaml records the choice
-        check_launch(acc, cfg, METHODS[cfg.train.method].lockstep_blocker(cfg))
+        method = METHODS[cfg.train.method]
+        check_launch(acc, cfg, method.lockstep_blocker(cfg), method.sharding_blocker(cfg))
         load_whole(acc)  # ZeRO-3 partitions the trained transformer only
         adapter = resolve_model(cfg)  # fills sampling.shift and model.max_sequence_length, as config.yaml has them
         if cfg.run.resume:  # the run's evaluations stay comparable; other changes are named (flowrl.resume)

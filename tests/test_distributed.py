@@ -780,10 +780,14 @@ def _fixture_pipeline(overrides: list[str]) -> str:
 
 
 NEW_METHODS = ["awm", "crd", "dgpo", "dpo_online", "dpo_offline", "flow_dppo", "gardo", "sft"]
-DIRECT_METHODS = ["refl", "draft", "alignprop", "srpo"]  # on the tiny CLIP score's gradient
+# on the tiny CLIP score's gradient; beside DDP under FSDP2 full shard and ZeRO-3 (LOCKSTEP_RUNS), which exercise
+# FSDP2's and ZeRO's code paths and lockstep besides
+DIRECT_METHODS = ["refl", "draft", "alignprop", "srpo"]
 # whole held copies of the weights, or adapters beside the student: DDP only (refused under FSDP2 and DeepSpeed);
 # tdm_r1 is tdm plus its surrogate, dmdr dmd plus its RL loss, so that tdm and dmd add no launch of their own
 DDP_METHODS = ["dmdr", "tdm_r1", "flow_opd"]
+# GRPO's tree and probe rollout shapes, under DDP as the reference of their LOCKSTEP_RUNS
+SHAPE_PRESETS = ["branch_grpo", "g2rpo"]
 ENGINES = {"ddp": {}, "fsdp2": {"fsdp2": True}, "zero2": {"zero": "2"}}
 WRAPPED = {"ddp": "DistributedDataParallel", "fsdp2": "FSDP", "zero2": "DeepSpeedEngine"}
 # copies of the weights kept: a fake score (TDM-R1's surrogate too) is three, its weights and its AdamW moments
@@ -795,13 +799,15 @@ HELD_RESETS = {
     "dpo_online": {"train.dpo.ref_update_every": 1},
     "gardo": {"train.gardo.kl_threshold": 1e-12, "train.gardo.auxiliary": "[]"},
 }
+# the shapes' settings at 4 steps and 4 images a group: a tree split twice, probes at two steps
+SHAPE_SIZES = {"branch_grpo": {"sampling.tree.split_steps": "[0,2]"}, "g2rpo": {"sampling.probe.steps": "[0,1]"}}
 
 
 @pytest.fixture(scope="module")
 def new_method_runs(tmp_path_factory, random_pipeline, prompt_files):
-    """Every method of 2026 and every direct-reward method trained two iterations under DDP, FSDP2 and DeepSpeed
-    ZeRO-2, the few-step and Flow-OPD presets under DDP: one torchrun launch per engine, the presets one after another
-    in it, each in ``ROOT/ENGINE/PRESET`` (its overrides in ``overrides.json``), once per test session
+    """Every method of 2026 trained two iterations under DDP, FSDP2 and DeepSpeed ZeRO-2, the direct-reward, few-step,
+    Flow-OPD and tree and probe presets under DDP: one torchrun launch per engine, the presets one after another in
+    it, each in ``ROOT/ENGINE/PRESET`` (its overrides in ``overrides.json``), once per test session
     (:func:`conftest.built_once`). Returns ROOT."""
     with built_once(tmp_path_factory, "new_methods") as (root, todo):
         if todo:
@@ -811,10 +817,11 @@ def new_method_runs(tmp_path_factory, random_pipeline, prompt_files):
 
 def _train_new_methods(root: Path, random_pipeline: Path, prompt_files: tuple[Path, Path]) -> None:
     """:func:`new_method_runs`'s launches, into ``root`` (under DDP DiffusionNFT too, :func:`lockstep_method_runs`'
-    reference, and :data:`DDP_METHODS`)."""
+    reference, :data:`DIRECT_METHODS`, :data:`DDP_METHODS` and :data:`SHAPE_PRESETS`)."""
     teacher = _random_lora(random_pipeline, root / "teacher")  # both of flow_opd's teachers
+    ddp_only = ["diffusion_nft", *DIRECT_METHODS, *DDP_METHODS, *SHAPE_PRESETS]
     for engine, launch in ENGINES.items():
-        presets = NEW_METHODS + DIRECT_METHODS + (["diffusion_nft", *DDP_METHODS] if engine == "ddp" else [])
+        presets = NEW_METHODS + (ddp_only if engine == "ddp" else [])
         runs = [
             _method_run(root / engine / preset, preset, random_pipeline, prompt_files, teacher) for preset in presets
         ]
@@ -842,21 +849,26 @@ def _method_run(
     extra.update({"sampling.group_size": 4, "sampling.num_steps": 4, "train.offline.batch_size": 4})
     if preset == "flow_opd":
         extra.update({f"train.opd.teachers.{n}.lora": teacher for n in ("geneval", "clipscore")})
-    extra.update(HELD_RESETS.get(preset, {}))
+    extra.update({**HELD_RESETS.get(preset, {}), **SHAPE_SIZES.get(preset, {})})
     overrides = tiny_overrides(random_pipeline, *prompt_files, tmp / "run", **extra)
     (tmp / "overrides.json").write_text(json.dumps(overrides))
     return {"config": str(tmp / "c.yaml"), "out": str(tmp), "overrides": overrides}
 
 
 LOCKSTEP_RUNS = {
-    "full_shard": (["diffusion_nft", "dgpo", "gardo"], {"fsdp2": "full_shard"}, "FSDP"),
-    "zero3": (["awm", "crd", "dpo_online"], {"zero": "3"}, "DeepSpeedEngine"),
+    "full_shard": (
+        ["diffusion_nft", "dgpo", "gardo", "refl", "draft", "branch_grpo"],
+        {"fsdp2": "full_shard"},
+        "FSDP",
+    ),
+    "zero3": (["awm", "crd", "dpo_online", "alignprop", "srpo", "g2rpo"], {"zero": "3"}, "DeepSpeedEngine"),
 }
 """Engine -> (presets, :func:`_launch` keywords, the wrapper's class name) of :func:`lockstep_method_runs`: each method
-that runs in lockstep beside GRPO (its ``lockstep``) under one of the two engines that gather the weights in every
-forward, to keep the CI's cost to one launch of three presets per engine (the held copies' forwards, CRD's two copies
-and DPO's reference, under ZeRO-3's partitions). Offline Diffusion-DPO and SFT (equal batches on every process,
-through DiffusionDPO's update and the shared one) are not launched here."""
+that runs in lockstep beside Flow-GRPO (its ``lockstep``) under one of the two engines that gather the weights in
+every forward, and GRPO's tree and probe shapes, to keep the CI's cost to one launch of six presets per engine (the
+held copies' forwards, CRD's two copies and DPO's reference, under ZeRO-3's partitions; AlignProp's recomputed steps
+under ZeRO-3). Offline Diffusion-DPO and SFT (equal batches on every process, through DiffusionDPO's update and the
+shared one) are not launched here."""
 
 
 @pytest.fixture(scope="module")
@@ -876,14 +888,16 @@ def lockstep_method_runs(tmp_path_factory, random_pipeline, prompt_files, new_me
 @pytest.mark.parametrize(
     "preset, engine", [(preset, engine) for engine, (presets, _, _) in LOCKSTEP_RUNS.items() for preset in presets]
 )
-def test_forward_process_methods_and_gardo_train_in_lockstep_to_ddps_weights(preset, engine, lockstep_method_runs):
-    """DiffusionNFT, DGPO and GARDO under FSDP2 full shard, AWM, CRD and online Diffusion-DPO under ZeRO-3 (every
-    process gathers the weights in each forward, so each must call the transformer alike): process 1 keeps no rows (no
-    reward variance in its groups), so its update runs on a stand-in sample (CRD: group), its old, reference and EMA
+def test_methods_and_rollout_shapes_train_in_lockstep_to_ddps_weights(preset, engine, lockstep_method_runs):
+    """DiffusionNFT, DGPO, GARDO, ReFL, DRaFT and BranchGRPO's trees under FSDP2 full shard, AWM, CRD, online
+    Diffusion-DPO, AlignProp, SRPO and G2RPO's probes under ZeRO-3 (every process gathers the weights in each forward,
+    so each must call the transformer alike): process 1 keeps no rows of the methods with advantages (no reward
+    variance in its groups), so its update runs on a stand-in sample (CRD: group), its old, reference and EMA
     forwards are padded to process 0's chunks and its micro-batches are zero-weight ones (GARDO: a reference forward
-    in every micro-batch). The weights and held copies (NFT's old policy, AWM's EMA, CRD's old and sampler copies,
-    DPO's refreshed reference, GARDO's reset reference) end identical on both processes and equal to DDP's (rtol
-    1e-4), the weights trained, with DDP's optimizer steps and reference resets."""
+    in every micro-batch); the direct-reward methods train every image on both. The weights and held copies (NFT's
+    old policy, AWM's EMA, CRD's old and sampler copies, DPO's refreshed reference, GARDO's reset reference) end
+    identical on both processes and equal to DDP's (rtol 1e-4), the weights trained, with DDP's optimizer steps and
+    reference resets."""
     root, ddp_root = lockstep_method_runs
     tmp, ddp = root / engine / preset, ddp_root / "ddp" / preset
     w0, w1, ref = (
@@ -935,16 +949,17 @@ def test_flow_opd_under_ddp_gives_the_gradient_of_one_process(new_method_runs):
 
 
 @pytest.mark.parametrize("preset", NEW_METHODS + DIRECT_METHODS + DDP_METHODS)
-def test_each_new_method_trains_alike_under_ddp_fsdp2_and_zero2(preset, new_method_runs):
-    """Every method of 2026 and every direct-reward method under DDP, FSDP2 and DeepSpeed ZeRO-2 (two gloo processes),
-    the few-step presets (DMDR: DMD's student and fake score; TDM-R1: TDM's and a surrogate) and Flow-OPD under DDP:
+def test_each_new_method_trains_alike_on_both_processes_and_under_each_engine(preset, new_method_runs):
+    """Every method of 2026 under DDP, FSDP2 and DeepSpeed ZeRO-2 (two gloo processes), the direct-reward methods (also
+    under full sharding: :data:`LOCKSTEP_RUNS`), the few-step presets (DMDR: DMD's student and fake score; TDM-R1:
+    TDM's and a surrogate) and Flow-OPD under DDP:
     process 1's groups have no reward variance (the online methods of 2026 keep no rows there and take each
     optimizer step with a zero gradient; the direct ones train on every image's reward gradient, the few-step ones
     distil on every row); under each engine the weights and the method's held copies (AWM's EMA, CRD's old and
     sampler copies, DPO's refreshed reference, GARDO's reset reference, the fake score and TDM-R1's surrogate with
     their AdamW moments) end identical on both processes, the weights trained (the fake score and the surrogate
     too), and FSDP2's and ZeRO-2's equal to DDP's (rtol 1e-4)."""
-    runs, engines = {}, ["ddp"] if preset in DDP_METHODS else list(ENGINES)
+    runs, engines = {}, list(ENGINES) if preset in NEW_METHODS else ["ddp"]
     for engine in engines:
         tmp = new_method_runs / engine / preset
         w0, w1 = load_file(tmp / "rank0.safetensors"), load_file(tmp / "rank1.safetensors")

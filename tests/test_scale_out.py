@@ -126,24 +126,37 @@ def test_the_shipped_fsdp2_launch_passes_and_other_sharded_launches_are_refused_
         check_accelerate_engine(_launch("MEGATRON_LM"))
 
 
-def test_full_shard_runs_grpo_and_the_forward_process_methods_and_names_what_keeps_other_methods_out():
-    """Under FSDP2 full shard (every process calls the transformer alike) GRPO, Flow-DPPO and GARDO on flat groups and
-    the forward-process methods (DiffusionNFT, AWM, CRD, DGPO, online and offline Diffusion-DPO, SFT) run; the setting
-    that keeps another method or shape out is named for check_accelerate_engine's one-line error."""
+def test_full_shard_runs_every_method_but_the_few_step_ones_and_flow_opd_which_are_refused_before_loading():
+    """Under FSDP2 full shard (every process calls the transformer alike) GRPO on every rollout shape, Flow-DPPO,
+    GARDO, the forward-process methods and the direct-reward methods run (no lockstep blocker); the few-step methods
+    (their fake score) and Flow-OPD (its teacher adapters) run in one process or under DDP only, refused under FSDP2
+    and DeepSpeed in one line naming train.method before any weights load; the refusals' list of what full sharding
+    runs is the registry's."""
     from types import SimpleNamespace
 
     from flowrl.methods import METHODS
+    from flowrl.policy import check_accelerate_engine, what_runs
 
-    def blocker(method: str, shape: str = "flat"):
-        cfg = SimpleNamespace(train=SimpleNamespace(method=method), sampling=SimpleNamespace(shape=shape))
-        return METHODS[method].lockstep_blocker(cfg)
+    def cfg(method: str, shape: str = "flat"):
+        return SimpleNamespace(train=SimpleNamespace(method=method), sampling=SimpleNamespace(shape=shape))
 
-    for method in ("grpo", "flow_dppo", "gardo", "nft", "awm", "crd", "dgpo", "dpo", "dpo_offline", "sft"):
-        assert blocker(method) is None, method
-    assert blocker("grpo", "tree") == "sampling.shape 'tree' (flat runs)"
-    assert blocker("gardo", "tree") == "sampling.shape 'tree' (flat runs)"
-    for method in ("refl", "draft", "alignprop", "srpo", "tdm", "dmd", "dmdr", "tdm_r1"):
-        assert blocker(method) == f"train.method {method!r}", method
+    lockstep = {"grpo", "flow_dppo", "gardo", "nft", "awm", "crd", "dgpo", "dpo", "dpo_offline", "sft"}
+    lockstep |= {"refl", "draft", "alignprop", "srpo"}
+    for method in lockstep:
+        assert METHODS[method].lockstep_blocker(cfg(method)) is None, method
+        assert METHODS[method].sharding_blocker(cfg(method)) is None, method
+    for shape in ("tree", "g2rpo", "tempflow", "tp_grpo"):
+        assert METHODS["grpo"].lockstep_blocker(cfg("grpo", shape)) is None, shape
+    ddp_only = {"tdm", "dmd", "dmdr", "tdm_r1", "opd"}
+    assert set(METHODS) == lockstep | ddp_only
+    assert what_runs() == "full sharding runs train.method " + ", ".join(sorted(lockstep))
+    for method in ddp_only:
+        blocker = METHODS[method].sharding_blocker(cfg(method))
+        assert blocker.startswith(method + " "), blocker
+        for launch in (_launch("FSDP", fsdp_version=2, reshard_after_forward=False), _launch("DEEPSPEED", {})):
+            with pytest.raises(ConfigError, match=f"^config key 'train.method': {method} .*under DDP.*ddp.yaml"):
+                check_accelerate_engine(launch, sharding_blocker=blocker)
+        check_accelerate_engine(_launch("MULTI_GPU"), sharding_blocker=blocker)  # DDP runs them
 
 
 def test_padded_forwards_and_stand_ins_match_the_process_with_the_most_calls():

@@ -235,6 +235,13 @@ class Method:
         return None if cls.lockstep else f"train.method {cfg.train.method!r}"
 
     @classmethod
+    def sharding_blocker(cls, cfg) -> str | None:
+        """Why this method, under `cfg`, runs in one process or under DDP only (it keeps one process's whole tensors
+        beside the transformer FSDP2 or DeepSpeed wraps), refused there at launch before any weights load
+        (:func:`flowrl.policy.check_not_sharded`), or None when it runs under them. Default: None."""
+        return None
+
+    @classmethod
     def read_data(cls, cfg):
         """What the method reads from files besides the prompt sets (an offline method's data set), read by the
         trainer before the model loads, so that a bad file is refused first, and given to the constructor as

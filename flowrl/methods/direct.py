@@ -107,6 +107,7 @@ class DirectReward(ForwardProcess):
     requires = ()
     """Nothing of the family: the direct-reward methods sample and decode (they run on the DDPM families too)."""
     differentiable_reward = True
+    lockstep = True  # every process holds as many rows and starts its gradient at process 0's step: equal forwards
 
     @classmethod
     def check_config(cls, cfg) -> None:

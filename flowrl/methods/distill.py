@@ -380,8 +380,8 @@ class Distillation(ForwardProcess):
     def __init__(self, cfg, model, policy, rewards):
         super().__init__(cfg, model, policy, rewards)
         d = cfg.train.distill
-        if policy.sharded or policy.engine is not None:
-            raise ConfigError(f"train.method {self.name!r} holds whole copies of the weights: run it under DDP")
+        if policy.sharded or policy.engine is not None:  # refused at launch already (sharding_blocker)
+            raise ConfigError(f"config key 'train.method': {self.sharding_blocker(cfg)}: run it under DDP")
         if d.student_lora:
             self.load_student(d.student_lora)
         self.teacher = None if cfg.model.lora_rank > 0 else policy.copy()  # full fine-tuning: the start is the teacher
@@ -391,6 +391,12 @@ class Distillation(ForwardProcess):
         if d.fake_init == "teacher" and self.teacher is not None:
             start = {n: w.clone() for n, w in self.teacher.items()}
         self.fake = HeldScore(policy, start, d.fake_learning_rate, d.fake_betas, cfg.train.max_grad_norm)
+
+    @classmethod
+    def sharding_blocker(cls, cfg) -> str | None:
+        """The fake score (and TDM-R1's surrogate) is one process's whole tensors with their own AdamW, trained
+        through the wrapped transformer's backward (:class:`HeldScore`)."""
+        return f"{cls.name} keeps its fake score as whole tensors with their own AdamW"
 
     @classmethod
     def check_config(cls, cfg) -> None:

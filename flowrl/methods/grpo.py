@@ -35,14 +35,6 @@ class GRPO(Method):
         """The rollout shape's cross-key checks (:meth:`RolloutShape.check_config`)."""
         SHAPES[cfg.sampling.shape].check_config(cfg)
 
-    @classmethod
-    def lockstep_blocker(cls, cfg) -> str | None:
-        """Flat groups (every process samples the same steps for as many images) with a padded update run in lockstep;
-        the tree and probe shapes are untested there."""
-        if cfg.sampling.shape != "flat":
-            return f"sampling.shape {cfg.sampling.shape!r} (flat runs)"
-        return super().lockstep_blocker(cfg)
-
     def __init__(self, cfg, model, policy, rewards):
         super().__init__(cfg, model, policy, rewards)
         self.shape = SHAPES[cfg.sampling.shape](self)

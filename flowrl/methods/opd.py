@@ -272,6 +272,13 @@ class FlowOPD(GRPO):
             cfg.sampling.shape,
         )
 
+    lockstep = False  # refused under FSDP2 and DeepSpeed altogether (sharding_blocker)
+
+    @classmethod
+    def sharding_blocker(cls, cfg) -> str | None:
+        """The teachers are LoRA adapters added to the transformer after FSDP2 or DeepSpeed wrapped it."""
+        return "opd adds its teachers as LoRA adapters to the transformer after FSDP2 or DeepSpeed wrapped it"
+
     @classmethod
     def read_data(cls, cfg) -> Routing:
         """The routing (:func:`read_routing`) over ``train_prompts``, and the cold start's rank (``train.opd.init``),
@@ -298,11 +305,8 @@ class FlowOPD(GRPO):
 
     def __init__(self, cfg, model, policy, rewards, data: Routing | None = None):
         super().__init__(cfg, model, policy, rewards)
-        if policy.sharded or policy.engine is not None:
-            raise ConfigError(
-                "config key 'train.method': opd runs in one process or under DDP (configs/accelerate/ddp.yaml): its "
-                "teachers are adapters added to the transformer, which FSDP2 and DeepSpeed have sharded"
-            )
+        if policy.sharded or policy.engine is not None:  # refused at launch already (sharding_blocker)
+            raise ConfigError(f"config key 'train.method': {self.sharding_blocker(cfg)}: run it under DDP")
         self.routing = data if data is not None else self.read_data(cfg)
         for name, folder in zip(self.routing.names, self.routing.folders):
             with config_key(f"train.opd.teachers.{name}.lora"):

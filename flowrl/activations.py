@@ -29,6 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+GLYPH_TOKENS = 256
+"""HunyuanVideo 1.5's ByT5 tokens of a prompt's glyph text (its text in quotes): the pipeline's
+``tokenizer_2_max_length``, capped at ``max_sequence_length`` (:meth:`flowrl.models.HunyuanVideo15Model.encode`, and
+this planner's inputs). The transformer masks the padding out, so a shorter cap changes no video whose glyph text
+fits, only the cost: every glyph token passes the ByT5 projection (2048 wide)."""
+
 LOW_PRECISION = (
     F.linear,
     F.conv1d,
@@ -348,10 +354,10 @@ def _hunyuan_video(c: dict, s: Shape) -> dict:
 
 def _hunyuan_video15(c: dict, s: Shape) -> dict:
     """HunyuanVideo 1.5 (``HunyuanVideo15Pipeline`` and its image-to-video one): 16x spatial and 4x temporal VAE, the
-    image tokens (729) and a second text stream (ByT5 glyph tokens: 256, or the text stream's tokens if fewer, as
-    :meth:`flowrl.models.HunyuanVideo15Model.encode` caps them)."""
+    image tokens (729) and a second text stream (ByT5 glyph tokens: :data:`GLYPH_TOKENS`, or the text stream's tokens if
+    fewer, as :meth:`flowrl.models.HunyuanVideo15Model.encode` caps them)."""
     f, h, w = s.latent
-    glyphs = min(256, s.text_tokens)
+    glyphs = min(GLYPH_TOKENS, s.text_tokens)
     return dict(
         hidden_states=_e(s.rows, c["in_channels"], f, h, w, s=s),
         image_embeds=_e(s.rows, 729, c["image_embed_dim"], s=s),

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from ..activations import GLYPH_TOKENS
 from .base import (
     JOINT_ATTENTION_TARGETS,
     PromptEmbeds,
@@ -55,10 +56,6 @@ HUNYUAN_VIDEO15_LORA_TARGETS = JOINT_ATTENTION_TARGETS + (
 attention projections of both streams and both feed-forward networks of every dual-stream block; ``attn.*`` and
 ``ff.*`` also match the text token refiner's blocks (2 in HunyuanVideo 1.5), as in UniRL's peft config."""
 
-GLYPH_TOKENS = 256
-"""ByT5 tokens of a prompt's glyph text (its text in quotes): the pipeline's ``tokenizer_2_max_length``, capped at
-``max_sequence_length`` (:meth:`HunyuanVideo15Model.encode`). The transformer masks the padding out, so a shorter cap
-changes no video whose glyph text fits, only the cost: every glyph token passes the ByT5 projection (2048 wide)."""
 
 GUIDER_DEFAULTS = {"enabled": True, "use_original_formulation": False, "start": 0.0, "stop": 1.0}
 """The ``ClassifierFreeGuidance`` settings flowrl samples with (the guider's defaults, which the HunyuanVideo 1.5

@@ -66,7 +66,7 @@ def check_accelerate_engine(
     optimizer: str = "adamw",
     max_grad_norm: float = 1.0,
     lockstep_blocker: str | None = None,
-    sharding_blocker: str | None = None,
+    engine_blockers: dict[str, str] | None = None,
 ) -> None:
     """Check accelerate's engine before any weights load: DDP (``configs/accelerate/ddp.yaml``), FSDP2 with the
     weights kept gathered between optimizer steps (``configs/accelerate/fsdp2.yaml``, :mod:`flowrl.sharding`), FSDP2
@@ -89,8 +89,8 @@ def check_accelerate_engine(
         lockstep_blocker: the setting that keeps the method from calling the transformer alike on every process
             (:meth:`flowrl.methods.base.Method.lockstep_blocker`), refused under FSDP2 full shard and ZeRO-3; None:
             none.
-        sharding_blocker: why the method runs in one process or under DDP only
-            (:meth:`flowrl.methods.base.Method.sharding_blocker`), refused under FSDP2 and DeepSpeed; None: none.
+        engine_blockers: the engines (``"FSDP2"``, ``"DeepSpeed"``) the method does not run under, each with why
+            (:meth:`flowrl.methods.base.Method.engine_blockers`); None: none.
 
     Raises:
         ConfigError: naming the launch setting (or ``train.step_grad_norms``, ``train.optimizer``, the DeepSpeed
@@ -107,7 +107,7 @@ def check_accelerate_engine(
                 "launch with configs/accelerate/fsdp2.yaml (fsdp_version: 2, "
                 "fsdp_reshard_after_forward: false)"
             )
-        check_not_sharded(sharding_blocker, "FSDP2")
+        check_not_sharded(engine_blockers, "FSDP2")
         if plugin.reshard_after_forward not in (True, False):
             raise ConfigError(
                 f"accelerate's FSDP2 reshards after forward to {plugin.reshard_after_forward!r} processes "
@@ -129,7 +129,7 @@ def check_accelerate_engine(
                 f"{accelerator.num_processes} (accelerate runs DeepSpeed on GPUs only): on CPUs launch "
                 "with configs/accelerate/ddp.yaml or --cpu"
             )
-        check_not_sharded(sharding_blocker, "DeepSpeed")
+        check_not_sharded(engine_blockers, "DeepSpeed")
         config = accelerator.state.deepspeed_plugin.deepspeed_config
         check_deepspeed_config(config, max_grad_norm)
         if getattr(accelerator.state.deepspeed_plugin, "zero3_init_flag", False):
@@ -199,27 +199,31 @@ def check_accelerate_precision(accelerator, run_precision: str) -> None:
         )
 
 
-def check_not_sharded(sharding_blocker: str | None, engine: str) -> None:
-    """Refuse `engine` (``"FSDP2"`` or ``"DeepSpeed"``) for a method that runs in one process or under DDP only.
+def check_not_sharded(engine_blockers: dict[str, str] | None, engine: str) -> None:
+    """Refuse `engine` (``"FSDP2"`` or ``"DeepSpeed"``) for a method that does not run under it.
 
     Args:
-        sharding_blocker: why (:meth:`flowrl.methods.base.Method.sharding_blocker`), or None: nothing to refuse.
+        engine_blockers: the method's engines it does not run under, each with why
+            (:meth:`flowrl.methods.base.Method.engine_blockers`), or None.
 
     Raises:
-        ConfigError: naming ``train.method``, why, and the DDP launch config.
+        ConfigError: naming ``train.method``, why, and the launch configs that run it.
     """
     from .config import ConfigError
 
-    if sharding_blocker:
-        raise ConfigError(
-            f"config key 'train.method': {sharding_blocker}, so it runs in one process or under DDP "
-            f"(configs/accelerate/ddp.yaml), not under {engine}"
-        )
+    why = (engine_blockers or {}).get(engine)
+    if why:
+        runs = "DDP (configs/accelerate/ddp.yaml)"
+        if "FSDP2" not in engine_blockers:
+            runs += " or FSDP2 (configs/accelerate/fsdp2.yaml, fsdp2_full_shard.yaml)"
+        raise ConfigError(f"config key 'train.method': {why}, so it runs in one process or under {runs}, not {engine}")
 
 
-def check_launch(accelerator, cfg, lockstep_blocker: str | None = None, sharding_blocker: str | None = None) -> None:
+def check_launch(
+    accelerator, cfg, lockstep_blocker: str | None = None, engine_blockers: dict[str, str] | None = None
+) -> None:
     """Every check of the launch against the run's config, before any weights load, in this order: the engine
-    (:func:`check_accelerate_engine`, with the method's `lockstep_blocker` and `sharding_blocker`), accelerate's mixed precision against
+    (:func:`check_accelerate_engine`, with the method's `lockstep_blocker` and `engine_blockers`), accelerate's mixed precision against
     ``run.mixed_precision`` (:func:`check_accelerate_precision`; `cfg` has it resolved from ``auto``) and
     ``train.optimizer`` on the device (:func:`check_optimizer`).
 
@@ -228,7 +232,7 @@ def check_launch(accelerator, cfg, lockstep_blocker: str | None = None, sharding
     """
     t = cfg.train
     check_accelerate_engine(
-        accelerator, t.step_grad_norms, t.optimizer, t.max_grad_norm, lockstep_blocker, sharding_blocker
+        accelerator, t.step_grad_norms, t.optimizer, t.max_grad_norm, lockstep_blocker, engine_blockers
     )
     check_accelerate_precision(accelerator, cfg.run.mixed_precision)
     check_optimizer(t.optimizer, accelerator.device)

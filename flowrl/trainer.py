@@ -98,7 +98,7 @@ class Trainer:
         self.device = acc.device
         self.cfg = cfg = resolve_precisions(cfg, self.device)  # auto -> bf16 or no; config.yaml records the choice
         method = METHODS[cfg.train.method]
-        check_launch(acc, cfg, method.lockstep_blocker(cfg), method.sharding_blocker(cfg))
+        check_launch(acc, cfg, method.lockstep_blocker(cfg), method.engine_blockers(cfg))
         load_whole(acc)  # ZeRO-3 partitions the trained transformer only
         adapter = resolve_model(cfg)  # fills sampling.shift and model.max_sequence_length, as config.yaml has them
         if cfg.run.resume:  # the run's evaluations stay comparable; other changes are named (flowrl.resume)

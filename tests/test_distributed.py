@@ -783,9 +783,11 @@ NEW_METHODS = ["awm", "crd", "dgpo", "dpo_online", "dpo_offline", "flow_dppo", "
 # on the tiny CLIP score's gradient; beside DDP under FSDP2 full shard and ZeRO-3 (LOCKSTEP_RUNS), which exercise
 # FSDP2's and ZeRO's code paths and lockstep besides
 DIRECT_METHODS = ["refl", "draft", "alignprop", "srpo"]
-# whole held copies of the weights, or adapters beside the student: DDP only (refused under FSDP2 and DeepSpeed);
-# tdm_r1 is tdm plus its surrogate, dmdr dmd plus its RL loss, so that tdm and dmd add no launch of their own
+# a fake score with its own AdamW, or adapters beside the student: refused under DeepSpeed (Flow-OPD under FSDP2 too);
+# tdm_r1 is tdm plus its surrogate, dmdr dmd plus its RL loss, so that tdm and dmd add no launch of their own; dmdr
+# under FSDP2 keeping the weights gathered too, tdm_r1 under FSDP2 full shard (LOCKSTEP_RUNS)
 DDP_METHODS = ["dmdr", "tdm_r1", "flow_opd"]
+FSDP2_TOO = ["dmdr"]
 # GRPO's tree and probe rollout shapes, under DDP as the reference of their LOCKSTEP_RUNS
 SHAPE_PRESETS = ["branch_grpo", "g2rpo"]
 ENGINES = {"ddp": {}, "fsdp2": {"fsdp2": True}, "zero2": {"zero": "2"}}
@@ -821,7 +823,7 @@ def _train_new_methods(root: Path, random_pipeline: Path, prompt_files: tuple[Pa
     teacher = _random_lora(random_pipeline, root / "teacher")  # both of flow_opd's teachers
     ddp_only = ["diffusion_nft", *DIRECT_METHODS, *DDP_METHODS, *SHAPE_PRESETS]
     for engine, launch in ENGINES.items():
-        presets = NEW_METHODS + (ddp_only if engine == "ddp" else [])
+        presets = NEW_METHODS + (ddp_only if engine == "ddp" else FSDP2_TOO if engine == "fsdp2" else [])
         runs = [
             _method_run(root / engine / preset, preset, random_pipeline, prompt_files, teacher) for preset in presets
         ]
@@ -857,7 +859,7 @@ def _method_run(
 
 LOCKSTEP_RUNS = {
     "full_shard": (
-        ["diffusion_nft", "dgpo", "gardo", "refl", "draft", "branch_grpo"],
+        ["diffusion_nft", "dgpo", "gardo", "refl", "draft", "branch_grpo", "tdm_r1"],
         {"fsdp2": "full_shard"},
         "FSDP",
     ),
@@ -959,7 +961,8 @@ def test_each_new_method_trains_alike_on_both_processes_and_under_each_engine(pr
     sampler copies, DPO's refreshed reference, GARDO's reset reference, the fake score and TDM-R1's surrogate with
     their AdamW moments) end identical on both processes, the weights trained (the fake score and the surrogate
     too), and FSDP2's and ZeRO-2's equal to DDP's (rtol 1e-4)."""
-    runs, engines = {}, list(ENGINES) if preset in NEW_METHODS else ["ddp"]
+    engines = list(ENGINES) if preset in NEW_METHODS else ["ddp", "fsdp2"] if preset in FSDP2_TOO else ["ddp"]
+    runs = {}
     for engine in engines:
         tmp = new_method_runs / engine / preset
         w0, w1 = load_file(tmp / "rank0.safetensors"), load_file(tmp / "rank1.safetensors")

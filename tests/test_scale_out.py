@@ -126,12 +126,12 @@ def test_the_shipped_fsdp2_launch_passes_and_other_sharded_launches_are_refused_
         check_accelerate_engine(_launch("MEGATRON_LM"))
 
 
-def test_full_shard_runs_every_method_but_the_few_step_ones_and_flow_opd_which_are_refused_before_loading():
+def test_full_shard_runs_every_method_but_flow_opd_and_engines_a_method_cannot_run_are_refused_before_loading():
     """Under FSDP2 full shard (every process calls the transformer alike) GRPO on every rollout shape, Flow-DPPO,
-    GARDO, the forward-process methods and the direct-reward methods run (no lockstep blocker); the few-step methods
-    (their fake score) and Flow-OPD (its teacher adapters) run in one process or under DDP only, refused under FSDP2
-    and DeepSpeed in one line naming train.method before any weights load; the refusals' list of what full sharding
-    runs is the registry's."""
+    GARDO, the forward-process, direct-reward and few-step methods run (no lockstep blocker); the few-step methods
+    (their fake score's own AdamW) are refused under DeepSpeed and Flow-OPD (its teacher adapters) under FSDP2 and
+    DeepSpeed, in one line naming train.method and what runs it, before any weights load; the refusals' list of what
+    full sharding runs is the registry's."""
     from types import SimpleNamespace
 
     from flowrl.methods import METHODS
@@ -141,22 +141,28 @@ def test_full_shard_runs_every_method_but_the_few_step_ones_and_flow_opd_which_a
         return SimpleNamespace(train=SimpleNamespace(method=method), sampling=SimpleNamespace(shape=shape))
 
     lockstep = {"grpo", "flow_dppo", "gardo", "nft", "awm", "crd", "dgpo", "dpo", "dpo_offline", "sft"}
-    lockstep |= {"refl", "draft", "alignprop", "srpo"}
+    lockstep |= {"refl", "draft", "alignprop", "srpo", "tdm", "dmd", "dmdr", "tdm_r1"}
     for method in lockstep:
         assert METHODS[method].lockstep_blocker(cfg(method)) is None, method
-        assert METHODS[method].sharding_blocker(cfg(method)) is None, method
     for shape in ("tree", "g2rpo", "tempflow", "tp_grpo"):
         assert METHODS["grpo"].lockstep_blocker(cfg("grpo", shape)) is None, shape
-    ddp_only = {"tdm", "dmd", "dmdr", "tdm_r1", "opd"}
-    assert set(METHODS) == lockstep | ddp_only
+    assert set(METHODS) == lockstep | {"opd"} and METHODS["opd"].lockstep_blocker(cfg("opd")) == "train.method 'opd'"
     assert what_runs() == "full sharding runs train.method " + ", ".join(sorted(lockstep))
-    for method in ddp_only:
-        blocker = METHODS[method].sharding_blocker(cfg(method))
-        assert blocker.startswith(method + " "), blocker
-        for launch in (_launch("FSDP", fsdp_version=2, reshard_after_forward=False), _launch("DEEPSPEED", {})):
-            with pytest.raises(ConfigError, match=f"^config key 'train.method': {method} .*under DDP.*ddp.yaml"):
-                check_accelerate_engine(launch, sharding_blocker=blocker)
-        check_accelerate_engine(_launch("MULTI_GPU"), sharding_blocker=blocker)  # DDP runs them
+    blocked = {m: METHODS[m].engine_blockers(cfg(m)) for m in METHODS}
+    assert {m: sorted(b) for m, b in blocked.items() if b} == {
+        **{m: ["DeepSpeed"] for m in ("tdm", "dmd", "dmdr", "tdm_r1")},
+        "opd": ["DeepSpeed", "FSDP2"],
+    }
+    fsdp2 = _launch("FSDP", fsdp_version=2, reshard_after_forward=False)
+    for method in ("tdm_r1", "opd"):
+        with pytest.raises(
+            ConfigError, match=f"^config key 'train.method': {method} .*under DDP.*ddp.yaml.*DeepSpeed$"
+        ):
+            check_accelerate_engine(_launch("DEEPSPEED", {}), engine_blockers=blocked[method])
+        check_accelerate_engine(_launch("MULTI_GPU"), engine_blockers=blocked[method])  # DDP runs them
+    check_accelerate_engine(fsdp2, engine_blockers=blocked["tdm_r1"])
+    with pytest.raises(ConfigError, match="^config key 'train.method': opd adds its teachers.*not FSDP2$"):
+        check_accelerate_engine(fsdp2, engine_blockers=blocked["opd"])
 
 
 def test_padded_forwards_and_stand_ins_match_the_process_with_the_most_calls():

@@ -235,11 +235,11 @@ class Method:
         return None if cls.lockstep else f"train.method {cfg.train.method!r}"
 
     @classmethod
-    def sharding_blocker(cls, cfg) -> str | None:
-        """Why this method, under `cfg`, runs in one process or under DDP only (it keeps one process's whole tensors
-        beside the transformer FSDP2 or DeepSpeed wraps), refused there at launch before any weights load
-        (:func:`flowrl.policy.check_not_sharded`), or None when it runs under them. Default: None."""
-        return None
+    def engine_blockers(cls, cfg) -> dict[str, str]:
+        """The engines (``"FSDP2"``, ``"DeepSpeed"``) this method, under `cfg`, does not run under, each with why (it
+        keeps tensors beside the transformer the engine wraps that the engine's gradients or wrapping do not reach),
+        refused at launch before any weights load (:func:`flowrl.policy.check_not_sharded`). Default: none."""
+        return {}
 
     @classmethod
     def read_data(cls, cfg):

@@ -217,10 +217,15 @@ class HeldScore:
     (:meth:`flowrl.policy.Policy.holding`), its backwards through the policy's (summed over processes as the policy's),
     and :meth:`step` moves the gradients the backwards left on the live parameters onto the copy and steps it.
 
+    Under FSDP2 full shard the copy, its gradients and its AdamW moments are this process's shards (``DTensor``, as
+    :meth:`flowrl.policy.Policy.copy` makes them; the gradient norm is over every shard); under FSDP2 keeping the
+    weights gathered the copy is whole and each gradient is gathered from its shards (an all-gather per tensor).
+
     Args:
-        policy (:class:`flowrl.policy.Policy`): whose trainable tensors the copy mirrors (one process's whole tensors:
-            not FSDP2 or DeepSpeed).
-        weights (`dict[str, torch.Tensor]`): the initial copy, by the policy's parameter names (float32).
+        policy (:class:`flowrl.policy.Policy`): whose trainable tensors the copy mirrors (not under DeepSpeed, whose
+            gradients live in its own partitioned buffers).
+        weights (`dict[str, torch.Tensor]`): the initial copy, by the policy's parameter names (float32), shaped as
+            :meth:`flowrl.policy.Policy.copy` makes them.
         lr (`float`), betas (`tuple[float, float]`): its AdamW's; max_grad_norm (`float`): its gradient clip.
     """
 
@@ -245,9 +250,16 @@ class HeldScore:
         Returns:
             The gradient norm before clipping.
         """
+        from torch.distributed.tensor import DTensor
+
+        from ..sharding import full
+
         for n, p in self.policy.params.items():
-            self.weights[n].grad, p.grad = p.grad, None
-        norm = torch.nn.utils.clip_grad_norm_(list(self.weights.values()), self.max_grad_norm)
+            grad, held = p.grad, self.weights[n]
+            if isinstance(grad, DTensor) and not isinstance(held, DTensor):  # FSDP2 keeping the weights gathered
+                grad = full(grad)
+            held.grad, p.grad = grad, None
+        norm = full(torch.nn.utils.clip_grad_norm_(list(self.weights.values()), self.max_grad_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm.item()
@@ -373,15 +385,17 @@ class Distillation(ForwardProcess):
     Args: as :class:`flowrl.methods.base.Method`.
 
     Raises:
-        ConfigError: for an FSDP2 or DeepSpeed run (the held copies are one process's whole tensors), or a
-            ``train.distill.student_lora`` folder without the trained LoRA's tensors.
+        ConfigError: for a DeepSpeed run (:meth:`engine_blockers`), or a ``train.distill.student_lora`` folder
+            without the trained LoRA's tensors.
     """
+
+    lockstep = True  # every process distils every row it samples (as many as the others): equal forwards
 
     def __init__(self, cfg, model, policy, rewards):
         super().__init__(cfg, model, policy, rewards)
         d = cfg.train.distill
-        if policy.sharded or policy.engine is not None:  # refused at launch already (sharding_blocker)
-            raise ConfigError(f"config key 'train.method': {self.sharding_blocker(cfg)}: run it under DDP")
+        if policy.engine is not None:  # refused at launch already (engine_blockers)
+            raise ConfigError(f"config key 'train.method': {self.engine_blockers(cfg)['DeepSpeed']}: not DeepSpeed")
         if d.student_lora:
             self.load_student(d.student_lora)
         self.teacher = None if cfg.model.lora_rank > 0 else policy.copy()  # full fine-tuning: the start is the teacher
@@ -393,10 +407,10 @@ class Distillation(ForwardProcess):
         self.fake = HeldScore(policy, start, d.fake_learning_rate, d.fake_betas, cfg.train.max_grad_norm)
 
     @classmethod
-    def sharding_blocker(cls, cfg) -> str | None:
-        """The fake score (and TDM-R1's surrogate) is one process's whole tensors with their own AdamW, trained
-        through the wrapped transformer's backward (:class:`HeldScore`)."""
-        return f"{cls.name} keeps its fake score as whole tensors with their own AdamW"
+    def engine_blockers(cls, cfg) -> dict[str, str]:
+        """DeepSpeed: the fake score (and TDM-R1's surrogate) is trained by its own AdamW from the gradients the
+        transformer's backward leaves on the parameters, which DeepSpeed keeps in its own partitioned buffers."""
+        return {"DeepSpeed": f"{cls.name} steps its fake score with its own AdamW from the parameters' gradients"}
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -428,9 +442,13 @@ class Distillation(ForwardProcess):
             state = lora_state_to_params(load_file(file), self.policy.params)
         except ValueError as e:
             raise ConfigError(f"{key}: {file} {e}") from None
+        from ..sharding import regather, shard_like
+
         with torch.no_grad():
-            for n, p in self.policy.params.items():
-                p.copy_(state[n].to(p))
+            for n, p in self.policy.params.items():  # under FSDP2 this process's shards
+                p.copy_(shard_like(state[n].to(p.dtype), p))
+        if self.policy.sharded and not self.policy.full_shard:  # FSDP2 keeping the weights gathered: gather them
+            regather(self.model.transformer)
 
     # ------------------------------------------------------------------------------ the contract
     def rollout(self, metas: list[dict], generator: torch.Generator) -> TrajectorySamples:

@@ -272,12 +272,13 @@ class FlowOPD(GRPO):
             cfg.sampling.shape,
         )
 
-    lockstep = False  # refused under FSDP2 and DeepSpeed altogether (sharding_blocker)
+    lockstep = False  # refused under FSDP2 and DeepSpeed altogether (engine_blockers)
 
     @classmethod
-    def sharding_blocker(cls, cfg) -> str | None:
+    def engine_blockers(cls, cfg) -> dict[str, str]:
         """The teachers are LoRA adapters added to the transformer after FSDP2 or DeepSpeed wrapped it."""
-        return "opd adds its teachers as LoRA adapters to the transformer after FSDP2 or DeepSpeed wrapped it"
+        why = "opd adds its teachers as LoRA adapters to the transformer after FSDP2 or DeepSpeed wrapped it"
+        return {"FSDP2": why, "DeepSpeed": why}
 
     @classmethod
     def read_data(cls, cfg) -> Routing:
@@ -305,8 +306,8 @@ class FlowOPD(GRPO):
 
     def __init__(self, cfg, model, policy, rewards, data: Routing | None = None):
         super().__init__(cfg, model, policy, rewards)
-        if policy.sharded or policy.engine is not None:  # refused at launch already (sharding_blocker)
-            raise ConfigError(f"config key 'train.method': {self.sharding_blocker(cfg)}: run it under DDP")
+        if policy.sharded or policy.engine is not None:  # refused at launch already (engine_blockers)
+            raise ConfigError(f"config key 'train.method': {self.engine_blockers(cfg)['FSDP2']}: run it under DDP")
         self.routing = data if data is not None else self.read_data(cfg)
         for name, folder in zip(self.routing.names, self.routing.folders):
             with config_key(f"train.opd.teachers.{name}.lora"):

@@ -30,6 +30,33 @@ to the CPU, FSDP2 resharding after each forward, ZeRO-3, and ZeRO-3 with the opt
 CPU (the engines of ``configs/accelerate/``)."""
 NOT_RUN: tuple[str, ...] = ()
 """Engines :data:`ENGINES` plans that flowrl does not run yet (docs/distributed.md, "Full sharding")."""
+FULL_SHARDING = ("fsdp2_full_shard", "zero3", "zero3_offload")
+"""Engines that gather the weights in every forward, so every process must call the transformer alike
+(:attr:`flowrl.methods.base.Method.lockstep`)."""
+
+
+def refused_engines(cfg) -> dict[str, str]:
+    """The engines of :data:`ENGINES` flowrl refuses for the run ``cfg``'s ``train.method``, each with why: those
+    flowrl does not run (:data:`NOT_RUN`), the method's :meth:`~flowrl.methods.base.Method.engine_blockers` (``FSDP2``:
+    fsdp2 and fsdp2_full_shard, ``DeepSpeed``: the zero ones) and its
+    :meth:`~flowrl.methods.base.Method.lockstep_blocker` under :data:`FULL_SHARDING`. The plan still counts their
+    bytes; ``flowrl memory`` brackets them and says why."""
+    from .methods import METHODS
+
+    method = METHODS[cfg.train.method]
+    blockers, lockstep = method.engine_blockers(cfg), method.lockstep_blocker(cfg)
+    out = {}
+    for engine in ENGINES:
+        kind = "DeepSpeed" if engine.startswith("zero") else "FSDP2" if engine.startswith("fsdp2") else None
+        if engine in NOT_RUN:
+            out[engine] = "flowrl does not run it yet"
+        elif kind in blockers:
+            out[engine] = blockers[kind]
+        elif engine in FULL_SHARDING and lockstep:
+            out[engine] = f"{lockstep} does not call the transformer alike on every process"
+    return out
+
+
 PUBLISHED = Path(__file__).resolve().parent / "models" / "published"
 """The published models' configs (``NAME.json``: ``pipeline``, ``network``, ``components`` with each one's library,
 class and ``config``, ``params`` per component, ``source``)."""
@@ -306,7 +333,8 @@ def memory_plan(cfg, processes: int = 1, family: str | None = None) -> dict:
         ``trained_params``, ``largest_block``, ``frozen_gpu_bytes`` (:func:`frozen_gpu_bytes`), ``activations``
         (:func:`activation_plan`, None where not modelled), ``gradient_checkpointing`` (the run's) and ``engines``
         (:func:`engine_bytes`, in bytes; each row's ``total_gpu`` adds the frozen parts and the activations at the
-        run's checkpointing, ``total_gpu_checkpointing`` / ``total_gpu_no_checkpointing`` at each).
+        run's checkpointing, ``total_gpu_checkpointing`` / ``total_gpu_no_checkpointing`` at each; ``refused``: why
+        flowrl refuses the engine for the run's ``train.method``, :func:`refused_engines`, or None).
 
     Raises:
         ConfigError: as :func:`flowrl.pairing.resolve_model` (a bad ``model.path`` and the like), ``processes < 1``,
@@ -351,8 +379,9 @@ def memory_plan(cfg, processes: int = 1, family: str | None = None) -> dict:
     dtype_bytes = dtype.itemsize
     frozen = frozen_gpu_bytes(elements, network, total, m.lora_rank > 0, dtype_bytes, m.text_encoders, m.vae_placement)
     activations = activation_plan(model, adapter.PIPELINE, cfg, index, side, spatial)
-    engines = engine_bytes(trained, block, processes)
-    for row in engines.values():
+    engines, refused = engine_bytes(trained, block, processes), refused_engines(cfg)
+    for name, row in engines.items():
+        row["refused"] = refused.get(name)
         base = row["gpu"] + sum(frozen.values())
         row["total_gpu_no_checkpointing"] = base + (activations["without_checkpointing"] if activations else 0)
         row["total_gpu_checkpointing"] = base + (activations["with_checkpointing"] if activations else 0)
@@ -402,7 +431,7 @@ def format_plan(plan: dict) -> str:
     lines += [
         f"per process over {plan['processes']} processes (GiB): the trained float32 weights, their gradients, "
         "AdamW's state (ZeRO: with the master copy), their sum, and the totals with the frozen parts and the "
-        "activations (* marks the run's train.gradient_checkpointing; engines flowrl does not run yet in brackets):",
+        "activations (* marks the run's train.gradient_checkpointing; engines flowrl refuses for this run in brackets):",
         "| engine | weights | gradients | optimizer | trained | total | total, checkpointing | host |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -414,6 +443,9 @@ def format_plan(plan: dict) -> str:
             f"{no:.2f}" + ("" if ckpt else "*"),
             f"{yes:.2f}" + ("*" if ckpt else ""),
         ]
-        label = f"({name})" if name in NOT_RUN else name
+        label = f"({name})" if row.get("refused") else name
         lines.append(f"| {label} | " + " | ".join(cells_text) + f" | {row['host'] / gib:.2f} |")
+    for reason in dict.fromkeys(r["refused"] for r in plan["engines"].values() if r.get("refused")):
+        names = ", ".join(n for n, r in plan["engines"].items() if r.get("refused") == reason)
+        lines.append(f"({names}): refused, {reason}")
     return "\n".join(lines)

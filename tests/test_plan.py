@@ -98,6 +98,33 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     assert plan["processes"] == 4 and plan["engines"]["ddp"]["weights"] == 4 * plan["trained_params"]
 
 
+def test_the_plan_brackets_the_engines_flowrl_refuses_for_the_runs_method(tmp_path, capsys):
+    """``flowrl memory`` of a few-step run (tdm_r1) brackets the DeepSpeed engines (its fake score's own AdamW) and
+    says why, of a Flow-OPD run the FSDP2 ones too (its teacher adapters); a GRPO run brackets none; the JSON rows
+    carry the reason (``refused``), None where the engine runs."""
+    from flowrl.plan import ENGINES
+
+    refused = {}
+    for preset in ("tdm_r1", "flow_opd", "flow_grpo"):
+        main(
+            [
+                "memory",
+                str(REPO / "configs" / f"{preset}.yaml"),
+                "--processes",
+                "2",
+                "--json",
+                str(tmp_path / "p.json"),
+            ]
+        )
+        out = capsys.readouterr().out
+        rows = json.loads((tmp_path / "p.json").read_text())["engines"]
+        refused[preset] = {e for e in ENGINES if rows[e]["refused"]}
+        for e in ENGINES:
+            assert (f"| ({e}) |" in out) == (e in refused[preset]) and (f"| {e} |" in out) != (e in refused[preset])
+    zero = {e for e in ENGINES if e.startswith("zero")}
+    assert refused == {"tdm_r1": zero, "flow_opd": zero | {"fsdp2", "fsdp2_full_shard"}, "flow_grpo": set()}
+
+
 def test_bad_input_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["memory", str(REPO / "configs/quickstart.yaml"), f"model.path={tmp_path}"])

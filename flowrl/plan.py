@@ -253,13 +253,15 @@ def frozen_gpu_bytes(
     return out
 
 
-def engine_bytes(trained: int, block: int, processes: int) -> dict[str, dict[str, float]]:
-    """Bytes per process of ``trained`` float32 weights, their gradients and AdamW's state under each of
-    :data:`ENGINES` over ``processes`` processes (``docs/distributed.md``'s tables): ``{engine: {"weights",
-    "gradients", "optimizer", "gpu", "host"}}`` (``optimizer``: moments and, under ZeRO, the float32 master copy;
-    ``gpu``: their sum on the accelerator at a backward's peak; ``host``: what the engine keeps in CPU memory).
-    The fully sharded engines hold two gathered units (``block`` weights each: the one computing and the one
-    prefetched); ZeRO-3 offload keeps the weights' and the optimizer's partitions in CPU memory."""
+def engine_bytes(trained: int, block: int, processes: int, held: int = 0) -> dict[str, dict[str, float]]:
+    """Bytes per process of ``trained`` float32 weights, their gradients, AdamW's state and ``held`` float32 copies of
+    them (a method's old, reference, EMA copies and held scores: :meth:`flowrl.methods.base.Method.held_copies`, and
+    the policy's EMA) under each of :data:`ENGINES` over ``processes`` processes (``docs/distributed.md``'s tables):
+    ``{engine: {"weights", "gradients", "optimizer", "held", "gpu", "host"}}`` (``optimizer``: moments and, under ZeRO,
+    the float32 master copy; ``gpu``: their sum on the accelerator at a backward's peak; ``host``: what the engine
+    keeps in CPU memory). The fully sharded engines hold two gathered units (``block`` weights each: the one computing
+    and the one prefetched) and held copies of their shards; ZeRO-3 offload keeps the weights' and the optimizer's
+    partitions, and the held copies of them, in CPU memory."""
     n, p, b = float(trained), float(processes), float(block)
     bucket = 4 * min(ZERO_BUCKET, n)
     rows = {
@@ -272,9 +274,11 @@ def engine_bytes(trained: int, block: int, processes: int) -> dict[str, dict[str
         "zero3": dict(weights=4 * n / p + 8 * b, gradients=4 * n / p + bucket, optimizer=12 * n / p),
         "zero3_offload": dict(weights=8 * b, gradients=bucket, optimizer=0.0),
     }
+    copies = 4 * n * held
     for name, row in rows.items():
-        row["gpu"] = row["weights"] + row["gradients"] + row["optimizer"]
-        row["host"] = {"zero2_offload": 16 * n / p, "zero3_offload": 20 * n / p}.get(name, 0.0)
+        row["held"] = {"fsdp2_full_shard": copies / p, "zero3": copies / p, "zero3_offload": 0.0}.get(name, copies)
+        row["gpu"] = row["weights"] + row["gradients"] + row["optimizer"] + row["held"]
+        row["host"] = {"zero2_offload": 16 * n / p, "zero3_offload": 20 * n / p + copies / p}.get(name, 0.0)
     return rows
 
 
@@ -331,7 +335,8 @@ def memory_plan(cfg, processes: int = 1, family: str | None = None) -> dict:
     Returns:
         `dict`: ``model`` (path or repository, family, network, dtype, source), ``network_params``,
         ``trained_params``, ``largest_block``, ``frozen_gpu_bytes`` (:func:`frozen_gpu_bytes`), ``activations``
-        (:func:`activation_plan`, None where not modelled), ``gradient_checkpointing`` (the run's) and ``engines``
+        (:func:`activation_plan`, None where not modelled), ``gradient_checkpointing`` (the run's), ``held_copies``
+        (the method's and the EMA's copies of the trained weights) and ``engines``
         (:func:`engine_bytes`, in bytes; each row's ``total_gpu`` adds the frozen parts and the activations at the
         run's checkpointing, ``total_gpu_checkpointing`` / ``total_gpu_no_checkpointing`` at each; ``refused``: why
         flowrl refuses the engine for the run's ``train.method``, :func:`refused_engines`, or None).
@@ -379,7 +384,10 @@ def memory_plan(cfg, processes: int = 1, family: str | None = None) -> dict:
     dtype_bytes = dtype.itemsize
     frozen = frozen_gpu_bytes(elements, network, total, m.lora_rank > 0, dtype_bytes, m.text_encoders, m.vae_placement)
     activations = activation_plan(model, adapter.PIPELINE, cfg, index, side, spatial)
-    engines, refused = engine_bytes(trained, block, processes), refused_engines(cfg)
+    from .methods import METHODS
+
+    held = METHODS[cfg.train.method].held_copies(cfg) + int(cfg.train.ema_decay > 0)
+    engines, refused = engine_bytes(trained, block, processes, held), refused_engines(cfg)
     for name, row in engines.items():
         row["refused"] = refused.get(name)
         base = row["gpu"] + sum(frozen.values())
@@ -395,6 +403,7 @@ def memory_plan(cfg, processes: int = 1, family: str | None = None) -> dict:
         "frozen_gpu_bytes": frozen,
         "activations": activations,
         "gradient_checkpointing": cfg.train.gradient_checkpointing,
+        "held_copies": held,
         "engines": engines,
     }
 
@@ -430,14 +439,15 @@ def format_plan(plan: dict) -> str:
         lines.append("activations: not modelled for this network (the totals leave them out)")
     lines += [
         f"per process over {plan['processes']} processes (GiB): the trained float32 weights, their gradients, "
-        "AdamW's state (ZeRO: with the master copy), their sum, and the totals with the frozen parts and the "
+        f"AdamW's state (ZeRO: with the master copy), the method's {plan['held_copies']} held copies of them, their "
+        "sum, and the totals with the frozen parts and the "
         "activations (* marks the run's train.gradient_checkpointing; engines flowrl refuses for this run in brackets):",
-        "| engine | weights | gradients | optimizer | trained | total | total, checkpointing | host |",
-        "|---|---|---|---|---|---|---|---|",
+        "| engine | weights | gradients | optimizer | held | trained | total | total, checkpointing | host |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     ckpt = plan["gradient_checkpointing"]
     for name, row in plan["engines"].items():
-        cells = [row[k] / gib for k in ("weights", "gradients", "optimizer", "gpu")]
+        cells = [row[k] / gib for k in ("weights", "gradients", "optimizer", "held", "gpu")]
         no, yes = row["total_gpu_no_checkpointing"] / gib, row["total_gpu_checkpointing"] / gib
         cells_text = [f"{c:.2f}" for c in cells] + [
             f"{no:.2f}" + ("" if ckpt else "*"),

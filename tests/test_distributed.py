@@ -783,18 +783,26 @@ NEW_METHODS = ["awm", "crd", "dgpo", "dpo_online", "dpo_offline", "flow_dppo", "
 # on the tiny CLIP score's gradient; beside DDP under FSDP2 full shard and ZeRO-3 (LOCKSTEP_RUNS), which exercise
 # FSDP2's and ZeRO's code paths and lockstep besides
 DIRECT_METHODS = ["refl", "draft", "alignprop", "srpo"]
-# a fake score with its own AdamW, or adapters beside the student: refused under DeepSpeed (Flow-OPD under FSDP2 too);
-# tdm_r1 is tdm plus its surrogate, dmdr dmd plus its RL loss, so that tdm and dmd add no launch of their own; dmdr
-# under FSDP2 keeping the weights gathered too, tdm_r1 under FSDP2 full shard (LOCKSTEP_RUNS)
+# a fake score with its own AdamW, or teachers beside the student: refused under DeepSpeed; tdm_r1 is tdm plus its
+# surrogate, dmdr dmd plus its RL loss, so that tdm and dmd add no launch of their own; dmdr and flow_opd under FSDP2
+# keeping the weights gathered too, tdm_r1 and flow_opd under FSDP2 full shard (LOCKSTEP_RUNS)
 DDP_METHODS = ["dmdr", "tdm_r1", "flow_opd"]
-FSDP2_TOO = ["dmdr"]
+FSDP2_TOO = ["dmdr", "flow_opd"]
 # GRPO's tree and probe rollout shapes, under DDP as the reference of their LOCKSTEP_RUNS
 SHAPE_PRESETS = ["branch_grpo", "g2rpo"]
 ENGINES = {"ddp": {}, "fsdp2": {"fsdp2": True}, "zero2": {"zero": "2"}}
 WRAPPED = {"ddp": "DistributedDataParallel", "fsdp2": "FSDP", "zero2": "DeepSpeedEngine"}
-# copies of the weights kept: a fake score (TDM-R1's surrogate too) is three, its weights and its AdamW moments
-HELD_COPIES = {"awm": 1, "crd": 2, "dpo_online": 1, "dpo_offline": 1, "gardo": 1, "diffusion_nft": 1}
-HELD_COPIES.update({"dmdr": 3, "tdm_r1": 6})
+
+
+def held_copies(run: Path) -> int:
+    """The copies of the trained weights the run in folder `run` (its ``c.yaml`` and ``overrides.json``) holds, as its
+    method declares them (:meth:`flowrl.methods.base.Method.held_copies`, the memory plan's count)."""
+    from flowrl.methods import METHODS
+
+    cfg = load_config(run / "c.yaml", json.loads((run / "overrides.json").read_text()))
+    return METHODS[cfg.train.method].held_copies(cfg)
+
+
 # the held copies' resets within the two iterations: DPO's reference copied from the policy after each, GARDO's
 # reference reset after each (its threshold passed by process 0's KL alone: process 1 keeps no rows), its KL on all
 HELD_RESETS = {
@@ -849,8 +857,9 @@ def _method_run(
     )
     extra = {"run.mixed_precision": "no", "train.minibatch_size": 8, "train.micro_batch_size": 4}
     extra.update({"sampling.group_size": 4, "sampling.num_steps": 4, "train.offline.batch_size": 4})
-    if preset == "flow_opd":
+    if preset == "flow_opd":  # the teacher also the cold start (written into the student's shards under FSDP2)
         extra.update({f"train.opd.teachers.{n}.lora": teacher for n in ("geneval", "clipscore")})
+        extra["train.opd.init"] = teacher
     extra.update({**HELD_RESETS.get(preset, {}), **SHAPE_SIZES.get(preset, {})})
     overrides = tiny_overrides(random_pipeline, *prompt_files, tmp / "run", **extra)
     (tmp / "overrides.json").write_text(json.dumps(overrides))
@@ -859,7 +868,7 @@ def _method_run(
 
 LOCKSTEP_RUNS = {
     "full_shard": (
-        ["diffusion_nft", "dgpo", "gardo", "refl", "draft", "branch_grpo", "tdm_r1"],
+        ["diffusion_nft", "dgpo", "gardo", "refl", "draft", "branch_grpo", "tdm_r1", "flow_opd"],
         {"fsdp2": "full_shard"},
         "FSDP",
     ),
@@ -882,7 +891,8 @@ def lockstep_method_runs(tmp_path_factory, random_pipeline, prompt_files, new_me
     with built_once(tmp_path_factory, "lockstep_methods") as (root, todo):
         if todo:
             for engine, (presets, launch, _) in LOCKSTEP_RUNS.items():
-                runs = [_method_run(root / engine / p, p, random_pipeline, prompt_files) for p in presets]
+                teacher = new_method_runs / "teacher"  # flow_opd's, as under DDP
+                runs = [_method_run(root / engine / p, p, random_pipeline, prompt_files, teacher) for p in presets]
                 _launch_runs(root / engine, runs, **launch)
     return root, new_method_runs
 
@@ -910,7 +920,7 @@ def test_methods_and_rollout_shapes_train_in_lockstep_to_ddps_weights(preset, en
     )
     assert w0.keys() == w1.keys() == ref.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
     assert h0.keys() == h1.keys() == held.keys() and all(torch.equal(h0[k], h1[k]) for k in h0)
-    assert len(held) == HELD_COPIES.get(preset, 0) * len(ref)
+    assert len(held) == held_copies(tmp) * len(ref)
     assert any(w0[k].abs().sum() > 0 for k in w0 if "lora_B" in k)
     assert json.loads((tmp / "rank0.json").read_text())["wrapped"].startswith(LOCKSTEP_RUNS[engine][2])
     rows, ref_rows = read_metrics(tmp / "run"), read_metrics(ddp / "run")
@@ -980,7 +990,7 @@ def test_each_new_method_trains_alike_on_both_processes_and_under_each_engine(pr
         if reset:
             assert [r.get(reset) for r in rows] == [1.0, 1.0]
         runs[engine] = w0, h0
-    assert len(runs["ddp"][1]) == HELD_COPIES.get(preset, 0) * len(runs["ddp"][0])
+    assert len(runs["ddp"][1]) == held_copies(new_method_runs / "ddp" / preset) * len(runs["ddp"][0])
     for engine in engines:
         for ddp, other in zip(runs["ddp"], runs[engine]):  # the weights, then the held copies
             assert ddp.keys() == other.keys()

@@ -98,10 +98,31 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
     assert plan["processes"] == 4 and plan["engines"]["ddp"]["weights"] == 4 * plan["trained_params"]
 
 
+def test_the_plan_counts_the_methods_held_copies_of_the_trained_weights():
+    """A method's held copies (:meth:`Method.held_copies`: CRD's old and sampler copies, TDM-R1's fake score and
+    surrogate with their moments and, in full fine-tuning, the teacher) and the policy's EMA enter each engine's
+    bytes: 4 bytes per trained weight and copy, whole under DDP, FSDP2 and ZeRO-1/2, sharded under full sharding, on
+    the host under ZeRO-3 offload; GRPO holds none."""
+    counts = {}
+    for preset, over in (("crd", []), ("tdm_r1", []), ("dmd", ["model.lora_rank=0"]), ("flow_grpo", [])):
+        for ema in (0.0, 0.9):
+            plan = memory_plan(load_config(REPO / "configs" / f"{preset}.yaml", [*over, f"train.ema_decay={ema}"]), 4)
+            n, rows = plan["trained_params"], plan["engines"]
+            counts[preset, ema] = held = plan["held_copies"]
+            assert rows["ddp"]["held"] == rows["fsdp2"]["held"] == rows["zero2"]["held"] == 4 * n * held
+            assert rows["fsdp2_full_shard"]["held"] == rows["zero3"]["held"] == 4 * n * held / 4
+            assert rows["zero3_offload"]["held"] == 0 and rows["zero3_offload"]["host"] == (20 + 4 * held) * n / 4
+            assert rows["ddp"]["gpu"] == 20 * n + 4 * n * held
+    assert counts == {
+        ("crd", 0.0): 2, ("crd", 0.9): 3, ("tdm_r1", 0.0): 6, ("tdm_r1", 0.9): 7,
+        ("dmd", 0.0): 4, ("dmd", 0.9): 5, ("flow_grpo", 0.0): 0, ("flow_grpo", 0.9): 1,
+    }  # fmt: skip
+
+
 def test_the_plan_brackets_the_engines_flowrl_refuses_for_the_runs_method(tmp_path, capsys):
-    """``flowrl memory`` of a few-step run (tdm_r1) brackets the DeepSpeed engines (its fake score's own AdamW) and
-    says why, of a Flow-OPD run the FSDP2 ones too (its teacher adapters); a GRPO run brackets none; the JSON rows
-    carry the reason (``refused``), None where the engine runs."""
+    """``flowrl memory`` of a few-step run (tdm_r1: its fake score's own AdamW) or a Flow-OPD run (teachers written
+    into the weights) brackets the DeepSpeed engines and says why; a GRPO run brackets none; the JSON rows carry the
+    reason (``refused``), None where the engine runs."""
     from flowrl.plan import ENGINES
 
     refused = {}
@@ -122,7 +143,7 @@ def test_the_plan_brackets_the_engines_flowrl_refuses_for_the_runs_method(tmp_pa
         for e in ENGINES:
             assert (f"| ({e}) |" in out) == (e in refused[preset]) and (f"| {e} |" in out) != (e in refused[preset])
     zero = {e for e in ENGINES if e.startswith("zero")}
-    assert refused == {"tdm_r1": zero, "flow_opd": zero | {"fsdp2", "fsdp2_full_shard"}, "flow_grpo": set()}
+    assert refused == {"tdm_r1": zero, "flow_opd": zero, "flow_grpo": set()}
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):

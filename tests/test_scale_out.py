@@ -126,12 +126,12 @@ def test_the_shipped_fsdp2_launch_passes_and_other_sharded_launches_are_refused_
         check_accelerate_engine(_launch("MEGATRON_LM"))
 
 
-def test_full_shard_runs_every_method_but_flow_opd_and_engines_a_method_cannot_run_are_refused_before_loading():
-    """Under FSDP2 full shard (every process calls the transformer alike) GRPO on every rollout shape, Flow-DPPO,
-    GARDO, the forward-process, direct-reward and few-step methods run (no lockstep blocker); the few-step methods
-    (their fake score's own AdamW) are refused under DeepSpeed and Flow-OPD (its teacher adapters) under FSDP2 and
-    DeepSpeed, in one line naming train.method and what runs it, before any weights load; the refusals' list of what
-    full sharding runs is the registry's."""
+def test_full_shard_runs_every_method_and_engines_a_method_cannot_run_are_refused_before_loading():
+    """Under FSDP2 full shard (every process calls the transformer alike) every method runs: GRPO on every rollout
+    shape, Flow-DPPO, GARDO, Flow-OPD, the forward-process, direct-reward and few-step methods (no lockstep blocker);
+    the few-step methods (their fake score's own AdamW) and Flow-OPD (teachers written into the weights) are refused
+    under DeepSpeed in one line naming train.method and what runs it, before any weights load; the refusals' list of
+    what full sharding runs is the registry's."""
     from types import SimpleNamespace
 
     from flowrl.methods import METHODS
@@ -140,29 +140,23 @@ def test_full_shard_runs_every_method_but_flow_opd_and_engines_a_method_cannot_r
     def cfg(method: str, shape: str = "flat"):
         return SimpleNamespace(train=SimpleNamespace(method=method), sampling=SimpleNamespace(shape=shape))
 
-    lockstep = {"grpo", "flow_dppo", "gardo", "nft", "awm", "crd", "dgpo", "dpo", "dpo_offline", "sft"}
+    lockstep = {"grpo", "flow_dppo", "gardo", "nft", "awm", "crd", "dgpo", "dpo", "dpo_offline", "sft", "opd"}
     lockstep |= {"refl", "draft", "alignprop", "srpo", "tdm", "dmd", "dmdr", "tdm_r1"}
     for method in lockstep:
         assert METHODS[method].lockstep_blocker(cfg(method)) is None, method
     for shape in ("tree", "g2rpo", "tempflow", "tp_grpo"):
         assert METHODS["grpo"].lockstep_blocker(cfg("grpo", shape)) is None, shape
-    assert set(METHODS) == lockstep | {"opd"} and METHODS["opd"].lockstep_blocker(cfg("opd")) == "train.method 'opd'"
+    assert set(METHODS) == lockstep
     assert what_runs() == "full sharding runs train.method " + ", ".join(sorted(lockstep))
     blocked = {m: METHODS[m].engine_blockers(cfg(m)) for m in METHODS}
-    assert {m: sorted(b) for m, b in blocked.items() if b} == {
-        **{m: ["DeepSpeed"] for m in ("tdm", "dmd", "dmdr", "tdm_r1")},
-        "opd": ["DeepSpeed", "FSDP2"],
-    }
+    deepspeed = {m: ["DeepSpeed"] for m in ("tdm", "dmd", "dmdr", "tdm_r1", "opd")}
+    assert {m: sorted(b) for m, b in blocked.items() if b} == deepspeed
     fsdp2 = _launch("FSDP", fsdp_version=2, reshard_after_forward=False)
     for method in ("tdm_r1", "opd"):
-        with pytest.raises(
-            ConfigError, match=f"^config key 'train.method': {method} .*under DDP.*ddp.yaml.*DeepSpeed$"
-        ):
+        with pytest.raises(ConfigError, match=f"^config key 'train.method': {method} .*DDP.*ddp.yaml.*not DeepSpeed$"):
             check_accelerate_engine(_launch("DEEPSPEED", {}), engine_blockers=blocked[method])
-        check_accelerate_engine(_launch("MULTI_GPU"), engine_blockers=blocked[method])  # DDP runs them
-    check_accelerate_engine(fsdp2, engine_blockers=blocked["tdm_r1"])
-    with pytest.raises(ConfigError, match="^config key 'train.method': opd adds its teachers.*not FSDP2$"):
-        check_accelerate_engine(fsdp2, engine_blockers=blocked["opd"])
+        check_accelerate_engine(_launch("MULTI_GPU"), engine_blockers=blocked[method])  # DDP and FSDP2 run them
+        check_accelerate_engine(fsdp2, engine_blockers=blocked[method])
 
 
 def test_padded_forwards_and_stand_ins_match_the_process_with_the_most_calls():

@@ -160,6 +160,11 @@ class AWM(ForwardProcess):
         stats["policy/ema_decay"] = min(a.ema_decay, a.ema_ramp * self.policy.steps_taken())
         self.policy.move_towards(self.ema, stats["policy/ema_decay"])
 
+    @classmethod
+    def held_copies(cls, cfg) -> int:
+        """The soft-updated copy, when ``train.awm.ema_beta > 0``."""
+        return int(cfg.train.awm.ema_beta > 0)
+
     def snapshots(self) -> dict:
         """The soft-updated copy (:data:`EMA_FILE`), when ``train.awm.ema_beta > 0``."""
         return {self.EMA_FILE: self.ema} if self.ema is not None else {}

@@ -293,6 +293,13 @@ class Method:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output."""
 
+    @classmethod
+    def held_copies(cls, cfg) -> int:
+        """How many copies of the trainable tensors (float32, as :meth:`flowrl.policy.Policy.copy` makes them) the
+        method holds besides them under `cfg`: its :meth:`snapshots` (an old, sampler, reference or EMA copy, a held
+        score and its AdamW moments), for the memory plan (:func:`flowrl.plan.memory_plan`). Default: none."""
+        return 0
+
     def snapshots(self) -> dict[str, dict[str, torch.Tensor]]:
         """The method's held copies of the trainable weights (an old, sampler, reference or EMA copy) by checkpoint
         file name (``*.safetensors``); :meth:`save_files` and :meth:`load_files` write and read them. None here."""

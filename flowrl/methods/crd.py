@@ -220,6 +220,11 @@ class CRD(ForwardProcess):
         self.policy.move_towards(self.old, stats["policy/old_decay"])
         self.policy.move_towards(self.sampler, stats["sampling/decay"])
 
+    @classmethod
+    def held_copies(cls, cfg) -> int:
+        """The old and sampler copies."""
+        return 2
+
     def snapshots(self) -> dict:
         """The old (:data:`OLD_FILE`) and sampler (:data:`SAMPLER_FILE`) copies."""
         return {self.OLD_FILE: self.old, self.SAMPLER_FILE: self.sampler}

@@ -608,6 +608,11 @@ class Distillation(ForwardProcess):
     # ------------------------------------------------------------------------------ checkpoints
     snapshot_origin = "by a few-step distillation method (train.method tdm, dmd or dmdr)"
 
+    @classmethod
+    def held_copies(cls, cfg) -> int:
+        """The fake score and its two AdamW moments, and with full fine-tuning the teacher."""
+        return 3 + int(cfg.model.lora_rank == 0)
+
     def snapshots(self) -> dict:
         """The fake score and its AdamW moments, and with full fine-tuning the teacher."""
         files = self.fake.files("fake_score")

@@ -165,6 +165,11 @@ class DiffusionDPO(ForwardProcess):
     def load_state_dict(self, state: dict) -> None:
         self.iterations = int(state.get("dpo_iterations", 0))
 
+    @classmethod
+    def held_copies(cls, cfg) -> int:
+        """The reference."""
+        return 1
+
     def snapshots(self) -> dict:
         """The reference (:data:`REFERENCE_FILE`), which also draws the online samples."""
         return {self.REFERENCE_FILE: self.reference} if self.reference is not None else {}

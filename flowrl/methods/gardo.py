@@ -455,6 +455,11 @@ class GARDO(GRPO):
         self.history = [float(x) for x in s.get("history", [])]
         self.iterations, self.last_reset = int(s.get("iterations", 0)), int(s.get("last_reset", 0))
 
+    @classmethod
+    def held_copies(cls, cfg) -> int:
+        """The KL's reference copy, when ``train.kl_beta > 0``."""
+        return int(cfg.train.kl_beta > 0)
+
     def snapshots(self) -> dict:
         """The KL's reference copy (:data:`REFERENCE_FILE`), when ``train.kl_beta > 0``."""
         return {self.REFERENCE_FILE: self.reference} if self.reference is not None else {}

@@ -156,6 +156,11 @@ class DiffusionNFT(ForwardProcess):
 
     snapshot_origin = "with train.nft.old_decay > 0, which this run sets"
 
+    @classmethod
+    def held_copies(cls, cfg) -> int:
+        """The old policy, when ``train.nft.old_decay > 0``."""
+        return int(cfg.train.nft.old_decay > 0)
+
     def snapshots(self) -> dict:
         """The soft-updated old (sampling) policy (:data:`OLD_POLICY_FILE`), when ``train.nft.old_decay > 0``."""
         return {self.OLD_POLICY_FILE: self.old_policy} if self.old_policy is not None else {}

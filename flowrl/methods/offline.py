@@ -270,6 +270,11 @@ class SFT(OfflineDPO):
 
     pairs = False
 
+    @classmethod
+    def held_copies(cls, cfg) -> int:
+        """None: no reference."""
+        return 0
+
     def __init__(self, cfg, model, policy, rewards, data: list[tuple] | None = None):
         super(DiffusionDPO, self).__init__(cfg, model, policy, rewards)
         self.data = OfflineData(offline_rows(cfg, False) if data is None else data, model)

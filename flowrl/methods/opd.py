@@ -24,7 +24,8 @@ task-agnostic: the LoRA-disabled base (the official default) or a LoRA (``train.
 every transition takes its KL, as Flow-GRPO's KL term.
 
 Teachers and the anchor are extra peft adapters of the student's transformer (no copies), each run alone without
-gradients (:meth:`flowrl.models.FlowModel.adapter`). Deviations from the official code: the reward is computed once per
+gradients (:meth:`flowrl.models.FlowModel.adapter`); under FSDP2, whose wrapped transformer takes no new adapter, held
+copies of the student's LoRA (each teacher merged to the student's rank first) swapped into it (:meth:`FlowOPD.adapter`). Deviations from the official code: the reward is computed once per
 iteration from the rollout's step means (the sampling student's, as LLM on-policy distillation), and gradients flow
 through the ratio alone, as the paper states (the official recomputes the reward from the current student in each
 minibatch, with its gradient); prompts are routed per prompt within one iteration rather than by alternating data sets
@@ -247,8 +248,8 @@ class FlowOPD(GRPO):
     now).
 
     Raises:
-        ConfigError: under FSDP2 or DeepSpeed (the teachers are adapters loaded after the student was sharded), or a
-            teacher (anchor) LoRA that is not of the model (naming its key).
+        ConfigError: under DeepSpeed (:meth:`engine_blockers`), or a teacher (anchor) LoRA that is not of the model, or
+            under FSDP2 not of the student's rank (naming its key).
     """
 
     @classmethod
@@ -272,13 +273,11 @@ class FlowOPD(GRPO):
             cfg.sampling.shape,
         )
 
-    lockstep = False  # refused under FSDP2 and DeepSpeed altogether (engine_blockers)
-
     @classmethod
     def engine_blockers(cls, cfg) -> dict[str, str]:
-        """The teachers are LoRA adapters added to the transformer after FSDP2 or DeepSpeed wrapped it."""
-        why = "opd adds its teachers as LoRA adapters to the transformer after FSDP2 or DeepSpeed wrapped it"
-        return {"FSDP2": why, "DeepSpeed": why}
+        """DeepSpeed: the cold start and the teachers are written into the weights, which DeepSpeed's own float32
+        master copy (ZeRO) would not follow."""
+        return {"DeepSpeed": "opd writes its teachers and cold start into the weights beside DeepSpeed's master copy"}
 
     @classmethod
     def read_data(cls, cfg) -> Routing:
@@ -306,50 +305,84 @@ class FlowOPD(GRPO):
 
     def __init__(self, cfg, model, policy, rewards, data: Routing | None = None):
         super().__init__(cfg, model, policy, rewards)
-        if policy.sharded or policy.engine is not None:  # refused at launch already (engine_blockers)
-            raise ConfigError(f"config key 'train.method': {self.engine_blockers(cfg)['FSDP2']}: run it under DDP")
-        self.routing = data if data is not None else self.read_data(cfg)
-        for name, folder in zip(self.routing.names, self.routing.folders):
-            with config_key(f"train.opd.teachers.{name}.lora"):
-                model.load_lora(folder, adapter_name=teacher_adapter(name))
-        if cfg.train.opd.anchor:
-            from ..merge import lora_folder
+        if policy.engine is not None:  # refused at launch already (engine_blockers)
+            raise ConfigError(f"config key 'train.method': {self.engine_blockers(cfg)['DeepSpeed']}: not DeepSpeed")
+        from ..merge import lora_folder
 
-            with config_key("train.opd.anchor"):
-                model.load_lora(lora_folder(cfg.train.opd.anchor, "config key 'train.opd.anchor'"), ANCHOR)
+        self.routing = data if data is not None else self.read_data(cfg)
+        # under FSDP2 the wrapped transformer takes no new adapter: the teachers are held copies of the student's LoRA
+        self.held: dict[str, dict[str, torch.Tensor]] | None = {} if policy.sharded else None
+        r = self.routing
+        loras = [(teacher_adapter(n), f, f"train.opd.teachers.{n}.lora") for n, f in zip(r.names, r.folders)]
+        if cfg.train.opd.anchor:
+            loras.append(
+                (ANCHOR, lora_folder(cfg.train.opd.anchor, "config key 'train.opd.anchor'"), "train.opd.anchor")
+            )
+        for adapter, folder, key in loras:
+            with config_key(key):
+                if self.held is None:
+                    model.load_lora(folder, adapter_name=adapter)
+                else:
+                    whole = self.as_student(folder, f"config key '{key}'")
+                    self.held[adapter] = {n: policy.part_of(n, v) for n, v in whole.items()}  # full shard: shards
         model.transformer.set_adapter("default")  # the student, trainable
         if cfg.train.opd.init:
             self.cold_start(cfg.train.opd.init)
         self._teacher_nfe = 0
 
+    def as_student(self, path, key: str) -> dict[str, torch.Tensor]:
+        """The LoRA folder (or run) `path` as the student's trainable tensors (whole, float32, by the policy's parameter
+        names), its ``B`` rescaled by the ratio of the two LoRA
+        scales so that the weight deltas are the file's: a teacher, anchor or cold start swapped into the student's
+        LoRA (:meth:`flowrl.policy.Policy.holding`).
+
+        Raises:
+            ConfigError: naming `key`: a LoRA of another rank than ``model.lora_rank`` or of other modules.
+        """
+        from ..merge import lora_folder, read_lora
+
+        lora = read_lora(lora_folder(path, key))
+        m = self.cfg.model
+        scale, params = m.lora_alpha / m.lora_rank, self.policy.params
+        names = {}
+        for name, (a, b) in lora.modules.items():
+            module = name.split(".", 1)[1]  # without the component prefix (transformer., unet.)
+            names[f"{module}.lora_A.default.weight"] = a
+            names[f"{module}.lora_B.default.weight"] = b * lora.scale[name.split(".", 1)[0]] / scale
+        if names.keys() != {n for n in params if ".lora_" in n} or any(
+            tuple(v.shape) != tuple(params[n].shape)
+            for n, v in names.items()  # a DTensor's shape is the whole one
+        ):
+            raise ConfigError(
+                f"{key}: {lora.folder} is a LoRA of other modules or rank than the student's (model.lora_rank "
+                f"{m.lora_rank} of the family's targets); merge it to the student's rank with flowrl merge "
+                f"--combination svd --rank {m.lora_rank}"
+            )
+        return {n: v.to(torch.float32) for n, v in names.items()}
+
+    def adapter(self, name: str):
+        """Context in which the transformer is teacher (or anchor) adapter `name`: peft's adapter, or under FSDP2 its
+        held copy swapped into the student's LoRA."""
+        if self.held is None:
+            return self.model.adapter(name)
+        return self.policy.holding(self.held[name])
+
     def cold_start(self, path: str) -> None:
-        """Flow-OPD's cold start: set the student's LoRA to the LoRA folder (or run) `path`, its ``B`` rescaled by the
-        ratio of the two LoRA scales so that the weight deltas are the file's; the EMA copy follows. A resumed run's
-        checkpoint then replaces them.
+        """Flow-OPD's cold start: set the student's LoRA to the LoRA folder (or run) `path` (:meth:`as_student`: its
+        weight deltas the file's); the EMA copy follows. A resumed run's checkpoint then replaces them.
 
         Raises:
             ConfigError: naming ``train.opd.init``: a LoRA of another rank than ``model.lora_rank`` or of other modules.
         """
-        from ..merge import lora_folder, read_lora
+        from ..sharding import regather, shard_like
 
-        lora = read_lora(lora_folder(path, "config key 'train.opd.init'"))
-        m = self.cfg.model
-        scale, params = m.lora_alpha / m.lora_rank, self.policy.params
-        names = {}
-        for key, (a, b) in lora.modules.items():
-            module = key.split(".", 1)[1]  # without the component prefix (transformer., unet.)
-            names[f"{module}.lora_A.default.weight"] = a
-            names[f"{module}.lora_B.default.weight"] = b * lora.scale[key.split(".", 1)[0]] / scale
-        if names.keys() != {n for n in params if ".lora_" in n} or any(
-            v.shape != params[n].shape for n, v in names.items()
-        ):
-            raise ConfigError(
-                f"config key 'train.opd.init': {lora.folder} is a LoRA of other modules than the student's "
-                "(model.lora_rank's LoRA of the family's targets); merge LoRAs of this model"
-            )
+        weights = self.as_student(path, "config key 'train.opd.init'")
         with torch.no_grad():
-            for n, v in names.items():
-                params[n].copy_(v)
+            for n, p in self.policy.params.items():
+                if n in weights:  # under FSDP2 this process's shards
+                    p.copy_(shard_like(weights[n].to(p.dtype), p))
+        if self.policy.sharded and not self.policy.full_shard:  # FSDP2 keeping the weights gathered: gather them
+            regather(self.model.transformer)
         if self.policy.ema is not None:
             self.policy.ema = self.policy.copy()
 
@@ -376,16 +409,19 @@ class FlowOPD(GRPO):
         rows = keep.nonzero().squeeze(1)  # (M',)
         teacher = samples.teacher.to(ro.leaf.device)[samples.image_prompt.to(ro.leaf.device)[ro.leaf]]  # (M,)
         kl = torch.zeros(len(ro), device=ro.leaf.device)  # (M,)
-        velocity = self.chunked(self.model.velocity_fn(samples.table, self.cfg.sampling.guidance_scale))
+        # in lockstep (FSDP2 full shard) each teacher's forwards padded to the process with the most chunks
+        velocity = self.chunked(self.model.velocity_fn(samples.table, self.cfg.sampling.guidance_scale), pad=True)
         stats, nfe = {}, 0
         for k, name in enumerate(self.routing.names):
             idx = rows[teacher[rows] == k]  # (m,) this teacher's transitions
             stats[f"opd/{name}/transitions"] = float(len(idx))
-            if len(idx) == 0:
+            if len(idx) == 0 and not self.policy.lockstep:
                 continue
-            sub = ro.select(idx)
-            with torch.no_grad(), self.model.adapter(teacher_adapter(name)), self.policy.autocast():
+            sub = ro.select(idx if len(idx) else torch.zeros(1, dtype=torch.long, device=idx.device))  # a stand-in
+            with torch.no_grad(), self.adapter(teacher_adapter(name)), self.policy.autocast():
                 v_teacher = velocity(sub.state, sub.sigma, sub.cond)  # (m, *latent_shape)
+            if len(idx) == 0:  # lockstep: the stand-in's forwards made, its result discarded
+                continue
             kl[idx] = self.step_kl(sub, v_teacher)
             stats[f"opd/{name}/kl"] = kl[idx].mean().item()
             nfe += len(idx) * self.model.cfg_rows(self.cfg.sampling.guidance_scale)
@@ -418,4 +454,4 @@ class FlowOPD(GRPO):
     def reference(self):
         """The anchor of the Manifold Anchor Regularization: the adapter ``train.opd.anchor`` alone, or the
         LoRA-disabled base."""
-        return self.model.adapter(ANCHOR) if self.cfg.train.opd.anchor else self.model.reference()
+        return self.adapter(ANCHOR) if self.cfg.train.opd.anchor else self.model.reference()

@@ -164,6 +164,11 @@ class TDMR1(TDM):
         return loss, {**stats, "policy/surrogate_reward_loss": surrogate.item()}
 
     # ------------------------------------------------------------------------------ checkpoints
+    @classmethod
+    def held_copies(cls, cfg) -> int:
+        """TDM's, and the surrogate with its two AdamW moments."""
+        return super().held_copies(cfg) + 3
+
     def snapshots(self) -> dict:
         """The fake score's and the surrogate's weights and AdamW moments."""
         return {**super().snapshots(), **self.surrogate.files("surrogate")}

@@ -22,6 +22,7 @@ from flowrl.methods.distill import (
 
 TDM_COMMIT = "81b019f91539948d49da86cef12ccc64030c5022"  # Luo-Yihong/TDM, train_tdm_demo.py
 DMD2_COMMIT = "8d8fa55633d47cfb81bbc7a892e7248f9518763f"  # tianweiy/DMD2, main/sd_guidance.py
+DMDR_COMMIT = "061dc296e570adaae2925241bd1de505376a9fce"  # vvvvvjdy/dmdr, train_cc/sit/
 
 
 def _draw(*shape, seed=0):
@@ -224,6 +225,11 @@ def test_bad_distill_settings_are_refused_naming_the_key():
         load_config(REPO / "configs/tdm.yaml", ["train.distill.min_time=0.99"])
     with pytest.raises(ConfigError, match=r"sampling\.shape"):
         load_config(REPO / "configs/dmd.yaml", ["sampling.shape=tree"])
+    for preset, bad in (("dmdr", "[0.0,1.5]"), ("dmd", "[4.0,-1.0]"), ("tdm", "[4.0,1.5]")):  # tdm queries no Beta
+        with pytest.raises(ConfigError, match=r"^config key 'train\.distill\.renoise_beta' must be [^\n]+$"):
+            load_config(REPO / f"configs/{preset}.yaml", [f"train.distill.renoise_beta={bad}"])
+    with pytest.raises(ConfigError, match=r"train\.distill\.dynamic_steps"):
+        load_config(REPO / "configs/dmdr.yaml", ["train.distill.dynamic_steps=-1"])
 
 
 def test_dynamic_distribution_guidance_decays_by_a_half_cosine():
@@ -240,6 +246,45 @@ def test_dynamic_distribution_guidance_decays_by_a_half_cosine():
         host.policy = SimpleNamespace(steps_taken=lambda n=n: n)
         assert DMDR.guidance_scale_now(host) == pytest.approx(expected, abs=1e-12)
         assert 0.8 * 0.5 * (1 + math.cos(math.pi * min(n / 10, 1))) == pytest.approx(expected, abs=1e-12)
+
+
+def test_dynamic_renoise_sampling_draws_a_beta_that_decays_to_uniform():
+    """DMDR's dynamic renoise sampling (utils.py lines 68-80 at DMDR_COMMIT, the times of the fake score's
+    and the DMD loss's queries): after n of N student steps the query time is min_time + (max_time - min_time) u, u ~
+    Beta(1 + (a0 - 1) c, 1 + (b0 - 1) c), c = (1 + cos(pi min(n / N, 1))) / 2: at n = 0 Beta(4, 1.5) and halfway
+    Beta(2.5, 1.25) (Kolmogorov-Smirnov distance and mean over 20000 draws), from n = N on the very uniform draw of
+    DMD2 from the same generator; x_t = (1 - t) x0 + t z at the drawn t."""
+    import math
+    from types import SimpleNamespace
+
+    from scipy import stats
+
+    from flowrl.methods.distill import DMD, Distillation, renoise_shape
+
+    for n, steps, expected in ((0, 10, (4.0, 1.5)), (5, 10, (2.5, 1.25)), (10, 10, (1.0, 1.0)), (7, 0, (4.0, 1.5))):
+        c = 1.0 if steps == 0 else (1 + math.cos(math.pi * min(n / steps, 1))) / 2
+        assert renoise_shape((4.0, 1.5), n, steps) == pytest.approx((1 + 3 * c, 1 + 0.5 * c), abs=1e-12)
+        assert renoise_shape((4.0, 1.5), n, steps) == pytest.approx(expected, abs=1e-12)
+    d = SimpleNamespace(renoise_beta=(4.0, 1.5), dynamic_steps=10, min_time=0.02, max_time=0.98)
+    host = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(distill=d)), device=torch.device("cpu"))
+    host.renoise_shape_now = lambda: Distillation.renoise_shape_now(host)
+    count, x0 = 20000, _draw(20000, 1, seed=14).float()  # (N, 1)
+
+    def query(n):
+        host.policy = SimpleNamespace(steps_taken=lambda: n)
+        return DMD.query(host, x0, x0, torch.zeros(count, dtype=torch.long), torch.Generator().manual_seed(0))
+
+    for n, (a, b) in ((0, (4.0, 1.5)), (5, (2.5, 1.25))):
+        x_t, t, w, z = query(n)
+        u = ((t.double() - 0.02) / 0.96).numpy()
+        assert stats.kstest(u, stats.beta(a, b).cdf).statistic < 0.012  # 1% critical value at 20000 draws: 0.0115
+        assert stats.kstest(u, "uniform").statistic > 0.1
+        assert abs(u.mean() - a / (a + b)) < 0.005
+        torch.testing.assert_close(x_t, (1 - t[:, None]) * x0 + t[:, None] * z)
+        assert torch.equal(w, torch.ones(count))
+    uniform = 0.02 + torch.rand(count, generator=torch.Generator().manual_seed(0)) * 0.96
+    for n in (10, 30):
+        assert torch.equal(query(n)[1], uniform)
 
 
 @pytest.mark.slow  # CI: tdm's resume (above) runs in the default command

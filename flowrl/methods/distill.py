@@ -14,6 +14,8 @@ point), ``t`` -> the time the real and fake scores are queried at; ``real``/``fa
 - :func:`renoise`, :func:`mixed_noise`, :func:`importance_weights`: TDM's diffusion from the student's next trajectory
   point ``x_{t_mid}`` to ``x_t`` and the fake score's importance weight;
 - :func:`tdm_loss`, :func:`dmd_loss`: the generator's distribution-matching losses (TDM's, DMD2's);
+- :func:`renoise_shape`, :func:`beta_quantiles`: DMDR's dynamic renoise sampling (the query times' Beta, decayed to
+  uniform);
 - :func:`tdm_fake_loss`: TDM's fake-score loss (DMD's is the flow-matching loss,
   :func:`flowrl.methods.forward.flow_matching_error`);
 - :class:`HeldScore`: a score network held as a second copy of the trainable tensors (a LoRA, or every weight) with
@@ -210,6 +212,44 @@ def dmd_loss(x0: torch.Tensor, real: torch.Tensor, fake: torch.Tensor) -> torch.
     return 0.5 * (x0 - (x0 - grad).detach()).pow(2).mean()
 
 
+def renoise_shape(start: tuple[float, float], step: int, steps: int) -> tuple[float, float]:
+    """DMDR's dynamic renoise sampling schedule (arXiv 2511.13649; vvvvvjdy/dmdr train_cc/sit/utils.py lines 74-78 at
+    061dc29): the Beta shape ``(a0, b0)`` decays to ``(1, 1)`` (uniform) by a half cosine over `steps` student
+    optimizer steps, ``a = 1 + (a0 - 1) c``, ``b = 1 + (b0 - 1) c``, ``c = (1 + cos(pi min(n / steps, 1))) / 2``.
+
+    Args:
+        start (`tuple[float, float]`): ``(a0, b0)``, both > 0. step (`int`): the student's optimizer steps ``n``,
+            >= 0. steps (`int`): the decay's length; 0: no decay (the shape stays `start`, as the official code's
+            ``dynamic_step`` 0).
+
+    Returns:
+        ``(a, b)``, both > 0; ``(1, 1)`` once ``step >= steps > 0``.
+    """
+    import math
+
+    a0, b0 = (float(v) for v in start)
+    c = 1.0 if steps <= 0 else 0.5 * (1 + math.cos(math.pi * min(step / steps, 1.0)))
+    return 1 + (a0 - 1) * c, 1 + (b0 - 1) * c
+
+
+def beta_quantiles(u: torch.Tensor, shape: tuple[float, float]) -> torch.Tensor:
+    """Uniform draws `u` mapped through the inverse CDF of ``Beta(a, b)`` (``scipy.special.betaincinv``): Beta draws
+    taken from the caller's generator, the same uniforms as a uniform draw (``(1, 1)`` returns `u` itself).
+
+    Args:
+        u (`torch.Tensor` of shape `(N,)`, in [0, 1]): uniform draws. shape (`tuple[float, float]`): ``(a, b)``, > 0.
+
+    Returns:
+        `torch.Tensor` of shape `(N,)`, `u`'s dtype and device, in [0, 1], distributed as ``Beta(a, b)``.
+    """
+    if tuple(shape) == (1.0, 1.0):
+        return u
+    from scipy.special import betaincinv
+
+    q = betaincinv(shape[0], shape[1], u.detach().cpu().double().numpy())
+    return torch.from_numpy(q).to(dtype=u.dtype, device=u.device)
+
+
 # ------------------------------------------------------------------------------------------------ the fake score
 class HeldScore:
     """A score network held as a second copy of the policy's trainable tensors (a LoRA, or every weight) with its own
@@ -337,7 +377,17 @@ class DistillConfig:
         "DMDR's dynamic distribution guidance: the real score is the teacher plus the fake score's LoRA at this scale, "
         "decayed by a half cosine to 0 over dynamic_steps optimizer steps (0: off; the official lora_scale_r)",
     )
-    dynamic_steps: int = setting(0, "optimizer steps over which dynamic_guidance decays (DMDR's dynamic_step)")
+    dynamic_steps: int = setting(
+        0,
+        "optimizer steps over which dynamic_guidance and renoise_beta decay (DMDR's dynamic_step; 0: renoise_beta "
+        "stays as set)",
+    )
+    renoise_beta: tuple[float, float] = setting(
+        (1.0, 1.0),
+        "dmd, dmdr: DMDR's dynamic renoise sampling: the scores' query times drawn from this Beta(a, b) on [min_time, "
+        "max_time], its shape decayed to (1, 1) (uniform) by a half cosine over dynamic_steps (the official gui_a, "
+        "gui_b; its cold start (4, 1.5); (1, 1): uniform, DMD2's)",
+    )
     dmd_weight: float = setting(1.0, "dmdr: weight of the DMD regulariser beside the RL loss")
     nft_beta: float = setting(1.0, "dmdr: DiffusionNFT's beta of the RL loss (arXiv 2509.16117)")
 
@@ -358,6 +408,9 @@ class DistillConfig:
             "> 0 with train.distill.dynamic_guidance > 0",
             self.dynamic_steps,
         )
+        check(self.dynamic_steps >= 0, "train.distill.dynamic_steps", ">= 0", self.dynamic_steps)
+        shape = list(self.renoise_beta)
+        check(len(shape) == 2 and all(v > 0 for v in shape), "train.distill.renoise_beta", "two > 0 (a, b)", shape)
         check(self.dmd_weight >= 0, "train.distill.dmd_weight", ">= 0", self.dmd_weight)
         check(self.nft_beta > 0, "train.distill.nft_beta", "> 0", self.nft_beta)
 
@@ -556,6 +609,13 @@ class Distillation(ForwardProcess):
         progress = min(self.policy.steps_taken() / d.dynamic_steps, 1.0)
         return d.dynamic_guidance * 0.5 * (1 + math.cos(math.pi * progress))
 
+    def renoise_shape_now(self) -> tuple[float, float]:
+        """DMDR's dynamic renoise sampling: the Beta shape the query times are drawn from after ``n`` student
+        optimizer steps, :func:`renoise_shape` of ``train.distill.renoise_beta`` over ``dynamic_steps`` (``(1, 1)``,
+        uniform, when off)."""
+        d = self.cfg.train.distill
+        return renoise_shape(d.renoise_beta, self.policy.steps_taken(), d.dynamic_steps)
+
     def real_context(self):
         """The teacher (:meth:`teacher_context`), or under dynamic distribution guidance the teacher plus the fake
         score's LoRA at :meth:`guidance_scale_now` (its B matrices scaled)."""
@@ -641,6 +701,19 @@ class TDM(Distillation):
     (:func:`tdm_loss`).
     """
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """As :meth:`Distillation.check_config`; DMDR's renoise sampling is refused (TDM's query times are bounded by
+        the trajectory point's)."""
+        super().check_config(cfg)
+        shape = tuple(cfg.train.distill.renoise_beta)
+        check(
+            shape == (1, 1),
+            "train.distill.renoise_beta",
+            f"[1, 1] with train.method {cls.name} (the Beta query times are dmd's and dmdr's)",
+            shape,
+        )
+
     def query(self, x0, eps, k, generator):
         d, sigmas = self.cfg.train.distill, self.sigmas.to(self.device)
         s_k, t_mid = sigmas[k], sigmas[k + 1]  # (n,)
@@ -669,11 +742,17 @@ class DMD(Distillation):
     clean prediction at a random point of its trajectory (DMD2's backward simulation for a multi-step generator) is
     noised afresh, ``x_t = (1 - t) x0 + t z`` with ``t`` uniform in ``[min_time, max_time]``; the fake score learns
     the flow-matching loss on it (:func:`flowrl.methods.forward.flow_matching_error`, DMD2's denoising loss) and the
-    student follows ``real - fake`` normalised (:func:`dmd_loss`)."""
+    student follows ``real - fake`` normalised (:func:`dmd_loss`). With ``train.distill.renoise_beta`` (DMDR's
+    dynamic renoise sampling) ``t = min_time + (max_time - min_time) u``, ``u ~ Beta(a, b)`` of
+    :meth:`renoise_shape_now`, for the fake score's loss and the student's alike (the official code's ``ts_gui`` and
+    ``ts_dmd``)."""
 
     def query(self, x0, eps, k, generator):
+        """``t = min_time + (max_time - min_time) u`` `(n,)` with ``u ~ Beta(renoise_shape_now())`` (uniform by
+        default) drawn as the Beta quantile of a uniform from `generator`; ``x_t = (1 - t) x0 + t z``."""
         d = self.cfg.train.distill
-        t = d.min_time + torch.rand(len(k), generator=generator).to(self.device) * (d.max_time - d.min_time)
+        u = beta_quantiles(torch.rand(len(k), generator=generator), self.renoise_shape_now())  # (n,) in [0, 1]
+        t = d.min_time + u.to(self.device) * (d.max_time - d.min_time)
         z = torch.randn(x0.shape, generator=generator).to(x0.device)
         return (1 - _rows(t, x0)) * x0 + _rows(t, x0) * z, t, torch.ones_like(t), z
 
@@ -690,7 +769,11 @@ class DMDR(DMD):
     scores, :class:`DMD`) as its regulariser: the student's loss is DiffusionNFT's (arXiv 2509.16117,
     :func:`flowrl.losses.nft_loss`) on its final samples noised at the sampler's grid times, with the group-relative
     advantages of the rewards as optimality weights, plus ``train.distill.dmd_weight`` times :func:`dmd_loss`. The
-    old velocity of the NFT loss is the student's at the iteration's start (no soft-updated copy)."""
+    old velocity of the NFT loss is the student's at the iteration's start (no soft-updated copy). DMDR's two dynamic
+    strategies, distribution guidance (:meth:`guidance_scale_now`) and renoise sampling (:meth:`renoise_shape_now`),
+    decay over ``train.distill.dynamic_steps``: the official recipe runs them in its cold start (a ``dmd`` run here)
+    and resumes its RL stage past their decay (vvvvvjdy/dmdr scripts/dmdr_sitxl_refl.sh at 061dc29), so the preset
+    leaves them off."""
 
     def advantages(self, samples: FinalSamples, rewards: Rewards, generator: torch.Generator):
         """Group z-scores over every process's images (:meth:`ForwardProcess.advantages`); every row is kept for

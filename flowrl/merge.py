@@ -117,6 +117,38 @@ def read_lora(folder: Path) -> LoRAFile:
     return LoRAFile(folder, {n: (a, b) for n, (a, b) in modules.items()}, scale, metadata)
 
 
+def lora_as_params(folder: Path, params: dict, lora_alpha: float, lora_rank: int) -> dict:
+    """A LoRA folder's factors as a trained LoRA's tensors by its parameter names (peft's default adapter,
+    ``MODULE.lora_A.default.weight``), whole, float32, each ``B`` rescaled by the ratio of the file's scale ``alpha /
+    r`` to the trained LoRA's ``lora_alpha / lora_rank``, so that the weight deltas ``scale B A`` are the file's: a
+    distilled student, a cold start or a teacher written into (or swapped into) the trained LoRA.
+
+    Args:
+        folder (`Path`): a LoRA folder (:data:`LORA_FILE`; :func:`lora_folder` resolves a run's).
+        params (`dict[str, torch.Tensor]`): the trained LoRA's parameters by name (their whole shapes: a ``DTensor``'s
+            ``shape`` is the whole one).
+        lora_alpha (`float`), lora_rank (`int`): the trained LoRA's.
+
+    Raises:
+        ValueError: the file unreadable (:func:`read_lora`), or a LoRA of other modules or another rank than the
+            trained one's.
+    """
+    lora = read_lora(folder)
+    scale = lora_alpha / lora_rank
+    out = {}
+    for name, (a, b) in lora.modules.items():
+        module = name.split(".", 1)[1]  # without the component prefix (transformer., unet.)
+        out[f"{module}.lora_A.default.weight"] = a
+        out[f"{module}.lora_B.default.weight"] = b * lora.scale[name.split(".", 1)[0]] / scale
+    trained = {n for n in params if ".lora_" in n}
+    if out.keys() != trained or any(tuple(v.shape) != tuple(params[n].shape) for n, v in out.items()):
+        raise ValueError(
+            f"{lora.folder} is a LoRA of other modules or rank than the trained one (rank {lora_rank} of the family's "
+            f"targets); merge it to that rank with flowrl merge --combination svd --rank {lora_rank}"
+        )
+    return out
+
+
 def check_mergeable(loras: list[LoRAFile]) -> None:
     """Refuse LoRAs that are not of one base model, in one line naming the two folders.
 

@@ -550,6 +550,23 @@ class Policy:
             return partition_of(value, self.params[name])
         return shard_like(value, self._live()[name])
 
+    def assign(self, weights: dict[str, torch.Tensor]) -> None:
+        """Set the trainable weights to `weights` (whole tensors by name, every process holding them; a distilled
+        student or a cold start): under FSDP2 each process writes its shards, and where the weights stay gathered
+        gathers them again (collective: every process calls it); held copies and the EMA stay as they are.
+
+        Raises:
+            RuntimeError: under DeepSpeed, whose float32 master copy would not follow.
+        """
+        if self.engine is not None:
+            raise RuntimeError("Policy.assign under DeepSpeed: its float32 master weights would not follow")
+        with torch.no_grad():
+            for n, p in self.params.items():
+                if n in weights:  # under FSDP2 this process's shards
+                    p.copy_(shard_like(weights[n].to(p.dtype), p))
+        if self.sharded and not self.full_shard:  # FSDP2 keeping the weights gathered: gather them again
+            regather(self.model.transformer)
+
     @contextlib.contextmanager
     def holding(self, weights: dict[str, torch.Tensor] | None):
         """Context in which the forwards use ``weights`` (same names, as :meth:`copy` makes them; no-op for None). Under

@@ -7,11 +7,11 @@ import torch
 from conftest import REPO, assert_resume_is_exact, tiny_overrides
 
 from flowrl.config import ConfigError, load_config
+from flowrl.merge import lora_as_params
 from flowrl.methods.distill import (
     dmd_loss,
     flow_predictions,
     importance_weights,
-    lora_state_to_params,
     min_snr_weights,
     mixed_noise,
     renoise,
@@ -206,9 +206,8 @@ def test_tdm_trains_its_fake_score_apart_and_resumes_exactly(tmp_path, random_pi
     assert all(p.grad is None for p in policy.params.values())
 
     lora = tmp_path / "full/lora"
-    assert lora_state_to_params(load_file(lora / "pytorch_lora_weights.safetensors"), policy.params).keys() == set(
-        policy.params
-    )
+    cfg = trainer.cfg.model
+    assert lora_as_params(lora, policy.params, cfg.lora_alpha, cfg.lora_rank).keys() == set(policy.params)
     over = _overrides(random_pipeline, prompt_files, tmp_path / "dmdr", **{"train.distill.student_lora": str(lora)})
     student = Trainer(load_config(REPO / "configs/dmdr.yaml", over))
     for n, p in student.policy.params.items():

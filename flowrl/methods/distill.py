@@ -328,22 +328,6 @@ class HeldScore:
         }
 
 
-def lora_state_to_params(state: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
-    """A diffusers-format LoRA file's tensors (``transformer.MODULE.lora_A.weight``) by the policy's parameter names
-    (``MODULE.lora_A.default.weight``: peft's default adapter).
-
-    Raises:
-        ValueError: naming the first parameter the file lacks.
-    """
-    out = {}
-    for n in names:
-        key = "transformer." + n.replace(".default", "")
-        if key not in state:
-            raise ValueError(f"has no tensor {key} for the trained LoRA (same model.lora_rank and targets expected)")
-        out[n] = state[key]
-    return out
-
-
 # ------------------------------------------------------------------------------------------------ the settings
 @config_section("train", "distill", "few-step distillation's settings (train.method tdm, dmd, dmdr)")
 @dataclass
@@ -478,30 +462,23 @@ class Distillation(ForwardProcess):
         )
 
     def load_student(self, folder: str) -> None:
-        """Start the student's LoRA from `folder`'s ``pytorch_lora_weights.safetensors``.
+        """Start the student's LoRA from the LoRA folder (or run) `folder` (:func:`flowrl.merge.lora_as_params`: its
+        weight deltas the file's).
 
         Raises:
-            ConfigError: naming ``train.distill.student_lora``, for a missing file or one without this LoRA's tensors.
+            ConfigError: naming ``train.distill.student_lora``, for full fine-tuning, a missing or unreadable file, or
+                a LoRA of other modules or rank.
         """
-        from pathlib import Path
+        from ..merge import lora_as_params, lora_folder
 
-        from safetensors.torch import load_file
-
-        file = Path(folder) / "pytorch_lora_weights.safetensors"
         key = "config key 'train.distill.student_lora'"
-        if self.cfg.model.lora_rank == 0 or not file.is_file():
-            raise ConfigError(f"{key}: expected a LoRA folder with {file.name} and model.lora_rank > 0, got {folder}")
+        if self.cfg.model.lora_rank == 0:
+            raise ConfigError(f"{key}: a LoRA student needs model.lora_rank > 0, got {folder} with model.lora_rank 0")
+        m = self.cfg.model
         try:
-            state = lora_state_to_params(load_file(file), self.policy.params)
-        except ValueError as e:
-            raise ConfigError(f"{key}: {file} {e}") from None
-        from ..sharding import regather, shard_like
-
-        with torch.no_grad():
-            for n, p in self.policy.params.items():  # under FSDP2 this process's shards
-                p.copy_(shard_like(state[n].to(p.dtype), p))
-        if self.policy.sharded and not self.policy.full_shard:  # FSDP2 keeping the weights gathered: gather them
-            regather(self.model.transformer)
+            self.policy.assign(lora_as_params(lora_folder(folder, key), self.policy.params, m.lora_alpha, m.lora_rank))
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"{key}: {e}") from None
 
     # ------------------------------------------------------------------------------ the contract
     def rollout(self, metas: list[dict], generator: torch.Generator) -> TrajectorySamples:

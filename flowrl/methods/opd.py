@@ -331,34 +331,19 @@ class FlowOPD(GRPO):
         self._teacher_nfe = 0
 
     def as_student(self, path, key: str) -> dict[str, torch.Tensor]:
-        """The LoRA folder (or run) `path` as the student's trainable tensors (whole, float32, by the policy's parameter
-        names), its ``B`` rescaled by the ratio of the two LoRA
-        scales so that the weight deltas are the file's: a teacher, anchor or cold start swapped into the student's
-        LoRA (:meth:`flowrl.policy.Policy.holding`).
+        """The LoRA folder (or run) `path` as the student's trainable tensors (whole, float32: its weight deltas the
+        file's, :func:`flowrl.merge.lora_as_params`): a teacher, anchor or cold start.
 
         Raises:
             ConfigError: naming `key`: a LoRA of another rank than ``model.lora_rank`` or of other modules.
         """
-        from ..merge import lora_folder, read_lora
+        from ..merge import lora_as_params, lora_folder
 
-        lora = read_lora(lora_folder(path, key))
         m = self.cfg.model
-        scale, params = m.lora_alpha / m.lora_rank, self.policy.params
-        names = {}
-        for name, (a, b) in lora.modules.items():
-            module = name.split(".", 1)[1]  # without the component prefix (transformer., unet.)
-            names[f"{module}.lora_A.default.weight"] = a
-            names[f"{module}.lora_B.default.weight"] = b * lora.scale[name.split(".", 1)[0]] / scale
-        if names.keys() != {n for n in params if ".lora_" in n} or any(
-            tuple(v.shape) != tuple(params[n].shape)
-            for n, v in names.items()  # a DTensor's shape is the whole one
-        ):
-            raise ConfigError(
-                f"{key}: {lora.folder} is a LoRA of other modules or rank than the student's (model.lora_rank "
-                f"{m.lora_rank} of the family's targets); merge it to the student's rank with flowrl merge "
-                f"--combination svd --rank {m.lora_rank}"
-            )
-        return {n: v.to(torch.float32) for n, v in names.items()}
+        try:
+            return lora_as_params(lora_folder(path, key), self.policy.params, m.lora_alpha, m.lora_rank)
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e}") from None  # lora_folder's FileNotFoundError names the key already
 
     def adapter(self, name: str):
         """Context in which the transformer is teacher (or anchor) adapter `name`: peft's adapter, or under FSDP2 its
@@ -374,15 +359,7 @@ class FlowOPD(GRPO):
         Raises:
             ConfigError: naming ``train.opd.init``: a LoRA of another rank than ``model.lora_rank`` or of other modules.
         """
-        from ..sharding import regather, shard_like
-
-        weights = self.as_student(path, "config key 'train.opd.init'")
-        with torch.no_grad():
-            for n, p in self.policy.params.items():
-                if n in weights:  # under FSDP2 this process's shards
-                    p.copy_(shard_like(weights[n].to(p.dtype), p))
-        if self.policy.sharded and not self.policy.full_shard:  # FSDP2 keeping the weights gathered: gather them
-            regather(self.model.transformer)
+        self.policy.assign(self.as_student(path, "config key 'train.opd.init'"))
         if self.policy.ema is not None:
             self.policy.ema = self.policy.copy()
 

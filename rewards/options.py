@@ -95,12 +95,13 @@ def _parameters(arguments: ast.arguments, skip: int = 0) -> FactoryOptions:
     )
 
 
-def _init_options(cls: ast.ClassDef) -> FactoryOptions:
-    """The options of a reward class registered as its own factory: its ``__init__``'s, less ``self``."""
+def _init_options(cls: ast.ClassDef) -> FactoryOptions | None:
+    """The options of a reward class registered as its own factory: its ``__init__``'s, less ``self``; None when it
+    defines none (it inherits one: not read here)."""
     for node in cls.body:
         if isinstance(node, ast.FunctionDef) and node.name == "__init__":
             return _parameters(node.args, skip=1)
-    return FactoryOptions((), (), False)
+    return None
 
 
 def _registered(tree: ast.Module, name: str) -> FactoryOptions | None:

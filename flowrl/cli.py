@@ -188,8 +188,8 @@ def cmd_train(args) -> dict:
     # before torch loads: a bad key is refused at once; a resume takes the run's own config.yaml
     config, note = load_run_config(args.config, args.overrides)
     checks = _reward_checks()
-    for name, reward in config.rewards.items():  # a reward's missing weights refused now, not after the model loads
-        with config_key(f"rewards.{name}.options", (ValueError, FileNotFoundError, checks.RewardTypeError)):
+    for name, reward in config.rewards.items():  # refused now, as the trainer would refuse it after the model loads
+        with config_key(f"rewards.{name}", (ValueError, checks.RewardTypeError)):
             _check_reward_options(reward.spec or name, reward.options)
     say([note] if note else [])
     from .trainer import Trainer

@@ -98,9 +98,9 @@ def _flowrl(tmp_path: Path, *argv: str) -> tuple[int, list[str], list[str]]:
         ),
         (
             ["train", str(REPO / "configs" / "quickstart.yaml"), "rewards.clipscore.options.model_path=no_clip"],
-            "flowrl train: error: config key 'rewards.clipscore.options': clipscore: model_path 'no_clip' is not a "
-            "local folder or a hub id in the local Hugging Face cache; download it first (e.g. `hf download <repo>` "
-            "or `hf download <repo> --local-dir <folder>`)",
+            "flowrl train: error: clipscore: model_path 'no_clip' is not a local folder or a hub id in the local "
+            "Hugging Face cache; download it first (e.g. `hf download <repo>` or `hf download <repo> --local-dir "
+            "<folder>`)",
         ),
     ],
 )

@@ -25,22 +25,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-
 from flowrl.data import REPO_ROOT, read_prompts
-from flowrl.evaluation import generate_per_prompt
-from flowrl.models import load_model, resolve_device
-from flowrl.rewards.geneval import geneval
-from flowrl.samplers import flow_sigmas, ode_sample
-from flowrl.tiny.build import encode_latents
-from flowrl.tiny.render import render, sample_scene
 
 if TYPE_CHECKING:
     from flowrl.models import FlowModel
 
 
-@torch.no_grad()
 def pass_at_k(
     model: FlowModel, metas: list[dict], k: int, num_steps: int = 20, guidance_scale: float = 4.5, seed: int = 1234
 ) -> dict[str, dict[str, float]]:
@@ -56,24 +46,29 @@ def pass_at_k(
     Raises:
         ValueError: if ``k < 1`` or ``metas`` is empty.
     """
-    expanded, images = generate_per_prompt(
-        model, metas, k, num_steps, guidance_scale, seed, "pass_at_k"
-    )  # prompt-major
-    correct = geneval(strict=True)(images, [m["prompt"] for m in expanded], expanded).view(len(metas), k)  # (P, k)
-    by_tag: dict[str, list[int]] = defaultdict(list)
-    for i, m in enumerate(metas):
-        by_tag[m.get("tag", "all")].append(i)
-    return {
-        tag: {
-            "mean": correct[rows].mean().item(),
-            "pass_at_k": (correct[rows].amax(1) > 0).float().mean().item(),
-            "prompts": len(rows),
+    import torch
+
+    from flowrl.evaluation import generate_per_prompt
+    from flowrl.rewards.geneval import geneval
+
+    with torch.no_grad():
+        expanded, images = generate_per_prompt(
+            model, metas, k, num_steps, guidance_scale, seed, "pass_at_k"
+        )  # prompt-major
+        correct = geneval(strict=True)(images, [m["prompt"] for m in expanded], expanded).view(len(metas), k)  # (P, k)
+        by_tag: dict[str, list[int]] = defaultdict(list)
+        for i, m in enumerate(metas):
+            by_tag[m.get("tag", "all")].append(i)
+        return {
+            tag: {
+                "mean": correct[rows].mean().item(),
+                "pass_at_k": (correct[rows].amax(1) > 0).float().mean().item(),
+                "prompts": len(rows),
+            }
+            for tag, rows in sorted(by_tag.items())
         }
-        for tag, rows in sorted(by_tag.items())
-    }
 
 
-@torch.no_grad()
 def denoise_from_scenes(
     model: FlowModel,
     metas: list[dict],
@@ -96,30 +91,39 @@ def denoise_from_scenes(
     Raises:
         ValueError: if a time is outside [0, 1].
     """
-    if any(not 0.0 <= t <= 1.0 for t in times):
-        raise ValueError(f"times must be in [0, 1]; got {times}")
-    rng = random.Random(seed)
-    scenes = torch.from_numpy(np.stack([render(sample_scene(m, rng)) for m in metas])).permute(
-        0, 3, 1, 2
-    )  # (P, 3, H, W) uint8
-    vae = model.pipe.vae
-    latents = (encode_latents(vae, scenes).float() - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
-    latents = latents.to(model.device)  # (P, C, h, w) scaled as the transformer sees them
-    prompts = [m["prompt"] for m in metas]
-    unique = list(dict.fromkeys(prompts))
-    table = model.encode([""] + unique)
-    cond = torch.tensor([unique.index(p) + 1 for p in prompts], device=model.device)
-    sigmas = flow_sigmas(num_steps).to(model.device)
-    noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(seed)).to(model.device)
-    judge, out = geneval(strict=True), {}
-    for t in times:
-        start = int((sigmas > t + 1e-6).sum())  # first schedule sigma <= t
-        s = float(sigmas[start])
-        x = (1 - s) * latents + s * noise  # (P, C, h, w)
-        if start < num_steps:
-            x = ode_sample(model.velocity_fn(table, guidance_scale), x, cond, sigmas[start:])
-        out[t] = judge(model.decode(x), prompts, metas).float().mean().item()
-    return out
+    import numpy as np
+    import torch
+
+    from flowrl.rewards.geneval import geneval
+    from flowrl.samplers import flow_sigmas, ode_sample
+    from flowrl.tiny.build import encode_latents
+    from flowrl.tiny.render import render, sample_scene
+
+    with torch.no_grad():
+        if any(not 0.0 <= t <= 1.0 for t in times):
+            raise ValueError(f"times must be in [0, 1]; got {times}")
+        rng = random.Random(seed)
+        scenes = torch.from_numpy(np.stack([render(sample_scene(m, rng)) for m in metas])).permute(
+            0, 3, 1, 2
+        )  # (P, 3, H, W) uint8
+        vae = model.pipe.vae
+        latents = (encode_latents(vae, scenes).float() - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
+        latents = latents.to(model.device)  # (P, C, h, w) scaled as the transformer sees them
+        prompts = [m["prompt"] for m in metas]
+        unique = list(dict.fromkeys(prompts))
+        table = model.encode([""] + unique)
+        cond = torch.tensor([unique.index(p) + 1 for p in prompts], device=model.device)
+        sigmas = flow_sigmas(num_steps).to(model.device)
+        noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(seed)).to(model.device)
+        judge, out = geneval(strict=True), {}
+        for t in times:
+            start = int((sigmas > t + 1e-6).sum())  # first schedule sigma <= t
+            s = float(sigmas[start])
+            x = (1 - s) * latents + s * noise  # (P, C, h, w)
+            if start < num_steps:
+                x = ode_sample(model.velocity_fn(table, guidance_scale), x, cond, sigmas[start:])
+            out[t] = judge(model.decode(x), prompts, metas).float().mean().item()
+        return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -134,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     a = p.parse_args(argv)
+    from flowrl.models import load_model, resolve_device  # after the arguments: --help answers at once
+
     model = load_model(a.model, resolve_device(a.device))
     if a.lora:
         model.load_lora(a.lora)

@@ -29,11 +29,9 @@ import json
 import time
 from pathlib import Path
 
-from flowrl.config import REPO_ROOT, finish_preset_result, load_config, parse_preset_args, preset_parser
 from flowrl.data import write_jsonl
-from flowrl.evaluation import machine
-from flowrl.tiny.sd15 import build_random_sd15_pipeline
-from flowrl.trainer import Trainer
+from flowrl.files import REPO_ROOT
+from flowrl.presets import finish_preset_result, parse_preset_args, preset_parser
 
 PROMPTS = ["cat", "dog", "horse", "monkey"]
 """Training prompts: ImageNet animal names, as DDPO's ``imagenet_animals`` prompt function draws them."""
@@ -67,6 +65,9 @@ CPU_OVERRIDES = {
 
 def train_seed(args, seed: int, pipeline: Path, prompts: Path, evals: Path) -> dict:
     """Train one seed into ``WORKDIR/seed-N``; its per-iteration JPEG sizes (kB), start/end means and evaluations."""
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
     out = Path(args.workdir) / f"seed-{seed}"
     over = [f"{k}={v}" for k, v in CPU_OVERRIDES.items()] + [
         f"model.path={pipeline}",
@@ -142,6 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
     busy = [s for s in args.seeds if (work / f"seed-{s}").exists()]
     if busy:
         parser.error(f"--workdir {work} already holds seed-{busy[0]}; remove it or pick another --workdir")
+    from flowrl.evaluation import machine  # after the arguments: --help answers at once, before torch
+    from flowrl.tiny.sd15 import build_random_sd15_pipeline
+
     pipeline = work / f"pipeline-{args.model_seed}"
     if not (pipeline / "model_index.json").is_file():
         build_random_sd15_pipeline(pipeline, seed=args.model_seed, sample_size=16)

@@ -13,10 +13,7 @@ import statistics
 import tempfile
 import time
 
-import torch
-
-from flowrl.config import REPO_ROOT, load_config
-from flowrl.trainer import Trainer
+from flowrl.files import REPO_ROOT
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -30,6 +27,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
+    import torch  # after the arguments: --help answers at once
+
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(
             load_config(

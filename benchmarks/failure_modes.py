@@ -23,16 +23,11 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from flowrl.data import REPO_ROOT, read_prompts
-from flowrl.evaluation import generate_per_prompt
-from flowrl.models import load_model, resolve_device
-from flowrl.rewards.geneval import keep_confident
-from flowrl.rewards.geneval.detector import detect, objects
-from flowrl.rewards.geneval.rules import evaluate
 
 if TYPE_CHECKING:
+    import torch
+
     from flowrl.models import FlowModel
 
 MODES = ("empty", "unread_shape", "composition")
@@ -51,6 +46,10 @@ def failure_mode(image: torch.Tensor, meta: dict) -> str | None:
     Raises:
         ValueError: as :func:`rewards.geneval.rules.evaluate` for malformed metadata.
     """
+    from flowrl.rewards.geneval import keep_confident
+    from flowrl.rewards.geneval.detector import detect, objects
+    from flowrl.rewards.geneval.rules import evaluate
+
     kept = keep_confident(detect(image), meta)
     if evaluate(kept, meta)[0]:
         return None
@@ -78,6 +77,8 @@ def failure_modes(
     Raises:
         ValueError: if ``k < 1`` or ``metas`` is empty.
     """
+    from flowrl.evaluation import generate_per_prompt
+
     expanded, images = generate_per_prompt(model, metas, k, num_steps, guidance_scale, seed, "failure_modes")
     counts: dict[str, Counter] = defaultdict(Counter)
     for image, meta in zip(images, expanded):
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.k < 1:
         parser.error(f"-k must be at least 1, got {args.k}")
+    from flowrl.models import load_model, resolve_device  # after the arguments: --help answers at once
+
     model = load_model(args.model, resolve_device(args.device))
     if args.lora:
         model.load_lora(args.lora)

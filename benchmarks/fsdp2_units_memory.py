@@ -24,8 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 ABORT = "terminate called without an active exception"
 """A C++ abort seen twice in CI at the trained model's evaluation of a two-process launch (under the AVX2 emulation
@@ -107,6 +105,7 @@ def run(pipeline: Path, folder: Path, wrap: str, resolution: int) -> dict:
 def trained_weights(pipeline: Path) -> tuple[int, int]:
     """The transformer's parameters (all trained under full fine-tuning; buffers such as the positional table are
     not) and those inside its blocks, counted on the meta device."""
+    import torch
     from diffusers import SD3Transformer2DModel
 
     with torch.device("meta"):
@@ -126,6 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--resolution", type=int, default=128, help="image side in pixels")
     ap.add_argument("--out", type=Path, default=None, help="JSON file for the results")
     args = ap.parse_args(argv)
+    import torch  # after the arguments: --help answers at once
+
     with tempfile.TemporaryDirectory() as tmp:
         pipeline = build_pipeline(args.family, Path(tmp) / "pipeline", layers=args.layers, dtype=torch.float32)
         n, in_blocks = trained_weights(pipeline)

@@ -38,8 +38,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]  # flowrl from the checkout; this file's reward as 'gpu_scale:brightness'
@@ -234,16 +236,18 @@ def _text_encoders(family: str, hidden: tuple[int, ...], t5_dim: int | None):
     return tok, clips, t5
 
 
-def build_pipeline(name: str, folder: Path, layers: int | None = None, dtype=torch.bfloat16) -> Path:
+def build_pipeline(name: str, folder: Path, layers: int | None = None, dtype: torch.dtype | None = None) -> Path:
     """Save a random-weight pipeline of `name` (:data:`TRANSFORMERS`) to `folder`, its transformer in `dtype`.
 
     Args:
         name: ``sd35m`` | ``sd35l`` | ``flux_dev`` | ``wan13b`` | ``wan14b`` | ``tiny`` | ``tiny_wan``.
         layers: keep this many transformer blocks (FLUX: double and single blocks each); None = all.
+        dtype: the transformer's weights (None: ``torch.bfloat16``).
 
     Returns:
         `folder`.
     """
+    import torch
     from diffusers import (
         AutoencoderKL,
         AutoencoderKLWan,
@@ -256,6 +260,7 @@ def build_pipeline(name: str, folder: Path, layers: int | None = None, dtype=tor
         WanTransformer3DModel,
     )
 
+    dtype = torch.bfloat16 if dtype is None else dtype
     family, config = TRANSFORMERS[name]
     config = dict(config)
     if layers:
@@ -359,15 +364,21 @@ def _start(device: torch.device) -> float:
 
 
 def _sync(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def _peak_gib(device: torch.device) -> float | None:
+    import torch
+
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
 def _reset_peak(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -378,12 +389,15 @@ def peak_tflops(device: torch.device, given: float | None) -> float | None:
         return given
     if device.type != "cuda":
         return None
+    import torch
+
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
 def measure(folder: Path, preset: str, args, prompts_file: Path, device: torch.device) -> dict:
     """Time one preset on the pipeline in `folder`: the stock pipeline, flowrl's rollout, one update and its FLOPs."""
+    import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from flowrl.config import REPO_ROOT, load_config
@@ -540,6 +554,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--folder", default=None, help="build the pipeline here (default: a temporary folder)")
     ap.add_argument("--out", required=True, help="JSON file of the results")
     args = ap.parse_args(argv)
+    import torch  # after the arguments: --help answers at once
+
     device = torch.device(
         "cuda"
         if args.device == "auto" and torch.cuda.is_available()

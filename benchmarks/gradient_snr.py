@@ -14,18 +14,25 @@ gradients ``s + n_i`` whose noise has variance ``sigma^2 / B`` for B images, the
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
-import torch
+from flowrl.files import REPO_ROOT
+from flowrl.presets import finish_preset_result, parse_preset_args, preset_parser
 
-from flowrl.advantages import group_advantages
-from flowrl.config import REPO_ROOT, finish_preset_result, load_config, parse_preset_args, preset_parser
-from flowrl.samplers import recompute_log_prob
-from flowrl.trainer import Trainer
+if TYPE_CHECKING:
+    import torch
+
+    from flowrl.trainer import Trainer
 
 
 def policy_gradient(trainer: Trainer, iteration: int) -> torch.Tensor:
     """float32 ``(P,)``: the flattened gradient of ``-mean(A log p)`` at the current policy for the rollout of
     ``iteration`` (its prompts and generator); groups with zero reward variance are left out as in training."""
+    import torch
+
+    from flowrl.advantages import group_advantages
+    from flowrl.samplers import recompute_log_prob
+
     t = trainer.cfg.train
     metas = trainer.sample_prompts(iteration)
     samples = trainer.method.rollout(metas, trainer._generator(iteration))
@@ -54,6 +61,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_preset_args(parser, argv)
     if args.batches < 2:
         parser.error(f"--batches must be >= 2; got {args.batches}")
+    import torch  # after the arguments: --help answers at once
+
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
     trainer = Trainer(load_config(args.config, ["run.output_dir=runs/gradient_snr", *args.overrides]))
     grads = [policy_gradient(trainer, it) for it in range(args.batches)]
     cos = [torch.nn.functional.cosine_similarity(x, y, dim=0).item() for x, y in itertools.combinations(grads, 2)]

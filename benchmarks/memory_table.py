@@ -23,9 +23,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flowrl.config import load_config  # noqa: E402
-from flowrl.plan import NOT_RUN, memory_plan, published_names  # noqa: E402
-
 RECIPES = {
     "flux1_dev": "flux_dance_grpo",
     "flux1_kontext_dev": "flux_kontext_grpo",
@@ -65,6 +62,9 @@ uses."""
 def cheapest(name: str, recipe: str, extra: list[str], processes: int) -> dict:
     """The first (settings, engine) of :data:`SETTINGS` x :data:`ENGINE_ORDER` under :data:`H100` for the published
     model ``name`` at ``recipe`` with ``extra`` overrides over ``processes`` GPUs, or the smallest when none fits."""
+    from flowrl.config import load_config
+    from flowrl.plan import NOT_RUN, memory_plan
+
     best = None
     for settings in SETTINGS:
         cfg = load_config(ROOT / "configs/recipes" / f"{recipe}.yaml", [*extra, *settings])
@@ -116,6 +116,9 @@ def main() -> None:
     ap.add_argument("--names", nargs="*", default=None, help="published models (default: all)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
+    from flowrl.config import load_config  # after the arguments: --help answers at once, before torch
+    from flowrl.plan import published_names
+
     rows = []
     for name in args.names or published_names():
         start = time.perf_counter()

@@ -141,8 +141,6 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the table (module docstring); returns the results dict."""
     import tempfile
 
-    from flowrl.evaluation import machine
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), help="presets (default: every method)")
     parser.add_argument(
@@ -162,6 +160,8 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [m for m in a.methods if not (REPO / "configs" / f"{m}.yaml").is_file()]
     if unknown or a.budget_s <= 0:
         parser.error(f"unknown presets {unknown}" if unknown else f"--budget-s must be > 0, got {a.budget_s}")
+    from flowrl.evaluation import machine  # after the arguments: --help answers at once, before torch
+
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"meta": {"machine": machine(), "budget_s": a.budget_s, "overrides": a.overrides}, "rows": []}

@@ -18,50 +18,52 @@ the run's own ``eval.json`` is the evaluation with the trained text towers).
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from flowrl.config import load_config
-from flowrl.models import PromptEmbeds
-from flowrl.trainer import Trainer
+    from flowrl.models import PromptEmbeds
+    from flowrl.trainer import Trainer
 
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 
 
 class ReencodedTable:
     """A prompt table that encodes its prompts again at every indexing (in the caller's grad, autocast and
-    weights), standing in for :class:`flowrl.models.PromptEmbeds`."""
-
-    NEGATIVE_ROW = PromptEmbeds.NEGATIVE_ROW
-    rows = staticmethod(PromptEmbeds.rows)
+    weights), standing in for :class:`flowrl.models.PromptEmbeds` (its ``NEGATIVE_ROW`` and ``rows``)."""
 
     def __init__(self, encode, prompts: list[str]):
+        from flowrl.models import PromptEmbeds
+
         self.encode, self.prompts = encode, prompts
+        self.NEGATIVE_ROW, self.rows = PromptEmbeds.NEGATIVE_ROW, PromptEmbeds.rows
 
     def __getitem__(self, index: torch.Tensor) -> PromptEmbeds:
         return self.encode(self.prompts)[index]
 
 
-class TextEncoderTrainer(Trainer):
-    """:class:`flowrl.trainer.Trainer` that also trains the CLIP text towers in full at ``text_lr``."""
+def text_encoder_trainer(config, text_lr: float) -> Trainer:
+    """A :class:`flowrl.trainer.Trainer` of `config` that also trains the CLIP text towers in full at ``text_lr``."""
+    from flowrl.trainer import Trainer
 
-    def __init__(self, config, text_lr: float):
-        super().__init__(config)
-        text = {}
-        for name in TEXT_ENCODERS:
-            encoder = getattr(self.model.pipe, name).float().requires_grad_(True)
-            text.update({f"{name}.{n}": p for n, p in encoder.named_parameters()})
-        self.policy.params.update(
-            text
-        )  # clipped, checkpointed, EMA'd and soft-updated with the rest (one process only:
-        # the towers are outside the DDP-wrapped transformer, so several processes would not sum their gradients)
-        self.policy.optimizer.add_param_group({"params": list(text.values()), "lr": text_lr})
-        for store in (self.policy.ema, self.method.sampling_weights()):
-            if store is not None:
-                store.update({n: p.detach().clone() for n, p in text.items()})
-        encode = type(self.model).encode.__wrapped__  # FlowModel.encode without its torch.no_grad
-        model = self.model
-        model.encode = lambda prompts: ReencodedTable(lambda p: encode(model, p), list(prompts))
+    trainer = Trainer(config)
+    text = {}
+    for name in TEXT_ENCODERS:
+        encoder = getattr(trainer.model.pipe, name).float().requires_grad_(True)
+        text.update({f"{name}.{n}": p for n, p in encoder.named_parameters()})
+    trainer.policy.params.update(
+        text
+    )  # clipped, checkpointed, EMA'd and soft-updated with the rest (one process only:
+    # the towers are outside the DDP-wrapped transformer, so several processes would not sum their gradients)
+    trainer.policy.optimizer.add_param_group({"params": list(text.values()), "lr": text_lr})
+    for store in (trainer.policy.ema, trainer.method.sampling_weights()):
+        if store is not None:
+            store.update({n: p.detach().clone() for n, p in text.items()})
+    encode = type(trainer.model).encode.__wrapped__  # FlowModel.encode without its torch.no_grad
+    model = trainer.model
+    model.encode = lambda prompts: ReencodedTable(lambda p: encode(model, p), list(prompts))
+    return trainer
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -70,8 +72,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--text-lr", type=float, required=True, help="AdamW learning rate of the text towers")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. run.seed=1")
     args = parser.parse_intermixed_args(argv)
+    from flowrl.config import load_config  # after the arguments: --help answers at once, before torch
+
     config = load_config(args.config, args.overrides)
-    result = TextEncoderTrainer(config, args.text_lr).train()
+    result = text_encoder_trainer(config, args.text_lr).train()
     print(
         f"GenEval strict accuracy: {result['before']['overall']:.3f} -> {result['after']['overall']:.3f} in "
         f"{result['wall_time_s'] / 60:.1f} min; run folder {config.run.output_dir}"

@@ -32,8 +32,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import torch
-
 HERE = Path(__file__).resolve().parent
 
 
@@ -57,6 +55,8 @@ def slow_mean(seconds_per_image: float = 0.0, seconds_per_call: float = 0.0):
 
 def machine() -> dict:
     """The CPU's model name, whether it has AVX-512 BF16, the core count and torch's version and threads."""
+    import torch
+
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
     name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
     return {
@@ -136,6 +136,7 @@ TIMES = ("time/sample_s", "time/score_s", "time/score_worker_s", "time/train_s")
 
 def same(a: dict, b: dict) -> tuple[bool, bool]:
     """Whether two runs logged the same metrics but times and memory, and hold the same weights."""
+    import torch
 
     def kept(m):
         return {k: v for k, v in m.items() if not k.startswith(("time/", "memory/"))}

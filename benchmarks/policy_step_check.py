@@ -10,15 +10,21 @@ positive-advantage transitions) and the mean change.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from flowrl.config import REPO_ROOT, finish_preset_result, load_config, parse_preset_args, preset_parser
-from flowrl.samplers import recompute_log_prob
-from flowrl.trainer import Trainer
+from flowrl.files import REPO_ROOT
+from flowrl.presets import finish_preset_result, parse_preset_args, preset_parser
+
+if TYPE_CHECKING:
+    import torch
 
 
 def log_probs(trainer, ro, rows, table) -> torch.Tensor:
     """float32 ``(M,)`` log-probs of transitions ``rows`` of ``ro`` under the current policy."""
+    import torch
+
+    from flowrl.samplers import recompute_log_prob
+
     velocity = trainer.model.velocity_fn(table, trainer.cfg.sampling.guidance_scale)
     tv = ro.select(rows)
     out = []
@@ -33,6 +39,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_preset_args(
         preset_parser(__doc__.splitlines()[0], str(REPO_ROOT / "configs" / "tiny_geneval.yaml")), argv
     )
+    import torch  # after the arguments: --help answers at once
+
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
     trainer = Trainer(load_config(args.config, ["run.output_dir=runs/policy_step_check", *args.overrides]))
     gen = torch.Generator().manual_seed(0)
     samples = trainer.method.rollout(trainer.sample_prompts(0), gen)

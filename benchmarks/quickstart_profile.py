@@ -21,11 +21,6 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
-import torch
-
-from flowrl.config import load_config
-from flowrl.trainer import Trainer
-
 
 class Clock:
     """Wall seconds per named part, summed over an iteration (``totals``) and kept per iteration (``rows``)."""
@@ -69,6 +64,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=None, help="write the table as JSON here")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    import torch  # after the arguments: --help answers at once
+
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(args.config, [*args.overrides, f"run.output_dir={tmp}/run"])
         t = time.perf_counter()

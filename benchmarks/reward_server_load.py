@@ -29,11 +29,6 @@ sys.path.insert(0, str(REPO))
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the load test (module docstring); returns and writes the results."""
-    import torch
-
-    from flowrl.evaluation import machine
-    from flowrl.rewards.server import RemoteReward, RewardServer
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=16, help="concurrent clients (default: %(default)s)")
     parser.add_argument("--requests", type=int, default=50, help="requests per client (default: %(default)s)")
@@ -44,6 +39,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="stop waiting for clients after this")
     parser.add_argument("--out", default="benchmarks/results/reward_server_load.json", help="JSON out")
     a = parser.parse_args(argv)
+    import torch  # after the arguments: --help answers at once
+
+    from flowrl.evaluation import machine
+    from flowrl.rewards.server import RemoteReward, RewardServer
 
     def reward(images, prompts, metadata):
         time.sleep(a.delay_s)

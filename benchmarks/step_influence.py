@@ -16,16 +16,20 @@ SDE with independent initial noise (the main job's sampler), for scale.
 from __future__ import annotations
 
 import statistics
+from typing import TYPE_CHECKING
 
-import torch
+from flowrl.files import REPO_ROOT
+from flowrl.presets import finish_preset_result, parse_preset_args, preset_parser
 
-from flowrl.config import REPO_ROOT, finish_preset_result, load_config, parse_preset_args, preset_parser
-from flowrl.trainer import Trainer
+if TYPE_CHECKING:
+    from flowrl.trainer import Trainer
 
 
 def within_group_variance(trainer: Trainer, iterations: int) -> tuple[float, float]:
     """Mean reward and mean within-group (population) variance of the reward over ``iterations`` rollouts
     of the trainer's current sampler (prompts and generators of iterations 0..iterations-1)."""
+    import torch
+
     means, within = [], []
     for it in range(iterations):
         metas = trainer.sample_prompts(it)
@@ -45,6 +49,9 @@ def main(argv: list[str] | None = None) -> dict:
         "--iterations", type=int, default=2, help="rollouts (of prompts_per_iteration groups) per step"
     )
     args = parse_preset_args(parser, argv)
+    from flowrl.config import load_config  # after the arguments: --help answers at once, before torch
+    from flowrl.trainer import Trainer
+
     common = ["run.output_dir=runs/step_influence", *args.overrides]
     one_step = Trainer(
         load_config(

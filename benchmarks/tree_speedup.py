@@ -17,9 +17,7 @@ import argparse
 import json
 import tempfile
 
-from flowrl.bench import bench_tree
-from flowrl.config import REPO_ROOT, load_config
-from flowrl.trainer import Trainer
+from flowrl.files import REPO_ROOT
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -29,6 +27,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--out", help="also write the results to this JSON file")
     parser.add_argument("--overrides", nargs="*", default=[], help="key=value overrides for every preset")
     args = parser.parse_args(argv)
+    from flowrl.bench import bench_tree  # after the arguments: --help answers at once, before torch
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
     results = []
     for name in args.presets:
         with tempfile.TemporaryDirectory() as out:

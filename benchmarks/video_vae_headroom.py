@@ -15,31 +15,34 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flowrl.rewards.motion_world import MotionWorld  # noqa: E402
-from flowrl.tiny.video import render_dataset, split  # noqa: E402
-
 
 def scores(videos: torch.Tensor, metas: list[dict]) -> dict[str, float]:
     """Mean dense, motion and strict scores of float ``(B, F, 3, H, W)`` videos in [0, 1]."""
+    from flowrl.rewards.motion_world import MotionWorld
+
     judged = MotionWorld().judge(videos, [m["prompt"] for m in metas], metas)
     return {k: sum(getattr(j, k) for j in judged) / len(judged) for k in ("dense", "motion", "strict")}
 
 
-@torch.no_grad()
 def round_trip(vae, clips: torch.Tensor, batch: int = 32) -> torch.Tensor:
     """uint8 ``(N, F, H, W, 3)`` -> float ``(N, F, 3, H, W)`` in [0, 1] after encoding to the latent mean and decoding."""
-    out = []
-    for i in range(0, len(clips), batch):
-        x = clips[i : i + batch].permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0  # (B, 3, F, H, W)
-        rec = vae.decode(vae.encode(x).latent_dist.mean).sample
-        out.append(((rec.clamp(-1, 1) + 1) / 2).permute(0, 2, 1, 3, 4))
-    return torch.cat(out)
+    import torch
+
+    with torch.no_grad():
+        out = []
+        for i in range(0, len(clips), batch):
+            x = clips[i : i + batch].permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0  # (B, 3, F, H, W)
+            rec = vae.decode(vae.encode(x).latent_dist.mean).sample
+            out.append(((rec.clamp(-1, 1) + 1) / 2).permute(0, 2, 1, 3, 4))
+        return torch.cat(out)
 
 
 def main(argv=None) -> dict:
@@ -49,7 +52,10 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="also write the result as JSON here")
     a = p.parse_args(argv)
+    import torch  # after the arguments: --help answers at once
     from diffusers import AutoencoderKLWan
+
+    from flowrl.tiny.video import render_dataset, split
 
     _, test = split()
     clips, drawn = render_dataset(test, len(test) * a.clips, a.seed)

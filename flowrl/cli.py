@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .data import prompt_file, read_jsonl
 from .deferred import defer
+from .fields import config_key
 from .files import (
     RunFolderInUse,
     atomic_output,
@@ -40,10 +41,41 @@ USER_ERRORS = (
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """:data:`USER_ERRORS` with :class:`rewards.RewardError` (a reward raised) and :class:`rewards.RewardTypeError`
-    (a reward spec, option or score of the wrong type) once the rewards are imported: before that no reward can have
-    raised, and importing them (they import torch) only to name their errors would cost seconds."""
-    base = sys.modules.get("flowrl.rewards.base")
-    return USER_ERRORS + ((base.RewardError, base.RewardTypeError) if base is not None else ())
+    (a reward spec, option or score of the wrong type) once their torch-free module :mod:`rewards.options` is loaded
+    (:func:`_reward_checks`): before that no reward can have raised or been checked."""
+    options = sys.modules.get("flowrl.rewards.options")
+    return USER_ERRORS + ((options.RewardError, options.RewardTypeError) if options is not None else ())
+
+
+def _reward_checks():
+    """:mod:`rewards.options`, the torch-free checks of the built-in rewards' options, loaded without executing
+    ``flowrl.rewards``' ``__init__`` (which imports every reward, and torch): it is put in ``sys.modules`` under its
+    own name, so that the package, when it imports, takes this module object as its own (the same classes)."""
+    name = "flowrl.rewards.options"
+    if name not in sys.modules:
+        import importlib.util
+
+        package = importlib.util.find_spec("flowrl.rewards")  # its folder; executes flowrl only, not flowrl.rewards
+        spec = importlib.util.spec_from_file_location(name, Path(package.submodule_search_locations[0], "options.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
+def _check_reward_options(spec: str, options: dict) -> None:
+    """Refuse a built-in reward's missing, unknown or unusable options (a weights file that is not there) before
+    torch and the rewards import (:func:`rewards.options.check_options`), with the paths resolved as the reward
+    will get them (:func:`flowrl.files.resolve_option_paths`); a user's reward or a plug-in is checked when built.
+
+    Raises:
+        rewards.RewardTypeError, FileNotFoundError, ValueError: naming the reward and the option.
+    """
+    _reward_checks().check_options(spec, resolve_option_paths(options))
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
@@ -155,6 +187,10 @@ def cmd_train(args) -> dict:
 
     # before torch loads: a bad key is refused at once; a resume takes the run's own config.yaml
     config, note = load_run_config(args.config, args.overrides)
+    checks = _reward_checks()
+    for name, reward in config.rewards.items():  # refused now, as the trainer would refuse it after the model loads
+        with config_key(f"rewards.{name}", (ValueError, checks.RewardTypeError)):
+            _check_reward_options(reward.spec or name, reward.options)
     say([note] if note else [])
     from .trainer import Trainer
 
@@ -322,6 +358,21 @@ def _reward_options(specs: list[str], pairs: list[str] | None) -> dict[str, dict
     return {spec: _options(opts) for spec, opts in grouped.items()}
 
 
+def _checked_reward_options(specs: list[str], pairs: list[str] | None) -> dict[str, dict]:
+    """:func:`_reward_options`, each built-in reward's options then checked before torch and the rewards import
+    (:func:`_check_reward_options`): what ``eval``, ``score`` and ``serve-reward`` read their ``--option`` with.
+
+    Raises:
+        ValueError: as :func:`_reward_options`.
+        rewards.RewardTypeError, FileNotFoundError, ValueError: a built-in reward's option missing, unknown or
+            unusable (a weights file that is not there), naming the reward and the option.
+    """
+    options = _reward_options(specs, pairs)
+    for spec, given in options.items():
+        _check_reward_options(spec, given)
+    return options
+
+
 def _eval_rewards(args) -> dict:
     """``flowrl eval --reward``: ``--images-per-prompt`` ODE samples of every prompt of a prompt file (any
     :func:`flowrl.prompt_sets.read_prompt_set` format), scored by each reward (weight 1, unsummed); writes and
@@ -335,7 +386,7 @@ def _eval_rewards(args) -> dict:
             "--images-per-tag is for the GenEval accuracy (no --reward); with --reward give --images-per-prompt"
         )
     specs = _reward_specs(args.reward)
-    options = _reward_options(specs, args.option)
+    options = _checked_reward_options(specs, args.option)
     metas = read_prompt_set(args.prompts, args.format)
     probe_output(args.out, "--out", (".json",))  # before the work, not after it
     _check_sources(args, lambda required: read_prompt_set(args.prompts, args.format, required))
@@ -528,7 +579,7 @@ def cmd_score(args) -> dict:
     from .image_folders import read_image_folder, score_records, write_scores
     from .prompt_sets import read_prompt_set
 
-    options = _reward_options([args.reward], args.option)  # before the images are read
+    options = _checked_reward_options([args.reward], args.option)  # before the images are read
     prompts = read_prompt_set(args.prompts, args.format) if args.prompts else None
     records = read_image_folder(args.paths, prompts)
     if args.out:
@@ -559,7 +610,7 @@ def cmd_score(args) -> dict:
 
 def cmd_serve_reward(args) -> None:
     """``flowrl serve-reward NAME``: serve a reward over HTTP until Ctrl-C (:func:`rewards.serve`)."""
-    options = _reward_options([args.name], args.option)[args.name]
+    options = resolve_option_paths(_checked_reward_options([args.name], args.option)[args.name])  # as score, eval
     from .rewards import serve
 
     serve(

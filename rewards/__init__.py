@@ -8,7 +8,8 @@ The repository's top-level `rewards/` folder, installed as `flowrl.rewards`: one
 builds on, importable on its own; it imports nothing else of flowrl (not the samplers). Build a registered reward
 with `build_reward("clipscore", model_path=...)`, or a user's own with
 `build_reward("my_pkg.my_module:my_reward")`, or one an installed package declares under the `flowrl.rewards`
-entry-point group by its name. `serve` and the `remote` reward run a reward in another process over HTTP.
+entry-point group by its name. `check_options` checks a built-in reward's options without importing torch (the CLI runs
+it before the rewards import). `serve` and the `remote` reward run a reward in another process over HTTP.
 """
 
 from .aesthetic import AestheticScore, aesthetic
@@ -36,6 +37,7 @@ from .jpeg import jpeg_compressibility, jpeg_incompressibility, jpeg_size_kb
 from .motion_world import MotionWorld, motion_world, motion_world_direction, motion_world_strict
 from .mps import MPS, mps
 from .ocr import OcrReward, ocr
+from .options import check_options, factory_options
 from .pairwise import PrefWinRate, VLMJudge, bradley_terry_judge, pref_winrate, win_rates
 from .pickscore import PickScore, pickscore
 from .server import RemoteReward, RewardServer, remote, serve
@@ -91,9 +93,11 @@ __all__ = [
     "motion_world_strict",
     "build_reward",
     "check_inputs",
+    "check_options",
     "check_scores",
     "clipscore",
     "geneval",
+    "factory_options",
     "geneval_strict",
     "jpeg_compressibility",
     "jpeg_incompressibility",

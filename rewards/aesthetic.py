@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import check_batch_size, check_inputs, load_pretrained, register_reward
-from .clipscore import _check_folder, _pooled, clip_preprocess
+from .clipscore import _pooled, clip_preprocess
 from .frozen import FrozenNetworkReward, as_dtype, channel_stats, frozen
+from .options import check_folder
 
 __all__ = ["AestheticScore", "aesthetic", "aesthetic_mlp"]
 
@@ -191,7 +192,7 @@ def aesthetic(
 
     from transformers import AutoImageProcessor, CLIPModel
 
-    folder = _check_folder(clip_path, "clip_path", need_config=True, reward="aesthetic")
+    folder = check_folder(clip_path, "clip_path", need_config=True, reward="aesthetic")
     try:
         processor = AutoImageProcessor.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as err:

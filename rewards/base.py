@@ -23,6 +23,8 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
+from .options import RewardError, RewardTypeError, check_batch_size, is_integer  # torch-free: the CLI checks first
+
 __all__ = [
     "REWARDS",
     "CombinedScores",
@@ -73,16 +75,6 @@ class Reward(Protocol):
     def __call__(
         self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]
     ) -> torch.Tensor: ...
-
-
-class RewardError(RuntimeError):
-    """A reward raised an exception of its own while scoring; the message is ``reward NAME raised TYPE: message``
-    and the original exception is chained (``__cause__``)."""
-
-
-class RewardTypeError(TypeError):
-    """A reward spec, option or returned score of the wrong type (bad input, not a bug); the message names the
-    reward and what was expected."""
 
 
 RewardFactory = Callable[..., Reward]
@@ -143,20 +135,6 @@ def register_reward(
 def accepts_video(reward: Callable) -> bool:
     """Whether `reward` scores `(B, F, 3, H, W)` videos: its `accepts_video` attribute, False when absent."""
     return bool(getattr(reward, "accepts_video", False))
-
-
-def check_batch_size(batch_size: Any, reward: str) -> int | None:
-    """A reward's ``batch_size`` option (images per model forward): an integer >= 1, or None for all at once.
-
-    Returns:
-        `batch_size`, unchanged.
-
-    Raises:
-        ValueError: naming `reward`, for anything else.
-    """
-    if batch_size is not None and (not is_integer(batch_size) or batch_size < 1):
-        raise ValueError(f"{reward}: batch_size must be an integer >= 1 or null, got {batch_size!r}")
-    return batch_size
 
 
 def score_in_chunks(
@@ -508,21 +486,6 @@ def load_pretrained(cls: Any, folder: str | os.PathLike, reward: str, **kwargs: 
     check_weights_folder(folder, reward)
     with quiet_loading():  # no "Loading weights" bar: the caller says what loads
         return cls.from_pretrained(folder, local_files_only=True, use_safetensors=True, **kwargs)
-
-
-def is_integer(value: Any) -> bool:
-    """Whether `value` is an integer option: a Python or numpy integer, and not a bool.
-
-    Rewards use it to validate integer options (a JPEG quality, a batch size, a GenEval count), so that
-    `True`, `2.0` or `"2"` from a config are refused up front rather than failing deep inside a call.
-
-    Args:
-        value: anything.
-
-    Returns:
-        `bool`: True for `int` and `numpy.integer` values other than `bool`/`numpy.bool_`.
-    """
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def check_inputs(

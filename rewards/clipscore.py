@@ -10,7 +10,6 @@ light.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,44 +19,9 @@ import torch.nn.functional as F
 
 from .base import check_json_files, load_pretrained, register_reward
 from .frozen import FrozenNetworkReward, channel_stats, frozen
+from .options import clip_folders
 
 __all__ = ["ClipScore", "clip_preprocess", "clipscore"]
-
-
-_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
-
-
-def _cached_snapshot(repo_id: str) -> Path | None:
-    """The local Hugging Face cache's snapshot folder of hub model `repo_id`, or None (never downloads)."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
-    except (OSError, ValueError):  # LocalEntryNotFoundError, HFValidationError
-        return None
-
-
-def _check_folder(path: str | os.PathLike, what: str, need_config: bool, reward: str = "clipscore") -> Path:
-    """A local folder, or the cached snapshot of a hub id such as `openai/clip-vit-large-patch14`.
-
-    Raises:
-        FileNotFoundError: `path` is neither (or has no `config.json` when `need_config`); the
-            message starts with `reward` and names `what`.
-    """
-    folder = Path(path)
-    if not folder.is_dir():
-        cached = _cached_snapshot(str(path)) if _HUB_ID.fullmatch(str(path)) and not folder.exists() else None
-        if cached is None:
-            raise FileNotFoundError(
-                f"{reward}: {what} '{path}' is not a local folder or a hub id in the local Hugging Face cache; "
-                "download it first (e.g. `hf download <repo>` or `hf download <repo> --local-dir <folder>`)"
-            )
-        folder = cached
-    if need_config and not (folder / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{reward}: {what} '{path}' has no config.json; save the model with CLIPModel.save_pretrained"
-        )
-    return folder
 
 
 def _load_clip(
@@ -66,15 +30,14 @@ def _load_clip(
     """Load `(CLIPModel, tokenizer, image processor)` from local folders or cached hub ids.
 
     Raises:
-        FileNotFoundError: see `_check_folder`. ValueError: a ``*.json`` file of either folder that is not JSON
+        FileNotFoundError: see `rewards.options.check_folder`. ValueError: a ``*.json`` file of either folder that is not JSON
             (named: :func:`rewards.base.check_json_files`).
         OSError: no CLIP tokenizer and image processor in `processor_path`.
     """
     from transformers import CLIPModel
 
     processor_path = model_path if processor_path is None else processor_path
-    model_dir = _check_folder(model_path, "model_path", need_config=True, reward=reward)
-    processor_dir = _check_folder(processor_path, "processor_path", need_config=False, reward=reward)
+    model_dir, processor_dir = clip_folders(model_path, processor_path, reward)  # torch-free: checked first by the CLI
     for folder in dict.fromkeys((model_dir, processor_dir)):  # each *.json file named before transformers reads it
         check_json_files(folder, reward)
     tokenizer, image_processor = load_clip_processor(processor_dir, processor_path, reward)

@@ -17,22 +17,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
-from .base import check_batch_size, register_reward
+from .base import register_reward
 from .frozen import FrozenNetworkReward, as_dtype, channel_stats, frozen
+from .options import HPS_FILES, HPS_REPO, hps_checkpoint
 
 __all__ = ["HPS_FILES", "HPS_REPO", "HPSv2", "hps_preprocess", "hpsv2"]
-
-HPS_REPO = "xswu/HPSv2"
-"""Hub repository holding the HPS checkpoints."""
-
-HPS_FILES = {"v2": "HPS_v2_compressed.pt", "v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
-"""Checkpoint file name in `HPS_REPO` for each version (`"v2.0"` is hpsv2's own spelling of `"v2"`)."""
 
 
 def hps_preprocess(images: torch.Tensor, size: int, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
@@ -126,34 +120,6 @@ class HPSv2(FrozenNetworkReward):
         return (F.normalize(image.to(dt), dim=-1) * F.normalize(text.to(dt), dim=-1)).sum(-1).cpu()
 
 
-def _checkpoint_file(model_path: str | os.PathLike | None, version: str) -> Path:
-    """The HPS checkpoint: `model_path` itself, the version's file inside it, or the HF cache's copy."""
-    filename = HPS_FILES[version]
-    if model_path is None:
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(HPS_REPO, filename)
-        if not isinstance(cached, str):
-            raise FileNotFoundError(
-                f"hpsv2: no model_path given and {filename} of {HPS_REPO} is not in the local Hugging Face cache; "
-                f"download it (`hf download {HPS_REPO} {filename}`) or pass model_path"
-            )
-        return Path(cached)
-    path = Path(model_path)
-    if path.is_dir():
-        candidates = [path / filename, path / Path(filename).with_suffix(".safetensors").name]
-        found = [c for c in candidates if c.is_file()]
-        if not found:
-            names = f"{candidates[0].name} or {candidates[1].name}"
-            raise FileNotFoundError(f"hpsv2: model_path folder '{path}' has no {names}")
-        return found[0]
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"hpsv2: model_path '{path}' not found; download {filename} (`hf download {HPS_REPO} {filename}`)"
-        )
-    return path
-
-
 @register_reward(
     "hpsv2",
     modality="image",
@@ -198,9 +164,7 @@ def hpsv2(
             does not fit `arch` (the message counts missing and unexpected keys); bad `dtype` or
             `batch_size`.
     """
-    if version not in HPS_FILES:
-        raise ValueError(f"hpsv2: version must be one of {sorted(HPS_FILES)}, got {version!r}")
-    check_batch_size(batch_size, "hpsv2")
+    path = hps_checkpoint(model_path, version, batch_size)  # torch-free: what `flowrl serve-reward` checks first
     as_dtype(dtype)
     import open_clip
 
@@ -208,7 +172,6 @@ def hpsv2(
 
     if open_clip.get_model_config(arch) is None:
         raise ValueError(f"hpsv2: arch {arch!r} is not an open_clip model config (e.g. 'ViT-H-14')")
-    path = _checkpoint_file(model_path, version)
     state = load_state_dict(path, "hpsv2")
     model = open_clip.create_model(arch, pretrained=None, device=device)  # random init, overwritten below
     try:

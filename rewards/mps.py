@@ -53,8 +53,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import check_batch_size, register_reward
-from .clipscore import _check_folder, clip_preprocess, load_clip_processor
+from .clipscore import clip_preprocess, load_clip_processor
 from .frozen import FrozenNetworkReward, as_dtype, channel_stats, frozen
+from .options import check_folder
 
 __all__ = [
     "MPS",
@@ -466,7 +467,7 @@ def mps(
         )
     from transformers import CLIPConfig
 
-    folder = _check_folder(processor_path, "processor_path", need_config=False, reward="mps")
+    folder = check_folder(processor_path, "processor_path", need_config=False, reward="mps")
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
             f"mps: processor_path '{processor_path}' has no config.json (the CLIP config MPS is built from, "

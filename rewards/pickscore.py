@@ -19,14 +19,9 @@ import torch
 
 from .base import register_reward
 from .clipscore import ClipScore, _load_clip
+from .options import PICKSCORE_MODEL, PICKSCORE_PROCESSOR
 
 __all__ = ["PICKSCORE_MODEL", "PICKSCORE_PROCESSOR", "PickScore", "pickscore"]
-
-PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
-"""Hub id of the PickScore_v1 weights (a transformers `CLIPModel`)."""
-
-PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
-"""Hub id of the tokenizer and image processor PickScore was trained with."""
 
 
 def _check_scale(scale: Any) -> float:

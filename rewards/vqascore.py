@@ -38,8 +38,8 @@ from .base import (
     load_pretrained,
     register_reward,
 )
-from .clipscore import _check_folder
 from .frozen import as_dtype, frozen
+from .options import check_folder
 
 __all__ = [
     "ARCHITECTURES",
@@ -269,7 +269,7 @@ def load_vlm(reward: str, model_path: str | os.PathLike) -> tuple[torch.nn.Modul
     import transformers
     from transformers import AutoConfig, AutoProcessor
 
-    folder = _check_folder(model_path, "model_path", need_config=False, reward=reward)
+    folder = check_folder(model_path, "model_path", need_config=False, reward=reward)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
             f"{reward}: model_path '{model_path}' has no config.json (save it with save_pretrained)"

@@ -69,6 +69,22 @@ def test_every_script_has_a_test_here():
     assert not list(BENCH.rglob("*.sh")), "shell scripts under benchmarks/ are not run by any test"
 
 
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_answers_before_torch_imports(name, tmp_path):
+    """``python benchmarks/NAME.py --help`` parses its arguments before torch and flowrl's heavy modules import: it
+    prints the usage at once (``-X importtime`` lists every module imported; none is torch)."""
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", str(BENCH / f"{name}.py"), "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    imported = [line.rpartition("|")[2].strip() for line in out.stderr.splitlines() if line.startswith("import time:")]
+    assert out.returncode == 0 and out.stdout.startswith("usage: "), out.stderr[-2000:]
+    assert not [m for m in imported if m == "torch" or m.startswith("torch.")]
+
+
 def test_benchmarks_hold_no_run_folders_and_every_cited_file_exists():
     files = [p for p in BENCH.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
     assert not [p for p in files if p.name in ("metrics.jsonl", "config.yaml") or p.suffix == ".safetensors"]

@@ -4,6 +4,7 @@ refused in one line without torch's import time, and ``--help`` never loads it (
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,9 +29,12 @@ finally:
 
 
 def _flowrl(tmp_path: Path, *argv: str) -> tuple[int, list[str], list[str]]:
-    """``flowrl ARGV`` in a fresh interpreter in `tmp_path`: its exit status, its stderr lines and the heavy modules
-    that executed."""
-    out = subprocess.run([sys.executable, "-c", RUN, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    """``flowrl ARGV`` in a fresh interpreter in `tmp_path`, with an empty Hugging Face cache: its exit status, its
+    stderr lines and the heavy modules that executed."""
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hf_cache"), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", RUN, *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     executed = json.loads(out.stdout.strip().splitlines()[-1])["executed"]
     return out.returncode, out.stderr.strip().splitlines(), executed
 
@@ -53,7 +57,8 @@ def _flowrl(tmp_path: Path, *argv: str) -> tuple[int, list[str], list[str]]:
             f"flowrl eval: error: prompt file {REPO / 'missing.jsonl'} does not exist",
         ),
         (
-            ["eval", "--reward", "clipscore", "--prompts", "missing.txt", "--out", "r.json"],
+            ["eval", "--reward", "clipscore", "--option", "model_path=assets/tiny-clip", "--prompts", "missing.txt"]
+            + ["--out", "r.json"],
             f"flowrl eval: error: prompt file {REPO / 'missing.txt'} does not exist",
         ),
         (
@@ -74,6 +79,28 @@ def _flowrl(tmp_path: Path, *argv: str) -> tuple[int, list[str], list[str]]:
             ["serve-reward", "clipscore", "--option", "no_equals_sign"],
             "flowrl serve-reward: error: --option 'no_equals_sign' must look like key=value or NAME.key=value (e.g. "
             "--option model_path=/ckpt/PickScore_v1)",
+        ),
+        (  # a reward's options are checked before torch and the reward's own imports (open_clip)
+            ["serve-reward", "hpsv2"],
+            "flowrl serve-reward: error: hpsv2: no model_path given and HPS_v2.1_compressed.pt of xswu/HPSv2 is not "
+            "in the local Hugging Face cache; download it (`hf download xswu/HPSv2 HPS_v2.1_compressed.pt`) or pass "
+            "model_path",
+        ),
+        (
+            ["score", ".", "--reward", "clipscore"],
+            "flowrl score: error: reward 'clipscore': missing a required argument: 'model_path'; accepted options: "
+            "model_path, processor_path, device, dtype, batch_size",
+        ),
+        (
+            ["eval", "--reward", "hpsv2", "--option", "modelpath=hps.pt", "--prompts", "p.txt", "--out", "r.json"],
+            "flowrl eval: error: reward 'hpsv2': got an unexpected keyword argument 'modelpath'; accepted options: "
+            "model_path, version, arch, device, dtype, batch_size",
+        ),
+        (
+            ["train", str(REPO / "configs" / "quickstart.yaml"), "rewards.clipscore.options.model_path=no_clip"],
+            "flowrl train: error: clipscore: model_path 'no_clip' is not a local folder or a hub id in the local "
+            "Hugging Face cache; download it first (e.g. `hf download <repo>` or `hf download <repo> --local-dir "
+            "<folder>`)",
         ),
     ],
 )

@@ -96,7 +96,7 @@ def test_nft_text_encoders_trains_both_text_towers(preset, tmp_path):
 
     script = _script("nft_text_encoders")
     over = [*preset[1:], "train.method=nft", "train.nft.old_decay=0.5", f"run.output_dir={tmp_path / 'te'}"]
-    trainer = script.TextEncoderTrainer(load_config(preset[0], over), text_lr=1e-2)
+    trainer = script.text_encoder_trainer(load_config(preset[0], over), text_lr=1e-2)
     pipe = trainer.model.pipe
     before = {n: p.detach().clone() for n, p in trainer.policy.params.items() if n.startswith("text_encoder")}
     assert {n.split(".")[0] for n in before} == set(script.TEXT_ENCODERS)

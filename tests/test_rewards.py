@@ -1,5 +1,6 @@
 """Tests of the `rewards` package: contract checks, registry, JPEG and CLIP rewards (tiny, offline)."""
 
+import inspect
 import math
 import subprocess
 import sys
@@ -56,6 +57,47 @@ def test_unknown_name_lists_registered():
 def test_unknown_option_is_named():
     with pytest.raises(TypeError, match=r"'jpeg_compressibility'.*'qualty'.*accepted options: quality"):
         build_reward("jpeg_compressibility", qualty=90)
+
+
+def test_option_declarations_are_the_factories_signatures():
+    """What the CLI checks before torch imports (``rewards.options``, read from the source) is each registered
+    factory's signature as ``inspect`` reads it (a ``__signature__`` set after the ``def``, which the source does not
+    show, only makes it accept more: ``build_reward`` checks those), and each reward's cheap check takes its factory's
+    defaults."""
+    from flowrl.rewards.options import OPTION_CHECKS, FactoryOptions, factory_options
+
+    for name, factory in REWARDS.items():
+        params = inspect.signature(factory).parameters.values()
+        keyword = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        required = tuple(p.name for p in keyword if p.default is p.empty)
+        any_other = any(p.kind is p.VAR_KEYWORD for p in params)
+        declared = factory_options(name)
+        if "__signature__" in vars(factory):
+            assert declared.any_other and set(declared.required) <= set(required), name
+        else:
+            assert declared == FactoryOptions(tuple(p.name for p in keyword), required, any_other), name
+    assert factory_options("nope") is None and factory_options("pkg.mod:fn") is None
+    for name, check in OPTION_CHECKS.items():
+        defaults = inspect.signature(REWARDS[name]).parameters
+        for p in inspect.signature(check).parameters.values():
+            assert p.kind is p.VAR_KEYWORD or p.default == defaults[p.name].default, (name, p.name)
+
+
+def test_check_options_refuses_what_build_reward_refuses(tmp_path):
+    """``check_options`` (torch-free, run by the CLI first) refuses a missing or unknown option in the words of
+    ``build_reward``, runs a reward's own cheap check, and passes a reward that is not built in."""
+    for name, options in [("jpeg_compressibility", {"qualty": 90}), ("clipscore", {}), ("remote", {})]:
+        with pytest.raises(rewards.RewardTypeError) as checked:
+            rewards.check_options(name, options)
+        with pytest.raises(rewards.RewardTypeError) as built:
+            build_reward(name, **options)
+        assert str(checked.value) == str(built.value)
+    with pytest.raises(FileNotFoundError, match=r"^hpsv2: model_path '.*missing.pt' not found"):
+        rewards.check_options("hpsv2", {"model_path": str(tmp_path / "missing.pt")})
+    with pytest.raises(ValueError, match=r"^clipscore: batch_size must be an integer >= 1"):
+        rewards.check_options("clipscore", {"model_path": str(tmp_path), "batch_size": 0})
+    rewards.check_options("jpeg_compressibility", {"quality": 80})
+    rewards.check_options(f"{__name__}:make_scaled_brightness", {"anything": 1})  # build_reward checks it
 
 
 def test_register_refuses_duplicate_name():

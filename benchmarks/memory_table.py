@@ -6,8 +6,10 @@ For each published model (``flowrl/models/published/NAME.json``) and its recipe 
 tried from the cheapest to the most frugal (:data:`SETTINGS`); within each, the engines in the order of
 :data:`ENGINE_ORDER` (the least communication first). The first plan whose ``total_gpu`` is under an H100's 81,559 MiB
 is the row's answer; "does not fit" gives the smallest total and what takes it. Full fine-tuning is planned without the
-KL term (``train.kl_beta=0``: its reference is the LoRA-disabled base, which full fine-tuning does not have). Engines flowrl does not run yet
-(:data:`flowrl.plan.NOT_RUN`) are marked. Writes JSON and prints the Markdown table of docs/distributed.md::
+KL term (``train.kl_beta=0``: its reference is the LoRA-disabled base, which full fine-tuning does not have); the
+recipe's EMA (``train.ema_decay``) is a held copy of the trained weights. Engines flowrl refuses for the recipe (the
+plan's ``refused``: :func:`flowrl.plan.refused_engines`) are marked. Writes JSON and prints the Markdown table of
+docs/distributed.md::
 
     python benchmarks/memory_table.py --out benchmarks/results/memory_table.json
 """
@@ -63,7 +65,7 @@ def cheapest(name: str, recipe: str, extra: list[str], processes: int) -> dict:
     """The first (settings, engine) of :data:`SETTINGS` x :data:`ENGINE_ORDER` under :data:`H100` for the published
     model ``name`` at ``recipe`` with ``extra`` overrides over ``processes`` GPUs, or the smallest when none fits."""
     from flowrl.config import load_config
-    from flowrl.plan import NOT_RUN, memory_plan
+    from flowrl.plan import memory_plan
 
     best = None
     for settings in SETTINGS:
@@ -73,7 +75,7 @@ def cheapest(name: str, recipe: str, extra: list[str], processes: int) -> dict:
             total = plan["engines"][engine]["total_gpu"]
             row = {
                 "engine": engine,
-                "runs_in_flowrl": engine not in NOT_RUN,
+                "runs_in_flowrl": plan["engines"][engine]["refused"] is None,
                 "settings": settings,
                 "total_gib": total / 2**30,
                 "host_gib": plan["engines"][engine]["host"] / 2**30,

@@ -4,7 +4,7 @@ fake score; the student's LoRA start; resume. The presets train two iterations i
 
 import pytest
 import torch
-from conftest import REPO, assert_resume_is_exact, tiny_overrides
+from conftest import REPO, assert_resume_is_exact, no_download, tiny_overrides
 
 from flowrl.config import ConfigError, load_config
 from flowrl.merge import lora_as_params
@@ -23,6 +23,7 @@ from flowrl.methods.distill import (
 TDM_COMMIT = "81b019f91539948d49da86cef12ccc64030c5022"  # Luo-Yihong/TDM, train_tdm_demo.py
 DMD2_COMMIT = "8d8fa55633d47cfb81bbc7a892e7248f9518763f"  # tianweiy/DMD2, main/sd_guidance.py
 DMDR_COMMIT = "061dc296e570adaae2925241bd1de505376a9fce"  # vvvvvjdy/dmdr, train_cc/sit/
+FLOW_FACTORY_COMMIT = "15932582d7f0eec90c77406b9dda5cd4da7fd9b5"  # X-GenGroup/Flow-Factory, TDM-R1's trainer
 
 
 def _draw(*shape, seed=0):
@@ -96,6 +97,63 @@ def test_the_students_sampler_is_euler_and_ddim():
         x0, eps = flow_predictions(x, t, velocity(x, t, None).float())
         x = (1 - sigmas[k + 1]) * x0 + sigmas[k + 1] * eps
         torch.testing.assert_close(states[:, k + 1], x.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_tdm_r1_surrogate_loss_trust_region_and_runaway_clip_are_the_equations():
+    """TDM-R1's surrogate loss (Flow-Factory's trainer at FLOW_FACTORY_COMMIT, tdm_r1.py lines 331-421): rows 0-1 left
+    the trust region around the slow surrogate (exp(l_slow - l) > 1 + eps for A > 0, < 1 - eps for A <= 0), rows
+    2-3 ran away (l past l_ref the way A asks, (l - l_ref)^2 > threshold), rows 4-6 train freely (row 4 moved the
+    other way, row 6 within both). The loss is mean_i w_i (sigma_i A_i l_i + rb (l_i - l_ref,i)^2); a clipped row
+    keeps its value and only the anchor's gradient."""
+    import math
+
+    from flowrl.methods.tdm_r1 import surrogate_loss
+
+    eps, threshold, rb = 0.01, 0.05, 0.3
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, 0.0, 1.0], dtype=torch.float64)
+    err = torch.tensor([1.0, 1.0, 0.6, 1.4, 1.4, 1.0, 0.9], dtype=torch.float64).requires_grad_()
+    ref = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 1.1, 1.0], dtype=torch.float64)
+    slow = torch.tensor([1.02, 0.98, 0.6, 1.4, 1.4, 1.0, 0.905], dtype=torch.float64)
+    sig, w = torch.rand(7, dtype=torch.float64, generator=torch.Generator().manual_seed(0)), torch.full((7,), 0.75)
+    loss, trust, runaway = surrogate_loss(err, ref, slow, adv, sig, w.double(), rb, eps, threshold)
+
+    l, r, s_, a = err.tolist(), ref.tolist(), slow.tolist(), adv.tolist()
+    ratio = [math.exp(s_[i] - l[i]) for i in range(7)]
+    want_trust = [ratio[i] > 1 + eps if a[i] > 0 else ratio[i] < 1 - eps for i in range(7)]
+    want_run = [((l[i] < r[i]) if a[i] > 0 else (l[i] > r[i])) and (l[i] - r[i]) ** 2 > threshold for i in range(7)]
+    assert want_trust == [True, True, False, False, False, False, False] == trust.tolist()
+    assert want_run == [False, False, True, True, False, False, False] == runaway.tolist()
+    value = sum(0.75 * (sig[i].item() * a[i] * l[i] + rb * (l[i] - r[i]) ** 2) for i in range(7)) / 7
+    torch.testing.assert_close(loss, torch.tensor(value, dtype=torch.float64), rtol=1e-12, atol=0)
+    free = [not (want_trust[i] or want_run[i]) for i in range(7)]
+    grad = [0.75 * (sig[i].item() * a[i] * free[i] + 2 * rb * (l[i] - r[i])) / 7 for i in range(7)]
+    torch.testing.assert_close(
+        torch.autograd.grad(loss, err)[0], torch.tensor(grad, dtype=torch.float64), rtol=1e-12, atol=0
+    )
+
+    for off in ({"slow_err": None, "clip_range": eps}, {"slow_err": slow, "clip_range": 0.0}):  # no trust region
+        _, trust, runaway = surrogate_loss(err, ref, off["slow_err"], adv, sig, w, rb, off["clip_range"], threshold)
+        assert not trust.any() and runaway.tolist() == want_run
+
+
+def test_the_slow_surrogate_is_an_ema_whose_decay_rises_an_iteration():
+    """Flow-Factory's tdm_r1.py lines 309-324 at FLOW_FACTORY_COMMIT: d = min(max, min + 0.001 n) after n updates, and
+    the snapshot's EMA slow <- d slow + (1 - d) surrogate (d the weight kept on the snapshot)."""
+    from flowrl.methods.tdm_r1 import move_slow_copy, slow_decay
+
+    assert [slow_decay(n, 0.001, 0.3) for n in (0, 1, 2)] == pytest.approx([0.001, 0.002, 0.003], abs=1e-15)
+    assert slow_decay(299, 0.001, 0.3) == pytest.approx(0.3, abs=1e-12) and slow_decay(5000, 0.001, 0.3) == 0.3
+    assert slow_decay(7, 0.2, 0.2) == 0.2
+    slow, sur = (
+        {"a": _draw(3, 4, seed=40), "b": _draw(5, seed=41)},
+        {"a": _draw(3, 4, seed=42), "b": _draw(5, seed=43)},
+    )
+    want = {n: 0.3 * slow[n] + 0.7 * sur[n] for n in slow}
+    kept = {n: w for n, w in slow.items()}
+    move_slow_copy(slow, sur, 0.3)
+    for n in slow:
+        assert slow[n] is kept[n]  # in place: the checkpoint's tensors
+        torch.testing.assert_close(slow[n], want[n], rtol=1e-15, atol=1e-15)
 
 
 # ------------------------------------------------------------------------------ the official lines, re-expressed
@@ -231,6 +289,18 @@ def test_bad_distill_settings_are_refused_naming_the_key():
         load_config(REPO / "configs/dmdr.yaml", ["train.distill.dynamic_steps=-1"])
 
 
+def test_bad_tdm_r1_settings_are_refused_in_one_line_naming_the_key():
+    for override, key in (
+        (["train.tdm_r1.clip_range=-0.1"], "clip_range"),
+        (["train.tdm_r1.reference_threshold=0"], "reference_threshold"),
+        (["train.tdm_r1.slow_decay_min=0.5", "train.tdm_r1.slow_decay_max=0.3"], "slow_decay_min"),
+        (["train.tdm_r1.slow_decay_max=1.5"], "slow_decay_min"),
+    ):
+        with pytest.raises(ConfigError, match=rf"train\.tdm_r1\.{key}") as error:
+            load_config(REPO / "configs/tdm_r1.yaml", override)
+        assert "\n" not in str(error.value)
+
+
 def test_dynamic_distribution_guidance_decays_by_a_half_cosine():
     """DMDR's lambda = lambda_0 (1 + cos(pi min(n / N, 1))) / 2 after n student steps (train_sitxl_refl_deepspeed.py
     lines 517-521 at vvvvvjdy/dmdr 061dc296)."""
@@ -291,11 +361,20 @@ def test_dynamic_renoise_sampling_draws_a_beta_that_decays_to_uniform():
 def test_dmdr_and_tdm_r1_resume_exactly(preset, tmp_path, random_pipeline, prompt_files):
     """dmdr (DiffusionNFT's loss with the DMD regulariser) and tdm_r1 (its surrogate reward beside the fake score)
     trained two iterations straight and 1 + a resumed one end on the same student, and their held networks' checkpoint
-    files (the fake score, tdm_r1's surrogate, their AdamW moments) are equal."""
+    files (the fake score, tdm_r1's surrogate, their AdamW moments, its slow surrogate) are equal. tdm_r1 scores JPEG
+    compressibility (the random pipeline's GenEval verdicts are all 0: the surrogate would not train), and its slow
+    surrogate (a visible lag: decay 0.5 rising 0.001 an iteration) resumed with its update count and took the EMA step
+    d = 0.501 of the second iteration towards the trained surrogate."""
+    import json
+
     from safetensors.torch import load_file
 
+    lag = {"train.tdm_r1.slow_decay_min": 0.5, "train.tdm_r1.slow_decay_max": 0.9, **no_download("geneval_strict")}
+    lag = lag if preset == "tdm_r1" else {}
     assert_resume_is_exact(
-        REPO / "configs" / f"{preset}.yaml", lambda out: _overrides(random_pipeline, prompt_files, out), tmp_path
+        REPO / "configs" / f"{preset}.yaml",
+        lambda out: _overrides(random_pipeline, prompt_files, out, **lag),
+        tmp_path,
     )
     held = sorted(
         p.name
@@ -308,3 +387,19 @@ def test_dmdr_and_tdm_r1_resume_exactly(preset, tmp_path, random_pipeline, promp
         assert a.keys() == b.keys()
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+    if preset != "tdm_r1":
+        return
+    assert "surrogate_slow.safetensors" in held
+    part = tmp_path / "part/checkpoints"
+    assert json.loads((part / "checkpoint-000002/state.json").read_text())["extra"]["slow_updates"] == 2
+    slow_1, slow_2, sur_2 = (
+        load_file(part / f"checkpoint-00000{i}/{name}.safetensors")
+        for i, name in ((1, "surrogate_slow"), (2, "surrogate_slow"), (2, "surrogate"))
+    )
+    for k in slow_2:
+        want = 0.501 * slow_1[k].double() + 0.499 * sur_2[k].double()
+        torch.testing.assert_close(slow_2[k].double(), want, rtol=0, atol=1e-7)
+    assert any(sur_2[k].abs().max() > 0 for k in sur_2 if "lora_B" in k)  # the surrogate trained (from B = 0)
+    assert any((slow_2[k] - sur_2[k]).abs().max() > 1e-6 for k in slow_2)  # the slow copy lags it
+    last = json.loads((tmp_path / "full/metrics.jsonl").read_text().splitlines()[-1])
+    assert last["surrogate/slow_decay"] == pytest.approx(0.501) and 0 <= last["surrogate/trust_clip_frac"] <= 1

@@ -9,8 +9,13 @@ Each iteration, on top of :class:`flowrl.methods.distill.TDM` (the fake score's 
   :func:`flowrl.methods.dgpo.dgpo_objective`): at the trajectory step ``k`` drawn for each prompt group, the student's
   clean prediction ``x0_k`` of every sample, noised with one noise and time per group, gives
   ``l_i = mean_d (v_surr - (eps - x0_k))^2`` and the teacher's ``l_ref,i``; the loss is
-  ``w_k mean_i sigmoid(S_g) A_i l_i + reference_beta mean_i (l_i - l_ref,i)^2`` with
+  ``mean_i w_k (sigmoid(S_g) A_i sg?(l_i) + reference_beta (l_i - l_ref,i)^2)`` with
   ``S_g = beta / G sum_{i in g} A_i (l_i - l_ref,i)`` held fixed and ``w_k = (k + 1) / K`` (later steps weigh more);
+  ``sg?`` stops the preference's gradient of a row outside the **trust region** around the **slow surrogate** (a
+  second copy of the surrogate moved towards it by an EMA once an iteration, ``l_slow,i`` its error: the ratio
+  ``exp(l_slow,i - l_i)`` above ``1 + clip_range`` for ``A_i > 0``, below ``1 - clip_range`` otherwise) or past the
+  **runaway clip** (``l_i`` already moved from ``l_ref,i`` the way ``A_i`` asks, by ``(l_i - l_ref,i)^2 >
+  reference_threshold``) (:func:`surrogate_loss`, :func:`slow_decay`);
 - the **per-step rewards**: at every point ``x_t`` where TDM queries the scores, the surrogate's clean prediction
   (with the teacher's CFG) minus the teacher's is the reward direction of that trajectory step, and the teacher's
   ``cfg_reward_scale / (s - 1) (x0_cfg - x0_cond)`` the guidance reward's; the student's loss is
@@ -20,10 +25,10 @@ Each iteration, on top of :class:`flowrl.methods.distill.TDM` (the fake score's 
 Source: the official repository (Luo-Yihong/TDM-R1 at 6b4c4556d0171be74f4821ffa7e662419da7f025) holds a README and
 weights, no training code; the objective follows the paper's abstract and X-GenGroup/Flow-Factory's TDM-R1 trainer
 (src/flow_factory/trainers/distillation/tdm_r1.py at 15932582d7f0eec90c77406b9dda5cd4da7fd9b5, its defaults
-tdm_weight 0.3, cfg_reward_scale 3.5, preference beta 1, reference beta 1e-3, surrogate lr 3e-4, time weighting on).
+tdm_weight 0.3, cfg_reward_scale 3.5, preference beta 1, reference beta 1e-3, surrogate lr 3e-4, time weighting on,
+trust-region clip range 1e-3, slow decay 0.001 rising by 0.001 an iteration to 0.3, runaway threshold 0.05).
 Deviations from that reading: the surrogate's data is the student's clean prediction at the step (Flow-Factory noises
-the stored trajectory point), one step per group per iteration (not every step), no slow-surrogate trust region and no
-runaway clip.
+the stored trajectory point), one step per group per iteration (not every step).
 """
 
 from __future__ import annotations
@@ -37,6 +42,86 @@ from .base import FinalSamples, Rewards, register_method
 from .dgpo import dgpo_objective
 from .distill import TDM, HeldScore, TrajectorySamples, flow_predictions, revised_x0_loss
 from .forward import ForwardProcess, flow_matching_error
+
+SLOW_DECAY_RAMP = 1.0e-3
+"""How much the slow surrogate's EMA decay rises an iteration (Flow-Factory's TDM-R1 trainer, ``_surrogate_phase``)."""
+
+
+def slow_decay(updates: int, low: float, high: float) -> float:
+    """The slow surrogate's EMA decay after `updates` earlier updates: ``min(high, low + 0.001 updates)``, so that it
+    lags the surrogate more as training goes on (Flow-Factory's TDM-R1 trainer at 1593258, ``_surrogate_phase``, with
+    its ``self.step`` the iteration).
+
+    Args:
+        updates (`int`, >= 0): the slow copy's updates so far. low, high (`float`, ``0 <= low <= high <= 1``):
+            ``train.tdm_r1.slow_decay_min``, ``slow_decay_max``.
+
+    Returns:
+        The decay, in ``[low, high]``: the weight the update keeps on the slow copy.
+    """
+    return min(high, low + SLOW_DECAY_RAMP * updates)
+
+
+def move_slow_copy(slow: dict[str, torch.Tensor], surrogate: dict[str, torch.Tensor], decay: float) -> None:
+    """``slow <- decay slow + (1 - decay) surrogate`` in place, tensor by tensor (Flow-Factory's parameter EMA
+    snapshot, ``update_variant_snapshot``: the decay is the weight kept on the snapshot).
+
+    Args:
+        slow, surrogate (`dict[str, torch.Tensor]`): the same names and shapes (float32; under FSDP2 full shard both
+            this process's shards, as :meth:`flowrl.policy.Policy.copy` makes them).
+        decay (`float`, in [0, 1]).
+    """
+    with torch.no_grad():
+        for n, w in slow.items():
+            w.mul_(decay).add_(surrogate[n].detach(), alpha=1 - decay)
+
+
+def surrogate_loss(
+    err: torch.Tensor,
+    ref_err: torch.Tensor,
+    slow_err: torch.Tensor | None,
+    adv: torch.Tensor,
+    weight: torch.Tensor,
+    time_w: torch.Tensor,
+    reference_beta: float,
+    clip_range: float,
+    threshold: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TDM-R1's surrogate loss with its trust region and runaway clip (Flow-Factory's TDM-R1 trainer at 1593258,
+    ``_surrogate_boundary_loss``, ``_clip_outside_trust_region``, ``_clip_runaway_surrogate``; group preference as
+    DGPO's, arXiv 2510.08425)::
+
+        trust_i   = exp(l_slow,i - l_i) > 1 + clip_range   if A_i > 0,   < 1 - clip_range   otherwise
+        runaway_i = (l_i < l_ref,i if A_i > 0 else l_i > l_ref,i)  and  (l_i - l_ref,i)^2 > threshold
+        loss      = mean_i w_i (sigmoid(S_g(i)) A_i sg?(l_i) + reference_beta (l_i - l_ref,i)^2)
+
+    ``sg?(l_i)`` is ``l_i`` without its gradient where ``trust_i or runaway_i`` (the row keeps its value and its
+    place in ``S_g``, which the caller holds fixed); the anchor to the teacher keeps every row's gradient.
+
+    Args:
+        err (`torch.Tensor` of shape `(N,)`): the surrogate's flow-matching errors ``l_i`` (with the gradient).
+        ref_err, slow_err (`(N,)`): the teacher's and the slow surrogate's at the same ``x_t`` (no gradient);
+            `slow_err` None (or ``clip_range`` 0): no trust region.
+        adv (`(N,)`): the advantages ``A_i``. weight (`(N,)`, in (0, 1)): ``sigmoid(S_g)`` of each row's group.
+        time_w (`(N,)`, in (0, 1]): the trajectory step's weight ``w_i``.
+        reference_beta (`float`, >= 0), clip_range (`float`, >= 0), threshold (`float`, > 0): as ``train.tdm_r1``.
+
+    Returns:
+        ``(loss, trust, runaway)``: the scalar loss (float32, or float64 for float64 inputs) and the `(N,)` bool
+        masks of the rows whose preference gradient each clip stopped.
+    """
+    e = err.detach()
+    up = adv > 0  # (N,)
+    trust = torch.zeros_like(up)
+    if slow_err is not None and clip_range > 0:
+        ratio = torch.exp(slow_err.to(e.dtype) - e)  # > 1: the surrogate denoises the row better than its slow copy
+        trust = torch.where(up, ratio > 1 + clip_range, ratio < 1 - clip_range)
+    gap = e - ref_err.to(e.dtype)
+    runaway = torch.where(up, gap < 0, gap > 0) & (gap.pow(2) > threshold)
+    preferred = torch.where(trust | runaway, e, err)
+    anchor = (err - ref_err.to(err.dtype)).pow(2)
+    loss = time_w.to(err.dtype) * (weight.to(err.dtype) * adv.to(err.dtype) * preferred + reference_beta * anchor)
+    return loss.mean(), trust, runaway
 
 
 @config_section("train", "tdm_r1", "TDM-R1's settings (train.method tdm_r1)")
@@ -53,6 +138,21 @@ class TDMR1Config:
     learning_rate: float = setting(3.0e-4, "AdamW learning rate of the surrogate")
     betas: tuple[float, float] = setting((0.9, 0.999), "AdamW betas of the surrogate")
     time_weighting: bool = setting(True, "weigh the surrogate's loss at trajectory step k by (k + 1) / K")
+    clip_range: float = setting(
+        1.0e-3,
+        "trust region of the surrogate's preference: a row whose ratio exp(l_slow - l) to the slow surrogate passed "
+        "1 + clip_range (advantage > 0; below 1 - clip_range otherwise) stops its gradient (0: off)",
+    )
+    slow_decay_min: float = setting(
+        1.0e-3,
+        "EMA decay of the slow surrogate at the first iteration, rising by 0.001 an iteration to slow_decay_max",
+    )
+    slow_decay_max: float = setting(0.3, "highest EMA decay of the slow surrogate (the weight kept on it)")
+    reference_threshold: float = setting(
+        0.05,
+        "runaway clip: a row whose error moved from the teacher's the way its advantage asks by a squared gap above "
+        "this stops its preference gradient",
+    )
 
     def __post_init__(self):
         check(0 < self.tdm_weight < 1, "train.tdm_r1.tdm_weight", "in (0, 1)", self.tdm_weight)
@@ -62,6 +162,11 @@ class TDMR1Config:
         check(self.learning_rate > 0, "train.tdm_r1.learning_rate", "> 0", self.learning_rate)
         betas = list(self.betas)
         check(len(betas) == 2 and all(0 <= b < 1 for b in betas), "train.tdm_r1.betas", "two in [0, 1)", betas)
+        check(self.clip_range >= 0, "train.tdm_r1.clip_range", ">= 0", self.clip_range)
+        check(self.reference_threshold > 0, "train.tdm_r1.reference_threshold", "> 0", self.reference_threshold)
+        decays = (self.slow_decay_min, self.slow_decay_max)
+        check(0 <= decays[0] <= decays[1] <= 1, "train.tdm_r1.slow_decay_min",
+              "0 <= slow_decay_min <= slow_decay_max <= 1", decays)  # fmt: skip
 
 
 @register_method("tdm_r1", "few-step TDM student, RL through a learned surrogate and per-step rewards")
@@ -74,6 +179,8 @@ class TDMR1(TDM):
         r = cfg.train.tdm_r1
         start = {n: torch.zeros_like(w) if "lora_B" in n else w.clone() for n, w in policy.copy().items()}
         self.surrogate = HeldScore(policy, start, r.learning_rate, r.betas, cfg.train.max_grad_norm)
+        self.slow = {n: w.clone() for n, w in self.surrogate.weights.items()}  # the slow surrogate, a held copy
+        self.slow_updates = 0
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -94,7 +201,10 @@ class TDMR1(TDM):
         return per_prompt[samples.image_prompt[rows.cpu()]].to(self.device)
 
     def between_phases(self, samples, rows, k, adv, generator) -> dict:
-        """The surrogate's optimizer steps (module docstring): ``surrogate/loss``, ``surrogate/grad_norm``."""
+        """The surrogate's optimizer steps (module docstring, :func:`surrogate_loss`), then the slow surrogate's EMA
+        update (:func:`slow_decay`, :func:`move_slow_copy`): ``surrogate/loss``, ``surrogate/grad_norm``,
+        ``surrogate/trust_clip_frac``, ``surrogate/runaway_clip_frac`` (rows whose preference gradient each clip
+        stopped) and ``surrogate/slow_decay``."""
         policy, model, r = self.policy, self.model, self.cfg.train.tdm_r1
         groups = samples.image_prompt[rows.cpu()]  # (N,)
         slots = torch.unique(groups, return_inverse=True)[1]  # (N,) group 0..n-1
@@ -115,28 +225,56 @@ class TDMR1(TDM):
                 v_ref = self.chunked(velocity)(x_t, t, c) if len(rows) else x_t
             with self.surrogate.holding():
                 v_sur = self.chunked(velocity)(x_t, t, c) if len(rows) else x_t
+            slow_err = None
+            if r.clip_range > 0:
+                with policy.holding(self.slow):
+                    slow_err = flow_matching_error(self.chunked(velocity)(x_t, t, c) if len(rows) else x_t, x0, eps)
         ref_err = flow_matching_error(v_ref, x0, eps)
         a = adv.to(self.device)[rows]
         _, weight = dgpo_objective(flow_matching_error(v_sur, x0, eps), ref_err, a, slots.to(self.device), r.beta,
                                    self.cfg.sampling.group_size)  # fmt: skip
         time_w = (k + 1).float() / self.cfg.sampling.num_steps if r.time_weighting else torch.ones_like(t)
-        losses, norms = [], []
+        losses, norms, clipped = [], [], torch.zeros(3)  # rows clipped by the trust region, by the runaway clip; rows
         for _, _, mb, total in policy.minibatches(len(rows), generator):
             share, parts = len(mb) / max(total, 1), []
             for _, idx, frac in policy.micro_batches(mb):
                 with self.surrogate.holding():
                     with policy.autocast():
                         err = flow_matching_error(velocity(x_t[idx], t[idx], c[idx]), x0[idx], eps[idx])
-                    loss = (time_w[idx] * weight[idx] * a[idx] * err).mean()
-                    loss = loss + r.reference_beta * (err - ref_err[idx]).pow(2).mean()
+                    slow = None if slow_err is None else slow_err[idx]
+                    loss, trust, runaway = surrogate_loss(
+                        err,
+                        ref_err[idx],
+                        slow,
+                        a[idx],
+                        weight[idx],
+                        time_w[idx],
+                        r.reference_beta,
+                        r.clip_range,
+                        r.reference_threshold,
+                    )
                     policy.backward(loss, frac * share)
                 parts.append(loss.item() * frac)
+                clipped += torch.tensor([trust.sum().item(), runaway.sum().item(), len(idx)])
             norms.append(self.surrogate.step())
             losses.append(sum(parts))
+        decay = self.advance_slow_copy()
         return {
             "surrogate/loss": sum(losses) / max(len(losses), 1),
             "surrogate/grad_norm": sum(norms) / max(len(norms), 1),
+            "surrogate/trust_clip_frac": (clipped[0] / clipped[2].clamp(min=1)).item(),
+            "surrogate/runaway_clip_frac": (clipped[1] / clipped[2].clamp(min=1)).item(),
+            "surrogate/slow_decay": decay,
         }
+
+    def advance_slow_copy(self) -> float:
+        """The slow surrogate's EMA update after the iteration's surrogate steps (:func:`slow_decay`,
+        :func:`move_slow_copy`); returns the decay it used."""
+        r = self.cfg.train.tdm_r1
+        decay = slow_decay(self.slow_updates, r.slow_decay_min, r.slow_decay_max)
+        move_slow_copy(self.slow, self.surrogate.weights, decay)
+        self.slow_updates += 1
+        return decay
 
     def extra_scores(self, x_t, t, c, table):
         """The surrogate's clean prediction at the teacher's CFG and the teacher's conditional one (no gradient)."""
@@ -170,12 +308,14 @@ class TDMR1(TDM):
         return super().held_copies(cfg) + 3
 
     def snapshots(self) -> dict:
-        """The fake score's and the surrogate's weights and AdamW moments."""
-        return {**super().snapshots(), **self.surrogate.files("surrogate")}
+        """The fake score's and the surrogate's weights and AdamW moments, and the slow surrogate
+        (``surrogate_slow.safetensors``)."""
+        return {**super().snapshots(), **self.surrogate.files("surrogate"), "surrogate_slow.safetensors": self.slow}
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "surrogate_steps": self.surrogate.steps}
+        return {**super().state_dict(), "surrogate_steps": self.surrogate.steps, "slow_updates": self.slow_updates}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.surrogate.steps = state.get("surrogate_steps", 0)
+        self.slow_updates = state.get("slow_updates", 0)

@@ -100,7 +100,7 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
 
 def test_the_plan_counts_the_methods_held_copies_of_the_trained_weights():
     """A method's held copies (:meth:`Method.held_copies`: CRD's old and sampler copies, TDM-R1's fake score and
-    surrogate with their moments and, in full fine-tuning, the teacher) and the policy's EMA enter each engine's
+    surrogate with their moments and its slow surrogate, in full fine-tuning the teacher) and the policy's EMA enter each engine's
     bytes: 4 bytes per trained weight and copy, whole under DDP, FSDP2 and ZeRO-1/2, sharded under full sharding, on
     the host under ZeRO-3 offload; GRPO holds none."""
     counts = {}
@@ -114,7 +114,7 @@ def test_the_plan_counts_the_methods_held_copies_of_the_trained_weights():
             assert rows["zero3_offload"]["held"] == 0 and rows["zero3_offload"]["host"] == (20 + 4 * held) * n / 4
             assert rows["ddp"]["gpu"] == 20 * n + 4 * n * held
     assert counts == {
-        ("crd", 0.0): 2, ("crd", 0.9): 3, ("tdm_r1", 0.0): 6, ("tdm_r1", 0.9): 7,
+        ("crd", 0.0): 2, ("crd", 0.9): 3, ("tdm_r1", 0.0): 7, ("tdm_r1", 0.9): 8,
         ("dmd", 0.0): 4, ("dmd", 0.9): 5, ("flow_grpo", 0.0): 0, ("flow_grpo", 0.9): 1,
     }  # fmt: skip
 

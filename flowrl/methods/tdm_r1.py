@@ -304,8 +304,8 @@ class TDMR1(TDM):
     # ------------------------------------------------------------------------------ checkpoints
     @classmethod
     def held_copies(cls, cfg) -> int:
-        """TDM's, and the surrogate with its two AdamW moments."""
-        return super().held_copies(cfg) + 3
+        """TDM's, the surrogate with its two AdamW moments, and the slow surrogate."""
+        return super().held_copies(cfg) + 4
 
     def snapshots(self) -> dict:
         """The fake score's and the surrogate's weights and AdamW moments, and the slow surrogate

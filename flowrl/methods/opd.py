@@ -25,11 +25,12 @@ every transition takes its KL, as Flow-GRPO's KL term.
 
 Teachers and the anchor are extra peft adapters of the student's transformer (no copies), each run alone without
 gradients (:meth:`flowrl.models.FlowModel.adapter`); under FSDP2, whose wrapped transformer takes no new adapter, held
-copies of the student's LoRA (each teacher merged to the student's rank first) swapped into it (:meth:`FlowOPD.adapter`). Deviations from the official code: the reward is computed once per
-iteration from the rollout's step means (the sampling student's, as LLM on-policy distillation), and gradients flow
-through the ratio alone, as the paper states (the official recomputes the reward from the current student in each
-minibatch, with its gradient); prompts are routed per prompt within one iteration rather than by alternating data sets
-per epoch (``training_mode: alternate``).
+copies of the student's LoRA (each teacher merged to the student's rank first) swapped into it
+(:meth:`FlowOPD.adapter`). Deviations from the official code: the reward is computed once per iteration from the
+rollout's step means (the sampling student's, as LLM on-policy distillation), and gradients flow through the ratio
+alone, as the paper states (the official recomputes the reward from the current student in each minibatch, with its
+gradient); prompts are routed per prompt within one iteration rather than by alternating data sets per epoch
+(``training_mode: alternate``).
 """
 
 from __future__ import annotations

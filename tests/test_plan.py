@@ -100,23 +100,26 @@ def test_cli_prints_the_table_and_writes_json(tmp_path, capsys):
 
 def test_the_plan_counts_the_methods_held_copies_of_the_trained_weights():
     """A method's held copies (:meth:`Method.held_copies`: CRD's old and sampler copies, TDM-R1's fake score and
-    surrogate with their moments and its slow surrogate, in full fine-tuning the teacher) and the policy's EMA enter each engine's
-    bytes: 4 bytes per trained weight and copy, whole under DDP, FSDP2 and ZeRO-1/2, sharded under full sharding, on
-    the host under ZeRO-3 offload; GRPO holds none."""
-    counts = {}
-    for preset, over in (("crd", []), ("tdm_r1", []), ("dmd", ["model.lora_rank=0"]), ("flow_grpo", [])):
-        for ema in (0.0, 0.9):
-            plan = memory_plan(load_config(REPO / "configs" / f"{preset}.yaml", [*over, f"train.ema_decay={ema}"]), 4)
-            n, rows = plan["trained_params"], plan["engines"]
-            counts[preset, ema] = held = plan["held_copies"]
-            assert rows["ddp"]["held"] == rows["fsdp2"]["held"] == rows["zero2"]["held"] == 4 * n * held
-            assert rows["fsdp2_full_shard"]["held"] == rows["zero3"]["held"] == 4 * n * held / 4
-            assert rows["zero3_offload"]["held"] == 0 and rows["zero3_offload"]["host"] == (20 + 4 * held) * n / 4
-            assert rows["ddp"]["gpu"] == 20 * n + 4 * n * held
-    assert counts == {
-        ("crd", 0.0): 2, ("crd", 0.9): 3, ("tdm_r1", 0.0): 7, ("tdm_r1", 0.9): 8,
-        ("dmd", 0.0): 4, ("dmd", 0.9): 5, ("flow_grpo", 0.0): 0, ("flow_grpo", 0.9): 1,
-    }  # fmt: skip
+    surrogate with their moments and its slow surrogate, in full fine-tuning the teacher) and the policy's EMA enter
+    each engine's bytes: 4 bytes per trained weight and copy, whole under DDP, FSDP2 and ZeRO-1/2, sharded under full
+    sharding, on the host under ZeRO-3 offload; GRPO holds none."""
+    from flowrl.methods import METHODS
+
+    def held(preset: str, *over: str) -> int:
+        cfg = load_config(REPO / "configs" / f"{preset}.yaml", list(over))
+        return METHODS[cfg.train.method].held_copies(cfg)
+
+    assert [held("crd"), held("tdm_r1"), held("dmd"), held("dmd", "model.lora_rank=0"), held("flow_grpo")] == [
+        2, 7, 3, 4, 0
+    ]  # fmt: skip
+    plan = memory_plan(load_config(REPO / "configs/tdm_r1.yaml", ["train.ema_decay=0.9"]), 4)
+    n, rows = plan["trained_params"], plan["engines"]
+    assert plan["held_copies"] == 8  # TDM-R1's seven and the EMA
+    assert rows["ddp"]["held"] == rows["fsdp2"]["held"] == rows["zero2"]["held"] == 4 * n * 8
+    assert rows["fsdp2_full_shard"]["held"] == rows["zero3"]["held"] == 4 * n * 8 / 4
+    assert rows["zero3_offload"]["held"] == 0 and rows["zero3_offload"]["host"] == (20 + 4 * 8) * n / 4
+    assert rows["ddp"]["gpu"] == 20 * n + 4 * n * 8
+    assert engine_bytes(n, 10, 4)["ddp"]["held"] == 0  # none by default
 
 
 def test_the_plan_brackets_the_engines_flowrl_refuses_for_the_runs_method(tmp_path, capsys):

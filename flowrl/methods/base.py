@@ -177,6 +177,10 @@ class Method:
         policy (:class:`flowrl.policy.Policy`): trainable weights, optimizer, minibatches, autocast.
         rewards (:class:`flowrl.rewards.WeightedSum`): the configured rewards (their weights matter to
             ``train.reward_aggregation: advantage``).
+
+    Raises:
+        ConfigError: a policy under an engine the method does not run under (:meth:`engine_blockers`; refused at
+            launch already, :func:`flowrl.policy.check_launch`).
     """
 
     name = ""
@@ -203,6 +207,10 @@ class Method:
         self.sigmas = model.sigmas(cfg.sampling.num_steps, cfg.sampling.shift)  # (N + 1,) the stock pipeline's grid
         if self.differentiable_reward:
             self.check_rewards_differentiable(rewards)
+        if policy.engine is not None or policy.sharded:  # refused at launch already; here for a policy built otherwise
+            from ..policy import check_not_sharded
+
+            check_not_sharded(self.engine_blockers(cfg), "DeepSpeed" if policy.engine is not None else "FSDP2")
 
     def check_rewards_differentiable(self, rewards) -> None:
         """Refuse a weighted reward without ``score_with_grad`` for a method that back-propagates the reward

@@ -422,8 +422,8 @@ class Distillation(ForwardProcess):
     Args: as :class:`flowrl.methods.base.Method`.
 
     Raises:
-        ConfigError: for a DeepSpeed run (:meth:`engine_blockers`), or a ``train.distill.student_lora`` folder
-            without the trained LoRA's tensors.
+        ConfigError: as :class:`flowrl.methods.base.Method` (DeepSpeed: :meth:`engine_blockers`), or a
+            ``train.distill.student_lora`` folder without the trained LoRA's tensors.
     """
 
     lockstep = True  # every process distils every row it samples (as many as the others): equal forwards
@@ -431,8 +431,6 @@ class Distillation(ForwardProcess):
     def __init__(self, cfg, model, policy, rewards):
         super().__init__(cfg, model, policy, rewards)
         d = cfg.train.distill
-        if policy.engine is not None:  # refused at launch already (engine_blockers)
-            raise ConfigError(f"config key 'train.method': {self.engine_blockers(cfg)['DeepSpeed']}: not DeepSpeed")
         if d.student_lora:
             self.load_student(d.student_lora)
         self.teacher = None if cfg.model.lora_rank > 0 else policy.copy()  # full fine-tuning: the start is the teacher

@@ -249,7 +249,7 @@ class FlowOPD(GRPO):
     now).
 
     Raises:
-        ConfigError: under DeepSpeed (:meth:`engine_blockers`), or a teacher (anchor) LoRA that is not of the model, or
+        ConfigError: as :class:`flowrl.methods.base.Method` (DeepSpeed: :meth:`engine_blockers`), or a teacher (anchor) LoRA that is not of the model, or
             under FSDP2 not of the student's rank (naming its key).
     """
 
@@ -306,8 +306,6 @@ class FlowOPD(GRPO):
 
     def __init__(self, cfg, model, policy, rewards, data: Routing | None = None):
         super().__init__(cfg, model, policy, rewards)
-        if policy.engine is not None:  # refused at launch already (engine_blockers)
-            raise ConfigError(f"config key 'train.method': {self.engine_blockers(cfg)['DeepSpeed']}: not DeepSpeed")
         from ..merge import lora_folder
 
         self.routing = data if data is not None else self.read_data(cfg)

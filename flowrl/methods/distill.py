@@ -212,6 +212,15 @@ def dmd_loss(x0: torch.Tensor, real: torch.Tensor, fake: torch.Tensor) -> torch.
     return 0.5 * (x0 - (x0 - grad).detach()).pow(2).mean()
 
 
+def cosine_decay(step: int, steps: int) -> float:
+    """DMDR's half-cosine decay (vvvvvjdy/dmdr at 061dc29: the dynamic guidance's scale, training script lines
+    517-521, and the renoise Beta's shape, utils.py lines 74-78): ``c = (1 + cos(pi min(n / steps, 1))) / 2`` after
+    ``n = step`` student optimizer steps, 1 at the start and 0 from `steps` on; 1 throughout when ``steps <= 0``."""
+    import math
+
+    return 1.0 if steps <= 0 else 0.5 * (1 + math.cos(math.pi * min(step / steps, 1.0)))
+
+
 def renoise_shape(start: tuple[float, float], step: int, steps: int) -> tuple[float, float]:
     """DMDR's dynamic renoise sampling schedule (arXiv 2511.13649; vvvvvjdy/dmdr train_cc/sit/utils.py lines 74-78 at
     061dc29): the Beta shape ``(a0, b0)`` decays to ``(1, 1)`` (uniform) by a half cosine over `steps` student
@@ -225,10 +234,8 @@ def renoise_shape(start: tuple[float, float], step: int, steps: int) -> tuple[fl
     Returns:
         ``(a, b)``, both > 0; ``(1, 1)`` once ``step >= steps > 0``.
     """
-    import math
-
     a0, b0 = (float(v) for v in start)
-    c = 1.0 if steps <= 0 else 0.5 * (1 + math.cos(math.pi * min(step / steps, 1.0)))
+    c = cosine_decay(step, steps)
     return 1 + (a0 - 1) * c, 1 + (b0 - 1) * c
 
 
@@ -575,14 +582,11 @@ class Distillation(ForwardProcess):
     def guidance_scale_now(self) -> float:
         """DMDR's dynamic distribution guidance (arXiv 2511.13649, Sec. 3.3; vvvvvjdy/dmdr train_sitxl_refl_deepspeed.py
         lines 517-521): ``lambda = dynamic_guidance (1 + cos(pi min(n / dynamic_steps, 1))) / 2`` after ``n`` student
-        optimizer steps (0 once they are done or when off)."""
-        import math
-
+        optimizer steps (0 once they are done or when off; :func:`cosine_decay`)."""
         d = self.cfg.train.distill
         if d.dynamic_guidance == 0:
             return 0.0
-        progress = min(self.policy.steps_taken() / d.dynamic_steps, 1.0)
-        return d.dynamic_guidance * 0.5 * (1 + math.cos(math.pi * progress))
+        return d.dynamic_guidance * cosine_decay(self.policy.steps_taken(), d.dynamic_steps)
 
     def renoise_shape_now(self) -> tuple[float, float]:
         """DMDR's dynamic renoise sampling: the Beta shape the query times are drawn from after ``n`` student

@@ -51,6 +51,20 @@ def minibatch_sizes(counts: torch.Tensor, size: int) -> torch.Tensor:
     return torch.stack([torch.clamp(int(c) - torch.arange(steps) * size, 0, size) for c in counts])
 
 
+def move_towards(store: dict[str, torch.Tensor], target: dict[str, torch.Tensor], decay: float) -> None:
+    """``store <- decay store + (1 - decay) target`` in place, tensor by tensor (an EMA step: the policy's EMA,
+    DiffusionNFT's old policy, TDM-R1's slow surrogate).
+
+    Args:
+        store, target (`dict[str, torch.Tensor]`): the same names and shapes (float32; under full sharding both this
+            process's shards or partitions, as :meth:`Policy.copy` makes them); `store` for each of `target`'s names.
+        decay (`float`, in [0, 1]): the weight kept on `store`.
+    """
+    with torch.no_grad():
+        for n, w in target.items():
+            store[n].mul_(decay).add_(w.detach(), alpha=1 - decay)
+
+
 def what_runs() -> str:
     """What the refusals of FSDP2 full shard and ZeRO-3 say runs there: the registered methods whose update calls the
     transformer alike on every process (:attr:`flowrl.methods.base.Method.lockstep`; docs/distributed.md, "Full
@@ -532,9 +546,9 @@ class Policy:
         return int(state.get("step", 0))
 
     def move_towards(self, store: dict[str, torch.Tensor], decay: float) -> None:
-        """``store <- decay store + (1 - decay) theta`` for every trainable tensor (the EMA, DiffusionNFT's old policy)."""
-        for n, p in self._live().items():
-            store[n].mul_(decay).add_(p.detach(), alpha=1 - decay)
+        """``store <- decay store + (1 - decay) theta`` for every trainable tensor (the EMA, DiffusionNFT's old policy):
+        :func:`move_towards` of the tensors the forwards use."""
+        move_towards(store, self._live(), decay)
 
     def copy(self) -> dict[str, torch.Tensor]:
         """A detached copy of the trainable tensors, by name: whole, or under FSDP2 full shard and ZeRO-3 this process's

@@ -139,7 +139,8 @@ def test_tdm_r1_surrogate_loss_trust_region_and_runaway_clip_are_the_equations()
 def test_the_slow_surrogate_is_an_ema_whose_decay_rises_an_iteration():
     """Flow-Factory's tdm_r1.py lines 309-324 at FLOW_FACTORY_COMMIT: d = min(max, min + 0.001 n) after n updates, and
     the snapshot's EMA slow <- d slow + (1 - d) surrogate (d the weight kept on the snapshot)."""
-    from flowrl.methods.tdm_r1 import move_slow_copy, slow_decay
+    from flowrl.methods.tdm_r1 import slow_decay
+    from flowrl.policy import move_towards
 
     assert [slow_decay(n, 0.001, 0.3) for n in (0, 1, 2)] == pytest.approx([0.001, 0.002, 0.003], abs=1e-15)
     assert slow_decay(299, 0.001, 0.3) == pytest.approx(0.3, abs=1e-12) and slow_decay(5000, 0.001, 0.3) == 0.3
@@ -150,7 +151,7 @@ def test_the_slow_surrogate_is_an_ema_whose_decay_rises_an_iteration():
     )
     want = {n: 0.3 * slow[n] + 0.7 * sur[n] for n in slow}
     kept = {n: w for n, w in slow.items()}
-    move_slow_copy(slow, sur, 0.3)
+    move_towards(slow, sur, 0.3)
     for n in slow:
         assert slow[n] is kept[n]  # in place: the checkpoint's tensors
         torch.testing.assert_close(slow[n], want[n], rtol=1e-15, atol=1e-15)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..fields import check, config_section, setting
+from ..policy import move_towards
 from .base import FinalSamples, Rewards, register_method
 from .dgpo import dgpo_objective
 from .distill import TDM, HeldScore, TrajectorySamples, flow_predictions, revised_x0_loss
@@ -60,20 +61,6 @@ def slow_decay(updates: int, low: float, high: float) -> float:
         The decay, in ``[low, high]``: the weight the update keeps on the slow copy.
     """
     return min(high, low + SLOW_DECAY_RAMP * updates)
-
-
-def move_slow_copy(slow: dict[str, torch.Tensor], surrogate: dict[str, torch.Tensor], decay: float) -> None:
-    """``slow <- decay slow + (1 - decay) surrogate`` in place, tensor by tensor (Flow-Factory's parameter EMA
-    snapshot, ``update_variant_snapshot``: the decay is the weight kept on the snapshot).
-
-    Args:
-        slow, surrogate (`dict[str, torch.Tensor]`): the same names and shapes (float32; under FSDP2 full shard both
-            this process's shards, as :meth:`flowrl.policy.Policy.copy` makes them).
-        decay (`float`, in [0, 1]).
-    """
-    with torch.no_grad():
-        for n, w in slow.items():
-            w.mul_(decay).add_(surrogate[n].detach(), alpha=1 - decay)
 
 
 def surrogate_loss(
@@ -202,7 +189,7 @@ class TDMR1(TDM):
 
     def between_phases(self, samples, rows, k, adv, generator) -> dict:
         """The surrogate's optimizer steps (module docstring, :func:`surrogate_loss`), then the slow surrogate's EMA
-        update (:func:`slow_decay`, :func:`move_slow_copy`): ``surrogate/loss``, ``surrogate/grad_norm``,
+        update (:func:`slow_decay`, :func:`flowrl.policy.move_towards`): ``surrogate/loss``, ``surrogate/grad_norm``,
         ``surrogate/trust_clip_frac``, ``surrogate/runaway_clip_frac`` (rows whose preference gradient each clip
         stopped) and ``surrogate/slow_decay``."""
         policy, model, r = self.policy, self.model, self.cfg.train.tdm_r1
@@ -269,10 +256,10 @@ class TDMR1(TDM):
 
     def advance_slow_copy(self) -> float:
         """The slow surrogate's EMA update after the iteration's surrogate steps (:func:`slow_decay`,
-        :func:`move_slow_copy`); returns the decay it used."""
+        :func:`flowrl.policy.move_towards`); returns the decay it used."""
         r = self.cfg.train.tdm_r1
         decay = slow_decay(self.slow_updates, r.slow_decay_min, r.slow_decay_max)
-        move_slow_copy(self.slow, self.surrogate.weights, decay)
+        move_towards(self.slow, self.surrogate.weights, decay)
         self.slow_updates += 1
         return decay
 

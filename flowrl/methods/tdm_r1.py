@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 
 from ..fields import check, config_section, setting
-from ..policy import move_towards
 from .base import FinalSamples, Rewards, register_method
 from .dgpo import dgpo_objective
 from .distill import TDM, HeldScore, TrajectorySamples, flow_predictions, revised_x0_loss
@@ -257,6 +256,8 @@ class TDMR1(TDM):
     def advance_slow_copy(self) -> float:
         """The slow surrogate's EMA update after the iteration's surrogate steps (:func:`slow_decay`,
         :func:`flowrl.policy.move_towards`); returns the decay it used."""
+        from ..policy import move_towards  # here: importing flowrl.policy executes torch, which the CLI defers
+
         r = self.cfg.train.tdm_r1
         decay = slow_decay(self.slow_updates, r.slow_decay_min, r.slow_decay_max)
         move_towards(self.slow, self.surrogate.weights, decay)

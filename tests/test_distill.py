@@ -14,10 +14,12 @@ from flowrl.methods.distill import (
     importance_weights,
     min_snr_weights,
     mixed_noise,
+    regression_loss,
     renoise,
     student_trajectory,
     tdm_fake_loss,
     tdm_loss,
+    teacher_trajectory,
 )
 
 TDM_COMMIT = "81b019f91539948d49da86cef12ccc64030c5022"  # Luo-Yihong/TDM, train_tdm_demo.py
@@ -276,6 +278,63 @@ def test_tdm_trains_its_fake_score_apart_and_resumes_exactly(tmp_path, random_pi
         student.method.load_student(str(tmp_path))
 
 
+def test_the_regression_term_trains_on_the_teachers_trajectory_from_the_students_noise(
+    tmp_path, random_pipeline, prompt_files
+):
+    """With train.distill.regression_weight the rollout holds the teacher's trajectory from the student's own noise
+    (same start, other path), the student's loss logs its regression term and the teacher's forwards are counted."""
+    from flowrl.trainer import Trainer
+
+    runs = {}
+    for weight in (0, 1):
+        over = _overrides(
+            random_pipeline, prompt_files, tmp_path / f"w{weight}", **{"train.distill.regression_weight": weight}
+        )
+        trainer = Trainer(load_config(REPO / "configs/dmd.yaml", over))
+        samples = trainer.method.rollout(trainer.train_metas[:2], torch.Generator().manual_seed(0))
+        runs[weight] = (trainer.step(0), samples)
+    (plain, no_pairs), (with_reg, samples) = runs[0], runs[1]
+    assert no_pairs.teacher_states is None and "policy/regression_loss" not in plain
+    assert samples.teacher_states.shape == samples.states.shape
+    assert torch.equal(samples.teacher_states[:, 0], samples.states[:, 0])
+    assert not torch.allclose(samples.teacher_states[:, -1], samples.states[:, -1])
+    assert 0 < with_reg["policy/regression_loss"] < float("inf")
+    assert with_reg["cost/nfe"] > plain["cost/nfe"]
+
+
+def test_the_regression_pairs_are_the_teachers_finer_euler_path_and_the_loss_its_step_error():
+    """teacher_trajectory is Euler over each student step split in `substeps` equal steps, kept at the student's
+    times; regression_loss is the squared error of the student's velocity against the teacher's step, written out."""
+    a = _draw(2, 2, seed=16).float() * 0.3
+    velocity = lambda x, t, c: torch.einsum("ij,bjhw->bihw", a, x) * (1 + t.view(-1, 1, 1, 1))  # noqa: E731
+    noise, cond = _draw(3, 2, 4, 4, seed=17), torch.zeros(3, dtype=torch.long)
+    sigmas = torch.tensor([1.0, 0.75, 0.4, 0.0])
+    states = teacher_trajectory(velocity, noise, cond, sigmas, substeps=2)
+    assert states.shape == (3, 4, 2, 4, 4)
+    x, kept = noise.float(), [noise.float()]
+    for s, s_next in zip(sigmas[:-1].tolist(), sigmas[1:].tolist()):
+        mid = (s + s_next) / 2
+        x = x + (mid - s) * velocity(x, torch.full((3,), s), None)
+        x = x + (s_next - mid) * velocity(x, torch.full((3,), mid), None)
+        kept.append(x)
+    torch.testing.assert_close(states, torch.stack(kept, 1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(
+        teacher_trajectory(velocity, noise, cond, sigmas, 1), student_trajectory(velocity, noise, cond, sigmas)
+    )
+    v = _draw(3, 2, 4, 4, seed=18).requires_grad_()
+    xs, xn = _draw(3, 2, 4, 4, seed=19), _draw(3, 2, 4, 4, seed=20)
+    s, s_next = (
+        torch.tensor([1.0, 0.75, 0.4], dtype=torch.float64),
+        torch.tensor([0.75, 0.4, 0.0], dtype=torch.float64),
+    )
+    loss = regression_loss(v, xs, xn, s, s_next)
+    expected = sum(((v[i] - (xn[i] - xs[i]) / (s_next[i] - s[i])) ** 2).sum() for i in range(3)) / v.numel()
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
+    loss.backward()
+    torch.testing.assert_close(v.grad, 2 * (v - (xn - xs) / (s_next - s).view(-1, 1, 1, 1)).detach() / v.numel())
+
+
 def test_bad_distill_settings_are_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"train\.distill\.fake_init"):
         load_config(REPO / "configs/tdm.yaml", ["train.distill.fake_init=copy"])
@@ -288,6 +347,10 @@ def test_bad_distill_settings_are_refused_naming_the_key():
             load_config(REPO / f"configs/{preset}.yaml", [f"train.distill.renoise_beta={bad}"])
     with pytest.raises(ConfigError, match=r"train\.distill\.dynamic_steps"):
         load_config(REPO / "configs/dmdr.yaml", ["train.distill.dynamic_steps=-1"])
+    with pytest.raises(ConfigError, match=r"^config key 'train\.distill\.regression_substeps' must be [^\n]+$"):
+        load_config(REPO / "configs/tdm.yaml", ["train.distill.regression_substeps=0"])
+    with pytest.raises(ConfigError, match=r"^config key 'train\.distill\.regression_weight' must be [^\n]+$"):
+        load_config(REPO / "configs/dmd.yaml", ["train.distill.regression_weight=-1"])
 
 
 def test_bad_tdm_r1_settings_are_refused_in_one_line_naming_the_key():

@@ -11,6 +11,8 @@ point), ``t`` -> the time the real and fake scores are queried at; ``real``/``fa
 
 - :func:`student_trajectory`: the student's ``K``-step deterministic sampler (Euler, which on this path is DDIM: TDM's
   ``generate_new``), every trajectory point kept;
+- :func:`teacher_trajectory`, :func:`regression_loss`: DMD's regression on the teacher's paired trajectory
+  (``train.distill.regression_weight``);
 - :func:`renoise`, :func:`mixed_noise`, :func:`importance_weights`: TDM's diffusion from the student's next trajectory
   point ``x_{t_mid}`` to ``x_t`` and the fake score's importance weight;
 - :func:`tdm_loss`, :func:`dmd_loss`: the generator's distribution-matching losses (TDM's, DMD2's);
@@ -76,6 +78,46 @@ def student_trajectory(velocity, noise: torch.Tensor, cond: torch.Tensor, sigmas
         x = x + (sigmas[k + 1] - sigmas[k]).item() * velocity(x, t, cond).float()
         states.append(x)
     return torch.stack(states, dim=1)  # (N, K + 1, *latent_shape)
+
+
+def teacher_trajectory(
+    velocity, noise: torch.Tensor, cond: torch.Tensor, sigmas: torch.Tensor, substeps: int
+) -> torch.Tensor:
+    """The teacher's Euler trajectory from `noise` over the student's times, each of the student's steps split into
+    `substeps` equal Euler steps, kept at the student's times only: the paired targets of :func:`regression_loss`
+    (DMD's regression pairs, arXiv 2311.18828 Sec. 3.3, taken per student step).
+
+    Args:
+        velocity: a :class:`flowrl.samplers.VelocityFn` (the teacher's, with its CFG). noise, cond: as
+            :func:`student_trajectory`. sigmas (`(K + 1,)`, from 1 to 0): the student's times.
+        substeps (`int`, >= 1): Euler steps per student step.
+
+    Returns:
+        `torch.Tensor` of shape `(N, K + 1, *latent_shape)`, float32: the teacher's states at ``sigmas``.
+    """
+    sigmas = sigmas.float()
+    fine = [torch.linspace(sigmas[k].item(), sigmas[k + 1].item(), substeps + 1)[:-1] for k in range(len(sigmas) - 1)]
+    fine = torch.cat([*fine, sigmas[-1:].cpu()]).to(sigmas.device)  # (K substeps + 1,)
+    return student_trajectory(velocity, noise, cond, fine)[:, ::substeps]
+
+
+def regression_loss(
+    v: torch.Tensor, x: torch.Tensor, x_next: torch.Tensor, s: torch.Tensor, s_next: torch.Tensor
+) -> torch.Tensor:
+    """DMD's regression loss (arXiv 2311.18828 Eq. 7, with the squared error for LPIPS) per student step: the
+    student's one Euler step from the teacher's trajectory point ``x`` at ``s`` should land on the teacher's next
+    point ``x_next`` at ``s_next``: ``mean((v - (x_next - x) / (s_next - s))^2)`` (the error of the step's velocity).
+
+    Args:
+        v (`torch.Tensor` of shape `(N, *latent_shape)`): the student's velocity at ``(x, s)`` (with its gradient).
+        x, x_next (same shape): the teacher's points (:func:`teacher_trajectory`). s, s_next (`(N,)`, ``s > s_next``).
+
+    Returns:
+        A scalar tensor (float32, or float64 for float64 inputs).
+    """
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    target = (x_next.to(dtype) - x.to(dtype)) / _rows(s_next - s, x).to(dtype)
+    return (v.to(dtype) - target.detach()).pow(2).mean()
 
 
 def renoise(x_mid: torch.Tensor, t_mid: torch.Tensor, t: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -379,6 +421,12 @@ class DistillConfig:
         "max_time], its shape decayed to (1, 1) (uniform) by a half cosine over dynamic_steps (the official gui_a, "
         "gui_b; its cold start (4, 1.5); (1, 1): uniform, DMD2's)",
     )
+    regression_weight: float = setting(
+        0.0,
+        "weight of DMD's regression loss (arXiv 2311.18828 Eq. 7) per student step: the student's step from the "
+        "teacher's ODE trajectory point (same noise, teacher_guidance) to the next (0: off, TDM's and DMD2's)",
+    )
+    regression_substeps: int = setting(3, "the teacher's Euler steps per student step in the regression pairs")
     dmd_weight: float = setting(1.0, "dmdr: weight of the DMD regulariser beside the RL loss")
     nft_beta: float = setting(1.0, "dmdr: DiffusionNFT's beta of the RL loss (arXiv 2509.16117)")
 
@@ -402,6 +450,8 @@ class DistillConfig:
         check(self.dynamic_steps >= 0, "train.distill.dynamic_steps", ">= 0", self.dynamic_steps)
         shape = list(self.renoise_beta)
         check(len(shape) == 2 and all(v > 0 for v in shape), "train.distill.renoise_beta", "two > 0 (a, b)", shape)
+        check(self.regression_weight >= 0, "train.distill.regression_weight", ">= 0", self.regression_weight)
+        check(self.regression_substeps >= 1, "train.distill.regression_substeps", ">= 1", self.regression_substeps)
         check(self.dmd_weight >= 0, "train.distill.dmd_weight", ">= 0", self.dmd_weight)
         check(self.nft_beta > 0, "train.distill.nft_beta", "> 0", self.nft_beta)
 
@@ -413,9 +463,12 @@ class TrajectorySamples(FinalSamples):
     Attributes:
         states (`torch.Tensor` of shape `(B, K + 1, *latent_shape)`, float32): ``x_{s_0}`` (noise) to ``x_{s_K}``
             (``x0``), on the device.
+        teacher_states (`torch.Tensor` of the same shape, or None): the teacher's trajectory from the same noise
+            (:func:`teacher_trajectory`), with ``train.distill.regression_weight`` > 0.
     """
 
     states: torch.Tensor
+    teacher_states: torch.Tensor | None = None
 
 
 # ------------------------------------------------------------------------------------------------ the methods
@@ -488,7 +541,8 @@ class Distillation(ForwardProcess):
     # ------------------------------------------------------------------------------ the contract
     def rollout(self, metas: list[dict], generator: torch.Generator) -> TrajectorySamples:
         """``sampling.group_size`` student trajectories per prompt (:func:`student_trajectory`, at
-        ``sampling.guidance_scale``), decoded for the rewards."""
+        ``sampling.guidance_scale``), decoded for the rewards; with ``train.distill.regression_weight`` > 0 the
+        teacher's from the same noise (:func:`teacher_trajectory`, not decoded)."""
         cfg, model = self.cfg, self.model
         table = model.prompt_table(metas)
         prompt_index = torch.arange(len(metas), device=self.device).repeat_interleave(cfg.sampling.group_size)  # (B,)
@@ -498,8 +552,16 @@ class Distillation(ForwardProcess):
         with torch.no_grad(), self.policy.autocast():
             states = student_trajectory(velocity, noise, cond, self.sigmas.to(self.device))  # (B, K + 1, ...)
         nfe = len(cond) * cfg.sampling.num_steps * model.cfg_rows(cfg.sampling.guidance_scale)
+        d, teacher_states = cfg.train.distill, None
+        if d.regression_weight > 0:
+            teacher = self.chunked(model.velocity_fn(table, d.teacher_guidance))
+            with torch.no_grad(), self.policy.autocast(), self.teacher_context():
+                teacher_states = teacher_trajectory(
+                    teacher, noise, cond, self.sigmas.to(self.device), d.regression_substeps
+                )
+            nfe += len(cond) * cfg.sampling.num_steps * d.regression_substeps * model.cfg_rows(d.teacher_guidance)
         x0 = states[:, -1]
-        return TrajectorySamples(self.decode(x0), prompt_index.cpu(), nfe, x0, cond, table, states)
+        return TrajectorySamples(self.decode(x0), prompt_index.cpu(), nfe, x0, cond, table, states, teacher_states)
 
     def advantages(self, samples: FinalSamples, rewards: Rewards, generator: torch.Generator):
         """Data-free methods: zeros, every row kept (the rewards are only logged); :class:`DMDR` overrides."""
@@ -519,7 +581,8 @@ class Distillation(ForwardProcess):
         fake.update(self.between_phases(samples, rows, k, adv, generator))
         gen = self.generator_phase(samples, rows, k, generator)
         guided = self.model.cfg_rows(self.cfg.train.distill.teacher_guidance)
-        per_row = self.cfg.train.distill.fake_updates * 2 + self.cfg.train.inner_epochs * (3 + guided)
+        d = self.cfg.train.distill
+        per_row = d.fake_updates * 2 + self.cfg.train.inner_epochs * (3 + guided + int(d.regression_weight > 0))
         return {**gen, **fake, "cost/nfe": len(rows) * per_row, "cost/trained_transitions": len(rows)}
 
     # ------------------------------------------------------------------------------ the parts
@@ -616,7 +679,9 @@ class Distillation(ForwardProcess):
     def generator_phase(self, samples, rows, k, generator) -> dict:
         """The student's optimizer steps (:meth:`flowrl.methods.base.Method.optimizer_steps`) on `rows`: per
         micro-batch the student's predictions without gradient, the scores at :meth:`query`'s ``x_t`` (weights are
-        swapped in, so before any graph exists), then the student's prediction with gradient and :meth:`step_loss`."""
+        swapped in, so before any graph exists), then the student's prediction with gradient and :meth:`step_loss`, plus
+        ``train.distill.regression_weight`` times :meth:`regression` when the rollout holds the teacher's
+        trajectory."""
         velocity = self.model.velocity_fn(samples.table, self.cfg.sampling.guidance_scale)
 
         def micro_loss(idx, stats, at):
@@ -628,10 +693,25 @@ class Distillation(ForwardProcess):
             extra = self.extra_scores(x_t, t, c, samples.table)
             with self.policy.autocast():
                 x0 = flow_predictions(x, s, velocity(x, s, c))[0]
-            return self.step_loss(x0, real, fake, idx, extra)
+            loss, stats = self.step_loss(x0, real, fake, idx, extra)
+            if samples.teacher_states is not None:
+                reg = self.regression(samples, rows[idx], k[idx], velocity)
+                loss = loss + self.cfg.train.distill.regression_weight * reg
+                stats = {**stats, "policy/regression_loss": reg.item()}
+            return loss, stats
 
         stats, steps = self.optimizer_steps(len(rows), generator, micro_loss)
         return self.update_metrics(stats, steps)
+
+    def regression(self, samples: TrajectorySamples, rows: torch.Tensor, k: torch.Tensor, velocity) -> torch.Tensor:
+        """:func:`regression_loss` of the student's step ``k`` `(n,)` from the teacher's trajectory point of `rows`
+        `(n,)` (with the student's gradient)."""
+        sigmas = self.sigmas.to(self.device)
+        x, x_next = samples.teacher_states[rows, k], samples.teacher_states[rows, k + 1]
+        s, c = sigmas[k], samples.cond[rows]
+        with self.policy.autocast():
+            v = velocity(x, s, c)
+        return regression_loss(v, x, x_next, s, sigmas[k + 1])
 
     def extra_scores(self, x_t, t, c, table):
         """What else the student's loss reads at ``x_t`` besides the real and fake scores (no gradient): None here,

@@ -19,6 +19,7 @@ imports every reward); ``rewards.base`` re-exports its errors.
 from __future__ import annotations
 
 import ast
+import functools
 import numbers
 import os
 import re
@@ -118,6 +119,15 @@ def _registered(tree: ast.Module, name: str) -> FactoryOptions | None:
     return None
 
 
+@functools.cache
+def _sources() -> tuple[tuple[Path, str], ...]:
+    """This package's modules and their text, read once per process (:func:`factory_options` checks every reward of a
+    config against them)."""
+    return tuple(
+        (path, path.read_text(encoding="utf-8")) for path in sorted(Path(__file__).resolve().parent.rglob("*.py"))
+    )
+
+
 def factory_options(name: str) -> FactoryOptions | None:
     """The options of the built-in reward `name`, read from the signature of the factory that a module of this
     package registers under that name (``@register_reward("NAME", ...)``); nothing is imported.
@@ -132,8 +142,7 @@ def factory_options(name: str) -> FactoryOptions | None:
     """
     if not isinstance(name, str) or not re.fullmatch(r"[\w.-]+", name):
         return None
-    for path in sorted(Path(__file__).resolve().parent.rglob("*.py")):
-        text = path.read_text(encoding="utf-8")
+    for path, text in _sources():
         if f'"{name}"' in text and "register_reward(" in text:
             found = _registered(ast.parse(text, str(path)), name)
             if found is not None:

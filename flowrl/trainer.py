@@ -150,6 +150,8 @@ class Trainer:
         self.trackers.start(cfg.run.project, self.out.resolve().name, dataclasses.asdict(cfg), self.out)
         t_start = time.time() - elapsed
         self._say(f"{precision_summary(cfg, self.device)}; run folder {self.out}")
+        if start == 0:  # a fresh run's cold start that trains (a resumed run's checkpoint holds its result)
+            self.method.begin(self.train_metas)
         before = self._evaluate_base() if start == 0 else self.checkpointer.read_eval("eval_before.json")
         last, stopped = self._iterate(start, t_start, eval_metrics(before).keys())
         self._say(f"evaluating the trained model ({self.evaluator.plan()})")

@@ -322,3 +322,111 @@ def test_cold_start_sets_the_student_to_the_merged_teachers(random_pipeline, pro
     over = _overrides(random_pipeline, prompt_files, teachers, **{"train.opd.init": teachers["attributes"]})
     with pytest.raises(ConfigError, match=r"^config key 'train\.opd\.init': .* of rank 3, .*--rank 2$"):
         FlowOPD.read_data(load_config(PRESET, over(tmp_path / "run2")))  # before the model loads
+
+
+# ------------------------------------------------------------------------------------------------ the SFT cold start
+def _trainer(random_pipeline, prompt_files, teachers, folder, **extra):
+    """A Trainer of the preset on the tiny random pipeline (its teachers the module's), built, not trained."""
+    from flowrl.trainer import Trainer
+
+    return Trainer(load_config(PRESET, _overrides(random_pipeline, prompt_files, teachers, **extra)(folder)))
+
+
+def test_sft_loss_is_the_flow_matching_error_written_out_in_float64(random_pipeline, prompt_files, teachers, tmp_path):
+    """:meth:`FlowOPD.sft_loss` of a velocity (a fixed linear map, float64) equals ``mean_n mean_d (v(x_t, t) - (eps -
+    x0))^2`` at ``x_t = (1 - t) x0 + t eps``, written out in float64; the teachers' samples are Euler ODE samples of
+    the routed teacher alone at ``sampling.guidance_scale``, written out step by step."""
+    trainer = _trainer(random_pipeline, prompt_files, teachers, tmp_path / "run")
+    method, model = trainer.method, trainer.model
+    g = torch.Generator().manual_seed(3)
+    x0, eps = (torch.randn(5, 4, 6, 6, generator=g, dtype=torch.float64) for _ in range(2))
+    times = torch.rand(5, generator=g, dtype=torch.float64) * 0.9 + 0.05
+    weight = torch.randn(4, 4, generator=g, dtype=torch.float64)
+
+    def velocity(x, t, cond):  # a linear velocity field standing in for the student
+        return torch.einsum("oc,nchw->nohw", weight, x) * t.view(-1, 1, 1, 1) + cond.view(-1, 1, 1, 1)
+
+    cond = torch.arange(5)
+    t = times.view(-1, 1, 1, 1)
+    x_t = (1 - t) * x0 + t * eps
+    written = ((velocity(x_t, times, cond) - (eps - x0)) ** 2).mean((1, 2, 3)).mean()
+    ours = method.sft_loss(velocity, x0, cond, times, eps)
+    assert ours.dtype == torch.float64
+    torch.testing.assert_close(ours, written, rtol=1e-12, atol=0)
+
+    metas = [next(m for m in trainer.train_metas if m.get("tag") == tag) for tag in ("colors", "counting")]
+    names = [method.routing.names[method.routing.teacher_of(m)] for m in metas]
+    x_teacher, rows, table = method.teacher_samples(metas, torch.Generator().manual_seed(4))
+    noise = torch.randn(x_teacher.shape, generator=torch.Generator().manual_seed(4))
+    guided, sigmas = model.velocity_fn(table, trainer.cfg.sampling.guidance_scale), method.sigmas
+    for n, name in enumerate(names):
+        x = noise[n : n + 1]
+        with torch.no_grad(), model.adapter(teacher_adapter(name)):
+            for s, s_next in zip(sigmas[:-1], sigmas[1:]):
+                x = x + (s_next - s) * guided(x, s.view(1), rows[n : n + 1])
+        torch.testing.assert_close(x_teacher[n : n + 1], x, rtol=1e-5, atol=1e-6)
+    assert names == ["clipscore", "geneval"]
+
+
+def test_sft_cold_start_moves_the_student_to_its_teachers_samples(random_pipeline, prompt_files, teachers, tmp_path):
+    """``train.opd.sft_steps``: the first step's logged loss is the student's flow-matching error on the routed
+    teachers' samples written out from the same draws; after the steps the student's error on those samples (fixed
+    times and noise, all deterministic) dropped, the AdamW state is cleared; with 0 steps :meth:`FlowOPD.begin` changes
+    nothing."""
+    from flowrl.prompt_sampler import iteration_seed
+
+    off = _trainer(random_pipeline, prompt_files, teachers, tmp_path / "off")
+    before = {n: p.detach().clone() for n, p in off.policy.params.items()}
+    off.method.begin(off.train_metas)
+    assert all(torch.equal(p, before[n]) for n, p in off.policy.params.items()) and not off.method._sft_stats
+    settings = {"train.opd.sft_steps": 8, "train.opd.sft_prompts": 3, "train.learning_rate": 1e-3}
+    trainer = _trainer(random_pipeline, prompt_files, teachers, tmp_path / "on", **settings)
+    method, model, cfg = trainer.method, trainer.model, trainer.cfg
+    # the cold start's draws, replayed: the prompts, the teachers' samples, the first step's images, times and noise
+    g = torch.Generator().manual_seed(iteration_seed(cfg.run.seed, -1, 0))
+    metas = [trainer.train_metas[i] for i in torch.randperm(len(trainer.train_metas), generator=g)[:3].tolist()]
+    x0, cond, table = method.teacher_samples(metas, g)
+    size = cfg.train.minibatch_size
+    pick = torch.randint(0, len(x0), (size,), generator=g)
+    shift = float(cfg.sampling.shift or 1.0)
+    u = torch.sigmoid(torch.randn(size, generator=g))
+    times = (shift * (1 - u) / (1 + (shift - 1) * (1 - u))).clamp(1e-3, 1 - 1e-3)
+    eps = torch.randn((size, *x0.shape[1:]), generator=g)
+    student = model.velocity_fn(table, 1.0)
+
+    def error(x, c, t, e):  # the student's flow-matching error, in float64 from its float32 velocity
+        tt = t.view(-1, 1, 1, 1)
+        with torch.no_grad():
+            v = student((1 - tt) * x + tt * e, t, c).double()
+        return ((v - (e.double() - x.double())) ** 2).mean((1, 2, 3)).mean().item()
+
+    first = error(x0[pick], cond[pick], times, eps)
+    held_t = torch.full((len(x0),), 0.5)
+    held_eps = torch.randn(x0.shape, generator=torch.Generator().manual_seed(9))
+    start = error(x0, cond, held_t, held_eps)
+    method.begin(trainer.train_metas)
+    stats = method._sft_stats
+    assert stats["opd/sft_images"] == 3 and stats["cost/sft_nfe"] > 0
+    assert stats["opd/sft_loss_first"] == pytest.approx(first, rel=1e-5)
+    assert error(x0, cond, held_t, held_eps) < start - 0.01  # 1.987 -> 1.964 (8 steps of a fresh rank-2 LoRA)
+    assert trainer.policy.steps_taken() == 0 and not trainer.policy.optimizer.state
+
+
+def test_sft_cold_start_trains_once_and_resumes_exactly(random_pipeline, prompt_files, teachers, tmp_path):
+    """The preset with ``train.opd.sft_steps``: the first iteration's row logs the cold start, the second does not;
+    1 iteration + a resume (which skips the cold start: the checkpoint holds the student) equals 2 straight."""
+    settings = {"sampling.num_steps": 2, "train.opd.sft_steps": 2, "train.opd.sft_prompts": 2}
+    assert_resume_is_exact(PRESET, _overrides(random_pipeline, prompt_files, teachers, **settings), tmp_path)
+    full, part = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
+    assert full[0]["opd/sft_loss"] > 0 and full[0]["cost/nfe"] > full[0]["cost/sft_nfe"] > 0
+    assert "opd/sft_loss" not in full[1] and "opd/sft_loss" not in part[1]
+    assert part[0]["opd/sft_loss"] == full[0]["opd/sft_loss"]
+
+
+def test_sft_cold_start_and_init_are_refused_together_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"^config key 'train\.opd\.sft_steps' must be 0 with train\.opd\.init") as e:
+        load_config(PRESET, ["train.opd.sft_steps=2", f"train.opd.init={tmp_path}"])
+    assert "\n" not in str(e.value)
+    for key, value in (("sft_steps", -1), ("sft_prompts", -1), ("sft_samples_per_prompt", 0)):
+        with pytest.raises(ConfigError, match=rf"^config key 'train\.opd\.{key}' must be >= "):
+            load_config(PRESET, [f"train.opd.{key}={value}"])

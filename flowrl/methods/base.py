@@ -256,6 +256,11 @@ class Method:
         ``data`` (:func:`flowrl.methods.build_method`). Default: None, nothing to read."""
         return None
 
+    def begin(self, metas: list[dict]) -> None:
+        """Called once by the trainer at the start of a fresh run (not on resume: the checkpoint holds what it did),
+        before the base evaluation, with the ``train_prompts`` records `metas`: a cold start that trains
+        (Flow-OPD's SFT on its teachers' samples). Every process calls it. Default: nothing."""
+
     def rollout(self, metas: list[dict], generator: torch.Generator) -> Samples:
         """Draw this iteration's images for the prompt records `metas` (``P`` prompts)."""
         raise NotImplementedError

@@ -22,7 +22,7 @@ import torch
 
 from ..fields import check, config_section, setting
 from .base import FinalSamples, Rewards, register_method
-from .forward import ForwardProcess, flow_matching_error
+from .forward import ForwardProcess, flow_matching_error, logit_normal_times
 
 
 @config_section("train", "dpo", "online Diffusion-DPO's settings (train.method dpo)")
@@ -181,7 +181,4 @@ class DiffusionDPO(ForwardProcess):
         or ``grid``: the sampler's own times."""
         if self.cfg.train.dpo.time_sampling == "grid":
             return self.grid_times(count, generator)
-        u = torch.sigmoid(torch.randn(count, generator=generator))
-        shift = float(self.cfg.sampling.shift or 1.0)
-        t = shift * (1 - u) / (1 + (shift - 1) * (1 - u))
-        return t.clamp(1e-3, 1 - 1e-3).to(self.device)
+        return logit_normal_times(count, float(self.cfg.sampling.shift or 1.0), generator).to(self.device)

@@ -6,7 +6,9 @@ samples, not on the sampler's transitions, so they need no log-probs and take sa
 - :meth:`ForwardProcess.noised`: fresh noise and the forward process ``x_t = (1 - t) x0 + t eps`` at given times;
 - :meth:`ForwardProcess.grid_times`: times drawn from the sampler's own grid;
 - :func:`flow_matching_error`: the per-row velocity error ``mean_d (v - (eps - x0))^2``, the quantity DPO, DGPO, AWM and
-  CRD compare between policies.
+  CRD compare between policies;
+- :func:`logit_normal_times`: logit-normal noise times on the shifted schedule (Diffusion-DPO, SFT, Flow-OPD's SFT cold
+  start).
 """
 
 from __future__ import annotations
@@ -36,6 +38,23 @@ def flow_matching_error(velocity: torch.Tensor, x0: torch.Tensor, eps: torch.Ten
         raise ValueError(f"velocity {tuple(velocity.shape)}, x0 {tuple(x0.shape)} and eps {tuple(eps.shape)} differ")
     dtype = torch.promote_types(velocity.dtype, torch.float32)  # float32, or float64 for float64 inputs
     return (velocity.to(dtype) - (eps.to(dtype) - x0.to(dtype))).pow(2).flatten(1).mean(dim=1)
+
+
+def logit_normal_times(count: int, shift: float, generator: torch.Generator) -> torch.Tensor:
+    """`count` logit-normal noise times on the time-shifted schedule: ``u = sigmoid(z)``, ``z ~ N(0, 1)`` drawn from
+    `generator`, ``t = s (1 - u) / (1 + (s - 1)(1 - u))`` (flow_grpo's logit-normal index into SD3's shifted grid),
+    clamped to ``[1e-3, 1 - 1e-3]``.
+
+    Args:
+        count (`int`): >= 0. shift (`float`): the schedule's shift ``s`` > 0 (``sampling.shift``; 1: none).
+        generator (`torch.Generator`): a CPU generator.
+
+    Returns:
+        `torch.Tensor` of shape `(count,)`, float32, on the CPU.
+    """
+    u = torch.sigmoid(torch.randn(count, generator=generator))
+    t = shift * (1 - u) / (1 + (shift - 1) * (1 - u))
+    return t.clamp(1e-3, 1 - 1e-3)
 
 
 class ForwardProcess(Method):

@@ -31,6 +31,17 @@ rollout's step means (the sampling student's, as LLM on-policy distillation), an
 alone, as the paper states (the official recomputes the reward from the current student in each minibatch, with its
 gradient); prompts are routed per prompt within one iteration rather than by alternating data sets per epoch
 (``training_mode: alternate``).
+
+The cold start (the paper's "merging the teachers, or SFT on their trajectories"; its project page: the SFT-based start
+fine-tunes the student on teacher trajectories, the merge outperforming it out of distribution) is either
+``train.opd.init`` (a LoRA: the teachers merged by ``flowrl merge``, the official code's only documented start) or
+``train.opd.sft_steps`` (:meth:`FlowOPD.sft_cold_start`): before the first iteration of a fresh run, each train prompt's
+routed teacher samples ``train.opd.sft_samples_per_prompt`` deterministic ODE images (Euler at ``sampling.num_steps``
+and ``sampling.guidance_scale``), and the student's LoRA takes ``sft_steps`` AdamW steps of the conditional
+flow-matching loss ``mean_d (v_theta(x_t, t, c) - (eps - x_0))^2`` on their latents, at logit-normal times on the
+shifted schedule. The official code ships no teacher-trajectory SFT stage: this follows the paper's statement and
+the official ``scripts/train_sd3_sft.py`` (flow_grpo's SFT: the flow-matching loss on the final latents of sampled
+images at logit-normal times, no reward weighting here) and flowrl's ``sft`` method.
 """
 
 from __future__ import annotations
@@ -44,8 +55,9 @@ import torch
 
 from ..fields import ConfigError, check, config_key, config_section, setting
 from ..losses import step_kl
-from ..samplers import recompute_log_prob
+from ..samplers import ode_sample, recompute_log_prob
 from .base import Rewards, SDESamples, register_method
+from .forward import flow_matching_error, logit_normal_times
 from .grpo import GRPO
 from .shapes import step_subset
 
@@ -90,10 +102,33 @@ class OPDConfig:
         "the cold start: a LoRA (or run) of model.lora_rank the student starts from, e.g. flowrl merge's of the "
         "teachers (--combination svd --rank R); '' a fresh LoRA",
     )
+    sft_steps: int = setting(
+        0,
+        "the SFT cold start, instead of init: AdamW steps (train.learning_rate, train.minibatch_size images each) of "
+        "the flow-matching loss on the routed teachers' ODE samples of the train prompts, before a fresh run's first "
+        "iteration (a resumed run skips it); 0 off",
+    )
+    sft_prompts: int = setting(
+        0, "train prompts the SFT cold start samples, drawn without replacement (seeded by run.seed); 0 every one"
+    )
+    sft_samples_per_prompt: int = setting(
+        1, "images each prompt's teacher samples for the SFT cold start (Euler at sampling.num_steps, guidance_scale)"
+    )
 
     def __post_init__(self):
         self.teachers = {name: t for name, t in self.teachers.items() if t is not None}
         check(self.reward_scale > 0, "train.opd.reward_scale", "> 0", self.reward_scale)
+        check(self.sft_steps >= 0, "train.opd.sft_steps", ">= 0 (0: no SFT cold start)", self.sft_steps)
+        check(self.sft_prompts >= 0, "train.opd.sft_prompts", ">= 0 (0: every train prompt)", self.sft_prompts)
+        check(
+            self.sft_samples_per_prompt >= 1, "train.opd.sft_samples_per_prompt", ">= 1", self.sft_samples_per_prompt
+        )
+        check(
+            self.sft_steps == 0 or not self.init,
+            "train.opd.sft_steps",
+            "0 with train.opd.init (one cold start: the merged LoRA, or SFT on the teachers' samples)",
+            self.sft_steps,
+        )
         for name in self.teachers:
             check(
                 re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name) is not None,
@@ -328,6 +363,7 @@ class FlowOPD(GRPO):
         if cfg.train.opd.init:
             self.cold_start(cfg.train.opd.init)
         self._teacher_nfe = 0
+        self._sft_stats: dict[str, float] = {}  # the SFT cold start's, logged with the first iteration
 
     def as_student(self, path, key: str) -> dict[str, torch.Tensor]:
         """The LoRA folder (or run) `path` as the student's trainable tensors (whole, float32: its weight deltas the
@@ -361,6 +397,113 @@ class FlowOPD(GRPO):
         self.policy.assign(self.as_student(path, "config key 'train.opd.init'"))
         if self.policy.ema is not None:
             self.policy.ema = self.policy.copy()
+
+    # ------------------------------------------------------------------------------ the SFT cold start
+    def begin(self, metas: list[dict]) -> None:
+        """With ``train.opd.sft_steps > 0``, the SFT cold start (:meth:`sft_cold_start`) on the train prompt records
+        `metas`, with a generator of its own (:func:`flowrl.prompt_sampler.iteration_seed` of iteration -1, process
+        0: the same on every process), so that the iterations draw what they draw without it."""
+        if self.cfg.train.opd.sft_steps == 0:
+            return
+        from ..prompt_sampler import iteration_seed
+
+        generator = torch.Generator().manual_seed(iteration_seed(self.cfg.run.seed, -1, 0))
+        self._sft_stats = self.sft_cold_start(metas, generator)
+
+    def teacher_samples(self, metas: list[dict], generator: torch.Generator):
+        """Each record's routed teacher's ``train.opd.sft_samples_per_prompt`` deterministic samples: Euler
+        (:func:`flowrl.samplers.ode_sample`) over the sampler's grid (``sampling.num_steps``, ``sampling.shift``) at
+        ``sampling.guidance_scale``, the teacher's adapter alone, without gradients; noise drawn from `generator`.
+
+        Returns:
+            ``(x0, cond, table)``: the final latents `(N, *latent_shape)` float32 on the device (``N = len(metas) *
+            sft_samples_per_prompt``, a record's images together), each image's prompt-table row `(N,)` long, the
+            prompt table.
+
+        Raises:
+            ConfigError: a record no teacher (or several) serves (:meth:`Routing.teacher_of`).
+        """
+        model, per = self.model, self.cfg.train.opd.sft_samples_per_prompt
+        table = model.prompt_table(metas)
+        prompt_index = torch.arange(len(metas), device=self.device).repeat_interleave(per)  # (N,)
+        cond = table.rows(prompt_index)  # (N,)
+        teacher = torch.tensor([self.routing.teacher_of(m) for m in metas]).repeat_interleave(per)  # (N,) CPU
+        noise = torch.randn((len(cond), *model.latent_shape), generator=generator).to(self.device)
+        velocity = self.chunked(model.velocity_fn(table, self.cfg.sampling.guidance_scale))
+        x0 = torch.zeros_like(noise, dtype=torch.float32)
+        with torch.no_grad(), self.policy.autocast():
+            for k, name in enumerate(self.routing.names):  # the same teachers in the same order on every process
+                idx = (teacher == k).nonzero().squeeze(1).to(self.device)
+                if len(idx):
+                    with self.adapter(teacher_adapter(name)):
+                        x0[idx] = ode_sample(velocity, noise[idx], cond[idx], self.sigmas.to(self.device)).float()
+        return x0, cond, table
+
+    def sft_loss(self, velocity, x0: torch.Tensor, cond: torch.Tensor, times: torch.Tensor, eps: torch.Tensor):
+        """The SFT cold start's loss of one micro-batch: the student's conditional flow-matching error
+        :func:`flowrl.methods.forward.flow_matching_error` at ``x_t = (1 - t) x0 + t eps``, averaged over the rows.
+
+        Args:
+            velocity: the student (:meth:`FlowModel.velocity_fn`, guidance 1). x0, eps (`(n, *latent_shape)`): the
+                teacher's samples and the noise; cond (`(n,)` long): their prompt rows; times (`(n,)`): in (0, 1).
+
+        Returns:
+            A scalar float32 tensor with the student's graph.
+        """
+        t = times.view((-1,) + (1,) * (x0.ndim - 1))
+        with self.policy.autocast():
+            v = velocity((1 - t) * x0 + t * eps, times, cond)
+        return flow_matching_error(v, x0, eps).mean()
+
+    def sft_cold_start(self, metas: list[dict], generator: torch.Generator) -> dict[str, float]:
+        """Flow-OPD's SFT cold start (module docstring): the routed teachers' samples (:meth:`teacher_samples`) of
+        ``train.opd.sft_prompts`` records of `metas` (0: all, else drawn without replacement from `generator`), then
+        ``train.opd.sft_steps`` AdamW steps of :meth:`sft_loss`, each on ``train.minibatch_size`` images drawn with
+        replacement, logit-normal times (:func:`flowrl.methods.forward.logit_normal_times` at ``sampling.shift``)
+        and fresh noise, micro-batched at ``train.micro_batch_size``, clipped at ``train.max_grad_norm``. Then the
+        AdamW state is cleared and the EMA (``train.ema_decay``) set to the student, so that the RL phase starts as
+        from ``train.opd.init``. Every process draws, samples and trains alike (the gradient is the mean of equal
+        ones: one process's), so that the transformer is called alike under FSDP2 full shard.
+
+        Returns:
+            ``opd/sft_loss`` (the mean over the steps), ``opd/sft_loss_first``, ``opd/sft_loss_last``,
+            ``opd/sft_images`` and ``cost/sft_nfe`` (the teachers' and the student's transformer rows).
+        """
+        from collections import defaultdict
+
+        opd, train, policy = self.cfg.train.opd, self.cfg.train, self.policy
+        if opd.sft_prompts and opd.sft_prompts < len(metas):
+            metas = [metas[i] for i in torch.randperm(len(metas), generator=generator)[: opd.sft_prompts].tolist()]
+        x0, cond, table = self.teacher_samples(metas, generator)
+        velocity = self.model.velocity_fn(table, 1.0)  # the conditional velocity, as flowrl's sft and flow_grpo's
+        size, shift = train.minibatch_size, float(self.cfg.sampling.shift or 1.0)
+        stats, losses = defaultdict(list), []
+        self.model.transformer.train()
+        for _ in range(opd.sft_steps):
+            pick = torch.randint(0, len(x0), (size,), generator=generator).to(self.device)  # (size,)
+            times = logit_normal_times(size, shift, generator).to(self.device)
+            eps = torch.randn((size, *x0.shape[1:]), generator=generator).to(self.device)
+            parts = []
+            for _, idx, frac in policy.micro_batches(torch.arange(size, device=self.device)):
+                rows = pick[idx]
+                loss = self.sft_loss(velocity, x0[rows], cond[rows], times[idx], eps[idx])
+                policy.backward(loss, frac / self.accelerator.num_processes)  # every process alike: their mean
+                parts.append(loss.item() * frac)
+            losses.append(sum(parts))
+            policy.step(losses[-1], stats)
+        self.model.transformer.eval()
+        policy.optimizer.state.clear()  # the RL phase's AdamW starts afresh, as after train.opd.init
+        if policy.ema is not None:
+            policy.ema = policy.copy()
+        rows = self.model.cfg_rows(self.cfg.sampling.guidance_scale)
+        nfe = len(x0) * self.cfg.sampling.num_steps * rows + opd.sft_steps * size
+        return {
+            "opd/sft_loss": sum(losses) / len(losses),
+            "opd/sft_loss_first": losses[0],
+            "opd/sft_loss_last": losses[-1],
+            "opd/sft_images": float(len(x0)),
+            "cost/sft_nfe": float(nfe),
+        }
 
     # ------------------------------------------------------------------------------ the contract
     def rollout(self, metas: list[dict], generator: torch.Generator) -> OPDSamples:
@@ -410,10 +553,14 @@ class FlowOPD(GRPO):
 
     def update(self, samples: OPDSamples, adv: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> dict:
         """GRPO's PPO epochs on the dense advantages, with the MAR term (``train.kl_beta``); ``cost/nfe`` counts the
-        teachers' forwards."""
+        teachers' forwards; the first iteration's row adds the SFT cold start's statistics (:meth:`sft_cold_start`)."""
         out = super().update(samples, adv, keep, generator)
         out["cost/nfe"] = out.get("cost/nfe", 0) + self._teacher_nfe
         out["cost/teacher_nfe"] = self._teacher_nfe
+        if self._sft_stats:  # the SFT cold start's, once, with the first iteration (its forwards in cost/nfe)
+            out.update(self._sft_stats)
+            out["cost/nfe"] += self._sft_stats["cost/sft_nfe"]
+            self._sft_stats = {}
         return out
 
     # ------------------------------------------------------------------------------ the reward and the anchor

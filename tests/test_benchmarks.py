@@ -25,6 +25,7 @@ SCRIPTS = (
     "ddpo_tiny",
     "decode_precision_check",
     "failure_modes",
+    "few_step_table",
     "fsdp2_units_memory",
     "gpu_scale",
     "gradient_snr",
@@ -441,6 +442,47 @@ def test_methods_table_runs_each_method_and_reruns_the_best(tmp_path, random_pip
     run_script("methods_table", [*args, "--overrides", *over, "--out", out], monkeypatch)
     assert [(r["preset"], r["seed"]) for r in json.loads(out.read_text())["rows"]][5:] == [("sft", 3)]
     assert "| SFT (shipped images) | `sft` | 2 |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow  # a benchmark script's smoke run: CI (CI=true)
+def test_few_step_table_runs_every_row_once_and_appends_a_seed(tmp_path, random_pipeline, prompt_files, monkeypatch):
+    """A 1-iteration tdm student on the random pipeline; the table's five rows (the base and the student evaluated
+    without a step, the three trained ones one iteration each), then one more seed of the trained rows appended."""
+    from flowrl.config import load_config
+    from flowrl.trainer import Trainer
+
+    over = ["model.path=" + str(random_pipeline), "run.device=cpu", "run.mixed_precision=no", "sampling.num_steps=2"]
+    over += ["sampling.group_size=2", "sampling.prompts_per_iteration=2", "eval.images_per_tag=1", "eval.num_steps=2"]
+    over += ["eval.held_out_images_per_tag=1", "train.minibatch_size=4", "model.lora_rank=2", "run.diversity_model="]
+    student = tmp_path / "tdm"
+    tdm = [*over, "train_prompts=" + str(prompt_files[0]), "eval.prompts=" + str(prompt_files[1])]
+    Trainer(load_config(REPO / "configs/tdm.yaml", [*tdm, "run.iterations=1", f"run.output_dir={student}"])).train()
+    out = tmp_path / "few.json"
+    args = ["--student", student / "lora", "--budget-s", 0.01, "--seeds", 0, "--overrides", *over, "--out", out]
+    run_script("few_step_table", args, monkeypatch)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["row"], r["preset"]) for r in rows] == [
+        ("base", "dgpo"),
+        ("student", "tdm_r1"),
+        ("tdm_r1", "tdm_r1"),
+        ("dmdr", "dmdr"),
+        ("best", "dgpo"),
+    ]
+    assert [r["iterations"] for r in rows] == [0, 0, 1, 1, 1] and rows[0]["s_per_iteration"] is None
+    assert all(0 <= r["held_out_accuracy"] <= 1 and r["eval_steps"] == 2 for r in rows)
+    assert rows[2]["geneval_first"] is not None and rows[0]["geneval_first"] is None
+    table = out.with_suffix(".md").read_text()
+    assert "| 4-step student + TDM-R1 | `tdm_r1` | 2 steps, CFG 1 | 1 | 1 |" in table
+    assert "| 10-step base + DGPO | `dgpo` | 2 steps, CFG 4.5 | 1 | 1 |" in table
+    args[args.index("--seeds") + 1] = 1
+    run_script("few_step_table", [*args, "--rows", "tdm_r1", "base", "--append"], monkeypatch)  # base: measured
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["row"], r["seed"]) for r in rows[5:]] == [("tdm_r1", 1)]
+    assert "| 4-step student + TDM-R1 | `tdm_r1` | 2 steps, CFG 1 | 2 |" in out.with_suffix(".md").read_text()
+    with pytest.raises(SystemExit):  # another budget: refused before any run
+        run_script("few_step_table", [*args, "--budget-s", 1, "--append"], monkeypatch)
+    with pytest.raises(SystemExit):
+        run_script("few_step_table", ["--student", tmp_path / "none", "--out", out], monkeypatch)
 
 
 def test_reward_server_load_checks_every_reply_and_survives_a_killed_client(tmp_path, monkeypatch):

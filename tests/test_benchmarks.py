@@ -36,6 +36,7 @@ SCRIPTS = (
     "policy_step_check",
     "quickstart_profile",
     "reward_server_load",
+    "seesaw",
     "step_influence",
     "tree_speedup",
     "video_vae_headroom",
@@ -483,6 +484,67 @@ def test_few_step_table_runs_every_row_once_and_appends_a_seed(tmp_path, random_
         run_script("few_step_table", [*args, "--budget-s", 1, "--append"], monkeypatch)
     with pytest.raises(SystemExit):
         run_script("few_step_table", ["--student", tmp_path / "none", "--out", out], monkeypatch)
+
+
+def test_seesaw_refuses_bad_arguments_splits_the_prompts_and_writes_its_tables(monkeypatch, capsys):
+    """The seesaw experiment's parts that need no model: its usage errors (before torch), the prompt split by tag
+    groups, and the Markdown of a made-up result."""
+    for args, words in [
+        (["--method", "nope"], "unknown preset 'nope'"),
+        (["--teacher-budget-s", 0], "--teacher-budget-s must be > 0"),
+        (["--prompts-per-tag", 0], "--prompts-per-tag must be >= 1"),
+        (["--groups", "a=colors", "b=colors,position"], "in several groups"),
+        (["--groups", "a=colours"], "not tags of train.jsonl"),
+        (["--groups", "1a=colors"], "letters, digits and _"),
+        (["--overrides", "eval.num_steps"], "expected key=value"),
+    ]:
+        with pytest.raises(SystemExit):
+            run_script("seesaw", [*args, "--out", "/nonexistent/x.json"], monkeypatch)
+        assert words in capsys.readouterr().err
+    seesaw = runpy.run_path(str(BENCH / "seesaw.py"), run_name="seesaw")
+    groups = seesaw["GROUPS"]
+    records = seesaw["read_records"](seesaw["TRAIN"])
+    split = seesaw["split_prompts"](records, groups, 8)
+    assert split == seesaw["split_prompts"](records, groups, 8)  # the same prompts every time
+    counts = {
+        g: sorted({r["tag"]: sum(x["tag"] == r["tag"] for x in rs) for r in rs}.items()) for g, rs in split.items()
+    }
+    assert counts == {
+        "objects": [("counting", 8), ("single_object", 5), ("two_object", 8)],
+        "colours": [("color_attr", 8), ("colors", 8)],
+        "position": [("position", 8)],
+    }
+    assert seesaw["teacher_overrides"](["geneval", "objects"], {"objects": ("/t/o", ["counting", "colors"])}) == [
+        "train.opd.teachers.geneval=null",
+        "train.opd.teachers.objects.lora=/t/o",
+        "train.opd.teachers.objects.tags=[counting,colors]",
+    ]
+
+    def acc(x):
+        return {"overall": x, "per_tag": {"counting": x, "colors": x / 2}}
+
+    meta = {"machine": "m", "method": "dgpo", "groups": {"objects": ["counting"], "colours": ["colors"]}}
+    meta.update(prompts_per_tag=8, teacher_budget_s=10.0, student_budget_s=20.0, cold_start="merge")
+    rows = [
+        {"run": run, "seed": s, "iterations": 3, "train_s": 10.5, "trained": acc(x), "held_out": acc(x / 2)}
+        for s in (0, 1)
+        for run, x in [
+            ("teacher:objects", 0.4),
+            ("teacher:colours", 0.2),
+            ("opd student", 0.6),
+            ("baseline", 0.5 + s / 10),
+        ]
+    ]
+    text = seesaw["markdown"](
+        {"meta": meta, "rows": rows, "base": {"run": "base", "trained": acc(0.1), "held_out": acc(0.0)}}
+    )
+    assert "baseline: `dgpo`, 40 s on all of them" in text and "Seeds 0, 1" in text
+    assert "| base | - | - | - | 0.100 | 0.050 | 0.100 |" in text
+    assert "| baseline | 2 | 3 | 10 | 0.550 (0.500-0.600) | 0.275 (0.250-0.300) | 0.550 (0.500-0.600) |" in text
+    assert (
+        "| counting | objects | 0.600 | 0.550 (0.500-0.600) | +0.050 | 0.300 | 0.275 (0.250-0.300) | +0.025 |" in text
+    )
+    assert text.index("| teacher:objects |") < text.index("| teacher:colours |") < text.index("| opd student |")
 
 
 def test_reward_server_load_checks_every_reply_and_survives_a_killed_client(tmp_path, monkeypatch):

@@ -43,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]  # flowrl from the checkout; methods_table beside this file
 
-from methods_table import METHODS, WORLD  # noqa: E402  (no torch: argparse answers first)
+from methods_table import METHODS, WORLD, cell  # noqa: E402  (no torch: argparse answers first)
 
 STUDENT_SAMPLER = ["eval.num_steps=4", "eval.guidance_scale=1.0"]
 """The student rows' evaluation sampler (``configs/tdm.yaml``'s), set after :data:`methods_table.WORLD`'s."""
@@ -127,16 +127,6 @@ def run_one(row: str, preset: str, seed: int, budget_s: float, tmp: Path, studen
         "eval_guidance": trainer.cfg.eval.guidance_scale,
         "precision": trainer.cfg.run.mixed_precision,
     }
-
-
-def cell(values: list, fmt: str = "{:.3f}") -> str:
-    """A table cell: the one value, or ``mean (min-max)`` of several; ``-`` when none (None values are skipped)."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return fmt.format(values[0])
-    return f"{fmt.format(statistics.mean(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
 def markdown(result: dict) -> str:

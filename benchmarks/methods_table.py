@@ -97,6 +97,16 @@ def run_one(preset: str, seed: int, budget_s: float, tmp: Path, overrides=()) ->
     return row, base
 
 
+def cell(values: list, fmt: str = "{:.3f}") -> str:
+    """A table cell: the one value, or ``mean (min-max)`` of several; ``-`` when none (None values are skipped)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return fmt.format(values[0])
+    return f"{fmt.format(statistics.mean(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
 def markdown(result: dict) -> str:
     """The table of docs/results.md from :func:`main`'s results."""
     meta, base = result["meta"], result.get("base") or {}
@@ -112,14 +122,6 @@ def markdown(result: dict) -> str:
         "held-out prompts |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-
-    def cell(values, fmt="{:.3f}"):
-        values = [v for v in values if v is not None]
-        if not values:
-            return "-"
-        if len(values) == 1:
-            return fmt.format(values[0])
-        return f"{fmt.format(statistics.mean(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
     order = sorted(by_preset, key=lambda p: -statistics.mean(r["held_out_accuracy"] for r in by_preset[p]))
     for preset in order:

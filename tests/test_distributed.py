@@ -970,7 +970,7 @@ def test_each_new_method_trains_alike_on_both_processes_and_under_each_engine(pr
     distil on every row); under each engine the weights and the method's held copies (AWM's EMA, CRD's old and
     sampler copies, DPO's refreshed reference, GARDO's reset reference, the fake score and TDM-R1's surrogate with
     their AdamW moments) end identical on both processes, the weights trained (the fake score and the surrogate
-    too), and FSDP2's and ZeRO-2's equal to DDP's (rtol 1e-4)."""
+    too), and FSDP2's and ZeRO-2's equal to DDP's (rtol 1e-4, atol 1% of the learning rate)."""
     engines = list(ENGINES) if preset in NEW_METHODS else ["ddp", "fsdp2"] if preset in FSDP2_TOO else ["ddp"]
     runs = {}
     for engine in engines:
@@ -991,8 +991,13 @@ def test_each_new_method_trains_alike_on_both_processes_and_under_each_engine(pr
             assert [r.get(reset) for r in rows] == [1.0, 1.0]
         runs[engine] = w0, h0
     assert len(runs["ddp"][1]) == held_copies(new_method_runs / "ddp" / preset) * len(runs["ddp"][0])
+    # an absolute tolerance of 1% of one AdamW step (the learning rate): the engines sum and clip the gradients in
+    # other orders, and AdamW's first steps, about lr * sign(gradient), turn a last-bit difference in a gradient
+    # that nearly cancels into a visible one in that element (DPO offline under ZeRO-2 on an Intel Xeon: one element
+    # of 64 off by 1.2e-6 at lr 3e-4); an engine that dropped or doubled a gradient would be off by whole steps
+    lr = load_config(new_method_runs / "ddp" / preset / "run" / "config.yaml").train.learning_rate
     for engine in engines:
         for ddp, other in zip(runs["ddp"], runs[engine]):  # the weights, then the held copies
             assert ddp.keys() == other.keys()
             for k in ddp:
-                torch.testing.assert_close(other[k], ddp[k], rtol=1e-4, atol=1e-6)
+                torch.testing.assert_close(other[k], ddp[k], rtol=1e-4, atol=max(1e-6, 0.01 * lr))

@@ -1,12 +1,14 @@
 """The training loop reproduces recorded runs: two iterations of five methods on a seeded random tiny pipeline.
 
-``tests/data/golden_metrics_<capability>.json`` holds every metric (times aside) of these runs, in float32, and the
-final trainable weights' sums; a restructured loop must give the same numbers. One file per CPU capability
-(``torch.backends.cpu.get_cpu_capability()``: ``avx512``, ``avx2``): float32 kernels of another instruction set
-round differently in the last bits, and the rewards (JPEG sizes, detector thresholds) turn that into other
-advantages. Re-record (only for an intended change of behaviour) with ``python tests/test_golden.py --record``,
-and the AVX2 file on any x86 CPU with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python tests/test_golden.py
---record`` (the emulation of an AVX2-only CPU, docs/reliability.md).
+``tests/data/golden_metrics_<capability>_<vendor>.json`` holds every metric (times aside) of these runs, in float32,
+and the final trainable weights' sums; a restructured loop must give the same numbers. One file per CPU kind: the
+instruction set torch dispatches (``torch.backends.cpu.get_cpu_capability()``: ``avx512``, ``avx2``) and the vendor
+(``intel``, ``amd``: MKL runs other matrix-product kernels on an Intel Xeon than on an AMD EPYC of the same instruction
+set, even with ``MKL_ENABLE_INSTRUCTIONS=AVX2``). Those kernels round differently in the last bits, and the rewards
+(JPEG sizes, detector thresholds) turn that into other advantages. Re-record (only for an intended change of
+behaviour, on each kind) with ``python tests/test_golden.py --record``, and the AVX2 file with
+``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python tests/test_golden.py --record``
+(the emulation of an AVX2-only CPU, docs/reliability.md). A CPU kind without a file skips the test, naming the file.
 """
 
 from __future__ import annotations
@@ -23,12 +25,23 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import shape_overrides, tiny_overrides  # noqa: E402
 
 
+def cpu_vendor() -> str:
+    """This CPU's vendor: ``intel`` (GenuineIntel), ``amd`` (AuthenticAMD), else the ``vendor_id`` of
+    ``/proc/cpuinfo`` in lower case, or ``unknown`` where there is none (macOS, Windows)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    vendor = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("vendor_id")), "")
+    return {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(vendor, vendor.lower() or "unknown")
+
+
 def golden_file() -> Path:
-    """This CPU's golden file: ``tests/data/golden_metrics_<capability>.json``."""
+    """This CPU kind's golden file: ``tests/data/golden_metrics_<capability>_<vendor>.json`` (:func:`cpu_vendor`)."""
     import torch
 
     capability = torch.backends.cpu.get_cpu_capability().lower()
-    return Path(__file__).parent / "data" / f"golden_metrics_{capability}.json"
+    return Path(__file__).parent / "data" / f"golden_metrics_{capability}_{cpu_vendor()}.json"
 
 
 PRESETS = ("flow_grpo", "mix_grpo", "branch_grpo", "tempflow_grpo", "diffusion_nft")
@@ -88,8 +101,7 @@ def test_loop_reproduces_recorded_run(name, tmp_path, random_pipeline, prompt_fi
     golden = golden_file()
     if not golden.is_file():
         pytest.skip(
-            f"no golden run recorded for this CPU's capability ({golden.name}): python tests/test_golden.py "
-            "--record writes it"
+            f"no golden run recorded for this CPU kind ({golden.name}): python tests/test_golden.py --record writes it"
         )
     golden = json.loads(golden.read_text())[name]
     now = run_preset(name, random_pipeline, *prompt_files, tmp_path / "run")

@@ -384,6 +384,27 @@ def test_velocity_of_a_sample_does_not_depend_on_its_batch():
     assert make_batch_invariant(model.transformer, model._probe) == 0  # every layer already done, none hooked twice
 
 
+def test_a_padded_convolution_keeps_a_channels_last_input_channels_last():
+    """SANA's feed-forward convolutions get their tokens permuted into a channels-last image batch; oneDNN runs a
+    contiguous batch with other kernels (on an Intel Xeon: other bits), so :func:`make_batch_invariant`'s zero
+    padding must keep the input's memory format: a sample's output is then the same in a padded and a large batch."""
+    from flowrl.models import make_batch_invariant
+
+    conv = torch.nn.Conv2d(8, 40, 1)
+    tokens = torch.randn(48, 64, 8, generator=torch.Generator().manual_seed(0))  # (N, H * W, C)
+    image = lambda n: tokens[:n].unflatten(1, (8, 8)).permute(0, 3, 1, 2)  # noqa: E731 (n, C, H, W), channels-last
+    seen = []
+    conv.register_forward_pre_hook(
+        lambda m, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last))
+    )
+    assert make_batch_invariant(conv, None) == 1
+    with torch.no_grad():
+        full = conv(image(48))
+        for n in (1, 3, 20):
+            assert torch.equal(conv(image(n)), full[:n]), n
+    assert all(seen)  # the padded batches too (the flag is read after the padding hook)
+
+
 def test_minibatch_sizes_give_every_process_the_same_number_of_steps():
     from flowrl.policy import minibatch_sizes
 

@@ -93,7 +93,14 @@ def _pad_rows(layer: torch.nn.Module, args: tuple):
         return None
     layer._flowrl_rows = x.shape[0]
     pad = x.new_zeros(least - x.shape[0], *x.shape[1:])
-    return (torch.cat([x, pad]),) + args[1:]
+    # in the input's memory format: oneDNN runs a channels-last image batch (SANA's convolutions get their tokens
+    # permuted into one) with other kernels than a contiguous one, so a padded batch must keep the unpadded one's
+    channels_last = x.ndim == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+    return (
+        torch.cat([x, pad]).contiguous(
+            memory_format=torch.channels_last if channels_last else torch.contiguous_format
+        ),
+    ) + args[1:]
 
 
 def _unpad_rows(layer: torch.nn.Module, args: tuple, output: torch.Tensor):

@@ -24,7 +24,11 @@ from __future__ import annotations
 
 import importlib
 
+from .cpu import strict_mkl_on_intel_avx2
+
 __version__ = "0.1.0"
+
+strict_mkl_on_intel_avx2()  # before MKL's first call: batch-invariant matrix products on Intel CPUs running AVX2 code
 
 _EXPORTS = {
     "Trainer": "flowrl.trainer",

@@ -13,6 +13,8 @@ import torch
 from tiny_pipelines.flux import build_random_flux_pipeline
 from tiny_pipelines.sd3 import build_random_sd3_pipeline
 
+import flowrl  # noqa: F401 (its import sets MKL's reproducible mode where needed: flowrl.cpu)
+
 REPO = Path(__file__).resolve().parent.parent
 
 

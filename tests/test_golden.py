@@ -25,23 +25,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import shape_overrides, tiny_overrides  # noqa: E402
 
 
-def cpu_vendor() -> str:
-    """This CPU's vendor: ``intel`` (GenuineIntel), ``amd`` (AuthenticAMD), else the ``vendor_id`` of
-    ``/proc/cpuinfo`` in lower case, or ``unknown`` where there is none (macOS, Windows)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    vendor = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("vendor_id")), "")
-    return {"GenuineIntel": "intel", "AuthenticAMD": "amd"}.get(vendor, vendor.lower() or "unknown")
-
-
 def golden_file() -> Path:
-    """This CPU kind's golden file: ``tests/data/golden_metrics_<capability>_<vendor>.json`` (:func:`cpu_vendor`)."""
+    """This CPU kind's golden file: ``tests/data/golden_metrics_<capability>_<vendor>.json``
+    (:func:`flowrl.cpu.vendor`)."""
     import torch
 
+    from flowrl.cpu import vendor
+
     capability = torch.backends.cpu.get_cpu_capability().lower()
-    return Path(__file__).parent / "data" / f"golden_metrics_{capability}_{cpu_vendor()}.json"
+    return Path(__file__).parent / "data" / f"golden_metrics_{capability}_{vendor()}.json"
 
 
 PRESETS = ("flow_grpo", "mix_grpo", "branch_grpo", "tempflow_grpo", "diffusion_nft")

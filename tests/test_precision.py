@@ -89,6 +89,52 @@ def test_the_avx2_emulation_turns_native_bf16_off():
     assert out.stdout.split() == ["AVX2", "False", "no"]
 
 
+INTEL_AVX512 = "vendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw amx_tile\n"
+INTEL_AVX2 = "vendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx avx2 fma\n"
+AMD_AVX2 = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "environ", "expected"),
+    [
+        (INTEL_AVX2, {}, "AVX2,STRICT"),  # an Intel CPU without AVX-512: MKL's AVX2 code
+        (INTEL_AVX512, {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}, "AVX2,STRICT"),  # the emulation on an Intel Xeon
+        (INTEL_AVX512, {}, None),  # MKL's AVX-512 code: batch-invariant as it is
+        (AMD_AVX2, {}, None),  # MKL's code on AMD: batch-invariant as it is
+        (AMD_AVX2, {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}, None),
+        (INTEL_AVX2, {"MKL_CBWR": "COMPATIBLE"}, "COMPATIBLE"),  # the user's choice is kept
+        ("", {}, None),  # no /proc/cpuinfo (macOS, Windows)
+    ],
+)
+def test_mkl_is_strict_exactly_where_it_runs_avx2_code_on_intel(text, environ, expected):
+    """:func:`flowrl.cpu.strict_mkl_on_intel_avx2` sets ``MKL_CBWR=AVX2,STRICT`` on Intel CPUs running MKL's AVX2
+    code (there its matrix products depend on the row count) and nowhere else, never over a value already set."""
+    from flowrl.cpu import strict_mkl_on_intel_avx2, vendor
+
+    env = dict(environ)
+    assert strict_mkl_on_intel_avx2(env, text) == (expected == "AVX2,STRICT" and "MKL_CBWR" not in environ)
+    assert env.get("MKL_CBWR") == expected
+    assert vendor(text) == {INTEL_AVX2: "intel", INTEL_AVX512: "intel", AMD_AVX2: "amd", "": "unknown"}[text]
+
+
+def test_a_linear_layer_is_batch_invariant_on_this_cpu_and_under_the_avx2_emulation():
+    """With flowrl imported (:mod:`flowrl.cpu`), a linear layer's output for the first rows of a batch has the same bits
+    as in the whole batch at every row count from 16 on, natively and under the AVX2 emulation (on an Intel Xeon the
+    emulation's MKL AVX2 code differed at 3 of 39 row counts without strict mode)."""
+    code = (
+        "import flowrl, torch; torch.set_num_threads(1); torch.manual_seed(0); lin = torch.nn.Linear(32, 128); "
+        "x = torch.randn(640, 32); full = lin(x).detach(); "
+        "print(sum(not torch.equal(lin(x[:n]).detach(), full[:n]) for n in range(16, 640, 16)))"
+    )
+    emulated = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    for extra in ({}, emulated):
+        env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"} | extra
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.split() == ["0"], extra
+
+
 def _trainer(tmp_path, random_pipeline, prompt_files, **extra):
     from flowrl.trainer import Trainer
 

@@ -540,6 +540,20 @@ class Policy:
         return self.sharded or self.engine is not None
 
     @torch.no_grad()
+    def reset_optimizer(self) -> None:
+        """Start AdamW afresh (moments zero, no steps taken), the learning rate and betas kept: after a cold start that
+        trained the weights with this optimizer (Flow-OPD's SFT). Under DeepSpeed the partitions' state tensors are
+        zeroed in place (its checkpoint helpers hold views of them); elsewhere the state is dropped, and AdamW
+        creates it again, zero, at its next step."""
+        if self.engine is None:
+            self.optimizer.state.clear()
+            return
+        for state in self.engine.optimizer.optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    value.zero_()
+
+    @torch.no_grad()
     def steps_taken(self) -> int:
         """Optimizer steps taken so far, as AdamW counts them (restored with its state on resume)."""
         state = next(iter(self.optimizer.state.values()), {})
@@ -555,6 +569,11 @@ class Policy:
         shards or partitions (:meth:`whole` gathers them)."""
         return {n: p.detach().clone() for n, p in self._live().items()}
 
+    def whole_shapes(self) -> dict[str, torch.Size]:
+        """Each trainable tensor's whole shape, by name (under ZeRO-3 the parameters hold 1-D partitions: their
+        ``ds_shape``; a ``DTensor``'s ``shape`` is the whole one already). No communication."""
+        return {n: torch.Size(p.ds_shape if self.zero3 else p.shape) for n, p in self.params.items()}
+
     def part_of(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """This process's part of `value`, the whole tensor of the trainable tensor `name`, as a held copy
         (:meth:`copy`) keeps it: under FSDP2 full shard its shard (:func:`flowrl.sharding.shard_like`), under ZeRO-3 its
@@ -567,13 +586,19 @@ class Policy:
     def assign(self, weights: dict[str, torch.Tensor]) -> None:
         """Set the trainable weights to `weights` (whole tensors by name, every process holding them; a distilled
         student or a cold start): under FSDP2 each process writes its shards, and where the weights stay gathered
-        gathers them again (collective: every process calls it); held copies and the EMA stay as they are.
-
-        Raises:
-            RuntimeError: under DeepSpeed, whose float32 master copy would not follow.
-        """
+        gathers them again (collective: every process calls it); under DeepSpeed the weights (ZeRO-3: this process's
+        partitions) and the optimizer's float32 master partition (``deepspeed.utils.safe_set_full_fp32_param``, as a
+        resume writes it: no communication); held copies and the EMA stay as they are."""
         if self.engine is not None:
-            raise RuntimeError("Policy.assign under DeepSpeed: its float32 master weights would not follow")
+            from deepspeed.utils import safe_set_full_fp32_param
+
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    if n in weights:
+                        w = weights[n].detach().to(p.device)
+                        (p.ds_tensor if self.zero3 else p).copy_(partition_of(w, p) if self.zero3 else w.to(p.dtype))
+                        safe_set_full_fp32_param(p, w.float())
+            return
         with torch.no_grad():
             for n, p in self.params.items():
                 if n in weights:  # under FSDP2 this process's shards

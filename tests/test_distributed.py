@@ -786,8 +786,19 @@ DIRECT_METHODS = ["refl", "draft", "alignprop", "srpo"]
 # a fake score with its own AdamW, or teachers beside the student: refused under DeepSpeed; tdm_r1 is tdm plus its
 # surrogate, dmdr dmd plus its RL loss, so that tdm and dmd add no launch of their own; dmdr and flow_opd under FSDP2
 # keeping the weights gathered too, tdm_r1 and flow_opd under FSDP2 full shard (LOCKSTEP_RUNS)
-DDP_METHODS = ["dmdr", "tdm_r1", "flow_opd"]
+DDP_METHODS = ["dmdr", "tdm_r1", "flow_opd", "flow_opd_sft"]
 FSDP2_TOO = ["dmdr", "flow_opd"]
+# Flow-OPD under ZeRO-2 too (its teachers held copies, its cold start written into DeepSpeed's master partition, the
+# SFT cold start's AdamW reset in DeepSpeed's partitions), and under ZeRO-3 (LOCKSTEP_RUNS)
+ZERO2_TOO = ["flow_opd", "flow_opd_sft"]
+VARIANTS = {
+    "flow_opd_sft": (
+        "flow_opd",
+        {"train.opd.sft_steps": 2, "train.opd.sft_prompts": 2, "train.opd.sft_samples_per_prompt": 2},
+    )
+}
+"""Runs of a preset with other settings: name -> (the preset, its overrides): Flow-OPD's SFT cold start (instead of
+``train.opd.init``) on every process alike."""
 # GRPO's tree and probe rollout shapes, under DDP as the reference of their LOCKSTEP_RUNS
 SHAPE_PRESETS = ["branch_grpo", "g2rpo"]
 ENGINES = {"ddp": {}, "fsdp2": {"fsdp2": True}, "zero2": {"zero": "2"}}
@@ -831,7 +842,7 @@ def _train_new_methods(root: Path, random_pipeline: Path, prompt_files: tuple[Pa
     teacher = _random_lora(random_pipeline, root / "teacher")  # both of flow_opd's teachers
     ddp_only = ["diffusion_nft", *DIRECT_METHODS, *DDP_METHODS, *SHAPE_PRESETS]
     for engine, launch in ENGINES.items():
-        presets = NEW_METHODS + (ddp_only if engine == "ddp" else FSDP2_TOO if engine == "fsdp2" else [])
+        presets = NEW_METHODS + {"ddp": ddp_only, "fsdp2": FSDP2_TOO, "zero2": ZERO2_TOO}[engine]
         runs = [
             _method_run(root / engine / preset, preset, random_pipeline, prompt_files, teacher) for preset in presets
         ]
@@ -841,25 +852,27 @@ def _train_new_methods(root: Path, random_pipeline: Path, prompt_files: tuple[Pa
 def _method_run(
     tmp: Path, preset: str, random_pipeline: Path, prompt_files: tuple[Path, Path], teacher: Path | None = None
 ) -> dict:
-    """The run of ``configs/PRESET.yaml`` that :func:`new_method_runs` and :func:`lockstep_method_runs` launch, in the
-    new folder ``tmp`` (its config and ``overrides.json`` written there): process 1's groups without reward variance
-    (the direct methods score the tiny CLIP score, the offline ones JPEG compressibility), tiny sizes, two iterations;
-    Flow-OPD's teachers both the LoRA ``teacher``. Returns :func:`_launch_runs`' entry."""
+    """The run of ``configs/PRESET.yaml`` (or of a :data:`VARIANTS` entry) that :func:`new_method_runs` and
+    :func:`lockstep_method_runs` launch, in the new folder ``tmp`` (its config and ``overrides.json`` written there):
+    process 1's groups without reward variance (the direct methods score the tiny CLIP score, the offline ones JPEG
+    compressibility), tiny sizes, two iterations; Flow-OPD's teachers both the LoRA ``teacher``, also its cold start
+    (``train.opd.init``) unless the variant trains one (SFT). Returns :func:`_launch_runs`' entry."""
     tmp.mkdir(parents=True)
+    base, variant = VARIANTS.get(preset, (preset, {}))
     reward = "distributed_worker:rank_reward" if preset not in ("dpo_offline", "sft") else "jpeg_compressibility"
     options = ""
     if preset in DIRECT_METHODS:
         reward, options = "clipscore", f"    options: {{model_path: {HERE.parent / 'assets' / 'tiny-clip'}}}\n"
     (tmp / "c.yaml").write_text(
-        f"base: {HERE.parent / 'configs' / (preset + '.yaml')}\n"
+        f"base: {HERE.parent / 'configs' / (base + '.yaml')}\n"
         f"rewards:\n  geneval: null\n{'  geneval_strict: null' + chr(10) if preset == 'tdm_r1' else ''}"
         f"  {reward}:\n    weight: 1.0\n{options}"
     )
     extra = {"run.mixed_precision": "no", "train.minibatch_size": 8, "train.micro_batch_size": 4}
     extra.update({"sampling.group_size": 4, "sampling.num_steps": 4, "train.offline.batch_size": 4})
-    if preset == "flow_opd":  # the teacher also the cold start (written into the student's shards under FSDP2)
+    if base == "flow_opd":  # the teacher also the cold start (written into the student's shards under FSDP2)
         extra.update({f"train.opd.teachers.{n}.lora": teacher for n in ("geneval", "clipscore")})
-        extra["train.opd.init"] = teacher
+        extra.update(variant or {"train.opd.init": teacher})
     extra.update({**HELD_RESETS.get(preset, {}), **SHAPE_SIZES.get(preset, {})})
     overrides = tiny_overrides(random_pipeline, *prompt_files, tmp / "run", **extra)
     (tmp / "overrides.json").write_text(json.dumps(overrides))
@@ -872,7 +885,11 @@ LOCKSTEP_RUNS = {
         {"fsdp2": "full_shard"},
         "FSDP",
     ),
-    "zero3": (["awm", "crd", "dpo_online", "alignprop", "srpo", "g2rpo"], {"zero": "3"}, "DeepSpeedEngine"),
+    "zero3": (
+        ["awm", "crd", "dpo_online", "alignprop", "srpo", "g2rpo", "flow_opd"],
+        {"zero": "3"},
+        "DeepSpeedEngine",
+    ),
 }
 """Engine -> (presets, :func:`_launch` keywords, the wrapper's class name) of :func:`lockstep_method_runs`: each method
 that runs in lockstep beside Flow-GRPO (its ``lockstep``) under one of the two engines that gather the weights in
@@ -901,8 +918,8 @@ def lockstep_method_runs(tmp_path_factory, random_pipeline, prompt_files, new_me
     "preset, engine", [(preset, engine) for engine, (presets, _, _) in LOCKSTEP_RUNS.items() for preset in presets]
 )
 def test_methods_and_rollout_shapes_train_in_lockstep_to_ddps_weights(preset, engine, lockstep_method_runs):
-    """DiffusionNFT, DGPO, GARDO, ReFL, DRaFT and BranchGRPO's trees under FSDP2 full shard, AWM, CRD, online
-    Diffusion-DPO, AlignProp, SRPO and G2RPO's probes under ZeRO-3 (every process gathers the weights in each forward,
+    """DiffusionNFT, DGPO, GARDO, ReFL, DRaFT, BranchGRPO's trees, TDM-R1 and Flow-OPD under FSDP2 full shard, AWM,
+    CRD, online Diffusion-DPO, AlignProp, SRPO, G2RPO's probes and Flow-OPD under ZeRO-3 (every process gathers the weights in each forward,
     so each must call the transformer alike): process 1 keeps no rows of the methods with advantages (no reward
     variance in its groups), so its update runs on a stand-in sample (CRD: group), its old, reference and EMA
     forwards are padded to process 0's chunks and its micro-batches are zero-weight ones (GARDO: a reference forward
@@ -964,14 +981,15 @@ def test_flow_opd_under_ddp_gives_the_gradient_of_one_process(new_method_runs):
 def test_each_new_method_trains_alike_on_both_processes_and_under_each_engine(preset, new_method_runs):
     """Every method of 2026 under DDP, FSDP2 and DeepSpeed ZeRO-2 (two gloo processes), the direct-reward methods (also
     under full sharding: :data:`LOCKSTEP_RUNS`), the few-step presets (DMDR: DMD's student and fake score; TDM-R1:
-    TDM's and a surrogate) and Flow-OPD under DDP:
-    process 1's groups have no reward variance (the online methods of 2026 keep no rows there and take each
+    TDM's and a surrogate) under DDP and Flow-OPD under DDP, FSDP2 and ZeRO-2 (with its SFT cold start too, under DDP
+    and ZeRO-2: :data:`VARIANTS`): process 1's groups have no reward variance (the online methods of 2026 keep no rows there and take each
     optimizer step with a zero gradient; the direct ones train on every image's reward gradient, the few-step ones
     distil on every row); under each engine the weights and the method's held copies (AWM's EMA, CRD's old and
     sampler copies, DPO's refreshed reference, GARDO's reset reference, the fake score and TDM-R1's surrogate with
     their AdamW moments) end identical on both processes, the weights trained (the fake score and the surrogate
     too), and FSDP2's and ZeRO-2's equal to DDP's (rtol 1e-4, atol 1% of the learning rate)."""
-    engines = list(ENGINES) if preset in NEW_METHODS else ["ddp", "fsdp2"] if preset in FSDP2_TOO else ["ddp"]
+    engines = ["ddp"] + ["fsdp2"] * (preset in FSDP2_TOO) + ["zero2"] * (preset in ZERO2_TOO)
+    engines = list(ENGINES) if preset in NEW_METHODS else engines
     runs = {}
     for engine in engines:
         tmp = new_method_runs / engine / preset
@@ -989,6 +1007,8 @@ def test_each_new_method_trains_alike_on_both_processes_and_under_each_engine(pr
         reset = {"dpo_online": "policy/reference_refreshed", "gardo": "gardo/reference_reset"}.get(preset)
         if reset:
             assert [r.get(reset) for r in rows] == [1.0, 1.0]
+        if preset == "flow_opd_sft":  # the SFT cold start ran (2 prompts x 2 teacher samples), logged once
+            assert rows[0]["opd/sft_images"] == 4.0 and "opd/sft_images" not in rows[1]
         runs[engine] = w0, h0
     assert len(runs["ddp"][1]) == held_copies(new_method_runs / "ddp" / preset) * len(runs["ddp"][0])
     # an absolute tolerance of 1% of one AdamW step (the learning rate): the engines sum and clip the gradients in

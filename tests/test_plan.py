@@ -123,9 +123,9 @@ def test_the_plan_counts_the_methods_held_copies_of_the_trained_weights():
 
 
 def test_the_plan_brackets_the_engines_flowrl_refuses_for_the_runs_method(tmp_path, capsys):
-    """``flowrl memory`` of a few-step run (tdm_r1: its fake score's own AdamW) or a Flow-OPD run (teachers written
-    into the weights) brackets the DeepSpeed engines and says why; a GRPO run brackets none; the JSON rows carry the
-    reason (``refused``), None where the engine runs."""
+    """``flowrl memory`` of a few-step run (tdm_r1: its fake score's own AdamW) brackets the DeepSpeed engines and says
+    why; a Flow-OPD run and a GRPO run bracket none; the JSON rows carry the reason (``refused``), None where the
+    engine runs."""
     from flowrl.plan import ENGINES
 
     refused = {}
@@ -146,7 +146,7 @@ def test_the_plan_brackets_the_engines_flowrl_refuses_for_the_runs_method(tmp_pa
         for e in ENGINES:
             assert (f"| ({e}) |" in out) == (e in refused[preset]) and (f"| {e} |" in out) != (e in refused[preset])
     zero = {e for e in ENGINES if e.startswith("zero")}
-    assert refused == {"tdm_r1": zero, "flow_opd": zero, "flow_grpo": set()}
+    assert refused == {"tdm_r1": zero, "flow_opd": set(), "flow_grpo": set()}
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):

@@ -129,9 +129,9 @@ def test_the_shipped_fsdp2_launch_passes_and_other_sharded_launches_are_refused_
 def test_full_shard_runs_every_method_and_engines_a_method_cannot_run_are_refused_before_loading():
     """Under FSDP2 full shard (every process calls the transformer alike) every method runs: GRPO on every rollout
     shape, Flow-DPPO, GARDO, Flow-OPD, the forward-process, direct-reward and few-step methods (no lockstep blocker);
-    the few-step methods (their fake score's own AdamW) and Flow-OPD (teachers written into the weights) are refused
-    under DeepSpeed in one line naming train.method and what runs it, before any weights load; the refusals' list of
-    what full sharding runs is the registry's."""
+    the few-step methods (their fake score's own AdamW) are refused under DeepSpeed in one line naming train.method
+    and what runs it, before any weights load, and Flow-OPD runs under every engine; the refusals' list of what full
+    sharding runs is the registry's."""
     from types import SimpleNamespace
 
     from flowrl.methods import METHODS
@@ -149,14 +149,15 @@ def test_full_shard_runs_every_method_and_engines_a_method_cannot_run_are_refuse
     assert set(METHODS) == lockstep
     assert what_runs() == "full sharding runs train.method " + ", ".join(sorted(lockstep))
     blocked = {m: METHODS[m].engine_blockers(cfg(m)) for m in METHODS}
-    deepspeed = {m: ["DeepSpeed"] for m in ("tdm", "dmd", "dmdr", "tdm_r1", "opd")}
+    deepspeed = {m: ["DeepSpeed"] for m in ("tdm", "dmd", "dmdr", "tdm_r1")}
     assert {m: sorted(b) for m, b in blocked.items() if b} == deepspeed
     fsdp2 = _launch("FSDP", fsdp_version=2, reshard_after_forward=False)
-    for method in ("tdm_r1", "opd"):
+    for method in ("tdm_r1",):
         with pytest.raises(ConfigError, match=f"^config key 'train.method': {method} .*DDP.*ddp.yaml.*not DeepSpeed$"):
             check_accelerate_engine(_launch("DEEPSPEED", {}), engine_blockers=blocked[method])
         check_accelerate_engine(_launch("MULTI_GPU"), engine_blockers=blocked[method])  # DDP and FSDP2 run them
         check_accelerate_engine(fsdp2, engine_blockers=blocked[method])
+    assert blocked["opd"] == {}
 
 
 def test_padded_forwards_and_stand_ins_match_the_process_with_the_most_calls():

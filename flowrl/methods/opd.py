@@ -284,8 +284,8 @@ class FlowOPD(GRPO):
     now).
 
     Raises:
-        ConfigError: as :class:`flowrl.methods.base.Method` (DeepSpeed: :meth:`engine_blockers`), or a teacher (anchor) LoRA that is not of the model, or
-            under FSDP2 not of the student's rank (naming its key).
+        ConfigError: as :class:`flowrl.methods.base.Method`, or a teacher (anchor) LoRA that is not of the model, or
+            under FSDP2 and DeepSpeed not of the student's rank (naming its key).
     """
 
     @classmethod
@@ -308,12 +308,6 @@ class FlowOPD(GRPO):
             "flat|tree with train.method opd (whole SDE trajectories of the student)",
             cfg.sampling.shape,
         )
-
-    @classmethod
-    def engine_blockers(cls, cfg) -> dict[str, str]:
-        """DeepSpeed: the cold start and the teachers are written into the weights, which DeepSpeed's own float32
-        master copy (ZeRO) would not follow."""
-        return {"DeepSpeed": "opd writes its teachers and cold start into the weights beside DeepSpeed's master copy"}
 
     @classmethod
     def read_data(cls, cfg) -> Routing:
@@ -344,8 +338,10 @@ class FlowOPD(GRPO):
         from ..merge import lora_folder
 
         self.routing = data if data is not None else self.read_data(cfg)
-        # under FSDP2 the wrapped transformer takes no new adapter: the teachers are held copies of the student's LoRA
-        self.held: dict[str, dict[str, torch.Tensor]] | None = {} if policy.sharded else None
+        # under FSDP2 and DeepSpeed the wrapped transformer takes no new adapter: the teachers are held copies of the
+        # student's LoRA (FSDP2 full shard: shards; ZeRO-3: partitions), swapped in for their forwards
+        held = policy.sharded or policy.engine is not None
+        self.held: dict[str, dict[str, torch.Tensor]] | None = {} if held else None
         r = self.routing
         loras = [(teacher_adapter(n), f, f"train.opd.teachers.{n}.lora") for n, f in zip(r.names, r.folders)]
         if cfg.train.opd.anchor:
@@ -375,8 +371,9 @@ class FlowOPD(GRPO):
         from ..merge import lora_as_params, lora_folder
 
         m = self.cfg.model
+        shapes = {n: torch.empty(shape, device="meta") for n, shape in self.policy.whole_shapes().items()}
         try:
-            return lora_as_params(lora_folder(path, key), self.policy.params, m.lora_alpha, m.lora_rank)
+            return lora_as_params(lora_folder(path, key), shapes, m.lora_alpha, m.lora_rank)
         except ValueError as e:
             raise ConfigError(f"{key}: {e}") from None  # lora_folder's FileNotFoundError names the key already
 
@@ -492,7 +489,7 @@ class FlowOPD(GRPO):
             losses.append(sum(parts))
             policy.step(losses[-1], stats)
         self.model.transformer.eval()
-        policy.optimizer.state.clear()  # the RL phase's AdamW starts afresh, as after train.opd.init
+        policy.reset_optimizer()  # the RL phase's AdamW starts afresh, as after train.opd.init
         if policy.ema is not None:
             policy.ema = policy.copy()
         rows = self.model.cfg_rows(self.cfg.sampling.guidance_scale)

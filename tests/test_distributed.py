@@ -783,7 +783,7 @@ NEW_METHODS = ["awm", "crd", "dgpo", "dpo_online", "dpo_offline", "flow_dppo", "
 # on the tiny CLIP score's gradient; beside DDP under FSDP2 full shard and ZeRO-3 (LOCKSTEP_RUNS), which exercise
 # FSDP2's and ZeRO's code paths and lockstep besides
 DIRECT_METHODS = ["refl", "draft", "alignprop", "srpo"]
-# a fake score with its own AdamW, or teachers beside the student: refused under DeepSpeed; tdm_r1 is tdm plus its
+# a fake score with its own AdamW (refused under DeepSpeed), or teachers beside the student; tdm_r1 is tdm plus its
 # surrogate, dmdr dmd plus its RL loss, so that tdm and dmd add no launch of their own; dmdr and flow_opd under FSDP2
 # keeping the weights gathered too, tdm_r1 and flow_opd under FSDP2 full shard (LOCKSTEP_RUNS)
 DDP_METHODS = ["dmdr", "tdm_r1", "flow_opd", "flow_opd_sft"]
@@ -919,8 +919,8 @@ def lockstep_method_runs(tmp_path_factory, random_pipeline, prompt_files, new_me
 )
 def test_methods_and_rollout_shapes_train_in_lockstep_to_ddps_weights(preset, engine, lockstep_method_runs):
     """DiffusionNFT, DGPO, GARDO, ReFL, DRaFT, BranchGRPO's trees, TDM-R1 and Flow-OPD under FSDP2 full shard, AWM,
-    CRD, online Diffusion-DPO, AlignProp, SRPO, G2RPO's probes and Flow-OPD under ZeRO-3 (every process gathers the weights in each forward,
-    so each must call the transformer alike): process 1 keeps no rows of the methods with advantages (no reward
+    CRD, online Diffusion-DPO, AlignProp, SRPO, G2RPO's probes and Flow-OPD under ZeRO-3 (every process gathers the
+    weights in each forward, so each must call the transformer alike): process 1 keeps no rows of the methods with advantages (no reward
     variance in its groups), so its update runs on a stand-in sample (CRD: group), its old, reference and EMA
     forwards are padded to process 0's chunks and its micro-batches are zero-weight ones (GARDO: a reference forward
     in every micro-batch); the direct-reward methods train every image on both. The weights and held copies (NFT's
@@ -982,8 +982,8 @@ def test_each_new_method_trains_alike_on_both_processes_and_under_each_engine(pr
     """Every method of 2026 under DDP, FSDP2 and DeepSpeed ZeRO-2 (two gloo processes), the direct-reward methods (also
     under full sharding: :data:`LOCKSTEP_RUNS`), the few-step presets (DMDR: DMD's student and fake score; TDM-R1:
     TDM's and a surrogate) under DDP and Flow-OPD under DDP, FSDP2 and ZeRO-2 (with its SFT cold start too, under DDP
-    and ZeRO-2: :data:`VARIANTS`): process 1's groups have no reward variance (the online methods of 2026 keep no rows there and take each
-    optimizer step with a zero gradient; the direct ones train on every image's reward gradient, the few-step ones
+    and ZeRO-2: :data:`VARIANTS`): process 1's groups have no reward variance (the online methods of 2026 keep no rows
+    there and take each optimizer step with a zero gradient; the direct ones train on every image's reward gradient, the few-step ones
     distil on every row); under each engine the weights and the method's held copies (AWM's EMA, CRD's old and
     sampler copies, DPO's refreshed reference, GARDO's reset reference, the fake score and TDM-R1's surrogate with
     their AdamW moments) end identical on both processes, the weights trained (the fake score and the surrogate

@@ -57,11 +57,11 @@ def machine() -> dict:
     """The CPU's model name, whether it has AVX-512 BF16, the core count and torch's version and threads."""
     import torch
 
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    from flowrl.cpu import flags, model_name
+
     return {
-        "cpu": name or platform.processor(),
-        "avx512_bf16": " avx512_bf16" in info,
+        "cpu": model_name() or platform.processor(),
+        "avx512_bf16": "avx512_bf16" in flags(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),

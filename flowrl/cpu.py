@@ -41,6 +41,15 @@ def vendor(text: str | None = None) -> str:
     return VENDORS.get(value, value.lower() or "unknown")
 
 
+def model_name(text: str | None = None) -> str:
+    """The CPU's model name (``Intel(R) Xeon(R) Processor``, ``AMD EPYC ...``), or ``""`` where unknown.
+
+    Args:
+        text (`str`, optional): cpuinfo-style text; this machine's ``/proc/cpuinfo`` by default.
+    """
+    return _field(_cpuinfo() if text is None else text, "model name")
+
+
 def flags(text: str | None = None) -> set[str]:
     """The CPU's instruction-set flags (``avx2``, ``avx512f``, ``amx_tile``, ...); empty where unknown.
 
@@ -69,9 +78,11 @@ def strict_mkl_on_intel_avx2(environ: dict | None = None, text: str | None = Non
         `bool`: whether ``MKL_CBWR`` was set.
     """
     env = os.environ if environ is None else environ
+    if "MKL_CBWR" in env or vendor(text) != "intel":  # checked first: no more of /proc/cpuinfo read at import
+        return False
     cpu_flags = flags(text)
     avx2_code = "avx512f" not in cpu_flags or env.get("MKL_ENABLE_INSTRUCTIONS", "").upper() == "AVX2"
-    if "MKL_CBWR" in env or vendor(text) != "intel" or "avx2" not in cpu_flags or not avx2_code:
+    if "avx2" not in cpu_flags or not avx2_code:
         return False
     env["MKL_CBWR"] = "AVX2,STRICT"
     return True

@@ -8,7 +8,6 @@ import math
 import os
 import platform
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -29,16 +28,10 @@ def machine() -> str:
     ``ONEDNN_MAX_CPU_ISA`` lower them: docs/reliability.md). float32 and bf16 results can differ in the last bits
     between such CPUs, so they are compared on one machine.
     """
+    from .cpu import model_name
     from .precision import native_bf16
 
-    cpu = ""
-    info = Path("/proc/cpuinfo")
-    for line in info.read_text(errors="replace").splitlines() if info.exists() else []:
-        key, _, value = (part.strip() for part in line.partition(":"))
-        if key == "model name":
-            cpu = value
-            break
-    cpu = cpu or platform.processor() or platform.machine()
+    cpu = model_name() or platform.processor() or platform.machine()
     bf16 = "native bf16" if native_bf16("cpu") else "no native bf16"
     cpu += f" ({torch.backends.cpu.get_cpu_capability()}, {bf16})"
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"

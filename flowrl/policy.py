@@ -592,11 +592,12 @@ class Policy:
         if self.engine is not None:
             from deepspeed.utils import safe_set_full_fp32_param
 
+            live = self._live()  # ZeRO-3: the partitions
             with torch.no_grad():
                 for n, p in self.params.items():
                     if n in weights:
                         w = weights[n].detach().to(p.device)
-                        (p.ds_tensor if self.zero3 else p).copy_(partition_of(w, p) if self.zero3 else w.to(p.dtype))
+                        live[n].copy_(self.part_of(n, w))
                         safe_set_full_fp32_param(p, w.float())
             return
         with torch.no_grad():
